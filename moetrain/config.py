@@ -221,6 +221,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -231,7 +236,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
-        where = prefix or "the top level"
+        where = prefix.rstrip(".") or "the top level"
         raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -329,7 +334,9 @@ def validate(cfg: Config) -> None:
     else:
         _require(m.head_dim > 0, "model.head_dim", "must be a positive integer")
         head_dim = m.head_dim
-    _require(head_dim % 2 == 0, "model.head_dim", f"must be even for rotary embeddings; got {head_dim}")
+    _require(
+        head_dim % 2 == 0, "model.head_dim", f"must be even for rotary embeddings; got {head_dim}"
+    )
     _require(
         m.n_heads % m.n_kv_heads == 0,
         "model.n_kv_heads",

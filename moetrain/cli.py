@@ -1,0 +1,97 @@
+"""The ``moetrain`` command line: prepare | train | convert | generate | plan | report | print-config.
+
+Heavy imports (torch, deepspeed, datasets) happen inside the subcommands so that ``--help`` and
+``print-config`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from moetrain.config import ConfigError, load_config
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config file (see configs/)")
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. moe.top_k=1"
+    )
+
+
+def _cmd_print_config(args: argparse.Namespace) -> int:
+    from moetrain.numbers import human, model_numbers
+
+    cfg = load_config(args.config, args.overrides)
+    print(cfg.to_yaml(), end="")
+    n = model_numbers(cfg)
+    print("# derived")
+    print(f"total_params: {n.total_params}  # {human(n.total_params)}")
+    print(f"active_params_per_token: {n.active_params}  # {human(n.active_params)}")
+    print(f"embedding_params: {n.embedding_params}  # {human(n.embedding_params)}")
+    print(f"expert_params: {n.expert_params}  # {human(n.expert_params)}")
+    print(f"moe_layers: {n.num_moe_layers}")
+    print(
+        f"train_flops_per_token: {n.flops_per_token:.4g}  "
+        f"# 6 x active matmul params + attention, at seq_len={cfg.data.seq_len}"
+    )
+    return 0
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from moetrain.data.prepare import prepare
+
+    prepare(load_config(args.config, args.overrides))
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from moetrain.train.trainer import run_training
+
+    cfg = load_config(args.config, args.overrides)
+    run_training(cfg, reset_optimizer=args.reset_optimizer)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moetrain", description="Pretrain decoder-only Mixture-of-Experts language models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("print-config", help="resolved config + parameter and FLOP counts")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_print_config)
+
+    p = sub.add_parser("prepare", help="train/reuse the tokenizer and write token shards")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_prepare)
+
+    p = sub.add_parser("train", help="train (under any launcher, or a plain single process)")
+    _add_config_args(p)
+    p.add_argument(
+        "--reset-optimizer",
+        action="store_true",
+        help="when resuming with another layout, load weights only and start a fresh optimizer",
+    )
+    p.set_defaults(func=_cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # DeepSpeed's launcher appends --local_rank=N; the rank also arrives in LOCAL_RANK.
+    argv = [a for a in argv if not a.startswith("--local_rank")]
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except ConfigError as e:
+        print(f"moetrain: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The command line: print-config output and error exit codes."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from moetrain.cli import main
+from moetrain.config import load_config
+from moetrain.numbers import model_numbers
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs/tiny-cpu.yaml")
+
+
+def test_print_config_shows_resolved_values_and_derived_numbers(capsys):
+    assert main(["print-config", TINY, "moe.num_experts=16"]) == 0
+    out = capsys.readouterr().out
+    assert "num_experts: 16" in out
+    n = model_numbers(load_config(TINY, ["moe.num_experts=16"]))
+    assert f"total_params: {n.total_params}" in out
+    assert f"active_params_per_token: {n.active_params}" in out
+    assert "train_flops_per_token:" in out
+
+
+def test_config_error_exits_2_with_the_key(capsys):
+    assert main(["print-config", TINY, "moe.top_k=99"]) == 2
+    assert "moe.top_k" in capsys.readouterr().err
+
+
+def test_python_dash_m_is_the_same_program():
+    out = subprocess.run(
+        [sys.executable, "-m", "moetrain", "print-config", TINY],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "run_dir: runs/tiny-cpu" in out
+
+
+def test_deepspeed_local_rank_argument_is_accepted(capsys):
+    assert main(["print-config", TINY, "--local_rank=0"]) == 0
