@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The README's main command: set up, prepare the embedded default corpus, train the tiny config.
+# On a machine with GPUs it trains on all of them; without, on 2 CPU processes (EP=2, ZeRO-2).
+#   CONFIG   config file (default: configs/tiny-cpu.yaml)
+#   NPROC    processes to start (default: number of GPUs, or 2 on CPU)
+# Extra arguments are config overrides, e.g. `bash launch/quickstart.sh train.max_steps=50`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONFIG=${CONFIG:-configs/tiny-cpu.yaml}
+bash launch/setup.sh
+py=.venv/bin/python
+gpus=$($py -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -gt 0 ]; then
+  NPROC=${NPROC:-$gpus}
+else
+  NPROC=${NPROC:-2}
+  # 2 cores, 2 ranks: one thread each.
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+$py -m moetrain prepare "$CONFIG" "$@"
+.venv/bin/torchrun --standalone --nproc_per_node "$NPROC" -m moetrain train "$CONFIG" "$@"
