@@ -1,0 +1,87 @@
+"""Grouped-query attention with rotary position embeddings (RoPE).
+
+Shape legend: B batch, S sequence, D d_model, H query heads, G key/value heads, Hd head dim.
+RoPE uses the "rotate half" layout (first half / second half of each head), as Llama and
+Mixtral in Hugging Face transformers do, so q/k projection weights map across unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.config import ModelConfig
+from moetrain.model.layers import RMSNorm
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Precompute ``(cos_SHd, sin_SHd)`` in fp32 for positions ``0 .. max_seq_len - 1``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BHSHd: torch.Tensor, cos_SHd: torch.Tensor, sin_SHd: torch.Tensor) -> torch.Tensor:
+    """Rotate queries or keys laid out (B, heads, S, Hd) by the first S rows of the tables."""
+    s = x_BHSHd.shape[-2]
+    cos, sin = cos_SHd[:s].to(x_BHSHd.dtype), sin_SHd[:s].to(x_BHSHd.dtype)
+    return x_BHSHd * cos + _rotate_half(x_BHSHd) * sin
+
+
+def document_mask(doc_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Block-causal boolean mask (B, 1, S, S): True where query may attend to key."""
+    s = doc_ids_BS.shape[1]
+    causal_SS = torch.ones(s, s, dtype=torch.bool, device=doc_ids_BS.device).tril()
+    same_BSS = doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]
+    return (same_BSS & causal_SS)[:, None]
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+        d, hd = cfg.d_model, self.head_dim
+        self.wq = nn.Linear(d, self.n_heads * hd, bias=False)
+        self.wk = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(self.n_heads * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos_SHd: torch.Tensor,
+        sin_SHd: torch.Tensor,
+        mask_B1SS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend causally, or within ``mask_B1SS`` (boolean, True = may attend) when given."""
+        b, s, _ = x_BSD.shape
+        q = self.wq(x_BSD).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
+        v = self.wv(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BHSHd = apply_rope(q.transpose(1, 2), cos_SHd, sin_SHd)
+        k_BGSHd = apply_rope(k.transpose(1, 2), cos_SHd, sin_SHd)
+        v_BGSHd = v.transpose(1, 2)
+        out_BHSHd = F.scaled_dot_product_attention(
+            q_BHSHd,
+            k_BGSHd,
+            v_BGSHd,
+            attn_mask=mask_B1SS,
+            is_causal=mask_B1SS is None,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))

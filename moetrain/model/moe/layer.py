@@ -1,0 +1,82 @@
+"""MoE block = router -> dispatcher -> experts -> combine (+ optional shared expert).
+
+Shape legend: B batch, S sequence, T = B*S tokens, D d_model, E experts, K top_k,
+N kept token copies, F expert hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moetrain.config import MoEConfig
+from moetrain.model.layers import SwiGLU
+from moetrain.model.moe.dispatch import Dispatcher, LocalDispatcher
+from moetrain.model.moe.experts import GroupedExperts
+from moetrain.model.moe.router import Router
+
+
+@dataclass
+class MoEOutput:
+    """Losses and monitoring statistics of one MoE layer for one forward.
+
+    aux_loss, z_loss: unscaled scalars with gradient. tokens_per_expert_E: detached float
+    selections before capacity (local batch; what ``Router.update_bias`` consumes after an
+    all-reduce). dropped: int64 scalar tensor; dropped_fraction = dropped / (T * K).
+    entropy: mean routing entropy. load_max_over_mean: max / mean of tokens_per_expert_E.
+    """
+
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    tokens_per_expert_E: torch.Tensor
+    dropped: torch.Tensor
+    dropped_fraction: torch.Tensor
+    entropy: torch.Tensor
+    load_max_over_mean: torch.Tensor
+
+
+class MoELayer(nn.Module):
+    """Token-choice top-k MoE FFN; ``forward(x_BSD) -> (y_BSD, MoEOutput)``.
+
+    ``dispatcher`` is a plain attribute so expert parallelism can swap in its all-to-all one.
+    """
+
+    def __init__(self, cfg: MoEConfig, d_model: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(cfg, d_model)
+        self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)
+        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden, cfg.grouped_mm)
+        self.shared_expert: SwiGLU | None = None
+        self.shared_gate: nn.Linear | None = None
+        if cfg.num_shared_experts > 0:
+            hidden = cfg.shared_expert_hidden or cfg.num_shared_experts * cfg.expert_hidden
+            self.shared_expert = SwiGLU(d_model, hidden)
+            if cfg.shared_expert_gate:
+                self.shared_gate = nn.Linear(d_model, 1, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEOutput]:
+        b, s, d = x_BSD.shape
+        x_TD = x_BSD.reshape(b * s, d)
+        r = self.router(x_TD)
+        x_ND, counts_L, ctx = self.dispatcher.dispatch(x_TD, r.ids_TK, r.keep_TK)
+        y_ND = self.experts(x_ND, counts_L)
+        y_TD = self.dispatcher.combine(y_ND, r.weights_TK, ctx)
+        if self.shared_expert is not None:
+            shared_TD = self.shared_expert(x_TD)
+            if self.shared_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_gate(x_TD)) * shared_TD
+            y_TD = y_TD + shared_TD
+        load_E = r.tokens_per_expert_E
+        stats = MoEOutput(
+            aux_loss=r.aux_loss,
+            z_loss=r.z_loss,
+            tokens_per_expert_E=load_E.detach(),
+            dropped=r.dropped,
+            dropped_fraction=r.dropped.float() / max(r.ids_TK.numel(), 1),
+            entropy=r.entropy,
+            load_max_over_mean=(load_E.max() / load_E.mean().clamp_min(1e-9)).detach(),
+        )
+        return y_TD.view(b, s, d), stats

@@ -1,0 +1,141 @@
+"""Decoder-only transformer: embeddings, pre-norm blocks (attention + dense or MoE FFN), LM head.
+
+Shape legend: B batch, S sequence, D d_model, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.config import ModelConfig, MoEConfig, is_moe_layer
+from moetrain.model.attention import Attention, document_mask, rope_tables
+from moetrain.model.layers import RMSNorm, SwiGLU
+from moetrain.model.moe.experts import GroupedExperts
+from moetrain.model.moe.layer import MoELayer, MoEOutput
+
+
+@dataclass
+class TransformerOutput:
+    """logits (B, S, V); loss = ce_loss + moe_loss (only with labels); moe: one per MoE layer."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    ce_loss: torch.Tensor | None = None
+    moe_loss: torch.Tensor | None = None
+    moe: list[MoEOutput] = field(default_factory=list)
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``."""
+
+    def __init__(self, layer: int, cfg: ModelConfig, moe_cfg: MoEConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.is_moe = is_moe_layer(layer, moe_cfg)
+        self.ffn: nn.Module = (
+            MoELayer(moe_cfg, cfg.d_model) if self.is_moe else SwiGLU(cfg.d_model, cfg.dense_hidden)
+        )
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask_B1SS: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, MoEOutput | None]:
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos, sin, mask_B1SS)
+        h_BSD = self.ffn_norm(x_BSD)
+        if self.is_moe:
+            y_BSD, stats = self.ffn(h_BSD)
+            return x_BSD + y_BSD, stats
+        return x_BSD + self.ffn(h_BSD), None
+
+
+class Transformer(nn.Module):
+    """The language model; parameter names are the stable ones in docs/CONTRACTS.md."""
+
+    def __init__(self, model_cfg: ModelConfig, moe_cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg, self.moe_cfg = model_cfg, moe_cfg
+        self.embed = nn.Embedding(model_cfg.vocab_size, model_cfg.d_model)
+        self.layers = nn.ModuleList(Block(i, model_cfg, moe_cfg) for i in range(model_cfg.n_layers))
+        self.norm = RMSNorm(model_cfg.d_model, model_cfg.norm_eps)
+        self.lm_head = nn.Linear(model_cfg.d_model, model_cfg.vocab_size, bias=False)
+        if model_cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        head_dim = model_cfg.head_dim or model_cfg.d_model // model_cfg.n_heads
+        cos, sin = rope_tables(head_dim, model_cfg.max_seq_len, model_cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) everywhere; output projections (attention ``wo``, FFN and expert
+        ``w2``) use init_std / sqrt(2 * n_layers); norms are ones, the expert bias zeros."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                is_out = name.endswith((".wo", ".w2"))
+                nn.init.normal_(module.weight, 0.0, out_std if is_out else std)
+            elif isinstance(module, GroupedExperts):
+                nn.init.normal_(module.w1, 0.0, std)
+                nn.init.normal_(module.w3, 0.0, std)
+                nn.init.normal_(module.w2, 0.0, out_std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, MoELayer):
+                module.router.expert_bias.zero_()
+        if self.cfg.tie_embeddings:  # lm_head shares embed.weight; keep the embedding init
+            self.lm_head.weight = self.embed.weight
+
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        doc_ids_BS: torch.Tensor | None = None,
+        labels_BS: torch.Tensor | None = None,
+    ) -> TransformerOutput:
+        """Logits for every position; with labels also the loss (labels of -100 are ignored).
+
+        ``doc_ids_BS`` restricts attention to earlier tokens of the same document.
+        """
+        s = input_ids_BS.shape[1]
+        if s > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {s} exceeds model.max_seq_len={self.cfg.max_seq_len}"
+            )
+        mask = document_mask(doc_ids_BS) if doc_ids_BS is not None else None
+        x_BSD = self.embed(input_ids_BS)
+        moe_outs: list[MoEOutput] = []
+        for block in self.layers:
+            x_BSD, stats = block(x_BSD, self.rope_cos, self.rope_sin, mask)
+            if stats is not None:
+                moe_outs.append(stats)
+        logits_BSV = self.lm_head(self.norm(x_BSD))
+
+        m = self.moe_cfg
+        moe_loss = logits_BSV.new_zeros((), dtype=torch.float32)
+        for stats in moe_outs:
+            if m.aux_loss_coef > 0:
+                moe_loss = moe_loss + m.aux_loss_coef * stats.aux_loss
+            if m.z_loss_coef > 0:
+                moe_loss = moe_loss + m.z_loss_coef * stats.z_loss
+        out = TransformerOutput(logits=logits_BSV, moe_loss=moe_loss, moe=moe_outs)
+        if labels_BS is not None:
+            out.ce_loss = F.cross_entropy(
+                logits_BSV.float().flatten(0, 1), labels_BS.flatten(), ignore_index=-100
+            )
+            out.loss = out.ce_loss + moe_loss
+        return out
+
+    def moe_layers(self) -> list[MoELayer]:
+        """The MoE FFNs in layer order."""
+        return [b.ffn for b in self.layers if isinstance(b.ffn, MoELayer)]
