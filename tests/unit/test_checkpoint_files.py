@@ -1,0 +1,123 @@
+"""Checkpoint bookkeeping: commit markers, discovery, retention, safe loading, secrets."""
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from moetrain.train.checkpoint_files import (
+    COMMIT_FILE,
+    CheckpointError,
+    apply_retention,
+    complete_checkpoints,
+    latest_complete,
+    read_commit,
+    remove_incomplete,
+    safe_torch_load,
+    scrub_secrets,
+    tag_for_step,
+    write_json_atomic,
+)
+
+
+def _make(root, step, complete=True):
+    d = root / tag_for_step(step)
+    d.mkdir(parents=True)
+    (d / "weights.pt").write_bytes(b"x")
+    if complete:
+        write_json_atomic(d / COMMIT_FILE, {"step": step})
+    return d
+
+
+def test_only_committed_directories_count(tmp_path):
+    _make(tmp_path, 5)
+    _make(tmp_path, 10)
+    _make(tmp_path, 15, complete=False)
+    (tmp_path / "latest").write_text("step_00000015")  # DeepSpeed's pointer is ignored
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000005", "step_00000010"]
+    assert latest_complete(tmp_path).name == "step_00000010"
+    assert read_commit(latest_complete(tmp_path)) == {"step": 10}
+    removed = remove_incomplete(tmp_path)
+    assert [p.name for p in removed] == ["step_00000015"]
+    assert not (tmp_path / "step_00000015").exists()
+
+
+def test_read_commit_errors(tmp_path):
+    d = _make(tmp_path, 1, complete=False)
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        read_commit(d)
+    (d / COMMIT_FILE).write_text("{trunc")
+    with pytest.raises(CheckpointError, match="unreadable commit marker"):
+        read_commit(d)
+
+
+def test_atomic_json_leaves_no_temp_files(tmp_path):
+    write_json_atomic(tmp_path / "a.json", {"x": 1})
+    write_json_atomic(tmp_path / "a.json", {"x": 2})
+    assert os.listdir(tmp_path) == ["a.json"]
+
+
+def test_retention_keeps_last_k_and_never_the_newest(tmp_path):
+    for s in (1, 2, 3, 4):
+        _make(tmp_path, s)
+    _make(tmp_path, 5, complete=False)
+    deleted, errors = apply_retention(tmp_path, keep_last=2)
+    assert [p.name for p in deleted] == ["step_00000001", "step_00000002"]
+    assert errors == []
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+    assert (tmp_path / "step_00000005").exists()  # incomplete ones are not retention's business
+    apply_retention(tmp_path, keep_last=0)  # clamped to 1: the newest complete one survives
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000004"]
+
+
+def test_retention_failure_is_reported_not_raised(tmp_path, monkeypatch):
+    for s in (1, 2):
+        _make(tmp_path, s)
+    import moetrain.train.checkpoint_files as cf
+
+    def boom(path):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(cf.shutil, "rmtree", boom)
+    deleted, errors = apply_retention(tmp_path, keep_last=1)
+    assert deleted == [] and "read-only" in errors[0]
+    # the uncommitted leftover no longer counts as a checkpoint
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002"]
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_safe_load_refuses_pickle_payload(tmp_path):
+    evil = tmp_path / "evil.pt"
+    torch.save({"x": _Payload()}, evil)
+    with pytest.raises(CheckpointError, match="refused to load"):
+        safe_torch_load(evil)
+    raw = tmp_path / "raw.pt"
+    raw.write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(CheckpointError, match=str(raw.name)):
+        safe_torch_load(raw)
+
+
+def test_safe_load_reports_truncation_and_missing(tmp_path):
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.arange(1000.0)}, good)
+    assert torch.equal(safe_torch_load(good)["w"], torch.arange(1000.0))
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(good.read_bytes()[:300])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        safe_torch_load(cut)
+    with pytest.raises(CheckpointError, match="missing"):
+        safe_torch_load(tmp_path / "nope.pt")
+
+
+def test_scrub_secrets():
+    cfg = {"logging": {"wandb": {"api_key": "abc", "project": "p"}}, "note": "key=SENTINEL123"}
+    out = scrub_secrets(cfg, ("SENTINEL123",))
+    assert out == {
+        "logging": {"wandb": {"api_key": "<redacted>", "project": "p"}},
+        "note": "<redacted>",
+    }
