@@ -1,0 +1,56 @@
+"""Derived numbers (print-config, MFU, planner) agree with the model that is actually built."""
+
+import pytest
+
+from moetrain.config import load_config
+from moetrain.model.transformer import Transformer
+from moetrain.numbers import model_numbers
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model.tie_embeddings=true", "moe.first_k_dense=1", "moe.moe_every=2"],
+        ["moe.num_shared_experts=2", "moe.shared_expert_gate=true", "model.qk_norm=true"],
+        ["model.head_dim=16", "model.n_kv_heads=1", "moe.top_k=1"],
+    ],
+)
+def test_parameter_counts_match_the_model(overrides):
+    cfg = load_config(
+        None, ["model.vocab_size=512", "model.d_model=64", "model.n_layers=4"] + overrides
+    )
+    model = Transformer(cfg.model, cfg.moe)
+    n = model_numbers(cfg)
+    assert n.total_params == sum(p.numel() for p in model.parameters())
+    expert = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert n.expert_params == expert
+    e = cfg.moe
+    unused_experts = n.num_moe_layers * (e.num_experts - e.top_k) * 3 * 64 * e.expert_hidden
+    assert n.active_params == n.total_params - unused_experts
+
+
+def test_flops_per_token_by_hand():
+    cfg = load_config(
+        None,
+        [
+            "model.vocab_size=1000",
+            "model.d_model=64",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.dense_hidden=128",
+            "moe.num_experts=4",
+            "moe.top_k=2",
+            "moe.expert_hidden=32",
+            "moe.first_k_dense=1",
+            "data.seq_len=100",
+            "model.max_seq_len=100",
+        ],
+    )
+    attn = 64 * 64 * 2 + 64 * 32 * 2  # q, o: 64x64; k, v: 64x32 (2 kv heads x 16)
+    dense = 3 * 64 * 128
+    moe_active = 64 * 4 + 2 * 3 * 64 * 32
+    matmul = 2 * attn + dense + moe_active + 1000 * 64
+    expected = 6 * matmul + 12 * 2 * 4 * 16 * 100
+    assert model_numbers(cfg).flops_per_token == expected
