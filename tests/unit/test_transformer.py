@@ -1,0 +1,194 @@
+"""Transformer: causality, attention against a hand-written reference, document mask, init,
+MoE placement, losses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetrain.config import Config, ModelConfig, MoEConfig, is_moe_layer
+from moetrain.model import Transformer
+from moetrain.model.attention import Attention, rope_tables
+from moetrain.model.layers import SwiGLU
+from moetrain.model.moe.layer import MoELayer
+from moetrain.numbers import model_numbers
+
+
+def tiny(**kw) -> tuple[ModelConfig, MoEConfig]:
+    m = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, dense_hidden=48)
+    m.update(max_seq_len=64)
+    moe = dict(num_experts=4, top_k=2, expert_hidden=16)
+    for k, v in kw.items():
+        (m if k in ModelConfig.__dataclass_fields__ else moe)[k] = v
+    return ModelConfig(**m), MoEConfig(**moe)
+
+
+def build(seed: int = 0, **kw) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(*tiny(**kw)).eval()
+
+
+def reference_attention(attn: Attention, x_BSD: torch.Tensor, theta: float) -> torch.Tensor:
+    """Plain multi-head attention: kv heads repeated, explicit RoPE rotation of pairs
+    (i, i + Hd/2), explicit causal softmax."""
+    b, s, _ = x_BSD.shape
+    h, g, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    q = (x_BSD @ attn.wq.weight.T).view(b, s, h, hd)
+    k = (x_BSD @ attn.wk.weight.T).view(b, s, g, hd).repeat_interleave(h // g, dim=2)
+    v = (x_BSD @ attn.wv.weight.T).view(b, s, g, hd).repeat_interleave(h // g, dim=2)
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        half = hd // 2
+        out = torch.empty_like(t)
+        for pos in range(s):
+            for i in range(half):
+                ang = pos * theta ** (-2 * i / hd)
+                a, c = t[:, pos, :, i], t[:, pos, :, i + half]
+                out[:, pos, :, i] = a * math.cos(ang) - c * math.sin(ang)
+                out[:, pos, :, i + half] = a * math.sin(ang) + c * math.cos(ang)
+        return out
+
+    q, k = rotate(q), rotate(k)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, h * hd)
+    return out @ attn.wo.weight.T
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_attention_matches_plain_multi_head_reference(n_kv_heads: int) -> None:
+    cfg, _ = tiny(n_kv_heads=n_kv_heads, rope_theta=500.0)
+    torch.manual_seed(0)
+    attn = Attention(cfg)
+    x = torch.randn(2, 7, cfg.d_model)
+    cos, sin = rope_tables(attn.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    torch.testing.assert_close(
+        attn(x, cos, sin), reference_attention(attn, x, 500.0), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_gqa_with_all_kv_heads_is_multi_head_attention() -> None:
+    # kv heads = heads is standard multi-head attention (torch's nn.MultiheadAttention)
+    cfg, _ = tiny(n_kv_heads=4)
+    torch.manual_seed(0)
+    attn = Attention(cfg)
+    x = torch.randn(1, 5, cfg.d_model)
+    cos, sin = rope_tables(attn.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    cos.fill_(1.0)  # no rotation: compare against nn.MultiheadAttention
+    sin.fill_(0.0)
+    mha = torch.nn.MultiheadAttention(cfg.d_model, cfg.n_heads, bias=False, batch_first=True)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.cat([attn.wq.weight, attn.wk.weight, attn.wv.weight]))
+        mha.out_proj.weight.copy_(attn.wo.weight)
+    mask = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    ref, _ = mha(x, x, x, attn_mask=mask, need_weights=False)
+    torch.testing.assert_close(attn(x, cos, sin), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_causality(qk_norm: bool) -> None:
+    model = build(qk_norm=qk_norm, num_shared_experts=1, first_k_dense=1, n_layers=3)
+    ids = torch.randint(0, 50, (2, 12))
+    changed = ids.clone()
+    changed[:, 8:] = (changed[:, 8:] + 7) % 50
+    a, b = model(ids).logits, model(changed).logits
+    # bitwise equality is too strict: expert groups change size, so matmul blocking differs
+    torch.testing.assert_close(a[:, :8], b[:, :8], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(a[:, 8:], b[:, 8:])
+
+
+def test_document_mask_equals_separate_documents() -> None:
+    model = build()
+    ids = torch.randint(0, 50, (1, 10))
+    doc_ids = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2, 2]])
+    packed = model(ids, doc_ids_BS=doc_ids).logits
+    # RoPE is relative, so each document alone (from position 0) gives the same logits
+    for start, end in [(0, 4), (4, 7), (7, 10)]:
+        alone = model(ids[:, start:end]).logits
+        torch.testing.assert_close(packed[:, start:end], alone, atol=1e-5, rtol=1e-5)
+    # and changing document 0 never changes the others
+    other = ids.clone()
+    other[:, :4] = (other[:, :4] + 3) % 50
+    torch.testing.assert_close(model(other, doc_ids_BS=doc_ids).logits[:, 4:], packed[:, 4:])
+    assert not torch.allclose(model(ids).logits[:, 4:], packed[:, 4:])  # mask does something
+
+
+def test_moe_placement_and_parameter_count() -> None:
+    model = build(n_layers=6, first_k_dense=1, moe_every=2, num_shared_experts=1)
+    kinds = [isinstance(b.ffn, MoELayer) for b in model.layers]
+    assert kinds == [is_moe_layer(i, model.moe_cfg) for i in range(6)]
+    assert kinds == [False, False, True, False, True, False]
+    assert all(
+        isinstance(b.ffn, SwiGLU) for b, moe in zip(model.layers, kinds, strict=True) if not moe
+    )
+    cfg = Config(model=model.cfg, moe=model.moe_cfg)
+    assert sum(p.numel() for p in model.parameters()) == model_numbers(cfg).total_params
+    assert len(model(torch.randint(0, 50, (1, 4))).moe) == 2
+
+
+def test_parameter_names_follow_the_contract() -> None:
+    names = set(dict(build(num_shared_experts=1, shared_expert_gate=True).state_dict()))
+    for n in [
+        "embed.weight",
+        "layers.0.attn_norm.weight",
+        "layers.0.attn.wq.weight",
+        "layers.0.attn.wo.weight",
+        "layers.0.ffn_norm.weight",
+        "layers.1.ffn.router.gate.weight",
+        "layers.1.ffn.router.expert_bias",
+        "layers.1.ffn.experts.w1",
+        "layers.1.ffn.experts.w2",
+        "layers.1.ffn.experts.w3",
+        "layers.1.ffn.shared_expert.w1.weight",
+        "layers.1.ffn.shared_gate.weight",
+        "norm.weight",
+        "lm_head.weight",
+    ]:
+        assert n in names, n
+    m = build()
+    assert m.layers[0].ffn.experts.w1.shape == (4, 32, 16)
+    assert m.layers[0].ffn.experts.w2.shape == (4, 16, 32)
+
+
+def test_tied_embeddings_share_one_tensor() -> None:
+    model = build(tie_embeddings=True)
+    assert model.lm_head.weight is model.embed.weight
+    untied = build()
+    assert untied.lm_head.weight is not untied.embed.weight
+    n_tied = sum(p.numel() for p in model.parameters())
+    assert n_tied == sum(p.numel() for p in untied.parameters()) - 50 * 32
+
+
+def test_initialisation_scales_output_projections() -> None:
+    torch.manual_seed(0)
+    model = Transformer(*tiny(d_model=256, n_heads=4, expert_hidden=256, n_layers=8, init_std=0.02))
+    out_std = 0.02 / math.sqrt(16)
+    layer = model.layers[0]
+    assert layer.attn.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert layer.attn.wo.weight.std().item() == pytest.approx(out_std, rel=0.05)
+    assert layer.ffn.experts.w1.std().item() == pytest.approx(0.02, rel=0.05)
+    assert layer.ffn.experts.w2.std().item() == pytest.approx(out_std, rel=0.05)
+    assert torch.all(layer.attn_norm.weight == 1)
+
+
+def test_losses_ignore_minus_100_and_add_scaled_moe_losses() -> None:
+    model = build(aux_loss_coef=0.5, z_loss_coef=0.25)
+    ids = torch.randint(0, 50, (2, 6))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    out = model(ids, labels_BS=labels)
+    ce = F.cross_entropy(out.logits[:, 3:].reshape(-1, 50), labels[:, 3:].reshape(-1))
+    torch.testing.assert_close(out.ce_loss, ce)
+    moe = sum(0.5 * s.aux_loss + 0.25 * s.z_loss for s in out.moe)
+    torch.testing.assert_close(out.moe_loss, moe)
+    torch.testing.assert_close(out.loss, ce + moe)
+    assert model(ids).loss is None
+
+
+def test_too_long_sequence_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="max_seq_len"):
+        build()(torch.zeros(1, 65, dtype=torch.long))
