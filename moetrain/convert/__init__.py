@@ -1,0 +1,1 @@
+"""Conversion between moetrain checkpoints and Hugging Face models."""
