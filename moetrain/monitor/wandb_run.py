@@ -278,3 +278,27 @@ class WandbSink:
             run.finish(exit_code=exit_code)
         except Exception as e:
             self.printer(f"wandb: finish failed ({type(e).__name__}: {e})")
+
+
+def offline_run_dirs(run_dir: str | Path) -> list[Path]:
+    """The offline run directories wandb wrote under ``RUN_DIR/wandb/``, oldest first."""
+    return sorted((Path(run_dir) / "wandb").glob("offline-run-*"))
+
+
+def read_run_records(run_path: str | Path) -> list[dict[str, Any]]:
+    """Records of a wandb run directory (or its ``run-ID.wandb`` file), read with wandb's own
+    reader (``wandb leet inspect --json``): dicts with ``type`` (run, history, summary, ...).
+    Use ``wandb sync PATH`` to upload an offline run."""
+    import json
+    import subprocess
+    import sys
+
+    path = Path(run_path)
+    if path.is_dir():
+        files = sorted(path.glob("run-*.wandb"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no run-*.wandb file")
+        path = files[0]
+    cmd = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
