@@ -1,0 +1,251 @@
+"""DeepSpeed integration: config from ours, the MoE marker shim, engine construction, clipping.
+
+DeepSpeed treats a model as MoE only if a module is an instance of ``deepspeed.moe.layer.MoE``.
+:func:`mark_experts_for_deepspeed` turns each MoE layer's ``experts`` module into such an
+instance (a marker subclass of its own class; the stacked weights, forward and parameter names
+stay as they are), tags expert parameters ``allreduce=False`` / ``group_name='ep_size_<P>'`` so
+DeepSpeed reduces them over their expert-data-parallel group only, and adds state-dict hooks
+that write per-expert keys ``<prefix>deepspeed_moe.experts.deepspeed_experts.<local_i>.<w>`` (so
+DeepSpeed saves one file per global expert) and stack them back on load.
+
+Gradient scale: each expert's gradient already sums the contributions of every EP peer's tokens
+(backward of the all-to-all); DeepSpeed then sums over the expert-data-parallel group and divides
+by the whole data-parallel size (stage 0: ``_reduce_expert_gradients``; ZeRO-1/2: the bucket
+reduction divides every bucket by the dp world size), which is the mean over the global batch.
+No correction is needed; tests/distributed/test_parity.py checks it against one process.
+
+Clipping: ZeRO-1/2 compute the global norm correctly. Stage 0 does not (DeepSpeed issue #8475:
+it averages per-rank norms over ranks that hold different experts), so at stage 0 DeepSpeed's
+clipping is switched off and the trainer calls :func:`clip_grad_norm_global` before each step.
+ZeRO-3 is refused (topology.validate_layout).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moetrain.config import Config
+from moetrain.parallel.expert_parallel import EXPERT_WEIGHTS, moe_layers
+from moetrain.parallel.topology import Topology
+
+DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
+
+
+def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed JSON config for ``cfg`` on ``world_size`` ranks."""
+    t, p, o = cfg.train, cfg.parallel, cfg.optim
+    zero: dict[str, Any] = {
+        "stage": p.zero_stage,
+        "contiguous_gradients": True,
+        "overlap_comm": False,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 50_000_000,
+        "allgather_bucket_size": 50_000_000,
+    }
+    if p.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum_steps,
+        "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
+        # stage 0: moetrain clips with a correct global norm (see module docstring)
+        "gradient_clipping": o.grad_clip if p.zero_stage > 0 else 0.0,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {
+            "enabled": t.precision == "fp16",
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    return ds
+
+
+def dump_deepspeed_config(ds_config: dict[str, Any], run_dir: str | Path) -> Path:
+    """Write the DeepSpeed config to ``run_dir/deepspeed_config.json`` for inspection."""
+    path = Path(run_dir) / "deepspeed_config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(ds_config, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+# --------------------------------------------------------------------------- MoE marker shim
+
+_MARKER_CLASSES: dict[type, type] = {}
+
+
+def _set_deepspeed_parallelism(self: Any, use_data_before_expert_parallel_: bool = False) -> None:
+    """Called by the engine: the groups were created by the topology; check they exist."""
+    from deepspeed.utils import groups
+
+    if self.expert_group_name not in groups._get_expert_parallel_group_dict():
+        raise RuntimeError(
+            f"expert group {self.expert_group_name} missing: create the topology first"
+        )
+
+
+def _marker_class(cls: type) -> type:
+    from deepspeed.moe.layer import MoE
+
+    if cls not in _MARKER_CLASSES:
+        _MARKER_CLASSES[cls] = type(
+            f"DeepSpeedMarked{cls.__name__}",
+            (cls, MoE),
+            {"set_deepspeed_parallelism": _set_deepspeed_parallelism, "__module__": __name__},
+        )
+    return _MARKER_CLASSES[cls]
+
+
+def _per_expert_state_dict_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    for wname in EXPERT_WEIGHTS:
+        key = prefix + wname
+        if key in state_dict:
+            stacked = state_dict.pop(key)
+            for i in range(stacked.shape[0]):
+                state_dict[f"{prefix}{DS_EXPERT_PREFIX}{i}.{wname}"] = stacked[i]
+
+
+def _stack_experts_load_pre_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    n = module.num_local_experts
+    for wname in EXPERT_WEIGHTS:
+        keys = [f"{prefix}{DS_EXPERT_PREFIX}{i}.{wname}" for i in range(n)]
+        if all(k in state_dict for k in keys):
+            state_dict[prefix + wname] = torch.stack([state_dict.pop(k) for k in keys])
+
+
+def mark_experts_for_deepspeed(model: nn.Module, topology: Topology) -> int:
+    """Mark every MoE layer's experts for DeepSpeed (in place); returns the number marked."""
+    count = 0
+    for _, layer in moe_layers(model):
+        experts = layer.experts
+        n_local = experts.w1.shape[0]
+        experts.__class__ = _marker_class(type(experts))
+        experts.num_experts = n_local * topology.ep_size
+        experts.ep_size = topology.ep_size
+        experts.num_local_experts = n_local
+        experts.expert_group_name = topology.ep_group_name
+        experts.enable_expert_tensor_parallelism = False
+        for wname in EXPERT_WEIGHTS:
+            param = getattr(experts, wname)
+            param.allreduce = False
+            param.group_name = topology.ep_group_name
+        experts._register_state_dict_hook(_per_expert_state_dict_hook)
+        experts._register_load_state_dict_pre_hook(_stack_experts_load_pre_hook, with_module=True)
+        count += 1
+    return count
+
+
+def is_expert_param(param: Tensor) -> bool:
+    return getattr(param, "allreduce", True) is False
+
+
+# --------------------------------------------------------------------------- clipping
+
+
+@torch.no_grad()
+def global_grad_norm(model: nn.Module, topology: Topology) -> Tensor:
+    """L2 norm of all gradients after the data-parallel reduction (stage 0 layout).
+
+    Dense gradients are identical on every rank; each expert's gradient lives on one rank of
+    every expert-parallel group, so expert squares are summed over the EP group only.
+    """
+    dense = torch.zeros((), dtype=torch.float64, device=topology.device)
+    expert = torch.zeros((), dtype=torch.float64, device=topology.device)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum()
+        if is_expert_param(p):
+            expert += sq
+        else:
+            dense += sq
+    if topology.ep_size > 1:
+        dist.all_reduce(expert, op=dist.ReduceOp.SUM, group=topology.ep_group)
+    return (dense + expert).sqrt().float()
+
+
+@torch.no_grad()
+def clip_grad_norm_global(model: nn.Module, max_norm: float, topology: Topology) -> float:
+    """Clip gradients in place to ``max_norm`` with the correct global norm; return the norm.
+
+    Same coefficient as ``torch.nn.utils.clip_grad_norm_`` and DeepSpeed ZeRO:
+    ``min(1, max_norm / (norm + 1e-6))``.
+    """
+    norm = global_grad_norm(model, topology)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+    return float(norm)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def initialize_engine(
+    model: nn.Module,
+    cfg: Config,
+    topology: Topology,
+    total_steps: int,
+    tokens_per_step: int,
+) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """Mark experts, build optimizer + schedule, start the engine.
+
+    Returns ``(engine, optimizer, schedule, ds_config)``. The model must already be expert
+    parallel (:func:`moetrain.parallel.expert_parallel.apply_expert_parallel`).
+    """
+    import deepspeed
+
+    from moetrain.train.optim import LRSchedule, build_optimizer
+
+    mark_experts_for_deepspeed(model, topology)
+    fp32_buffers = {
+        name: buf
+        for name, buf in model.named_buffers()
+        if buf.dtype == torch.float32 and name.endswith("expert_bias")
+    }
+    model.to(topology.device)
+    optimizer = build_optimizer(model, cfg.optim, topology.device)
+    ds_config = deepspeed_config(cfg, topology.world_size)
+    schedule_box: dict[str, LRSchedule] = {}
+
+    def make_schedule(opt: Any) -> LRSchedule:
+        schedule_box["s"] = LRSchedule(opt, cfg.optim, total_steps, tokens_per_step)
+        return schedule_box["s"]
+
+    engine, ds_optimizer, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=make_schedule,
+        config=ds_config,
+        dist_init_required=False,
+    )
+    # bf16/fp16 engines cast buffers; balancing biases stay fp32 (sign updates need range).
+    modules = dict(engine.module.named_modules())
+    for name, buf in fp32_buffers.items():
+        mod_name, _, attr = name.rpartition(".")
+        mod = modules[mod_name]
+        current = getattr(mod, attr)
+        if current.dtype != torch.float32:
+            setattr(mod, attr, current.float())
+    return engine, ds_optimizer, schedule_box["s"], ds_config

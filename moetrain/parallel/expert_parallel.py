@@ -1,0 +1,143 @@
+"""Expert parallelism applied to a model built on one device.
+
+Legend: T tokens on this rank, K top_k, D d_model, E global experts, L local experts
+(E / ep_size), P ep_size, N routed copies sent by this rank, M copies received by this rank.
+
+:func:`apply_expert_parallel` (every rank built the full model with the same seed):
+- slices each MoE layer's stacked expert weights to this rank's experts ``[ep_rank*L, +L)``,
+- replaces ``layer.dispatcher`` with :class:`AllToAllDispatcher` (when ``ep_size > 1``),
+- sets ``router.stats_reducer`` to a no-grad sum over every rank (global-batch statistics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moetrain.parallel.all_to_all import all_to_all_v, exchange_counts
+from moetrain.parallel.topology import Topology
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+@dataclass
+class _A2AContext:
+    copy_idx_N: Tensor  # flat (t*K + k) index of each sent copy, in send order
+    token_idx_N: Tensor  # token of each sent copy
+    perm_M: Tensor  # received (source-major) row -> local (expert-major) order
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+
+
+class AllToAllDispatcher:
+    """Dispatcher that sends each kept token copy to the rank holding its expert.
+
+    ``dispatch(x_TD, ids_TK, keep_TK) -> (x_MD, counts_L, ctx)``: rows grouped by local expert
+    (expert order), each expert's rows ordered by source rank. ``combine(y_MD, weights_TK, ctx)
+    -> y_TD``: results return to their tokens, weighted sum over the kept copies (dropped copies
+    contribute zero). Per-expert counts are exchanged first, then the rows (all-to-all-v).
+    """
+
+    def __init__(self, num_experts: int, ep_size: int, ep_rank: int, group: Any) -> None:
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} not divisible by ep_size={ep_size}")
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.ep_rank = ep_rank
+        self.num_local = num_experts // ep_size
+        self.group = group
+
+    def dispatch(self, x_TD: Tensor, ids_TK: Tensor, keep_TK: Tensor) -> tuple[Tensor, Tensor, Any]:
+        T, K = ids_TK.shape
+        P, L = self.ep_size, self.num_local
+        flat_ids = ids_TK.reshape(-1)
+        copy_idx = torch.nonzero(keep_TK.reshape(-1), as_tuple=False).squeeze(1)
+        expert_N = flat_ids[copy_idx]
+        order = torch.argsort(expert_N, stable=True)
+        copy_idx = copy_idx[order]
+        token_idx = torch.div(copy_idx, K, rounding_mode="floor")
+        x_ND = x_TD.index_select(0, token_idx)
+
+        counts_E = torch.bincount(expert_N, minlength=self.num_experts).to(torch.int64)
+        recv_PL = exchange_counts(counts_E, self.group).view(P, L)
+        send_splits = counts_E.view(P, L).sum(1).tolist()
+        recv_splits = recv_PL.sum(1).tolist()
+        x_MD = all_to_all_v(x_ND, recv_splits, send_splits, self.group)
+
+        # received rows are grouped (source rank, local expert); regroup by local expert
+        block = torch.repeat_interleave(
+            torch.arange(P * L, device=x_TD.device), recv_PL.reshape(-1).to(x_TD.device)
+        )
+        key = (block % L) * P + torch.div(block, L, rounding_mode="floor")
+        perm = torch.argsort(key, stable=True)
+        counts_L = recv_PL.sum(0)
+        ctx = _A2AContext(copy_idx, token_idx, perm, send_splits, recv_splits, T)
+        return x_MD.index_select(0, perm), counts_L, ctx
+
+    def combine(self, y_MD: Tensor, weights_TK: Tensor, ctx: _A2AContext) -> Tensor:
+        inv = torch.empty_like(ctx.perm_M)
+        inv[ctx.perm_M] = torch.arange(ctx.perm_M.numel(), device=ctx.perm_M.device)
+        y_recv = y_MD.index_select(0, inv)
+        y_ND = all_to_all_v(y_recv, ctx.send_splits, ctx.recv_splits, self.group)
+        w_N = weights_TK.reshape(-1).index_select(0, ctx.copy_idx_N).to(y_ND.dtype)
+        out = y_ND.new_zeros((ctx.num_tokens, y_ND.shape[-1]))
+        return out.index_add(0, ctx.token_idx_N, y_ND * w_N.unsqueeze(-1))
+
+
+def global_sum_reducer(group: Any = None) -> Callable[[Tensor], Tensor]:
+    """A no-grad all-reduce (sum) over ``group`` (default: every rank)."""
+
+    def reduce(t: Tensor) -> Tensor:
+        with torch.no_grad():
+            out = t.detach().clone()
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    return reduce
+
+
+def moe_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(name, layer)`` of every MoE layer (modules with router, dispatcher and experts)."""
+    from moetrain.model.moe.layer import MoELayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer):
+            yield name, module
+
+
+def slice_experts(experts: nn.Module, start: int, stop: int) -> None:
+    """Keep experts ``[start, stop)`` of stacked weights ``w1, w3 (E,D,F)``, ``w2 (E,F,D)``."""
+    for wname in EXPERT_WEIGHTS:
+        w = getattr(experts, wname)
+        sliced = nn.Parameter(w.detach()[start:stop].clone(), requires_grad=w.requires_grad)
+        setattr(experts, wname, sliced)
+    for attr in ("num_experts", "num_local_experts"):
+        if isinstance(getattr(experts, attr, None), int):
+            setattr(experts, attr, stop - start)
+
+
+def apply_expert_parallel(model: nn.Module, topology: Topology) -> nn.Module:
+    """Make a full single-device model expert-parallel on ``topology`` (in place; returned)."""
+    layers = list(moe_layers(model))
+    for _, layer in layers:
+        num_experts = layer.experts.w1.shape[0]
+        if num_experts % topology.ep_size:
+            raise ValueError(
+                f"parallel.ep_size={topology.ep_size} must divide the {num_experts} experts"
+            )
+        if topology.ep_size > 1:
+            start, stop = topology.local_expert_range(num_experts)
+            slice_experts(layer.experts, start, stop)
+            layer.dispatcher = AllToAllDispatcher(
+                num_experts, topology.ep_size, topology.ep_rank, topology.ep_group
+            )
+        if topology.world_size > 1:
+            layer.router.stats_reducer = global_sum_reducer()
+        layer.global_num_experts = num_experts
+    return model

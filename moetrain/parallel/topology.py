@@ -1,0 +1,191 @@
+"""Process layout: world = data-parallel x expert-parallel; the only place that creates groups.
+
+Every rank reads its own data, so all ``world_size`` ranks are data-parallel for the dense
+(non-expert) weights. Expert-parallel groups are blocks of ``ep_size`` consecutive ranks that
+together hold every expert once; each expert is replicated over ``world_size // ep_size`` ranks
+(its expert-data-parallel group). Example, world 4, ep 2::
+
+    expert-parallel groups       [0, 1], [2, 3]   (all-to-all of routed tokens)
+    expert-data-parallel groups  [0, 2], [1, 3]   (gradient reduction of expert weights)
+    data-parallel group          [0, 1, 2, 3]     (gradient reduction of dense weights)
+
+The groups are created through ``deepspeed.utils.groups._create_expert_and_data_parallel`` so
+that DeepSpeed's engine and ZeRO optimizer reduce expert gradients over the same groups.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.config import Config, ConfigError, check_world_layout
+
+
+def validate_layout(cfg: Config, world_size: int) -> int:
+    """Check the config against ``world_size`` before any heavy work; return the DP size.
+
+    Raises ``ConfigError`` naming the key: EP must divide the world size and the number of
+    experts, micro-batch x accumulation x DP must equal ``train.global_batch_size`` when set,
+    ZeRO-3 is refused (it would partition expert weights across expert-parallel peers).
+    """
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1; got {world_size}")
+    p = cfg.parallel
+    if p.zero_stage not in (0, 1, 2):
+        raise ConfigError(
+            f"parallel.zero_stage: {p.zero_stage} is not supported with expert parallelism; use "
+            "0, 1 or 2 (ZeRO-3 would partition each expert's weights across ranks that hold "
+            "different experts)"
+        )
+    if p.ep_size < 1 or cfg.moe.num_experts % p.ep_size != 0:
+        raise ConfigError(
+            f"parallel.ep_size: must divide moe.num_experts={cfg.moe.num_experts}; got {p.ep_size}"
+        )
+    if p.zero_stage == 0 and cfg.optim.grad_clip > 0 and cfg.train.precision != "fp32":
+        raise ConfigError(
+            "parallel.zero_stage: stage 0 with gradient clipping supports train.precision=fp32 "
+            "only (moetrain computes the global norm itself there, DeepSpeed's stage-0 norm is "
+            "wrong for expert-parallel models); use parallel.zero_stage=1 or 2, or "
+            "optim.grad_clip=0"
+        )
+    return check_world_layout(cfg, world_size)
+
+
+@dataclass
+class Topology:
+    """Ranks, sizes and process groups of one run (build with :func:`init_distributed`)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    ep_size: int
+    backend: str
+    device: torch.device
+    ep_group: Any = field(repr=False, default=None)  # ranks holding different experts
+    expert_dp_group: Any = field(repr=False, default=None)  # ranks holding the same experts
+    created_process_group: bool = False
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size for dense weights and data sharding (every rank)."""
+        return self.world_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep_size
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.world_size // self.ep_size
+
+    @property
+    def ep_group_name(self) -> str:
+        """DeepSpeed's name for the expert groups (``param.group_name`` of expert weights)."""
+        return f"ep_size_{self.ep_size}"
+
+    def local_expert_range(self, num_experts: int) -> tuple[int, int]:
+        """Global expert ids ``[start, stop)`` held by this rank."""
+        n_local = num_experts // self.ep_size
+        return self.ep_rank * n_local, (self.ep_rank + 1) * n_local
+
+    def ep_ranks(self) -> list[int]:
+        base = self.rank - self.ep_rank
+        return list(range(base, base + self.ep_size))
+
+    def expert_dp_ranks(self) -> list[int]:
+        return list(range(self.ep_rank, self.world_size, self.ep_size))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def world_size_from_env() -> int:
+    """World size announced by the launcher (1 for a plain process)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(cfg: Config) -> Topology:
+    """Validate the layout, start (or join) the process group and create the EP groups.
+
+    Works under torchrun, ``deepspeed``, ``accelerate launch`` and as a plain single process
+    (a one-rank group on a free local port). Backend: NCCL on CUDA, gloo otherwise.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else world_size_from_env()
+    validate_layout(cfg, world)
+
+    created = False
+    use_cuda = torch.cuda.is_available()
+    backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            if world != 1:
+                raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is not set: start with a launcher")
+            os.environ["MASTER_PORT"] = str(_free_port())
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
+            device_id=torch.device("cuda", local_rank) if use_cuda else None,
+        )
+        created = True
+    else:
+        backend = dist.get_backend()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda and backend == "nccl" else torch.device("cpu")
+
+    import deepspeed
+    from deepspeed.utils import groups
+
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    ep = cfg.parallel.ep_size
+    name = f"ep_size_{ep}"
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep)
+    topo = Topology(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        ep_size=ep,
+        backend=backend,
+        device=device,
+        ep_group=groups._get_expert_parallel_group(name),
+        expert_dp_group=groups._get_expert_data_parallel_group(name),
+        created_process_group=created,
+    )
+    # DeepSpeed's own layout must be the one documented above.
+    ds_ep = list(groups._get_expert_parallel_group_ranks(name))
+    ds_edp = list(groups._get_expert_data_parallel_group_ranks(name))
+    if ds_ep != topo.ep_ranks() or ds_edp != topo.expert_dp_ranks():
+        raise RuntimeError(
+            f"DeepSpeed created expert-parallel ranks {ds_ep} / expert-data-parallel ranks "
+            f"{ds_edp}; moetrain expects {topo.ep_ranks()} / {topo.expert_dp_ranks()}"
+        )
+    return topo
+
+
+def shutdown(topo: Topology | None) -> None:
+    """Destroy the process group if :func:`init_distributed` created it."""
+    if topo is not None and topo.created_process_group and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,104 @@
+"""Spawn real ranks on CPU with gloo: ``run_distributed(fn, world_size, *args)``.
+
+``fn(rank, world_size, *args)`` runs in a fresh process per rank with the default process
+group initialised (gloo, a free local port, RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set, one
+thread). Returns the list of the ranks' return values (picklable), in rank order. An exception
+on any rank fails the call with that rank's traceback; the process group is destroyed in
+``finally``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int, world_size: int, port: int, queue: Any, fn: Callable[..., Any], args: tuple
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300)
+        )
+        result = fn(rank, world_size, *args)
+        buf = io.BytesIO()  # tensors travel as bytes, not as shared-memory handles
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
+    except BaseException:  # report every failure, including SystemExit, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, queue, fn, args), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < world_size:
+        if not queue.empty():
+            rank, ok, payload = queue.get()
+            if ok:
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break
+            continue
+        if time.monotonic() > deadline:
+            errors.append(f"timed out after {timeout:.0f}s")
+            break
+        dead = [p for p in procs if p.exitcode not in (None, 0)]
+        if dead and queue.empty():
+            errors.append(f"rank process exited with code {dead[0].exitcode}")
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.join(timeout=5 if errors else 30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

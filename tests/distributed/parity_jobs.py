@@ -1,0 +1,168 @@
+"""Rank functions for the layout-parity tests (importable by spawned processes).
+
+One spawned job runs several configurations in one process group to save start-up time.
+Every layout sees the same global batch: global micro-batch ``G`` sequences per micro-step,
+``G / world`` on each rank (rank r takes rows ``[r*mb, (r+1)*mb)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moetrain.config import Config, load_config
+
+GLOBAL_MICRO = 4  # sequences per micro-step over all ranks
+ACCUM = 2
+STEPS = 10
+SEQ = 16
+GRAD_NAMES = (
+    "embed.weight",
+    "layers.0.attn.wq.weight",
+    "layers.1.attn.wo.weight",
+    "layers.0.ffn.router.gate.weight",
+    "layers.1.ffn.router.gate.weight",
+    "layers.0.ffn.experts.w1",
+    "layers.0.ffn.experts.w2",
+    "layers.1.ffn.experts.w3",
+    "lm_head.weight",
+)
+
+
+def tiny_config(world: int, ep: int, stage: int, **extra: Any) -> Config:
+    overrides = {
+        "seed": 7,
+        "model.vocab_size": 96,
+        "model.d_model": 32,
+        "model.n_layers": 2,
+        "model.n_heads": 4,
+        "model.n_kv_heads": 2,
+        "model.dense_hidden": 64,
+        "model.max_seq_len": SEQ,
+        "moe.num_experts": 4,
+        "moe.top_k": 2,
+        "moe.expert_hidden": 32,
+        "moe.aux_loss_coef": 0.01,
+        "moe.z_loss_coef": 0.001,
+        "moe.bias_update_rate": 0.001,
+        "data.seq_len": SEQ,
+        "parallel.ep_size": ep,
+        "parallel.zero_stage": stage,
+        "optim.lr": 0.01,
+        "optim.warmup_steps": 2,
+        "optim.grad_clip": 0.3,  # the global norm starts near 2: clipping is active
+        "optim.weight_decay": 0.1,
+        "optim.schedule": "cosine",
+        "train.max_steps": STEPS,
+        "train.micro_batch_size": GLOBAL_MICRO // world,
+        "train.grad_accum_steps": ACCUM,
+        "train.eval_every": 0,
+        "run_dir": "/tmp/moetrain-parity-unused",
+    }
+    overrides.update(extra)
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def global_batches(step: int, vocab: int = 96) -> list[dict[str, torch.Tensor]]:
+    """The global micro-batches of optimizer step ``step`` (same for every layout)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(ACCUM):
+        seq = torch.randint(0, vocab, (GLOBAL_MICRO, SEQ + 1), generator=g)
+        out.append({"input_ids": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()})
+    return out
+
+
+def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    mb = GLOBAL_MICRO // world
+    return {k: v[rank * mb : (rank + 1) * mb] for k, v in batch.items()}
+
+
+def _biases(model: torch.nn.Module) -> list[list[float]]:
+    return [
+        buf.tolist() for name, buf in model.named_buffers() if name.endswith("router.expert_bias")
+    ]
+
+
+def reference_run() -> dict[str, Any]:
+    """One process, plain torch (no DeepSpeed), per-expert loop experts: the simplest reference."""
+    from moetrain.model.transformer import Transformer
+    from moetrain.train.optim import LRSchedule, param_groups
+
+    cfg = tiny_config(1, 1, 0, **{"moe.grouped_mm": False})
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg.model, cfg.moe)
+    o = cfg.optim
+    opt = torch.optim.AdamW(
+        param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False
+    )
+    sched = LRSchedule(opt, o, STEPS, 0)
+    routers = [m.router for m in model.moe_layers()]
+    losses, norms, grads = [], [], {}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        loads = None
+        for batch in global_batches(step):
+            out = model(batch["input_ids"], None, batch["labels"])
+            (out.loss / ACCUM).backward()
+            total += float(out.loss.detach()) / ACCUM
+            step_loads = torch.stack([m.tokens_per_expert_E for m in out.moe])
+            loads = step_loads if loads is None else loads + step_loads
+        params = dict(model.named_parameters())
+        if step == 0:
+            grads = {n: params[n].grad.clone() for n in GRAD_NAMES}
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        sched.step()
+        for router, load in zip(routers, loads, strict=True):
+            router.update_bias(load)
+        losses.append(total)
+        norms.append(float(norm))
+    return {"losses": losses, "norms": norms, "grads": grads, "biases": _biases(model)}
+
+
+def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
+    from deepspeed.utils import safe_get_full_grad
+
+    from moetrain.parallel.topology import init_distributed
+    from moetrain.train.trainer import Trainer
+
+    topo = init_distributed(cfg)
+    trainer = Trainer(cfg, topo)
+    grads: dict[str, torch.Tensor] = {}
+
+    def capture(tr: Trainer) -> None:
+        params = dict(tr.model.named_parameters())
+        for name in GRAD_NAMES:
+            g = safe_get_full_grad(params[name])
+            grads[name] = g.detach().clone().float()
+
+    losses, norms = [], []
+    for step in range(STEPS):
+        micro = [rank_slice(b, rank, world) for b in global_batches(step)]
+        rec = trainer.train_step(micro, before_step=capture if step == 0 else None)
+        losses.append(rec["loss"])
+        norms.append(rec["grad_norm"])
+    lo, hi = topo.local_expert_range(cfg.moe.num_experts)
+    result = {
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "biases": _biases(trainer.model),
+        "experts": (lo, hi),
+        "ds_moe": bool(trainer.engine.has_moe_layers),
+    }
+    del trainer
+    return result
+
+
+def layouts_job(rank: int, world: int, layouts: list[tuple[int, int]]) -> dict[str, Any]:
+    """Run every ``(ep_size, zero_stage)`` in ``layouts`` on this process group."""
+    out: dict[str, Any] = {}
+    if world == 1:
+        out["reference"] = reference_run()
+    for ep, stage in layouts:
+        out[f"ep{ep}_zero{stage}"] = _parallel_run(tiny_config(world, ep, stage), rank, world)
+    return out
