@@ -1,0 +1,231 @@
+"""MoE layer forward+backward: moetrain's MoE block vs a dense SwiGLU with the same active FLOPs,
+Hugging Face's MixtralSparseMoeBlock and DeepSpeed's deepspeed.moe.layer.MoE, same experts.
+
+    .venv/bin/python benchmarks/moe_layer.py                 # T in {4096, 16384}, d256 F512 E8 k2
+    .venv/bin/python benchmarks/moe_layer.py --tokens 4096 --repeats 3
+
+Every (case, T) runs in a fresh subprocess with one thread, fp32, on CPU. Time: median of
+``--repeats`` fwd+bwd passes after one warm-up (backward with a fixed random output gradient;
+parameter gradients are freed between passes). Memory: the process's peak RSS during one
+fwd+bwd pass minus its RSS just before it. The peak is reset through /proc/self/clear_refs
+(Linux) and glibc is told to serve every allocation >= 64 KiB with mmap
+(MALLOC_MMAP_THRESHOLD_), so freed tensors leave RSS at once and RSS tracks live tensors. The
+figure therefore counts activations, temporaries and parameter gradients of that pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+D, F_HIDDEN, E, K = 256, 512, 8, 2
+CASES = ["moetrain", "moetrain-loop", "dense", "hf-mixtral", "hf-mixtral-grouped", "deepspeed"]
+DESCRIPTION = {
+    "moetrain": "moetrain MoELayer (sort dispatch + F.grouped_mm)",
+    "moetrain-loop": "moetrain MoELayer, per-expert loop (moe.grouped_mm=false)",
+    "dense": f"dense SwiGLU, hidden k*F = {K * F_HIDDEN}",
+    "hf-mixtral": "HF MixtralSparseMoeBlock (default eager experts)",
+    "hf-mixtral-grouped": "HF MixtralSparseMoeBlock, experts_implementation=grouped_mm",
+    "deepspeed": "deepspeed.moe.layer.MoE (k=2, drop_tokens=False)",
+}
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _expert_weights(seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "gate": torch.randn(E, D, generator=g) * 0.02,
+        "w1": torch.randn(E, D, F_HIDDEN, generator=g) * 0.02,
+        "w3": torch.randn(E, D, F_HIDDEN, generator=g) * 0.02,
+        "w2": torch.randn(E, F_HIDDEN, D, generator=g) * 0.02,
+    }
+
+
+def build(case: str):
+    """Return ``fn(x_TD) -> y_TD`` and its module, all MoE variants with identical weights."""
+    import torch
+    from torch import nn
+
+    w = _expert_weights()
+    if case in ("moetrain", "moetrain-loop"):
+        from moetrain.config import MoEConfig
+        from moetrain.model.moe.layer import MoELayer
+
+        layer = MoELayer(
+            MoEConfig(
+                num_experts=E, top_k=K, expert_hidden=F_HIDDEN, grouped_mm=case == "moetrain"
+            ),
+            D,
+        )
+        with torch.no_grad():
+            layer.router.gate.weight.copy_(w["gate"])
+            for n in ("w1", "w3", "w2"):
+                getattr(layer.experts, n).copy_(w[n])
+        return (lambda x: layer(x[None])[0][0]), layer
+    if case == "dense":
+        from moetrain.model.layers import SwiGLU
+
+        mlp = SwiGLU(D, K * F_HIDDEN)
+        with torch.no_grad():
+            mlp.w1.weight.copy_(w["w1"][:K].transpose(1, 2).reshape(K * F_HIDDEN, D))
+            mlp.w3.weight.copy_(w["w3"][:K].transpose(1, 2).reshape(K * F_HIDDEN, D))
+            mlp.w2.weight.copy_(w["w2"][:K].reshape(K * F_HIDDEN, D).t())
+        return mlp, mlp
+    if case.startswith("hf-mixtral"):
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        kw = {"experts_implementation": "grouped_mm"} if case.endswith("grouped") else {}
+        cfg = MixtralConfig(
+            hidden_size=D,
+            intermediate_size=F_HIDDEN,
+            num_local_experts=E,
+            num_experts_per_tok=K,
+            **kw,
+        )
+        block = MixtralSparseMoeBlock(cfg)
+        with torch.no_grad():
+            block.gate.weight.copy_(w["gate"])
+            block.experts.gate_up_proj.copy_(torch.cat([w["w1"], w["w3"]], 2).transpose(1, 2))
+            block.experts.down_proj.copy_(w["w2"].transpose(1, 2))
+        return (lambda x: block(x[None])[0]), block
+    if case == "deepspeed":
+        import deepspeed
+        from deepspeed.moe.layer import MoE
+
+        from moetrain.model.layers import SwiGLU
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        deepspeed.init_distributed(dist_backend="gloo")
+        moe = MoE(
+            D,
+            SwiGLU(D, F_HIDDEN),
+            num_experts=E,
+            k=K,
+            drop_tokens=False,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )
+        moe.set_deepspeed_parallelism()
+        with torch.no_grad():
+            moe.deepspeed_moe.gate.wg.weight.copy_(w["gate"])
+            for i, ex in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
+                ex.w1.weight.copy_(w["w1"][i].t())
+                ex.w3.weight.copy_(w["w3"][i].t())
+                ex.w2.weight.copy_(w["w2"][i].t())
+        return (lambda x: moe(x)[0]), moe
+    raise ValueError(f"unknown case {case!r}; choose from {CASES}")
+
+
+def run_case(case: str, tokens: int, repeats: int) -> dict:
+    """Runs inside the per-case subprocess."""
+    import gc
+
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    fn, module = build(case)
+    params = list(module.parameters())
+    x = torch.randn(tokens, D, requires_grad=True)
+    gy = torch.randn(tokens, D)
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        fn(x).backward(gy)
+
+    step()  # warm-up
+    gc.collect()
+    for p in params:
+        p.grad = None
+    x.grad = None
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS watermark
+    base = _rss_kib("VmRSS")
+    step()
+    peak = _rss_kib("VmHWM")
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {
+        "case": case,
+        "tokens": tokens,
+        "ms": 1000 * statistics.median(times),
+        "min_ms": 1000 * min(times),
+        "ms_all": [round(1000 * t, 1) for t in times],
+        "extra_peak_mib": (peak - base) / 1024,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--child", nargs=2, metavar=("CASE", "T"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(run_case(args.child[0], int(args.child[1]), args.repeats)))
+        return
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    results = []
+    for t in args.tokens:
+        for case in args.cases:
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                case,
+                str(t),
+                "--repeats",
+                str(args.repeats),
+            ]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not line:
+                print(f"{case} T={t} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                continue
+            results.append(json.loads(line[0][7:]))
+            print(f"  {case:20s} T={t:6d} {results[-1]['ms']:9.1f} ms", file=sys.stderr)
+
+    print(
+        f"\nd={D}, expert hidden={F_HIDDEN}, E={E}, k={K}, fp32, 1 thread, fwd+bwd, median of "
+        f"{args.repeats}\n"
+    )
+    print(
+        "| case | T | fwd+bwd ms (median) | min ms | x dense | extra peak RSS MiB | MiB / 1k tokens |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for t in args.tokens:
+        dense = next((r["ms"] for r in results if r["tokens"] == t and r["case"] == "dense"), None)
+        for r in (r for r in results if r["tokens"] == t):
+            ratio = f"{r['ms'] / dense:.2f}" if dense else "-"
+            print(
+                f"| {DESCRIPTION[r['case']]} | {t} | {r['ms']:.1f} | {r['min_ms']:.1f} | {ratio} | "
+                f"{r['extra_peak_mib']:.1f} | {1024 * r['extra_peak_mib'] / t:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
