@@ -58,7 +58,6 @@ def _expert_weights(seed: int = 0):
 def build(case: str):
     """Return ``fn(x_TD) -> y_TD`` and its module, all MoE variants with identical weights."""
     import torch
-    from torch import nn
 
     w = _expert_weights()
     if case in ("moetrain", "moetrain-loop"):
