@@ -29,6 +29,20 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def grouped_mm_supported(x_ND: torch.Tensor, w_LDF: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` can run here: any dtype on CPU (fp32 and bf16 tested, torch
+    2.13); on CUDA bf16 on compute capability >= 9.0 with 16-byte aligned rows (not tested
+    here: no GPU in CI). Elsewhere the per-expert loop is used."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x_ND.device.type == "cpu":
+        return True
+    if x_ND.device.type != "cuda" or x_ND.dtype != torch.bfloat16:
+        return False
+    aligned = w_LDF.shape[-1] % 8 == 0 and w_LDF.shape[-2] % 8 == 0
+    return aligned and torch.cuda.get_device_capability(x_ND.device) >= (9, 0)
+
+
 def _gmm(x_NI: torch.Tensor, w_LIO: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
     return _ContiguousGrad.apply(F.grouped_mm(x_NI, w_LIO, offs=offs_L))
 
@@ -37,20 +51,21 @@ class GroupedExperts(nn.Module):
     """L SwiGLU experts; ``forward(x_ND, counts_L) -> y_ND``.
 
     ``grouped_mm=True`` uses ``torch.nn.functional.grouped_mm`` (one kernel per weight for all
-    experts); False runs the per-expert loop (the reference). Experts with zero tokens and
+    experts) where :func:`grouped_mm_supported`; otherwise, or with False, the per-expert loop
+    (the reference) runs. Experts with zero tokens and
     N = 0 are fine: every weight still gets a (zero) gradient.
     """
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, grouped_mm: bool = True):
         super().__init__()
         self.num_experts = num_experts
-        self.use_grouped_mm = grouped_mm and hasattr(F, "grouped_mm")
+        self.use_grouped_mm = grouped_mm
         self.w1 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, d_model))
 
     def forward(self, x_ND: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
-        if self.use_grouped_mm and x_ND.shape[0] > 0:
+        if self.use_grouped_mm and x_ND.shape[0] > 0 and grouped_mm_supported(x_ND, self.w1):
             return self._forward_grouped(x_ND, counts_L)
         return self._forward_loop(x_ND, counts_L)
 
