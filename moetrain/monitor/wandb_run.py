@@ -140,6 +140,7 @@ class WandbSink:
         self.mode = "disabled"
         self.dropped_steps = 0
         self._resume_id = resume_id
+        self._run_id = resume_id
         self._run: Any = None
         self._wandb: Any = None
         self._last_step: int | None = None
@@ -197,6 +198,7 @@ class WandbSink:
                 self.printer(f"{msg}; continuing without wandb")
                 return
             self.mode = attempt
+            self._run_id = self._run.id
             self._min_step = int(getattr(self._run, "step", 0) or 0)
             resumed = f", resuming id {self._resume_id}" if self._resume_id else ""
             where = getattr(self._run, "dir", self.run_dir)
@@ -211,8 +213,8 @@ class WandbSink:
     @property
     def run_id(self) -> str | None:
         """The wandb run id to store with checkpoints (the given ``resume_id`` when no run was
-        created here, so the id survives a run without wandb)."""
-        return self._run.id if self._run is not None else self._resume_id
+        created here, so the id survives a run without wandb); still set after :meth:`finish`."""
+        return self._run_id
 
     def _accept_step(self, step: int) -> bool:
         floor = self._min_step if self._last_step is None else self._last_step
@@ -299,6 +301,15 @@ def read_run_records(run_path: str | Path) -> list[dict[str, Any]]:
         if not files:
             raise FileNotFoundError(f"{path}: no run-*.wandb file")
         path = files[0]
-    cmd = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout
+
+    def run(cmd: list[str]) -> str:
+        return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout
+
+    try:  # wandb-core's reader directly, as `wandb leet inspect` calls it (no Python start-up)
+        from wandb.util import get_core_path
+
+        core = [get_core_path(), "leet", "inspect", "--no-observability", "--json"]
+        out = run([*core, "--run-file", str(path), str(path.parent.parent)])
+    except Exception:  # the documented command line
+        out = run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)])
     return [json.loads(line) for line in out.splitlines() if line.strip()]
