@@ -29,7 +29,6 @@ replaced by ``"<redacted>"``.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -240,15 +239,16 @@ class WandbSink:
             return False
 
     def log(self, metrics: Mapping[str, Any], step: int) -> bool:
-        """Log the scalar entries of ``metrics`` at ``step`` (lists, strings, None and
-        non-finite values are skipped, so the JSONL record can be passed as is). Returns True
-        when something was logged."""
+        """Log the scalar entries of ``metrics`` at ``step`` (numbers, bools, 1-element tensors
+        and arrays; NaN/inf pass through so divergence shows; lists, strings and None are
+        skipped, so the JSONL record can be passed as is). Returns True when something was
+        logged."""
         if self._run is None:
             return False
         data = {}
         for k, v in metrics.items():
             x = _scalar(v)
-            if k != "step" and x is not None and math.isfinite(x):
+            if k != "step" and x is not None:
                 data[k] = x
         if not data or not self._accept_step(int(step)):
             return False

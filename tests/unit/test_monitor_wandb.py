@@ -62,6 +62,7 @@ def test_offline_run_readback_steps_and_no_secret(wandb_env, tmp_path):
                 "lr": torch.tensor(1e-3),
                 "moe/layer0/tokens_per_expert": [1, 2, 3],  # list: JSONL only
                 "bad": float("nan"),
+                "note": "text",  # strings are not logged
             },
             step,
         )
@@ -83,9 +84,9 @@ def test_offline_run_readback_steps_and_no_secret(wandb_env, tmp_path):
     assert [h["step"]["num"] for h in history] == [0, 1, 2, 3, 4]
     items = {h["step"]["num"]: h["item"] for h in history}
     assert items[2]["loss"] == 3 and items[0]["lr"] == pytest.approx(1e-3)
-    assert all(
-        "moe/layer0/tokens_per_expert" not in it and "bad" not in it for it in items.values()
-    )
+    assert all("moe/layer0/tokens_per_expert" not in it for it in items.values())
+    assert all("note" not in it and "step" not in it for it in items.values())
+    assert items[0]["bad"] == "NaN"  # divergence stays visible in wandb
     assert items[4]["loss"] == 1  # heatmap at the same step joined this row
     assert items[4]["moe/expert_load_heatmap._type"] == "image-file"
     assert (run / "files" / items[4]["moe/expert_load_heatmap.path"]).stat().st_size > 0
