@@ -219,11 +219,11 @@ def initialize_engine(
     from moetrain.train.optim import LRSchedule, build_optimizer
 
     mark_experts_for_deepspeed(model, topology)
-    fp32_buffers = {
-        name: buf
+    fp32_buffers = [
+        name
         for name, buf in model.named_buffers()
         if buf.dtype == torch.float32 and name.endswith("expert_bias")
-    }
+    ]
     model.to(topology.device)
     optimizer = build_optimizer(model, cfg.optim, topology.device)
     ds_config = deepspeed_config(cfg, topology.world_size)
@@ -242,7 +242,7 @@ def initialize_engine(
     )
     # bf16/fp16 engines cast buffers; balancing biases stay fp32 (sign updates need range).
     modules = dict(engine.module.named_modules())
-    for name, buf in fp32_buffers.items():
+    for name in fp32_buffers:
         mod_name, _, attr = name.rpartition(".")
         mod = modules[mod_name]
         current = getattr(mod, attr)

@@ -136,7 +136,9 @@ def init_distributed(cfg: Config) -> Topology:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
             if world != 1:
-                raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is not set: start with a launcher")
+                raise RuntimeError(
+                    "WORLD_SIZE > 1 but MASTER_PORT is not set: start with a launcher"
+                )
             os.environ["MASTER_PORT"] = str(_free_port())
         local_rank = int(os.environ["LOCAL_RANK"])
         if use_cuda:
@@ -150,7 +152,9 @@ def init_distributed(cfg: Config) -> Topology:
     else:
         backend = dist.get_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if use_cuda and backend == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", local_rank) if use_cuda and backend == "nccl" else torch.device("cpu")
+    )
 
     import deepspeed
     from deepspeed.utils import groups

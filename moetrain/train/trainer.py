@@ -235,19 +235,33 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     try:
         topo = init_distributed(cfg)
         run_dir = Path(cfg.run_dir)
+        t = cfg.train
+        vocab = cfg.model.vocab_size
+        train_loader = build_loader(
+            cfg.data,
+            "train",
+            t.micro_batch_size,
+            topo.rank,
+            topo.world_size,
+            cfg.seed,
+            vocab_size=vocab,
+        )
+
         trainer = Trainer(cfg, topo)
         if topo.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             dump_deepspeed_config(trainer.ds_config, run_dir)
             (run_dir / "config.yaml").write_text(cfg.to_yaml())
-        t = cfg.train
-        train_loader = build_loader(
-            cfg.data, "train", t.micro_batch_size, topo.rank, topo.world_size, cfg.seed
-        )
 
         def run_eval() -> float:
             val = build_loader(
-                cfg.data, "val", t.micro_batch_size, topo.rank, topo.world_size, cfg.seed
+                cfg.data,
+                "val",
+                t.micro_batch_size,
+                topo.rank,
+                topo.world_size,
+                cfg.seed,
+                vocab_size=vocab,
             )
             return trainer.evaluate(_take(iter(val), t.eval_steps))
 

@@ -158,11 +158,37 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
     return result
 
 
-def layouts_job(rank: int, world: int, layouts: list[tuple[int, int]]) -> dict[str, Any]:
-    """Run every ``(ep_size, zero_stage)`` in ``layouts`` on this process group."""
+def _deepspeed_stage0_clipping() -> Any:
+    """Control: let DeepSpeed clip at stage 0 (its own norm) and skip moetrain's clipping."""
+    import moetrain.parallel.deepspeed as pds
+    import moetrain.train.trainer as trainer_mod
+
+    saved = pds.deepspeed_config, trainer_mod.clip_grad_norm_global
+    orig = saved[0]
+
+    def ds_config(cfg: Config, world: int) -> dict[str, Any]:
+        return {**orig(cfg, world), "gradient_clipping": cfg.optim.grad_clip}
+
+    pds.deepspeed_config = ds_config
+    trainer_mod.clip_grad_norm_global = lambda model, clip, topo: float("nan")
+
+    def restore() -> None:
+        pds.deepspeed_config, trainer_mod.clip_grad_norm_global = saved
+
+    return restore
+
+
+def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
+    """Run every ``(ep_size, zero_stage[, variant])`` in ``layouts`` on this process group."""
     out: dict[str, Any] = {}
     if world == 1:
         out["reference"] = reference_run()
-    for ep, stage in layouts:
-        out[f"ep{ep}_zero{stage}"] = _parallel_run(tiny_config(world, ep, stage), rank, world)
+    for ep, stage, *variant in layouts:
+        key = "_".join([f"ep{ep}", f"zero{stage}", *variant])
+        restore = _deepspeed_stage0_clipping() if variant == ["deepspeed_clip"] else None
+        try:
+            out[key] = _parallel_run(tiny_config(world, ep, stage), rank, world)
+        finally:
+            if restore is not None:
+                restore()
     return out
