@@ -1,0 +1,362 @@
+"""`moetrain plan`: parameters, memory per GPU, FLOPs per token and implied speed of a layout.
+
+Memory per GPU (bytes), with P_d dense and P_e routed-expert parameters, W = world = data-parallel
+size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
+
+- parameters held: ``P_d + P_e / ep`` (dense replicated over W; experts split over ep, then
+  replicated over X).
+- weights: 4 B/param in fp32; 2 B in bf16/fp16 (the fp32 master copy belongs to the optimizer).
+- gradients: same dtype as the weights; ZeRO-2 partitions them (dense over W, experts over X).
+- optimizer: AdamW 8 B/param (+ 4 B fp32 master copy under bf16/fp16), partitioned under
+  ZeRO-1/2 (dense over W, experts over X); ``parallel.offload_optimizer`` moves it to CPU.
+- activations: :func:`activation_bytes_per_token` times the micro-batch tokens, plus the loss's
+  backward transient and the largest parameter's fresh gradient (before accumulation).
+- framework: a fixed allowance (CUDA context, allocator slack, NCCL) plus DeepSpeed's reduce and
+  all-gather buckets under ZeRO-1/2.
+
+Speed: ``tokens/s = gpus * peak * mfu / flops_per_token``, the peak from
+:data:`moetrain.monitor.mfu.PEAK_TFLOPS` for ``train.precision`` (or ``logging.peak_tflops``),
+FLOPs from
+:func:`moetrain.numbers.model_numbers` (model FLOPs: the recompute of activation checkpointing
+is not counted, so the same MFU is harder to reach with it on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moetrain.config import Config, ConfigError, check_world_layout, is_moe_layer
+from moetrain.monitor.mfu import lookup_peak_tflops, math_type
+from moetrain.numbers import ModelNumbers, head_dim, human, model_numbers
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """A GPU: its row in :data:`moetrain.monitor.mfu.PEAK_TFLOPS` and memory as the driver
+    reports it (MiB)."""
+
+    name: str
+    table_key: str
+    memory_mib: int
+
+    def peak_tflops(self, precision: str) -> float:
+        """Dense peak for ``train.precision`` (bf16/fp16 tensor cores; fp32 without tf32)."""
+        value = lookup_peak_tflops(self.table_key, math_type(precision))
+        if value is None:  # e.g. bf16 on a V100: its fp16 tensor peak
+            value = lookup_peak_tflops(self.table_key, "fp16")
+        assert value is not None, self.table_key
+        return value
+
+
+GPUS: dict[str, GPUSpec] = {
+    "h100": GPUSpec("NVIDIA H100 SXM 80GB", "H100 SXM", 81559),
+    "h100-pcie": GPUSpec("NVIDIA H100 PCIe 80GB", "H100 PCIe", 81559),
+    "h200": GPUSpec("NVIDIA H200 141GB", "H200", 143771),
+    "a100": GPUSpec("NVIDIA A100 80GB", "A100", 81920),
+    "a100-40gb": GPUSpec("NVIDIA A100 40GB", "A100", 40960),
+    "a10g": GPUSpec("NVIDIA A10G 24GB", "A10G", 23028),
+    "l4": GPUSpec("NVIDIA L4 24GB", "L4", 23034),
+    "l40s": GPUSpec("NVIDIA L40S 48GB", "L40S", 46068),
+    "v100": GPUSpec("NVIDIA V100 SXM2 32GB", "V100 SXM2", 32768),
+    "mi300x": GPUSpec("AMD Instinct MI300X 192GB", "MI300X", 196592),
+    "rtx4090": GPUSpec("NVIDIA GeForce RTX 4090 24GB", "RTX 4090", 24564),
+}
+
+FRAMEWORK_BYTES = 1 * GiB  # CUDA context + cuBLAS workspace + NCCL + allocator slack
+DEEPSPEED_BUCKET_ELEMENTS = 50_000_000  # reduce_bucket_size / allgather_bucket_size we set
+
+
+def gpu_spec(name: str) -> GPUSpec:
+    """Look up a GPU by its short name (case-insensitive)."""
+    key = name.lower().replace("_", "-")
+    if key not in GPUS:
+        raise ConfigError(f"--gpu: unknown GPU {name!r}; known: {', '.join(GPUS)}")
+    return GPUS[key]
+
+
+def _dtype_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def _rmsnorm_bytes(d: int, a: int) -> int:
+    """RMSNorm saves its fp32 input (x.float()), the fp32 rsqrt and the normalised x in dtype."""
+    return 4 * d + 4 + a * d
+
+
+def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
+    """Bytes saved for backward per token by layer ``layer`` (a = ``act_bytes``, 4 or 2).
+
+    Counted from what moetrain's modules save (checked with saved-tensor hooks):
+
+    - attention: RMSNorm ``4D + 4 + aD``, projection input ``aD``, RoPE'd q ``aHq``, k and v
+      ``2aHkv``, SDPA (flash kernel) output ``aHq`` (also the wo input) and logsumexp ``4H``.
+    - MoE FFN: RMSNorm ``4D + 4 + aD``; router input in fp32 ``4D``, logits and probabilities
+      ``8E``, top-k ids, gathered and renormalised weights, z-loss logsumexp ``12K + 8``;
+      permutation indices ``16K`` (int64); per routed copy (K per token) the expert input ``aD``
+      and SwiGLU intermediates ``4aF``, the expert output kept by the scatter ``aD``, the
+      (T*K, D) combine buffer ``aD`` and its weight ``a``; shared expert ``aD + 4aF_s`` (+ gate
+      ``aD + a``).
+    - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``4aF_dense``.
+
+    With ``capacity_factor`` < 1 only that fraction of the K copies reaches the experts.
+    Expert-parallel ranks see T*K copies on average; routing imbalance raises it.
+    """
+    m, e = cfg.model, cfg.moe
+    a, d = act_bytes, m.d_model
+    hd = head_dim(cfg)
+    hq, hkv = m.n_heads * hd, m.n_kv_heads * hd
+    attn = _rmsnorm_bytes(d, a) + a * d + 2 * a * hq + 2 * a * hkv + 4 * m.n_heads
+    if m.qk_norm:  # per-head RMSNorm of q and k
+        attn += 4 * (hq + hkv) + 4 * (m.n_heads + m.n_kv_heads) + a * (hq + hkv)
+    if not is_moe_layer(layer, e):
+        return attn + _rmsnorm_bytes(d, a) + a * d + 4 * a * m.dense_hidden
+    k = e.top_k
+    kept = k * min(e.capacity_factor, 1.0) if e.capacity_factor > 0 else k
+    ffn = _rmsnorm_bytes(d, a) + 4 * d + 8 * e.num_experts + 12 * k + 8 + 16 * k
+    ffn += kept * (a * d + 4 * a * e.expert_hidden + a * d) + k * (a * d + a)
+    if e.num_shared_experts:
+        fs = e.shared_expert_hidden or e.num_shared_experts * e.expert_hidden
+        ffn += (a * d if a != 4 else 0) + 4 * a * fs  # fp32: input shared with the router
+        if e.shared_expert_gate:
+            ffn += a * d + a
+    return attn + int(ffn)
+
+
+def head_bytes_per_token(cfg: Config, act_bytes: int) -> int:
+    """Final norm, LM-head input, logits (held by the caller, dtype) and fp32 log-softmax,
+    input ids and labels (int64)."""
+    d, v, a = cfg.model.d_model, cfg.model.vocab_size, act_bytes
+    return _rmsnorm_bytes(d, a) + a * d + a * v + 4 * v + 16
+
+
+def loss_transient_bytes_per_token(cfg: Config, act_bytes: int) -> int:
+    """Backward of the loss: fp32 gradients of the log-softmax output and the logits
+    (+ the cast back to dtype under bf16/fp16), alive while every activation still is."""
+    v = cfg.model.vocab_size
+    return 8 * v + (act_bytes * v if act_bytes != 4 else 0)
+
+
+def activation_bytes(cfg: Config, tokens: int, checkpointing: bool, act_bytes: int) -> int:
+    """Peak activation bytes of one micro-batch of ``tokens`` tokens.
+
+    Without checkpointing: every layer's saved tensors + the head + the loss's backward
+    transient. With checkpointing of every block: each block keeps only its input ``aD``; the
+    peak is those plus the larger of (head + loss transient) and one block's recomputed set.
+    """
+    n = cfg.model.n_layers
+    layers = [activation_bytes_per_token(cfg, i, act_bytes) for i in range(n)]
+    head = head_bytes_per_token(cfg, act_bytes) + loss_transient_bytes_per_token(cfg, act_bytes)
+    if not checkpointing:
+        return tokens * (sum(layers) + head)
+    kept = n * act_bytes * cfg.model.d_model
+    return tokens * (kept + max(head, max(layers, default=0)))
+
+
+@dataclass
+class Plan:
+    """Everything ``moetrain plan`` reports; byte counts are per GPU."""
+
+    gpu: GPUSpec
+    gpus: int
+    ep_size: int
+    expert_dp: int
+    zero_stage: int
+    precision: str
+    offload_optimizer: bool
+    activation_checkpointing: bool
+    micro_batch_size: int
+    seq_len: int
+    grad_accum_steps: int
+    numbers: ModelNumbers
+    params_per_gpu: int
+    weights_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int  # on the GPU (0 with offload)
+    optimizer_cpu_bytes: int  # per rank, in host memory, with offload
+    activations_bytes: int  # with the chosen checkpointing setting
+    activations_no_ckpt_bytes: int
+    activations_ckpt_bytes: int
+    param_grad_transient_bytes: int  # the largest parameter's fresh gradient in backward
+    framework_bytes: int
+    mfu: float
+    peak_tflops: float
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Weights + gradients + optimizer states on the GPU."""
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.model_state_bytes
+            + self.activations_bytes
+            + self.param_grad_transient_bytes
+            + self.framework_bytes
+        )
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.gpu.memory_mib * MiB
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch_size * self.seq_len * self.grad_accum_steps * self.gpus
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Whole-job tokens/s at the assumed MFU."""
+        return self.gpus * self.peak_tflops * 1e12 * self.mfu / self.numbers.flops_per_token
+
+    @property
+    def step_time_s(self) -> float:
+        return self.tokens_per_step / self.tokens_per_s
+
+
+def _largest_param(cfg: Config, ep: int) -> int:
+    m, e = cfg.model, cfg.moe
+    hd = head_dim(cfg)
+    sizes = [m.vocab_size * m.d_model, m.d_model * m.n_heads * hd, m.d_model * m.dense_hidden]
+    if any(is_moe_layer(i, e) for i in range(m.n_layers)):
+        sizes.append(e.num_experts // ep * m.d_model * e.expert_hidden)
+    return max(sizes)
+
+
+def plan(
+    cfg: Config,
+    gpus: int,
+    gpu: str = "h100",
+    mfu: float = 0.4,
+    activation_checkpointing: bool | None = None,
+) -> Plan:
+    """Estimate memory per GPU and speed of ``cfg`` on ``gpus`` GPUs of type ``gpu``.
+
+    ``activation_checkpointing`` None takes ``cfg.parallel.activation_checkpointing``.
+    Raises ConfigError (naming ``parallel.ep_size``) when the layout is invalid.
+    """
+    if gpus < 1:
+        raise ConfigError(f"--gpus: must be >= 1; got {gpus}")
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"--mfu: must be in (0, 1]; got {mfu}")
+    spec = gpu_spec(gpu)
+    check_world_layout(cfg, gpus)
+    p, t = cfg.parallel, cfg.train
+    if cfg.moe.num_experts % p.ep_size:
+        raise ConfigError(
+            f"parallel.ep_size: must divide moe.num_experts={cfg.moe.num_experts}; got {p.ep_size}"
+        )
+    ckpt = (
+        p.activation_checkpointing
+        if activation_checkpointing is None
+        else bool(activation_checkpointing)
+    )
+    ep, world = p.ep_size, gpus
+    xdp = world // ep
+    nums = model_numbers(cfg)
+    dense, expert = nums.total_params - nums.expert_params, nums.expert_params // ep
+    wb = _dtype_bytes(t.precision)
+    z = p.zero_stage
+
+    def split(per_param: float, partitioned: bool) -> int:
+        if partitioned:
+            return int(per_param * (dense / world + expert / xdp))
+        return int(per_param * (dense + expert))
+
+    weights = split(wb, False)
+    grads = split(wb, z >= 2)
+    opt_per_param = 8 + (4 if t.precision != "fp32" else 0)
+    opt = split(opt_per_param, z >= 1)
+    opt_gpu, opt_cpu = (0, opt) if p.offload_optimizer else (opt, 0)
+
+    tokens = t.micro_batch_size * cfg.data.seq_len
+    act_no = activation_bytes(cfg, tokens, False, wb)
+    act_ck = activation_bytes(cfg, tokens, True, wb)
+    framework = FRAMEWORK_BYTES + (2 * DEEPSPEED_BUCKET_ELEMENTS * wb if z >= 1 else 0)
+    peak = cfg.logging.peak_tflops or spec.peak_tflops(t.precision)
+    result = Plan(
+        gpu=spec,
+        gpus=gpus,
+        ep_size=ep,
+        expert_dp=xdp,
+        zero_stage=z,
+        precision=t.precision,
+        offload_optimizer=p.offload_optimizer,
+        activation_checkpointing=ckpt,
+        micro_batch_size=t.micro_batch_size,
+        seq_len=cfg.data.seq_len,
+        grad_accum_steps=t.grad_accum_steps,
+        numbers=nums,
+        params_per_gpu=dense + expert,
+        weights_bytes=weights,
+        grads_bytes=grads,
+        optimizer_bytes=opt_gpu,
+        optimizer_cpu_bytes=opt_cpu,
+        activations_bytes=act_ck if ckpt else act_no,
+        activations_no_ckpt_bytes=act_no,
+        activations_ckpt_bytes=act_ck,
+        param_grad_transient_bytes=_largest_param(cfg, ep) * wb,
+        framework_bytes=framework,
+        mfu=mfu,
+        peak_tflops=peak,
+    )
+    capacity = spec.memory_mib * MiB
+    if not result.fits:
+        hints = []
+        if not ckpt:
+            hints.append("parallel.activation_checkpointing=true")
+        if z < 2:
+            hints.append("parallel.zero_stage=2")
+        if ep < world and cfg.moe.num_experts % (ep * 2) == 0 and world % (ep * 2) == 0:
+            hints.append(f"parallel.ep_size={ep * 2}")
+        hints.append("a smaller train.micro_batch_size")
+        result.warnings.append(
+            f"does not fit: needs {result.total_bytes / GiB:.1f} GiB per GPU, {spec.name} has "
+            f"{capacity / GiB:.1f} GiB; try {', '.join(hints)}"
+        )
+    return result
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB"
+
+
+def format_plan(pl: Plan) -> str:
+    """Human-readable report of a :class:`Plan`."""
+    n = pl.numbers
+    ck = "on" if pl.activation_checkpointing else "off"
+    lines = [
+        f"layout: {pl.gpus} x {pl.gpu.name}, data-parallel {pl.gpus}, expert-parallel "
+        f"{pl.ep_size} (expert-data-parallel {pl.expert_dp}), ZeRO-{pl.zero_stage}, "
+        f"{pl.precision}{', optimizer offload' if pl.offload_optimizer else ''}",
+        f"parameters: total {human(n.total_params)} ({n.total_params}), active per token "
+        f"{human(n.active_params)}, experts {human(n.expert_params)}, held per GPU "
+        f"{human(pl.params_per_gpu)}",
+        f"micro-batch: {pl.micro_batch_size} x {pl.seq_len} tokens; "
+        f"{pl.tokens_per_step} tokens per optimizer step",
+        "memory per GPU:",
+        f"  weights            {_gib(pl.weights_bytes)}",
+        f"  gradients          {_gib(pl.grads_bytes)}",
+        f"  optimizer states   {_gib(pl.optimizer_bytes)}"
+        + (
+            f"  (+{_gib(pl.optimizer_cpu_bytes).strip()} in CPU memory)"
+            if pl.offload_optimizer
+            else ""
+        ),
+        f"  activations        {_gib(pl.activations_bytes)}  (checkpointing {ck}; "
+        f"off {pl.activations_no_ckpt_bytes / GiB:.2f} GiB, on "
+        f"{pl.activations_ckpt_bytes / GiB:.2f} GiB)",
+        f"  grad transient     {_gib(pl.param_grad_transient_bytes)}",
+        f"  framework/buffers  {_gib(pl.framework_bytes)}",
+        f"  total              {_gib(pl.total_bytes)}  of {pl.gpu.memory_mib * MiB / GiB:.1f} "
+        f"GiB -> {'fits' if pl.fits else 'DOES NOT FIT'}",
+        f"FLOPs per token (training): {n.flops_per_token:.4g}",
+        f"at MFU {pl.mfu:.0%} of {pl.peak_tflops:g} TFLOP/s per GPU: "
+        f"{pl.tokens_per_s:,.0f} tokens/s ({pl.tokens_per_s / pl.gpus:,.0f} per GPU), "
+        f"{pl.step_time_s:.3f} s per optimizer step",
+    ]
+    lines += [f"WARNING: {w}" for w in pl.warnings]
+    return "\n".join(lines)

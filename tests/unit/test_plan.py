@@ -1,0 +1,230 @@
+"""`moetrain.plan`: partitioning arithmetic by hand, the activation formula against the tensors
+autograd really saves, and the whole estimate against measured peak memory of CPU runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetrain.config import Config, ConfigError, apply_overrides, config_from_dict
+from moetrain.model import Transformer
+from moetrain.plan import (
+    GiB,
+    activation_bytes_per_token,
+    format_plan,
+    head_bytes_per_token,
+    plan,
+)
+
+PROBE = Path(__file__).with_name("plan_memory_probe.py")
+
+SMALL = {
+    "model.vocab_size": 512,
+    "model.d_model": 64,
+    "model.n_layers": 2,
+    "model.n_heads": 4,
+    "model.n_kv_heads": 2,
+    "moe.num_experts": 8,
+    "moe.top_k": 2,
+    "moe.expert_hidden": 96,
+    "data.seq_len": 64,
+    "train.micro_batch_size": 2,
+}
+
+
+def _cfg(base: dict[str, object], **extra: object) -> Config:
+    merged = {**base, **{k.replace("__", "."): v for k, v in extra.items()}}
+    return config_from_dict(apply_overrides({}, [f"{k}={v}" for k, v in merged.items()]))
+
+
+def _dense_and_expert_params(cfg: Config) -> tuple[int, int]:
+    """Counted on the built model, independently of moetrain.numbers."""
+    model = Transformer(cfg.model, cfg.moe)
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return sum(p.numel() for p in model.parameters()) - expert, expert
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_zero_and_ep_partitioning_by_hand(zero: int) -> None:
+    cfg = _cfg(SMALL, parallel__ep_size=4, parallel__zero_stage=zero, train__precision="bf16")
+    dense, expert = _dense_and_expert_params(cfg)
+    pl = plan(cfg, gpus=8, gpu="h100")
+    # 8 ranks, EP 4: each rank holds 2 of 8 experts; expert-data-parallel group of 2.
+    assert pl.expert_dp == 2
+    assert pl.params_per_gpu == dense + expert // 4
+    assert pl.weights_bytes == 2 * (dense + expert // 4)
+    grads = 2 * (dense / 8 + expert / 4 / 2) if zero == 2 else 2 * (dense + expert / 4)
+    assert pl.grads_bytes == pytest.approx(grads, abs=2)
+    opt = 12 * (dense / 8 + expert / 4 / 2) if zero >= 1 else 12 * (dense + expert / 4)
+    assert pl.optimizer_bytes == pytest.approx(opt, abs=2)
+
+
+def test_fp32_world_one_and_offload() -> None:
+    cfg = _cfg(SMALL, parallel__zero_stage=2)
+    dense, expert = _dense_and_expert_params(cfg)
+    pl = plan(cfg, gpus=1, gpu="a100")
+    assert (pl.weights_bytes, pl.grads_bytes) == (4 * (dense + expert), 4 * (dense + expert))
+    assert pl.optimizer_bytes == 8 * (dense + expert)
+    off = plan(_cfg(SMALL, parallel__offload_optimizer=True, parallel__ep_size=2), 4, "a100")
+    d2, e2 = dense / 4 + expert / 2 / 2, 0
+    assert off.optimizer_bytes == e2
+    assert off.optimizer_cpu_bytes == pytest.approx(8 * d2, abs=2)
+
+
+def test_speed_follows_peak_mfu_and_flops() -> None:
+    cfg = _cfg(SMALL, train__precision="bf16", train__grad_accum_steps=4)
+    pl = plan(cfg, gpus=4, gpu="h200", mfu=0.5)
+    flops = pl.numbers.flops_per_token
+    assert pl.peak_tflops == pytest.approx(989.4)
+    assert pl.tokens_per_s == pytest.approx(4 * 989.4e12 * 0.5 / flops)
+    assert pl.tokens_per_step == 2 * 64 * 4 * 4
+    assert pl.step_time_s == pytest.approx(pl.tokens_per_step / pl.tokens_per_s)
+    assert plan(_cfg(SMALL, train__precision="fp32"), 1, "h100").peak_tflops < 100  # no tf32
+
+
+def test_cannot_fit_warns_and_small_fits() -> None:
+    big = {
+        **SMALL,
+        "model.vocab_size": 50304,
+        "model.d_model": 2048,
+        "model.n_layers": 24,
+        "model.n_heads": 16,
+        "model.n_kv_heads": 4,
+        "moe.num_experts": 64,
+        "moe.top_k": 8,
+        "moe.expert_hidden": 1024,
+        "model.max_seq_len": 4096,
+        "data.seq_len": 4096,
+        "train.micro_batch_size": 8,
+        "train.precision": "bf16",
+    }
+    pl = plan(_cfg(big), gpus=8, gpu="rtx4090")
+    assert not pl.fits
+    assert pl.total_bytes > 24 * GiB
+    assert any("does not fit" in w and "activation_checkpointing" in w for w in pl.warnings)
+    assert "DOES NOT FIT" in format_plan(pl)
+    small = plan(_cfg(SMALL), gpus=1, gpu="h100")
+    assert small.fits and not small.warnings
+    assert "fits" in format_plan(small) and "activations" in format_plan(small)
+
+
+def test_bad_layouts_raise_config_errors() -> None:
+    with pytest.raises(ConfigError, match="parallel.ep_size"):
+        plan(_cfg(SMALL, parallel__ep_size=2), gpus=3)
+    with pytest.raises(ConfigError, match="--gpu"):
+        plan(_cfg(SMALL), gpus=1, gpu="tpu-v9")
+
+
+def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> float:
+    """Bytes of distinct non-parameter storages autograd saves in one forward, plus the
+    logits the caller holds, per token."""
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.moe).to(dtype)
+    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in owned:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    b = tokens // cfg.data.seq_len
+    ids = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len))
+    labels = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(ids, labels_BS=labels)
+    seen[out.logits.untyped_storage().data_ptr()] = out.logits.untyped_storage().nbytes()
+    seen[labels.untyped_storage().data_ptr()] = labels.untyped_storage().nbytes()
+    return sum(seen.values()) / tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"model.qk_norm": True, "moe.top_k": 1},
+        {
+            "model.n_layers": 3,
+            "moe.first_k_dense": 1,
+            "model.dense_hidden": 160,
+            "moe.num_shared_experts": 1,
+            "moe.shared_expert_gate": True,
+        },
+    ],
+)
+def test_activation_formula_matches_saved_tensors(dtype: torch.dtype, extra: dict) -> None:
+    cfg = _cfg({**SMALL, **extra})
+    a = 4 if dtype == torch.float32 else 2
+    tokens = 512
+    predicted = sum(activation_bytes_per_token(cfg, i, a) for i in range(cfg.model.n_layers))
+    predicted += head_bytes_per_token(cfg, a)
+    measured = _saved_bytes_per_token(cfg, dtype, tokens)
+    # bf16: the router's fp32 copy of its (E, D) weight is saved too (param-sized, not per token)
+    assert measured == pytest.approx(predicted, rel=0.01)
+
+
+MEM_BASE = {
+    "model.vocab_size": 4096,
+    "model.d_model": 256,
+    "model.n_layers": 2,
+    "model.n_heads": 4,
+    "model.n_kv_heads": 2,
+    "moe.num_experts": 8,
+    "moe.top_k": 2,
+    "moe.expert_hidden": 512,
+    "data.seq_len": 128,
+    "train.micro_batch_size": 8,
+}
+MEM_RUNS = [
+    (MEM_BASE, False),
+    (MEM_BASE, True),
+    (
+        {
+            **MEM_BASE,
+            "model.n_layers": 3,
+            "model.d_model": 192,
+            "model.n_heads": 3,
+            "model.n_kv_heads": 1,
+            "model.qk_norm": True,
+            "model.dense_hidden": 768,
+            "moe.first_k_dense": 1,
+            "moe.top_k": 1,
+            "moe.num_shared_experts": 1,
+            "moe.shared_expert_gate": True,
+        },
+        False,
+    ),
+]
+
+
+def test_plan_matches_measured_peak_memory_of_cpu_training() -> None:
+    """fp32 AdamW steps in a subprocess; peak RSS growth vs weights+grads+optimizer+activations
+    (+ the largest parameter's fresh gradient) of plan(..., gpus=1) within 20%."""
+    runs = [{"overrides": ov, "checkpointing": ck} for ov, ck in MEM_RUNS]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(PROBE), json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = []
+    for (ov, ck), res in zip(MEM_RUNS, results, strict=True):
+        pl = plan(_cfg(ov), gpus=1, gpu="h100", activation_checkpointing=ck)
+        predicted = pl.model_state_bytes + pl.activations_bytes + pl.param_grad_transient_bytes
+        ratio = predicted / res["peak_bytes"]
+        report.append(f"ckpt={ck} measured={res['peak_bytes'] / 2**20:.1f}MiB ratio={ratio:.3f}")
+        assert pl.activations_bytes > 0.3 * pl.model_state_bytes  # activations matter here
+        assert 0.8 <= ratio <= 1.2, report
+    print("; ".join(report))
