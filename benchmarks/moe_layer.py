@@ -4,10 +4,11 @@ Hugging Face's MixtralSparseMoeBlock and DeepSpeed's deepspeed.moe.layer.MoE, sa
     .venv/bin/python benchmarks/moe_layer.py                 # T in {4096, 16384}, d256 F512 E8 k2
     .venv/bin/python benchmarks/moe_layer.py --tokens 4096 --repeats 3
 
-Every (case, T) runs in a fresh subprocess with one thread, fp32, on CPU. Time: median of
-``--repeats`` fwd+bwd passes after one warm-up (backward with a fixed random output gradient;
-parameter gradients are freed between passes). Memory: the process's peak RSS during one
-fwd+bwd pass minus its RSS just before it. The peak is reset through /proc/self/clear_refs
+One thread, fp32, CPU. Time: for each T one subprocess builds every case, warms each up once,
+then runs ``--repeats`` rounds of one fwd+bwd pass per case, interleaved so that load from other
+processes hits all cases alike; median and min per case (backward with a fixed random output
+gradient; parameter gradients freed between passes). Memory: each (case, T) in a fresh
+subprocess; the peak RSS during one fwd+bwd pass minus the RSS just before it. The peak is reset through /proc/self/clear_refs
 (Linux) and glibc is told to serve every allocation >= 64 KiB with mmap
 (MALLOC_MMAP_THRESHOLD_), so freed tensors leave RSS at once and RSS tracks live tensors. The
 figure therefore counts activations, temporaries and parameter gradients of that pass.
@@ -131,13 +132,9 @@ def build(case: str):
     raise ValueError(f"unknown case {case!r}; choose from {CASES}")
 
 
-def run_case(case: str, tokens: int, repeats: int) -> dict:
-    """Runs inside the per-case subprocess."""
-    import gc
-
+def _prepare(case: str, tokens: int):
     import torch
 
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     fn, module = build(case)
     params = list(module.parameters())
@@ -150,29 +147,51 @@ def run_case(case: str, tokens: int, repeats: int) -> dict:
         x.grad = None
         fn(x).backward(gy)
 
+    def clear() -> None:
+        for p in params:
+            p.grad = None
+        x.grad = None
+
+    return step, clear
+
+
+def measure_memory(case: str, tokens: int) -> float:
+    """Extra peak RSS (MiB) of one fwd+bwd pass, in a process that holds only this case."""
+    import gc
+
+    step, clear = _prepare(case, tokens)
     step()  # warm-up
-    gc.collect()
-    for p in params:
-        p.grad = None
-    x.grad = None
+    clear()
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS watermark
     base = _rss_kib("VmRSS")
     step()
-    peak = _rss_kib("VmHWM")
-    times = []
+    return (_rss_kib("VmHWM") - base) / 1024
+
+
+def measure_time(cases: list[str], tokens: int, repeats: int) -> dict[str, list[float]]:
+    """fwd+bwd seconds per case; the cases are interleaved round by round so that load from
+    other processes on a shared machine hits every case alike."""
+    steps = {c: _prepare(c, tokens)[0] for c in cases}
+    for step in steps.values():
+        step()  # warm-up
+    times: dict[str, list[float]] = {c: [] for c in cases}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {
-        "case": case,
-        "tokens": tokens,
-        "ms": 1000 * statistics.median(times),
-        "min_ms": 1000 * min(times),
-        "ms_all": [round(1000 * t, 1) for t in times],
-        "extra_peak_mib": (peak - base) / 1024,
-    }
+        for c, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[c].append(time.perf_counter() - t0)
+    return times
+
+
+def _child(argv: list[str], env: dict[str, str]) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, *argv], env=env, capture_output=True, text=True
+    )
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"{argv} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[0][len("RESULT ") :])
 
 
 def main() -> None:
@@ -180,49 +199,48 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--child", nargs=2, metavar=("CASE", "T"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-time", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--child-mem", nargs=2, metavar=("CASE", "T"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        print("RESULT " + json.dumps(run_case(args.child[0], int(args.child[1]), args.repeats)))
+    if args.child_time or args.child_mem:
+        import torch
+
+        torch.set_num_threads(1)
+        if args.child_time:
+            out = measure_time(args.cases, args.child_time, args.repeats)
+        else:
+            out = {"mib": measure_memory(args.child_mem[0], int(args.child_mem[1]))}
+        print("RESULT " + json.dumps(out))
         return
 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    results = []
+    rows = []
     for t in args.tokens:
+        times = _child(
+            ["--child-time", str(t), "--repeats", str(args.repeats), "--cases", *args.cases], env
+        )
         for case in args.cases:
-            cmd = [
-                sys.executable,
-                __file__,
-                "--child",
-                case,
-                str(t),
-                "--repeats",
-                str(args.repeats),
-            ]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode != 0 or not line:
-                print(f"{case} T={t} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-                continue
-            results.append(json.loads(line[0][7:]))
-            print(f"  {case:20s} T={t:6d} {results[-1]['ms']:9.1f} ms", file=sys.stderr)
+            mib = _child(["--child-mem", case, str(t)], env)["mib"]
+            ts = times[case]
+            rows.append((case, t, 1000 * statistics.median(ts), 1000 * min(ts), mib))
+            print(f"  {case:20s} T={t:6d} {rows[-1][2]:9.1f} ms {mib:7.1f} MiB", file=sys.stderr)
 
     print(
-        f"\nd={D}, expert hidden={F_HIDDEN}, E={E}, k={K}, fp32, 1 thread, fwd+bwd, median of "
-        f"{args.repeats}\n"
+        f"\nd={D}, expert hidden={F_HIDDEN}, E={E}, k={K}, fp32, 1 thread, fwd+bwd, "
+        f"{args.repeats} interleaved rounds\n"
     )
     print(
-        "| case | T | fwd+bwd ms (median) | min ms | x dense | extra peak RSS MiB | MiB / 1k tokens |"
+        "| case | T | median ms | min ms | median / dense | extra peak RSS MiB | MiB per 1k tokens |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for t in args.tokens:
-        dense = next((r["ms"] for r in results if r["tokens"] == t and r["case"] == "dense"), None)
-        for r in (r for r in results if r["tokens"] == t):
-            ratio = f"{r['ms'] / dense:.2f}" if dense else "-"
+        dense = next((r[2] for r in rows if r[1] == t and r[0] == "dense"), None)
+        for case, _, med, mn, mib in (r for r in rows if r[1] == t):
+            ratio = f"{med / dense:.2f}" if dense else "-"
             print(
-                f"| {DESCRIPTION[r['case']]} | {t} | {r['ms']:.1f} | {r['min_ms']:.1f} | {ratio} | "
-                f"{r['extra_peak_mib']:.1f} | {1024 * r['extra_peak_mib'] / t:.2f} |"
+                f"| {DESCRIPTION[case]} | {t} | {med:.1f} | {mn:.1f} | {ratio} | "
+                f"{mib:.1f} | {1024 * mib / t:.2f} |"
             )
 
 
