@@ -54,6 +54,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from moetrain.plan import format_plan, plan
+
+    cfg = load_config(args.config, args.overrides)
+    print(format_plan(plan(cfg, args.gpus, gpu=args.gpu, mfu=args.mfu)))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from moetrain.monitor.report import make_report
+
+    for path in make_report(args.run_dir):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moetrain", description="Pretrain decoder-only Mixture-of-Experts language models."
@@ -76,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="when resuming with another layout, load weights only and start a fresh optimizer",
     )
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("plan", help="memory per GPU, FLOPs and throughput estimate")
+    _add_config_args(p)
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs in the job")
+    p.add_argument("--gpu", default="h100", help="GPU type (h100, h200, a100, ...)")
+    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
+    p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("report", help="PNG plots and a text summary of a run directory")
+    p.add_argument("run_dir", help="the run's run_dir (holds metrics.jsonl)")
+    p.set_defaults(func=_cmd_report)
     return parser
 
 
@@ -86,10 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if not a.startswith("--local_rank")]
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
+    from moetrain.data.errors import DataError
+    from moetrain.train.checkpoint_files import CheckpointError
+
     try:
         return func(args)
     except ConfigError as e:
         print(f"moetrain: config error: {e}", file=sys.stderr)
+        return 2
+    except (DataError, CheckpointError, FileNotFoundError) as e:
+        print(f"moetrain: error: {e}", file=sys.stderr)
         return 2
 
 

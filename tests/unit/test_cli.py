@@ -39,3 +39,16 @@ def test_python_dash_m_is_the_same_program():
 
 def test_deepspeed_local_rank_argument_is_accepted(capsys):
     assert main(["print-config", TINY, "--local_rank=0"]) == 0
+
+
+def test_plan_prints_memory_and_refuses_bad_layouts(capsys):
+    assert main(["plan", TINY, "--gpus", "8", "--gpu", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per GPU" in out and "fits" in out
+    assert main(["plan", TINY, "--gpus", "3"]) == 2
+    assert "parallel.ep_size" in capsys.readouterr().err
+
+
+def test_report_on_a_missing_run_dir_is_a_clear_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "metrics.jsonl" in capsys.readouterr().err
