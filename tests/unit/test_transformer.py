@@ -192,3 +192,14 @@ def test_losses_ignore_minus_100_and_add_scaled_moe_losses() -> None:
 def test_too_long_sequence_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="max_seq_len"):
         build()(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_bf16_forward_backward_runs_with_fp32_routing() -> None:
+    model = build(num_shared_experts=1).to(torch.bfloat16)
+    ids = torch.randint(0, 50, (2, 8))
+    out = model(ids, labels_BS=ids)
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    router = model.layers[0].ffn.router
+    assert router(torch.randn(4, 32, dtype=torch.bfloat16)).weights_TK.dtype == torch.float32
