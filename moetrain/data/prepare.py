@@ -208,7 +208,9 @@ def _tokenized_batches(corpus: Corpus, encoder: _Encoder, num_proc: int, work: P
             yield batch, list(range(start, start + n))
             start += n
 
-    ctx = multiprocessing.get_context("spawn")
+    # fork (as datasets.map does on Linux): spawn would re-run an unguarded __main__ script
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
     with ctx.Pool(num_proc) if num_proc > 1 else _Inline() as pool:
         for out in tqdm(
             pool.imap(_call_encoder, ((encoder, b, i) for b, i in batches())),
