@@ -15,6 +15,7 @@ that DeepSpeed's engine and ZeRO optimizer reduce expert gradients over the same
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -157,8 +158,10 @@ def init_distributed(cfg: Config) -> Topology:
     )
 
     import deepspeed
-    from deepspeed.utils import groups
+    from deepspeed.utils import groups, logger
 
+    if not os.environ.get("MOETRAIN_DEEPSPEED_INFO"):
+        logger.setLevel(logging.WARNING)  # DeepSpeed's per-rank INFO lines drown the progress
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     ep = cfg.parallel.ep_size
     name = f"ep_size_{ep}"

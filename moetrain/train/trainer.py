@@ -14,6 +14,7 @@ resuming (DeepSpeed shards + trainer state + data position) belong to ``train/ch
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -220,6 +221,30 @@ def _take(it: Iterator[Batch], n: int) -> list[Batch]:
     return out
 
 
+def launcher_disagreements(cfg: Config, env: dict[str, str]) -> list[str]:
+    """Settings an ``accelerate launch --use_deepspeed`` environment gives that differ from the
+    moetrain config (moetrain's values are used; these are reported, not applied)."""
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        return []
+    ours = {
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": (str(cfg.parallel.zero_stage), "parallel.zero_stage"),
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": (
+            str(cfg.train.grad_accum_steps),
+            "train.grad_accum_steps",
+        ),
+        "ACCELERATE_MIXED_PRECISION": (
+            {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[cfg.train.precision],
+            "train.precision",
+        ),
+    }
+    out = []
+    for var, (want, key) in ours.items():
+        got = env.get(var)
+        if got is not None and got != want and got != "auto":
+            out.append(f"accelerate sets {var}={got}, but {key} gives {want}: using {key}")
+    return out
+
+
 def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     """Train ``cfg`` under any launcher (or one plain process); returns a summary dict.
 
@@ -235,6 +260,9 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     try:
         topo = init_distributed(cfg)
         run_dir = Path(cfg.run_dir)
+        if topo.is_main:
+            for msg in launcher_disagreements(cfg, dict(os.environ)):
+                print(f"moetrain: warning: {msg}", flush=True)
         t = cfg.train
         vocab = cfg.model.vocab_size
         train_loader = build_loader(

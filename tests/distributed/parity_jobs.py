@@ -132,12 +132,18 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
     topo = init_distributed(cfg)
     trainer = Trainer(cfg, topo)
     grads: dict[str, torch.Tensor] = {}
+    ds_norm: list[float] = []
 
     def capture(tr: Trainer) -> None:
         params = dict(tr.model.named_parameters())
         for name in GRAD_NAMES:
             g = safe_get_full_grad(params[name])
             grads[name] = g.detach().clone().float()
+        if cfg.parallel.zero_stage == 0:
+            # the norm DeepSpeed's own stage-0 clipping would use (max_norm=inf: no clipping)
+            from deepspeed.runtime.utils import clip_grad_norm_
+
+            ds_norm.append(float(clip_grad_norm_(tr.model.parameters(), max_norm=float("inf"))))
 
     losses, norms = [], []
     for step in range(STEPS):
@@ -153,42 +159,17 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
         "biases": _biases(trainer.model),
         "experts": (lo, hi),
         "ds_moe": bool(trainer.engine.has_moe_layers),
+        "deepspeed_stage0_norm": ds_norm[0] if ds_norm else None,
     }
     del trainer
     return result
 
 
-def _deepspeed_stage0_clipping() -> Any:
-    """Control: let DeepSpeed clip at stage 0 (its own norm) and skip moetrain's clipping."""
-    import moetrain.parallel.deepspeed as pds
-    import moetrain.train.trainer as trainer_mod
-
-    saved = pds.deepspeed_config, trainer_mod.clip_grad_norm_global
-    orig = saved[0]
-
-    def ds_config(cfg: Config, world: int) -> dict[str, Any]:
-        return {**orig(cfg, world), "gradient_clipping": cfg.optim.grad_clip}
-
-    pds.deepspeed_config = ds_config
-    trainer_mod.clip_grad_norm_global = lambda model, clip, topo: float("nan")
-
-    def restore() -> None:
-        pds.deepspeed_config, trainer_mod.clip_grad_norm_global = saved
-
-    return restore
-
-
 def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
-    """Run every ``(ep_size, zero_stage[, variant])`` in ``layouts`` on this process group."""
+    """Run every ``(ep_size, zero_stage)`` in ``layouts`` on this process group."""
     out: dict[str, Any] = {}
     if world == 1:
         out["reference"] = reference_run()
-    for ep, stage, *variant in layouts:
-        key = "_".join([f"ep{ep}", f"zero{stage}", *variant])
-        restore = _deepspeed_stage0_clipping() if variant == ["deepspeed_clip"] else None
-        try:
-            out[key] = _parallel_run(tiny_config(world, ep, stage), rank, world)
-        finally:
-            if restore is not None:
-                restore()
+    for ep, stage in layouts:
+        out[f"ep{ep}_zero{stage}"] = _parallel_run(tiny_config(world, ep, stage), rank, world)
     return out

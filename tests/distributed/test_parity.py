@@ -21,15 +21,15 @@ pytestmark = pytest.mark.slow
 
 JOBS = {
     1: [(1, 0), (1, 2)],
-    2: [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (2, 0, "deepspeed_clip")],
+    2: [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)],
     4: [(2, 0), (2, 1), (2, 2)],
 }
-LAYOUTS = [(w, lay) for w, lays in JOBS.items() for lay in lays if len(lay) == 2]
+LAYOUTS = [(w, lay) for w, lays in JOBS.items() for lay in lays]
 REL = 1e-5
 
 
 def _key(layout: tuple) -> str:
-    return "_".join([f"ep{layout[0]}", f"zero{layout[1]}", *layout[2:]])
+    return f"ep{layout[0]}_zero{layout[1]}"
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +87,16 @@ def test_bias_identical_on_every_rank(results, reference, world: int, layout: tu
     assert torch.allclose(torch.tensor(biases[0]), torch.tensor(reference["biases"]), atol=1e-7)
 
 
-def test_deepspeed_stage0_clipping_is_wrong_under_ep(results, reference) -> None:
-    """Control: DeepSpeed's own stage-0 clipping (issue #8475) breaks parity, so the parity
-    tests above can see a wrong norm, and moetrain's own clipping is what fixes stage 0."""
-    for res in results[2]:
-        run = res[_key((2, 0, "deepspeed_clip"))]
-        assert _rel(run["losses"], reference["losses"]) > 10 * REL
+@pytest.mark.parametrize("world,ep", [(2, 1), (2, 2), (4, 2)])
+def test_deepspeed_stage0_norm_is_wrong_under_ep(results, reference, world: int, ep: int) -> None:
+    """Control (DeepSpeed issue #8475): the norm DeepSpeed's stage-0 clipping would use is right
+    without EP and wrong with it, while moetrain's own norm (checked above) is right in both."""
+    for res in results[world]:
+        ds_norm = res[_key((ep, 0))]["deepspeed_stage0_norm"]
+        err = abs(ds_norm - reference["norms"][0]) / reference["norms"][0]
+        if ep == 1:
+            assert err < REL
+        else:
+            # deterministic: about 2e-4 here (dense gradients dominate the norm), i.e. far
+            # outside the parity tolerance that moetrain's own norm meets
+            assert err > 10 * REL, f"DeepSpeed's stage-0 norm {ds_norm} unexpectedly right"
