@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from moetrain.config import Config, apply_overrides, config_from_dict  # noqa: E402
 from moetrain.model import GroupedExperts, Transformer  # noqa: E402
+from moetrain.model.moe.experts import grouped_mm_supported  # noqa: E402
 from moetrain.numbers import model_numbers  # noqa: E402
 
 TINY = {
@@ -169,7 +170,7 @@ def grouped_gemm(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[st
 
     res: dict[str, Any] = {
         "shape": {"E": e, "D": d, "F": f, "copies": tokens * k},
-        "grouped_mm_used": fast.use_grouped_mm,
+        "grouped_mm_used": grouped_mm_supported(x, fast.w1),
     }
     flops = 18.0 * tokens * k * d * f  # 3 matmuls, forward 2 + backward 4 FLOPs per MAC
     for name, mod in (("grouped", fast), ("loop", loop)):
