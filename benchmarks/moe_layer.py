@@ -6,12 +6,14 @@ Hugging Face's MixtralSparseMoeBlock and DeepSpeed's deepspeed.moe.layer.MoE, sa
 
 One thread, fp32, CPU. Time: for each T one subprocess builds every case, warms each up once,
 then runs ``--repeats`` rounds of one fwd+bwd pass per case, interleaved so that load from other
-processes hits all cases alike; median and min per case (backward with a fixed random output
-gradient; parameter gradients freed between passes). Memory: each (case, T) in a fresh
-subprocess; the peak RSS during one fwd+bwd pass minus the RSS just before it. The peak is reset through /proc/self/clear_refs
-(Linux) and glibc is told to serve every allocation >= 64 KiB with mmap
-(MALLOC_MMAP_THRESHOLD_), so freed tensors leave RSS at once and RSS tracks live tensors. The
-figure therefore counts activations, temporaries and parameter gradients of that pass.
+processes hits all cases alike. Reported: the median CPU time of the process per pass (robust on
+a shared, oversubscribed machine, since time spent descheduled is not counted) and the median
+wall time. Backward uses a fixed random output gradient; parameter gradients are freed between
+passes. Memory: each (case, T) in a fresh subprocess: the peak RSS during one fwd+bwd pass minus
+the RSS just before it. The peak is reset through /proc/self/clear_refs (Linux) and glibc is
+told to serve every allocation >= 64 KiB with mmap (MALLOC_MMAP_THRESHOLD_), so freed tensors
+leave RSS at once and RSS tracks live tensors. The figure counts activations, temporaries and
+parameter gradients of that pass.
 """
 
 from __future__ import annotations
@@ -169,18 +171,19 @@ def measure_memory(case: str, tokens: int) -> float:
     return (_rss_kib("VmHWM") - base) / 1024
 
 
-def measure_time(cases: list[str], tokens: int, repeats: int) -> dict[str, list[float]]:
-    """fwd+bwd seconds per case; the cases are interleaved round by round so that load from
-    other processes on a shared machine hits every case alike."""
+def measure_time(cases: list[str], tokens: int, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """fwd+bwd seconds per case, CPU time of this process and wall time; the cases are
+    interleaved round by round so that load from other processes hits every case alike."""
     steps = {c: _prepare(c, tokens)[0] for c in cases}
     for step in steps.values():
         step()  # warm-up
-    times: dict[str, list[float]] = {c: [] for c in cases}
+    times: dict[str, dict[str, list[float]]] = {c: {"cpu": [], "wall": []} for c in cases}
     for _ in range(repeats):
         for c, step in steps.items():
-            t0 = time.perf_counter()
+            c0, w0 = time.process_time(), time.perf_counter()
             step()
-            times[c].append(time.perf_counter() - t0)
+            times[c]["cpu"].append(time.process_time() - c0)
+            times[c]["wall"].append(time.perf_counter() - w0)
     return times
 
 
@@ -222,24 +225,26 @@ def main() -> None:
         )
         for case in args.cases:
             mib = _child(["--child-mem", case, str(t)], env)["mib"]
-            ts = times[case]
-            rows.append((case, t, 1000 * statistics.median(ts), 1000 * min(ts), mib))
-            print(f"  {case:20s} T={t:6d} {rows[-1][2]:9.1f} ms {mib:7.1f} MiB", file=sys.stderr)
+            cpu = 1000 * statistics.median(times[case]["cpu"])
+            wall = 1000 * statistics.median(times[case]["wall"])
+            rows.append((case, t, cpu, wall, mib))
+            print(f"  {case:20s} T={t:6d} {cpu:9.1f} cpu-ms {mib:7.1f} MiB", file=sys.stderr)
 
     print(
         f"\nd={D}, expert hidden={F_HIDDEN}, E={E}, k={K}, fp32, 1 thread, fwd+bwd, "
         f"{args.repeats} interleaved rounds\n"
     )
     print(
-        "| case | T | median ms | min ms | median / dense | extra peak RSS MiB | MiB per 1k tokens |"
+        "| case | T | CPU ms (median) | CPU / dense | wall ms (median) | extra peak RSS MiB "
+        "| MiB per 1k tokens |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for t in args.tokens:
         dense = next((r[2] for r in rows if r[1] == t and r[0] == "dense"), None)
-        for case, _, med, mn, mib in (r for r in rows if r[1] == t):
-            ratio = f"{med / dense:.2f}" if dense else "-"
+        for case, _, cpu, wall, mib in (r for r in rows if r[1] == t):
+            ratio = f"{cpu / dense:.2f}" if dense else "-"
             print(
-                f"| {DESCRIPTION[case]} | {t} | {med:.1f} | {mn:.1f} | {ratio} | "
+                f"| {DESCRIPTION[case]} | {t} | {cpu:.1f} | {ratio} | {wall:.1f} | "
                 f"{mib:.1f} | {1024 * mib / t:.2f} |"
             )
 
