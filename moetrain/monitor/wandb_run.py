@@ -30,28 +30,14 @@ replaced by ``"<redacted>"``.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from moetrain.config import WandbConfig
 from moetrain.monitor.console import Printer, console
+from moetrain.secrets import REDACTED, is_secret_key, redact, secret_env_values  # noqa: F401
 
-REDACTED = "<redacted>"
-_SECRET_WORDS = {
-    "key",
-    "apikey",
-    "token",
-    "secret",
-    "password",
-    "passwd",
-    "credential",
-    "credentials",
-    "auth",
-    "authorization",
-    "passphrase",
-}
 _ENV_MODES = {
     "online": "online",
     "run": "online",
@@ -59,34 +45,6 @@ _ENV_MODES = {
     "dryrun": "offline",
     "disabled": "disabled",
 }
-
-
-def is_secret_key(key: str) -> bool:
-    """True for names like ``api_key``, ``WANDB_API_KEY``, ``hfToken``, ``db-password``."""
-    words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(key)).lower()
-    parts = [p for p in re.split(r"[^a-z0-9]+", words) if p]
-    return any(p in _SECRET_WORDS for p in parts) or "apikey" in words.replace("_", "")
-
-
-def secret_env_values(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Values (8+ characters) of environment variables whose names look secret."""
-    env = os.environ if environ is None else environ
-    return [v for k, v in env.items() if is_secret_key(k) and len(v) >= 8]
-
-
-def redact(obj: Any, secrets: list[str] | None = None) -> Any:
-    """A copy of a nested dict/list with secret-looking keys and secret values replaced."""
-    secrets = secret_env_values() if secrets is None else secrets
-    if isinstance(obj, Mapping):
-        return {
-            k: REDACTED if is_secret_key(k) and v is not None else redact(v, secrets)
-            for k, v in obj.items()
-        }
-    if isinstance(obj, (list, tuple)):
-        return [redact(v, secrets) for v in obj]
-    if isinstance(obj, str) and any(s in obj for s in secrets):
-        return REDACTED
-    return obj
 
 
 def resolve_mode(cfg: WandbConfig, environ: Mapping[str, str] | None = None) -> tuple[str, str]:

@@ -19,7 +19,6 @@ from typing import Any
 
 COMMIT_FILE = "COMMITTED.json"
 _TAG_RE = re.compile(r"^step_(\d{8})$")
-_SECRET_KEY_RE = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.I)
 
 
 class CheckpointError(RuntimeError):
@@ -74,6 +73,19 @@ def read_commit(ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(f"{marker}: unreadable commit marker: {e}") from None
 
 
+def verify_manifest(ckpt: Path) -> None:
+    """Every file listed in the commit marker exists with the size it had at commit."""
+    for name, size in read_commit(ckpt).get("files", {}).items():
+        f = Path(ckpt) / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: file listed in {COMMIT_FILE} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"{f}: size {f.stat().st_size} != {size} recorded at commit (truncated or "
+                "overwritten)"
+            )
+
+
 def checkpoint_dirs(root: Path) -> list[Path]:
     """All ``step_*`` directories under ``root``, oldest first (complete or not)."""
     root = Path(root)
@@ -119,25 +131,6 @@ def apply_retention(root: Path, keep_last: int) -> tuple[list[Path], list[str]]:
         except OSError as e:
             errors.append(f"{p}: {e}")
     return deleted, errors
-
-
-def scrub_secrets(obj: Any, secret_values: tuple[str, ...] = ()) -> Any:
-    """A copy of a JSON-like tree with secret-looking keys and known secret values redacted."""
-    if isinstance(obj, dict):
-        return {
-            k: "<redacted>" if _SECRET_KEY_RE.search(str(k)) else scrub_secrets(v, secret_values)
-            for k, v in obj.items()
-        }
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(scrub_secrets(v, secret_values) for v in obj)
-    if isinstance(obj, str) and any(s and s in obj for s in secret_values):
-        return "<redacted>"
-    return obj
-
-
-def environment_secrets() -> tuple[str, ...]:
-    """Values of secret-looking environment variables (e.g. WANDB_API_KEY), to keep off disk."""
-    return tuple(v for k, v in os.environ.items() if _SECRET_KEY_RE.search(k) and len(v) >= 8)
 
 
 def safe_torch_load(path: Path) -> Any:

@@ -15,7 +15,6 @@ from moetrain.train.checkpoint_files import (
     read_commit,
     remove_incomplete,
     safe_torch_load,
-    scrub_secrets,
     tag_for_step,
     write_json_atomic,
 )
@@ -112,12 +111,3 @@ def test_safe_load_reports_truncation_and_missing(tmp_path):
         safe_torch_load(cut)
     with pytest.raises(CheckpointError, match="missing"):
         safe_torch_load(tmp_path / "nope.pt")
-
-
-def test_scrub_secrets():
-    cfg = {"logging": {"wandb": {"api_key": "abc", "project": "p"}}, "note": "key=SENTINEL123"}
-    out = scrub_secrets(cfg, ("SENTINEL123",))
-    assert out == {
-        "logging": {"wandb": {"api_key": "<redacted>", "project": "p"}},
-        "note": "<redacted>",
-    }

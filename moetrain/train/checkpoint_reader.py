@@ -1,0 +1,124 @@
+"""Read a committed moetrain checkpoint into a single-device model, whatever its world/EP size.
+
+Only moetrain's safe paths are used: every file is read with ``torch.load(weights_only=True)``
+(DeepSpeed's model files hold only tensors and plain containers), the commit manifest is
+checked first, and every expert of every MoE layer must be present exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from moetrain.config import Config, config_from_dict, is_moe_layer
+from moetrain.train.checkpoint_files import (
+    CheckpointError,
+    read_commit,
+    safe_torch_load,
+    verify_manifest,
+)
+
+DENSE_FILE = "mp_rank_00_model_states.pt"
+_EXPERT_KEY = re.compile(
+    r"^(layers\.(\d+)\.ffn\.experts)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w[123])$"
+)
+_EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
+
+
+def checkpoint_config(ckpt: Path) -> Config:
+    """The resolved config stored in the checkpoint."""
+    ckpt = Path(ckpt)
+    read_commit(ckpt)
+    try:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{ckpt / 'trainer_state.json'}: unreadable: {e}") from None
+    return config_from_dict(state["config"])
+
+
+def dense_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Non-expert weights and buffers (embedding, attention, norms, routers, dense FFNs)."""
+    state = safe_torch_load(Path(ckpt) / DENSE_FILE)
+    if not isinstance(state, dict) or "module" not in state:
+        raise CheckpointError(f"{Path(ckpt) / DENSE_FILE}: no 'module' state dict inside")
+    return dict(state["module"])
+
+
+def expert_files(ckpt: Path, cfg: Config) -> dict[int, list[Path]]:
+    """Expert files per transformer layer index, in global expert order; refuses gaps."""
+    ckpt = Path(ckpt)
+    moe_ids = [i for i in range(cfg.model.n_layers) if is_moe_layer(i, cfg.moe)]
+    out: dict[int, list[Path]] = {}
+    for moe_idx, layer in enumerate(moe_ids):
+        files = []
+        for e in range(cfg.moe.num_experts):
+            f = ckpt / f"layer_{moe_idx}_expert_{e}_mp_rank_00_model_states.pt"
+            if not f.is_file():
+                raise CheckpointError(
+                    f"{f}: missing (expert {e} of MoE layer {moe_idx}, transformer layer {layer})"
+                )
+            files.append(f)
+        out[layer] = files
+    extra = [
+        p.name
+        for p in ckpt.iterdir()
+        if (m := _EXPERT_FILE.match(p.name))
+        and (int(m.group(1)) >= len(moe_ids) or int(m.group(2)) >= cfg.moe.num_experts)
+    ]
+    if extra:
+        raise CheckpointError(f"{ckpt}: expert files that this config does not have: {extra}")
+    return out
+
+
+def stacked_experts(files: list[Path], layer: int) -> dict[str, torch.Tensor]:
+    """Load one layer's per-expert files into stacked ``w1, w3 (E,D,F)``, ``w2 (E,F,D)``."""
+    parts: dict[str, list[torch.Tensor]] = {"w1": [], "w2": [], "w3": []}
+    for e, f in enumerate(files):
+        sd = safe_torch_load(f)
+        found = {}
+        for key, tensor in sd.items():
+            m = _EXPERT_KEY.match(key)
+            if not m or int(m.group(2)) != layer or int(m.group(3)) != e:
+                raise CheckpointError(
+                    f"{f}: unexpected key {key} (expected layer {layer}, expert {e})"
+                )
+            found[m.group(4)] = tensor
+        if set(found) != set(parts):
+            raise CheckpointError(f"{f}: has {sorted(found)}, expected w1, w2, w3")
+        for name, tensor in found.items():
+            parts[name].append(tensor)
+    prefix = f"layers.{layer}.ffn.experts."
+    return {prefix + name: torch.stack(ts) for name, ts in parts.items()}
+
+
+def iter_layer_states(ckpt: Path, cfg: Config) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """Yield ``("dense", non-expert state)`` then ``("layers.<i>", that layer's experts)``.
+
+    Memory stays near the dense weights plus one layer's experts (the converter streams this).
+    """
+    yield "dense", dense_state(ckpt)
+    for layer, files in expert_files(ckpt, cfg).items():
+        yield f"layers.{layer}", stacked_experts(files, layer)
+
+
+def load_model(ckpt: Path, cfg: Config | None = None) -> tuple[torch.nn.Module, Config]:
+    """Build a single-device ``Transformer`` holding the checkpoint's weights."""
+    from moetrain.model.transformer import Transformer
+
+    ckpt = Path(ckpt)
+    verify_manifest(ckpt)
+    cfg = cfg or checkpoint_config(ckpt)
+    model = Transformer(cfg.model, cfg.moe)
+    state: dict[str, torch.Tensor] = {}
+    for _, part in iter_layer_states(ckpt, cfg):
+        state.update(part)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{ckpt}: weights do not fit the model: missing {missing}, unexpected {unexpected}"
+        )
+    return model, cfg
