@@ -7,6 +7,7 @@ Layout of ``<run_dir>/checkpoints/step_<N>/``:
   expert per MoE layer, written once whatever the EP size) and
   ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (the ZeRO optimizer shards of each rank).
 - ``rank_<r>.pt``: that rank's RNG states (tensors only; loaded with ``weights_only=True``).
+- ``tokenizer.model``: a copy of the SentencePiece model the data was tokenized with.
 - ``trainer_state.json``: step, consumed tokens, the data loader's position, the schedule, the
   layout it was written with, the resolved config (secrets removed), the tokenizer's sha256,
   moetrain's version, and the caller's extras (e.g. the wandb run id).
@@ -53,6 +54,7 @@ from moetrain.train.checkpoint_files import (
 )
 
 STATE_FILE = "trainer_state.json"
+TOKENIZER_FILE = "tokenizer.model"
 FORMAT_VERSION = 1
 
 
@@ -144,6 +146,9 @@ class Checkpointer:
         torch.save(_rng_state(), path / _rank_file(topo.rank))
         if topo.is_main:
             write_json_atomic(path / STATE_FILE, self._trainer_state(trainer, loader, extra))
+            tokenizer = Path(self.cfg.data.output_dir) / TOKENIZER_FILE
+            if tokenizer.is_file():  # the checkpoint converts without the data directory
+                shutil.copyfile(tokenizer, path / TOKENIZER_FILE)
         barrier(topo, f"checkpoint {tag}: write shards")
         files = sorted(p for p in path.iterdir() if p.is_file())
         for i, f in enumerate(files):
