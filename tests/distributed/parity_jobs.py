@@ -165,11 +165,19 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
     return result
 
 
+def layout_key(layout: tuple) -> str:
+    """``(ep, stage)`` -> ``ep2_zero1``; a third item ``"ckpt"`` adds activation checkpointing."""
+    return "_".join([f"ep{layout[0]}", f"zero{layout[1]}", *layout[2:]])
+
+
 def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
-    """Run every ``(ep_size, zero_stage)`` in ``layouts`` on this process group."""
+    """Run every ``(ep_size, zero_stage[, "ckpt"])`` in ``layouts`` on this process group."""
     out: dict[str, Any] = {}
     if world == 1:
         out["reference"] = reference_run()
-    for ep, stage in layouts:
-        out[f"ep{ep}_zero{stage}"] = _parallel_run(tiny_config(world, ep, stage), rank, world)
+    for layout in layouts:
+        ep, stage, *variant = layout
+        extra = {"parallel.activation_checkpointing": True} if "ckpt" in variant else {}
+        cfg = tiny_config(world, ep, stage, **extra)
+        out[layout_key(layout)] = _parallel_run(cfg, rank, world)
     return out

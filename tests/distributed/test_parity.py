@@ -2,7 +2,8 @@
 
 Layouts (same global batch, seed, accumulation 2, clipping active every step):
 world 1 (DeepSpeed, ZeRO 0/2), dp=2 (world 2, ep 1), dp=1 x ep=2 (world 2), dp=2 x ep=2
-(world 4), each for ZeRO stages 0, 1, 2 where listed. The reference is plain torch in one
+(world 4), each for ZeRO stages 0, 1, 2 where listed, and dp=1 x ep=2 ZeRO-2 with activation
+checkpointing (blocks recomputed in backward, all-to-alls included). The reference is plain torch in one
 process with the per-expert loop (no DeepSpeed, no dispatcher swap).
 
 This proves: no EP-scaled expert gradients, a correct global clipping norm under EP at every
@@ -15,13 +16,13 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_distributed
-from parity_jobs import GRAD_NAMES, STEPS, layouts_job, tiny_config
+from parity_jobs import GRAD_NAMES, STEPS, layout_key, layouts_job, tiny_config
 
 pytestmark = pytest.mark.slow
 
 JOBS = {
     1: [(1, 0), (1, 2)],
-    2: [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)],
+    2: [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (2, 2, "ckpt")],
     4: [(2, 0), (2, 1), (2, 2)],
 }
 LAYOUTS = [(w, lay) for w, lays in JOBS.items() for lay in lays]
@@ -29,7 +30,7 @@ REL = 1e-5
 
 
 def _key(layout: tuple) -> str:
-    return f"ep{layout[0]}_zero{layout[1]}"
+    return layout_key(layout)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,219 @@
+"""Training throughput: moetrain vs Hugging Face MixtralForCausalLM, both through DeepSpeed ZeRO-2.
+
+    .venv/bin/python benchmarks/train_throughput.py              # 2 CPU ranks, gloo
+    .venv/bin/python benchmarks/train_throughput.py --steps 6 --warmup 2
+
+Same shape for every case: vocab 8192, d 256, 4 layers, 4 heads, 2 kv heads, 8 experts, top-2,
+expert hidden 512, seq 256, micro-batch 4 per rank, fp32, AdamW, clipping 1.0, aux loss 0.01,
+one thread per rank, 2 ranks. Cases (each in its own fresh pair of processes):
+
+- ``moetrain``       moetrain's Trainer (EP=2: each rank holds 4 experts; ZeRO-2 over the rest)
+- ``moetrain-ep1``   the same with EP=1 (experts replicated; ZeRO-2 shards their optimizer state)
+- ``hf-mixtral``     MixtralForCausalLM (default experts), ``deepspeed.initialize`` ZeRO-2
+- ``hf-mixtral-grouped``  the same with ``experts_implementation="grouped_mm"``
+
+Tokens/s: global tokens per optimizer step / median step time over ``--steps`` measured steps
+after ``--warmup``; the cases alternate round by round (``--rounds``) so that load from other
+processes hits them alike, and the best round's median is reported. Memory: peak resident set
+size of each rank (``ru_maxrss``) and its growth over the RSS measured just before the model
+is built (the part the training state accounts for; imports excluded), max over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+SHAPE = dict(
+    vocab=8192, d=256, layers=4, heads=4, kv_heads=2, experts=8, top_k=2, hidden=512, seq=256
+)
+MICRO = 4
+CASES = ["moetrain", "moetrain-ep1", "hf-mixtral", "hf-mixtral-grouped"]
+
+
+def _rss_now_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _batches(rank: int, world: int, n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(n):
+        seq = torch.randint(0, SHAPE["vocab"], (MICRO * world, SHAPE["seq"] + 1), generator=g)
+        mine = seq[rank * MICRO : (rank + 1) * MICRO]
+        out.append({"input_ids": mine[:, :-1].contiguous(), "labels": mine[:, 1:].contiguous()})
+    return out
+
+
+def _moetrain_step_fn(ep: int):
+    from moetrain.config import load_config
+    from moetrain.parallel.topology import init_distributed
+    from moetrain.train.trainer import Trainer
+
+    s = SHAPE
+    cfg = load_config(
+        None,
+        [
+            f"model.vocab_size={s['vocab']}",
+            f"model.d_model={s['d']}",
+            f"model.n_layers={s['layers']}",
+            f"model.n_heads={s['heads']}",
+            f"model.n_kv_heads={s['kv_heads']}",
+            f"model.max_seq_len={s['seq']}",
+            f"moe.num_experts={s['experts']}",
+            f"moe.top_k={s['top_k']}",
+            f"moe.expert_hidden={s['hidden']}",
+            "moe.aux_loss_coef=0.01",
+            "moe.z_loss_coef=0",
+            f"data.seq_len={s['seq']}",
+            f"parallel.ep_size={ep}",
+            "parallel.zero_stage=2",
+            f"train.micro_batch_size={MICRO}",
+            "train.precision=fp32",
+            "optim.grad_clip=1.0",
+            "optim.warmup_steps=0",
+            "optim.schedule=constant",
+            "run_dir=/tmp/moetrain-bench-unused",
+        ],
+    )
+    trainer = Trainer(cfg, init_distributed(cfg))
+    return lambda batch: trainer.train_step([batch])
+
+
+def _hf_step_fn(grouped: bool):
+    import deepspeed
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    s = SHAPE
+    kw = {"experts_implementation": "grouped_mm"} if grouped else {}
+    config = MixtralConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["d"],
+        intermediate_size=s["hidden"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        num_local_experts=s["experts"],
+        num_experts_per_tok=s["top_k"],
+        max_position_embeddings=s["seq"],
+        router_aux_loss_coef=0.01,
+        output_router_logits=True,
+        attn_implementation="sdpa",
+        use_cache=False,
+        **kw,
+    )
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    ds = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+
+    def step(batch):
+        out = engine(input_ids=batch["input_ids"], labels=batch["input_ids"])
+        engine.backward(out.loss)
+        engine.step()
+
+    return step
+
+
+def bench_job(rank: int, world: int, case: str, warmup: int, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from deepspeed.utils import logger
+
+    logger.setLevel("WARNING")
+    rss_before = _rss_now_mib()
+    if case.startswith("moetrain"):
+        step = _moetrain_step_fn(ep=1 if case == "moetrain-ep1" else 2)
+    else:
+        step = _hf_step_fn(grouped=case.endswith("grouped"))
+    times = []
+    for i, batch in enumerate(_batches(rank, world, warmup + steps)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(batch)
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {
+        "step_s": statistics.median(times),
+        "peak_rss_mib": _peak_rss_mib(),
+        "rss_growth_mib": _peak_rss_mib() - rss_before,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cases", nargs="*", default=CASES)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from dist_utils import run_distributed
+
+    world = 2
+    tokens_per_step = world * MICRO * SHAPE["seq"]
+    best: dict[str, dict] = {}
+    for rnd in range(args.rounds):
+        for case in args.cases:
+            ranks = run_distributed(bench_job, world, case, args.warmup, args.steps, timeout=1800.0)
+            res = {
+                "tokens_per_s": tokens_per_step / max(r["step_s"] for r in ranks),
+                "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
+                "rss_growth_mib": max(r["rss_growth_mib"] for r in ranks),
+            }
+            print(f"round {rnd} {case}: {json.dumps(res)}", flush=True)
+            if case not in best or res["tokens_per_s"] > best[case]["tokens_per_s"]:
+                best[case] = res
+    peer = best.get("hf-mixtral")
+    print("\n| case | tokens/s (2 ranks) | peak RSS / rank (MiB) | RSS growth / rank (MiB) |")
+    print("|---|---:|---:|---:|")
+    for case, r in best.items():
+        print(
+            f"| {case} | {r['tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} | "
+            f"{r['rss_growth_mib']:.0f} |"
+        )
+    if peer:
+        for case in ("moetrain", "moetrain-ep1"):
+            if case in best:
+                r = best[case]
+                print(
+                    f"{case} vs hf-mixtral: {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x "
+                    f"tokens/s, {r['peak_rss_mib'] / peer['peak_rss_mib']:.2f}x peak RSS, "
+                    f"{r['rss_growth_mib'] / peer['rss_growth_mib']:.2f}x RSS growth"
+                )
+    if args.json:
+        args.json.write_text(json.dumps(best, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

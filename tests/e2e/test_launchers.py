@@ -1,0 +1,128 @@
+"""Each launcher in launch/ starts a real 2-process training run (CPU, gloo, EP=2).
+
+All runs read the same prepared shards with the same global batch (2 ranks x micro-batch 2,
+or one plain process with micro-batch 4), so their per-step losses must agree with the plain
+single-process run: an end-to-end layout-parity check through the real CLI and data pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+STEPS = 3
+CONFIG = """\
+seed: 3
+model: {vocab_size: 384, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2,
+        dense_hidden: 64, max_seq_len: 32}
+moe: {num_experts: 4, top_k: 2, expert_hidden: 32, bias_update_rate: 0.001}
+data: {source: CORPUS, source_format: text, output_dir: DATA, seq_len: 32, num_proc: 1,
+       val_fraction: 0.05}
+parallel: {ep_size: 2, zero_stage: 2}
+optim: {lr: 3.0e-3, warmup_steps: 1, grad_clip: 0.5}
+train: {max_steps: 3, micro_batch_size: 2, eval_every: 3, eval_steps: 1, log_every: 1}
+checkpoint: {save_every_steps: 0}
+"""
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHON=PY, PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{Path(PY).parent}:{env.get('PATH', '')}"
+    return env
+
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A config over a small prepared corpus (Python's own standard-library sources)."""
+    work = tmp_path_factory.mktemp("launch")
+    corpus = work / "corpus.txt"
+    files = sorted(Path(os.__file__).parent.glob("*.py"))[:20]
+    corpus.write_text("".join(f.read_text(errors="replace") for f in files)[:400_000])
+    cfg = work / "tiny.yaml"
+    cfg.write_text(CONFIG.replace("CORPUS", str(corpus)).replace("DATA", str(work / "data")))
+    subprocess.run(
+        [PY, "-m", "moetrain", "prepare", str(cfg)],
+        check=True,
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        timeout=300,
+    )
+    return cfg
+
+
+def _run(cmd: list[str], run_dir: Path) -> list[dict]:
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=420)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert f"step {STEPS}/{STEPS}" in out, out[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ds = json.loads((run_dir / "deepspeed_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 2
+    return records
+
+
+def _loads(record: dict, layer: int) -> list[float]:
+    """Tokens per expert of one MoE layer in a metrics.jsonl step record."""
+    return record[f"moe/layer{layer}/tokens_per_expert"]
+
+
+def _losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records if "loss" in r and "step" in r]
+
+
+@pytest.fixture(scope="module")
+def single(config: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp("single")
+    cmd = [PY, "-m", "moetrain", "train", str(config), f"run_dir={run_dir}",
+           "parallel.ep_size=1", "train.micro_batch_size=4"]  # fmt: skip
+    records = _run(cmd, run_dir)
+    assert records[0]["step"] == 1 and len(_losses(records)) == STEPS
+    return records
+
+
+LAUNCHERS = {
+    "torchrun": ["bash", "launch/train-torchrun.sh"],
+    "deepspeed": ["bash", "launch/train-deepspeed.sh"],
+    "accelerate": ["bash", "launch/train-accelerate.sh"],
+}
+
+
+def test_plain_process(single: list[dict]) -> None:
+    assert any("val_loss" in r for r in single)
+    assert [sum(_loads(single[0], i)) for i in (0, 1)] == [4 * 32 * 2] * 2
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_launcher_two_processes(
+    launcher: str, config: Path, single: list[dict], tmp_path: Path, monkeypatch
+) -> None:
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("MASTER_PORT", _free_port())
+    monkeypatch.setenv("NPROC", "2")
+    records = _run([*LAUNCHERS[launcher], str(config), f"run_dir={run_dir}"], run_dir)
+    losses, want = _losses(records), _losses(single)
+    assert len(losses) == STEPS
+    for got, ref in zip(losses, want, strict=True):
+        assert abs(got - ref) / ref < 1e-5, (launcher, losses, want)
+    # tokens per expert are global counts: 2 layers x 4 experts summing to tokens x top_k
+    tokens = 4 * 32 * 2
+    assert [sum(_loads(records[0], i)) for i in (0, 1)] == [tokens, tokens]
