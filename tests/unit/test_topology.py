@@ -99,3 +99,67 @@ def test_deepspeed_config_precision_and_offload() -> None:
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     ds = deepspeed_config(_cfg(**{"train.precision": "fp16"}), 2)
     assert ds["fp16"]["enabled"] and ds["fp16"]["loss_scale"] == 0
+
+
+def test_deepspeed_moe_marker_shim() -> None:
+    """Experts become DeepSpeed MoE modules with per-expert state-dict keys (one file per
+    global expert in DeepSpeed checkpoints) that load back into the stacked weights."""
+    import torch
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.utils import is_moe_param
+
+    from moetrain.model.transformer import Transformer
+    from moetrain.parallel.deepspeed import mark_experts_for_deepspeed
+    from moetrain.parallel.expert_parallel import moe_layers, slice_experts
+
+    cfg = _cfg(
+        **{"model.d_model": 32, "model.n_layers": 1, "model.n_heads": 4, "model.vocab_size": 64,
+           "moe.num_experts": 4, "moe.expert_hidden": 16}
+    )  # fmt: skip
+
+    def topo(ep: int) -> Topology:
+        return Topology(rank=1, world_size=2, local_rank=1, ep_size=ep, backend="gloo",
+                        device=torch.device("cpu"))  # fmt: skip
+
+    def build(ep: int) -> Transformer:
+        torch.manual_seed(0)
+        model = Transformer(cfg.model, cfg.moe)
+        for _, layer in moe_layers(model):
+            slice_experts(layer.experts, *topo(ep).local_expert_range(4))
+        return model
+
+    # marking changes nothing in the computation (ep 1: all experts local)
+    x = torch.randint(0, 64, (2, 8))
+    marked, plain = build(1), build(1)
+    mark_experts_for_deepspeed(marked, topo(1))
+    torch.testing.assert_close(marked(x).logits, plain(x).logits, rtol=0, atol=0)
+
+    # ep 2, rank 1: experts 2 and 3 are local
+    model = build(2)
+    assert mark_experts_for_deepspeed(model, topo(2)) == 1
+    experts = model.layers[0].ffn.experts
+    assert isinstance(experts, MoE) and experts.num_experts == 4
+    assert experts.num_local_experts == 2 and experts.expert_group_name == "ep_size_2"
+    for name, p in model.named_parameters():
+        assert is_moe_param(p) == (".experts." in name)
+        if ".experts." in name:
+            assert p.group_name == "ep_size_2"
+    torch.testing.assert_close(experts.w1, plain.layers[0].ffn.experts.w1[2:4])
+
+    sd = model.state_dict()
+    prefix = "layers.0.ffn.experts."
+    assert prefix + "w1" not in sd
+    key = prefix + "deepspeed_moe.experts.deepspeed_experts.1.w2"
+    torch.testing.assert_close(sd[key], experts.w2[1].detach())
+    assert len([k for k in sd if k.startswith(prefix)]) == 2 * 3
+
+    other = build(2)
+    mark_experts_for_deepspeed(other, topo(2))
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    other.load_state_dict(sd)
+    for name in ("w1", "w2", "w3"):
+        torch.testing.assert_close(
+            getattr(other.layers[0].ffn.experts, name), getattr(experts, name)
+        )
