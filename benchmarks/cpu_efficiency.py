@@ -7,16 +7,17 @@ One process, fp32, CPU. A small MoE Transformer (moetrain's model, grouped exper
 torch.optim.AdamW: forward + backward + optimizer step + zero_grad. Model FLOPs per token come
 from ``moetrain.numbers.model_numbers`` (6 x active matmul params + attention; the optimizer's
 element-wise work is not counted). The denominator is the fp32 ``torch.matmul`` rate measured in
-the same run at the GEMM sizes training uses (projections, experts, LM head) and one square
-2048^3; the best of them is taken, so the fraction is conservative. Matmul and training rounds
-alternate, so load from other processes hits both alike; the best round of each is reported
-(the least-disturbed one).
+the same run: first at the GEMM sizes training uses (projections, experts, LM head) and one
+square 2048^3, then, after every training step, again at the fastest of those sizes. Each
+(step, matmul) pair sees the same load from other processes; the efficiency is the median over
+pairs of model FLOP/s / matmul FLOP/s (min and max shown too).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -68,74 +69,71 @@ def matmul_tflops(m: int, k: int, n: int, min_seconds: float = 0.5) -> float:
     return 2.0 * m * k * n * reps / elapsed / 1e12
 
 
-def train_rate(model: Transformer, opt: torch.optim.Optimizer, cfg: Config, steps: int) -> float:
-    """Tokens per second over ``steps`` training steps."""
+def train_step_seconds(model: Transformer, opt: torch.optim.Optimizer, cfg: Config) -> float:
+    """Wall time of one whole training step (forward, backward, AdamW step, zero_grad)."""
     b, s, v = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.vocab_size
-    batches = [(torch.randint(0, v, (b, s)), torch.randint(0, v, (b, s))) for _ in range(steps)]
+    ids, labels = torch.randint(0, v, (b, s)), torch.randint(0, v, (b, s))
     start = time.perf_counter()
-    for ids, labels in batches:
-        out = model(ids, labels_BS=labels)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return b * s * steps / (time.perf_counter() - start)
+    out = model(ids, labels_BS=labels)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
 
 
-def run(threads: int, steps: int, rounds: int, grouped_mm: bool = True) -> dict[str, object]:
+def run(threads: int, steps: int, grouped_mm: bool = True) -> dict[str, object]:
+    """Pairs (training step, matmul timing right after it); the median of the per-pair ratios
+    is the efficiency, so both sides of each ratio see the same load from other processes."""
     torch.set_num_threads(threads)
     cfg = bench_config({"moe.grouped_mm": grouped_mm})
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.moe)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    train_rate(model, opt, cfg, 1)  # warm-up: optimizer states, kernels, allocator
+    train_step_seconds(model, opt, cfg)  # warm-up: optimizer states, kernels, allocator
     flops = model_numbers(cfg).flops_per_token
-    shapes = gemm_shapes(cfg)
-    best_mm = dict.fromkeys(shapes, 0.0)
-    best_train = 0.0
-    for _ in range(rounds):
-        for shape in shapes:
-            best_mm[shape] = max(best_mm[shape], matmul_tflops(*shape))
-        best_train = max(best_train, train_rate(model, opt, cfg, steps))
-    achieved = best_train * flops / 1e12
-    reference = max(best_mm.values())
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    by_shape = {shape: matmul_tflops(*shape) for shape in gemm_shapes(cfg)}
+    ref_shape = max(by_shape, key=by_shape.__getitem__)  # the fastest GEMM size here
+    pairs = []
+    for _ in range(steps):
+        model_tflops = tokens * flops / train_step_seconds(model, opt, cfg) / 1e12
+        pairs.append((model_tflops, matmul_tflops(*ref_shape)))
+    ratios = sorted(m / r for m, r in pairs)
     return {
         "threads": threads,
         "grouped_mm": grouped_mm,
-        "tokens_per_s": best_train,
         "flops_per_token": flops,
-        "model_tflops": achieved,
-        "matmul_tflops": {f"{m}x{k}x{n}": v for (m, k, n), v in best_mm.items()},
-        "matmul_reference_tflops": reference,
-        "efficiency": achieved / reference,
+        "tokens_per_step": tokens,
+        "matmul_tflops_by_shape": {f"{m}x{k}x{n}": v for (m, k, n), v in by_shape.items()},
+        "reference_shape": "x".join(map(str, ref_shape)),
+        "pairs_model_vs_matmul_tflops": pairs,
+        "model_tflops_median": statistics.median(m for m, _ in pairs),
+        "matmul_tflops_median": statistics.median(r for _, r in pairs),
+        "efficiency": statistics.median(ratios),
+        "efficiency_min_max": (ratios[0], ratios[-1]),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--steps", type=int, default=3, help="training steps per timed round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5, help="(training step, matmul) pairs")
     ap.add_argument("--loop", action="store_true", help="per-expert loop instead of grouped_mm")
     ap.add_argument("--json", action="store_true", help="print JSON lines only")
     args = ap.parse_args()
     if not args.json:
         print(f"shape: {json.dumps(SHAPE)}  (torch {torch.__version__})")
-        print("threads | tokens/s | model GFLOP/s | best matmul GFLOP/s | efficiency")
+        print("threads | model GFLOP/s | matmul GFLOP/s (m x k x n) | efficiency (median of pairs)")
     for threads in args.threads:
-        res = run(threads, args.steps, args.rounds, grouped_mm=not args.loop)
+        res = run(threads, args.steps, grouped_mm=not args.loop)
         if args.json:
             print(json.dumps(res))
             continue
+        lo, hi = res["efficiency_min_max"]  # type: ignore[misc]
         print(
-            f"{threads:7d} | {res['tokens_per_s']:8.0f} | {res['model_tflops'] * 1e3:13.1f} | "
-            f"{res['matmul_reference_tflops'] * 1e3:19.1f} | {res['efficiency']:.1%}"
-        )
-        print(
-            "        matmul GFLOP/s by (m x k x n): "
-            + ", ".join(
-                f"{k} {v * 1e3:.1f}"
-                for k, v in res["matmul_tflops"].items()  # type: ignore[union-attr]
-            )
+            f"{threads:7d} | {res['model_tflops_median'] * 1e3:13.1f} | "
+            f"{res['matmul_tflops_median'] * 1e3:14.1f} ({res['reference_shape']}) | "
+            f"{res['efficiency']:.1%} (range {lo:.1%}-{hi:.1%})"
         )
 
 
