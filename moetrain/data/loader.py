@@ -21,6 +21,8 @@ cover the following positions). A different seed, seq_len, split or shard set is
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,8 +73,38 @@ class PackedLoader:
                 f"{self.out_dir / INDEX_FILE}: split {split!r} has {self.num_tokens} tokens, "
                 f"fewer than one sequence of data.seq_len+1={seq_len + 1}"
             )
+        self._itemsize = np.dtype(index["dtype"]).itemsize
+        self._dtype = np.dtype(index["dtype"]).newbyteorder("<")
+        self._fds: dict[int, int] = {}
         self.consumed_samples = 0
         self._perm: tuple[int, Permutation] | None = None
+
+    # Shards are read with pread rather than through the memory map: the page cache keeps hot
+    # data in memory, but it is not mapped into this process, so resident memory stays flat
+    # however large the corpus and however long the run (a memmap's touched pages, widened by
+    # readahead, would count as RSS and grow towards the corpus size).
+    def _read(self, shard: int, lo: int, hi: int) -> np.ndarray:
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = os.open(self._shards[shard].path, os.O_RDONLY)
+        nbytes = (hi - lo) * self._itemsize
+        buf = os.pread(fd, nbytes, lo * self._itemsize)
+        if len(buf) != nbytes:
+            raise DataError(f"{self._shards[shard].path}: short read (file changed on disk?)")
+        return np.frombuffer(buf, dtype=self._dtype)
+
+    def close(self) -> None:
+        """Close the shard files (reopened on demand)."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __getstate__(self) -> dict:
+        return self.__dict__ | {"_fds": {}}
 
     # ------------------------------------------------------------------ samples
     @property
@@ -108,7 +140,7 @@ class PackedLoader:
         while pos < end:
             lo = pos - int(self._shard_starts[i])
             hi = min(end, int(self._shard_starts[i + 1])) - int(self._shard_starts[i])
-            pieces.append(self._shards[i].tokens[lo:hi])
+            pieces.append(self._read(i, lo, hi))
             pos += hi - lo
             i += 1
         return (

@@ -83,8 +83,9 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.sp.encode(list(texts))
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """Encode many texts; one thread by default (parallelism comes from worker processes)."""
+        return self.sp.encode(list(texts), num_threads=num_threads)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode(list(ids))
