@@ -393,6 +393,8 @@ def validate(cfg: Config) -> None:
     _require(0 <= d.val_fraction < 1, "data.val_fraction", "must be in [0, 1)")
     _require(d.num_proc >= 0, "data.num_proc", "must be >= 0 (0 = all cores)")
     _require(d.shard_tokens > 0, "data.shard_tokens", "must be > 0")
+    _require(d.tokenizer_sample_docs > 0, "data.tokenizer_sample_docs", "must be > 0")
+    _require(d.max_docs is None or d.max_docs > 0, "data.max_docs", "must be > 0 or null")
     if d.source_format is not None:
         allowed = ("text", "json", "parquet", "csv")
         _require(d.source_format in allowed, "data.source_format", f"must be one of {allowed}")
