@@ -353,3 +353,12 @@ def test_shard_size_mismatch(prepared, tmp_path):
     shard.unlink()
     with pytest.raises(DataError, match=f"{shard}: shard file listed in index.json is missing"):
         build_loader(cfg2.data, "train", 2, 0, 1, 0)
+
+
+def test_bad_source_specs(tmp_path):
+    cfg = config(tmp_path, "x.jsonl")
+    cfg.data.source = "hf:"  # (YAML would read a bare "hf:" as a mapping)
+    with pytest.raises(DataError, match="names no dataset; use hf:NAME"):
+        prepare(cfg)
+    with pytest.raises(DataError, match="unknown builtin corpus 'builtin:nope'"):
+        prepare(config(tmp_path, "builtin:nope"))
