@@ -1,0 +1,180 @@
+"""Every supported Hugging Face format loads in transformers and gives moetrain's logits; the
+settings no format represents are refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig, is_moe_layer
+from moetrain.convert.formats import ARCHITECTURES, choose_format, config_from_hf, hf_config
+from moetrain.convert.hf import from_hf_state_dict, to_hf_state_dict
+from moetrain.model import Transformer
+
+transformers = pytest.importorskip("transformers")
+
+# moetrain settings that each format represents exactly (and that auto picks).
+CASES = {
+    "mixtral": dict(model={}, moe={}),
+    "qwen2_moe": dict(
+        model={},
+        moe=dict(
+            first_k_dense=1,
+            moe_every=2,
+            num_shared_experts=1,
+            shared_expert_gate=True,
+            shared_expert_hidden=40,
+            renormalize=False,
+        ),
+    ),
+    "qwen3_moe": dict(model=dict(qk_norm=True), moe=dict(first_k_dense=1)),
+    "glm4_moe": dict(
+        model=dict(qk_norm=True),
+        moe=dict(
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=2,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
+}
+
+
+def tiny_cfg(fmt: str) -> Config:
+    model = ModelConfig(
+        vocab_size=96,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        dense_hidden=48,
+        max_seq_len=64,
+        rope_theta=5000.0,
+        norm_eps=1e-6,
+        **CASES[fmt]["model"],
+    )
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=24, **CASES[fmt]["moe"])
+    return Config(model=model, moe=moe)
+
+
+def model_for(cfg: Config) -> Transformer:
+    torch.manual_seed(0)
+    m = Transformer(cfg.model, cfg.moe).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a swapped tensor would show
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+        if cfg.moe.bias_update_rate > 0:
+            for layer in m.moe_layers():
+                layer.router.expert_bias.uniform_(-0.3, 0.3)
+    return m
+
+
+def load_hf(cfg: Config, model: Transformer, fmt: str, path):
+    hf_config(cfg, fmt).save_pretrained(path)
+    save_file(to_hf_state_dict(model.state_dict(), cfg, fmt), str(path / "model.safetensors"))
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info
+    return hf.eval()
+
+
+@pytest.mark.parametrize("fmt", list(CASES))
+def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
+    cfg = tiny_cfg(fmt)
+    assert choose_format(cfg) == fmt
+    model = model_for(cfg)
+    hf = load_hf(cfg, model, fmt, tmp_path)
+    assert type(hf).__name__ == ARCHITECTURES[fmt]
+    ids = torch.randint(0, 96, (2, 19))
+    with torch.no_grad():
+        ref, got = hf(input_ids=ids).logits, model(ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert ref.abs().max() > 1e-2
+    # HF config -> moetrain config, and both HF layouts (per-expert file, v5 fused) -> moetrain
+    back_cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    unused = {"dense_hidden": back_cfg.model.dense_hidden} if fmt == "mixtral" else {}
+    assert back_cfg.model == dataclasses.replace(cfg.model, **unused)  # mixtral: no dense FFN
+    for key in (
+        "num_experts",
+        "top_k",
+        "expert_hidden",
+        "score_func",
+        "renormalize",
+        "route_scale",
+        "num_shared_experts",
+        "shared_expert_gate",
+    ):
+        assert getattr(back_cfg.moe, key) == getattr(cfg.moe, key), key
+    layers = range(cfg.model.n_layers)
+    assert [is_moe_layer(i, back_cfg.moe) for i in layers] == [
+        is_moe_layer(i, cfg.moe) for i in layers
+    ]
+    sd = model.state_dict()
+    for layout in (to_hf_state_dict(sd, cfg, fmt), hf.state_dict()):
+        back = from_hf_state_dict(layout, cfg, fmt)
+        assert set(back) == set(sd)
+        for k in sd:
+            torch.testing.assert_close(back[k], sd[k], atol=0, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "model_kw", "moe_kw", "key"),
+    [
+        ("olmoe", {}, {}, "model.qk_norm"),
+        ("olmoe", dict(qk_norm=True), {}, "model.qk_norm"),
+        ("qwen2_moe", {}, dict(num_shared_experts=1), "moe.shared_expert_gate"),
+        ("qwen2_moe", {}, {}, "moe.num_shared_experts"),
+        ("qwen3_moe", {}, {}, "model.qk_norm"),
+        ("qwen3_moe", dict(qk_norm=True), dict(bias_update_rate=0.1), "moe.bias_update_rate"),
+        ("glm4_moe", {}, dict(num_shared_experts=1), "moe.score_func"),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, shared_expert_gate=True),
+            "moe.shared_expert_gate",
+        ),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, moe_every=2),
+            "moe.moe_every",
+        ),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, shared_expert_hidden=7),
+            "moe.shared_expert_hidden",
+        ),
+        ("mixtral", {}, dict(capacity_factor=1.0), "moe.capacity_factor"),
+    ],
+)
+def test_explicit_format_refused_naming_the_setting(fmt, model_kw, moe_kw, key) -> None:
+    cfg = Config(model=ModelConfig(**model_kw), moe=MoEConfig(**moe_kw))
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(cfg, fmt)
+
+
+def test_auto_refuses_a_model_no_format_represents() -> None:
+    # softmax routing + ungated shared expert: only GLM has ungated shared experts (sigmoid)
+    cfg = Config(moe=MoEConfig(num_shared_experts=1))
+    with pytest.raises(ConfigError, match="no Hugging Face class") as e:
+        choose_format(cfg)
+    assert "moe.num_shared_experts" in str(e.value) and "moe.score_func" in str(e.value)
+    with pytest.raises(ConfigError, match="unknown format"):
+        choose_format(cfg, "deepseek_v3")
+
+
+def test_softmax_with_nonzero_bias_tensor_is_refused() -> None:
+    cfg = tiny_cfg("mixtral")
+    sd = model_for(cfg).state_dict()
+    sd["layers.1.ffn.router.expert_bias"] = torch.full((4,), 0.5)
+    with pytest.raises(ConfigError, match=r"layers\.1\.ffn\.router\.expert_bias"):
+        to_hf_state_dict(sd, cfg, "mixtral")
