@@ -4,7 +4,9 @@ Everything is built in a temporary directory next to ``data.output_dir``
 (``.<name>.tmp-<host>-<pid>-<rand>``), fsynced, and renamed into place only when the index is
 written, so an interrupted prepare never leaves a complete-looking shard set (a previous
 complete set stays untouched until the rename). Temporary directories left by dead prepares are
-removed on the next run. A rerun with the same inputs finds the finished set and returns at once.
+removed on the next run. A rerun with the same inputs finds the finished set and returns at once
+(same inputs = same source fingerprint and data/tokenizer settings; a streamed Hub dataset has no
+fingerprint, so delete ``output_dir`` to rebuild one after it changed upstream).
 
 Train/validation split: document ``i`` (in source order) goes to validation when
 ``blake2b(i) / 2**64 < data.val_fraction``; document 0 always does when ``val_fraction > 0``,
