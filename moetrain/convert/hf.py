@@ -15,6 +15,7 @@ layer of experts at a time).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -111,9 +112,17 @@ def to_hf_state_dict(
 
 
 def from_hf_state_dict(
-    hf_state_dict: dict[str, torch.Tensor], cfg: Config, fmt: str
+    hf_state_dict: dict[str, torch.Tensor],
+    cfg: Config,
+    fmt: str,
+    expert_layers: Iterable[int] | None = None,
+    dense: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """HF state dict of ``fmt`` (per-expert or v5 fused layout) -> moetrain state dict."""
+    """HF state dict of ``fmt`` (per-expert or v5 fused layout) -> moetrain state dict.
+
+    ``expert_layers``: the MoE layers whose experts to map (default all); ``dense``: whether to
+    map the non-expert weights. Streaming readers pass one layer at a time.
+    """
     check_format(fmt, cfg.model, cfg.moe)
     sd, moe = hf_state_dict, cfg.moe
     if fmt == "mixtral":  # v5 renames Mixtral's block_sparse_moe to mlp in memory
@@ -124,31 +133,34 @@ def from_hf_state_dict(
             raise KeyError(f"{fmt} state dict has no {key!r}")
         return sd[key]
 
-    out = {ours: get(theirs) for ours, theirs in dense_key_map(cfg, fmt).items()}
-    if cfg.model.tie_embeddings:
-        out["lm_head.weight"] = out["embed.weight"]
-    for key, t in sd.items():
-        if re.search(r"self_attn\.[qkvo]_proj\.bias$", key) and bool(t.ne(0).any()):
-            raise ConfigError(f"{key}: non-zero attention bias; moetrain attention has none")
-    for i in range(cfg.model.n_layers):
+    out: dict[str, torch.Tensor] = {}
+    if dense:
+        out = {ours: get(theirs) for ours, theirs in dense_key_map(cfg, fmt).items()}
+        if cfg.model.tie_embeddings:
+            out["lm_head.weight"] = out["embed.weight"]
+        for key, t in sd.items():
+            if re.search(r"self_attn\.[qkvo]_proj\.bias$", key) and bool(t.ne(0).any()):
+                raise ConfigError(f"{key}: non-zero attention bias; moetrain attention has none")
+        for i in range(cfg.model.n_layers):
+            if is_moe_layer(i, moe):
+                bias = f"layers.{i}.ffn.router.expert_bias"
+                out[bias] = out[bias].float() if bias in out else torch.zeros(moe.num_experts)
+    layers = range(cfg.model.n_layers) if expert_layers is None else expert_layers
+    for i in layers:
         if not is_moe_layer(i, moe):
             continue
-        dst, fused = f"layers.{i}.ffn.", f"model.layers.{i}.mlp.experts."
+        dst, fused = f"layers.{i}.ffn.experts.", f"model.layers.{i}.mlp.experts."
         if fused + "gate_up_proj" in sd:  # transformers v5 fused layout
             f = moe.expert_hidden
             gate_up = get(fused + "gate_up_proj")  # (E, 2F, D)
-            out[dst + "experts.w1"] = gate_up[:, :f].transpose(1, 2)
-            out[dst + "experts.w3"] = gate_up[:, f:].transpose(1, 2)
-            out[dst + "experts.w2"] = get(fused + "down_proj").transpose(1, 2)
+            out[dst + "w1"] = gate_up[:, :f].transpose(1, 2)
+            out[dst + "w3"] = gate_up[:, f:].transpose(1, 2)
+            out[dst + "w2"] = get(fused + "down_proj").transpose(1, 2)
         else:
             for name in ("w1", "w3", "w2"):
-                out[f"{dst}experts.{name}"] = torch.stack(
+                out[dst + name] = torch.stack(
                     [get(expert_key(fmt, i, e, name)).t() for e in range(moe.num_experts)]
                 )
-        if fmt != "glm4_moe":
-            out[dst + "router.expert_bias"] = torch.zeros(moe.num_experts)
-        else:
-            out[dst + "router.expert_bias"] = out[dst + "router.expert_bias"].float()
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
