@@ -15,6 +15,7 @@ a run resumes from the newest complete checkpoint of its run_dir.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -417,6 +418,9 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     try:
         topo = init_distributed(cfg)
         run_dir = Path(cfg.run_dir)
+        if topo.is_main:
+            for msg in launcher_disagreements(cfg, dict(os.environ)):
+                print(f"moetrain: warning: {msg}", flush=True)
         t = cfg.train
         vocab = cfg.model.vocab_size
         train_loader = build_loader(
