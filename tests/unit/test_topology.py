@@ -163,3 +163,19 @@ def test_deepspeed_moe_marker_shim() -> None:
         torch.testing.assert_close(
             getattr(other.layers[0].ffn.experts, name), getattr(experts, name)
         )
+
+
+def test_accelerate_settings_that_disagree_are_reported() -> None:
+    from moetrain.train.trainer import launcher_disagreements
+
+    cfg = _cfg(**{"parallel.zero_stage": 1})
+    assert launcher_disagreements(cfg, {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}) == []
+    env = {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2",
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+    }
+    msgs = launcher_disagreements(cfg, env)
+    assert len(msgs) == 2
+    assert "parallel.zero_stage gives 1" in msgs[0] and "train.precision gives no" in msgs[1]
