@@ -29,6 +29,7 @@ import json
 import os
 import random
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +67,15 @@ def _rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
-def barrier(topo: Topology, what: str) -> None:
-    """A barrier that, on timeout, names what was being waited for (and, on gloo, who)."""
+def barrier(topo: Topology, what: str, timeout_minutes: float) -> None:
+    """A barrier that, on timeout, names what was being waited for (and, on gloo, which ranks
+    did not arrive)."""
     if topo.world_size == 1:
         return
     try:
         if topo.backend == "gloo":
-            dist.monitored_barrier(wait_all_ranks=True)
+            timeout = timedelta(minutes=timeout_minutes)
+            dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
         else:
             dist.barrier()
     except RuntimeError as e:
@@ -129,6 +132,9 @@ class Checkpointer:
         self.cfg, self.topo = cfg, topo
         self.root = checkpoint_root(cfg)
 
+    def _barrier(self, what: str) -> None:
+        barrier(self.topo, what, self.cfg.parallel.timeout_minutes)
+
     # ------------------------------------------------------------------ save
     def save(self, trainer: Any, loader: Any, extra: dict[str, Any] | None = None) -> Path:
         """Write a complete, committed checkpoint of ``trainer`` at its current step."""
@@ -141,7 +147,7 @@ class Checkpointer:
             if path.exists():  # a leftover (partial, or an older run's) directory: start clean
                 (path / COMMIT_FILE).unlink(missing_ok=True)
                 shutil.rmtree(path)
-        barrier(topo, f"checkpoint {tag}: prepare directory")
+        self._barrier(f"checkpoint {tag}: prepare directory")
         trainer.engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
         torch.save(_rng_state(), path / _rank_file(topo.rank))
         if topo.is_main:
@@ -149,19 +155,19 @@ class Checkpointer:
             tokenizer = Path(self.cfg.data.output_dir) / TOKENIZER_FILE
             if tokenizer.is_file():  # the checkpoint converts without the data directory
                 shutil.copyfile(tokenizer, path / TOKENIZER_FILE)
-        barrier(topo, f"checkpoint {tag}: write shards")
+        self._barrier(f"checkpoint {tag}: write shards")
         files = sorted(p for p in path.iterdir() if p.is_file())
         for i, f in enumerate(files):
             if i % topo.world_size == topo.rank:
                 _fsync_file(f)
-        barrier(topo, f"checkpoint {tag}: fsync shards")
+        self._barrier(f"checkpoint {tag}: fsync shards")
         if topo.is_main:
             manifest = {f.name: f.stat().st_size for f in files}
             write_json_atomic(path / COMMIT_FILE, {"step": step, "files": manifest})
             deleted, errors = apply_retention(self.root, self.cfg.checkpoint.keep_last)
             for err in errors:
                 print(f"moetrain: warning: could not delete old checkpoint: {err}", flush=True)
-        barrier(topo, f"checkpoint {tag}: commit")
+        self._barrier(f"checkpoint {tag}: commit")
         return path
 
     def _trainer_state(self, trainer: Any, loader: Any, extra: dict[str, Any] | None) -> dict:

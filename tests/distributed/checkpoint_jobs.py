@@ -1,0 +1,158 @@
+"""Rank functions for the checkpoint tests (importable by spawned processes).
+
+They drive the real Trainer (DeepSpeed engine, expert parallelism) and the real Checkpointer on
+the parity tests' tiny model and synthetic global batches. The data position saved with a
+checkpoint comes from a small stand-in with the loader's state interface (the real loader's
+resume is tested in tests/unit/test_data_loader.py and through the CLI in tests/e2e).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from parity_jobs import global_batches, rank_slice, tiny_config
+
+
+class StreamPosition:
+    """The part of the loader's interface a checkpoint needs: a small state dict."""
+
+    tokenizer_sha256 = None
+
+    def __init__(self) -> None:
+        self.consumed = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed = state["consumed"]
+
+
+def fixed_batch() -> torch.Tensor:
+    return global_batches(99)[0]["input_ids"]
+
+
+def _setup(world: int, ep: int, stage: int, run_dir: Path, **extra: Any):
+    from moetrain.parallel.topology import init_distributed
+    from moetrain.train.checkpoint import Checkpointer
+    from moetrain.train.trainer import Trainer
+
+    cfg = tiny_config(world, ep, stage, run_dir=str(run_dir), **extra)
+    topo = init_distributed(cfg)
+    return cfg, topo, Trainer(cfg, topo), Checkpointer(cfg, topo)
+
+
+def _train(trainer: Any, rank: int, world: int, steps: range, pos: StreamPosition) -> list[float]:
+    losses = []
+    for step in steps:
+        rec = trainer.train_step([rank_slice(b, rank, world) for b in global_batches(step)])
+        pos.consumed += 1
+        losses.append(rec["loss"])
+    return losses
+
+
+@torch.no_grad()
+def _logits(trainer: Any) -> torch.Tensor:
+    trainer.engine.eval()
+    out = trainer.engine(fixed_batch(), None, None)
+    trainer.engine.train()
+    return out.logits.float()
+
+
+def save_job(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    """Train 2 steps at ep=2 and at ep=4 on 4 ranks, save both; return live weights and logits."""
+    out: dict[str, Any] = {}
+    for ep in (2, 4):
+        d = Path(run_dir) / f"ep{ep}"
+        cfg, topo, trainer, ckpt = _setup(world, ep, 2, d)
+        pos = StreamPosition()
+        _train(trainer, rank, world, range(2), pos)
+        path = ckpt.save(trainer, pos)
+        params = dict(trainer.model.named_parameters())
+        experts = {n: p.detach().clone() for n, p in params.items() if ".experts." in n}
+        out[f"ep{ep}"] = {
+            "path": str(path),
+            "experts": experts,
+            "range": topo.local_expert_range(cfg.moe.num_experts),
+            "logits": _logits(trainer),
+            "dense": {n: p.detach().clone() for n, p in params.items() if ".experts." not in n},
+        }
+        del trainer
+    return out
+
+
+def reshard_job(rank: int, world: int, ckpt_path: str, run_dir: str) -> dict[str, Any]:
+    """Load a checkpoint written by another layout; refuse without --reset-optimizer."""
+    from moetrain.train.checkpoint_files import CheckpointError
+
+    ep = min(world, 2)
+    cfg, topo, trainer, ckpt = _setup(world, ep, 2, Path(run_dir))
+    pos = StreamPosition()
+    try:
+        ckpt.load(Path(ckpt_path), trainer, pos, reset_optimizer=False)
+        refused = None
+    except CheckpointError as e:
+        refused = str(e)
+    state = ckpt.load(Path(ckpt_path), trainer, pos, reset_optimizer=True)
+    logits = _logits(trainer)
+    losses = _train(trainer, rank, world, range(state["step"], state["step"] + 2), pos)
+    return {
+        "refused": refused,
+        "logits": logits,
+        "step": state["step"],
+        "losses": losses,
+        "consumed": pos.consumed,
+        "lr": trainer.schedule.get_last_lr()[0],
+    }
+
+
+def nan_job(rank: int, world: int, stage: int, run_dir: str, poison_steps: list[int]) -> dict:
+    """Make rank 1's loss NaN at ``poison_steps``; record what every rank decided."""
+    cfg, topo, trainer, _ = _setup(
+        world, 2, stage, Path(run_dir), **{"train.max_nonfinite_in_a_row": 2}
+    )
+    records: list[dict[str, Any]] = []
+    unchanged: list[bool] = []
+    error = None
+    for step in range(5):
+        handle = None
+        if rank == 1 and step in poison_steps:
+            handle = trainer.model.embed.register_forward_hook(lambda m, i, o: o * float("nan"))
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        micro = [rank_slice(b, rank, world) for b in global_batches(step)]
+        try:
+            rec = trainer.train_step(micro)
+        except FloatingPointError as e:
+            error = str(e)
+            break
+        finally:
+            if handle is not None:
+                handle.remove()
+        records.append({k: rec[k] for k in ("step", "loss", "skipped", "skipped_steps")})
+        after = dict(trainer.model.named_parameters())
+        unchanged.append(all(torch.equal(before[n], after[n]) for n in before))
+    return {
+        "records": records,
+        "unchanged": unchanged,
+        "error": error,
+        "finite": all(torch.isfinite(p).all() for p in trainer.model.parameters()),
+    }
+
+
+def timeout_job(rank: int, world: int) -> str | None:
+    """Rank 1 never reaches the barrier: rank 0 must fail quickly, naming what it waited for."""
+    from moetrain.parallel.topology import Topology
+    from moetrain.train.checkpoint import barrier
+
+    topo = Topology(rank, world, rank, 1, "gloo", torch.device("cpu"))
+    if rank == 1:
+        time.sleep(6)
+        return None
+    try:
+        barrier(topo, "checkpoint step_00000007: write shards", timeout_minutes=0.03)
+    except RuntimeError as e:
+        return str(e)
+    return "no timeout"

@@ -1,0 +1,117 @@
+"""Checkpoints through the real DeepSpeed engine on gloo ranks: completeness, resharding,
+non-finite steps, barrier timeouts.
+
+- Expert completeness: after a save at ep=2 on 4 ranks, every expert of every MoE layer is on
+  disk exactly once, equals the live weights, and each file holds only its own tensors.
+- Reshard: a checkpoint saved at world=4/ep=4 loads at world=2/ep=2 and world=1/ep=1 (with
+  --reset-optimizer; refused with a clear message without it) and at one plain process through
+  moetrain's own safe reader; logits on a fixed batch match.
+- NaN on one rank: every rank skips the same step, weights are unchanged by it, training goes
+  on; too many in a row stops every rank with the same error (no hang).
+- A barrier that times out names what it waited for and which rank did not arrive.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from checkpoint_jobs import fixed_batch, nan_job, reshard_job, save_job, timeout_job
+from dist_utils import run_distributed
+
+from moetrain.train.checkpoint_files import safe_torch_load
+from moetrain.train.checkpoint_reader import checkpoint_config, load_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return run_distributed(save_job, 4, str(tmp_path_factory.mktemp("ckpt-save")))
+
+
+def test_every_expert_saved_once_equal_to_live_weights(saved):
+    info = saved[0]["ep2"]
+    from pathlib import Path
+
+    path = Path(info["path"])
+    cfg = checkpoint_config(path)
+    files = sorted(p.name for p in path.glob("layer_*_expert_*_mp_rank_00_model_states.pt"))
+    n_moe, n_exp = cfg.model.n_layers, cfg.moe.num_experts  # every layer is MoE here
+    assert len(files) == n_moe * n_exp
+    pattern = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
+    assert {tuple(map(int, pattern.match(f).groups())) for f in files} == {
+        (layer, e) for layer in range(n_moe) for e in range(n_exp)
+    }
+    for rank_result in saved:  # each rank's live local experts equal the files
+        r = rank_result["ep2"]
+        lo, hi = r["range"]
+        for name, live in r["experts"].items():
+            layer = int(name.split(".")[1])
+            wname = name.rsplit(".", 1)[1]
+            for local, e in enumerate(range(lo, hi)):
+                f = path / f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"
+                sd = safe_torch_load(f)
+                (key,) = [k for k in sd if k.endswith(f".{e}.{wname}")]
+                assert torch.equal(sd[key], live[local]), (f, wname)
+    for f in files:  # no shared-storage bloat: the file is its three tensors plus a little
+        sd = safe_torch_load(path / f)
+        tensor_bytes = sum(t.numel() * t.element_size() for t in sd.values())
+        size = (path / f).stat().st_size
+        assert tensor_bytes <= size <= tensor_bytes + 4096, (f, size, tensor_bytes)
+
+
+def test_single_process_reader_gives_the_live_logits(saved):
+    for ep in ("ep2", "ep4"):
+        info = saved[0][ep]
+        model, _ = load_model(info["path"])
+        model.eval()
+        with torch.no_grad():
+            logits = model(fixed_batch()).logits
+        torch.testing.assert_close(logits, info["logits"], rtol=1e-5, atol=1e-5)
+        live = saved[0][ep]["dense"]
+        for name, p in model.named_parameters():
+            if name in live:
+                assert torch.equal(p, live[name]), name
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_reshard_to_a_smaller_layout(saved, tmp_path, world):
+    ckpt = saved[0]["ep4"]["path"]
+    results = run_distributed(reshard_job, world, ckpt, str(tmp_path))
+    for r in results:
+        assert "--reset-optimizer" in r["refused"] and "ep_size=4" in r["refused"]
+        assert r["step"] == 2 and r["consumed"] == 4
+        torch.testing.assert_close(r["logits"], saved[0]["ep4"]["logits"], rtol=1e-5, atol=1e-5)
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+    assert len({tuple(r["losses"]) for r in results}) == 1  # every rank agrees on the loss
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_nan_on_one_rank_is_skipped_everywhere(tmp_path, stage):
+    results = run_distributed(nan_job, 2, stage, str(tmp_path), [2])
+    for r in results:
+        skipped = [rec["skipped"] for rec in r["records"]]
+        assert skipped == [False, False, True, False, False]
+        assert r["unchanged"] == [False, False, True, False, False]
+        assert r["records"][-1]["skipped_steps"] == 1
+        assert r["error"] is None and r["finite"]
+    same = [
+        [(r["step"], r["skipped"], r["skipped_steps"], str(r["loss"])) for r in res["records"]]
+        for res in results
+    ]
+    assert same[0] == same[1]  # every rank took the same decisions and saw the same loss
+
+
+def test_too_many_nonfinite_steps_stop_every_rank(tmp_path):
+    results = run_distributed(nan_job, 2, 2, str(tmp_path), [1, 2, 3])
+    for r in results:
+        assert r["error"] and "2 optimizer steps in a row" in r["error"]
+        assert [rec["skipped"] for rec in r["records"]] == [False, True]
+
+
+def test_barrier_timeout_names_what_it_waited_for():
+    msg = run_distributed(timeout_job, 2)[0]
+    assert "checkpoint step_00000007: write shards" in msg, msg
+    assert "1" in msg.split("write shards", 1)[1]  # gloo's monitored barrier names rank 1
