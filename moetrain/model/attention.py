@@ -43,6 +43,51 @@ def document_mask(doc_ids_BS: torch.Tensor) -> torch.Tensor:
     return (same_BSS & causal_SS)[:, None]
 
 
+class KVCache:
+    """Keys and values of every layer for incremental decoding (inference only).
+
+    ``k``, ``v``: (n_layers, B, G, max_len, Hd); ``pos``: tokens cached so far (the position of
+    the next token). ``Transformer.forward(..., cache=c)`` attends over the cache, appends the
+    new keys/values and advances ``pos``.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.pos = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def append(
+        self, layer: int, k_BGsHd: torch.Tensor, v_BGsHd: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``s`` new positions at ``pos`` for ``layer``; return all keys/values so far."""
+        end = self.pos + k_BGsHd.shape[2]
+        self.k[layer, :, :, self.pos : end] = k_BGsHd
+        self.v[layer, :, :, self.pos : end] = v_BGsHd
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def causal_mask(self, s: int) -> torch.Tensor | None:
+        """(1, 1, s, pos + s) boolean mask for ``s`` new queries (None when s == 1)."""
+        if s == 1:
+            return None
+        q = torch.arange(self.pos, self.pos + s, device=self.k.device)
+        kv = torch.arange(self.pos + s, device=self.k.device)
+        return (kv[None, :] <= q[:, None])[None, None]
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention through ``F.scaled_dot_product_attention``."""
 
@@ -65,8 +110,14 @@ class Attention(nn.Module):
         cos_SHd: torch.Tensor,
         sin_SHd: torch.Tensor,
         mask_B1SS: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
     ) -> torch.Tensor:
-        """Attend causally, or within ``mask_B1SS`` (boolean, True = may attend) when given."""
+        """Attend causally, or within ``mask_B1SS`` (boolean, True = may attend) when given.
+
+        With ``cache``, ``cos``/``sin`` start at ``cache.pos``; keys and values are appended to
+        layer ``layer`` of the cache and the queries attend to every cached position.
+        """
         b, s, _ = x_BSD.shape
         q = self.wq(x_BSD).view(b, s, self.n_heads, self.head_dim)
         k = self.wk(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
@@ -76,12 +127,16 @@ class Attention(nn.Module):
         q_BHSHd = apply_rope(q.transpose(1, 2), cos_SHd, sin_SHd)
         k_BGSHd = apply_rope(k.transpose(1, 2), cos_SHd, sin_SHd)
         v_BGSHd = v.transpose(1, 2)
+        causal = mask_B1SS is None
+        if cache is not None:
+            k_BGSHd, v_BGSHd = cache.append(layer, k_BGSHd, v_BGSHd)
+            mask_B1SS, causal = cache.causal_mask(s), False
         out_BHSHd = F.scaled_dot_product_attention(
             q_BHSHd,
             k_BGSHd,
             v_BGSHd,
             attn_mask=mask_B1SS,
-            is_causal=mask_B1SS is None,
+            is_causal=causal,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
         return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig, is_moe_layer
-from moetrain.model.attention import Attention, document_mask, rope_tables
+from moetrain.model.attention import Attention, KVCache, document_mask, rope_tables
 from moetrain.model.layers import RMSNorm, SwiGLU
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
@@ -35,6 +35,7 @@ class Block(nn.Module):
 
     def __init__(self, layer: int, cfg: ModelConfig, moe_cfg: MoEConfig) -> None:
         super().__init__()
+        self.layer = layer
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -49,8 +50,10 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask_B1SS: torch.Tensor | None,
+        cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, MoEOutput | None]:
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos, sin, mask_B1SS)
+        h_BSD = self.attn_norm(x_BSD)
+        x_BSD = x_BSD + self.attn(h_BSD, cos, sin, mask_B1SS, cache=cache, layer=self.layer)
         h_BSD = self.ffn_norm(x_BSD)
         if self.is_moe:
             y_BSD, stats = self.ffn(h_BSD)
@@ -102,23 +105,32 @@ class Transformer(nn.Module):
         input_ids_BS: torch.Tensor,
         doc_ids_BS: torch.Tensor | None = None,
         labels_BS: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> TransformerOutput:
         """Logits for every position; with labels also the loss (labels of -100 are ignored).
 
-        ``doc_ids_BS`` restricts attention to earlier tokens of the same document.
+        ``doc_ids_BS`` restricts attention to earlier tokens of the same document. ``cache``
+        (inference): the tokens continue the cached ones at position ``cache.pos``; their keys
+        and values are added to the cache, which then advances.
         """
         s = input_ids_BS.shape[1]
-        if s > self.cfg.max_seq_len:
+        start = cache.pos if cache is not None else 0
+        if start + s > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence length {s} exceeds model.max_seq_len={self.cfg.max_seq_len}"
+                f"sequence length {start + s} exceeds model.max_seq_len={self.cfg.max_seq_len}"
             )
+        if cache is not None and (doc_ids_BS is not None or start + s > cache.max_len):
+            raise ValueError("cache: no document mask, and at most cache.max_len positions")
         mask = document_mask(doc_ids_BS) if doc_ids_BS is not None else None
+        cos, sin = self.rope_cos[start : start + s], self.rope_sin[start : start + s]
         x_BSD = self.embed(input_ids_BS)
         moe_outs: list[MoEOutput] = []
         for block in self.layers:
-            x_BSD, stats = block(x_BSD, self.rope_cos, self.rope_sin, mask)
+            x_BSD, stats = block(x_BSD, cos, sin, mask, cache)
             if stats is not None:
                 moe_outs.append(stats)
+        if cache is not None:
+            cache.pos += s
         logits_BSV = self.lm_head(self.norm(x_BSD))
 
         m = self.moe_cfg
@@ -135,6 +147,15 @@ class Transformer(nn.Module):
             )
             out.loss = out.ce_loss + moe_loss
         return out
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        """An empty KV cache for ``batch`` sequences of up to ``max_len`` tokens."""
+        c = self.cfg
+        head_dim = c.head_dim or c.d_model // c.n_heads
+        w = self.embed.weight
+        return KVCache(
+            c.n_layers, batch, c.n_kv_heads, head_dim, max_len or c.max_seq_len, w.dtype, w.device
+        )
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE FFNs in layer order."""
