@@ -6,7 +6,8 @@
 safetensors weights (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
 when above ``max_shard_bytes``, else ``model.safetensors``) and the tokenizer files.
 
-Memory: the dense weights, one layer of experts and at most one pending shard. Atomicity:
+Memory: the dense weights plus one layer of experts; shard headers are planned from the
+config, so tensors stream straight into the files (no shard-sized buffer). Atomicity:
 everything is built in a hidden temporary directory beside ``out_dir``, fsynced and renamed into
 place; on any error the temporary directory is removed and ``out_dir`` is untouched.
 """
@@ -20,12 +21,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from moetrain.config import Config, is_moe_layer
 from moetrain.convert.formats import ARCHITECTURES, choose_format, hf_config
 from moetrain.convert.hf import dense_key_map, expert_key, to_hf_state_dict
 from moetrain.convert.tokenizer_export import export_tokenizer
+from moetrain.model.transformer import Transformer
 from moetrain.train.checkpoint_files import CheckpointError, fsync_dir
 from moetrain.train.checkpoint_reader import (
     checkpoint_config,
@@ -38,62 +39,134 @@ DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 _KEEP_FP32 = ("e_score_correction_bias",)  # selection biases stay fp32 (as transformers keeps them)
 
 
-def _expected_keys(cfg: Config, fmt: str) -> set[str]:
-    keys = set(dense_key_map(cfg, fmt).values())
-    for i in range(cfg.model.n_layers):
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _plan(cfg: Config, fmt: str, dtype: torch.dtype) -> list[list[tuple[str, tuple, torch.dtype]]]:
+    """The HF tensors (name, shape, dtype) of each streamed part, in ``iter_layer_states`` order:
+    the dense weights, then each MoE layer's experts; names sorted within a part."""
+    with torch.device("meta"):
+        shapes = {
+            k: tuple(v.shape) for k, v in Transformer(cfg.model, cfg.moe).state_dict().items()
+        }
+    m = cfg.model
+    head_dim = m.head_dim or m.d_model // m.n_heads
+
+    def entry(name: str, shape: tuple) -> tuple[str, tuple, torch.dtype]:
+        return name, shape, torch.float32 if name.endswith(_KEEP_FP32) else dtype
+
+    dense = [entry(hf, shapes[ours]) for ours, hf in dense_key_map(cfg, fmt).items()]
+    if fmt == "qwen2_moe":
+        for i in range(m.n_layers):
+            for p, heads in (("q", m.n_heads), ("k", m.n_kv_heads), ("v", m.n_kv_heads)):
+                dense.append(
+                    entry(f"model.layers.{i}.self_attn.{p}_proj.bias", (heads * head_dim,))
+                )
+    parts = [sorted(dense)]
+    d, f = m.d_model, cfg.moe.expert_hidden
+    for i in range(m.n_layers):
         if is_moe_layer(i, cfg.moe):
+            layer = []
             for e in range(cfg.moe.num_experts):
-                keys |= {expert_key(fmt, i, e, n) for n in ("w1", "w2", "w3")}
-        if fmt == "qwen2_moe":
-            keys |= {f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv"}
-    return keys
+                for name, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
+                    layer.append(entry(expert_key(fmt, i, e, name), shape))
+            parts.append(sorted(layer))
+    return parts
 
 
 class _ShardWriter:
-    """Collects tensors and writes a safetensors file whenever the next one would overflow."""
+    """Streams tensors into safetensors files planned in advance.
 
-    def __init__(self, out: Path, max_bytes: int) -> None:
-        self.out, self.max_bytes = out, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.files: list[tuple[Path, list[str]]] = []
-        self.total_bytes = 0
+    Each shard's header (names, dtypes, shapes, offsets) is written when the shard is opened, so
+    tensors are appended as they arrive and only the current part is ever in memory. A new
+    shard starts when the next tensor would take it past ``max_bytes``.
+    """
 
-    def add(self, name: str, t: torch.Tensor) -> None:
-        size = t.numel() * t.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self.flush()
-        self.pending[name] = t
-        self.pending_bytes += size
-        self.total_bytes += size
+    def __init__(self, out: Path, plan: list[list[tuple[str, tuple, torch.dtype]]], max_bytes: int):
+        self.out, self.parts = out, plan
+        flat = [t for part in plan for t in part]
+        self.shards: list[list[tuple[str, tuple, torch.dtype]]] = [[]]
+        size = 0
+        for name, shape, dt in flat:
+            nbytes = _nbytes(shape, dt)
+            if self.shards[-1] and size + nbytes > max_bytes:
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append((name, shape, dt))
+            size += nbytes
+        self.total_bytes = sum(_nbytes(s, dt) for _, s, dt in flat)
+        n = len(self.shards)
+        self.names = (
+            ["model.safetensors"]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        self.shard_of = {t[0]: i for i, shard in enumerate(self.shards) for t in shard}
+        self.next_part, self.file, self.file_idx = 0, None, -1
 
-    def flush(self) -> None:
-        if not self.pending:
+    def write_part(self, tensors: dict[str, torch.Tensor], where: str) -> None:
+        """Append one streamed part; it must hold exactly the planned tensors."""
+        if self.next_part >= len(self.parts):
+            raise CheckpointError(f"{where}: more parts than the model has")
+        planned = self.parts[self.next_part]
+        if set(tensors) != {n for n, _, _ in planned}:
+            missing = sorted({n for n, _, _ in planned} - set(tensors))[:5]
+            extra = sorted(set(tensors) - {n for n, _, _ in planned})[:5]
+            raise CheckpointError(
+                f"{where}: weights do not fit the model: missing {missing}, unexpected {extra}"
+            )
+        for name, shape, dt in planned:
+            t = tensors[name].to(dt).contiguous()
+            if tuple(t.shape) != shape:
+                raise CheckpointError(f"{where}: {name} has shape {tuple(t.shape)}, not {shape}")
+            self._open(self.shard_of[name])
+            self.file.write(t.view(-1).view(torch.uint8).numpy().data)
+        self.next_part += 1
+
+    def _open(self, idx: int) -> None:
+        if idx == self.file_idx:
             return
-        path = self.out / f".shard-{len(self.files):05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.files.append((path, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
+        self._close()
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape, dt in self.shards[idx]:
+            nbytes = _nbytes(shape, dt)
+            header[name] = {
+                "dtype": _ST_DTYPES[dt],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.file = open(self.out / self.names[idx], "wb")  # noqa: SIM115
+        self.file.write(len(blob).to_bytes(8, "little") + blob)
+        self.file_idx = idx
 
-    def finish(self) -> list[str]:
-        """Rename shards to their final names; write the index when sharded."""
-        self.flush()
-        n = len(self.files)
-        if n == 1:
-            self.files[0][0].rename(self.out / "model.safetensors")
-            return ["model.safetensors"]
-        weight_map, names = {}, []
-        for i, (path, keys) in enumerate(self.files):
-            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            path.rename(self.out / name)
-            names.append(name)
-            weight_map.update(dict.fromkeys(keys, name))
-        index = {
-            "metadata": {"total_size": self.total_bytes},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
+    def _close(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            self.file = None
+
+    def finish(self) -> None:
+        """Close the last shard; write the index when sharded."""
+        self._close()
+        if self.next_part != len(self.parts):
+            raise CheckpointError(f"only {self.next_part} of {len(self.parts)} parts were read")
+        if len(self.names) == 1:
+            return
+        weight_map = {n: self.names[i] for n, i in sorted(self.shard_of.items())}
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        return names
+
+
+def _nbytes(shape: tuple, dt: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=dt).element_size()
 
 
 def _write_configs(cfg: Config, fmt: str, out: Path, dtype: str, tokenizer: Path) -> None:
@@ -144,22 +217,10 @@ def convert_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        target = DTYPES[dtype]
-        writer = _ShardWriter(tmp, max_shard_bytes)
-        written: set[str] = set()
-        for _, part in iter_layer_states(ckpt, cfg):
-            for name, t in to_hf_state_dict(part, cfg, fmt).items():
-                keep = t.is_floating_point() and name.endswith(_KEEP_FP32)
-                cast = t.float() if keep else (t.to(target) if t.is_floating_point() else t)
-                writer.add(name, cast.contiguous())
-                written.add(name)
+        writer = _ShardWriter(tmp, _plan(cfg, fmt, DTYPES[dtype]), max_shard_bytes)
+        for where, part in iter_layer_states(ckpt, cfg):
+            writer.write_part(to_hf_state_dict(part, cfg, fmt), f"{ckpt} ({where})")
             del part
-        missing, extra = _expected_keys(cfg, fmt) - written, written - _expected_keys(cfg, fmt)
-        if missing or extra:
-            raise CheckpointError(
-                f"{ckpt}: weights do not fit the model: missing "
-                f"{sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}"
-            )
         writer.finish()
         _write_configs(cfg, fmt, tmp, dtype, tokenizer)
         export_tokenizer(tokenizer, tmp)
