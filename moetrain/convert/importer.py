@@ -17,6 +17,7 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -71,7 +72,7 @@ class _Weights:
         return out
 
 
-def _trainer_state(cfg: Config, step: int, sha: str | None, src: Path) -> dict:
+def _trainer_state(cfg: Config, step: int, sha: str | None, extra: dict) -> dict:
     return {
         "format_version": 1,
         "moetrain_version": moetrain.__version__,
@@ -83,46 +84,54 @@ def _trainer_state(cfg: Config, step: int, sha: str | None, src: Path) -> dict:
         "layout": {"world_size": 1, "ep_size": 1, "zero_stage": cfg.parallel.zero_stage},
         "tokenizer_sha256": sha,
         "config": cfg.to_dict(),
-        "extra": {"imported_from": str(src)},
+        "extra": extra,
     }
 
 
-def import_hf_checkpoint(hf_dir: str | Path, ckpt_dir: str | Path, step: int = 0) -> Path:
-    """Write a committed moetrain checkpoint at ``ckpt_dir`` (must not exist) from a Hugging
-    Face model directory; returns ``ckpt_dir``. Built in a temporary directory and renamed."""
-    hf_dir, ckpt = Path(hf_dir), Path(ckpt_dir)
+def write_checkpoint(
+    ckpt_dir: str | Path,
+    cfg: Config,
+    parts: Iterable[tuple[str, dict[str, torch.Tensor]]],
+    tokenizer_model: str | Path | None = None,
+    step: int = 0,
+    extra: dict | None = None,
+) -> Path:
+    """Write the trainer's checkpoint layout from streamed ``parts`` (as
+    ``checkpoint_reader.iter_layer_states`` yields them: ``("dense", non-expert state)``, then
+    ``("layers.<i>", {"layers.<i>.ffn.experts.w1": (E, D, F), ...})`` per MoE layer). Built in a
+    temporary directory, committed (``COMMITTED.json`` last) and renamed to ``ckpt_dir``."""
+    ckpt = Path(ckpt_dir)
     if ckpt.exists():
         raise FileExistsError(f"{ckpt}: already exists")
-    hf_cfg = json.loads((hf_dir / "config.json").read_text())
-    cfg = config_from_hf(hf_cfg)
-    arch = (hf_cfg.get("architectures") or [None])[0]
-    fmt = MODEL_TYPES.get(arch) or hf_cfg["model_type"]
-    weights = _Weights(hf_dir)
+    moe_idx = {
+        i: n for n, i in enumerate(i for i in range(cfg.model.n_layers) if is_moe_layer(i, cfg.moe))
+    }
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=ckpt.parent, prefix=f".{ckpt.name}.tmp-"))
     try:
-        dense_hf = weights.load(weights.names(None))
-        module = from_hf_state_dict(dense_hf, cfg, fmt, expert_layers=[])
-        torch.save({"module": module, "dp_world_size": 1, "mp_world_size": 1}, tmp / DENSE_FILE)
-        del module
-        moe_layers = [i for i in range(cfg.model.n_layers) if is_moe_layer(i, cfg.moe)]
-        for moe_idx, layer in enumerate(moe_layers):
-            part = weights.load(weights.names(layer)) | dense_hf
-            experts = from_hf_state_dict(part, cfg, fmt, expert_layers=[layer], dense=False)
+        for where, part in parts:
+            if where == "dense":
+                module = {k: v for k, v in part.items() if ".ffn.experts." not in k}
+                state = {"module": module, "dp_world_size": 1, "mp_world_size": 1}
+                torch.save(state, tmp / DENSE_FILE)
+                continue
+            layer = int(where.split(".")[1])
             for e in range(cfg.moe.num_experts):
                 prefix = f"layers.{layer}.ffn.experts.deepspeed_moe.experts.deepspeed_experts.{e}"
                 sd = {
-                    f"{prefix}.{n}": experts[f"layers.{layer}.ffn.experts.{n}"][e].clone()
+                    f"{prefix}.{n}": part[f"layers.{layer}.ffn.experts.{n}"][e].clone()
                     for n in ("w1", "w2", "w3")
                 }
-                torch.save(sd, tmp / f"layer_{moe_idx}_expert_{e}_mp_rank_00_model_states.pt")
+                name = f"layer_{moe_idx[layer]}_expert_{e}_mp_rank_00_model_states.pt"
+                torch.save(sd, tmp / name)
         sha = None
-        if (hf_dir / "tokenizer.model").is_file():
+        if tokenizer_model is not None:
             from moetrain.data.tokenizer import Tokenizer
 
-            shutil.copyfile(hf_dir / "tokenizer.model", tmp / "tokenizer.model")
+            shutil.copyfile(tokenizer_model, tmp / "tokenizer.model")
             sha = Tokenizer(tmp / "tokenizer.model").sha256
-        write_json_atomic(tmp / "trainer_state.json", _trainer_state(cfg, step, sha, hf_dir))
+        state = _trainer_state(cfg, step, sha, extra or {})
+        write_json_atomic(tmp / "trainer_state.json", state)
         files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
         write_json_atomic(tmp / COMMIT_FILE, {"step": step, "files": files})
         tmp.rename(ckpt)
@@ -131,3 +140,35 @@ def import_hf_checkpoint(hf_dir: str | Path, ckpt_dir: str | Path, step: int = 0
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ckpt
+
+
+def import_hf_checkpoint(hf_dir: str | Path, ckpt_dir: str | Path, step: int = 0) -> Path:
+    """Write a committed moetrain checkpoint at ``ckpt_dir`` (must not exist) from a Hugging
+    Face model directory; returns ``ckpt_dir``. Reads one expert layer at a time."""
+    hf_dir = Path(hf_dir)
+    hf_cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg = config_from_hf(hf_cfg)
+    arch = (hf_cfg.get("architectures") or [None])[0]
+    fmt = MODEL_TYPES.get(arch) or hf_cfg["model_type"]
+    weights = _Weights(hf_dir)
+
+    def parts() -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        dense_hf = weights.load(weights.names(None))
+        yield "dense", from_hf_state_dict(dense_hf, cfg, fmt, expert_layers=[])
+        for layer in range(cfg.model.n_layers):
+            if is_moe_layer(layer, cfg.moe):
+                part = weights.load(weights.names(layer)) | dense_hf
+                yield (
+                    f"layers.{layer}",
+                    from_hf_state_dict(part, cfg, fmt, expert_layers=[layer], dense=False),
+                )
+
+    tok = hf_dir / "tokenizer.model"
+    return write_checkpoint(
+        ckpt_dir,
+        cfg,
+        parts(),
+        tok if tok.is_file() else None,
+        step,
+        {"imported_from": str(hf_dir)},
+    )
