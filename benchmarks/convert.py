@@ -6,7 +6,8 @@ measured by benchmarks/generate.py on the converted directory.
 
 The checkpoint is written in the trainer's layout (dense file + one file per expert) from a
 freshly initialised model (no training needed). Conversion runs in a child process so that its
-peak RSS (``ru_maxrss``) is its own; the child also reports its RSS after imports (baseline).
+peak RSS is its own: after imports it resets the kernel's high-water mark (``/proc/self/clear_refs``)
+and reports RSS then (baseline) and ``VmHWM`` after converting (peak).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -51,16 +51,24 @@ def make_checkpoint(work: Path) -> Path:
     return ckpt
 
 
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(field)
+
+
 def child(ckpt: str, out: str, dtype: str) -> None:
     import transformers  # noqa: F401  (imported by the conversion; part of the baseline)
 
     from moetrain.convert.export import convert_checkpoint
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    base = _status_kib("VmRSS")
     t0, c0 = time.perf_counter(), time.process_time()
     convert_checkpoint(ckpt, out, dtype=dtype, overwrite=True, max_shard_bytes=200 * 2**20)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _status_kib("VmHWM")
     print(
         json.dumps(
             {"wall_s": wall, "cpu_s": cpu, "rss_base_mib": base / 1024, "rss_peak_mib": peak / 1024}
