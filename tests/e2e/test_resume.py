@@ -1,0 +1,213 @@
+"""Resume and fault tolerance through torchrun and the real CLI (2 gloo ranks, EP=2, ZeRO-2).
+
+The reference is one uninterrupted 10-step run (checkpoints every 2 steps, keep the last 2,
+wandb offline with a sentinel WANDB_API_KEY). Every interrupted run must log exactly the
+reference's losses, bit for bit: on CPU, DeepSpeed restores the fp32 weights and Adam states
+exactly, the data position and per-rank RNG states are restored, and the kernels are
+deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from e2e_utils import (
+    CONFIG,
+    PY,
+    ROOT,
+    env_for,
+    logged_losses,
+    losses,
+    prepare_tiny_data,
+    rank_pid,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+SENTINEL = "sentinel-wandb-key-0123456789abcdef"
+TORCHRUN = str(Path(PY).parent / "torchrun")
+
+
+def _overrides(data: list[str], **extra: str) -> list[str]:
+    ov = {
+        "parallel.ep_size": "2",
+        "parallel.zero_stage": "2",
+        "train.max_steps": str(STEPS),
+        "train.micro_batch_size": "2",
+        "checkpoint.save_every_steps": "2",
+        "checkpoint.keep_last": "2",
+    }
+    ov.update(extra)
+    return [*data, *(f"{k}={v}" for k, v in ov.items())]
+
+
+def _torchrun(run_dir: Path, ov: list[str], *launcher_args: str) -> list[str]:
+    return [
+        TORCHRUN,
+        "--standalone",  # c10d rendezvous: a restarted round can rendezvous again
+        "--nproc_per_node",
+        "2",
+        *launcher_args,
+        "-m",
+        "moetrain",
+        "train",
+        CONFIG,
+        *ov,
+        f"run_dir={run_dir}",
+    ]
+
+
+def _run(cmd: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, env=env_for(**env), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _start(cmd: list[str], log: Path) -> subprocess.Popen:
+    fh = log.open("w")
+    return subprocess.Popen(cmd, env=env_for(), cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, log: Path) -> None:
+    end = time.monotonic() + 240
+    while not any(s >= step for s, _ in logged_losses(run_dir)):
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < end, log.read_text()[-4000:]
+        time.sleep(0.05)
+
+
+def _steps_in_order(run_dir: Path) -> list[int]:
+    return [s for s, _ in logged_losses(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    return prepare_tiny_data(tmp_path_factory.mktemp("resume-data"))
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("resume-ref") / "run"
+    ov = _overrides(
+        data, **{"logging.wandb.mode": "offline", "logging.wandb.respect_env_mode": "false"}
+    )
+    r = _run(_torchrun(run_dir, ov), WANDB_API_KEY=SENTINEL)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
+    return run_dir
+
+
+def test_retention_keeps_exactly_the_last_two(reference):
+    names = sorted(p.name for p in (reference / "checkpoints").glob("step_*"))
+    assert names == ["step_00000008", "step_00000010"]
+
+
+def test_sentinel_api_key_is_nowhere_on_disk(reference):
+    assert (reference / "wandb").is_dir()  # a real offline run was written
+    hits = []
+    for path in reference.rglob("*"):
+        if path.is_file() and SENTINEL.encode() in path.read_bytes():
+            hits.append(str(path))
+    assert hits == []
+
+
+def test_sigterm_to_one_rank_saves_everywhere_and_resume_matches(data, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    ov = _overrides(data, **{"checkpoint.save_every_steps": "100"})
+    log = tmp_path / "first.log"
+    proc = _start(_torchrun(run_dir, ov), log)
+    try:
+        _wait_for_step(run_dir, 3, proc, log)
+        pid = rank_pid(proc.pid, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGTERM)
+        assert proc.wait(timeout=240) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert "stopping at step" in out, out[-3000:]
+    stopped = max(_steps_in_order(run_dir))
+    assert 3 <= stopped < STEPS, stopped
+    assert (run_dir / "checkpoints" / f"step_{stopped:08d}" / "COMMITTED.json").is_file()
+    r = _run(_torchrun(run_dir, ov))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped:08d}'}" in r.stdout
+    assert losses(run_dir) == losses(reference)  # bit for bit, every step
+
+
+def test_crashed_rank_restarts_and_resumes(data, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    ov = _overrides(data)
+    log = tmp_path / "crash.log"
+    proc = _start(_torchrun(run_dir, ov, "--max-restarts", "1"), log)
+    try:
+        _wait_for_step(run_dir, 5, proc, log)
+        pid = rank_pid(proc.pid, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        crashed_at = max(_steps_in_order(run_dir))
+        assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert crashed_at < STEPS, "the run ended before the crash: make it longer"
+    assert "resumed from" in log.read_text()
+    order = _steps_in_order(run_dir)
+    assert any(b <= a for a, b in zip(order, order[1:], strict=False)), (
+        "no restart visible in the metrics"
+    )
+    assert losses(run_dir) == losses(reference)
+
+
+def test_interrupted_save_is_ignored_and_the_step_saved_again(data, reference, tmp_path):
+    """State left by a kill during the save of step 10: step 8 complete, step 10 without its
+    commit marker and with a truncated shard. The restart must resume from step 8, remove the
+    partial directory, and save step 10 again, complete."""
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "step_00000008", ckpts / "step_00000008")
+    partial = ckpts / "step_00000010"
+    shutil.copytree(reference / "checkpoints" / "step_00000010", partial)
+    (partial / "COMMITTED.json").unlink()
+    victim = next(partial.glob("*optim_states.pt"))
+    victim.write_bytes(victim.read_bytes()[:100])
+    r = _run(_torchrun(run_dir, _overrides(data)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "removed incomplete checkpoint" in r.stdout
+    assert f"resumed from {ckpts / 'step_00000008'}" in r.stdout
+    assert (partial / "COMMITTED.json").is_file()
+    ref = losses(reference)
+    assert losses(run_dir) == {s: ref[s] for s in (9, 10)}
+    commit = json.loads((partial / "COMMITTED.json").read_text())
+    assert commit["files"][victim.name] == victim.stat().st_size > 100
+
+
+def test_truncated_file_in_a_committed_checkpoint_is_a_clear_error(data, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
+    victim = next((run_dir / "checkpoints" / "step_00000010").glob("layer_0_expert_1_*.pt"))
+    victim.write_bytes(victim.read_bytes()[:64])
+    r = _run(
+        [
+            PY,
+            "-m",
+            "moetrain",
+            "train",
+            CONFIG,
+            *_overrides(data),
+            "parallel.ep_size=1",
+            f"run_dir={run_dir}",
+        ]
+    )
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert victim.name in r.stderr and "truncated" in r.stderr
