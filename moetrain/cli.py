@@ -54,6 +54,46 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from moetrain.convert.export import convert_checkpoint
+    from moetrain.train.checkpoint_files import resolve_checkpoint
+
+    out = convert_checkpoint(
+        resolve_checkpoint(args.checkpoint),
+        args.out_dir,
+        dtype=args.dtype,
+        fmt=args.format,
+        overwrite=args.overwrite,
+    )
+    print(f"moetrain: wrote {out}")
+    return 0
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    from moetrain.convert.importer import import_hf_checkpoint
+
+    out = import_hf_checkpoint(args.hf_dir, args.checkpoint, step=args.step)
+    print(f"moetrain: wrote {out}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from moetrain.generate import generate_text
+    from moetrain.train.checkpoint_files import resolve_checkpoint
+
+    completion = generate_text(
+        resolve_checkpoint(args.path),
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    print(args.prompt + completion)
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from moetrain.plan import format_plan, plan
 
@@ -93,6 +133,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_train)
 
+    p = sub.add_parser("convert", help="checkpoint -> Hugging Face model directory")
+    p.add_argument(
+        "checkpoint", help="a checkpoint directory, or a run_dir (its newest complete checkpoint)"
+    )
+    p.add_argument("out_dir", help="the Hugging Face model directory to write")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"],
+        help="Hugging Face architecture (auto: the one that computes the same function)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("import", help="Hugging Face Mixtral-family directory -> checkpoint")
+    p.add_argument("hf_dir", help="a Hugging Face model directory")
+    p.add_argument("checkpoint", help="the checkpoint directory to write")
+    p.add_argument("--step", type=int, default=0, help="step number recorded in the checkpoint")
+    p.set_defaults(func=_cmd_import)
+
+    p = sub.add_parser("generate", help="sample a completion with a KV cache")
+    p.add_argument(
+        "path", help="a checkpoint or run directory, or a converted Hugging Face directory"
+    )
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_generate)
+
     p = sub.add_parser("plan", help="memory per GPU, FLOPs and throughput estimate")
     _add_config_args(p)
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs in the job")
@@ -121,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"moetrain: config error: {e}", file=sys.stderr)
         return 2
-    except (DataError, CheckpointError, FileNotFoundError) as e:
+    except (DataError, CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"moetrain: error: {e}", file=sys.stderr)
         return 2
 

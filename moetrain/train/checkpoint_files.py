@@ -104,6 +104,17 @@ def latest_complete(root: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory (then its newest complete checkpoint)."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        latest = latest_complete(path / "checkpoints")
+        if latest is None:
+            raise CheckpointError(f"{path}: run directory has no complete checkpoint")
+        return latest
+    return path
+
+
 def remove_incomplete(root: Path) -> list[Path]:
     """Delete ``step_*`` directories without a commit marker (left by a crash during save)."""
     removed = []
