@@ -19,105 +19,35 @@ Tiny shapes, one thread per process, a generated 600-document corpus with a 512-
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from e2e_utils import CONFIG, PY, ROOT, env_for, free_port, logged_losses, losses, prepare_tiny_data
+from e2e_utils import TINY as SMALL
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = str(ROOT / "configs/tiny-cpu.yaml")
-PY = sys.executable
 STEPS = 6
 MBS = 2  # per rank; 4 ranks -> 8 sequences per step
 TINY = [
-    "model.vocab_size=512",
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.dense_hidden=128",
-    "moe.expert_hidden=64",
-    "data.seq_len=64",
-    "data.num_proc=1",
+    *SMALL,
     "parallel.ep_size=2",
     "parallel.zero_stage=2",
-    "parallel.timeout_minutes=2",
-    "optim.warmup_steps=2",
     f"train.max_steps={STEPS}",
     f"train.micro_batch_size={MBS}",
-    "train.log_every=1",
-    "train.eval_every=0",
-    "logging.wandb.mode=disabled",
 ]
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env_for(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NPROC", "NNODES"):
-        env.pop(k, None)
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHON=PY, PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
-def write_corpus(path: Path, docs: int = 600) -> None:
-    rng = random.Random(0)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    words = ["".join(rng.choices(letters, k=rng.randint(2, 8))) for _ in range(400)]
-    text = "\n\n".join(
-        " ".join(rng.choices(words, k=rng.randint(20, 120))) + "." for _ in range(docs)
-    )
-    path.write_text(text + "\n")
-
-
 @pytest.fixture(scope="module")
 def data_overrides(tmp_path_factory) -> list[str]:
-    """Corpus -> tokenizer -> shards through `moetrain prepare`; returns the data overrides."""
-    d = tmp_path_factory.mktemp("mn-data")
-    write_corpus(d / "corpus.txt")
-    ov = [*TINY, f"data.source={d / 'corpus.txt'}", f"data.output_dir={d / 'data'}"]
-    r = subprocess.run(
-        [PY, "-m", "moetrain", "prepare", CONFIG, *ov],
-        env=env_for(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    return ov
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """step -> loss from metrics.jsonl (the last record of a step wins)."""
-    out: dict[int, float] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec and "step" in rec:
-            out[rec["step"]] = rec["loss"]
-    return out
-
-
-def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
-    """Every (step, loss) record in order, repeats included (a resumed run logs steps again)."""
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in recs if "loss" in r and "step" in r]
+    """Corpus -> tokenizer -> shards through `moetrain prepare`; returns the overrides."""
+    return prepare_tiny_data(tmp_path_factory.mktemp("mn-data"), TINY)
 
 
 def run(cmd: list[str], env: dict[str, str], timeout: float = 110) -> str:
