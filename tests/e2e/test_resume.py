@@ -29,6 +29,8 @@ from e2e_utils import (
     rank_pid,
 )
 
+from moetrain.monitor.wandb_run import offline_run_dirs, read_run_records
+
 pytestmark = pytest.mark.slow
 
 STEPS = 10
@@ -119,9 +121,54 @@ def test_sentinel_api_key_is_nowhere_on_disk(reference):
     assert hits == []
 
 
+def _history(run: Path) -> list[tuple[int, dict]]:
+    records = read_run_records(run)
+    return [
+        (r["history"]["step"]["num"], r["history"]["item"])
+        for r in records
+        if r["type"] == "history"
+    ]
+
+
+def test_wandb_offline_run_from_rank_0_only(reference):
+    runs = offline_run_dirs(reference)
+    assert len(runs) == 1  # exactly one run for two ranks
+    history = _history(runs[0])
+    steps = [step for step, _ in history]
+    assert steps == list(range(1, STEPS + 1))
+    last = history[-1][1]
+    for key in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "perplexity",
+        "perf/tflops_per_device",
+        "moe/layer0/cv",
+        "moe/layer1/dropped_frac",
+        "moe/imbalance_max_over_mean",
+    ):
+        assert key in last, key
+
+
+def test_report_renders_plots_of_a_real_run(reference, tmp_path):
+    r = _run([PY, "-m", "moetrain", "report", str(reference)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    pngs = [Path(line) for line in r.stdout.split() if line.endswith(".png")]
+    assert {p.name for p in pngs} >= {"loss.png", "lr.png", "expert_load.png"}
+    assert all(p.stat().st_size > 5000 for p in pngs)
+
+
 def test_sigterm_to_one_rank_saves_everywhere_and_resume_matches(data, reference, tmp_path):
     run_dir = tmp_path / "run"
-    ov = _overrides(data, **{"checkpoint.save_every_steps": "100"})
+    ov = _overrides(
+        data,
+        **{
+            "checkpoint.save_every_steps": "100",
+            "logging.wandb.mode": "offline",
+            "logging.wandb.respect_env_mode": "false",
+        },
+    )
     log = tmp_path / "first.log"
     proc = _start(_torchrun(run_dir, ov), log)
     try:
@@ -142,6 +189,9 @@ def test_sigterm_to_one_rank_saves_everywhere_and_resume_matches(data, reference
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped:08d}'}" in r.stdout
     assert losses(run_dir) == losses(reference)  # bit for bit, every step
+    first, second = offline_run_dirs(run_dir)  # the resumed run continues the same wandb run
+    assert first.name.rsplit("-", 1)[1] == second.name.rsplit("-", 1)[1]
+    assert [step for step, _ in _history(second)] == list(range(stopped + 1, STEPS + 1))
 
 
 def test_crashed_rank_restarts_and_resumes(data, reference, tmp_path):
