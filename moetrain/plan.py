@@ -96,7 +96,7 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
     - MoE FFN: RMSNorm ``4D + 4 + aD``; router input in fp32 ``4D``, logits and probabilities
       ``8E``, top-k ids, gathered and renormalised weights, z-loss logsumexp ``12K + 8``;
       permutation indices ``16K`` (int64); per routed copy (K per token) the expert input ``aD``
-      and SwiGLU intermediates ``4aF``, the expert output kept by the scatter ``aD``, the
+      and SwiGLU intermediates ``4aF``, with capacity the expert output kept by the scatter ``aD``, the
       (T*K, D) combine buffer ``aD`` and its weight ``a``; shared expert ``aD + 4aF_s`` (+ gate
       ``aD + a``).
     - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``4aF_dense``.
@@ -116,7 +116,10 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
     k = e.top_k
     kept = k * min(e.capacity_factor, 1.0) if e.capacity_factor > 0 else k
     ffn = _rmsnorm_bytes(d, a) + 4 * d + 8 * e.num_experts + 12 * k + 8 + 16 * k
-    ffn += kept * (a * d + 4 * a * e.expert_hidden + a * d) + k * (a * d + a)
+    # the expert output is kept per copy only by the scatter of the dropping path; the dropless
+    # path combines by an inverse-permutation gather that saves indices only
+    kept_output = a * d if e.capacity_factor > 0 else 0
+    ffn += kept * (a * d + 4 * a * e.expert_hidden + kept_output) + k * (a * d + a)
     if e.num_shared_experts:
         fs = e.shared_expert_hidden or e.num_shared_experts * e.expert_hidden
         ffn += (a * d if a != 4 else 0) + 4 * a * fs  # fp32: input shared with the router
