@@ -35,9 +35,6 @@ if [ $# -gt 0 ] && [[ $1 == *.yaml || $1 == *.yml ]]; then
   CONFIG=$1
   shift
 fi
-if [ -z "${PYTHON:-}" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
 NNODES=${NNODES:-2}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
@@ -48,15 +45,8 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 RDZV_TIMEOUT=${RDZV_TIMEOUT:-900}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120}
 
-gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [ "$gpus" -gt 0 ]; then
-  NPROC=${NPROC:-$gpus}
-else
-  NPROC=${NPROC:-2}
-  cores=$(nproc 2>/dev/null || echo 1)
-  threads=$((cores / NPROC))
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
-fi
+# shellcheck source=launch/common.sh
+source launch/common.sh
 
 cmd=("$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC"
   --max-restarts "$MAX_RESTARTS" --shutdown-timeout "$SHUTDOWN_TIMEOUT")

@@ -11,15 +11,10 @@ cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/tiny-cpu.yaml}
 PROMPT=${PROMPT:-"def "}
 bash launch/setup.sh
-py=.venv/bin/python
-gpus=$($py -c "import torch; print(torch.cuda.device_count())")
-if [ "$gpus" -gt 0 ]; then
-  NPROC=${NPROC:-$gpus}
-else
-  NPROC=${NPROC:-2}
-  # 2 cores, 2 ranks: one thread each.
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-fi
+PYTHON=.venv/bin/python
+# shellcheck source=launch/common.sh
+source launch/common.sh
+py=$PYTHON
 run_dir=$($py -m moetrain print-config "$CONFIG" "$@" | sed -n 's/^run_dir: //p')
 $py -m moetrain prepare "$CONFIG" "$@"
 .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" -m moetrain train "$CONFIG" "$@"

@@ -21,18 +21,8 @@ if [ $# -lt 1 ]; then
 fi
 CONFIG=$1
 shift
-if [ -z "${PYTHON:-}" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [ "$gpus" -gt 0 ]; then
-  NPROC=${NPROC:-$gpus}
-else
-  NPROC=${NPROC:-2}
-  cores=$(nproc 2>/dev/null || echo 1)
-  threads=$((cores / NPROC))
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
-fi
+# shellcheck source=launch/common.sh
+source launch/common.sh
 NNODES=${NNODES:-1}
 exec "$PYTHON" -m accelerate.commands.launch \
   --config_file "${ACCELERATE_CONFIG:-launch/accelerate_deepspeed.yaml}" \

@@ -19,23 +19,13 @@ if [ $# -lt 1 ]; then
 fi
 CONFIG=$1
 shift
-if [ -z "${PYTHON:-}" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
+# shellcheck source=launch/common.sh
+source launch/common.sh
 ds_bin=$(dirname "$PYTHON")/deepspeed
 [ -x "$ds_bin" ] || ds_bin=$(command -v deepspeed || true)
 if [ -z "$ds_bin" ]; then
   echo "train-deepspeed.sh: no deepspeed launcher next to $PYTHON or on PATH" >&2
   exit 2
-fi
-gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [ "$gpus" -gt 0 ]; then
-  NPROC=${NPROC:-$gpus}
-else
-  NPROC=${NPROC:-2}
-  cores=$(nproc 2>/dev/null || echo 1)
-  threads=$((cores / NPROC))
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
 fi
 exec "$ds_bin" --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29500}" \
   --module moetrain train "$CONFIG" "$@"

@@ -33,30 +33,14 @@ if [ $# -gt 0 ] && [[ $1 == *.yaml || $1 == *.yml ]]; then
   CONFIG=$1
   shift
 fi
-if [ -z "${PYTHON:-}" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
 LAUNCHER=${LAUNCHER:-auto}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 
-if [ -z "${GPUS:-}" ]; then
-  GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || true)
-  if [ -z "$GPUS" ] || [ "$GPUS" = 0 ]; then
-    GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-  fi
-  GPUS=${GPUS:-0}
-fi
-if [ "$GPUS" -gt 0 ]; then
-  NPROC=${NPROC:-$GPUS}
-else
-  NPROC=${NPROC:-2}
-  cores=$(nproc 2>/dev/null || echo 1)
-  threads=$((cores / NPROC))
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
-fi
+# shellcheck source=launch/common.sh
+source launch/common.sh
 
 # The deepspeed launcher installed next to the interpreter (a venv), else on PATH.
 ds_bin=$(dirname "$PYTHON")/deepspeed
