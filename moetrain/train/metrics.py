@@ -2,7 +2,8 @@
 
 ``run_dir/metrics.jsonl`` gets one JSON object per logged step (rank 0 only), e.g.
 ``{"step", "loss", "ce_loss", "moe_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_s",
-"tokens_per_expert": [[per expert] per MoE layer], ...}``; eval records carry ``"eval_loss"``.
+...}`` plus the MoE health and MFU metrics of ``moetrain.monitor``; eval records carry
+``"val_loss"``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ class Throughput:
         self.flops_per_token = model_numbers(cfg).flops_per_token
         self.world_size = world_size
         self.tokens_per_step = tokens_per_step
-        self.peak_tflops = cfg.logging.peak_tflops
         self._t0 = time.perf_counter()
         self._steps = 0
 
@@ -50,8 +50,6 @@ class Throughput:
             "tflops_per_s_per_rank": tflops / self.world_size,
             "step_time_s": dt / max(self._steps, 1),
         }
-        if self.peak_tflops:
-            out["mfu"] = out["tflops_per_s_per_rank"] / self.peak_tflops
         self.mark()
         return out
 
