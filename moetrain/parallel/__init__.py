@@ -1,0 +1,1 @@
+"""Process layout, expert-parallel all-to-all and the DeepSpeed engine."""

@@ -1,0 +1,1 @@
+"""The training loop, optimiser and schedules, checkpoints, training metrics."""
