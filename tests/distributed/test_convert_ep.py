@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import prepare_stdlib_config
 
 from moetrain.convert.export import convert_checkpoint
 from moetrain.generate import generate_ids, generate_text
@@ -65,19 +66,8 @@ def _env() -> dict[str, str]:
 def trained(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """One 2-step EP=2 training run per format, all launched at once; -> (checkpoint, corpus)."""
     work = tmp_path_factory.mktemp("convert_ep")
+    cfg = prepare_stdlib_config(work, CONFIG, n_files=12, max_chars=150_000)
     corpus = work / "corpus.txt"
-    files = sorted(Path(os.__file__).parent.glob("*.py"))[:12]
-    corpus.write_text("".join(f.read_text(errors="replace") for f in files)[:150_000])
-    cfg = work / "tiny.yaml"
-    cfg.write_text(CONFIG.replace("CORPUS", str(corpus)).replace("DATA", str(work / "data")))
-    subprocess.run(
-        [PY, "-m", "moetrain", "prepare", str(cfg)],
-        check=True,
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        timeout=300,
-    )
     torchrun = str(Path(PY).parent / "torchrun")
     procs = {}
     for fmt, overrides in FORMATS.items():

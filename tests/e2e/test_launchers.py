@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import prepare_stdlib_config
+from e2e_utils import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -41,32 +43,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A config over a small prepared corpus (Python's own standard-library sources)."""
     work = tmp_path_factory.mktemp("launch")
-    corpus = work / "corpus.txt"
-    files = sorted(Path(os.__file__).parent.glob("*.py"))[:20]
-    corpus.write_text("".join(f.read_text(errors="replace") for f in files)[:400_000])
-    cfg = work / "tiny.yaml"
-    cfg.write_text(CONFIG.replace("CORPUS", str(corpus)).replace("DATA", str(work / "data")))
-    subprocess.run(
-        [PY, "-m", "moetrain", "prepare", str(cfg)],
-        check=True,
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        timeout=300,
-    )
-    return cfg
+    return prepare_stdlib_config(work, CONFIG, n_files=20, max_chars=400_000)
 
 
 def _run(cmd: list[str], run_dir: Path) -> list[dict]:
@@ -116,7 +97,7 @@ def test_launcher_two_processes(
     launcher: str, config: Path, single: list[dict], tmp_path: Path, monkeypatch
 ) -> None:
     run_dir = tmp_path / "run"
-    monkeypatch.setenv("MASTER_PORT", _free_port())
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("NPROC", "2")
     records = _run([*LAUNCHERS[launcher], str(config), f"run_dir={run_dir}"], run_dir)
     losses, want = _losses(records), _losses(single)
