@@ -90,9 +90,7 @@ class Transformer(nn.Module):
                 is_out = name.endswith((".wo", ".w2"))
                 nn.init.normal_(module.weight, 0.0, out_std if is_out else std)
             elif isinstance(module, GroupedExperts):
-                nn.init.normal_(module.w1, 0.0, std)
-                nn.init.normal_(module.w3, 0.0, std)
-                nn.init.normal_(module.w2, 0.0, out_std)
+                module.reset_parameters(std, out_std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
             elif isinstance(module, MoELayer):

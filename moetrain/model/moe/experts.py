@@ -64,6 +64,13 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, d_model))
 
+    @torch.no_grad()
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        """Normal(0, std) input projections, Normal(0, out_std) output projection."""
+        nn.init.normal_(self.w1, 0.0, std)
+        nn.init.normal_(self.w3, 0.0, std)
+        nn.init.normal_(self.w2, 0.0, out_std)
+
     def forward(self, x_ND: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         if self.use_grouped_mm and x_ND.shape[0] > 0 and grouped_mm_supported(x_ND, self.w1):
             return self._forward_grouped(x_ND, counts_L)
