@@ -37,6 +37,9 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on per-head queries and keys (Qwen3-MoE / OLMoE style)
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # training loss: cross-entropy over chunks of this many tokens, never the full fp32 logits;
+    # 0 = plain full-logits cross-entropy
+    loss_chunk_tokens: int = 1024
 
 
 @dataclass
@@ -345,6 +348,11 @@ def validate(cfg: Config) -> None:
     _require(m.rope_theta > 0, "model.rope_theta", "must be > 0")
     _require(m.norm_eps > 0, "model.norm_eps", "must be > 0")
     _require(m.init_std > 0, "model.init_std", "must be > 0")
+    _require(
+        m.loss_chunk_tokens >= 0,
+        "model.loss_chunk_tokens",
+        f"must be >= 0 (0 = full logits); got {m.loss_chunk_tokens}",
+    )
 
     _require(e.num_experts >= 1, "moe.num_experts", "must be >= 1")
     _require(

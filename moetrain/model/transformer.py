@@ -15,15 +15,17 @@ from torch import nn
 from moetrain.config import ModelConfig, MoEConfig, is_moe_layer
 from moetrain.model.attention import Attention, KVCache, document_mask, rope_tables
 from moetrain.model.layers import RMSNorm, SwiGLU
+from moetrain.model.loss import chunked_cross_entropy
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
 
 
 @dataclass
 class TransformerOutput:
-    """logits (B, S, V); loss = ce_loss + moe_loss (only with labels); moe: one per MoE layer."""
+    """logits (B, S, V), None when the chunked loss skipped them; loss = ce_loss + moe_loss
+    (only with labels); moe: one per MoE layer."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None
     ce_loss: torch.Tensor | None = None
     moe_loss: torch.Tensor | None = None
@@ -104,12 +106,15 @@ class Transformer(nn.Module):
         doc_ids_BS: torch.Tensor | None = None,
         labels_BS: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        return_logits: bool = True,
     ) -> TransformerOutput:
         """Logits for every position; with labels also the loss (labels of -100 are ignored).
 
         ``doc_ids_BS`` restricts attention to earlier tokens of the same document. ``cache``
         (inference): the tokens continue the cached ones at position ``cache.pos``; their keys
-        and values are added to the cache, which then advances.
+        and values are added to the cache, which then advances. ``return_logits=False`` with
+        labels and ``model.loss_chunk_tokens`` > 0: the cross-entropy is computed in chunks of
+        tokens without the full logits, and ``logits`` is None (what the trainer does).
         """
         s = input_ids_BS.shape[1]
         start = cache.pos if cache is not None else 0
@@ -129,21 +134,30 @@ class Transformer(nn.Module):
                 moe_outs.append(stats)
         if cache is not None:
             cache.pos += s
-        logits_BSV = self.lm_head(self.norm(x_BSD))
+        h_BSD = self.norm(x_BSD)
 
         m = self.moe_cfg
-        moe_loss = logits_BSV.new_zeros((), dtype=torch.float32)
+        moe_loss = h_BSD.new_zeros((), dtype=torch.float32)
         for stats in moe_outs:
             if m.aux_loss_coef > 0:
                 moe_loss = moe_loss + m.aux_loss_coef * stats.aux_loss
             if m.z_loss_coef > 0:
                 moe_loss = moe_loss + m.z_loss_coef * stats.z_loss
+        chunk = self.cfg.loss_chunk_tokens
+        chunked = labels_BS is not None and not return_logits and chunk > 0
+        logits_BSV = None if chunked else self.lm_head(h_BSD)
         out = TransformerOutput(logits=logits_BSV, moe_loss=moe_loss, moe=moe_outs)
-        if labels_BS is not None:
+        if labels_BS is None:
+            return out
+        if logits_BSV is None:
+            out.ce_loss = chunked_cross_entropy(
+                h_BSD.flatten(0, 1), self.lm_head.weight, labels_BS.flatten(), chunk
+            )
+        else:
             out.ce_loss = F.cross_entropy(
                 logits_BSV.float().flatten(0, 1), labels_BS.flatten(), ignore_index=-100
             )
-            out.loss = out.ce_loss + moe_loss
+        out.loss = out.ce_loss + moe_loss
         return out
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:

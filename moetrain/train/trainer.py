@@ -123,7 +123,10 @@ class Trainer:
         return {k: v.to(self.topo.device, non_blocking=True) for k, v in batch.items()}
 
     def _forward(self, batch: Batch) -> Any:
-        return self.engine(batch["input_ids"], batch.get("doc_ids"), batch["labels"])
+        # the loss only: with model.loss_chunk_tokens > 0 the full logits are never built
+        return self.engine(
+            batch["input_ids"], batch.get("doc_ids"), batch["labels"], return_logits=False
+        )
 
     def train_step(
         self,

@@ -67,6 +67,7 @@ def test_int_widens_to_float_but_not_the_reverse():
         ("optim.min_lr_ratio=2", r"optim\.min_lr_ratio: must be in \[0, 1\]"),
         ("moe.shared_expert_gate=true", r"moe\.shared_expert_gate: needs moe\.num_shared_experts"),
         ("model.head_dim=7", r"model\.head_dim: must be even"),
+        ("model.loss_chunk_tokens=-1", r"model\.loss_chunk_tokens: must be >= 0"),
         ("model=3", r"model: expected a mapping"),
         ("noequals", r"expected KEY=VALUE"),
     ],

@@ -1,0 +1,113 @@
+"""Cross-entropy of a linear LM head, computed over row chunks so the (N, V) logits never exist.
+
+``chunked_cross_entropy(h, W, labels, chunk_rows)`` equals
+``F.cross_entropy(F.linear(h, W).float(), labels, ignore_index=-100)`` (logits in h's dtype,
+loss math in fp32), except that all-ignored labels (or N = 0) give 0 instead of NaN. The forward
+pass computes, chunk by chunk, the logits, the loss and at once the gradients wrt h and W, so
+only one (C, V) block is alive; backward just scales the stored gradients.
+
+Shape legend: N rows (tokens), C rows of one chunk, D hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def _chunk_loss(
+    h_CD: torch.Tensor, weight_VD: torch.Tensor, labels_C: torch.Tensor, with_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed loss of the chunk's labelled rows (fp32) and, with ``with_grad``, its gradient
+    wrt the fp32 logits (softmax - one-hot; zero rows where the label is ignored)."""
+    valid_C1 = (labels_C != IGNORE_INDEX).unsqueeze(1)
+    target_C1 = labels_C.unsqueeze(1).masked_fill(~valid_C1, 0)
+    logits_CV = F.linear(h_CD, weight_VD).float()  # a fresh tensor: edited in place below
+    max_C1 = logits_CV.amax(1, keepdim=True)
+    shifted_target_C1 = logits_CV.gather(1, target_C1) - max_C1
+    exp_CV = logits_CV.sub_(max_C1).exp_()
+    sum_C1 = exp_CV.sum(1, keepdim=True)
+    loss_C1 = sum_C1.log() - shifted_target_C1  # -log_softmax at the target, as F.cross_entropy
+    loss_sum = torch.where(valid_C1, loss_C1, 0.0).sum()
+    if not with_grad:
+        return loss_sum, None
+    grad_CV = exp_CV.mul_(valid_C1 / sum_C1)  # softmax on labelled rows, 0 on ignored ones
+    grad_CV.scatter_add_(1, target_C1, -valid_C1.float())  # one index per row: deterministic
+    return loss_sum, grad_CV
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``h_ND @ weight_VD.T`` over labelled rows, in chunks of rows."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        h_ND: torch.Tensor,
+        weight_VD: torch.Tensor,
+        labels_N: torch.Tensor,
+        chunk_rows: int,
+    ) -> torch.Tensor:
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n = h_ND.shape[0]
+        grad_h_ND = torch.empty_like(h_ND) if need_h else None
+        # fp32 accumulator across chunks; matmul products stay in the input dtype
+        grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if need_w else None
+        total = h_ND.new_zeros((), dtype=torch.float32)
+        for start in range(0, n, chunk_rows):
+            rows = slice(start, min(start + chunk_rows, n))
+            loss_sum, grad_CV = _chunk_loss(h_ND[rows], weight_VD, labels_N[rows], True)
+            total += loss_sum
+            grad_CV = grad_CV.to(h_ND.dtype)
+            if grad_h_ND is not None:
+                torch.mm(grad_CV, weight_VD, out=grad_h_ND[rows])
+            if grad_w_VD is not None:
+                if grad_CV.dtype == torch.float32:
+                    grad_w_VD.addmm_(grad_CV.t(), h_ND[rows])
+                else:
+                    grad_w_VD.add_(grad_CV.t() @ h_ND[rows])
+            del grad_CV
+        count = (labels_N != IGNORE_INDEX).sum().clamp_min(1)
+        ctx.save_for_backward(grad_h_ND, grad_w_VD, count)
+        ctx.weight_dtype = weight_VD.dtype
+        return total / count
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        grad_h_ND, grad_w_VD, count = ctx.saved_tensors
+        scale = grad_out.float() / count
+        grad_h = grad_h_ND * scale if grad_h_ND is not None else None  # keeps h's dtype
+        grad_w = (grad_w_VD * scale).to(ctx.weight_dtype) if grad_w_VD is not None else None
+        return grad_h, grad_w, None, None
+
+
+def chunked_cross_entropy(
+    h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, chunk_rows: int
+) -> torch.Tensor:
+    """Mean cross-entropy (fp32 scalar) of the logits ``h_ND @ weight_VD.T`` against
+    ``labels_N`` (-100 ignored), ``chunk_rows`` rows at a time; 0 when every label is ignored.
+
+    Gradients come back in the dtypes of ``h_ND`` and ``weight_VD`` (which must match).
+    Without autograd (no_grad, or neither input requires grad) only the loss is computed.
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1; got {chunk_rows}")
+    if h_ND.dim() != 2 or weight_VD.dim() != 2 or h_ND.shape[1] != weight_VD.shape[1]:
+        raise ValueError(
+            f"expected h (N, D) and weight (V, D); got {h_ND.shape}, {weight_VD.shape}"
+        )
+    if labels_N.shape != h_ND.shape[:1]:
+        raise ValueError(f"expected labels ({h_ND.shape[0]},); got {tuple(labels_N.shape)}")
+    if h_ND.dtype != weight_VD.dtype:
+        raise ValueError(f"h and weight dtypes differ: {h_ND.dtype} vs {weight_VD.dtype}")
+    if torch.is_grad_enabled() and (h_ND.requires_grad or weight_VD.requires_grad):
+        return ChunkedLinearCrossEntropy.apply(h_ND, weight_VD, labels_N, chunk_rows)
+    total = h_ND.new_zeros((), dtype=torch.float32)
+    with torch.no_grad():
+        for start in range(0, h_ND.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            total += _chunk_loss(h_ND[rows], weight_VD, labels_N[rows], False)[0]
+    return total / (labels_N != IGNORE_INDEX).sum().clamp_min(1)
