@@ -9,8 +9,10 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
 - gradients: same dtype as the weights; ZeRO-2 partitions them (dense over W, experts over X).
 - optimizer: AdamW 8 B/param (+ 4 B fp32 master copy under bf16/fp16), partitioned under
   ZeRO-1/2 (dense over W, experts over X); ``parallel.offload_optimizer`` moves it to CPU.
-- activations: :func:`activation_bytes_per_token` times the micro-batch tokens, plus the loss's
-  backward transient and the largest parameter's fresh gradient (before accumulation).
+- activations: :func:`activation_bytes_per_token` times the micro-batch tokens, plus the head
+  and loss (:func:`head_bytes_per_token`, :func:`loss_transient_bytes`: full logits, or one chunk
+  of them with ``model.loss_chunk_tokens``, as the trainer computes the loss) and the largest
+  parameter's fresh gradient (before accumulation).
 - framework: a fixed allowance (CUDA context, allocator slack, NCCL) plus DeepSpeed's reduce and
   all-gather buckets under ZeRO-1/2.
 
@@ -129,33 +131,49 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
 
 
 def head_bytes_per_token(cfg: Config, act_bytes: int) -> int:
-    """Final norm, LM-head input, logits (held by the caller, dtype) and fp32 log-softmax,
-    input ids and labels (int64)."""
+    """Final norm, input ids and labels (int64), then the loss: plain (``model.loss_chunk_tokens``
+    = 0) the LM-head input, logits (held by the caller, dtype) and fp32 log-softmax; chunked the
+    gradient wrt the LM-head input (dtype), computed in forward."""
     d, v, a = cfg.model.d_model, cfg.model.vocab_size, act_bytes
-    return _rmsnorm_bytes(d, a) + a * d + a * v + 4 * v + 16
+    loss = a * d if cfg.model.loss_chunk_tokens > 0 else a * d + a * v + 4 * v
+    return _rmsnorm_bytes(d, a) + 16 + loss
 
 
-def loss_transient_bytes_per_token(cfg: Config, act_bytes: int) -> int:
-    """Backward of the loss: fp32 gradients of the log-softmax output and the logits
-    (+ the cast back to dtype under bf16/fp16), alive while every activation still is."""
-    v = cfg.model.vocab_size
-    return 8 * v + (act_bytes * v if act_bytes != 4 else 0)
+def loss_transient_bytes(cfg: Config, tokens: int, act_bytes: int) -> int:
+    """The loss's peak beyond :func:`head_bytes_per_token`, alive while every activation is.
+
+    Plain: backward's fp32 gradients of the log-softmax output and the logits (+ the cast back
+    to dtype under bf16/fp16). Chunked: the fp32 gradient wrt the LM-head weight, kept from
+    forward to backward, plus the larger of one chunk in forward (fp32 logits; under bf16/fp16
+    also their dtype original, then their gradient in dtype and the chunk's weight gradient) and
+    backward's scaled copies (input gradient; under bf16/fp16 the fp32 weight gradient too).
+    """
+    d, v, a = cfg.model.d_model, cfg.model.vocab_size, act_bytes
+    chunk = cfg.model.loss_chunk_tokens
+    if chunk == 0:
+        return tokens * (8 * v + (a * v if a != 4 else 0))
+    rows = min(chunk, tokens)
+    low = a != 4
+    forward = max(rows * v * (4 + a), rows * v * a + a * v * d) if low else rows * v * 4
+    backward = tokens * a * d + (4 * v * d if low else 0)
+    return 4 * v * d + max(forward, backward)
 
 
 def activation_bytes(cfg: Config, tokens: int, checkpointing: bool, act_bytes: int) -> int:
     """Peak activation bytes of one micro-batch of ``tokens`` tokens.
 
-    Without checkpointing: every layer's saved tensors + the head + the loss's backward
-    transient. With checkpointing of every block: each block keeps only its input ``aD``; the
-    peak is those plus the larger of (head + loss transient) and one block's recomputed set.
+    Without checkpointing: every layer's saved tensors + the head + the loss's transient. With
+    checkpointing of every block: each block keeps only its input ``aD``; the peak is those plus
+    the larger of (head + loss transient) and one block's recomputed set.
     """
     n = cfg.model.n_layers
     layers = [activation_bytes_per_token(cfg, i, act_bytes) for i in range(n)]
-    head = head_bytes_per_token(cfg, act_bytes) + loss_transient_bytes_per_token(cfg, act_bytes)
+    head = tokens * head_bytes_per_token(cfg, act_bytes)
+    head += loss_transient_bytes(cfg, tokens, act_bytes)
     if not checkpointing:
-        return tokens * (sum(layers) + head)
+        return tokens * sum(layers) + head
     kept = n * act_bytes * cfg.model.d_model
-    return tokens * (kept + max(head, max(layers, default=0)))
+    return tokens * kept + max(head, tokens * max(layers, default=0))
 
 
 @dataclass

@@ -139,12 +139,14 @@ def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> floa
     ids = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len))
     labels = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(ids, labels_BS=labels)
-    seen[out.logits.untyped_storage().data_ptr()] = out.logits.untyped_storage().nbytes()
+        out = model(ids, labels_BS=labels, return_logits=False)  # as the trainer calls it
+    if out.logits is not None:  # plain loss (model.loss_chunk_tokens=0)
+        seen[out.logits.untyped_storage().data_ptr()] = out.logits.untyped_storage().nbytes()
     seen[labels.untyped_storage().data_ptr()] = labels.untyped_storage().nbytes()
     return sum(seen.values()) / tokens
 
 
+@pytest.mark.parametrize("chunk", [0, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "extra",
@@ -160,12 +162,16 @@ def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> floa
         },
     ],
 )
-def test_activation_formula_matches_saved_tensors(dtype: torch.dtype, extra: dict) -> None:
-    cfg = _cfg({**SMALL, **extra})
+def test_activation_formula_matches_saved_tensors(
+    dtype: torch.dtype, extra: dict, chunk: int
+) -> None:
+    cfg = _cfg({**SMALL, **extra, "model.loss_chunk_tokens": chunk})
     a = 4 if dtype == torch.float32 else 2
     tokens = 512
     predicted = sum(activation_bytes_per_token(cfg, i, a) for i in range(cfg.model.n_layers))
     predicted += head_bytes_per_token(cfg, a)
+    if chunk:  # the chunked loss also saves its fp32 LM-head weight gradient (not per token)
+        predicted += 4 * cfg.model.vocab_size * cfg.model.d_model / tokens
     measured = _saved_bytes_per_token(cfg, dtype, tokens)
     # bf16: the router's fp32 copy of its (E, D) weight is saved too (param-sized, not per token)
     assert measured == pytest.approx(predicted, rel=0.01)
@@ -185,7 +191,9 @@ MEM_BASE = {
 }
 MEM_RUNS = [
     (MEM_BASE, False),
-    (MEM_BASE, True),
+    ({**MEM_BASE, "data.seq_len": 256}, True),  # longer: activations still matter
+    ({**MEM_BASE, "model.loss_chunk_tokens": 0}, False),  # full logits
+    ({**MEM_BASE, "model.loss_chunk_tokens": 256}, False),  # 4 chunks
     (
         {
             **MEM_BASE,
