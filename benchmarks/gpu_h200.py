@@ -150,7 +150,7 @@ def grouped_gemm(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[st
     e, d, f, tokens, k = (4, 64, 128, 512, 2) if dry else (8, 2048, 1792, 16384, 2)
     torch.manual_seed(1)
     fast = GroupedExperts(e, d, f, grouped_mm=True).to(device)
-    for w in (fast.w1, fast.w2, fast.w3):
+    for w in (fast.w13, fast.w2):
         torch.nn.init.normal_(w, std=0.02)
     fast = fast.to(dtype)
     loop = copy.deepcopy(fast)
@@ -170,7 +170,7 @@ def grouped_gemm(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[st
 
     res: dict[str, Any] = {
         "shape": {"E": e, "D": d, "F": f, "copies": tokens * k},
-        "grouped_mm_used": grouped_mm_supported(x, fast.w1),
+        "grouped_mm_used": grouped_mm_supported(x, fast.w13),
     }
     flops = 18.0 * tokens * k * d * f  # 3 matmuls, forward 2 + backward 4 FLOPs per MAC
     for name, mod in (("grouped", fast), ("loop", loop)):

@@ -28,11 +28,20 @@ import time
 from pathlib import Path
 
 D, F_HIDDEN, E, K = 256, 512, 8, 2
-CASES = ["moetrain", "moetrain-loop", "dense", "hf-mixtral", "hf-mixtral-grouped", "deepspeed"]
+CASES = [
+    "moetrain",
+    "moetrain-loop",
+    "dense",
+    "dense-packed",
+    "hf-mixtral",
+    "hf-mixtral-grouped",
+    "deepspeed",
+]
 DESCRIPTION = {
     "moetrain": "moetrain MoELayer (sort dispatch + F.grouped_mm)",
     "moetrain-loop": "moetrain MoELayer, per-expert loop (moe.grouped_mm=false)",
-    "dense": f"dense SwiGLU, hidden k*F = {K * F_HIDDEN}",
+    "dense": f"dense SwiGLU (plain PyTorch), hidden k*F = {K * F_HIDDEN}",
+    "dense-packed": "dense SwiGLU, packed [w1|w3] + moetrain's silu_mul (the experts' tricks)",
     "hf-mixtral": "HF MixtralSparseMoeBlock (default eager experts)",
     "hf-mixtral-grouped": "HF MixtralSparseMoeBlock, experts_implementation=grouped_mm",
     "deepspeed": "deepspeed.moe.layer.MoE (k=2, drop_tokens=False)",
@@ -58,6 +67,24 @@ def _expert_weights(seed: int = 0):
     }
 
 
+def plain_swiglu(d: int, hidden: int):
+    """The usual PyTorch SwiGLU MLP (Llama/Mixtral style): ``w2(silu(w1 x) * w3 x)``."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class PlainSwiGLU(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Linear(d, hidden, bias=False)
+            self.w3 = nn.Linear(d, hidden, bias=False)
+            self.w2 = nn.Linear(hidden, d, bias=False)
+
+        def forward(self, x):  # noqa: ANN001, ANN202
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    return PlainSwiGLU()
+
+
 def build(case: str):
     """Return ``fn(x_TD) -> y_TD`` and its module, all MoE variants with identical weights."""
     import torch
@@ -75,18 +102,22 @@ def build(case: str):
         )
         with torch.no_grad():
             layer.router.gate.weight.copy_(w["gate"])
-            for n in ("w1", "w3", "w2"):
-                getattr(layer.experts, n).copy_(w[n])
+            layer.experts.w13.copy_(torch.cat([w["w1"], w["w3"]], 2))
+            layer.experts.w2.copy_(w["w2"])
         return (lambda x: layer(x[None])[0][0]), layer
-    if case == "dense":
-        from moetrain.model.layers import SwiGLU
-
-        mlp = SwiGLU(D, K * F_HIDDEN)
+    if case.startswith("dense"):
+        mlp = plain_swiglu(D, K * F_HIDDEN)
         with torch.no_grad():
             mlp.w1.weight.copy_(w["w1"][:K].transpose(1, 2).reshape(K * F_HIDDEN, D))
             mlp.w3.weight.copy_(w["w3"][:K].transpose(1, 2).reshape(K * F_HIDDEN, D))
             mlp.w2.weight.copy_(w["w2"][:K].reshape(K * F_HIDDEN, D).t())
-        return mlp, mlp
+        if case == "dense":
+            return mlp, mlp
+        from moetrain.model.layers import silu_mul_packed
+
+        w13 = torch.nn.Parameter(torch.cat([mlp.w1.weight, mlp.w3.weight]).detach())
+        packed = torch.nn.ParameterList([w13, mlp.w2.weight])
+        return (lambda x: mlp.w2(silu_mul_packed(x @ w13.t()))), packed
     if case.startswith("hf-mixtral"):
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
@@ -109,14 +140,12 @@ def build(case: str):
         import deepspeed
         from deepspeed.moe.layer import MoE
 
-        from moetrain.model.layers import SwiGLU
-
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         deepspeed.init_distributed(dist_backend="gloo")
         moe = MoE(
             D,
-            SwiGLU(D, F_HIDDEN),
+            plain_swiglu(D, F_HIDDEN),
             num_experts=E,
             k=K,
             drop_tokens=False,

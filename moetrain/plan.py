@@ -97,11 +97,12 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
       ``2aHkv``, SDPA (flash kernel) output ``aHq`` (also the wo input) and logsumexp ``4H``.
     - MoE FFN: RMSNorm ``4D + 4 + aD``; router input in fp32 ``4D``, logits and probabilities
       ``8E``, top-k ids, gathered and renormalised weights, z-loss logsumexp ``12K + 8``;
-      permutation indices ``16K`` (int64); per routed copy (K per token) the expert input ``aD``
-      and SwiGLU intermediates ``4aF``, with capacity the expert output kept by the scatter ``aD``, the
-      (T*K, D) combine buffer ``aD`` and its weight ``a``; shared expert ``aD + 4aF_s`` (+ gate
-      ``aD + a``).
-    - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``4aF_dense``.
+      permutation indices (int64) ``24K`` dropless (slot, token, inverse) or ``16K`` with
+      capacity; per routed copy (K per token) the expert input ``aD`` and SwiGLU intermediates
+      ``3aF`` (packed gate|up output and their product); with capacity the expert output kept
+      by the scatter ``aD``; the combine's per-copy output ``aD`` and weight ``a``; shared
+      expert ``aD + 3aF_s`` (+ gate ``aD + a``).
+    - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``3aF_dense``.
 
     With ``capacity_factor`` < 1 only that fraction of the K copies reaches the experts.
     Expert-parallel ranks see T*K copies on average; routing imbalance raises it.
@@ -114,17 +115,17 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
     if m.qk_norm:  # per-head RMSNorm of q and k
         attn += 4 * (hq + hkv) + 4 * (m.n_heads + m.n_kv_heads) + a * (hq + hkv)
     if not is_moe_layer(layer, e):
-        return attn + _rmsnorm_bytes(d, a) + a * d + 4 * a * m.dense_hidden
+        return attn + _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
     k = e.top_k
     kept = k * min(e.capacity_factor, 1.0) if e.capacity_factor > 0 else k
-    ffn = _rmsnorm_bytes(d, a) + 4 * d + 8 * e.num_experts + 12 * k + 8 + 16 * k
-    # the expert output is kept per copy only by the scatter of the dropping path; the dropless
-    # path combines by an inverse-permutation gather that saves indices only
+    index_bytes = 16 * k if e.capacity_factor > 0 else 24 * k
+    ffn = _rmsnorm_bytes(d, a) + 4 * d + 8 * e.num_experts + 12 * k + 8 + index_bytes
+    # with drops the scatter keeps the expert output as well as the combine's (T*K, D) buffer
     kept_output = a * d if e.capacity_factor > 0 else 0
-    ffn += kept * (a * d + 4 * a * e.expert_hidden + kept_output) + k * (a * d + a)
+    ffn += kept * (a * d + 3 * a * e.expert_hidden + kept_output) + k * (a * d + a)
     if e.num_shared_experts:
         fs = e.shared_expert_hidden or e.num_shared_experts * e.expert_hidden
-        ffn += (a * d if a != 4 else 0) + 4 * a * fs  # fp32: input shared with the router
+        ffn += (a * d if a != 4 else 0) + 3 * a * fs  # fp32: input shared with the router
         if e.shared_expert_gate:
             ffn += a * d + a
     return attn + int(ffn)

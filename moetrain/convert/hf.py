@@ -5,8 +5,9 @@ uses each family's per-expert key layout (Mixtral ``block_sparse_moe.experts.M.w
 others ``mlp.experts.M.gate_proj.weight``), which transformers v4 loads as is and v5 fuses at load
 time. :func:`from_hf_state_dict` also accepts v5's fused in-memory layout
 (``mlp.experts.gate_up_proj`` (E, 2F, D) / ``down_proj`` (E, D, F), ``mlp.gate.weight``).
-Expert weights: moetrain ``w1``/``w3`` (E, D, F) and ``w2`` (E, F, D) are stored transposed per
-expert in HF (``nn.Linear`` layout (out, in)).
+Expert weights: moetrain ``w13`` (E, D, 2F) = ``[w1 | w3]`` and ``w2`` (E, F, D); HF stores
+``w1`` (gate), ``w3`` (up) and ``w2`` (down) per expert, transposed (``nn.Linear`` layout
+(out, in)).
 
 Mapping works on any part of a state dict (the converter streams the dense weights, then one
 layer of experts at a time).
@@ -22,10 +23,11 @@ import torch
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig, is_moe_layer
 from moetrain.convert.formats import check_format, hf_config
+from moetrain.model.moe.experts import pack_w13, unpack_w13
 
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 _MLP = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_EXPERTS = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(w[123])$")
+_EXPERTS = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(w13|w2)$")
 
 
 def _moe_prefix(fmt: str) -> str:
@@ -94,9 +96,14 @@ def to_hf_state_dict(
     for key, t in state_dict.items():
         m = _EXPERTS.match(key)
         if m:
-            layer, name = int(m.group(1)), m.group(2)
-            for e in range(t.shape[0]):
-                out[expert_key(fmt, layer, e, name)] = t[e].t()
+            layer = int(m.group(1))
+            if m.group(2) == "w13":
+                parts = dict(zip(("w1", "w3"), unpack_w13(t), strict=True))
+            else:
+                parts = {"w2": t}
+            for name, w in parts.items():
+                for e in range(w.shape[0]):
+                    out[expert_key(fmt, layer, e, name)] = w[e].t()
         elif key in keys:
             out[keys[key]] = t
             out.update(_zero_attention_biases(cfg, fmt, key))
@@ -153,14 +160,14 @@ def from_hf_state_dict(
         if fused + "gate_up_proj" in sd:  # transformers v5 fused layout
             f = moe.expert_hidden
             gate_up = get(fused + "gate_up_proj")  # (E, 2F, D)
-            out[dst + "w1"] = gate_up[:, :f].transpose(1, 2)
-            out[dst + "w3"] = gate_up[:, f:].transpose(1, 2)
+            out[dst + "w13"] = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
             out[dst + "w2"] = get(fused + "down_proj").transpose(1, 2)
         else:
-            for name in ("w1", "w3", "w2"):
-                out[dst + name] = torch.stack(
-                    [get(expert_key(fmt, i, e, name)).t() for e in range(moe.num_experts)]
-                )
+            w1, w3, w2 = (
+                torch.stack([get(expert_key(fmt, i, e, n)).t() for e in range(moe.num_experts)])
+                for n in ("w1", "w3", "w2")
+            )
+            out[dst + "w13"], out[dst + "w2"] = pack_w13(w1, w3), w2
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 

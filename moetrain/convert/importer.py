@@ -27,6 +27,7 @@ import moetrain
 from moetrain.config import Config, is_moe_layer
 from moetrain.convert.formats import MODEL_TYPES, config_from_hf
 from moetrain.convert.hf import from_hf_state_dict
+from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.train.checkpoint_files import (
     COMMIT_FILE,
     CheckpointError,
@@ -98,7 +99,7 @@ def write_checkpoint(
 ) -> Path:
     """Write the trainer's checkpoint layout from streamed ``parts`` (as
     ``checkpoint_reader.iter_layer_states`` yields them: ``("dense", non-expert state)``, then
-    ``("layers.<i>", {"layers.<i>.ffn.experts.w1": (E, D, F), ...})`` per MoE layer). Built in a
+    ``("layers.<i>", {"layers.<i>.ffn.experts.w13": (E, D, 2F), ...})`` per MoE layer). Built in a
     temporary directory, committed (``COMMITTED.json`` last) and renamed to ``ckpt_dir``."""
     ckpt = Path(ckpt_dir)
     if ckpt.exists():
@@ -120,7 +121,7 @@ def write_checkpoint(
                 prefix = f"layers.{layer}.ffn.experts.deepspeed_moe.experts.deepspeed_experts.{e}"
                 sd = {
                     f"{prefix}.{n}": part[f"layers.{layer}.ffn.experts.{n}"][e].clone()
-                    for n in ("w1", "w2", "w3")
+                    for n in EXPERT_WEIGHTS
                 }
                 name = f"layer_{moe_idx[layer]}_expert_{e}_mp_rank_00_model_states.pt"
                 torch.save(sd, tmp / name)

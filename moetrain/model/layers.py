@@ -1,4 +1,4 @@
-"""Building blocks shared by attention and FFNs: RMSNorm and the SwiGLU MLP."""
+"""Building blocks shared by attention and FFNs: RMSNorm, the SwiGLU activation and MLP."""
 
 from __future__ import annotations
 
@@ -24,6 +24,60 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+def _silu_mul_backward(
+    grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, grad_a: torch.Tensor, grad_b: torch.Tensor
+) -> None:
+    """Write d/da and d/db of ``silu(a) * b`` (upstream ``grad``) into ``grad_a``, ``grad_b``."""
+    torch.mul(grad, b, out=grad_b)  # scratch: grad * b
+    torch.ops.aten.silu_backward(grad_b, a, grad_input=grad_a)
+    torch.sigmoid(a, out=grad_b)
+    grad_b.mul_(a).mul_(grad)  # grad * silu(a)
+
+
+class _SiluMul(torch.autograd.Function):
+    """``silu(a) * b`` saving only its inputs (autograd's composition also keeps ``silu(a)``)."""
+
+    @staticmethod
+    def forward(ctx, a, b):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(a, b)
+        return F.silu(a).mul_(b)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        a, b = ctx.saved_tensors
+        grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
+        _silu_mul_backward(grad.contiguous(), a, b, grad_a, grad_b)
+        return grad_a, grad_b
+
+
+class _SiluMulPacked(torch.autograd.Function):
+    """``silu(h[..., :F]) * h[..., F:]`` of a packed ``[gate | up]`` tensor; its gradient is
+    written into one packed buffer (no per-half gradients to stitch back together)."""
+
+    @staticmethod
+    def forward(ctx, h):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(h)
+        a, b = h.chunk(2, dim=-1)
+        return F.silu(a).mul_(b)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        (h,) = ctx.saved_tensors
+        grad_h = torch.empty_like(h)
+        _silu_mul_backward(grad.contiguous(), *h.chunk(2, -1), *grad_h.chunk(2, -1))
+        return grad_h
+
+
+def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation ``silu(a) * b`` (same values and gradients, one tensor less saved)."""
+    return _SiluMul.apply(a, b)
+
+
+def silu_mul_packed(h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation of ``h = [a | b]`` (last dim 2F) -> ``silu(a) * b`` (last dim F)."""
+    return _SiluMulPacked.apply(h)
+
+
 class SwiGLU(nn.Module):
     """``w2(silu(w1 x) * w3 x)``: the dense FFN and the shared expert."""
 
@@ -34,4 +88,4 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(silu_mul(self.w1(x), self.w3(x)))

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moetrain.config import Config
-from moetrain.parallel.expert_parallel import EXPERT_WEIGHTS, moe_layers
+from moetrain.model.moe.experts import EXPERT_WEIGHTS
+from moetrain.parallel.expert_parallel import moe_layers
 from moetrain.parallel.topology import Topology
 
 DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
@@ -137,7 +138,7 @@ def mark_experts_for_deepspeed(model: nn.Module, topology: Topology) -> int:
     count = 0
     for _, layer in moe_layers(model):
         experts = layer.experts
-        n_local = experts.w1.shape[0]
+        n_local = experts.w2.shape[0]
         experts.__class__ = _marker_class(type(experts))
         experts.num_experts = n_local * topology.ep_size
         experts.ep_size = topology.ep_size

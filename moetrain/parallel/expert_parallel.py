@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.parallel.all_to_all import all_to_all_v, exchange_counts
 from moetrain.parallel.topology import Topology
-
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
 @dataclass
@@ -112,7 +111,7 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def slice_experts(experts: nn.Module, start: int, stop: int) -> None:
-    """Keep experts ``[start, stop)`` of stacked weights ``w1, w3 (E,D,F)``, ``w2 (E,F,D)``."""
+    """Keep experts ``[start, stop)`` of the stacked weights ``w13 (E,D,2F)``, ``w2 (E,F,D)``."""
     for wname in EXPERT_WEIGHTS:
         w = getattr(experts, wname)
         sliced = nn.Parameter(w.detach()[start:stop].clone(), requires_grad=w.requires_grad)
@@ -126,7 +125,7 @@ def apply_expert_parallel(model: nn.Module, topology: Topology) -> nn.Module:
     """Make a full single-device model expert-parallel on ``topology`` (in place; returned)."""
     layers = list(moe_layers(model))
     for _, layer in layers:
-        num_experts = layer.experts.w1.shape[0]
+        num_experts = layer.experts.w2.shape[0]
         if num_experts % topology.ep_size:
             raise ValueError(
                 f"parallel.ep_size={topology.ep_size} must divide the {num_experts} experts"

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from moetrain.config import Config, config_from_dict, is_moe_layer
+from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.train.checkpoint_files import (
     CheckpointError,
     read_commit,
@@ -24,7 +25,7 @@ from moetrain.train.checkpoint_files import (
 
 DENSE_FILE = "mp_rank_00_model_states.pt"
 _EXPERT_KEY = re.compile(
-    r"^(layers\.(\d+)\.ffn\.experts)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w[123])$"
+    r"^(layers\.(\d+)\.ffn\.experts)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(\w+)$"
 )
 _EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
 
@@ -75,8 +76,8 @@ def expert_files(ckpt: Path, cfg: Config) -> dict[int, list[Path]]:
 
 
 def stacked_experts(files: list[Path], layer: int) -> dict[str, torch.Tensor]:
-    """Load one layer's per-expert files into stacked ``w1, w3 (E,D,F)``, ``w2 (E,F,D)``."""
-    parts: dict[str, list[torch.Tensor]] = {"w1": [], "w2": [], "w3": []}
+    """Load one layer's per-expert files into stacked ``w13 (E,D,2F)``, ``w2 (E,F,D)``."""
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in EXPERT_WEIGHTS}
     for e, f in enumerate(files):
         sd = safe_torch_load(f)
         found = {}
@@ -88,7 +89,8 @@ def stacked_experts(files: list[Path], layer: int) -> dict[str, torch.Tensor]:
                 )
             found[m.group(4)] = tensor
         if set(found) != set(parts):
-            raise CheckpointError(f"{f}: has {sorted(found)}, expected w1, w2, w3")
+            old = " (separate w1/w3: written before the packed w13 layout)" if "w1" in found else ""
+            raise CheckpointError(f"{f}: has {sorted(found)}, expected {sorted(parts)}{old}")
         for name, tensor in found.items():
             parts[name].append(tensor)
     prefix = f"layers.{layer}.ffn.experts."

@@ -23,9 +23,9 @@ GRAD_NAMES = (
     "layers.1.attn.wo.weight",
     "layers.0.ffn.router.gate.weight",
     "layers.1.ffn.router.gate.weight",
-    "layers.0.ffn.experts.w1",
+    "layers.0.ffn.experts.w13",
     "layers.0.ffn.experts.w2",
-    "layers.1.ffn.experts.w3",
+    "layers.1.ffn.experts.w13",
     "lm_head.weight",
 )
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from moetrain.config import MoEConfig
 from moetrain.model.moe.dispatch import permute, unpermute
-from moetrain.model.moe.experts import GroupedExperts
+from moetrain.model.moe.experts import GroupedExperts, unpack_w13
 from moetrain.model.moe.layer import MoELayer
 
 D = 8
@@ -45,7 +45,8 @@ def reference(layer: MoELayer, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.
             kept += mine[:cap]
     ys = [torch.zeros(D) for _ in range(t_count)]
     for t, i, w in kept:
-        h = F.silu(x_TD[t] @ ex.w1[i]) * (x_TD[t] @ ex.w3[i])
+        w1, w3 = unpack_w13(ex.w13[i])
+        h = F.silu(x_TD[t] @ w1) * (x_TD[t] @ w3)
         ys[t] = ys[t] + w * (h @ ex.w2[i])
     y = torch.stack(ys)
     if layer.shared_expert is not None:
@@ -116,17 +117,17 @@ def test_experts_with_zero_tokens(grouped_mm: bool) -> None:
     _, stats = layer(torch.randn(1, 10, D))
     assert stats.tokens_per_expert_E.tolist() == [10, 10] + [0] * 6
     check_against_reference(layer, t_count=10)
-    assert torch.all(layer.experts.w1.grad[2:] == 0)
+    assert torch.all(layer.experts.w13.grad[2:] == 0)
 
 
 @pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "loop"])
 def test_no_tokens_at_all(grouped_mm: bool) -> None:
     experts = GroupedExperts(4, D, 16, grouped_mm)
-    torch.nn.init.normal_(experts.w1)
+    torch.nn.init.normal_(experts.w13)
     y = experts(torch.zeros(0, D), torch.zeros(4, dtype=torch.int64))
     assert y.shape == (0, D)
     y.sum().backward()
-    assert experts.w1.grad is not None and torch.all(experts.w1.grad == 0)
+    assert experts.w13.grad is not None and torch.all(experts.w13.grad == 0)
     layer = build(num_experts=4, top_k=2, grouped_mm=grouped_mm, capacity_factor=1.0)
     out, stats = layer(torch.zeros(2, 0, D))
     assert out.shape == (2, 0, D) and torch.isfinite(stats.aux_loss) and int(stats.dropped) == 0

@@ -109,7 +109,7 @@ def test_param_groups_decay_rules() -> None:
     assert "embed.weight" in no_decay
     assert {"norm.weight", "layers.0.attn_norm.weight", "layers.1.ffn_norm.weight"} <= no_decay
     assert {"lm_head.weight", "layers.0.attn.wq.weight", "layers.1.ffn.router.gate.weight"} <= decay
-    assert "layers.1.ffn.experts.w1" in decay
+    assert "layers.1.ffn.experts.w13" in decay
     assert groups["no_decay"]["weight_decay"] == 0.0 and groups["decay"]["weight_decay"] == 0.1
     every = {n for n, _ in model.named_parameters()}
     assert decay | no_decay == every and not decay & no_decay
@@ -130,7 +130,7 @@ def test_expert_params_get_their_own_moe_group() -> None:
     groups = param_groups(model, _opt())
     moe = [g for g in groups if g.get("moe")]
     assert len(moe) == 1 and moe[0]["name"] == "ep_size_2"
-    assert _names(model, moe[0]) == {f"layers.1.ffn.experts.{w}" for w in ("w1", "w2", "w3")}
+    assert _names(model, moe[0]) == {f"layers.1.ffn.experts.{w}" for w in ("w13", "w2")}
     assert moe[0]["weight_decay"] == 0.1
     dense = [g for g in groups if not g.get("moe")]
     assert all(".experts." not in n for g in dense for n in _names(model, g))

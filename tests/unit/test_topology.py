@@ -144,14 +144,14 @@ def test_deepspeed_moe_marker_shim() -> None:
         assert is_moe_param(p) == (".experts." in name)
         if ".experts." in name:
             assert p.group_name == "ep_size_2"
-    torch.testing.assert_close(experts.w1, plain.layers[0].ffn.experts.w1[2:4])
+    torch.testing.assert_close(experts.w13, plain.layers[0].ffn.experts.w13[2:4])
 
     sd = model.state_dict()
     prefix = "layers.0.ffn.experts."
-    assert prefix + "w1" not in sd
+    assert prefix + "w13" not in sd
     key = prefix + "deepspeed_moe.experts.deepspeed_experts.1.w2"
     torch.testing.assert_close(sd[key], experts.w2[1].detach())
-    assert len([k for k in sd if k.startswith(prefix)]) == 2 * 3
+    assert len([k for k in sd if k.startswith(prefix)]) == 2 * 2
 
     other = build(2)
     mark_experts_for_deepspeed(other, topo(2))
@@ -159,7 +159,7 @@ def test_deepspeed_moe_marker_shim() -> None:
         for p in other.parameters():
             p.zero_()
     other.load_state_dict(sd)
-    for name in ("w1", "w2", "w3"):
+    for name in ("w13", "w2"):
         torch.testing.assert_close(
             getattr(other.layers[0].ffn.experts, name), getattr(experts, name)
         )

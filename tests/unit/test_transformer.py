@@ -140,9 +140,8 @@ def test_parameter_names_follow_the_contract() -> None:
         "layers.0.ffn_norm.weight",
         "layers.1.ffn.router.gate.weight",
         "layers.1.ffn.router.expert_bias",
-        "layers.1.ffn.experts.w1",
+        "layers.1.ffn.experts.w13",
         "layers.1.ffn.experts.w2",
-        "layers.1.ffn.experts.w3",
         "layers.1.ffn.shared_expert.w1.weight",
         "layers.1.ffn.shared_gate.weight",
         "norm.weight",
@@ -150,7 +149,7 @@ def test_parameter_names_follow_the_contract() -> None:
     ]:
         assert n in names, n
     m = build()
-    assert m.layers[0].ffn.experts.w1.shape == (4, 32, 16)
+    assert m.layers[0].ffn.experts.w13.shape == (4, 32, 2 * 16)
     assert m.layers[0].ffn.experts.w2.shape == (4, 16, 32)
 
 
@@ -170,7 +169,7 @@ def test_initialisation_scales_output_projections() -> None:
     layer = model.layers[0]
     assert layer.attn.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert layer.attn.wo.weight.std().item() == pytest.approx(out_std, rel=0.05)
-    assert layer.ffn.experts.w1.std().item() == pytest.approx(0.02, rel=0.05)
+    assert layer.ffn.experts.w13.std().item() == pytest.approx(0.02, rel=0.05)
     assert layer.ffn.experts.w2.std().item() == pytest.approx(out_std, rel=0.05)
     assert torch.all(layer.attn_norm.weight == 1)
 

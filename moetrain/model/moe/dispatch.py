@@ -7,10 +7,11 @@ Contract (``Dispatcher`` protocol):
   local expert in expert order, counts_L int64 tokens per local expert.
 - ``combine(y_ND, weights_TK, ctx) -> y_TD``: weighted sum over the kept copies of each token,
   zero for dropped ones.
-The local dispatcher does one stable sort of the flattened expert ids and a gather; on the way
-back a gather by the inverse permutation (dropless) or a scatter into (T*K, D) (with drops),
-then a batched (1 x K) @ (K x D) weighted sum. Forward and backward are deterministic (no
-atomics; the dropless backward is gathers and a sum over K) with no Python loops over tokens.
+The local dispatcher does one stable sort of the flattened expert ids and a gather. Dropless, the
+way back weights each row and sums each token's K rows (``index_add_`` on CPU, an inverse-
+permutation gather + sum on CUDA); with drops, a scatter into (T*K, D) then a batched
+(1 x K) @ (K x D) weighted sum. Forward and backward are deterministic (no atomics) with no
+Python loops over tokens.
 """
 
 from __future__ import annotations
@@ -34,44 +35,73 @@ class Dispatcher(Protocol):
 @dataclass
 class PermuteContext:
     """What ``unpermute`` needs: for each kept copy (in expert order) its flat (t * K + k) slot;
-    when nothing was dropped also the inverse permutation (slot -> row of x_ND)."""
+    when nothing was dropped also each row's token (slot // K) and the inverse permutation
+    (slot -> row of x_ND)."""
 
     slot_N: torch.Tensor
     num_tokens: int
     top_k: int
+    token_N: torch.Tensor | None = None
     inverse_N: torch.Tensor | None = None
 
 
+def _sum_copies(
+    src_ND: torch.Tensor, token_N: torch.Tensor, inverse_N: torch.Tensor, num_tokens: int, k: int
+) -> torch.Tensor:
+    """``out[t] = sum of the K rows of src_ND that belong to token t`` (every token has K).
+
+    CPU: one ``index_add_`` (sequential, deterministic, no (T*K, D) temporary). CUDA, where
+    ``index_add_`` uses atomics: a gather by the inverse permutation and a sum over K.
+    """
+    if src_ND.is_cuda:
+        return src_ND.index_select(0, inverse_N).view(num_tokens, k, -1).sum(1)
+    out = src_ND.new_zeros(num_tokens, src_ND.shape[-1])
+    return out.index_add_(0, token_N, src_ND)
+
+
 class _GatherCopies(torch.autograd.Function):
-    """Dropless dispatch ``x_TD[slot_N // K]`` whose backward is a gather plus a sum over the K
-    copies of each token (no zero fill, no scatter-add)."""
+    """Dropless dispatch ``x_TD[token_N]``; backward sums the K copies of each token."""
 
     @staticmethod
-    def forward(ctx, x_TD, slot_N, inverse_N, top_k):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(inverse_N)
-        ctx.top_k = top_k
-        return x_TD.index_select(0, torch.div(slot_N, top_k, rounding_mode="floor"))
+    def forward(ctx, x_TD, token_N, inverse_N, top_k):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(token_N, inverse_N)
+        ctx.num_tokens, ctx.top_k = x_TD.shape[0], top_k
+        return x_TD.index_select(0, token_N)
 
     @staticmethod
     def backward(ctx, grad_ND):  # noqa: ANN001, ANN205
-        (inverse_N,) = ctx.saved_tensors
-        grad_TKD = grad_ND.index_select(0, inverse_N).view(-1, ctx.top_k, grad_ND.shape[-1])
-        return grad_TKD.sum(1), None, None, None
+        token_N, inverse_N = ctx.saved_tensors
+        grad_TD = _sum_copies(grad_ND.contiguous(), token_N, inverse_N, ctx.num_tokens, ctx.top_k)
+        return grad_TD, None, None, None
 
 
-class _Permute(torch.autograd.Function):
-    """``x.index_select(0, index)`` for a permutation ``index``; backward gathers with the
-    inverse permutation (no zero fill, no scatter)."""
+class _CombineCopies(torch.autograd.Function):
+    """Dropless combine ``y_TD[t] = sum_k weights_TK[t, k] * y_ND[row of copy (t, k)]``.
 
-    @staticmethod
-    def forward(ctx, x, index, inverse):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, index)
+    Saves y_ND and the per-row weights; backward is one gather of the output gradient (reused
+    for both inputs' gradients) instead of a (T, K, D) outer product and a permutation.
+    """
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+    def forward(ctx, y_ND, weights_TK, slot_N, token_N, inverse_N):  # noqa: ANN001, ANN205
+        w_N = weights_TK.reshape(-1).index_select(0, slot_N).to(y_ND.dtype)
+        ctx.save_for_backward(y_ND, w_N, slot_N, token_N)
+        ctx.weights_shape, ctx.weights_dtype = weights_TK.shape, weights_TK.dtype
+        t, k = weights_TK.shape
+        return _sum_copies(y_ND * w_N.unsqueeze(1), token_N, inverse_N, t, k)
+
+    @staticmethod
+    def backward(ctx, grad_TD):  # noqa: ANN001, ANN205
+        y_ND, w_N, slot_N, token_N = ctx.saved_tensors
+        grad_ND = grad_TD.index_select(0, token_N)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w_N = torch.bmm(grad_ND.unsqueeze(1), y_ND.unsqueeze(2)).view(-1)
+            grad_w = torch.empty_like(grad_w_N, dtype=ctx.weights_dtype)
+            grad_w[slot_N] = grad_w_N.to(ctx.weights_dtype)
+            grad_w = grad_w.view(ctx.weights_shape)
+        grad_y = grad_ND.mul_(w_N.unsqueeze(1)) if ctx.needs_input_grad[0] else None
+        return grad_y, grad_w, None, None, None
 
 
 def permute(
@@ -89,10 +119,11 @@ def permute(
     slot_N = torch.argsort(ids_flat, stable=True)
     counts_E = torch.bincount(ids_flat, minlength=num_experts + 1)[:num_experts]
     if all_kept:
+        token_N = torch.div(slot_N, k, rounding_mode="floor")
         inverse_N = torch.empty_like(slot_N)
         inverse_N[slot_N] = torch.arange(slot_N.numel(), device=slot_N.device)
-        x_ND = _GatherCopies.apply(x_TD, slot_N, inverse_N, k)
-        return x_ND, counts_E, PermuteContext(slot_N, t, k, inverse_N)
+        x_ND = _GatherCopies.apply(x_TD, token_N, inverse_N, k)
+        return x_ND, counts_E, PermuteContext(slot_N, t, k, token_N, inverse_N)
     slot_N = slot_N[: int(counts_E.sum())]
     x_ND = x_TD.index_select(0, torch.div(slot_N, k, rounding_mode="floor"))
     return x_ND, counts_E, PermuteContext(slot_N, t, k)
@@ -100,11 +131,10 @@ def permute(
 
 def unpermute(y_ND: torch.Tensor, weights_TK: torch.Tensor, ctx: PermuteContext) -> torch.Tensor:
     """Inverse of :func:`permute`: ``y_TD[t] = sum_k weights_TK[t, k] * y(copy t, k)``."""
+    if ctx.inverse_N is not None:  # dropless: every token has its K copies
+        return _CombineCopies.apply(y_ND, weights_TK, ctx.slot_N, ctx.token_N, ctx.inverse_N)
     d = y_ND.shape[-1]
-    if ctx.inverse_N is not None:  # dropless: a pure permutation
-        y_slots = _Permute.apply(y_ND, ctx.inverse_N, ctx.slot_N)
-    else:
-        y_slots = y_ND.new_zeros(ctx.num_tokens * ctx.top_k, d).index_copy(0, ctx.slot_N, y_ND)
+    y_slots = y_ND.new_zeros(ctx.num_tokens * ctx.top_k, d).index_copy(0, ctx.slot_N, y_ND)
     w_T1K = weights_TK.to(y_ND.dtype).unsqueeze(1)
     return torch.bmm(w_T1K, y_slots.view(ctx.num_tokens, ctx.top_k, d)).squeeze(1)
 
