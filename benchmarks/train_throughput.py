@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/train_throughput.py              # 2 CPU ranks, gloo
     .venv/bin/python benchmarks/train_throughput.py --steps 6 --warmup 2
+    .venv/bin/python benchmarks/train_throughput.py --cases moetrain --set model.loss_chunk_tokens=0
 
 Same shape for every case: vocab 8192, d 256, 4 layers, 4 heads, 2 kv heads, 8 experts, top-2,
 expert hidden 512, seq 256, micro-batch 4 per rank, fp32, AdamW, clipping 1.0, aux loss 0.01,
@@ -60,7 +61,7 @@ def _batches(rank: int, world: int, n: int):
     return out
 
 
-def _moetrain_step_fn(ep: int):
+def _moetrain_step_fn(ep: int, overrides: list[str]):
     from moetrain.config import load_config
     from moetrain.parallel.topology import init_distributed
     from moetrain.train.trainer import Trainer
@@ -89,6 +90,7 @@ def _moetrain_step_fn(ep: int):
             "optim.warmup_steps=0",
             "optim.schedule=constant",
             "run_dir=/tmp/moetrain-bench-unused",
+            *overrides,
         ],
     )
     trainer = Trainer(cfg, init_distributed(cfg))
@@ -139,7 +141,9 @@ def _hf_step_fn(grouped: bool):
     return step
 
 
-def bench_job(rank: int, world: int, case: str, warmup: int, steps: int) -> dict:
+def bench_job(
+    rank: int, world: int, case: str, warmup: int, steps: int, overrides: list[str]
+) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -149,7 +153,7 @@ def bench_job(rank: int, world: int, case: str, warmup: int, steps: int) -> dict
     logger.setLevel("WARNING")
     rss_before = _rss_now_mib()
     if case.startswith("moetrain"):
-        step = _moetrain_step_fn(ep=1 if case == "moetrain-ep1" else 2)
+        step = _moetrain_step_fn(1 if case == "moetrain-ep1" else 2, overrides)
     else:
         step = _hf_step_fn(grouped=case.endswith("grouped"))
     times = []
@@ -174,6 +178,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", nargs="*", default=CASES)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for the moetrain cases (repeatable), e.g. model.loss_chunk_tokens=0",
+    )
     args = ap.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
@@ -185,7 +196,9 @@ def main() -> None:
     best: dict[str, dict] = {}
     for rnd in range(args.rounds):
         for case in args.cases:
-            ranks = run_distributed(bench_job, world, case, args.warmup, args.steps, timeout=1800.0)
+            ranks = run_distributed(
+                bench_job, world, case, args.warmup, args.steps, args.set, timeout=1800.0
+            )
             res = {
                 "tokens_per_s": tokens_per_step / max(r["step_s"] for r in ranks),
                 "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
