@@ -61,7 +61,8 @@ def _batches(rank: int, world: int, n: int):
     return out
 
 
-def _moetrain_step_fn(ep: int, overrides: list[str]):
+def moetrain_trainer(ep: int, overrides: list[str]):
+    """moetrain's Trainer at the benchmark shape (call inside an initialised process group)."""
     from moetrain.config import load_config
     from moetrain.parallel.topology import init_distributed
     from moetrain.train.trainer import Trainer
@@ -93,7 +94,11 @@ def _moetrain_step_fn(ep: int, overrides: list[str]):
             *overrides,
         ],
     )
-    trainer = Trainer(cfg, init_distributed(cfg))
+    return Trainer(cfg, init_distributed(cfg))
+
+
+def _moetrain_step_fn(ep: int, overrides: list[str]):
+    trainer = moetrain_trainer(ep, overrides)
     return lambda batch: trainer.train_step([batch])
 
 

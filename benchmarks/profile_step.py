@@ -1,0 +1,118 @@
+"""Where a training step's time goes: moetrain's Trainer profiled op by op, grouped by role.
+
+    .venv/bin/python benchmarks/profile_step.py                  # 2 ranks, EP=2, ZeRO-2
+    .venv/bin/python benchmarks/profile_step.py --world 1 --ep 1 --steps 5
+
+Same shape as ``benchmarks/train_throughput.py`` (vocab 8192, d 256, 4 layers, 8 experts top-2,
+expert hidden 512, seq 256, micro-batch 4 per rank, fp32, one thread per rank, gloo). Rank 0
+runs ``--steps`` steps under ``torch.profiler`` after ``--warmup`` steps. Every top-level op
+(forward ops, autograd backward nodes, the optimizer step) is put in one category by its name;
+its CPU time includes its children. The 25 most expensive top-level ops are listed too. The optimizer step (``engine.step``: ZeRO-2 gradient
+reduce-scatter, AdamW, parameter all-gather) is timed as one block. Printed: ms per step and
+share of the profiled step time per category; the rest is Python and framework overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "distributed"))
+
+# first match wins; matched against the top-level op name (backward nodes by their node name)
+CATEGORIES = [
+    ("optimizer step (ZeRO reduce + AdamW + gather)", r"^optimizer step$"),
+    ("LM head + cross-entropy (chunked)", r"ChunkedLinearCrossEntropy|cross_entropy|NllLoss"),
+    ("expert GEMMs (grouped_mm)", r"grouped_mm|GroupedMm"),
+    ("expert all-to-all (incl. waiting for the peer)", r"AllToAll|all_to_all"),
+    ("ZeRO gradient hooks (AccumulateGrad, bucket flatten)", r"AccumulateGrad|flatten_dense"),
+    ("SwiGLU activation", r"SiluMul|silu|Silu"),
+    (
+        "routing, permutation, combine",
+        r"GatherCopies|CombineCopies|Permute|topk|Topk|argsort|sort|bincount|index_select|"
+        r"IndexSelect|index_add|IndexAdd|softmax|Softmax|logsumexp|LogsumexpBackward|gather|"
+        r"Gather",
+    ),
+    ("attention (SDPA)", r"scaled_dot_product|ScaledDotProduct|flash_attention"),
+    ("dense GEMMs (qkvo, router, dense FFN)", r"linear|Linear|matmul|^aten::mm$|MmBackward|addmm"),
+    ("RMSNorm, RoPE, residual, other elementwise", r"."),
+]
+
+
+def categorize(name: str) -> str:
+    name = name.removeprefix("autograd::engine::evaluate_function: ")
+    return next(cat for cat, pattern in CATEGORIES if re.search(pattern, name))
+
+
+def profile_job(rank: int, world: int, ep: int, warmup: int, steps: int) -> dict | None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from train_throughput import _batches, moetrain_trainer
+
+    torch.set_num_threads(1)
+    trainer = moetrain_trainer(ep, [])
+    engine_step = trainer.engine.step
+
+    def timed_engine_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with record_function("optimizer step"):
+            return engine_step(*args, **kwargs)
+
+    trainer.engine.step = timed_engine_step
+    batches = _batches(rank, world, warmup + steps)
+    for batch in batches[:warmup]:
+        trainer.train_step([batch])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for batch in batches[warmup:]:
+            with record_function("train step"):
+                trainer.train_step([batch])
+    if rank != 0:
+        return None
+    events = prof.events()
+    roots = [e for e in events if e.name == "train step"]
+    total_us = sum(e.cpu_time_total for e in roots)
+    by_cat: dict[str, float] = defaultdict(float)
+    by_op: dict[tuple[str, str], float] = defaultdict(float)
+    for e in events:
+        parent = e.cpu_parent
+        if parent is not None and parent.name == "train step" and e.name != "train step":
+            by_cat[categorize(e.name)] += e.cpu_time_total
+            by_op[categorize(e.name), e.name] += e.cpu_time_total
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:25]
+    return {"total_us": total_us, "by_category_us": dict(by_cat), "steps": steps, "top": top}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    from dist_utils import run_distributed
+
+    res = run_distributed(
+        profile_job, args.world, args.ep, args.warmup, args.steps, timeout=1800.0
+    )[0]
+    n, total = res["steps"], res["total_us"]
+    print(f"\nworld {args.world}, EP {args.ep}: {total / n / 1e3:.0f} ms per step (rank 0, CPU)\n")
+    print("| category | ms / step | share |")
+    print("|---|---:|---:|")
+    cats = sorted(res["by_category_us"].items(), key=lambda kv: -kv[1])
+    for cat, us in cats:
+        print(f"| {cat} | {us / n / 1e3:.1f} | {100 * us / total:.1f}% |")
+    print("\ntop ops (category, name, ms / step):")
+    for (cat, name), us in res["top"]:
+        print(f"  {us / n / 1e3:8.1f}  {cat[:24]:24s}  {name}")
+    rest = total - sum(res["by_category_us"].values())
+    print(
+        f"| Python / framework (not inside an op) | {rest / n / 1e3:.1f} | {100 * rest / total:.1f}% |"
+    )
+
+
+if __name__ == "__main__":
+    main()
