@@ -94,6 +94,9 @@ class ParallelConfig:
     zero_stage: int = 2
     activation_checkpointing: bool = False
     offload_optimizer: bool = False
+    # ZeRO-1/2: reduce gradient buckets while backward continues (DeepSpeed overlap_comm);
+    # None = on with CUDA, off on CPU
+    overlap_comm: bool | None = None
     timeout_minutes: float = 30.0
 
 

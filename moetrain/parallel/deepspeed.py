@@ -44,7 +44,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     zero: dict[str, Any] = {
         "stage": p.zero_stage,
         "contiguous_gradients": True,
-        "overlap_comm": False,
+        "overlap_comm": torch.cuda.is_available() if p.overlap_comm is None else p.overlap_comm,
         "reduce_scatter": True,
         "reduce_bucket_size": 50_000_000,
         "allgather_bucket_size": 50_000_000,

@@ -171,13 +171,17 @@ def layout_key(layout: tuple) -> str:
 
 
 def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
-    """Run every ``(ep_size, zero_stage[, "ckpt"])`` in ``layouts`` on this process group."""
+    """Run every ``(ep_size, zero_stage[, "ckpt" | "overlap"])`` in ``layouts`` on this group."""
     out: dict[str, Any] = {}
     if world == 1:
         out["reference"] = reference_run()
     for layout in layouts:
         ep, stage, *variant = layout
-        extra = {"parallel.activation_checkpointing": True} if "ckpt" in variant else {}
+        extra = {}
+        if "ckpt" in variant:
+            extra["parallel.activation_checkpointing"] = True
+        if "overlap" in variant:
+            extra["parallel.overlap_comm"] = True
         cfg = tiny_config(world, ep, stage, **extra)
         out[layout_key(layout)] = _parallel_run(cfg, rank, world)
     return out

@@ -3,7 +3,9 @@
 Layouts (same global batch, seed, accumulation 2, clipping active every step):
 world 1 (DeepSpeed, ZeRO 0/2), dp=2 (world 2, ep 1), dp=1 x ep=2 (world 2), dp=2 x ep=2
 (world 4), each for ZeRO stages 0, 1, 2 where listed, and dp=1 x ep=2 ZeRO-2 with activation
-checkpointing (blocks recomputed in backward, all-to-alls included). The reference is plain torch in one
+checkpointing (blocks recomputed in backward, all-to-alls included), and dp=2 ZeRO-2 with
+DeepSpeed's overlap_comm (on CPU the engine's reduction stream is a no-op, so this proves the
+configuration path, not the overlap). The reference is plain torch in one
 process with the per-expert loop (no DeepSpeed, no dispatcher swap).
 
 This proves: no EP-scaled expert gradients, a correct global clipping norm under EP at every
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 JOBS = {
     1: [(1, 0), (1, 2)],
-    2: [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (2, 2, "ckpt")],
+    2: [(1, 0), (1, 1), (1, 2), (1, 2, "overlap"), (2, 0), (2, 1), (2, 2), (2, 2, "ckpt")],
     4: [(2, 0), (2, 1), (2, 2)],
 }
 LAYOUTS = [(w, lay) for w, lays in JOBS.items() for lay in lays]
