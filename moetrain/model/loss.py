@@ -39,7 +39,11 @@ def _chunk_loss(
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of ``h_ND @ weight_VD.T`` over labelled rows, in chunks of rows."""
+    """Mean cross-entropy of ``h_ND @ weight_VD.T`` over labelled rows, in chunks of rows.
+
+    Forward keeps the gradients unscaled (no 1/count, no grad_output) so that a large fp16 loss
+    scale is applied in backward, before anything is rounded to fp16.
+    """
 
     @staticmethod
     def forward(
@@ -51,7 +55,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = h_ND.shape[0]
-        grad_h_ND = torch.empty_like(h_ND) if need_h else None
+        grad_h_ND = (
+            torch.empty_like(h_ND, memory_format=torch.contiguous_format) if need_h else None
+        )
         # fp32 accumulator across chunks; matmul products stay in the input dtype
         grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if need_w else None
         total = h_ND.new_zeros((), dtype=torch.float32)
