@@ -35,7 +35,13 @@ class TransformerOutput:
 class Block(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``."""
 
-    def __init__(self, layer: int, cfg: ModelConfig, moe_cfg: MoEConfig) -> None:
+    def __init__(
+        self,
+        layer: int,
+        cfg: ModelConfig,
+        moe_cfg: MoEConfig,
+        local_experts: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -43,7 +49,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.is_moe = is_moe_layer(layer, moe_cfg)
         self.ffn: nn.Module = (
-            MoELayer(moe_cfg, cfg.d_model) if self.is_moe else SwiGLU(cfg.d_model, cfg.dense_hidden)
+            MoELayer(moe_cfg, cfg.d_model, local_experts)
+            if self.is_moe
+            else SwiGLU(cfg.d_model, cfg.dense_hidden)
         )
 
     def forward(
@@ -64,13 +72,24 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The language model; parameter names are the stable ones in docs/CONTRACTS.md."""
+    """The language model; parameter names are the stable ones in docs/CONTRACTS.md.
 
-    def __init__(self, model_cfg: ModelConfig, moe_cfg: MoEConfig) -> None:
+    ``local_experts=(start, stop)``: every MoE layer builds only global experts
+    ``[start, stop)`` (an expert-parallel rank); the weights equal those of the full model.
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        moe_cfg: MoEConfig,
+        local_experts: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
         self.cfg, self.moe_cfg = model_cfg, moe_cfg
         self.embed = nn.Embedding(model_cfg.vocab_size, model_cfg.d_model)
-        self.layers = nn.ModuleList(Block(i, model_cfg, moe_cfg) for i in range(model_cfg.n_layers))
+        self.layers = nn.ModuleList(
+            Block(i, model_cfg, moe_cfg, local_experts) for i in range(model_cfg.n_layers)
+        )
         self.norm = RMSNorm(model_cfg.d_model, model_cfg.norm_eps)
         self.lm_head = nn.Linear(model_cfg.d_model, model_cfg.vocab_size, bias=False)
         if model_cfg.tie_embeddings:

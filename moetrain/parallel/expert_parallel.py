@@ -3,8 +3,10 @@
 Legend: T tokens on this rank, K top_k, D d_model, E global experts, L local experts
 (E / ep_size), P ep_size, N routed copies sent by this rank, M copies received by this rank.
 
-:func:`apply_expert_parallel` (every rank built the full model with the same seed):
-- slices each MoE layer's stacked expert weights to this rank's experts ``[ep_rank*L, +L)``,
+:func:`apply_expert_parallel` (every rank built the model with the same seed, either the full
+model or, as the trainer does, only its own experts via ``Transformer(..., local_experts=...)``):
+- slices each MoE layer's stacked expert weights to this rank's experts ``[ep_rank*L, +L)``
+  when they are still the full set,
 - replaces ``layer.dispatcher`` with :class:`AllToAllDispatcher` (when ``ep_size > 1``),
 - sets ``router.stats_reducer`` to a no-grad sum over every rank (global-batch statistics).
 """
@@ -119,20 +121,34 @@ def slice_experts(experts: nn.Module, start: int, stop: int) -> None:
     for attr in ("num_experts", "num_local_experts"):
         if isinstance(getattr(experts, attr, None), int):
             setattr(experts, attr, stop - start)
+    if isinstance(getattr(experts, "first_expert", None), int):
+        experts.first_expert += start
 
 
 def apply_expert_parallel(model: nn.Module, topology: Topology) -> nn.Module:
-    """Make a full single-device model expert-parallel on ``topology`` (in place; returned)."""
+    """Make a single-device model expert-parallel on ``topology`` (in place; returned).
+
+    Its MoE layers hold either every expert or exactly this rank's ones.
+    """
     layers = list(moe_layers(model))
     for _, layer in layers:
-        num_experts = layer.experts.w2.shape[0]
+        experts = layer.experts
+        num_experts = getattr(experts, "global_num_experts", experts.w2.shape[0])
         if num_experts % topology.ep_size:
             raise ValueError(
                 f"parallel.ep_size={topology.ep_size} must divide the {num_experts} experts"
             )
+        start, stop = topology.local_expert_range(num_experts)
+        first = getattr(experts, "first_expert", 0)
+        held = (first, first + experts.w2.shape[0])
+        if held == (0, num_experts) and topology.ep_size > 1:
+            slice_experts(experts, start, stop)
+        elif held not in ((0, num_experts), (start, stop)):
+            raise ValueError(
+                f"MoE layer holds experts [{held[0]}, {held[1]}) of {num_experts}; EP rank "
+                f"{topology.ep_rank} of {topology.ep_size} needs all of them or [{start}, {stop})"
+            )
         if topology.ep_size > 1:
-            start, stop = topology.local_expert_range(num_experts)
-            slice_experts(layer.experts, start, stop)
             layer.dispatcher = AllToAllDispatcher(
                 num_experts, topology.ep_size, topology.ep_rank, topology.ep_group
             )

@@ -97,9 +97,10 @@ class Trainer:
         self.cfg, self.topo = cfg, topology
         self.tokens_per_step = tokens_per_step(cfg, topology.world_size)
         self.total_steps = total_steps(cfg, topology.world_size)
-        # Same seed everywhere: every rank builds the full model, then keeps its experts.
+        # Same seed everywhere: every rank builds the same model, holding only its experts.
         torch.manual_seed(cfg.seed)
-        model = Transformer(cfg.model, cfg.moe)
+        local = topology.local_expert_range(cfg.moe.num_experts) if topology.ep_size > 1 else None
+        model = Transformer(cfg.model, cfg.moe, local_experts=local)
         apply_expert_parallel(model, topology)
         if cfg.parallel.activation_checkpointing:
             checkpoint_blocks(model)

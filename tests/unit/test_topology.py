@@ -179,3 +179,40 @@ def test_accelerate_settings_that_disagree_are_reported() -> None:
     msgs = launcher_disagreements(cfg, env)
     assert len(msgs) == 2
     assert "parallel.zero_stage gives 1" in msgs[0] and "train.precision gives no" in msgs[1]
+
+
+def test_rank_builds_only_its_experts_with_the_full_models_weights() -> None:
+    """``Transformer(..., local_experts=...)`` allocates only this rank's experts, with the
+    values the full model (same seed) has there; apply_expert_parallel takes either model and
+    refuses one holding other experts than this rank's."""
+    import torch
+
+    from moetrain.model.transformer import Transformer
+    from moetrain.parallel.expert_parallel import apply_expert_parallel, moe_layers
+
+    cfg = _cfg(
+        **{"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4, "model.vocab_size": 64,
+           "moe.num_experts": 4, "moe.expert_hidden": 16}
+    )  # fmt: skip
+
+    def topo(ep_rank: int) -> Topology:
+        return Topology(rank=ep_rank, world_size=2, local_rank=ep_rank, ep_size=2,
+                        backend="gloo", device=torch.device("cpu"))  # fmt: skip
+
+    def build(local: tuple[int, int] | None) -> Transformer:
+        torch.manual_seed(0)
+        return Transformer(cfg.model, cfg.moe, local_experts=local)
+
+    full = build(None).state_dict()
+    for ep_rank, (lo, hi) in enumerate([(0, 2), (2, 4)]):
+        local = build((lo, hi))
+        for name, value in local.state_dict().items():
+            is_expert = ".experts." in name
+            assert value.shape[0] == (2 if is_expert else full[name].shape[0]), name
+            assert torch.equal(value, full[name][lo:hi] if is_expert else full[name]), name
+        sliced = apply_expert_parallel(build(None), topo(ep_rank)).state_dict()
+        apply_expert_parallel(local, topo(ep_rank))
+        assert all(torch.equal(v, sliced[k]) for k, v in local.state_dict().items())
+        assert all(layer.experts.first_expert == lo for _, layer in moe_layers(local))
+    with pytest.raises(ValueError, match=r"holds experts \[2, 4\) of 4; EP rank 0 of 2"):
+        apply_expert_parallel(build((2, 4)), topo(0))

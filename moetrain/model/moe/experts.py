@@ -71,20 +71,43 @@ class GroupedExperts(nn.Module):
     experts) where :func:`grouped_mm_supported`; otherwise, or with False, the per-expert loop
     (the reference) runs. Experts with zero tokens and
     N = 0 are fine: every weight still gets a (zero) gradient.
+
+    ``local_range=(start, stop)`` builds only global experts ``[start, stop)`` of
+    ``num_experts`` (an expert-parallel rank never allocates the others).
     """
 
-    def __init__(self, num_experts: int, d_model: int, hidden: int, grouped_mm: bool = True):
+    def __init__(
+        self,
+        num_experts: int,
+        d_model: int,
+        hidden: int,
+        grouped_mm: bool = True,
+        local_range: tuple[int, int] | None = None,
+    ):
         super().__init__()
-        self.num_experts = num_experts
+        start, stop = local_range or (0, num_experts)
+        if not 0 <= start < stop <= num_experts:
+            raise ValueError(f"local_range {local_range} is not inside 0..{num_experts}")
+        self.global_num_experts = num_experts
+        self.first_expert = start
+        self.num_experts = stop - start
         self.use_grouped_mm = grouped_mm
-        self.w13 = nn.Parameter(torch.empty(num_experts, d_model, 2 * hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        self.w13 = nn.Parameter(torch.empty(stop - start, d_model, 2 * hidden))
+        self.w2 = nn.Parameter(torch.empty(stop - start, hidden, d_model))
 
     @torch.no_grad()
     def reset_parameters(self, std: float, out_std: float) -> None:
-        """Normal(0, std) input projections, Normal(0, out_std) output projection."""
-        nn.init.normal_(self.w13, 0.0, std)
-        nn.init.normal_(self.w2, 0.0, out_std)
+        """Normal(0, std) input projections, Normal(0, out_std) output projection.
+
+        Drawn one global expert at a time (every w13, then every w2) whichever experts this
+        module holds, so every expert-parallel layout gets the single-process init.
+        """
+        for w, w_std in ((self.w13, std), (self.w2, out_std)):
+            one_expert = torch.empty(w.shape[1:], dtype=w.dtype, device=w.device)
+            for e in range(self.global_num_experts):
+                one_expert.normal_(0.0, w_std)
+                if 0 <= e - self.first_expert < self.num_experts:
+                    w[e - self.first_expert].copy_(one_expert)
 
     def forward(self, x_ND: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         if self.use_grouped_mm and x_ND.shape[0] > 0 and grouped_mm_supported(x_ND, self.w13):

@@ -41,14 +41,19 @@ class MoELayer(nn.Module):
     """Token-choice top-k MoE FFN; ``forward(x_BSD) -> (y_BSD, MoEOutput)``.
 
     ``dispatcher`` is a plain attribute so expert parallelism can swap in its all-to-all one.
+    ``local_experts=(start, stop)``: build only those global experts (expert parallelism).
     """
 
-    def __init__(self, cfg: MoEConfig, d_model: int) -> None:
+    def __init__(
+        self, cfg: MoEConfig, d_model: int, local_experts: tuple[int, int] | None = None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.router = Router(cfg, d_model)
         self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)
-        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden, cfg.grouped_mm)
+        self.experts = GroupedExperts(
+            cfg.num_experts, d_model, cfg.expert_hidden, cfg.grouped_mm, local_experts
+        )
         self.shared_expert: SwiGLU | None = None
         self.shared_gate: nn.Linear | None = None
         if cfg.num_shared_experts > 0:
