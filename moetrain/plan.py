@@ -7,8 +7,10 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
   replicated over X).
 - weights: 4 B/param in fp32; 2 B in bf16/fp16 (the fp32 master copy belongs to the optimizer).
 - gradients: same dtype as the weights; ZeRO-2 partitions them (dense over W, experts over X).
-- optimizer: AdamW 8 B/param (+ 4 B fp32 master copy under bf16/fp16), partitioned under
-  ZeRO-1/2 (dense over W, experts over X); ``parallel.offload_optimizer`` moves it to CPU.
+- optimizer: AdamW 8 B/param, + 4 B for the fp32 master copy under bf16/fp16 and under ZeRO-1/2
+  whatever the precision (DeepSpeed's ZeRO optimizer clones its fp32 partition even from fp32
+  weights), partitioned under ZeRO-1/2 (dense over W, experts over X);
+  ``parallel.offload_optimizer`` moves it to CPU.
 - activations: :func:`activation_bytes_per_token` times the micro-batch tokens, plus the head
   and loss (:func:`head_bytes_per_token`, :func:`loss_transient_bytes`: full logits, or one chunk
   of them with ``model.loss_chunk_tokens``, as the trainer computes the loss) and the largest
@@ -290,7 +292,7 @@ def plan(
 
     weights = split(wb, False)
     grads = split(wb, z >= 2)
-    opt_per_param = 8 + (4 if t.precision != "fp32" else 0)
+    opt_per_param = 8 + (4 if t.precision != "fp32" or z >= 1 else 0)
     opt = split(opt_per_param, z >= 1)
     opt_gpu, opt_cpu = (0, opt) if p.offload_optimizer else (opt, 0)
 

@@ -70,11 +70,13 @@ def test_fp32_world_one_and_offload() -> None:
     dense, expert = _dense_and_expert_params(cfg)
     pl = plan(cfg, gpus=1, gpu="a100")
     assert (pl.weights_bytes, pl.grads_bytes) == (4 * (dense + expert), 4 * (dense + expert))
-    assert pl.optimizer_bytes == 8 * (dense + expert)
+    # ZeRO keeps an fp32 partition copy even of fp32 weights; plain AdamW (stage 0) does not
+    assert pl.optimizer_bytes == 12 * (dense + expert)
+    assert plan(_cfg(SMALL, parallel__zero_stage=0), 1).optimizer_bytes == 8 * (dense + expert)
     off = plan(_cfg(SMALL, parallel__offload_optimizer=True, parallel__ep_size=2), 4, "a100")
     d2, e2 = dense / 4 + expert / 2 / 2, 0
     assert off.optimizer_bytes == e2
-    assert off.optimizer_cpu_bytes == pytest.approx(8 * d2, abs=2)
+    assert off.optimizer_cpu_bytes == pytest.approx(12 * d2, abs=2)
 
 
 def test_speed_follows_peak_mfu_and_flops() -> None:
@@ -177,7 +179,8 @@ def test_activation_formula_matches_saved_tensors(
     assert measured == pytest.approx(predicted, rel=0.01)
 
 
-MEM_BASE = {
+MEM_BASE = {  # the probe's plain AdamW is what ZeRO stage 0 runs (no fp32 partition copy)
+    "parallel.zero_stage": 0,
     "model.vocab_size": 4096,
     "model.d_model": 256,
     "model.n_layers": 2,
