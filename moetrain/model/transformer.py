@@ -127,7 +127,8 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         return_logits: bool = True,
     ) -> TransformerOutput:
-        """Logits for every position; with labels also the loss (labels of -100 are ignored).
+        """Logits for every position; with labels also the loss (labels of -100 are ignored;
+        the cross-entropy is 0 when every label is).
 
         ``doc_ids_BS`` restricts attention to earlier tokens of the same document. ``cache``
         (inference): the tokens continue the cached ones at position ``cache.pos``; their keys
@@ -172,9 +173,16 @@ class Transformer(nn.Module):
             out.ce_loss = chunked_cross_entropy(
                 h_BSD.flatten(0, 1), self.lm_head.weight, labels_BS.flatten(), chunk
             )
-        else:
-            out.ce_loss = F.cross_entropy(
-                logits_BSV.float().flatten(0, 1), labels_BS.flatten(), ignore_index=-100
+        else:  # mean over labelled tokens; 0 (not NaN) when none is, as the chunked loss
+            labelled = (labels_BS != -100).sum().clamp_min(1)
+            out.ce_loss = (
+                F.cross_entropy(
+                    logits_BSV.float().flatten(0, 1),
+                    labels_BS.flatten(),
+                    ignore_index=-100,
+                    reduction="sum",
+                )
+                / labelled
             )
         out.loss = out.ce_loss + moe_loss
         return out

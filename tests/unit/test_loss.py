@@ -174,6 +174,20 @@ def test_transformer_loss_and_grads_match_with_chunking_on_and_off(tie: bool) ->
         torch.testing.assert_close(grads_on[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_transformer_loss_is_zero_not_nan_when_every_label_is_ignored() -> None:
+    ids = torch.randint(0, 64, (2, 8))
+    labels = torch.full_like(ids, -100)
+    for chunk in (0, 4):
+        model = tiny_model(False, chunk)
+        for return_logits in (False, True):
+            out = model(ids, labels_BS=labels, return_logits=return_logits)
+            assert out.ce_loss.item() == 0.0, (chunk, return_logits)
+            out.loss.backward()
+            assert all(
+                torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None
+            )
+
+
 def test_transformer_returns_logits_unless_told_not_to() -> None:
     model = tiny_model(False, 4)
     ids = torch.randint(0, 64, (2, 8))
