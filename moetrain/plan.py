@@ -86,8 +86,8 @@ def _dtype_bytes(precision: str) -> int:
 
 
 def _rmsnorm_bytes(d: int, a: int) -> int:
-    """RMSNorm saves its fp32 input (x.float()), the fp32 rsqrt and the normalised x in dtype."""
-    return 4 * d + 4 + a * d
+    """RMSNorm saves its input (in dtype) and the fp32 rsqrt of each row."""
+    return a * d + 4
 
 
 def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
@@ -95,9 +95,9 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
 
     Counted from what moetrain's modules save (checked with saved-tensor hooks):
 
-    - attention: RMSNorm ``4D + 4 + aD``, projection input ``aD``, RoPE'd q ``aHq``, k and v
+    - attention: RMSNorm ``aD + 4``, projection input ``aD``, RoPE'd q ``aHq``, k and v
       ``2aHkv``, SDPA (flash kernel) output ``aHq`` (also the wo input) and logsumexp ``4H``.
-    - MoE FFN: RMSNorm ``4D + 4 + aD``; router input in fp32 ``4D``, logits and probabilities
+    - MoE FFN: RMSNorm ``aD + 4``; router input in fp32 ``4D``, logits and probabilities
       ``8E``, top-k ids, gathered and renormalised weights, z-loss logsumexp ``12K + 8``;
       permutation indices (int64) ``24K`` dropless (slot, token, inverse) or ``16K`` with
       capacity; per routed copy (K per token) the expert input ``aD`` and SwiGLU intermediates
@@ -114,8 +114,8 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
     hd = head_dim(cfg)
     hq, hkv = m.n_heads * hd, m.n_kv_heads * hd
     attn = _rmsnorm_bytes(d, a) + a * d + 2 * a * hq + 2 * a * hkv + 4 * m.n_heads
-    if m.qk_norm:  # per-head RMSNorm of q and k
-        attn += 4 * (hq + hkv) + 4 * (m.n_heads + m.n_kv_heads) + a * (hq + hkv)
+    if m.qk_norm:  # per-head RMSNorm of q and k: their input and a per-head rsqrt
+        attn += a * (hq + hkv) + 4 * (m.n_heads + m.n_kv_heads)
     if not is_moe_layer(layer, e):
         return attn + _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
     k = e.top_k

@@ -7,6 +7,32 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` (math in at least fp32, result in x's dtype),
+    saving only ``x`` and the per-row rsqrt: autograd's composition also keeps an fp32 copy of x
+    (under bf16/fp16) and the normalised x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # noqa: ANN001, ANN205
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        x, weight, rstd = ctx.saved_tensors
+        xhat32 = x.to(rstd.dtype) * rstd
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad * xhat32.to(x.dtype)).to(rstd.dtype).flatten(0, -2).sum(0)
+            grad_w = grad_w.to(weight.dtype)
+        grad_xhat32 = (grad * weight).to(rstd.dtype)
+        dot = (grad_xhat32 * xhat32).mean(-1, keepdim=True)
+        grad_x = grad_xhat32.sub_(xhat32.mul_(dot)).mul_(rstd).to(x.dtype)
+        return grad_x, grad_w, None
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in fp32 and cast back to the input dtype."""
 
@@ -16,9 +42,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

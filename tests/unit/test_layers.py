@@ -1,4 +1,5 @@
-"""The SwiGLU activations: same values and gradients as autograd's ``silu(a) * b``, less saved."""
+"""RMSNorm and the SwiGLU activations: same values and gradients as autograd's composition, less
+saved for backward."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.model.layers import silu_mul, silu_mul_packed
+from moetrain.model.layers import RMSNorm, silu_mul, silu_mul_packed
 
 
 def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -56,3 +57,55 @@ def test_saves_only_its_inputs() -> None:
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         _reference(a, b)
     assert sum(t.numel() for t in saved) == 3 * a.numel()  # autograd also keeps silu(a)
+
+
+def _rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def test_rmsnorm_gradcheck_float64() -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(16).double()
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(norm, (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_autograd_composition_and_saves_less(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(64).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(4, 9, 64) * 3).to(dtype).requires_grad_(True)
+    grad = torch.randn(4, 9, 64).to(dtype)
+    ref_x, ref_w = x.detach().clone().requires_grad_(True), norm.weight.detach().clone()
+    ref_w.requires_grad_(True)
+    want = _rmsnorm_reference(ref_x, ref_w, norm.eps)
+    want.backward(grad)
+    got = norm(x)
+    got.backward(grad)
+    tol = {"rtol": 1e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same forward ops
+    torch.testing.assert_close(x.grad, ref_x.grad, **tol)
+    torch.testing.assert_close(norm.weight.grad, ref_w.grad, **tol)
+
+    def saved_bytes(fn, inp: torch.Tensor) -> int:  # noqa: ANN001
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(inp)
+        return sum(storages.values())
+
+    row = x.shape[0] * x.shape[1]
+    a = x.element_size()
+    ours = saved_bytes(norm, x) - norm.weight.numel() * a
+    assert ours == x.numel() * a + 4 * row  # x and the fp32 rsqrt per row, nothing else
+    assert saved_bytes(lambda t: _rmsnorm_reference(t, norm.weight, norm.eps), x) > ours
