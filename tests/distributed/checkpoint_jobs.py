@@ -142,17 +142,34 @@ def nan_job(rank: int, world: int, stage: int, run_dir: str, poison_steps: list[
     }
 
 
-def timeout_job(rank: int, world: int) -> str | None:
-    """Rank 1 never reaches the barrier: rank 0 must fail quickly, naming what it waited for."""
+def nan_jobs(rank: int, world: int, run_dir: str, scenarios: list[tuple]) -> list[dict]:
+    """:func:`nan_job` for every ``(stage, poison_steps)`` in ``scenarios``, one after another in
+    this process group (one start-up for all of them), each with a fresh Trainer and run_dir."""
+    return [
+        nan_job(rank, world, stage, str(Path(run_dir) / f"scenario{i}"), poison_steps)
+        for i, (stage, poison_steps) in enumerate(scenarios)
+    ]
+
+
+def timeout_job(rank: int, world: int, done_marker: str) -> str | None:
+    """Rank 1 never reaches the barrier: rank 0 must fail quickly, naming what it waited for.
+
+    Rank 1 stays alive (and away from the barrier) until rank 0 has its answer and leaves
+    ``done_marker``, so rank 0 sees a timeout, not a peer that went away."""
     from moetrain.parallel.topology import Topology
     from moetrain.train.checkpoint import barrier
 
     topo = Topology(rank, world, rank, 1, "gloo", torch.device("cpu"))
+    marker = Path(done_marker)
     if rank == 1:
-        time.sleep(6)
+        end = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < end:
+            time.sleep(0.05)
         return None
     try:
         barrier(topo, "checkpoint step_00000007: write shards", timeout_minutes=0.03)
     except RuntimeError as e:
         return str(e)
+    finally:
+        marker.touch()
     return "no timeout"

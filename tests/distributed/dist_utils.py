@@ -5,6 +5,10 @@ group initialised (gloo, a free local port, RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* 
 thread). Returns the list of the ranks' return values (picklable), in rank order. An exception
 on any rank fails the call with that rank's traceback; the process group is destroyed in
 ``finally``.
+
+``run_distributed_concurrently([(fn, world_size, *args), ...])`` starts several such jobs at once
+(each its own process group and port) and returns their results in the same order: on 2 cores,
+a job's single-process or waiting phases then overlap another job's work.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import io
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -102,3 +107,17 @@ def run_distributed(
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def run_distributed_concurrently(
+    jobs: Sequence[tuple[Any, ...]], timeout: float = 300.0
+) -> list[list[Any]]:
+    """:func:`run_distributed` for every ``(fn, world_size, *args)`` in ``jobs``, all started at
+    once; -> each job's per-rank results, in the order of ``jobs``. Any failure fails the call
+    (after every job has ended)."""
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = [
+            pool.submit(run_distributed, fn, world, *args, timeout=timeout)
+            for fn, world, *args in jobs
+        ]
+        return [f.result() for f in futures]

@@ -17,8 +17,8 @@ import re
 
 import pytest
 import torch
-from checkpoint_jobs import fixed_batch, nan_job, reshard_job, save_job, timeout_job
-from dist_utils import run_distributed
+from checkpoint_jobs import fixed_batch, nan_jobs, reshard_job, save_job, timeout_job
+from dist_utils import run_distributed, run_distributed_concurrently
 
 from moetrain.train.checkpoint_files import safe_torch_load
 from moetrain.train.checkpoint_reader import checkpoint_config, load_model
@@ -76,10 +76,23 @@ def test_single_process_reader_gives_the_live_logits(saved):
                 assert torch.equal(p, live[name]), name
 
 
-@pytest.mark.parametrize("world", [2, 1])
-def test_reshard_to_a_smaller_layout(saved, tmp_path, world):
+RESHARD_WORLDS = (2, 1)
+
+
+@pytest.fixture(scope="module")
+def resharded(saved, tmp_path_factory) -> dict[int, list[dict]]:
+    """world -> per-rank results of loading the ep=4 checkpoint; both worlds at the same time."""
     ckpt = saved[0]["ep4"]["path"]
-    results = run_distributed(reshard_job, world, ckpt, str(tmp_path))
+    jobs = [
+        (reshard_job, world, ckpt, str(tmp_path_factory.mktemp(f"reshard-w{world}")))
+        for world in RESHARD_WORLDS
+    ]
+    return dict(zip(RESHARD_WORLDS, run_distributed_concurrently(jobs), strict=True))
+
+
+@pytest.mark.parametrize("world", RESHARD_WORLDS)
+def test_reshard_to_a_smaller_layout(saved, resharded, world):
+    results = resharded[world]
     for r in results:
         assert "--reset-optimizer" in r["refused"] and "ep_size=4" in r["refused"]
         assert r["step"] == 2 and r["consumed"] == 4
@@ -88,9 +101,21 @@ def test_reshard_to_a_smaller_layout(saved, tmp_path, world):
     assert len({tuple(r["losses"]) for r in results}) == 1  # every rank agrees on the loss
 
 
+# (zero_stage, steps at which rank 1's loss is NaN); the one that stops training runs last
+NAN_SCENARIOS = {"stage0": (0, [2]), "stage2": (2, [2]), "too_many": (2, [1, 2, 3])}
+
+
+@pytest.fixture(scope="module")
+def nan_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every NaN scenario, one after another in one 2-rank process group; name -> per rank."""
+    run_dir = str(tmp_path_factory.mktemp("ckpt-nan"))
+    per_rank = run_distributed(nan_jobs, 2, run_dir, list(NAN_SCENARIOS.values()))
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(NAN_SCENARIOS)}
+
+
 @pytest.mark.parametrize("stage", [0, 2])
-def test_nan_on_one_rank_is_skipped_everywhere(tmp_path, stage):
-    results = run_distributed(nan_job, 2, stage, str(tmp_path), [2])
+def test_nan_on_one_rank_is_skipped_everywhere(nan_runs, stage):
+    results = nan_runs[f"stage{stage}"]
     for r in results:
         skipped = [rec["skipped"] for rec in r["records"]]
         assert skipped == [False, False, True, False, False]
@@ -104,14 +129,14 @@ def test_nan_on_one_rank_is_skipped_everywhere(tmp_path, stage):
     assert same[0] == same[1]  # every rank took the same decisions and saw the same loss
 
 
-def test_too_many_nonfinite_steps_stop_every_rank(tmp_path):
-    results = run_distributed(nan_job, 2, 2, str(tmp_path), [1, 2, 3])
+def test_too_many_nonfinite_steps_stop_every_rank(nan_runs):
+    results = nan_runs["too_many"]
     for r in results:
         assert r["error"] and "2 optimizer steps in a row" in r["error"]
         assert [rec["skipped"] for rec in r["records"]] == [False, True]
 
 
-def test_barrier_timeout_names_what_it_waited_for():
-    msg = run_distributed(timeout_job, 2)[0]
+def test_barrier_timeout_names_what_it_waited_for(tmp_path):
+    msg = run_distributed(timeout_job, 2, str(tmp_path / "rank0-done"))[0]
     assert "checkpoint step_00000007: write shards" in msg, msg
     assert "1" in msg.split("write shards", 1)[1]  # gloo's monitored barrier names rank 1

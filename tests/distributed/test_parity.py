@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import run_distributed_concurrently
 from parity_jobs import GRAD_NAMES, STEPS, layout_key, layouts_job, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,9 @@ def _key(layout: tuple) -> str:
 
 @pytest.fixture(scope="module")
 def results() -> dict[int, list[dict]]:
-    return {world: run_distributed(layouts_job, world, lays) for world, lays in JOBS.items()}
+    """world -> per-rank results; the three process groups run at the same time."""
+    done = run_distributed_concurrently([(layouts_job, w, lays) for w, lays in JOBS.items()])
+    return dict(zip(JOBS, done, strict=True))
 
 
 @pytest.fixture(scope="module")

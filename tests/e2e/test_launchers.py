@@ -36,9 +36,9 @@ checkpoint: {save_every_steps: 0}
 """
 
 
-def _env() -> dict[str, str]:
+def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHON=PY, PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", PYTHON=PY, PYTHONUNBUFFERED="1", **extra)
     env["PATH"] = f"{Path(PY).parent}:{env.get('PATH', '')}"
     return env
 
@@ -50,10 +50,10 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_stdlib_config(work, CONFIG, n_files=20, max_chars=400_000)
 
 
-def _run(cmd: list[str], run_dir: Path) -> list[dict]:
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=420)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+def _check(run: tuple[int, str, Path]) -> list[dict]:
+    """A finished run (exit code, output, run_dir) -> its metrics records, checked."""
+    code, out, run_dir = run
+    assert code == 0, out[-4000:]
     assert f"step {STEPS}/{STEPS}" in out, out[-4000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     ds = json.loads((run_dir / "deepspeed_config.json").read_text())
@@ -70,21 +70,56 @@ def _losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records if "loss" in r and "step" in r]
 
 
-@pytest.fixture(scope="module")
-def single(config: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    run_dir = tmp_path_factory.mktemp("single")
-    cmd = [PY, "-m", "moetrain", "train", str(config), f"run_dir={run_dir}",
-           "parallel.ep_size=1", "train.micro_batch_size=4"]  # fmt: skip
-    records = _run(cmd, run_dir)
-    assert records[0]["step"] == 1 and len(_losses(records)) == STEPS
-    return records
-
-
 LAUNCHERS = {
     "torchrun": ["bash", "launch/train-torchrun.sh"],
     "deepspeed": ["bash", "launch/train-deepspeed.sh"],
     "accelerate": ["bash", "launch/train-accelerate.sh"],
 }
+
+
+@pytest.fixture(scope="module")
+def runs(config: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """The plain process ("single") and every launcher's 2-process run, all started at once (on 2
+    cores their start-ups overlap each other's waits); name -> (exit code, output, run_dir)."""
+    work = tmp_path_factory.mktemp("runs")
+    ports: set[int] = set()
+    while len(ports) < len(LAUNCHERS):  # a port of its own for every launcher
+        ports.add(free_port())
+    plain = [PY, "-m", "moetrain", "train", str(config)]
+    cmds = {
+        "single": ([*plain, "parallel.ep_size=1", "train.micro_batch_size=4"], _env()),
+        **{
+            name: ([*cmd, str(config)], _env(MASTER_PORT=str(port), NPROC="2"))
+            for (name, cmd), port in zip(LAUNCHERS.items(), sorted(ports), strict=True)
+        },
+    }
+    procs = {}
+    for name, (cmd, env) in cmds.items():
+        run_dir = work / name
+        log = (work / f"{name}.log").open("w")
+        cmd = [*cmd, f"run_dir={run_dir}"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs[name] = (proc, log, run_dir)
+    out = {}
+    try:
+        for name, (proc, log, run_dir) in procs.items():
+            code = proc.wait(timeout=420)
+            log.close()
+            out[name] = (code, (work / f"{name}.log").read_text(errors="replace"), run_dir)
+    finally:
+        for proc, log, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(runs: dict[str, tuple]) -> list[dict]:
+    records = _check(runs["single"])
+    assert records[0]["step"] == 1 and len(_losses(records)) == STEPS
+    return records
 
 
 def test_plain_process(single: list[dict]) -> None:
@@ -93,13 +128,8 @@ def test_plain_process(single: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_launcher_two_processes(
-    launcher: str, config: Path, single: list[dict], tmp_path: Path, monkeypatch
-) -> None:
-    run_dir = tmp_path / "run"
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("NPROC", "2")
-    records = _run([*LAUNCHERS[launcher], str(config), f"run_dir={run_dir}"], run_dir)
+def test_launcher_two_processes(launcher: str, runs: dict[str, tuple], single: list[dict]) -> None:
+    records = _check(runs[launcher])
     losses, want = _losses(records), _losses(single)
     assert len(losses) == STEPS
     for got, ref in zip(losses, want, strict=True):

@@ -50,26 +50,6 @@ def data_overrides(tmp_path_factory) -> list[str]:
     return prepare_tiny_data(tmp_path_factory.mktemp("mn-data"), TINY)
 
 
-def run(cmd: list[str], env: dict[str, str], timeout: float = 110) -> str:
-    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, (
-        f"{cmd} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    )
-    return r.stdout + r.stderr
-
-
-@pytest.fixture(scope="module")
-def single_node(data_overrides, tmp_path_factory) -> dict[int, float]:
-    """Reference: one node, 4 processes, started by launch/train.sh (torchrun, gloo)."""
-    run_dir = tmp_path_factory.mktemp("mn-single") / "run"
-    env = env_for(NPROC="4", LAUNCHER="auto", GPUS="0", MASTER_PORT=str(free_port()))
-    out = run(["bash", "launch/train.sh", CONFIG, *data_overrides, f"run_dir={run_dir}"], env)
-    assert "launcher=torchrun" in out and "world 4" in out, out[-3000:]
-    got = losses(run_dir)
-    assert sorted(got) == list(range(1, STEPS + 1)), got
-    return got
-
-
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (from /proc)."""
     children: dict[int, list[int]] = {}
@@ -87,31 +67,16 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-class Node:
-    """One simulated node: a launch/multinode-torchrun.sh agent in its own process group."""
+class Job:
+    """A launcher command in the background in a session of its own, output to a log file."""
 
-    def __init__(self, rank: int, port: int, run_dir: Path, overrides: list[str], log: Path, **env):
-        self.port = port
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path):
         self.log_path = log
         self.log = log.open("ab")
         self.proc = subprocess.Popen(
-            ["bash", "launch/multinode-torchrun.sh", CONFIG, *overrides, f"run_dir={run_dir}"],
-            env=env_for(
-                NNODES="2",
-                NPROC="2",
-                NODE_RANK=str(rank),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RDZV_ID="mn-test",
-                RDZV_TIMEOUT="120",
-                LOCAL_ADDR="127.0.0.1",
-                **env,
-            ),
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+            cmd, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True,
-        )
+        )  # fmt: skip
 
     def wait(self, timeout: float) -> int:
         try:
@@ -120,7 +85,7 @@ class Node:
             self.log.flush()
 
     def kill(self) -> None:
-        """Kill the agent and its workers at once, as a node failure would. torchrun starts
+        """Kill the launcher and its workers at once, as a node failure would. torchrun starts
         each worker in a session of its own, so the whole process tree is collected first."""
         if self.proc.poll() is not None:
             return
@@ -132,6 +97,29 @@ class Node:
     def output(self) -> str:
         self.log.flush()
         return self.log_path.read_text(errors="replace")
+
+
+class Node(Job):
+    """One simulated node: a launch/multinode-torchrun.sh agent in its own process group."""
+
+    def __init__(self, rank: int, port: int, run_dir: Path, overrides: list[str], log: Path, **env):
+        self.port = port
+        cmd = ["bash", "launch/multinode-torchrun.sh", CONFIG, *overrides, f"run_dir={run_dir}"]
+        node_env = env_for(
+            NNODES="2",
+            NPROC="2",
+            NODE_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RDZV_ID="mn-test",
+            RDZV_TIMEOUT="120",
+            LOCAL_ADDR="127.0.0.1",
+            # NPROC is given: the GPU count only skips a torch import in launch/common.sh
+            # (the detection runs in tests/e2e/test_launchers.py)
+            GPUS="0",
+            **env,
+        )
+        super().__init__(cmd, node_env, log)
 
 
 def wait_for_listener(port: int, timeout: float = 60) -> None:
@@ -156,17 +144,52 @@ def start_two_nodes(tmp: Path, run_dir: Path, overrides: list[str], **env) -> li
     return [n0, n1]
 
 
-def test_two_nodes_train_and_match_single_node(data_overrides, single_node, tmp_path):
-    run_dir = tmp_path / "run"
-    nodes = start_two_nodes(tmp_path, run_dir, data_overrides, MAX_RESTARTS="0")
+@pytest.fixture(scope="module")
+def first_runs(data_overrides, tmp_path_factory) -> dict:
+    """The single-node reference (launch/train.sh, 4 processes) and the one process that reads
+    the whole global batch at the same time (that process alone would leave a core idle), then
+    the two-node job. -> name -> (exit codes, output, run_dir)."""
+    work = tmp_path_factory.mktemp("mn-runs")
+    single_dir, two_dir, one_dir = work / "single", work / "two" / "run", work / "one"
+    env = env_for(NPROC="4", LAUNCHER="auto", GPUS="0", MASTER_PORT=str(free_port()))
+    cmd = ["bash", "launch/train.sh", CONFIG, *data_overrides, f"run_dir={single_dir}"]
+    jobs = {"single": [Job(cmd, env, work / "single.log")]}
+    ov = [*data_overrides, f"train.micro_batch_size={MBS * 4}", "parallel.ep_size=1"]
+    cmd = [PY, "-m", "moetrain", "train", CONFIG, *ov, f"run_dir={one_dir}"]
+    jobs["one"] = [Job(cmd, env_for(), work / "one.log")]
     try:
-        codes = [n.wait(timeout=240) for n in nodes]
+        codes = {name: [j.wait(timeout=300) for j in js] for name, js in jobs.items()}
+        jobs["two"] = start_two_nodes(work / "two", two_dir, data_overrides, MAX_RESTARTS="0")
+        codes["two"] = [j.wait(timeout=300) for j in jobs["two"]]
     finally:
-        for n in nodes:
-            n.kill()
-    outs = [n.output() for n in nodes]
-    assert codes == [0, 0], f"exit codes {codes}\n" + "\n".join(o[-3000:] for o in outs)
-    both = "".join(outs)
+        for js in jobs.values():
+            for j in js:
+                j.kill()
+    dirs = {"single": single_dir, "two": two_dir, "one": one_dir}
+    return {
+        name: (codes[name], "".join(j.output() for j in js), dirs[name])
+        for name, js in jobs.items()
+    }
+
+
+def _finished(run: tuple) -> tuple[str, Path]:
+    codes, out, run_dir = run
+    assert codes == [0] * len(codes), f"exit codes {codes}\n{out[-6000:]}"
+    return out, run_dir
+
+
+@pytest.fixture(scope="module")
+def single_node(first_runs) -> dict[int, float]:
+    """Reference: one node, 4 processes, started by launch/train.sh (torchrun, gloo)."""
+    out, run_dir = _finished(first_runs["single"])
+    assert "launcher=torchrun" in out and "world 4" in out, out[-3000:]
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1)), got
+    return got
+
+
+def test_two_nodes_train_and_match_single_node(first_runs, single_node):
+    both, run_dir = _finished(first_runs["two"])
     assert "world 4" in both and "gloo" in both, both[-3000:]
     multi = losses(run_dir)
     assert sorted(multi) == sorted(single_node)
@@ -204,13 +227,11 @@ def test_rank_shards_are_disjoint_and_form_the_global_batch(data_overrides):
             assert not seen[a] & seen[b], f"ranks {a} and {b} share samples"
 
 
-def test_one_process_on_the_global_batch_matches(data_overrides, single_node, tmp_path):
+def test_one_process_on_the_global_batch_matches(first_runs, single_node):
     """Observed disjointness: if ranks overlapped or skipped samples, one process reading the
     whole global batch (micro_batch_size x 4, no expert parallelism) would see other data and
     other losses."""
-    run_dir = tmp_path / "run"
-    ov = [*data_overrides, f"train.micro_batch_size={MBS * 4}", "parallel.ep_size=1"]
-    run([PY, "-m", "moetrain", "train", CONFIG, *ov, f"run_dir={run_dir}"], env_for())
+    _, run_dir = _finished(first_runs["one"])
     one = losses(run_dir)
     assert sorted(one) == sorted(single_node)
     for step, loss in single_node.items():
@@ -229,7 +250,7 @@ def test_killed_node_restarts_and_resumes_from_last_checkpoint(data_overrides, t
     )
     from moetrain.train.checkpoint_files import latest_complete, step_of
 
-    steps, every = 40, 10
+    steps, every = 24, 10
     ov = [
         *data_overrides,
         f"train.max_steps={steps}",

@@ -16,6 +16,8 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -170,7 +172,14 @@ def test_report_renders_plots_of_a_real_run(reference, tmp_path):
     assert all(p.stat().st_size > 5000 for p in pngs)
 
 
-def test_sigterm_to_one_rank_saves_everywhere_and_resume_matches(data, reference, tmp_path):
+# The four interruption scenarios below are independent of each other once the reference
+# exists. Each runs in a thread of its own (its own launches one after another, as before), two
+# scenarios at a time, so that on 2 cores one scenario's start-ups fill the other's waits (more
+# at once only adds contention). A scenario does the launches and the checks its next launch
+# depends on; its test checks the rest.
+
+
+def _sigterm_scenario(data: list[str], tmp_path: Path) -> tuple[Path, int, str]:
     run_dir = tmp_path / "run"
     ov = _overrides(
         data,
@@ -197,20 +206,10 @@ def test_sigterm_to_one_rank_saves_everywhere_and_resume_matches(data, reference
     assert (run_dir / "checkpoints" / f"step_{stopped:08d}" / "COMMITTED.json").is_file()
     r = _run(_torchrun(run_dir, ov))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped:08d}'}" in r.stdout
-    assert losses(run_dir) == losses(reference)  # bit for bit, every step
-    first, second = offline_run_dirs(run_dir)  # the resumed run continues the same wandb run
-    assert first.name.rsplit("-", 1)[1] == second.name.rsplit("-", 1)[1]
-    assert [step for step, _ in _history(second)] == list(range(stopped + 1, STEPS + 1))
+    return run_dir, stopped, r.stdout
 
 
-def test_crashed_rank_then_restarted_job_resumes(data, reference, tmp_path):
-    """Rank 1 is killed hard (SIGKILL) mid-run; the job fails; starting the same command again
-    resumes from the newest complete checkpoint and reproduces the reference.
-
-    The restart is the job's (as a scheduler or `launch/slurm.sbatch` requeue does it), not
-    torchrun's in-place `--max-restarts`: in this sandbox the in-place restarted round hung
-    intermittently while DeepSpeed created its process groups."""
+def _crash_scenario(data: list[str], tmp_path: Path) -> tuple[Path, int, str]:
     run_dir = tmp_path / "run"
     ov = _overrides(data)
     log = tmp_path / "crash.log"
@@ -227,16 +226,12 @@ def test_crashed_rank_then_restarted_job_resumes(data, reference, tmp_path):
     assert crashed_at < STEPS, "the run ended before the crash: make it longer"
     r = _run(_torchrun(run_dir, ov))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "resumed from" in r.stdout
-    order = _steps_in_order(run_dir)
-    assert any(b <= a for a, b in zip(order, order[1:], strict=False)), "no resume in the metrics"
-    assert losses(run_dir) == losses(reference)
+    return run_dir, crashed_at, r.stdout
 
 
-def test_interrupted_save_is_ignored_and_the_step_saved_again(data, reference, tmp_path):
-    """State left by a kill during the save of step 10: step 8 complete, step 10 without its
-    commit marker and with a truncated shard. The restart must resume from step 8, remove the
-    partial directory, and save step 10 again, complete."""
+def _interrupted_save_scenario(
+    data: list[str], reference: Path, tmp_path: Path
+) -> tuple[Path, Path, subprocess.CompletedProcess]:
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     ckpts.mkdir(parents=True)
@@ -246,18 +241,12 @@ def test_interrupted_save_is_ignored_and_the_step_saved_again(data, reference, t
     (partial / "COMMITTED.json").unlink()
     victim = next(partial.glob("*optim_states.pt"))
     victim.write_bytes(victim.read_bytes()[:100])
-    r = _run(_torchrun(run_dir, _overrides(data)))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "removed incomplete checkpoint" in r.stdout
-    assert f"resumed from {ckpts / 'step_00000008'}" in r.stdout
-    assert (partial / "COMMITTED.json").is_file()
-    ref = losses(reference)
-    assert losses(run_dir) == {s: ref[s] for s in (9, 10)}
-    commit = json.loads((partial / "COMMITTED.json").read_text())
-    assert commit["files"][victim.name] == victim.stat().st_size > 100
+    return run_dir, victim, _run(_torchrun(run_dir, _overrides(data)))
 
 
-def test_truncated_file_in_a_committed_checkpoint_is_a_clear_error(data, reference, tmp_path):
+def _truncated_scenario(
+    data: list[str], reference: Path, tmp_path: Path
+) -> tuple[Path, subprocess.CompletedProcess]:
     run_dir = tmp_path / "run"
     shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
     victim = next((run_dir / "checkpoints" / "step_00000010").glob("layer_0_expert_1_*.pt"))
@@ -274,5 +263,66 @@ def test_truncated_file_in_a_committed_checkpoint_is_a_clear_error(data, referen
             f"run_dir={run_dir}",
         ]
     )
+    return victim, r
+
+
+@pytest.fixture(scope="module")
+def scenarios(data, reference, tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """name -> the future outcome of that scenario; two scenarios run at a time."""
+    work = {name: tmp_path_factory.mktemp(name) for name in ("sigterm", "crash", "save", "trunc")}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {
+            "sigterm": pool.submit(_sigterm_scenario, data, work["sigterm"]),
+            "crash": pool.submit(_crash_scenario, data, work["crash"]),
+            "save": pool.submit(_interrupted_save_scenario, data, reference, work["save"]),
+            "trunc": pool.submit(_truncated_scenario, data, reference, work["trunc"]),
+        }
+
+
+def test_sigterm_to_one_rank_saves_everywhere_and_resume_matches(scenarios, reference):
+    """SIGTERM to rank 1 once step 3 is logged: the job stops, commits a checkpoint of the step
+    it stopped at and exits 0; the same command then resumes from it, logs the reference's
+    losses bit for bit and continues the same wandb run."""
+    run_dir, stopped, stdout = scenarios["sigterm"].result()
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped:08d}'}" in stdout
+    assert losses(run_dir) == losses(reference)  # bit for bit, every step
+    first, second = offline_run_dirs(run_dir)  # the resumed run continues the same wandb run
+    assert first.name.rsplit("-", 1)[1] == second.name.rsplit("-", 1)[1]
+    assert [step for step, _ in _history(second)] == list(range(stopped + 1, STEPS + 1))
+
+
+def test_crashed_rank_then_restarted_job_resumes(scenarios, reference):
+    """Rank 1 is killed hard (SIGKILL) mid-run; the job fails; starting the same command again
+    resumes from the newest complete checkpoint and reproduces the reference.
+
+    The restart is the job's (as a scheduler or `launch/slurm.sbatch` requeue does it), not
+    torchrun's in-place `--max-restarts`: in this sandbox the in-place restarted round hung
+    intermittently while DeepSpeed created its process groups."""
+    run_dir, _, stdout = scenarios["crash"].result()
+    assert "resumed from" in stdout
+    order = _steps_in_order(run_dir)
+    assert any(b <= a for a, b in zip(order, order[1:], strict=False)), "no resume in the metrics"
+    assert losses(run_dir) == losses(reference)
+
+
+def test_interrupted_save_is_ignored_and_the_step_saved_again(scenarios, reference):
+    """State left by a kill during the save of step 10: step 8 complete, step 10 without its
+    commit marker and with a truncated shard. The restart must resume from step 8, remove the
+    partial directory, and save step 10 again, complete."""
+    run_dir, victim, r = scenarios["save"].result()
+    ckpts = run_dir / "checkpoints"
+    partial = ckpts / "step_00000010"
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "removed incomplete checkpoint" in r.stdout
+    assert f"resumed from {ckpts / 'step_00000008'}" in r.stdout
+    assert (partial / "COMMITTED.json").is_file()
+    ref = losses(reference)
+    assert losses(run_dir) == {s: ref[s] for s in (9, 10)}
+    commit = json.loads((partial / "COMMITTED.json").read_text())
+    assert commit["files"][victim.name] == victim.stat().st_size > 100
+
+
+def test_truncated_file_in_a_committed_checkpoint_is_a_clear_error(scenarios):
+    victim, r = scenarios["trunc"].result()
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert victim.name in r.stderr and "truncated" in r.stderr
