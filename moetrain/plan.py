@@ -29,7 +29,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moetrain.config import Config, ConfigError, check_world_layout, is_moe_layer
+from moetrain.config import (
+    Config,
+    ConfigError,
+    bucket_elements,
+    check_world_layout,
+    is_moe_layer,
+)
 from moetrain.monitor.mfu import lookup_peak_tflops, math_type
 from moetrain.numbers import ModelNumbers, head_dim, human, model_numbers
 
@@ -70,7 +76,6 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 FRAMEWORK_BYTES = 1 * GiB  # CUDA context + cuBLAS workspace + NCCL + allocator slack
-DEEPSPEED_BUCKET_ELEMENTS = 50_000_000  # reduce_bucket_size / allgather_bucket_size we set
 
 
 def gpu_spec(name: str) -> GPUSpec:
@@ -299,7 +304,7 @@ def plan(
     tokens = t.micro_batch_size * cfg.data.seq_len
     act_no = activation_bytes(cfg, tokens, False, wb)
     act_ck = activation_bytes(cfg, tokens, True, wb)
-    framework = FRAMEWORK_BYTES + (2 * DEEPSPEED_BUCKET_ELEMENTS * wb if z >= 1 else 0)
+    framework = FRAMEWORK_BYTES + (2 * bucket_elements(cfg, cuda=True) * wb if z >= 1 else 0)
     peak = cfg.logging.peak_tflops or spec.peak_tflops(t.precision)
     result = Plan(
         gpu=spec,

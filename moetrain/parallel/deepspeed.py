@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moetrain.config import Config
+from moetrain.config import Config, bucket_elements
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.parallel.expert_parallel import moe_layers
 from moetrain.parallel.topology import Topology
@@ -41,16 +41,17 @@ DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     """The DeepSpeed JSON config for ``cfg`` on ``world_size`` ranks."""
     t, p, o = cfg.train, cfg.parallel, cfg.optim
+    cuda = torch.cuda.is_available()
     zero: dict[str, Any] = {
         "stage": p.zero_stage,
         "contiguous_gradients": True,
-        "overlap_comm": torch.cuda.is_available() if p.overlap_comm is None else p.overlap_comm,
+        "overlap_comm": cuda if p.overlap_comm is None else p.overlap_comm,
         "reduce_scatter": True,
-        "reduce_bucket_size": 50_000_000,
-        "allgather_bucket_size": 50_000_000,
+        "reduce_bucket_size": bucket_elements(cfg, cuda),
+        "allgather_bucket_size": bucket_elements(cfg, cuda),
     }
     if p.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps,

@@ -5,8 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from moetrain.config import ConfigError, load_config
+from moetrain.config import (
+    CPU_BUCKET_ELEMENTS,
+    GPU_BUCKET_ELEMENTS,
+    ConfigError,
+    bucket_elements,
+    load_config,
+)
 from moetrain.parallel.deepspeed import deepspeed_config, dump_deepspeed_config
 from moetrain.parallel.topology import Topology, validate_layout
 
@@ -89,6 +96,19 @@ def test_deepspeed_config(stage: int, tmp_path) -> None:
     assert "offload_optimizer" not in ds["zero_optimization"]
     path = dump_deepspeed_config(ds, tmp_path / "run")
     assert json.loads(path.read_text()) == ds
+
+
+def test_deepspeed_config_bucket_size() -> None:
+    """Small buckets on CPU (DeepSpeed allocates the reduce bucket every micro-step), large ones
+    with CUDA, the config key over both; `moetrain plan` (GPU) counts the CUDA default."""
+    zero = deepspeed_config(_cfg(), 2)["zero_optimization"]
+    default = GPU_BUCKET_ELEMENTS if torch.cuda.is_available() else CPU_BUCKET_ELEMENTS
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == default
+    assert bucket_elements(_cfg(), cuda=False) == CPU_BUCKET_ELEMENTS
+    assert bucket_elements(_cfg(), cuda=True) == GPU_BUCKET_ELEMENTS
+    cfg = _cfg(**{"parallel.bucket_elements": 123_456})
+    assert bucket_elements(cfg, cuda=True) == bucket_elements(cfg, cuda=False) == 123_456
+    assert deepspeed_config(cfg, 2)["zero_optimization"]["reduce_bucket_size"] == 123_456
 
 
 def test_deepspeed_config_precision_and_offload() -> None:
