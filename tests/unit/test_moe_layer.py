@@ -172,3 +172,42 @@ def test_stats_are_detached_and_consistent() -> None:
     )
     assert s.aux_loss.requires_grad and s.z_loss.requires_grad
     assert int(s.dropped) > 0  # capacity ceil(0.5 * 16 * 2 / 4) = 4 per expert < 32 / 4
+
+
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "loop"])
+def test_experts_save_inputs_and_gemm_output_not_the_activation(grouped_mm: bool) -> None:
+    """Per routed copy the experts keep x (D) and the packed gate|up output (2F) for backward;
+    the SwiGLU activation (F) is recomputed there, and gradients match plain autograd."""
+    torch.manual_seed(2)
+    experts = GroupedExperts(3, D, 16, grouped_mm)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p)
+    counts = torch.tensor([5, 0, 4])
+    x = torch.randn(9, D, requires_grad=True)
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() > 3:  # skip the offsets
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = experts(x, counts)
+    weights = sum(p.numel() for p in experts.parameters()) * 4
+    assert sum(storages.values()) == x.numel() * 4 + 9 * 2 * 16 * 4 + weights
+
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    w1, w3 = (w.detach().requires_grad_(True) for w in unpack_w13(experts.w13))
+    w2 = experts.w2.detach().requires_grad_(True)
+    x_ref = x.detach().requires_grad_(True)
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        xe = x_ref[start : start + n]
+        outs.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+        start += n
+    torch.cat(outs).backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(experts.w2.grad, w2.grad, atol=1e-4, rtol=1e-5)
+    w13_ref = torch.cat([w1.grad, w3.grad], dim=-1)
+    torch.testing.assert_close(experts.w13.grad, w13_ref, atol=1e-4, rtol=1e-5)
