@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def silu_mul_backward(
+def _silu_mul_backward(
     grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, grad_a: torch.Tensor, grad_b: torch.Tensor
 ) -> None:
     """Write d/da and d/db of ``silu(a) * b`` (upstream ``grad``) into ``grad_a``, ``grad_b``."""
@@ -70,7 +70,7 @@ class _SiluMul(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         a, b = ctx.saved_tensors
         grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
-        silu_mul_backward(grad.contiguous(), a, b, grad_a, grad_b)
+        _silu_mul_backward(grad.contiguous(), a, b, grad_a, grad_b)
         return grad_a, grad_b
 
 
@@ -88,7 +88,7 @@ class _SiluMulPacked(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         (h,) = ctx.saved_tensors
         grad_h = torch.empty_like(h)
-        silu_mul_backward(grad.contiguous(), *h.chunk(2, -1), *grad_h.chunk(2, -1))
+        _silu_mul_backward(grad.contiguous(), *h.chunk(2, -1), *grad_h.chunk(2, -1))
         return grad_h
 
 

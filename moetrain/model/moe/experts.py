@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.layers import silu_mul_backward, silu_mul_packed
+from moetrain.model.layers import silu_mul_packed
 
 EXPERT_WEIGHTS = ("w13", "w2")
 """Parameter names of :class:`GroupedExperts` (stacked over local experts in dim 0)."""
@@ -36,35 +36,35 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-class _SwiGLUDown(torch.autograd.Function):
-    """``silu_mul_packed(h_N2F) @ w2`` per expert, saving only ``h`` and ``w2``: the (N, F)
-    activation is recomputed in backward (an elementwise pass) instead of being kept, one third
-    less saved per routed token (Megatron-Core's ``moe_act`` recompute). ``offs_L`` given: one
-    grouped GEMM over experts (``w2`` (L, F, D)); None: one expert (``w2`` (F, D))."""
+class _DownProjection(torch.autograd.Function):
+    """``act @ w2`` per expert, where ``act = silu_mul_packed(h)``, saving ``h`` (which the
+    SwiGLU saves anyway) instead of ``act``: backward recomputes ``act`` (one elementwise pass),
+    so a routed copy keeps 2F activations instead of 3F (Megatron-Core's ``moe_act``
+    recompute). A separate autograd node from the SwiGLU, so the engine frees this node's
+    (N, D) incoming gradient before the SwiGLU's (N, 2F) one is allocated. ``offs_L`` given:
+    one grouped GEMM over experts (``w2`` (L, F, D)); None: one expert (``w2`` (F, D))."""
 
     @staticmethod
-    def forward(ctx, h, w2, offs):  # noqa: ANN001, ANN205
+    def forward(ctx, act, h, w2, offs):  # noqa: ANN001, ANN205
         ctx.save_for_backward(h, w2, offs)
-        with torch.no_grad():
-            act = silu_mul_packed(h)
-            return act @ w2 if offs is None else F.grouped_mm(act, w2, offs=offs)
+        return act @ w2 if offs is None else F.grouped_mm(act, w2, offs=offs)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         h, w2, offs = ctx.saved_tensors
         grad = grad.contiguous()
-        a, b = h.chunk(2, dim=-1)
-        act = F.silu(a).mul_(b)
+        with torch.no_grad():
+            act = silu_mul_packed(h)
         w2_t = w2.transpose(-2, -1)
         if offs is None:
-            grad_act, grad_w2 = grad @ w2_t, act.t() @ grad
-        else:
-            grad_act = F.grouped_mm(grad, w2_t, offs=offs)
-            grad_w2 = F.grouped_mm(act.t(), grad, offs=offs)
-        del act
-        grad_h = torch.empty_like(h)
-        silu_mul_backward(grad_act, a, b, *grad_h.chunk(2, dim=-1))
-        return grad_h, grad_w2, None
+            return grad @ w2_t, None, act.t() @ grad, None
+        grad_act = F.grouped_mm(grad, w2_t, offs=offs)
+        return grad_act, None, F.grouped_mm(act.t(), grad, offs=offs), None
+
+
+def _swiglu_down(h: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    """``silu_mul_packed(h) @ w2`` (per expert with ``offs``), the activation not kept."""
+    return _DownProjection.apply(silu_mul_packed(h), h, w2, offs)
 
 
 def pack_w13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -148,11 +148,11 @@ class GroupedExperts(nn.Module):
     def _forward_grouped(self, x_ND: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         offs_L = torch.cumsum(counts_L, 0, dtype=torch.int32)
         h_N2F = _gmm(x_ND, self.w13.to(x_ND.dtype), offs_L)
-        return _SwiGLUDown.apply(h_N2F, self.w2.to(x_ND.dtype), offs_L)
+        return _swiglu_down(h_N2F, self.w2.to(x_ND.dtype), offs_L)
 
     def _forward_loop(self, x_ND: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         outs = []
         for i, x_nD in enumerate(torch.split(x_ND, counts_L.tolist())):
             h_n2F = x_nD @ self.w13[i].to(x_nD.dtype)
-            outs.append(_SwiGLUDown.apply(h_n2F, self.w2[i].to(x_nD.dtype), None))
+            outs.append(_swiglu_down(h_n2F, self.w2[i].to(x_nD.dtype), None))
         return torch.cat(outs, 0)
