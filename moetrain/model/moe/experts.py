@@ -53,13 +53,15 @@ class _DownProjection(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         h, w2, offs = ctx.saved_tensors
         grad = grad.contiguous()
-        with torch.no_grad():
-            act = silu_mul_packed(h)
-        w2_t = w2.transpose(-2, -1)
-        if offs is None:
-            return grad @ w2_t, None, act.t() @ grad, None
-        grad_act = F.grouped_mm(grad, w2_t, offs=offs)
-        return grad_act, None, F.grouped_mm(act.t(), grad, offs=offs), None
+        grad_act = grad_w2 = None
+        if ctx.needs_input_grad[0]:
+            w2_t = w2.transpose(-2, -1)
+            grad_act = grad @ w2_t if offs is None else F.grouped_mm(grad, w2_t, offs=offs)
+        if ctx.needs_input_grad[2]:
+            with torch.no_grad():
+                act = silu_mul_packed(h)
+            grad_w2 = act.t() @ grad if offs is None else F.grouped_mm(act.t(), grad, offs=offs)
+        return grad_act, None, grad_w2, None
 
 
 def _swiglu_down(h: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
