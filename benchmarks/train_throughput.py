@@ -12,10 +12,12 @@ one thread per rank, 2 ranks. Cases (each in its own fresh pair of processes):
 - ``moetrain-ep1``   the same with EP=1 (experts replicated; ZeRO-2 shards their optimizer state)
 - ``hf-mixtral``     MixtralForCausalLM (default experts), ``deepspeed.initialize`` ZeRO-2
 - ``hf-mixtral-grouped``  the same with ``experts_implementation="grouped_mm"``
+- ``hf-mixtral-cpu-buckets``  ``hf-mixtral`` with moetrain's CPU ZeRO bucket size (2M elements;
+  DeepSpeed's default is 500M): the same DeepSpeed settings on both sides
 
 Tokens/s: global tokens per optimizer step / median step time over ``--steps`` measured steps
 after ``--warmup``; the cases alternate round by round (``--rounds``) so that load from other
-processes hits them alike, and the best round's median is reported. Memory: peak resident set
+processes hits them alike, and the best round's median is reported, and each round's moetrain / hf-mixtral ratio. Memory: peak resident set
 size of each rank (``ru_maxrss``) and its growth over the RSS measured just before the model
 is built (the part the training state accounts for; imports excluded), max over ranks.
 """
@@ -35,7 +37,7 @@ SHAPE = dict(
     vocab=8192, d=256, layers=4, heads=4, kv_heads=2, experts=8, top_k=2, hidden=512, seq=256
 )
 MICRO = 4
-CASES = ["moetrain", "moetrain-ep1", "hf-mixtral", "hf-mixtral-grouped"]
+CASES = ["moetrain", "moetrain-ep1", "hf-mixtral", "hf-mixtral-grouped", "hf-mixtral-cpu-buckets"]
 
 
 def _rss_now_mib() -> float:
@@ -102,10 +104,12 @@ def _moetrain_step_fn(ep: int, overrides: list[str]):
     return lambda batch: trainer.train_step([batch])
 
 
-def _hf_step_fn(grouped: bool):
+def _hf_step_fn(grouped: bool, small_buckets: bool):
     import deepspeed
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
+
+    from moetrain.config import CPU_BUCKET_ELEMENTS
 
     s = SHAPE
     kw = {"experts_implementation": "grouped_mm"} if grouped else {}
@@ -128,11 +132,14 @@ def _hf_step_fn(grouped: bool):
     torch.manual_seed(0)
     model = MixtralForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    zero = {"stage": 2, "contiguous_gradients": True, "overlap_comm": False}
+    if small_buckets:
+        zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = CPU_BUCKET_ELEMENTS
     ds = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
@@ -160,7 +167,7 @@ def bench_job(
     if case.startswith("moetrain"):
         step = _moetrain_step_fn(1 if case == "moetrain-ep1" else 2, overrides)
     else:
-        step = _hf_step_fn(grouped=case.endswith("grouped"))
+        step = _hf_step_fn(case.endswith("grouped"), case.endswith("cpu-buckets"))
     times = []
     for i, batch in enumerate(_batches(rank, world, warmup + steps)):
         dist.barrier()
@@ -199,7 +206,9 @@ def main() -> None:
     world = 2
     tokens_per_step = world * MICRO * SHAPE["seq"]
     best: dict[str, dict] = {}
+    paired: list[float] = []  # per round: moetrain / hf-mixtral tokens/s
     for rnd in range(args.rounds):
+        this_round: dict[str, float] = {}
         for case in args.cases:
             ranks = run_distributed(
                 bench_job, world, case, args.warmup, args.steps, args.set, timeout=1800.0
@@ -210,8 +219,11 @@ def main() -> None:
                 "rss_growth_mib": max(r["rss_growth_mib"] for r in ranks),
             }
             print(f"round {rnd} {case}: {json.dumps(res)}", flush=True)
+            this_round[case] = res["tokens_per_s"]
             if case not in best or res["tokens_per_s"] > best[case]["tokens_per_s"]:
                 best[case] = res
+        if "moetrain" in this_round and "hf-mixtral" in this_round:
+            paired.append(this_round["moetrain"] / this_round["hf-mixtral"])
     peer = best.get("hf-mixtral")
     print("\n| case | tokens/s (2 ranks) | peak RSS / rank (MiB) | RSS growth / rank (MiB) |")
     print("|---|---:|---:|---:|")
@@ -229,6 +241,11 @@ def main() -> None:
                     f"tokens/s, {r['peak_rss_mib'] / peer['peak_rss_mib']:.2f}x peak RSS, "
                     f"{r['rss_growth_mib'] / peer['rss_growth_mib']:.2f}x RSS growth"
                 )
+    if paired:
+        rounds = ", ".join(f"{r:.2f}x" for r in paired)
+        print(
+            f"moetrain vs hf-mixtral per round: {rounds} (median {statistics.median(paired):.2f}x)"
+        )
     if args.json:
         args.json.write_text(json.dumps(best, indent=2) + "\n")
 

@@ -106,9 +106,9 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
       ``8E``, top-k ids, gathered and renormalised weights, z-loss logsumexp ``12K + 8``;
       permutation indices (int64) ``24K`` dropless (slot, token, inverse) or ``16K`` with
       capacity; per routed copy (K per token) the expert input ``aD`` and the packed gate|up
-      output ``2aF`` (their SwiGLU product is recomputed in backward); with capacity the
-      expert output kept by the scatter ``aD``; the combine's per-copy output ``aD`` and
-      weight ``a``; shared expert ``aD + 3aF_s`` (+ gate ``aD + a``).
+      output ``2aF`` (+ their SwiGLU product ``aF`` with ``moe.recompute_act`` off); with
+      capacity the expert output kept by the scatter ``aD``; the combine's per-copy output
+      ``aD`` and weight ``a``; shared expert ``aD + 3aF_s`` (+ gate ``aD + a``).
     - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``3aF_dense``.
 
     With ``capacity_factor`` < 1 only that fraction of the K copies reaches the experts.
@@ -129,7 +129,8 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
     ffn = _rmsnorm_bytes(d, a) + 4 * d + 8 * e.num_experts + 12 * k + 8 + index_bytes
     # with drops the scatter keeps the expert output as well as the combine's (T*K, D) buffer
     kept_output = a * d if e.capacity_factor > 0 else 0
-    ffn += kept * (a * d + 2 * a * e.expert_hidden + kept_output) + k * (a * d + a)
+    swiglu = (2 if e.recompute_act else 3) * a * e.expert_hidden
+    ffn += kept * (a * d + swiglu + kept_output) + k * (a * d + a)
     if e.num_shared_experts:
         fs = e.shared_expert_hidden or e.num_shared_experts * e.expert_hidden
         ffn += (a * d if a != 4 else 0) + 3 * a * fs  # fp32: input shared with the router

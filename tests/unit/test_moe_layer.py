@@ -174,12 +174,13 @@ def test_stats_are_detached_and_consistent() -> None:
     assert int(s.dropped) > 0  # capacity ceil(0.5 * 16 * 2 / 4) = 4 per expert < 32 / 4
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "save"])
 @pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "loop"])
-def test_experts_save_inputs_and_gemm_output_not_the_activation(grouped_mm: bool) -> None:
-    """Per routed copy the experts keep x (D) and the packed gate|up output (2F) for backward;
-    the SwiGLU activation (F) is recomputed there, and gradients match plain autograd."""
+def test_experts_saved_tensors_and_gradients(grouped_mm: bool, recompute: bool) -> None:
+    """Per routed copy the experts keep x (D) and the packed gate|up output (2F) for backward,
+    plus the SwiGLU activation (F) unless it is recomputed; gradients match plain autograd."""
     torch.manual_seed(2)
-    experts = GroupedExperts(3, D, 16, grouped_mm)
+    experts = GroupedExperts(3, D, 16, grouped_mm, recompute_act=recompute)
     for p in experts.parameters():
         torch.nn.init.normal_(p)
     counts = torch.tensor([5, 0, 4])
@@ -194,7 +195,8 @@ def test_experts_save_inputs_and_gemm_output_not_the_activation(grouped_mm: bool
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = experts(x, counts)
     weights = sum(p.numel() for p in experts.parameters()) * 4
-    assert sum(storages.values()) == x.numel() * 4 + 9 * 2 * 16 * 4 + weights
+    per_copy = 2 * 16 if recompute else 3 * 16
+    assert sum(storages.values()) == x.numel() * 4 + 9 * per_copy * 4 + weights
 
     grad = torch.randn_like(y)
     y.backward(grad)

@@ -64,9 +64,15 @@ class _DownProjection(torch.autograd.Function):
         return grad_act, None, grad_w2, None
 
 
-def _swiglu_down(h: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
-    """``silu_mul_packed(h) @ w2`` (per expert with ``offs``), the activation not kept."""
-    return _DownProjection.apply(silu_mul_packed(h), h, w2, offs)
+def _swiglu_down(
+    h: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor | None, recompute: bool
+) -> torch.Tensor:
+    """``silu_mul_packed(h) @ w2`` (per expert with ``offs``); ``recompute``: the activation is
+    not kept for backward."""
+    act = silu_mul_packed(h)
+    if recompute:
+        return _DownProjection.apply(act, h, w2, offs)
+    return act @ w2 if offs is None else _gmm(act, w2, offs)
 
 
 def pack_w13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -106,7 +112,8 @@ class GroupedExperts(nn.Module):
     N = 0 are fine: every weight still gets a (zero) gradient.
 
     ``local_range=(start, stop)`` builds only global experts ``[start, stop)`` of
-    ``num_experts`` (an expert-parallel rank never allocates the others).
+    ``num_experts`` (an expert-parallel rank never allocates the others). ``recompute_act``:
+    the SwiGLU product is recomputed in backward rather than saved (see ``_DownProjection``).
     """
 
     def __init__(
@@ -116,6 +123,7 @@ class GroupedExperts(nn.Module):
         hidden: int,
         grouped_mm: bool = True,
         local_range: tuple[int, int] | None = None,
+        recompute_act: bool = True,
     ):
         super().__init__()
         start, stop = local_range or (0, num_experts)
@@ -125,6 +133,7 @@ class GroupedExperts(nn.Module):
         self.first_expert = start
         self.num_experts = stop - start
         self.use_grouped_mm = grouped_mm
+        self.recompute_act = recompute_act
         self.w13 = nn.Parameter(torch.empty(stop - start, d_model, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(stop - start, hidden, d_model))
 
@@ -150,11 +159,11 @@ class GroupedExperts(nn.Module):
     def _forward_grouped(self, x_ND: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         offs_L = torch.cumsum(counts_L, 0, dtype=torch.int32)
         h_N2F = _gmm(x_ND, self.w13.to(x_ND.dtype), offs_L)
-        return _swiglu_down(h_N2F, self.w2.to(x_ND.dtype), offs_L)
+        return _swiglu_down(h_N2F, self.w2.to(x_ND.dtype), offs_L, self.recompute_act)
 
     def _forward_loop(self, x_ND: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         outs = []
         for i, x_nD in enumerate(torch.split(x_ND, counts_L.tolist())):
             h_n2F = x_nD @ self.w13[i].to(x_nD.dtype)
-            outs.append(_swiglu_down(h_n2F, self.w2[i].to(x_nD.dtype), None))
+            outs.append(_swiglu_down(h_n2F, self.w2[i].to(x_nD.dtype), None, self.recompute_act))
         return torch.cat(outs, 0)

@@ -52,7 +52,12 @@ class MoELayer(nn.Module):
         self.router = Router(cfg, d_model)
         self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)
         self.experts = GroupedExperts(
-            cfg.num_experts, d_model, cfg.expert_hidden, cfg.grouped_mm, local_experts
+            cfg.num_experts,
+            d_model,
+            cfg.expert_hidden,
+            cfg.grouped_mm,
+            local_experts,
+            recompute_act=cfg.recompute_act,
         )
         self.shared_expert: SwiGLU | None = None
         self.shared_gate: nn.Linear | None = None
