@@ -64,9 +64,9 @@ class MoEConfig:
     shared_expert_hidden: int | None = None  # default num_shared_experts * expert_hidden
     shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE style)
     grouped_mm: bool = True  # F.grouped_mm for experts; False = per-expert loop
-    # experts recompute silu(gate) * up in backward instead of saving it: F bytes-per-element
-    # less per routed copy (2F kept instead of 3F), ~3% more MoE-block time on CPU
-    recompute_act: bool = True
+    # experts recompute silu(gate) * up in backward instead of saving it (Megatron-Core's
+    # moe_act recompute): 2F values kept per routed copy instead of 3F, ~3% more MoE-block time
+    recompute_act: bool = False
 
 
 @dataclass

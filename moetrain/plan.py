@@ -106,7 +106,7 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
       ``8E``, top-k ids, gathered and renormalised weights, z-loss logsumexp ``12K + 8``;
       permutation indices (int64) ``24K`` dropless (slot, token, inverse) or ``16K`` with
       capacity; per routed copy (K per token) the expert input ``aD`` and the packed gate|up
-      output ``2aF`` (+ their SwiGLU product ``aF`` with ``moe.recompute_act`` off); with
+      output ``2aF`` (+ their SwiGLU product ``aF`` unless ``moe.recompute_act``); with
       capacity the expert output kept by the scatter ``aD``; the combine's per-copy output
       ``aD`` and weight ``a``; shared expert ``aD + 3aF_s`` (+ gate ``aD + a``).
     - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``3aF_dense``.

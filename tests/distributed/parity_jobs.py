@@ -178,8 +178,9 @@ def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
     for layout in layouts:
         ep, stage, *variant = layout
         extra = {}
-        if "ckpt" in variant:
+        if "ckpt" in variant:  # both recompute options: block checkpointing, expert SwiGLU
             extra["parallel.activation_checkpointing"] = True
+            extra["moe.recompute_act"] = True
         if "overlap" in variant:
             extra["parallel.overlap_comm"] = True
         cfg = tiny_config(world, ep, stage, **extra)

@@ -65,8 +65,8 @@ def reference(layer: MoELayer, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 SETTINGS = [
     dict(num_experts=4, top_k=1),
-    dict(num_experts=4, top_k=2, num_shared_experts=1, shared_expert_gate=True),
-    dict(num_experts=8, top_k=2, capacity_factor=1.0),
+    dict(num_experts=4, top_k=2, num_shared_experts=1, shared_expert_gate=True, recompute_act=True),
+    dict(num_experts=8, top_k=2, capacity_factor=1.0, recompute_act=True),
     dict(num_experts=6, top_k=3, capacity_factor=0.5, num_shared_experts=2, renormalize=False),
     dict(num_experts=5, top_k=2, route_scale=2.5, shared_expert_hidden=12, num_shared_experts=1),
 ]

@@ -162,7 +162,7 @@ def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> floa
             "moe.num_shared_experts": 1,
             "moe.shared_expert_gate": True,
         },
-        {"moe.recompute_act": False},
+        {"moe.recompute_act": True},
     ],
 )
 def test_activation_formula_matches_saved_tensors(

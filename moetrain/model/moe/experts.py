@@ -123,7 +123,7 @@ class GroupedExperts(nn.Module):
         hidden: int,
         grouped_mm: bool = True,
         local_range: tuple[int, int] | None = None,
-        recompute_act: bool = True,
+        recompute_act: bool = False,
     ):
         super().__init__()
         start, stop = local_range or (0, num_experts)
