@@ -17,9 +17,10 @@ one thread per rank, 2 ranks. Cases (each in its own fresh pair of processes):
 
 Tokens/s: global tokens per optimizer step / median step time over ``--steps`` measured steps
 after ``--warmup``; the cases alternate round by round (``--rounds``) so that load from other
-processes hits them alike, and the best round's median is reported, and each round's moetrain / hf-mixtral ratio. Memory: peak resident set
-size of each rank (``ru_maxrss``) and its growth over the RSS measured just before the model
-is built (the part the training state accounts for; imports excluded), max over ranks.
+processes hits them alike. Reported: each case's best round, and each round's moetrain /
+hf-mixtral ratio with their median. Memory: peak resident set size of each rank
+(``ru_maxrss``) and its growth over the RSS measured just before the model is built (the part
+the training state accounts for; imports excluded), max over ranks.
 """
 
 from __future__ import annotations
