@@ -42,13 +42,14 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     """The DeepSpeed JSON config for ``cfg`` on ``world_size`` ranks."""
     t, p, o = cfg.train, cfg.parallel, cfg.optim
     cuda = torch.cuda.is_available()
+    bucket = bucket_elements(cfg, cuda)
     zero: dict[str, Any] = {
         "stage": p.zero_stage,
         "contiguous_gradients": True,
         "overlap_comm": cuda if p.overlap_comm is None else p.overlap_comm,
         "reduce_scatter": True,
-        "reduce_bucket_size": bucket_elements(cfg, cuda),
-        "allgather_bucket_size": bucket_elements(cfg, cuda),
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
     }
     if p.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}

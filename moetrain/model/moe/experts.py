@@ -36,6 +36,11 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def _expert_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    """``a @ b`` for one expert (``offs`` None) or one grouped GEMM over experts (``offs``)."""
+    return a @ b if offs is None else F.grouped_mm(a, b, offs=offs)
+
+
 class _DownProjection(torch.autograd.Function):
     """``act @ w2`` per expert, where ``act = silu_mul_packed(h)``, saving ``h`` (which the
     SwiGLU saves anyway) instead of ``act``: backward recomputes ``act`` (one elementwise pass),
@@ -47,7 +52,7 @@ class _DownProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, act, h, w2, offs):  # noqa: ANN001, ANN205
         ctx.save_for_backward(h, w2, offs)
-        return act @ w2 if offs is None else F.grouped_mm(act, w2, offs=offs)
+        return _expert_mm(act, w2, offs)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
@@ -55,12 +60,11 @@ class _DownProjection(torch.autograd.Function):
         grad = grad.contiguous()
         grad_act = grad_w2 = None
         if ctx.needs_input_grad[0]:
-            w2_t = w2.transpose(-2, -1)
-            grad_act = grad @ w2_t if offs is None else F.grouped_mm(grad, w2_t, offs=offs)
+            grad_act = _expert_mm(grad, w2.transpose(-2, -1), offs)
         if ctx.needs_input_grad[2]:
             with torch.no_grad():
                 act = silu_mul_packed(h)
-            grad_w2 = act.t() @ grad if offs is None else F.grouped_mm(act.t(), grad, offs=offs)
+            grad_w2 = _expert_mm(act.t(), grad, offs)
         return grad_act, None, grad_w2, None
 
 
