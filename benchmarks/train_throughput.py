@@ -3,10 +3,15 @@
     .venv/bin/python benchmarks/train_throughput.py              # 2 CPU ranks, gloo
     .venv/bin/python benchmarks/train_throughput.py --steps 6 --warmup 2
     .venv/bin/python benchmarks/train_throughput.py --cases moetrain --set model.loss_chunk_tokens=0
+    .venv/bin/python benchmarks/train_throughput.py --shape vocab32k   # another shape (below)
 
-Same shape for every case: vocab 8192, d 256, 4 layers, 4 heads, 2 kv heads, 8 experts, top-2,
-expert hidden 512, seq 256, micro-batch 4 per rank, fp32, AdamW, clipping 1.0, aux loss 0.01,
-one thread per rank, 2 ranks. Cases (each in its own fresh pair of processes):
+Same shape for every case. ``--shape bench`` (the default, the distributed-training issue's
+benchmark): vocab 8192, d 256, 4 layers, 4 heads, 2 kv heads, 8 experts, top-2, expert hidden
+512, seq 256, micro-batch 4 per rank, fp32, AdamW, clipping 1.0, aux loss 0.01, one thread per
+rank, 2 ranks. Other shapes change only what their name says, keeping the active FLOPs of the
+experts: ``vocab32k`` Mixtral's 32000-token vocabulary; ``fine`` fine-grained experts as in
+OLMoE / Qwen-MoE (64 experts, top-8, expert hidden 128). Cases (each in its own fresh pair of
+processes):
 
 - ``moetrain``       moetrain's Trainer (EP=2: each rank holds 4 experts; ZeRO-2 over the rest)
 - ``moetrain-ep1``   the same with EP=1 (experts replicated; ZeRO-2 shards their optimizer state)
@@ -37,6 +42,11 @@ from pathlib import Path
 SHAPE = dict(
     vocab=8192, d=256, layers=4, heads=4, kv_heads=2, experts=8, top_k=2, hidden=512, seq=256
 )
+SHAPES = {
+    "bench": SHAPE,
+    "vocab32k": {**SHAPE, "vocab": 32000},
+    "fine": {**SHAPE, "experts": 64, "top_k": 8, "hidden": 128},
+}
 MICRO = 4
 CASES = ["moetrain", "moetrain-ep1", "hf-mixtral", "hf-mixtral-grouped", "hf-mixtral-cpu-buckets"]
 
@@ -52,25 +62,25 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _batches(rank: int, world: int, n: int):
+def _batches(rank: int, world: int, n: int, shape: dict = SHAPE):
     import torch
 
     g = torch.Generator().manual_seed(1234)
     out = []
     for _ in range(n):
-        seq = torch.randint(0, SHAPE["vocab"], (MICRO * world, SHAPE["seq"] + 1), generator=g)
+        seq = torch.randint(0, shape["vocab"], (MICRO * world, shape["seq"] + 1), generator=g)
         mine = seq[rank * MICRO : (rank + 1) * MICRO]
         out.append({"input_ids": mine[:, :-1].contiguous(), "labels": mine[:, 1:].contiguous()})
     return out
 
 
-def moetrain_trainer(ep: int, overrides: list[str]):
-    """moetrain's Trainer at the benchmark shape (call inside an initialised process group)."""
+def moetrain_trainer(ep: int, overrides: list[str], shape: dict = SHAPE):
+    """moetrain's Trainer at ``shape`` (call inside an initialised process group)."""
     from moetrain.config import load_config
     from moetrain.parallel.topology import init_distributed
     from moetrain.train.trainer import Trainer
 
-    s = SHAPE
+    s = shape
     cfg = load_config(
         None,
         [
@@ -100,19 +110,19 @@ def moetrain_trainer(ep: int, overrides: list[str]):
     return Trainer(cfg, init_distributed(cfg))
 
 
-def _moetrain_step_fn(ep: int, overrides: list[str]):
-    trainer = moetrain_trainer(ep, overrides)
+def _moetrain_step_fn(ep: int, overrides: list[str], shape: dict):
+    trainer = moetrain_trainer(ep, overrides, shape)
     return lambda batch: trainer.train_step([batch])
 
 
-def _hf_step_fn(grouped: bool, small_buckets: bool):
+def _hf_step_fn(grouped: bool, small_buckets: bool, shape: dict):
     import deepspeed
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from moetrain.config import CPU_BUCKET_ELEMENTS
 
-    s = SHAPE
+    s = shape
     kw = {"experts_implementation": "grouped_mm"} if grouped else {}
     config = MixtralConfig(
         vocab_size=s["vocab"],
@@ -155,7 +165,7 @@ def _hf_step_fn(grouped: bool, small_buckets: bool):
 
 
 def bench_job(
-    rank: int, world: int, case: str, warmup: int, steps: int, overrides: list[str]
+    rank: int, world: int, case: str, shape: str, warmup: int, steps: int, overrides: list[str]
 ) -> dict:
     import torch
     import torch.distributed as dist
@@ -165,12 +175,13 @@ def bench_job(
 
     logger.setLevel("WARNING")
     rss_before = _rss_now_mib()
+    dims = SHAPES[shape]
     if case.startswith("moetrain"):
-        step = _moetrain_step_fn(1 if case == "moetrain-ep1" else 2, overrides)
+        step = _moetrain_step_fn(1 if case == "moetrain-ep1" else 2, overrides, dims)
     else:
-        step = _hf_step_fn(case.endswith("grouped"), case.endswith("cpu-buckets"))
+        step = _hf_step_fn(case.endswith("grouped"), case.endswith("cpu-buckets"), dims)
     times = []
-    for i, batch in enumerate(_batches(rank, world, warmup + steps)):
+    for i, batch in enumerate(_batches(rank, world, warmup + steps, dims)):
         dist.barrier()
         t0 = time.perf_counter()
         step(batch)
@@ -190,6 +201,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", nargs="*", default=CASES)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument(
         "--set",
@@ -205,14 +217,21 @@ def main() -> None:
     from dist_utils import run_distributed
 
     world = 2
-    tokens_per_step = world * MICRO * SHAPE["seq"]
+    tokens_per_step = world * MICRO * SHAPES[args.shape]["seq"]
     best: dict[str, dict] = {}
     paired: list[float] = []  # per round: moetrain / hf-mixtral tokens/s
     for rnd in range(args.rounds):
         this_round: dict[str, float] = {}
         for case in args.cases:
             ranks = run_distributed(
-                bench_job, world, case, args.warmup, args.steps, args.set, timeout=1800.0
+                bench_job,
+                world,
+                case,
+                args.shape,
+                args.warmup,
+                args.steps,
+                args.set,
+                timeout=1800.0,
             )
             res = {
                 "tokens_per_s": tokens_per_step / max(r["step_s"] for r in ranks),
