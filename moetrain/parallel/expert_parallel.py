@@ -21,6 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moetrain.model.moe.dispatch import (
+    combine_copies,
+    gather_copies,
+    inverse_permutation,
+    permute_rows,
+)
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.parallel.all_to_all import all_to_all_v, exchange_counts
 from moetrain.parallel.topology import Topology
@@ -30,7 +36,9 @@ from moetrain.parallel.topology import Topology
 class _A2AContext:
     copy_idx_N: Tensor  # flat (t*K + k) index of each sent copy, in send order
     token_idx_N: Tensor  # token of each sent copy
+    inverse_N: Tensor | None  # flat slot -> send row, when no copy was dropped
     perm_M: Tensor  # received (source-major) row -> local (expert-major) order
+    inverse_M: Tensor  # the inverse of perm_M
     send_splits: list[int]
     recv_splits: list[int]
     num_tokens: int
@@ -63,7 +71,8 @@ class AllToAllDispatcher:
         order = torch.argsort(expert_N, stable=True)
         copy_idx = copy_idx[order]
         token_idx = torch.div(copy_idx, K, rounding_mode="floor")
-        x_ND = x_TD.index_select(0, token_idx)
+        inverse = inverse_permutation(copy_idx) if copy_idx.numel() == T * K else None
+        x_ND = gather_copies(x_TD, token_idx, inverse, K)
 
         counts_E = torch.bincount(expert_N, minlength=self.num_experts).to(torch.int64)
         recv_PL = exchange_counts(counts_E, self.group).view(P, L)
@@ -78,17 +87,14 @@ class AllToAllDispatcher:
         key = (block % L) * P + torch.div(block, L, rounding_mode="floor")
         perm = torch.argsort(key, stable=True)
         counts_L = recv_PL.sum(0)
-        ctx = _A2AContext(copy_idx, token_idx, perm, send_splits, recv_splits, T)
-        return x_MD.index_select(0, perm), counts_L, ctx
+        inv = inverse_permutation(perm)
+        ctx = _A2AContext(copy_idx, token_idx, inverse, perm, inv, send_splits, recv_splits, T)
+        return permute_rows(x_MD, perm, inv), counts_L, ctx
 
     def combine(self, y_MD: Tensor, weights_TK: Tensor, ctx: _A2AContext) -> Tensor:
-        inv = torch.empty_like(ctx.perm_M)
-        inv[ctx.perm_M] = torch.arange(ctx.perm_M.numel(), device=ctx.perm_M.device)
-        y_recv = y_MD.index_select(0, inv)
+        y_recv = permute_rows(y_MD, ctx.inverse_M, ctx.perm_M)
         y_ND = all_to_all_v(y_recv, ctx.send_splits, ctx.recv_splits, self.group)
-        w_N = weights_TK.reshape(-1).index_select(0, ctx.copy_idx_N).to(y_ND.dtype)
-        out = y_ND.new_zeros((ctx.num_tokens, y_ND.shape[-1]))
-        return out.index_add(0, ctx.token_idx_N, y_ND * w_N.unsqueeze(-1))
+        return combine_copies(y_ND, weights_TK, ctx.copy_idx_N, ctx.token_idx_N, ctx.inverse_N)
 
 
 def global_sum_reducer(group: Any = None) -> Callable[[Tensor], Tensor]:

@@ -1,7 +1,8 @@
 """The expert-parallel dispatcher on 2 real gloo ranks against the local dispatcher.
 
 Each rank routes its own tokens; the reference runs the same tokens through the local
-dispatcher with all experts. Outputs and input gradients must match per rank, and each rank's
+dispatcher with all experts. Outputs and the gradients of the input and of the routing weights
+must match per rank (a dropped copy's weight gets a zero gradient), and each rank's
 expert-weight gradients must equal the sum over ranks of the reference gradients of its experts
 (every peer's tokens contribute). Covers dropless routing, capacity drops, an expert that gets
 no tokens, and a rank whose copies are all dropped.
@@ -57,9 +58,10 @@ def _job(rank: int, world: int) -> dict:
 
         # reference: local dispatcher, all experts
         xr = x.clone().requires_grad_(True)
+        wr = weights.clone().requires_grad_(True)
         ld = LocalDispatcher(E)
         x_nd, counts, ctx = ld.dispatch(xr, ids, keep)
-        y_ref = ld.combine(full(x_nd, counts), weights, ctx)
+        y_ref = ld.combine(full(x_nd, counts), wr, ctx)
         y_ref.pow(2).sum().backward()
         ref_w = full.w13.grad.clone()
         ref_w2 = full.w2.grad.clone()
@@ -68,14 +70,17 @@ def _job(rank: int, world: int) -> dict:
 
         # expert parallel
         xe = x.clone().requires_grad_(True)
+        we = weights.clone().requires_grad_(True)
         ad = AllToAllDispatcher(E, world, rank, dist.group.WORLD)
         x_md, counts_l, actx = ad.dispatch(xe, ids, keep)
-        y_ep = ad.combine(local(x_md, counts_l), weights, actx)
+        y_ep = ad.combine(local(x_md, counts_l), we, actx)
         y_ep.pow(2).sum().backward()
 
         out[name] = {
             "y": (y_ep.detach(), y_ref.detach()),
             "dx": (xe.grad, xr.grad),
+            "dweights": (we.grad, wr.grad),
+            "dweights_dropped": we.grad[~keep],
             "dw13": (local.w13.grad, ref_w[lo:hi]),
             "dw2": (local.w2.grad, ref_w2[lo:hi]),
             "counts": counts_l.tolist(),
@@ -92,10 +97,11 @@ def results() -> list[dict]:
 def test_matches_local_dispatcher(results: list[dict], case: str) -> None:
     for rank, res in enumerate(results):
         r = res[case]
-        for key in ("y", "dx", "dw13", "dw2"):
+        for key in ("y", "dx", "dweights", "dw13", "dw2"):
             got, want = r[key]
             assert got.shape == want.shape, (rank, key)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{case} {key}")
+        assert not r["dweights_dropped"].any(), (rank, case)
 
 
 def test_counts_cover_every_routed_copy(results: list[dict]) -> None:

@@ -46,14 +46,19 @@ class PermuteContext:
 
 
 def _sum_copies(
-    src_ND: torch.Tensor, token_N: torch.Tensor, inverse_N: torch.Tensor, num_tokens: int, k: int
+    src_ND: torch.Tensor,
+    token_N: torch.Tensor,
+    inverse_N: torch.Tensor | None,
+    num_tokens: int,
+    k: int,
 ) -> torch.Tensor:
-    """``out[t] = sum of the K rows of src_ND that belong to token t`` (every token has K).
+    """``out[t] = sum of the rows of src_ND that belong to token t`` (row r to ``token_N[r]``).
 
     CPU: one ``index_add_`` (sequential, deterministic, no (T*K, D) temporary). CUDA, where
-    ``index_add_`` uses atomics: a gather by the inverse permutation and a sum over K.
+    ``index_add_`` uses atomics, when every token has its K rows (``inverse_N`` given: row of
+    each flat slot t * K + k): a gather by the inverse permutation and a sum over K.
     """
-    if src_ND.is_cuda:
+    if src_ND.is_cuda and inverse_N is not None:
         return src_ND.index_select(0, inverse_N).view(num_tokens, k, -1).sum(1)
     out = src_ND.new_zeros(num_tokens, src_ND.shape[-1])
     return out.index_add_(0, token_N, src_ND)
@@ -76,7 +81,9 @@ class _GatherCopies(torch.autograd.Function):
 
 
 class _CombineCopies(torch.autograd.Function):
-    """Dropless combine ``y_TD[t] = sum_k weights_TK[t, k] * y_ND[row of copy (t, k)]``.
+    """Combine ``y_TD[t] = sum_k weights_TK[t, k] * y_ND[row of copy (t, k)]``; row r of y_ND
+    is the copy in flat slot ``slot_N[r]`` (t * K + k) of token ``token_N[r]``. ``inverse_N``
+    (slot -> row) only when no copy was dropped.
 
     Saves y_ND and the per-row weights; backward is one gather of the output gradient (reused
     for both inputs' gradients) instead of a (T, K, D) outer product and a permutation.
@@ -97,11 +104,64 @@ class _CombineCopies(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w_N = torch.bmm(grad_ND.unsqueeze(1), y_ND.unsqueeze(2)).view(-1)
-            grad_w = torch.empty_like(grad_w_N, dtype=ctx.weights_dtype)
+            t, k = ctx.weights_shape
+            # dropped copies (fewer rows than slots) get a zero gradient
+            new = torch.empty if slot_N.numel() == t * k else torch.zeros
+            grad_w = new(t * k, dtype=ctx.weights_dtype, device=grad_w_N.device)
             grad_w[slot_N] = grad_w_N.to(ctx.weights_dtype)
             grad_w = grad_w.view(ctx.weights_shape)
         grad_y = grad_ND.mul_(w_N.unsqueeze(1)) if ctx.needs_input_grad[0] else None
         return grad_y, grad_w, None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[perm]`` for a permutation of the rows; backward gathers by the inverse permutation
+    (autograd's ``index_select`` backward would scatter-add into zeros)."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm[i]] = i``."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``x[perm]`` (``perm`` a permutation of x's rows, ``inverse`` its inverse)."""
+    return _PermuteRows.apply(x, perm, inverse)
+
+
+def gather_copies(
+    x_TD: torch.Tensor, token_N: torch.Tensor, inverse_N: torch.Tensor | None, top_k: int
+) -> torch.Tensor:
+    """``x_TD[token_N]``: one row per routed copy. ``inverse_N`` (flat slot -> row) when every
+    token has its K copies: backward then sums them without atomics on CUDA."""
+    if inverse_N is None:
+        return x_TD.index_select(0, token_N)
+    return _GatherCopies.apply(x_TD, token_N, inverse_N, top_k)
+
+
+def combine_copies(
+    y_ND: torch.Tensor,
+    weights_TK: torch.Tensor,
+    slot_N: torch.Tensor,
+    token_N: torch.Tensor,
+    inverse_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y_TD[t] = sum_k weights_TK[t, k] * y_ND[row of copy (t, k)]``, 0 for tokens without
+    rows; ``slot_N[r]`` is row r's flat slot t * K + k, ``token_N[r]`` its token (slot // K),
+    ``inverse_N`` slot -> row when nothing was dropped."""
+    return _CombineCopies.apply(y_ND, weights_TK, slot_N, token_N, inverse_N)
 
 
 def permute(
@@ -120,9 +180,8 @@ def permute(
     counts_E = torch.bincount(ids_flat, minlength=num_experts + 1)[:num_experts]
     if all_kept:
         token_N = torch.div(slot_N, k, rounding_mode="floor")
-        inverse_N = torch.empty_like(slot_N)
-        inverse_N[slot_N] = torch.arange(slot_N.numel(), device=slot_N.device)
-        x_ND = _GatherCopies.apply(x_TD, token_N, inverse_N, k)
+        inverse_N = inverse_permutation(slot_N)
+        x_ND = gather_copies(x_TD, token_N, inverse_N, k)
         return x_ND, counts_E, PermuteContext(slot_N, t, k, token_N, inverse_N)
     slot_N = slot_N[: int(counts_E.sum())]
     x_ND = x_TD.index_select(0, torch.div(slot_N, k, rounding_mode="floor"))
@@ -132,7 +191,7 @@ def permute(
 def unpermute(y_ND: torch.Tensor, weights_TK: torch.Tensor, ctx: PermuteContext) -> torch.Tensor:
     """Inverse of :func:`permute`: ``y_TD[t] = sum_k weights_TK[t, k] * y(copy t, k)``."""
     if ctx.inverse_N is not None:  # dropless: every token has its K copies
-        return _CombineCopies.apply(y_ND, weights_TK, ctx.slot_N, ctx.token_N, ctx.inverse_N)
+        return combine_copies(y_ND, weights_TK, ctx.slot_N, ctx.token_N, ctx.inverse_N)
     d = y_ND.shape[-1]
     y_slots = y_ND.new_zeros(ctx.num_tokens * ctx.top_k, d).index_copy(0, ctx.slot_N, y_ND)
     w_T1K = weights_TK.to(y_ND.dtype).unsqueeze(1)
