@@ -37,7 +37,7 @@ CATEGORIES = [
     ("SwiGLU activation", r"SiluMul|silu|Silu"),
     (
         "routing, permutation, combine",
-        r"GatherCopies|CombineCopies|Permute|topk|Topk|argsort|sort|bincount|index_select|"
+        r"GatherCopies|SumCopies|Permute|topk|Topk|argsort|sort|bincount|index_select|"
         r"IndexSelect|index_add|IndexAdd|softmax|Softmax|logsumexp|LogsumexpBackward|gather|"
         r"Gather",
     ),

@@ -104,11 +104,11 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
       ``2aHkv``, SDPA (flash kernel) output ``aHq`` (also the wo input) and logsumexp ``4H``.
     - MoE FFN: RMSNorm ``aD + 4``; router input in fp32 ``4D``, logits and probabilities
       ``8E``, top-k ids, gathered and renormalised weights, z-loss logsumexp ``12K + 8``;
-      permutation indices (int64) ``24K`` dropless (slot, token, inverse) or ``16K`` with
-      capacity; per routed copy (K per token) the expert input ``aD`` and the packed gate|up
-      output ``2aF`` (+ their SwiGLU product ``aF`` unless ``moe.recompute_act``); with
-      capacity the expert output kept by the scatter ``aD``; the combine's per-copy output
-      ``aD`` and weight ``a``; shared expert ``aD + 3aF_s`` (+ gate ``aD + a``).
+      permutation indices (int64) ``16K`` (token and inverse dropless, token and slot with
+      capacity); per routed copy (K per token) the expert input ``aD``, the packed gate|up
+      output ``2aF`` and the routing weight ``a`` the SwiGLU applies (+ the weighted SwiGLU
+      product ``aF`` unless ``moe.recompute_act``); the combine keeps only indices; shared
+      expert ``aD + 3aF_s`` (+ gate ``aD + a``).
     - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``3aF_dense``.
 
     With ``capacity_factor`` < 1 only that fraction of the K copies reaches the experts.
@@ -125,12 +125,9 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
         return attn + _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
     k = e.top_k
     kept = k * min(e.capacity_factor, 1.0) if e.capacity_factor > 0 else k
-    index_bytes = 16 * k if e.capacity_factor > 0 else 24 * k
-    ffn = _rmsnorm_bytes(d, a) + 4 * d + 8 * e.num_experts + 12 * k + 8 + index_bytes
-    # with drops the scatter keeps the expert output as well as the combine's (T*K, D) buffer
-    kept_output = a * d if e.capacity_factor > 0 else 0
+    ffn = _rmsnorm_bytes(d, a) + 4 * d + 8 * e.num_experts + 12 * k + 8 + 16 * k
     swiglu = (2 if e.recompute_act else 3) * a * e.expert_hidden
-    ffn += kept * (a * d + swiglu + kept_output) + k * (a * d + a)
+    ffn += kept * (a * d + swiglu + a)
     if e.num_shared_experts:
         fs = e.shared_expert_hidden or e.num_shared_experts * e.expert_hidden
         ffn += (a * d if a != 4 else 0) + 3 * a * fs  # fp32: input shared with the router

@@ -75,21 +75,30 @@ class _SiluMul(torch.autograd.Function):
 
 
 class _SiluMulPacked(torch.autograd.Function):
-    """``silu(h[..., :F]) * h[..., F:]`` of a packed ``[gate | up]`` tensor; its gradient is
-    written into one packed buffer (no per-half gradients to stitch back together)."""
+    """``silu(h[..., :F]) * h[..., F:]`` of a packed ``[gate | up]`` tensor, times a per-row
+    weight ``w`` (h's shape without the last dim) when given; the gradient wrt h is written into
+    one packed buffer (no per-half gradients to stitch back together). Saves h and w: the
+    weight's gradient recomputes the unweighted product."""
 
     @staticmethod
-    def forward(ctx, h):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(h)
+    def forward(ctx, h, w):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(h, w)
         a, b = h.chunk(2, dim=-1)
-        return F.silu(a).mul_(b)
+        out = F.silu(a).mul_(b)
+        return out if w is None else out.mul_(w.unsqueeze(-1))
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        (h,) = ctx.saved_tensors
+        h, w = ctx.saved_tensors
+        a, b = h.chunk(2, -1)
+        grad, grad_w = grad.contiguous(), None
         grad_h = torch.empty_like(h)
-        _silu_mul_backward(grad.contiguous(), *h.chunk(2, -1), *grad_h.chunk(2, -1))
-        return grad_h
+        if w is not None:
+            if ctx.needs_input_grad[1]:
+                grad_w = torch.linalg.vecdot(grad, F.silu(a).mul_(b))
+            grad = grad * w.unsqueeze(-1)
+        _silu_mul_backward(grad, a, b, *grad_h.chunk(2, -1))
+        return grad_h, grad_w
 
 
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -97,9 +106,10 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _SiluMul.apply(a, b)
 
 
-def silu_mul_packed(h: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation of ``h = [a | b]`` (last dim 2F) -> ``silu(a) * b`` (last dim F)."""
-    return _SiluMulPacked.apply(h)
+def silu_mul_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU activation of ``h = [a | b]`` (last dim 2F) -> ``silu(a) * b`` (last dim F), each
+    row scaled by ``w`` (h.shape[:-1], h's dtype) when given."""
+    return _SiluMulPacked.apply(h, w)
 
 
 class SwiGLU(nn.Module):

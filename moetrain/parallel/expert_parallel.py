@@ -22,10 +22,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moetrain.model.moe.dispatch import (
-    combine_copies,
     gather_copies,
+    gather_weights,
     inverse_permutation,
     permute_rows,
+    sum_copies,
 )
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.parallel.all_to_all import all_to_all_v, exchange_counts
@@ -42,15 +43,17 @@ class _A2AContext:
     send_splits: list[int]
     recv_splits: list[int]
     num_tokens: int
+    top_k: int
 
 
 class AllToAllDispatcher:
     """Dispatcher that sends each kept token copy to the rank holding its expert.
 
-    ``dispatch(x_TD, ids_TK, keep_TK) -> (x_MD, counts_L, ctx)``: rows grouped by local expert
-    (expert order), each expert's rows ordered by source rank. ``combine(y_MD, weights_TK, ctx)
-    -> y_TD``: results return to their tokens, weighted sum over the kept copies (dropped copies
-    contribute zero). Per-expert counts are exchanged first, then the rows (all-to-all-v).
+    ``dispatch(x_TD, ids_TK, keep_TK, weights_TK) -> (x_MD, weights_M, counts_L, ctx)``: rows
+    and their routing weights grouped by local expert (expert order), each expert's rows
+    ordered by source rank. ``combine(y_MD, ctx) -> y_TD``: the (weighted) results return to
+    their tokens and are summed over the kept copies (dropped copies contribute zero).
+    Per-expert counts are exchanged first, then the rows and the weights (all-to-all-v).
     """
 
     def __init__(self, num_experts: int, ep_size: int, ep_rank: int, group: Any) -> None:
@@ -62,7 +65,9 @@ class AllToAllDispatcher:
         self.num_local = num_experts // ep_size
         self.group = group
 
-    def dispatch(self, x_TD: Tensor, ids_TK: Tensor, keep_TK: Tensor) -> tuple[Tensor, Tensor, Any]:
+    def dispatch(
+        self, x_TD: Tensor, ids_TK: Tensor, keep_TK: Tensor, weights_TK: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Any]:
         T, K = ids_TK.shape
         P, L = self.ep_size, self.num_local
         flat_ids = ids_TK.reshape(-1)
@@ -73,12 +78,14 @@ class AllToAllDispatcher:
         token_idx = torch.div(copy_idx, K, rounding_mode="floor")
         inverse = inverse_permutation(copy_idx) if copy_idx.numel() == T * K else None
         x_ND = gather_copies(x_TD, token_idx, inverse, K)
+        w_N = gather_weights(weights_TK, copy_idx, inverse)
 
         counts_E = torch.bincount(expert_N, minlength=self.num_experts).to(torch.int64)
         recv_PL = exchange_counts(counts_E, self.group).view(P, L)
         send_splits = counts_E.view(P, L).sum(1).tolist()
         recv_splits = recv_PL.sum(1).tolist()
         x_MD = all_to_all_v(x_ND, recv_splits, send_splits, self.group)
+        w_M = all_to_all_v(w_N, recv_splits, send_splits, self.group)
 
         # received rows are grouped (source rank, local expert); regroup by local expert
         block = torch.repeat_interleave(
@@ -88,13 +95,13 @@ class AllToAllDispatcher:
         perm = torch.argsort(key, stable=True)
         counts_L = recv_PL.sum(0)
         inv = inverse_permutation(perm)
-        ctx = _A2AContext(copy_idx, token_idx, inverse, perm, inv, send_splits, recv_splits, T)
-        return permute_rows(x_MD, perm, inv), counts_L, ctx
+        ctx = _A2AContext(copy_idx, token_idx, inverse, perm, inv, send_splits, recv_splits, T, K)
+        return permute_rows(x_MD, perm, inv), permute_rows(w_M, perm, inv), counts_L, ctx
 
-    def combine(self, y_MD: Tensor, weights_TK: Tensor, ctx: _A2AContext) -> Tensor:
+    def combine(self, y_MD: Tensor, ctx: _A2AContext) -> Tensor:
         y_recv = permute_rows(y_MD, ctx.inverse_M, ctx.perm_M)
         y_ND = all_to_all_v(y_recv, ctx.send_splits, ctx.recv_splits, self.group)
-        return combine_copies(y_ND, weights_TK, ctx.copy_idx_N, ctx.token_idx_N, ctx.inverse_N)
+        return sum_copies(y_ND, ctx.token_idx_N, ctx.inverse_N, ctx.num_tokens, ctx.top_k)
 
 
 def global_sum_reducer(group: Any = None) -> Callable[[Tensor], Tensor]:

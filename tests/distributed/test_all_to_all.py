@@ -60,8 +60,8 @@ def _job(rank: int, world: int) -> dict:
         xr = x.clone().requires_grad_(True)
         wr = weights.clone().requires_grad_(True)
         ld = LocalDispatcher(E)
-        x_nd, counts, ctx = ld.dispatch(xr, ids, keep)
-        y_ref = ld.combine(full(x_nd, counts), wr, ctx)
+        x_nd, w_n, counts, ctx = ld.dispatch(xr, ids, keep, wr)
+        y_ref = ld.combine(full(x_nd, counts, w_n), ctx)
         y_ref.pow(2).sum().backward()
         ref_w = full.w13.grad.clone()
         ref_w2 = full.w2.grad.clone()
@@ -72,8 +72,8 @@ def _job(rank: int, world: int) -> dict:
         xe = x.clone().requires_grad_(True)
         we = weights.clone().requires_grad_(True)
         ad = AllToAllDispatcher(E, world, rank, dist.group.WORLD)
-        x_md, counts_l, actx = ad.dispatch(xe, ids, keep)
-        y_ep = ad.combine(local(x_md, counts_l), we, actx)
+        x_md, w_m, counts_l, actx = ad.dispatch(xe, ids, keep, we)
+        y_ep = ad.combine(local(x_md, counts_l, w_m), actx)
         y_ep.pow(2).sum().backward()
 
         out[name] = {

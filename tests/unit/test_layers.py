@@ -20,6 +20,8 @@ def test_gradcheck_float64() -> None:
     h = torch.randn(3, 4, 10, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(silu_mul, (a, b))
     assert torch.autograd.gradcheck(silu_mul_packed, (h,))
+    w = torch.rand(3, 4, dtype=torch.float64, requires_grad=True)  # a per-row weight
+    assert torch.autograd.gradcheck(silu_mul_packed, (h, w))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -52,6 +54,10 @@ def test_saves_only_its_inputs() -> None:
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         silu_mul_packed(h)
     assert sum(t.numel() for t in saved) == h.numel()
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        silu_mul_packed(h, torch.rand(32, requires_grad=True))
+    assert sum(t.numel() for t in saved) == h.numel() + 32
     saved.clear()
     a, b = h.chunk(2, -1)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):

@@ -153,13 +153,18 @@ def test_permute_groups_by_expert_and_unpermute_inverts() -> None:
     x = torch.arange(1.0, 5.0).repeat_interleave(3).view(4, 3)  # token t is all (t + 1)'s
     ids = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2]])
     keep = torch.tensor([[True, True], [True, False], [True, True], [True, True]])
-    x_ND, counts, ctx = permute(x, ids, keep, num_experts=3)
+    w = torch.tensor([[0.5, 0.25], [1.0, 7.0], [0.5, 0.5], [1.0, 1.0]])
+    x_ND, w_N, counts, ctx = permute(x, ids, keep, w, num_experts=3)
     assert counts.tolist() == [3, 1, 3]
     # expert 0: tokens 0, 1, 3; expert 1: token 2 (token 1's copy is dropped); expert 2: 0, 2, 3
     assert x_ND[:, 0].tolist() == [1, 2, 4, 3, 1, 3, 4]
-    w = torch.tensor([[0.5, 0.25], [1.0, 7.0], [0.5, 0.5], [1.0, 1.0]])
-    y = unpermute(x_ND, w, ctx)
+    assert w_N.tolist() == [0.25, 1.0, 1.0, 0.5, 0.5, 0.5, 1.0]
+    y = unpermute(x_ND * w_N.unsqueeze(1), ctx)
     torch.testing.assert_close(y[:, 0], torch.tensor([0.75, 2.0, 3.0, 8.0]))
+    # dropless: the same sums through the inverse permutation
+    x_ND, w_N, counts, ctx = permute(x, ids, torch.ones_like(keep), w, num_experts=3)
+    y = unpermute(x_ND * w_N.unsqueeze(1), ctx)
+    torch.testing.assert_close(y[:, 0], torch.tensor([0.75, 16.0, 3.0, 8.0]))
 
 
 def test_stats_are_detached_and_consistent() -> None:
@@ -174,17 +179,22 @@ def test_stats_are_detached_and_consistent() -> None:
     assert int(s.dropped) > 0  # capacity ceil(0.5 * 16 * 2 / 4) = 4 per expert < 32 / 4
 
 
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "save"])
 @pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "loop"])
-def test_experts_saved_tensors_and_gradients(grouped_mm: bool, recompute: bool) -> None:
-    """Per routed copy the experts keep x (D) and the packed gate|up output (2F) for backward,
-    plus the SwiGLU activation (F) unless it is recomputed; gradients match plain autograd."""
+def test_experts_saved_tensors_and_gradients(
+    grouped_mm: bool, recompute: bool, weighted: bool
+) -> None:
+    """Per routed copy the experts keep x (D), the packed gate|up output (2F) and the routing
+    weight (1) for backward, plus the SwiGLU activation (F) unless it is recomputed; gradients
+    (the weights' too) match plain autograd."""
     torch.manual_seed(2)
     experts = GroupedExperts(3, D, 16, grouped_mm, recompute_act=recompute)
     for p in experts.parameters():
         torch.nn.init.normal_(p)
     counts = torch.tensor([5, 0, 4])
     x = torch.randn(9, D, requires_grad=True)
+    w = torch.rand(9, requires_grad=True) if weighted else None
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -193,9 +203,9 @@ def test_experts_saved_tensors_and_gradients(grouped_mm: bool, recompute: bool) 
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = experts(x, counts)
+        y = experts(x, counts, w)
     weights = sum(p.numel() for p in experts.parameters()) * 4
-    per_copy = 2 * 16 if recompute else 3 * 16
+    per_copy = (2 * 16 if recompute else 3 * 16) + weighted
     assert sum(storages.values()) == x.numel() * 4 + 9 * per_copy * 4 + weights
 
     grad = torch.randn_like(y)
@@ -203,12 +213,15 @@ def test_experts_saved_tensors_and_gradients(grouped_mm: bool, recompute: bool) 
     w1, w3 = (w.detach().requires_grad_(True) for w in unpack_w13(experts.w13))
     w2 = experts.w2.detach().requires_grad_(True)
     x_ref = x.detach().requires_grad_(True)
+    w_ref = (w if weighted else torch.ones(9)).detach().requires_grad_(True)
     outs, start = [], 0
     for e, n in enumerate(counts.tolist()):
-        xe = x_ref[start : start + n]
-        outs.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+        xe, we = x_ref[start : start + n], w_ref[start : start + n, None]
+        outs.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e] * we)
         start += n
     torch.cat(outs).backward(grad)
+    if weighted:
+        torch.testing.assert_close(w.grad, w_ref.grad, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(experts.w2.grad, w2.grad, atol=1e-4, rtol=1e-5)
     w13_ref = torch.cat([w1.grad, w3.grad], dim=-1)

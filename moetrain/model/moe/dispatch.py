@@ -3,15 +3,16 @@
 Shape legend: T tokens, D d_model, K top_k, E global experts, L local experts, N kept copies.
 
 Contract (``Dispatcher`` protocol):
-- ``dispatch(x_TD, ids_TK, keep_TK) -> (x_ND, counts_L, ctx)``: x_ND grouped contiguously by
-  local expert in expert order, counts_L int64 tokens per local expert.
-- ``combine(y_ND, weights_TK, ctx) -> y_TD``: weighted sum over the kept copies of each token,
-  zero for dropped ones.
+- ``dispatch(x_TD, ids_TK, keep_TK, weights_TK) -> (x_ND, weights_N, counts_L, ctx)``: x_ND
+  grouped contiguously by local expert in expert order, weights_N each row's routing weight
+  (the experts apply it inside their activation), counts_L int64 tokens per local expert.
+- ``combine(y_ND, ctx) -> y_TD``: the sum of each token's kept (already weighted) rows, zero
+  for tokens whose copies were all dropped.
 The local dispatcher does one stable sort of the flattened expert ids and a gather. Dropless, the
-way back weights each row and sums each token's K rows (``index_add_`` on CPU, an inverse-
-permutation gather + sum on CUDA); with drops, a scatter into (T*K, D) then a batched
-(1 x K) @ (K x D) weighted sum. Forward and backward are deterministic (no atomics) with no
-Python loops over tokens.
+way back sums each token's K rows (``index_add_`` on CPU, an inverse-permutation gather + sum on
+CUDA); with drops, a scatter into (T*K, D) and a sum over K. Forward and backward are
+deterministic (no atomics) with no Python loops over tokens, and the way back saves nothing but
+indices for backward.
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ class Dispatcher(Protocol):
     """Moves token copies to experts and back; see the module docstring for the contract."""
 
     def dispatch(
-        self, x_TD: torch.Tensor, ids_TK: torch.Tensor, keep_TK: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+        self,
+        x_TD: torch.Tensor,
+        ids_TK: torch.Tensor,
+        keep_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
 
-    def combine(self, y_ND: torch.Tensor, weights_TK: torch.Tensor, ctx: Any) -> torch.Tensor: ...
+    def combine(self, y_ND: torch.Tensor, ctx: Any) -> torch.Tensor: ...
 
 
 @dataclass
@@ -80,38 +85,18 @@ class _GatherCopies(torch.autograd.Function):
         return grad_TD, None, None, None
 
 
-class _CombineCopies(torch.autograd.Function):
-    """Combine ``y_TD[t] = sum_k weights_TK[t, k] * y_ND[row of copy (t, k)]``; row r of y_ND
-    is the copy in flat slot ``slot_N[r]`` (t * K + k) of token ``token_N[r]``. ``inverse_N``
-    (slot -> row) only when no copy was dropped.
-
-    Saves y_ND and the per-row weights; backward is one gather of the output gradient (reused
-    for both inputs' gradients) instead of a (T, K, D) outer product and a permutation.
-    """
+class _SumCopies(torch.autograd.Function):
+    """``y_TD[t] = sum of the rows of y_ND that belong to token t``; backward is one gather."""
 
     @staticmethod
-    def forward(ctx, y_ND, weights_TK, slot_N, token_N, inverse_N):  # noqa: ANN001, ANN205
-        w_N = weights_TK.reshape(-1).index_select(0, slot_N).to(y_ND.dtype)
-        ctx.save_for_backward(y_ND, w_N, slot_N, token_N)
-        ctx.weights_shape, ctx.weights_dtype = weights_TK.shape, weights_TK.dtype
-        t, k = weights_TK.shape
-        return _sum_copies(y_ND * w_N.unsqueeze(1), token_N, inverse_N, t, k)
+    def forward(ctx, y_ND, token_N, inverse_N, num_tokens, top_k):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(token_N)
+        return _sum_copies(y_ND, token_N, inverse_N, num_tokens, top_k)
 
     @staticmethod
     def backward(ctx, grad_TD):  # noqa: ANN001, ANN205
-        y_ND, w_N, slot_N, token_N = ctx.saved_tensors
-        grad_ND = grad_TD.index_select(0, token_N)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w_N = torch.bmm(grad_ND.unsqueeze(1), y_ND.unsqueeze(2)).view(-1)
-            t, k = ctx.weights_shape
-            # dropped copies (fewer rows than slots) get a zero gradient
-            new = torch.empty if slot_N.numel() == t * k else torch.zeros
-            grad_w = new(t * k, dtype=ctx.weights_dtype, device=grad_w_N.device)
-            grad_w[slot_N] = grad_w_N.to(ctx.weights_dtype)
-            grad_w = grad_w.view(ctx.weights_shape)
-        grad_y = grad_ND.mul_(w_N.unsqueeze(1)) if ctx.needs_input_grad[0] else None
-        return grad_y, grad_w, None, None, None
+        (token_N,) = ctx.saved_tensors
+        return grad_TD.index_select(0, token_N), None, None, None, None
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -151,23 +136,37 @@ def gather_copies(
     return _GatherCopies.apply(x_TD, token_N, inverse_N, top_k)
 
 
-def combine_copies(
-    y_ND: torch.Tensor,
-    weights_TK: torch.Tensor,
-    slot_N: torch.Tensor,
-    token_N: torch.Tensor,
-    inverse_N: torch.Tensor | None = None,
+def gather_weights(
+    weights_TK: torch.Tensor, slot_N: torch.Tensor, inverse_N: torch.Tensor | None
 ) -> torch.Tensor:
-    """``y_TD[t] = sum_k weights_TK[t, k] * y_ND[row of copy (t, k)]``, 0 for tokens without
-    rows; ``slot_N[r]`` is row r's flat slot t * K + k, ``token_N[r]`` its token (slot // K),
-    ``inverse_N`` slot -> row when nothing was dropped."""
-    return _CombineCopies.apply(y_ND, weights_TK, slot_N, token_N, inverse_N)
+    """The routing weight of each row: ``weights_TK.reshape(-1)[slot_N]`` (``inverse_N`` given:
+    nothing dropped, so a permutation of the T*K weights)."""
+    w_flat = weights_TK.reshape(-1)
+    if inverse_N is None:
+        return w_flat.index_select(0, slot_N)
+    return permute_rows(w_flat, slot_N, inverse_N)
+
+
+def sum_copies(
+    y_ND: torch.Tensor,
+    token_N: torch.Tensor,
+    inverse_N: torch.Tensor | None,
+    num_tokens: int,
+    top_k: int,
+) -> torch.Tensor:
+    """``y_TD[t] = sum of the rows r of y_ND with token_N[r] == t`` (0 for tokens without
+    rows); ``inverse_N`` (flat slot t * K + k -> row) when nothing was dropped."""
+    return _SumCopies.apply(y_ND, token_N, inverse_N, num_tokens, top_k)
 
 
 def permute(
-    x_TD: torch.Tensor, ids_TK: torch.Tensor, keep_TK: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, PermuteContext]:
-    """Sort kept token copies by expert: returns ``(x_ND, counts_E, ctx)``.
+    x_TD: torch.Tensor,
+    ids_TK: torch.Tensor,
+    keep_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    num_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PermuteContext]:
+    """Sort kept token copies by expert: returns ``(x_ND, weights_N, counts_E, ctx)``.
 
     Dropped copies get the sentinel id E, so they sort last and are cut off.
     """
@@ -182,20 +181,21 @@ def permute(
         token_N = torch.div(slot_N, k, rounding_mode="floor")
         inverse_N = inverse_permutation(slot_N)
         x_ND = gather_copies(x_TD, token_N, inverse_N, k)
-        return x_ND, counts_E, PermuteContext(slot_N, t, k, token_N, inverse_N)
+        w_N = gather_weights(weights_TK, slot_N, inverse_N)
+        return x_ND, w_N, counts_E, PermuteContext(slot_N, t, k, token_N, inverse_N)
     slot_N = slot_N[: int(counts_E.sum())]
     x_ND = x_TD.index_select(0, torch.div(slot_N, k, rounding_mode="floor"))
-    return x_ND, counts_E, PermuteContext(slot_N, t, k)
+    w_N = gather_weights(weights_TK, slot_N, None)
+    return x_ND, w_N, counts_E, PermuteContext(slot_N, t, k)
 
 
-def unpermute(y_ND: torch.Tensor, weights_TK: torch.Tensor, ctx: PermuteContext) -> torch.Tensor:
-    """Inverse of :func:`permute`: ``y_TD[t] = sum_k weights_TK[t, k] * y(copy t, k)``."""
+def unpermute(y_ND: torch.Tensor, ctx: PermuteContext) -> torch.Tensor:
+    """Inverse of :func:`permute`: ``y_TD[t] = sum_k y(copy t, k)`` over the kept copies."""
     if ctx.inverse_N is not None:  # dropless: every token has its K copies
-        return combine_copies(y_ND, weights_TK, ctx.slot_N, ctx.token_N, ctx.inverse_N)
+        return sum_copies(y_ND, ctx.token_N, ctx.inverse_N, ctx.num_tokens, ctx.top_k)
     d = y_ND.shape[-1]
     y_slots = y_ND.new_zeros(ctx.num_tokens * ctx.top_k, d).index_copy(0, ctx.slot_N, y_ND)
-    w_T1K = weights_TK.to(y_ND.dtype).unsqueeze(1)
-    return torch.bmm(w_T1K, y_slots.view(ctx.num_tokens, ctx.top_k, d)).squeeze(1)
+    return y_slots.view(ctx.num_tokens, ctx.top_k, d).sum(1)
 
 
 class LocalDispatcher:
@@ -205,11 +205,13 @@ class LocalDispatcher:
         self.num_experts = num_experts
 
     def dispatch(
-        self, x_TD: torch.Tensor, ids_TK: torch.Tensor, keep_TK: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, PermuteContext]:
-        return permute(x_TD, ids_TK, keep_TK, self.num_experts)
+        self,
+        x_TD: torch.Tensor,
+        ids_TK: torch.Tensor,
+        keep_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PermuteContext]:
+        return permute(x_TD, ids_TK, keep_TK, weights_TK, self.num_experts)
 
-    def combine(
-        self, y_ND: torch.Tensor, weights_TK: torch.Tensor, ctx: PermuteContext
-    ) -> torch.Tensor:
-        return unpermute(y_ND, weights_TK, ctx)
+    def combine(self, y_ND: torch.Tensor, ctx: PermuteContext) -> torch.Tensor:
+        return unpermute(y_ND, ctx)

@@ -3,9 +3,12 @@
 Shape legend: N token copies grouped by expert, D d_model, F expert hidden, L local experts.
 
 Parameters ``w13`` (L, D, 2F) = ``[w1 | w3]`` (gate and up projections side by side) and ``w2``
-(L, F, D); expert ``l`` computes ``(silu(x @ w1[l]) * (x @ w3[l])) @ w2[l]`` on its contiguous
-slice of x_ND. Packing w1 and w3 makes the first projection one (N, D) x (D, 2F) grouped GEMM
-forward and backward, and its input gradient one GEMM instead of two plus a sum.
+(L, F, D); expert ``l`` computes ``(silu(x @ w1[l]) * (x @ w3[l]) * w) @ w2[l]`` on its
+contiguous slice of x_ND, ``w`` the row's routing weight (1 when none is given). Packing w1 and
+w3 makes the first projection one (N, D) x (D, 2F) grouped GEMM forward and backward, and its
+input gradient one GEMM instead of two plus a sum. Weighting inside the activation (as
+Megatron-Core does) means the combine only sums, and keeps no (N, D) expert output for the
+weights' gradient.
 """
 
 from __future__ import annotations
@@ -42,40 +45,45 @@ def _expert_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> t
 
 
 class _DownProjection(torch.autograd.Function):
-    """``act @ w2`` per expert, where ``act = silu_mul_packed(h)``, saving ``h`` (which the
-    SwiGLU saves anyway) instead of ``act``: backward recomputes ``act`` (one elementwise pass),
+    """``act @ w2`` per expert, where ``act = silu_mul_packed(h, w)``, saving ``h`` and ``w``
+    (which the SwiGLU saves anyway) instead of ``act``: backward recomputes ``act`` (one
+    elementwise pass),
     so a routed copy keeps 2F activations instead of 3F (Megatron-Core's ``moe_act``
     recompute). A separate autograd node from the SwiGLU, so the engine frees this node's
     (N, D) incoming gradient before the SwiGLU's (N, 2F) one is allocated. ``offs_L`` given:
     one grouped GEMM over experts (``w2`` (L, F, D)); None: one expert (``w2`` (F, D))."""
 
     @staticmethod
-    def forward(ctx, act, h, w2, offs):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(h, w2, offs)
+    def forward(ctx, act, h, w, w2, offs):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(h, w, w2, offs)
         return _expert_mm(act, w2, offs)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        h, w2, offs = ctx.saved_tensors
+        h, w, w2, offs = ctx.saved_tensors
         grad = grad.contiguous()
         grad_act = grad_w2 = None
         if ctx.needs_input_grad[0]:
             grad_act = _expert_mm(grad, w2.transpose(-2, -1), offs)
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[3]:
             with torch.no_grad():
-                act = silu_mul_packed(h)
+                act = silu_mul_packed(h, w)
             grad_w2 = _expert_mm(act.t(), grad, offs)
-        return grad_act, None, grad_w2, None
+        return grad_act, None, None, grad_w2, None
 
 
 def _swiglu_down(
-    h: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor | None, recompute: bool
+    h: torch.Tensor,
+    w: torch.Tensor | None,
+    w2: torch.Tensor,
+    offs: torch.Tensor | None,
+    recompute: bool,
 ) -> torch.Tensor:
-    """``silu_mul_packed(h) @ w2`` (per expert with ``offs``); ``recompute``: the activation is
-    not kept for backward."""
-    act = silu_mul_packed(h)
+    """``silu_mul_packed(h, w) @ w2`` (per expert with ``offs``); ``recompute``: the activation
+    is not kept for backward."""
+    act = silu_mul_packed(h, w)
     if recompute:
-        return _DownProjection.apply(act, h, w2, offs)
+        return _DownProjection.apply(act, h, w, w2, offs)
     return act @ w2 if offs is None else _gmm(act, w2, offs)
 
 
@@ -108,7 +116,8 @@ def _gmm(x_NI: torch.Tensor, w_LIO: torch.Tensor, offs_L: torch.Tensor) -> torch
 
 
 class GroupedExperts(nn.Module):
-    """L SwiGLU experts; ``forward(x_ND, counts_L) -> y_ND``.
+    """L SwiGLU experts; ``forward(x_ND, counts_L, weights_N=None) -> y_ND`` (each row's output
+    scaled by its routing weight in ``weights_N``).
 
     ``grouped_mm=True`` uses ``torch.nn.functional.grouped_mm`` (one kernel per weight for all
     experts) where :func:`grouped_mm_supported`; otherwise, or with False, the per-expert loop
@@ -155,19 +164,32 @@ class GroupedExperts(nn.Module):
                 if 0 <= e - self.first_expert < self.num_experts:
                     w[e - self.first_expert].copy_(one_expert)
 
-    def forward(self, x_ND: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_ND: torch.Tensor, counts_L: torch.Tensor, weights_N: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if weights_N is not None:
+            weights_N = weights_N.to(x_ND.dtype)
         if self.use_grouped_mm and x_ND.shape[0] > 0 and grouped_mm_supported(x_ND, self.w13):
-            return self._forward_grouped(x_ND, counts_L)
-        return self._forward_loop(x_ND, counts_L)
+            return self._forward_grouped(x_ND, counts_L, weights_N)
+        return self._forward_loop(x_ND, counts_L, weights_N)
 
-    def _forward_grouped(self, x_ND: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+    def _forward_grouped(
+        self, x_ND: torch.Tensor, counts_L: torch.Tensor, weights_N: torch.Tensor | None
+    ) -> torch.Tensor:
         offs_L = torch.cumsum(counts_L, 0, dtype=torch.int32)
         h_N2F = _gmm(x_ND, self.w13.to(x_ND.dtype), offs_L)
-        return _swiglu_down(h_N2F, self.w2.to(x_ND.dtype), offs_L, self.recompute_act)
+        w2 = self.w2.to(x_ND.dtype)
+        return _swiglu_down(h_N2F, weights_N, w2, offs_L, self.recompute_act)
 
-    def _forward_loop(self, x_ND: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+    def _forward_loop(
+        self, x_ND: torch.Tensor, counts_L: torch.Tensor, weights_N: torch.Tensor | None
+    ) -> torch.Tensor:
+        splits = counts_L.tolist()
+        xs = torch.split(x_ND, splits)
+        ws = [None] * len(xs) if weights_N is None else torch.split(weights_N, splits)
         outs = []
-        for i, x_nD in enumerate(torch.split(x_ND, counts_L.tolist())):
+        for i, (x_nD, w_n) in enumerate(zip(xs, ws, strict=True)):
             h_n2F = x_nD @ self.w13[i].to(x_nD.dtype)
-            outs.append(_swiglu_down(h_n2F, self.w2[i].to(x_nD.dtype), None, self.recompute_act))
+            w2 = self.w2[i].to(x_nD.dtype)
+            outs.append(_swiglu_down(h_n2F, w_n, w2, None, self.recompute_act))
         return torch.cat(outs, 0)

@@ -71,9 +71,8 @@ class MoELayer(nn.Module):
         b, s, d = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d)
         r = self.router(x_TD)
-        x_ND, counts_L, ctx = self.dispatcher.dispatch(x_TD, r.ids_TK, r.keep_TK)
-        y_ND = self.experts(x_ND, counts_L)
-        y_TD = self.dispatcher.combine(y_ND, r.weights_TK, ctx)
+        x_ND, w_N, counts_L, ctx = self.dispatcher.dispatch(x_TD, r.ids_TK, r.keep_TK, r.weights_TK)
+        y_TD = self.dispatcher.combine(self.experts(x_ND, counts_L, w_N), ctx)
         if self.shared_expert is not None:
             shared_TD = self.shared_expert(x_TD)
             if self.shared_gate is not None:
