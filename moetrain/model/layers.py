@@ -58,6 +58,27 @@ def _silu_mul_backward(
     grad_b.mul_(a).mul_(grad)  # grad * silu(a)
 
 
+def _weighted_silu_mul_backward(
+    grad: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    w: torch.Tensor,
+    grad_a: torch.Tensor,
+    grad_b: torch.Tensor,
+    need_w: bool,
+) -> torch.Tensor | None:
+    """Like :func:`_silu_mul_backward` for ``silu(a) * b * w[..., None]``; returns the gradient
+    wrt ``w`` (``need_w``), computed from ``grad * silu(a)`` before it is scaled by w."""
+    torch.sigmoid(a, out=grad_b)
+    grad_b.mul_(a).mul_(grad)  # grad * silu(a)
+    grad_w = torch.linalg.vecdot(grad_b, b) if need_w else None
+    w1 = w.unsqueeze(-1)
+    grad_b.mul_(w1)
+    torch.mul(grad, b, out=grad_a).mul_(w1)
+    torch.ops.aten.silu_backward(grad_a, a, grad_input=grad_a)  # in place: same elements
+    return grad_w
+
+
 class _SiluMul(torch.autograd.Function):
     """``silu(a) * b`` saving only its inputs (autograd's composition also keeps ``silu(a)``)."""
 
@@ -93,11 +114,11 @@ class _SiluMulPacked(torch.autograd.Function):
         a, b = h.chunk(2, -1)
         grad, grad_w = grad.contiguous(), None
         grad_h = torch.empty_like(h)
-        if w is not None:
-            if ctx.needs_input_grad[1]:
-                grad_w = torch.linalg.vecdot(grad, F.silu(a).mul_(b))
-            grad = grad * w.unsqueeze(-1)
-        _silu_mul_backward(grad, a, b, *grad_h.chunk(2, -1))
+        if w is None:
+            _silu_mul_backward(grad, a, b, *grad_h.chunk(2, -1))
+        else:
+            need_w = ctx.needs_input_grad[1]
+            grad_w = _weighted_silu_mul_backward(grad, a, b, w, *grad_h.chunk(2, -1), need_w)
         return grad_h, grad_w
 
 

@@ -115,3 +115,26 @@ def test_rmsnorm_matches_autograd_composition_and_saves_less(dtype: torch.dtype)
     ours = saved_bytes(norm, x) - norm.weight.numel() * a
     assert ours == x.numel() * a + 4 * row  # x and the fp32 rsqrt per row, nothing else
     assert saved_bytes(lambda t: _rmsnorm_reference(t, norm.weight, norm.eps), x) > ours
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_matches_autograd_composition(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    h = (torch.randn(64, 2 * 48) * 3).to(dtype).requires_grad_(True)
+    w = torch.rand(64).to(dtype).requires_grad_(True)
+    grad = torch.randn(64, 48).to(dtype)
+    h_ref, w_ref = (t.detach().float().requires_grad_(True) for t in (h, w))
+    a, b = h_ref.chunk(2, -1)
+    want = _reference(a, b) * w_ref.unsqueeze(-1)
+    want.backward(grad.float())
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+
+    got = silu_mul_packed(h, w)
+    got.backward(grad)
+    assert got.dtype == h.grad.dtype == w.grad.dtype == dtype
+    torch.testing.assert_close(got.float(), want, **tol)
+    torch.testing.assert_close(h.grad.float(), h_ref.grad, **tol)
+    # bf16: a row's weight gradient sums F rounded products; compare at its scale
+    scale = w_ref.grad.abs().max().item()
+    atol_w = tol["atol"] if dtype == torch.float32 else 2e-2 * scale
+    torch.testing.assert_close(w.grad.float(), w_ref.grad, rtol=tol["rtol"], atol=atol_w)
