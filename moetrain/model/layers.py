@@ -68,10 +68,11 @@ def _weighted_silu_mul_backward(
     need_w: bool,
 ) -> torch.Tensor | None:
     """Like :func:`_silu_mul_backward` for ``silu(a) * b * w[..., None]``; returns the gradient
-    wrt ``w`` (``need_w``), computed from ``grad * silu(a)`` before it is scaled by w."""
+    wrt ``w`` (``need_w``), computed from ``grad * silu(a)`` before it is scaled by w. No
+    temporaries: ``grad_a`` holds the products of the row sums until it is written."""
     torch.sigmoid(a, out=grad_b)
     grad_b.mul_(a).mul_(grad)  # grad * silu(a)
-    grad_w = torch.linalg.vecdot(grad_b, b) if need_w else None
+    grad_w = torch.mul(grad_b, b, out=grad_a).sum(-1) if need_w else None
     w1 = w.unsqueeze(-1)
     grad_b.mul_(w1)
     torch.mul(grad, b, out=grad_a).mul_(w1)

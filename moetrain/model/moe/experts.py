@@ -47,11 +47,10 @@ def _expert_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> t
 class _DownProjection(torch.autograd.Function):
     """``act @ w2`` per expert, where ``act = silu_mul_packed(h, w)``, saving ``h`` and ``w``
     (which the SwiGLU saves anyway) instead of ``act``: backward recomputes ``act`` (one
-    elementwise pass),
-    so a routed copy keeps 2F activations instead of 3F (Megatron-Core's ``moe_act``
-    recompute). A separate autograd node from the SwiGLU, so the engine frees this node's
-    (N, D) incoming gradient before the SwiGLU's (N, 2F) one is allocated. ``offs_L`` given:
-    one grouped GEMM over experts (``w2`` (L, F, D)); None: one expert (``w2`` (F, D))."""
+    elementwise pass), so a routed copy keeps 2F activations instead of 3F (Megatron-Core's
+    ``moe_act`` recompute). A separate autograd node from the SwiGLU, so the engine frees this
+    node's (N, D) incoming gradient before the SwiGLU's (N, 2F) one is allocated. ``offs_L``
+    given: one grouped GEMM over experts (``w2`` (L, F, D)); None: one expert (``w2`` (F, D))."""
 
     @staticmethod
     def forward(ctx, act, h, w, w2, offs):  # noqa: ANN001, ANN205
