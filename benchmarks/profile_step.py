@@ -6,12 +6,12 @@
 
 The shapes of ``benchmarks/train_throughput.py`` (default ``bench``: vocab 8192, d 256, 4 layers,
 8 experts top-2, expert hidden 512, seq 256, micro-batch 4 per rank, fp32, one thread per rank,
-gloo). Rank 0
-runs ``--steps`` steps under ``torch.profiler`` after ``--warmup`` steps. Every top-level op
-(forward ops, autograd backward nodes, the optimizer step) is put in one category by its name;
-its CPU time includes its children. The 25 most expensive top-level ops are listed too. The optimizer step (``engine.step``: ZeRO-2 gradient
-reduce-scatter, AdamW, parameter all-gather) is timed as one block. Printed: ms per step and
-share of the profiled step time per category; the rest is Python and framework overhead.
+gloo). Rank 0 runs ``--steps`` steps under ``torch.profiler`` after ``--warmup`` steps. Every
+top-level op (forward ops, autograd backward nodes, the optimizer step) is put in one category
+by its name; its CPU time includes its children. The 25 most expensive top-level ops are listed
+too. The optimizer step (``engine.step``: ZeRO-2 gradient reduce-scatter, AdamW, parameter
+all-gather) is timed as one block. Printed: ms per step and share of the profiled step time per
+category; the rest is Python and framework overhead.
 """
 
 from __future__ import annotations

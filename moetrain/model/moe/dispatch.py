@@ -39,14 +39,14 @@ class Dispatcher(Protocol):
 
 @dataclass
 class PermuteContext:
-    """What ``unpermute`` needs: for each kept copy (in expert order) its flat (t * K + k) slot;
-    when nothing was dropped also each row's token (slot // K) and the inverse permutation
-    (slot -> row of x_ND)."""
+    """What ``unpermute`` needs: for each kept copy (in expert order) its flat (t * K + k) slot
+    and its token (slot // K); when nothing was dropped also the inverse permutation (slot ->
+    row of x_ND)."""
 
     slot_N: torch.Tensor
     num_tokens: int
     top_k: int
-    token_N: torch.Tensor | None = None
+    token_N: torch.Tensor
     inverse_N: torch.Tensor | None = None
 
 
@@ -177,16 +177,13 @@ def permute(
         ids_flat = ids_flat.masked_fill(~keep_TK.reshape(-1), num_experts)
     slot_N = torch.argsort(ids_flat, stable=True)
     counts_E = torch.bincount(ids_flat, minlength=num_experts + 1)[:num_experts]
-    if all_kept:
-        token_N = torch.div(slot_N, k, rounding_mode="floor")
-        inverse_N = inverse_permutation(slot_N)
-        x_ND = gather_copies(x_TD, token_N, inverse_N, k)
-        w_N = gather_weights(weights_TK, slot_N, inverse_N)
-        return x_ND, w_N, counts_E, PermuteContext(slot_N, t, k, token_N, inverse_N)
-    slot_N = slot_N[: int(counts_E.sum())]
-    x_ND = x_TD.index_select(0, torch.div(slot_N, k, rounding_mode="floor"))
-    w_N = gather_weights(weights_TK, slot_N, None)
-    return x_ND, w_N, counts_E, PermuteContext(slot_N, t, k)
+    if not all_kept:
+        slot_N = slot_N[: int(counts_E.sum())]
+    token_N = torch.div(slot_N, k, rounding_mode="floor")
+    inverse_N = inverse_permutation(slot_N) if all_kept else None
+    x_ND = gather_copies(x_TD, token_N, inverse_N, k)
+    w_N = gather_weights(weights_TK, slot_N, inverse_N)
+    return x_ND, w_N, counts_E, PermuteContext(slot_N, t, k, token_N, inverse_N)
 
 
 def unpermute(y_ND: torch.Tensor, ctx: PermuteContext) -> torch.Tensor:
