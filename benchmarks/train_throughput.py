@@ -4,13 +4,16 @@
     .venv/bin/python benchmarks/train_throughput.py --steps 6 --warmup 2
     .venv/bin/python benchmarks/train_throughput.py --cases moetrain --set model.loss_chunk_tokens=0
     .venv/bin/python benchmarks/train_throughput.py --shape vocab32k   # another shape (below)
+    .venv/bin/python benchmarks/train_throughput.py --shape shared --cases moetrain hf-qwen2-moe
 
 Same shape for every case. ``--shape bench`` (the default, the distributed-training issue's
 benchmark): vocab 8192, d 256, 4 layers, 4 heads, 2 kv heads, 8 experts, top-2, expert hidden
 512, seq 256, micro-batch 4 per rank, fp32, AdamW, clipping 1.0, aux loss 0.01, one thread per
 rank, 2 ranks. Other shapes change only what their name says, keeping the active FLOPs of the
 experts: ``vocab32k`` Mixtral's 32000-token vocabulary; ``fine`` fine-grained experts as in
-OLMoE / Qwen-MoE (64 experts, top-8, expert hidden 128). Cases (each in its own fresh pair of
+OLMoE / Qwen-MoE (64 experts, top-8, expert hidden 128); ``shared`` adds one gated shared
+expert of hidden 512 (Qwen2-MoE style; moetrain computes it while the all-to-alls are in flight,
+``--set moe.shared_expert_overlap=false`` turns that off). Cases (each in its own fresh pair of
 processes):
 
 - ``moetrain``       moetrain's Trainer (EP=2: each rank holds 4 experts; ZeRO-2 over the rest)
@@ -19,11 +22,13 @@ processes):
 - ``hf-mixtral-grouped``  the same with ``experts_implementation="grouped_mm"``
 - ``hf-mixtral-cpu-buckets``  ``hf-mixtral`` with moetrain's CPU ZeRO bucket size (2M elements;
   DeepSpeed's default is 500M): the same DeepSpeed settings on both sides
+- ``hf-qwen2-moe``, ``hf-qwen2-moe-cpu-buckets``  the same with Qwen2MoeForCausalLM (the peer
+  for ``--shape shared``: Mixtral has no shared expert; q/k/v biases off, top-k renormalised)
 
 Tokens/s: global tokens per optimizer step / median step time over ``--steps`` measured steps
 after ``--warmup``; the cases alternate round by round (``--rounds``) so that load from other
 processes hits them alike. Reported: each case's best round, and each round's moetrain /
-hf-mixtral ratio with their median. Memory: peak resident set size of each rank
+HF-peer ratio with their median (the peer: hf-mixtral, or hf-qwen2-moe with ``--shape shared``). Memory: peak resident set size of each rank
 (``ru_maxrss``) and its growth over the RSS measured just before the model is built (the part
 the training state accounts for; imports excluded), max over ranks.
 """
@@ -46,9 +51,11 @@ SHAPES = {
     "bench": SHAPE,
     "vocab32k": {**SHAPE, "vocab": 32000},
     "fine": {**SHAPE, "experts": 64, "top_k": 8, "hidden": 128},
+    "shared": {**SHAPE, "shared_hidden": 512},
 }
 MICRO = 4
 CASES = ["moetrain", "moetrain-ep1", "hf-mixtral", "hf-mixtral-grouped", "hf-mixtral-cpu-buckets"]
+PEER_CASES = ["hf-qwen2-moe", "hf-qwen2-moe-cpu-buckets"]
 
 
 def _rss_now_mib() -> float:
@@ -104,10 +111,21 @@ def moetrain_trainer(ep: int, overrides: list[str], shape: dict = SHAPE):
             "optim.warmup_steps=0",
             "optim.schedule=constant",
             "run_dir=/tmp/moetrain-bench-unused",
+            *_shared_expert_overrides(s),
             *overrides,
         ],
     )
     return Trainer(cfg, init_distributed(cfg))
+
+
+def _shared_expert_overrides(shape: dict) -> list[str]:
+    if "shared_hidden" not in shape:
+        return []
+    return [
+        "moe.num_shared_experts=1",
+        f"moe.shared_expert_hidden={shape['shared_hidden']}",
+        "moe.shared_expert_gate=true",
+    ]
 
 
 def _moetrain_step_fn(ep: int, overrides: list[str], shape: dict):
@@ -115,33 +133,51 @@ def _moetrain_step_fn(ep: int, overrides: list[str], shape: dict):
     return lambda batch: trainer.train_step([batch])
 
 
-def _hf_step_fn(grouped: bool, small_buckets: bool, shape: dict):
-    import deepspeed
-    import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    from moetrain.config import CPU_BUCKET_ELEMENTS
+def _hf_model(family: str, grouped: bool, shape: dict):
+    import transformers
 
     s = shape
-    kw = {"experts_implementation": "grouped_mm"} if grouped else {}
-    config = MixtralConfig(
+    common = dict(
         vocab_size=s["vocab"],
         hidden_size=s["d"],
-        intermediate_size=s["hidden"],
         num_hidden_layers=s["layers"],
         num_attention_heads=s["heads"],
         num_key_value_heads=s["kv_heads"],
-        num_local_experts=s["experts"],
         num_experts_per_tok=s["top_k"],
         max_position_embeddings=s["seq"],
         router_aux_loss_coef=0.01,
         output_router_logits=True,
         attn_implementation="sdpa",
         use_cache=False,
-        **kw,
     )
+    if grouped:
+        common["experts_implementation"] = "grouped_mm"
+    if family == "qwen2-moe":
+        config = transformers.Qwen2MoeConfig(
+            **common,
+            moe_intermediate_size=s["hidden"],
+            num_experts=s["experts"],
+            shared_expert_intermediate_size=s.get("shared_hidden", 0),
+            norm_topk_prob=True,
+            qkv_bias=False,
+        )
+        return transformers.Qwen2MoeForCausalLM(config)
+    if "shared_hidden" in s:
+        raise SystemExit("Mixtral has no shared expert: use hf-qwen2-moe with --shape shared")
+    config = transformers.MixtralConfig(
+        **common, intermediate_size=s["hidden"], num_local_experts=s["experts"]
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def _hf_step_fn(family: str, grouped: bool, small_buckets: bool, shape: dict):
+    import deepspeed
+    import torch
+
+    from moetrain.config import CPU_BUCKET_ELEMENTS
+
     torch.manual_seed(0)
-    model = MixtralForCausalLM(config)
+    model = _hf_model(family, grouped, shape)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     zero = {"stage": 2, "contiguous_gradients": True, "overlap_comm": False}
     if small_buckets:
@@ -179,7 +215,8 @@ def bench_job(
     if case.startswith("moetrain"):
         step = _moetrain_step_fn(1 if case == "moetrain-ep1" else 2, overrides, dims)
     else:
-        step = _hf_step_fn(case.endswith("grouped"), case.endswith("cpu-buckets"), dims)
+        family = "qwen2-moe" if case.startswith("hf-qwen2-moe") else "mixtral"
+        step = _hf_step_fn(family, case.endswith("grouped"), case.endswith("cpu-buckets"), dims)
     times = []
     for i, batch in enumerate(_batches(rank, world, warmup + steps, dims)):
         dist.barrier()
@@ -200,7 +237,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--cases", nargs="*", default=CASES)
+    ap.add_argument("--cases", nargs="*", default=CASES, choices=CASES + PEER_CASES)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument(
@@ -219,7 +256,8 @@ def main() -> None:
     world = 2
     tokens_per_step = world * MICRO * SHAPES[args.shape]["seq"]
     best: dict[str, dict] = {}
-    paired: list[float] = []  # per round: moetrain / hf-mixtral tokens/s
+    peer_case = "hf-qwen2-moe" if "shared_hidden" in SHAPES[args.shape] else "hf-mixtral"
+    paired: list[float] = []  # per round: moetrain / peer tokens/s
     for rnd in range(args.rounds):
         this_round: dict[str, float] = {}
         for case in args.cases:
@@ -242,9 +280,9 @@ def main() -> None:
             this_round[case] = res["tokens_per_s"]
             if case not in best or res["tokens_per_s"] > best[case]["tokens_per_s"]:
                 best[case] = res
-        if "moetrain" in this_round and "hf-mixtral" in this_round:
-            paired.append(this_round["moetrain"] / this_round["hf-mixtral"])
-    peer = best.get("hf-mixtral")
+        if "moetrain" in this_round and peer_case in this_round:
+            paired.append(this_round["moetrain"] / this_round[peer_case])
+    peer = best.get(peer_case)
     print("\n| case | tokens/s (2 ranks) | peak RSS / rank (MiB) | RSS growth / rank (MiB) |")
     print("|---|---:|---:|---:|")
     for case, r in best.items():
@@ -257,14 +295,14 @@ def main() -> None:
             if case in best:
                 r = best[case]
                 print(
-                    f"{case} vs hf-mixtral: {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x "
+                    f"{case} vs {peer_case}: {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x "
                     f"tokens/s, {r['peak_rss_mib'] / peer['peak_rss_mib']:.2f}x peak RSS, "
                     f"{r['rss_growth_mib'] / peer['rss_growth_mib']:.2f}x RSS growth"
                 )
     if paired:
         rounds = ", ".join(f"{r:.2f}x" for r in paired)
         print(
-            f"moetrain vs hf-mixtral per round: {rounds} (median {statistics.median(paired):.2f}x)"
+            f"moetrain vs {peer_case} per round: {rounds} (median {statistics.median(paired):.2f}x)"
         )
     if args.json:
         args.json.write_text(json.dumps(best, indent=2) + "\n")

@@ -63,6 +63,9 @@ class MoEConfig:
     num_shared_experts: int = 0
     shared_expert_hidden: int | None = None  # default num_shared_experts * expert_hidden
     shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE style)
+    # compute the shared expert while the expert-parallel all-to-alls are in flight (its
+    # projections during the dispatch, its down projection during the combine; same values)
+    shared_expert_overlap: bool = True
     grouped_mm: bool = True  # F.grouped_mm for experts; False = per-expert loop
     # experts recompute silu(gate) * up in backward instead of saving it (Megatron-Core's
     # moe_act recompute): 2F values kept per routed copy instead of 3F, ~3% more MoE-block time

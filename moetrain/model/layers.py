@@ -143,5 +143,9 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(d_model, hidden, bias=False)
         self.w2 = nn.Linear(hidden, d_model, bias=False)
 
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        """The hidden activation ``silu(w1 x) * w3 x``."""
+        return silu_mul(self.w1(x), self.w3(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(silu_mul(self.w1(x), self.w3(x)))
+        return self.w2(self.up(x))

@@ -3,10 +3,17 @@
 Backward is the reverse exchange (gradients of received rows go back to their senders).
 Built on ``torch.distributed.all_to_all_single`` with split sizes, which gloo, NCCL and others
 support (gloo lacks the list form ``all_to_all``).
+
+An exchange can be left in flight while the caller computes something else:
+``start_all_to_all_v`` launches it and ``finish_all_to_all_v`` waits for it. Autograd's engine
+runs backward nodes latest-created first, so the backward of whatever was computed between the
+two also runs while the reverse exchange is in flight (the finish node's backward launches it,
+the start node's backward waits for it).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,28 +36,88 @@ def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
     return recv
 
 
-class _AllToAllV(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: Any
-    ) -> Tensor:
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+class _Exchange:
+    """One asynchronous exchange at a time (forward, then the reverse one in backward); its
+    buffers stay referenced until it has finished."""
+
+    def __init__(self, out_splits: list[int], in_splits: list[int], group: Any) -> None:
+        self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
+        self.work: Any = None
+        self.buffers: tuple[Tensor, ...] = ()
+
+    def launch(self, x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
+        send = x.contiguous()
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        self.work = dist.all_to_all_single(
+            out, send, out_splits, in_splits, group=self.group, async_op=True
+        )
+        self.buffers = (out, send)
         return out
 
+    def wait(self) -> Tensor:
+        self.work.wait()
+        out = self.buffers[0]
+        self.work, self.buffers = None, ()
+        return out
+
+
+class _StartAllToAllV(torch.autograd.Function):
+    """Launches the exchange; returns the (not yet filled) receive buffer. Backward waits for
+    the reverse exchange that ``_FinishAllToAllV``'s backward launched."""
+
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
-        grad_in = grad_out.new_empty((sum(ctx.in_splits), *grad_out.shape[1:]))
-        dist.all_to_all_single(
-            grad_in, grad_out.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group
-        )
-        return grad_in, None, None, None
+    def forward(ctx: Any, x: Tensor, exchange: _Exchange) -> Tensor:  # type: ignore[override]
+        ctx.exchange = exchange
+        return exchange.launch(x, exchange.out_splits, exchange.in_splits)
+
+    @staticmethod
+    def backward(ctx: Any, _unused: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return ctx.exchange.wait(), None
+
+
+class _FinishAllToAllV(torch.autograd.Function):
+    """Waits for the exchange; backward launches the reverse one (and passes its input through
+    as the start node's placeholder gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, received: Tensor, exchange: _Exchange) -> Tensor:  # type: ignore[override]
+        ctx.exchange = exchange
+        return exchange.wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        ex = ctx.exchange
+        ex.launch(grad_out, ex.in_splits, ex.out_splits)
+        return grad_out, None
+
+
+@dataclass
+class InFlight:
+    """An exchange started by :func:`start_all_to_all_v`; pass it to :func:`finish_all_to_all_v`."""
+
+    received: Tensor
+    exchange: _Exchange | None
+
+
+def start_all_to_all_v(
+    x: Tensor, out_splits: list[int], in_splits: list[int], group: Any
+) -> InFlight:
+    """Start sending ``x[rows of block r]`` to rank ``r`` (``in_splits[r]`` rows, in rank order);
+    ``out_splits[s]`` rows will come from rank ``s``. Differentiable; every rank must start and
+    finish its exchanges in the same order."""
+    if dist.get_world_size(group) == 1:
+        return InFlight(x, None)
+    exchange = _Exchange(list(out_splits), list(in_splits), group)
+    return InFlight(_StartAllToAllV.apply(x, exchange), exchange)
+
+
+def finish_all_to_all_v(started: InFlight) -> Tensor:
+    """Wait for a started exchange; returns the rows received, in rank order."""
+    if started.exchange is None:
+        return started.received
+    return _FinishAllToAllV.apply(started.received, started.exchange)
 
 
 def all_to_all_v(x: Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Tensor:
-    """Send ``x[rows of block r]`` to rank ``r`` (``in_splits[r]`` rows, in rank order); return
-    the rows received, ``out_splits[s]`` from rank ``s``, in rank order. Differentiable."""
-    if dist.get_world_size(group) == 1:
-        return x
-    return _AllToAllV.apply(x, list(out_splits), list(in_splits), group)
+    """:func:`start_all_to_all_v` and :func:`finish_all_to_all_v` at once (blocking)."""
+    return finish_all_to_all_v(start_all_to_all_v(x, out_splits, in_splits, group))

@@ -29,7 +29,11 @@ from moetrain.model.moe.dispatch import (
     sum_copies,
 )
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
-from moetrain.parallel.all_to_all import all_to_all_v, exchange_counts
+from moetrain.parallel.all_to_all import (
+    exchange_counts,
+    finish_all_to_all_v,
+    start_all_to_all_v,
+)
 from moetrain.parallel.topology import Topology
 
 
@@ -53,7 +57,9 @@ class AllToAllDispatcher:
     and their routing weights grouped by local expert (expert order), each expert's rows
     ordered by source rank. ``combine(y_MD, ctx) -> y_TD``: the (weighted) results return to
     their tokens and are summed over the kept copies (dropped copies contribute zero).
-    Per-expert counts are exchanged first, then the rows and the weights (all-to-all-v).
+    Per-expert counts are exchanged first, then the rows and the weights (two all-to-all-v in
+    flight together). ``overlap`` (either method) runs while the exchanges are in flight, and
+    its backward while the reverse exchanges are.
     """
 
     def __init__(self, num_experts: int, ep_size: int, ep_rank: int, group: Any) -> None:
@@ -66,7 +72,12 @@ class AllToAllDispatcher:
         self.group = group
 
     def dispatch(
-        self, x_TD: Tensor, ids_TK: Tensor, keep_TK: Tensor, weights_TK: Tensor
+        self,
+        x_TD: Tensor,
+        ids_TK: Tensor,
+        keep_TK: Tensor,
+        weights_TK: Tensor,
+        overlap: Callable[[], None] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Any]:
         T, K = ids_TK.shape
         P, L = self.ep_size, self.num_local
@@ -84,8 +95,11 @@ class AllToAllDispatcher:
         recv_PL = exchange_counts(counts_E, self.group).view(P, L)
         send_splits = counts_E.view(P, L).sum(1).tolist()
         recv_splits = recv_PL.sum(1).tolist()
-        x_MD = all_to_all_v(x_ND, recv_splits, send_splits, self.group)
-        w_M = all_to_all_v(w_N, recv_splits, send_splits, self.group)
+        x_sent = start_all_to_all_v(x_ND, recv_splits, send_splits, self.group)
+        w_sent = start_all_to_all_v(w_N, recv_splits, send_splits, self.group)
+        if overlap is not None:
+            overlap()
+        x_MD, w_M = finish_all_to_all_v(x_sent), finish_all_to_all_v(w_sent)
 
         # received rows are grouped (source rank, local expert); regroup by local expert
         block = torch.repeat_interleave(
@@ -98,9 +112,14 @@ class AllToAllDispatcher:
         ctx = _A2AContext(copy_idx, token_idx, inverse, perm, inv, send_splits, recv_splits, T, K)
         return permute_rows(x_MD, perm, inv), permute_rows(w_M, perm, inv), counts_L, ctx
 
-    def combine(self, y_MD: Tensor, ctx: _A2AContext) -> Tensor:
+    def combine(
+        self, y_MD: Tensor, ctx: _A2AContext, overlap: Callable[[], None] | None = None
+    ) -> Tensor:
         y_recv = permute_rows(y_MD, ctx.inverse_M, ctx.perm_M)
-        y_ND = all_to_all_v(y_recv, ctx.send_splits, ctx.recv_splits, self.group)
+        y_sent = start_all_to_all_v(y_recv, ctx.send_splits, ctx.recv_splits, self.group)
+        if overlap is not None:
+            overlap()
+        y_ND = finish_all_to_all_v(y_sent)
         return sum_copies(y_ND, ctx.token_idx_N, ctx.inverse_N, ctx.num_tokens, ctx.top_k)
 
 

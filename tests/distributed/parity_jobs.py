@@ -26,6 +26,9 @@ GRAD_NAMES = (
     "layers.0.ffn.experts.w13",
     "layers.0.ffn.experts.w2",
     "layers.1.ffn.experts.w13",
+    "layers.0.ffn.shared_expert.w1.weight",
+    "layers.1.ffn.shared_expert.w2.weight",
+    "layers.1.ffn.shared_gate.weight",
     "lm_head.weight",
 )
 
@@ -43,6 +46,10 @@ def tiny_config(world: int, ep: int, stage: int, **extra: Any) -> Config:
         "moe.num_experts": 4,
         "moe.top_k": 2,
         "moe.expert_hidden": 32,
+        # a gated shared expert: under EP it runs while the all-to-alls are in flight
+        "moe.num_shared_experts": 1,
+        "moe.shared_expert_hidden": 16,
+        "moe.shared_expert_gate": True,
         "moe.aux_loss_coef": 0.01,
         "moe.z_loss_coef": 0.001,
         "moe.bias_update_rate": 0.001,

@@ -113,3 +113,104 @@ def test_counts_cover_every_routed_copy(results: list[dict]) -> None:
     assert sum(results[1]["all_dropped"]["counts"]) + sum(
         results[0]["all_dropped"]["counts"]
     ) == int(T * K)
+
+
+def _overlap_job(rank: int, world: int) -> dict:
+    """An EP MoE layer with a gated shared expert, with and without the overlap: the same
+    values, and the order in which backward reached the exchanges and the shared expert."""
+    import torch.distributed as dist
+
+    from moetrain.config import MoEConfig
+    from moetrain.model.moe.layer import MoELayer
+    from moetrain.parallel.expert_parallel import AllToAllDispatcher, slice_experts
+
+    out: dict = {}
+    for overlap in (True, False):
+        cfg = MoEConfig(
+            num_experts=E,
+            top_k=K,
+            expert_hidden=F,
+            num_shared_experts=1,
+            shared_expert_gate=True,
+            shared_expert_overlap=overlap,
+        )
+        torch.manual_seed(0)
+        layer = MoELayer(cfg, D)
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, 0, 0.3)
+        slice_experts(layer.experts, rank * (E // world), (rank + 1) * (E // world))
+        layer.dispatcher = AllToAllDispatcher(E, world, rank, dist.group.WORLD)
+        x = torch.randn(2, T // 2, D, generator=torch.Generator().manual_seed(rank))
+        x.requires_grad_(True)
+        y, _ = layer(x)
+
+        # log backward: the exchange nodes, and the shared expert's weight gradients
+        order: list[str] = []
+        names = {
+            layer.shared_expert.w1.weight: "shared_up",
+            layer.shared_expert.w2.weight: "shared_down",
+        }
+        seen, stack = set(), [y.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            kind = type(node).__name__
+            if "AllToAllV" in kind:
+                label = "launch" if kind.startswith("_Finish") else "wait"
+            else:
+                label = names.get(getattr(node, "variable", None))
+            if label:
+                node.register_prehook(lambda _g, label=label, log=order: log.append(label))
+            stack.extend(next_fn for next_fn, _ in node.next_functions)
+        y.pow(2).sum().backward()
+        out[overlap] = {
+            "y": y.detach(),
+            "grads": [x.grad] + [p.grad.clone() for p in layer.parameters()],
+            "order": order,
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def overlap_results() -> list[dict]:
+    return run_distributed(_overlap_job, 2)
+
+
+def test_shared_expert_overlap_changes_no_value(overlap_results: list[dict]) -> None:
+    for res in overlap_results:
+        on, off = res[True], res[False]
+        assert torch.equal(on["y"], off["y"])
+        assert len(on["grads"]) == 8
+        for got, want in zip(on["grads"], off["grads"], strict=True):
+            assert torch.equal(got, want)
+
+
+def test_shared_expert_backward_runs_while_exchanges_are_in_flight(
+    overlap_results: list[dict],
+) -> None:
+    """Backward: the combine's reverse exchange is launched, the shared down projection runs,
+    then it is waited for; the dispatch's two reverse exchanges (rows, weights) likewise
+    bracket the shared up projections. Without the overlap the shared expert runs first."""
+    for res in overlap_results:
+        assert res[True]["order"] == [
+            "launch",
+            "shared_down",
+            "wait",
+            "launch",
+            "launch",
+            "shared_up",
+            "wait",
+            "wait",
+        ]
+        assert res[False]["order"] == [
+            "shared_down",
+            "shared_up",
+            "launch",
+            "wait",
+            "launch",
+            "launch",
+            "wait",
+            "wait",
+        ]

@@ -8,6 +8,9 @@ Contract (``Dispatcher`` protocol):
   (the experts apply it inside their activation), counts_L int64 tokens per local expert.
 - ``combine(y_ND, ctx) -> y_TD``: the sum of each token's kept (already weighted) rows, zero
   for tokens whose copies were all dropped.
+- Both take ``overlap``, an optional zero-argument callable: independent work (the shared
+  expert) that a communicating dispatcher runs while its exchange is in flight; the local one
+  just calls it.
 The local dispatcher does one stable sort of the flattened expert ids and a gather. Dropless, the
 way back sums each token's K rows (``index_add_`` on CPU, an inverse-permutation gather + sum on
 CUDA); with drops, a scatter into (T*K, D) and a sum over K. Forward and backward are
@@ -17,6 +20,7 @@ indices for backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,9 +36,12 @@ class Dispatcher(Protocol):
         ids_TK: torch.Tensor,
         keep_TK: torch.Tensor,
         weights_TK: torch.Tensor,
+        overlap: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
 
-    def combine(self, y_ND: torch.Tensor, ctx: Any) -> torch.Tensor: ...
+    def combine(
+        self, y_ND: torch.Tensor, ctx: Any, overlap: Callable[[], None] | None = None
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -207,8 +214,15 @@ class LocalDispatcher:
         ids_TK: torch.Tensor,
         keep_TK: torch.Tensor,
         weights_TK: torch.Tensor,
+        overlap: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PermuteContext]:
+        if overlap is not None:
+            overlap()
         return permute(x_TD, ids_TK, keep_TK, weights_TK, self.num_experts)
 
-    def combine(self, y_ND: torch.Tensor, ctx: PermuteContext) -> torch.Tensor:
+    def combine(
+        self, y_ND: torch.Tensor, ctx: PermuteContext, overlap: Callable[[], None] | None = None
+    ) -> torch.Tensor:
+        if overlap is not None:
+            overlap()
         return unpermute(y_ND, ctx)

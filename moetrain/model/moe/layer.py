@@ -1,4 +1,5 @@
-"""MoE block = router -> dispatcher -> experts -> combine (+ optional shared expert).
+"""MoE block = router -> dispatcher -> experts -> combine (+ optional shared expert, computed
+while the dispatcher's exchanges are in flight unless ``moe.shared_expert_overlap`` is off).
 
 Shape legend: B batch, S sequence, T = B*S tokens, D d_model, E experts, K top_k,
 N kept token copies, F expert hidden.
@@ -37,6 +38,33 @@ class MoEOutput:
     load_max_over_mean: torch.Tensor
 
 
+class _SharedExpertStages:
+    """The (optionally gated) shared expert on ``x_TD`` in two stages that a dispatcher can
+    run while its exchanges are in flight: ``up`` (gate and up projections, SwiGLU) and ``down``
+    (down projection, gate). ``output()`` runs what has not run yet."""
+
+    def __init__(self, expert: SwiGLU, gate: nn.Linear | None, x_TD: torch.Tensor) -> None:
+        self.expert, self.gate, self.x_TD = expert, gate, x_TD
+        self.h_TF: torch.Tensor | None = None
+        self.y_TD: torch.Tensor | None = None
+
+    def up(self) -> None:
+        self.h_TF = self.expert.up(self.x_TD)
+
+    def down(self) -> None:
+        if self.h_TF is None:
+            self.up()
+        y_TD = self.expert.w2(self.h_TF)
+        if self.gate is not None:
+            y_TD = torch.sigmoid(self.gate(self.x_TD)) * y_TD
+        self.y_TD = y_TD
+
+    def output(self) -> torch.Tensor:
+        if self.y_TD is None:
+            self.down()
+        return self.y_TD
+
+
 class MoELayer(nn.Module):
     """Token-choice top-k MoE FFN; ``forward(x_BSD) -> (y_BSD, MoEOutput)``.
 
@@ -71,13 +99,17 @@ class MoELayer(nn.Module):
         b, s, d = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d)
         r = self.router(x_TD)
-        x_ND, w_N, counts_L, ctx = self.dispatcher.dispatch(x_TD, r.ids_TK, r.keep_TK, r.weights_TK)
-        y_TD = self.dispatcher.combine(self.experts(x_ND, counts_L, w_N), ctx)
+        shared = None
         if self.shared_expert is not None:
-            shared_TD = self.shared_expert(x_TD)
-            if self.shared_gate is not None:
-                shared_TD = torch.sigmoid(self.shared_gate(x_TD)) * shared_TD
-            y_TD = y_TD + shared_TD
+            shared = _SharedExpertStages(self.shared_expert, self.shared_gate, x_TD)
+        overlap = shared is not None and self.cfg.shared_expert_overlap
+        x_ND, w_N, counts_L, ctx = self.dispatcher.dispatch(
+            x_TD, r.ids_TK, r.keep_TK, r.weights_TK, overlap=shared.up if overlap else None
+        )
+        y_ND = self.experts(x_ND, counts_L, w_N)
+        y_TD = self.dispatcher.combine(y_ND, ctx, overlap=shared.down if overlap else None)
+        if shared is not None:
+            y_TD = y_TD + shared.output()
         load_E = r.tokens_per_expert_E
         stats = MoEOutput(
             aux_loss=r.aux_loss,
