@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/profile_step.py                  # 2 ranks, EP=2, ZeRO-2
     .venv/bin/python benchmarks/profile_step.py --world 1 --ep 1 --steps 5
     .venv/bin/python benchmarks/profile_step.py --shape fine      # train_throughput's shapes
+    .venv/bin/python benchmarks/profile_step.py --shape shared --set moe.shared_expert_overlap=false
 
 The shapes of ``benchmarks/train_throughput.py`` (default ``bench``: vocab 8192, d 256, 4 layers,
 8 experts top-2, expert hidden 512, seq 256, micro-batch 4 per rank, fp32, one thread per rank,
@@ -52,13 +53,15 @@ def categorize(name: str) -> str:
     return next(cat for cat, pattern in CATEGORIES if re.search(pattern, name))
 
 
-def profile_job(rank: int, world: int, ep: int, shape: str, warmup: int, steps: int) -> dict | None:
+def profile_job(
+    rank: int, world: int, ep: int, shape: str, warmup: int, steps: int, overrides: list[str]
+) -> dict | None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     from train_throughput import SHAPES, _batches, moetrain_trainer
 
     torch.set_num_threads(1)
-    trainer = moetrain_trainer(ep, [], SHAPES[shape])
+    trainer = moetrain_trainer(ep, overrides, SHAPES[shape])
     engine_step = trainer.engine.step
 
     def timed_engine_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -96,11 +99,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--shape", default="bench", help="a shape of train_throughput.py")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override")
     args = ap.parse_args()
     from dist_utils import run_distributed
 
     res = run_distributed(
-        profile_job, args.world, args.ep, args.shape, args.warmup, args.steps, timeout=1800.0
+        profile_job,
+        args.world,
+        args.ep,
+        args.shape,
+        args.warmup,
+        args.steps,
+        args.set,
+        timeout=1800.0,
     )[0]
     n, total = res["steps"], res["total_us"]
     print(f"\nworld {args.world}, EP {args.ep}: {total / n / 1e3:.0f} ms per step (rank 0, CPU)\n")
