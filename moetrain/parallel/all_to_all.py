@@ -116,8 +116,3 @@ def finish_all_to_all_v(started: InFlight) -> Tensor:
     if started.exchange is None:
         return started.received
     return _FinishAllToAllV.apply(started.received, started.exchange)
-
-
-def all_to_all_v(x: Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Tensor:
-    """:func:`start_all_to_all_v` and :func:`finish_all_to_all_v` at once (blocking)."""
-    return finish_all_to_all_v(start_all_to_all_v(x, out_splits, in_splits, group))
