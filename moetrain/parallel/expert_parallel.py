@@ -93,22 +93,24 @@ class AllToAllDispatcher:
 
         counts_E = torch.bincount(expert_N, minlength=self.num_experts).to(torch.int64)
         recv_PL = exchange_counts(counts_E, self.group).view(P, L)
-        send_splits = counts_E.view(P, L).sum(1).tolist()
-        recv_splits = recv_PL.sum(1).tolist()
+        splits = torch.cat([counts_E.view(P, L).sum(1), recv_PL.sum(1)]).tolist()  # one host sync
+        send_splits, recv_splits = splits[:P], splits[P:]
         x_sent = start_all_to_all_v(x_ND, recv_splits, send_splits, self.group)
         w_sent = start_all_to_all_v(w_N, recv_splits, send_splits, self.group)
-        if overlap is not None:
-            overlap()
-        x_MD, w_M = finish_all_to_all_v(x_sent), finish_all_to_all_v(w_sent)
 
         # received rows are grouped (source rank, local expert); regroup by local expert
         block = torch.repeat_interleave(
-            torch.arange(P * L, device=x_TD.device), recv_PL.reshape(-1).to(x_TD.device)
+            torch.arange(P * L, device=x_TD.device),
+            recv_PL.reshape(-1).to(x_TD.device),
+            output_size=sum(recv_splits),
         )
         key = (block % L) * P + torch.div(block, L, rounding_mode="floor")
         perm = torch.argsort(key, stable=True)
         counts_L = recv_PL.sum(0)
         inv = inverse_permutation(perm)
+        if overlap is not None:
+            overlap()
+        x_MD, w_M = finish_all_to_all_v(x_sent), finish_all_to_all_v(w_sent)
         ctx = _A2AContext(copy_idx, token_idx, inverse, perm, inv, send_splits, recv_splits, T, K)
         return permute_rows(x_MD, perm, inv), permute_rows(w_M, perm, inv), counts_L, ctx
 
