@@ -28,9 +28,10 @@ processes):
 Tokens/s: global tokens per optimizer step / median step time over ``--steps`` measured steps
 after ``--warmup``; the cases alternate round by round (``--rounds``) so that load from other
 processes hits them alike. Reported: each case's best round, and each round's moetrain /
-HF-peer ratio with their median (the peer: hf-mixtral, or hf-qwen2-moe with ``--shape shared``). Memory: peak resident set size of each rank
-(``ru_maxrss``) and its growth over the RSS measured just before the model is built (the part
-the training state accounts for; imports excluded), max over ranks.
+HF-peer ratio with their median (the peer: hf-mixtral, or hf-qwen2-moe with ``--shape
+shared``). Memory: peak resident set size of each rank (``ru_maxrss``) and its growth over the
+RSS measured just before the model is built (the part the training state accounts for; imports
+excluded), max over ranks.
 """
 
 from __future__ import annotations
