@@ -175,7 +175,7 @@ def _hf_step_fn(family: str, grouped: bool, small_buckets: bool, shape: dict):
     import deepspeed
     import torch
 
-    from moetrain.config import CPU_BUCKET_ELEMENTS
+    from moetrain.config.sections import CPU_BUCKET_ELEMENTS
 
     torch.manual_seed(0)
     model = _hf_model(family, grouped, shape)

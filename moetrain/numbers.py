@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moetrain.config import Config, is_moe_layer
+from moetrain.config import Config
 
 
 @dataclass(frozen=True)
@@ -25,22 +25,17 @@ class ModelNumbers:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def head_dim(cfg: Config) -> int:
-    m = cfg.model
-    return m.head_dim if m.head_dim is not None else m.d_model // m.n_heads
-
 
 def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     """Count parameters exactly as moetrain's Transformer builds them."""
     m, e = cfg.model, cfg.moe
-    d, hd = m.d_model, head_dim(cfg)
+    d, hd = m.d_model, m.attention_head_dim
     seq_len = seq_len or cfg.data.seq_len
     attn = d * m.n_heads * hd * 2 + d * m.n_kv_heads * hd * 2
     norms = 2 * d + (2 * hd if m.qk_norm else 0)
     dense_ffn = 3 * d * m.dense_hidden
     expert = 3 * d * e.expert_hidden
-    shared_hidden = e.shared_expert_hidden or e.num_shared_experts * e.expert_hidden
-    shared = 3 * d * shared_hidden if e.num_shared_experts else 0
+    shared = 3 * d * e.shared_hidden if e.num_shared_experts else 0
     shared_gate = d if (e.num_shared_experts and e.shared_expert_gate) else 0
     router = d * e.num_experts
 
@@ -50,7 +45,7 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
         total += attn + norms
         active += attn + norms
         matmul_active += attn
-        if is_moe_layer(layer, e):
+        if e.is_moe_layer(layer):
             n_moe += 1
             ffn_total = router + e.num_experts * expert + shared + shared_gate
             ffn_active = router + e.top_k * expert + shared + shared_gate

@@ -29,15 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moetrain.config import (
-    Config,
-    ConfigError,
-    bucket_elements,
-    check_world_layout,
-    is_moe_layer,
-)
+from moetrain.config import Config, ConfigError
 from moetrain.monitor.mfu import lookup_peak_tflops, math_type
-from moetrain.numbers import ModelNumbers, head_dim, human, model_numbers
+from moetrain.numbers import ModelNumbers, human, model_numbers
+from moetrain.parallel.layout import check_layout
 
 GiB = 1024**3
 MiB = 1024**2
@@ -116,12 +111,12 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
     """
     m, e = cfg.model, cfg.moe
     a, d = act_bytes, m.d_model
-    hd = head_dim(cfg)
+    hd = m.attention_head_dim
     hq, hkv = m.n_heads * hd, m.n_kv_heads * hd
     attn = _rmsnorm_bytes(d, a) + a * d + 2 * a * hq + 2 * a * hkv + 4 * m.n_heads
     if m.qk_norm:  # per-head RMSNorm of q and k: their input and a per-head rsqrt
         attn += a * (hq + hkv) + 4 * (m.n_heads + m.n_kv_heads)
-    if not is_moe_layer(layer, e):
+    if not e.is_moe_layer(layer):
         return attn + _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
     k = e.top_k
     kept = k * min(e.capacity_factor, 1.0) if e.capacity_factor > 0 else k
@@ -246,9 +241,9 @@ class Plan:
 
 def _largest_param(cfg: Config, ep: int) -> int:
     m, e = cfg.model, cfg.moe
-    hd = head_dim(cfg)
+    hd = m.attention_head_dim
     sizes = [m.vocab_size * m.d_model, m.d_model * m.n_heads * hd, m.d_model * m.dense_hidden]
-    if any(is_moe_layer(i, e) for i in range(m.n_layers)):
+    if e.moe_layers(m.n_layers):
         sizes.append(e.num_experts // ep * m.d_model * e.expert_hidden)
     return max(sizes)
 
@@ -270,12 +265,8 @@ def plan(
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu: must be in (0, 1]; got {mfu}")
     spec = gpu_spec(gpu)
-    check_world_layout(cfg, gpus)
+    check_layout(cfg, gpus)
     p, t = cfg.parallel, cfg.train
-    if cfg.moe.num_experts % p.ep_size:
-        raise ConfigError(
-            f"parallel.ep_size: must divide moe.num_experts={cfg.moe.num_experts}; got {p.ep_size}"
-        )
     ckpt = (
         p.activation_checkpointing
         if activation_checkpointing is None
@@ -302,7 +293,7 @@ def plan(
     tokens = t.micro_batch_size * cfg.data.seq_len
     act_no = activation_bytes(cfg, tokens, False, wb)
     act_ck = activation_bytes(cfg, tokens, True, wb)
-    framework = FRAMEWORK_BYTES + (2 * bucket_elements(cfg, cuda=True) * wb if z >= 1 else 0)
+    framework = FRAMEWORK_BYTES + (2 * cfg.parallel.bucket_size(True) * wb if z >= 1 else 0)
     peak = cfg.logging.peak_tflops or spec.peak_tflops(t.precision)
     result = Plan(
         gpu=spec,

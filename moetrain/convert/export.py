@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from moetrain.config import Config, is_moe_layer
+from moetrain.config import Config
 from moetrain.convert.formats import ARCHITECTURES, choose_format, hf_config
 from moetrain.convert.hf import dense_key_map, expert_key, to_hf_state_dict
 from moetrain.convert.tokenizer_export import export_tokenizer
@@ -50,7 +50,7 @@ def _plan(cfg: Config, fmt: str, dtype: torch.dtype) -> list[list[tuple[str, tup
             k: tuple(v.shape) for k, v in Transformer(cfg.model, cfg.moe).state_dict().items()
         }
     m = cfg.model
-    head_dim = m.head_dim or m.d_model // m.n_heads
+    head_dim = m.attention_head_dim
 
     def entry(name: str, shape: tuple) -> tuple[str, tuple, torch.dtype]:
         return name, shape, torch.float32 if name.endswith(_KEEP_FP32) else dtype
@@ -65,7 +65,7 @@ def _plan(cfg: Config, fmt: str, dtype: torch.dtype) -> list[list[tuple[str, tup
     parts = [sorted(dense)]
     d, f = m.d_model, cfg.moe.expert_hidden
     for i in range(m.n_layers):
-        if is_moe_layer(i, cfg.moe):
+        if cfg.moe.is_moe_layer(i):
             layer = []
             for e in range(cfg.moe.num_experts):
                 for name, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig, is_moe_layer
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 
 FORMATS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
 ARCHITECTURES = {
@@ -38,11 +38,6 @@ ARCHITECTURES = {
 MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 # "auto" tries these in order; olmoe is never chosen (see the module docstring).
 AUTO_ORDER = ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe")
-
-
-def shared_hidden(moe: MoEConfig) -> int:
-    """Hidden size of moetrain's (single, merged) shared-expert SwiGLU."""
-    return moe.shared_expert_hidden or moe.num_shared_experts * moe.expert_hidden
 
 
 def _common(moe: MoEConfig, name: str) -> list[tuple[bool, str, str]]:
@@ -130,7 +125,7 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
             (moe.shared_expert_gate, "moe.shared_expert_gate", f"{name} does not gate them"),
             (
                 moe.num_shared_experts > 0
-                and shared_hidden(moe) != moe.num_shared_experts * moe.expert_hidden,
+                and moe.shared_hidden != moe.num_shared_experts * moe.expert_hidden,
                 "moe.shared_expert_hidden",
                 f"{name} sizes shared experts as n_shared_experts x moe_intermediate_size; "
                 "must be null or num_shared_experts * expert_hidden",
@@ -168,7 +163,7 @@ def hf_config(cfg: Config, fmt: str, **extra: Any):  # noqa: ANN201 (a transform
 
     model, moe = cfg.model, cfg.moe
     check_format(fmt, model, moe)
-    head_dim = model.head_dim or model.d_model // model.n_heads
+    head_dim = model.attention_head_dim
     common: dict[str, Any] = dict(
         vocab_size=model.vocab_size,
         hidden_size=model.d_model,
@@ -184,7 +179,7 @@ def hf_config(cfg: Config, fmt: str, **extra: Any):  # noqa: ANN201 (a transform
         initializer_range=model.init_std,
         rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
     )
-    dense = [i for i in range(model.n_layers) if not is_moe_layer(i, moe)]
+    dense = [i for i in range(model.n_layers) if not moe.is_moe_layer(i)]
     if fmt == "mixtral":
         return transformers.MixtralConfig(
             **common,
@@ -206,7 +201,7 @@ def hf_config(cfg: Config, fmt: str, **extra: Any):  # noqa: ANN201 (a transform
             use_sliding_window=False,
         )
         if fmt == "qwen2_moe":
-            kw.update(shared_expert_intermediate_size=shared_hidden(moe), qkv_bias=True)
+            kw.update(shared_expert_intermediate_size=moe.shared_hidden, qkv_bias=True)
         else:
             kw.update(attention_bias=False)
         return cls(**common, **kw, **extra)
@@ -311,9 +306,7 @@ def config_from_hf(hf_dict: dict[str, Any]) -> Config:
         model.qk_norm = bool(get("use_qk_norm", False))
     cfg = Config(model=model, moe=moe)
     cfg.data.seq_len = min(cfg.data.seq_len, model.max_seq_len)
-    from moetrain.config import validate
-
-    validate(cfg)
+    cfg.validate()
     return cfg
 
 
@@ -322,7 +315,7 @@ def _placement(moe_layers: list[int], n_layers: int) -> tuple[int, int]:
     for first in range(n_layers + 1):
         for every in range(1, n_layers + 1):
             moe = MoEConfig(first_k_dense=first, moe_every=every)
-            if [i for i in range(n_layers) if is_moe_layer(i, moe)] == moe_layers:
+            if moe.moe_layers(n_layers) == moe_layers:
                 return first, every
     raise ConfigError(
         f"mlp_only_layers/decoder_sparse_step: MoE layers {moe_layers} are not expressible as "

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig, is_moe_layer
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.formats import check_format, hf_config
 from moetrain.model.moe.experts import pack_w13, unpack_w13
 
@@ -55,7 +55,7 @@ def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
         if model.qk_norm:
             out[src + "attn.q_norm.weight"] = dst + "self_attn.q_norm.weight"
             out[src + "attn.k_norm.weight"] = dst + "self_attn.k_norm.weight"
-        if not is_moe_layer(i, moe):
+        if not moe.is_moe_layer(i):
             for ours, theirs in _MLP.items():
                 out[f"{src}ffn.{ours}.weight"] = f"{dst}mlp.{theirs}.weight"
             continue
@@ -77,7 +77,7 @@ def _zero_attention_biases(cfg: Config, fmt: str, key: str) -> dict[str, torch.T
     m = re.match(r"^layers\.(\d+)\.attn\.(w[qkv])\.weight$", key)
     if fmt != "qwen2_moe" or not m:
         return {}
-    head_dim = cfg.model.head_dim or cfg.model.d_model // cfg.model.n_heads
+    head_dim = cfg.model.attention_head_dim
     heads = cfg.model.n_heads if m.group(2) == "wq" else cfg.model.n_kv_heads
     hf = f"model.layers.{m.group(1)}.self_attn.{_ATTN[m.group(2)]}.bias"
     return {hf: torch.zeros(heads * head_dim)}
@@ -149,12 +149,12 @@ def from_hf_state_dict(
             if re.search(r"self_attn\.[qkvo]_proj\.bias$", key) and bool(t.ne(0).any()):
                 raise ConfigError(f"{key}: non-zero attention bias; moetrain attention has none")
         for i in range(cfg.model.n_layers):
-            if is_moe_layer(i, moe):
+            if moe.is_moe_layer(i):
                 bias = f"layers.{i}.ffn.router.expert_bias"
                 out[bias] = out[bias].float() if bias in out else torch.zeros(moe.num_experts)
     layers = range(cfg.model.n_layers) if expert_layers is None else expert_layers
     for i in layers:
-        if not is_moe_layer(i, moe):
+        if not moe.is_moe_layer(i):
             continue
         dst, fused = f"layers.{i}.ffn.experts.", f"model.layers.{i}.mlp.experts."
         if fused + "gate_up_proj" in sd:  # transformers v5 fused layout

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 import moetrain
-from moetrain.config import Config, is_moe_layer
+from moetrain.config import Config
 from moetrain.convert.formats import MODEL_TYPES, config_from_hf
 from moetrain.convert.hf import from_hf_state_dict
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
@@ -105,7 +105,7 @@ def write_checkpoint(
     if ckpt.exists():
         raise FileExistsError(f"{ckpt}: already exists")
     moe_idx = {
-        i: n for n, i in enumerate(i for i in range(cfg.model.n_layers) if is_moe_layer(i, cfg.moe))
+        i: n for n, i in enumerate(cfg.moe.moe_layers(cfg.model.n_layers))
     }
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=ckpt.parent, prefix=f".{ckpt.name}.tmp-"))
@@ -157,7 +157,7 @@ def import_hf_checkpoint(hf_dir: str | Path, ckpt_dir: str | Path, step: int = 0
         dense_hf = weights.load(weights.names(None))
         yield "dense", from_hf_state_dict(dense_hf, cfg, fmt, expert_layers=[])
         for layer in range(cfg.model.n_layers):
-            if is_moe_layer(layer, cfg.moe):
+            if cfg.moe.is_moe_layer(layer):
                 part = weights.load(weights.names(layer)) | dense_hf
                 yield (
                     f"layers.{layer}",

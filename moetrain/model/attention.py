@@ -95,7 +95,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
-        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+        self.head_dim = cfg.attention_head_dim
         d, hd = cfg.d_model, self.head_dim
         self.wq = nn.Linear(d, self.n_heads * hd, bias=False)
         self.wk = nn.Linear(d, self.n_kv_heads * hd, bias=False)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.config import ModelConfig, MoEConfig, is_moe_layer
+from moetrain.config import ModelConfig, MoEConfig
 from moetrain.model.attention import Attention, KVCache, document_mask, rope_tables
 from moetrain.model.layers import RMSNorm, SwiGLU
 from moetrain.model.loss import chunked_cross_entropy
@@ -47,7 +47,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.is_moe = is_moe_layer(layer, moe_cfg)
+        self.is_moe = moe_cfg.is_moe_layer(layer)
         self.ffn: nn.Module = (
             MoELayer(moe_cfg, cfg.d_model, local_experts)
             if self.is_moe
@@ -94,7 +94,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(model_cfg.d_model, model_cfg.vocab_size, bias=False)
         if model_cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        head_dim = model_cfg.head_dim or model_cfg.d_model // model_cfg.n_heads
+        head_dim = model_cfg.attention_head_dim
         cos, sin = rope_tables(head_dim, model_cfg.max_seq_len, model_cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -190,7 +190,7 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         """An empty KV cache for ``batch`` sequences of up to ``max_len`` tokens."""
         c = self.cfg
-        head_dim = c.head_dim or c.d_model // c.n_heads
+        head_dim = c.attention_head_dim
         w = self.embed.weight
         return KVCache(
             c.n_layers, batch, c.n_kv_heads, head_dim, max_len or c.max_seq_len, w.dtype, w.device

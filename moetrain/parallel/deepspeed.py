@@ -17,7 +17,7 @@ No correction is needed; tests/distributed/test_parity.py checks it against one 
 Clipping: ZeRO-1/2 compute the global norm correctly. Stage 0 does not (DeepSpeed issue #8475:
 it averages per-rank norms over ranks that hold different experts), so at stage 0 DeepSpeed's
 clipping is switched off and the trainer calls :func:`clip_grad_norm_global` before each step.
-ZeRO-3 is refused (topology.validate_layout).
+ZeRO-3 is refused (parallel/layout.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moetrain.config import Config, bucket_elements
+from moetrain.config import Config
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.parallel.expert_parallel import moe_layers
 from moetrain.parallel.topology import Topology
@@ -42,7 +42,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
     """The DeepSpeed JSON config for ``cfg`` on ``world_size`` ranks."""
     t, p, o = cfg.train, cfg.parallel, cfg.optim
     cuda = torch.cuda.is_available()
-    bucket = bucket_elements(cfg, cuda)
+    bucket = cfg.parallel.bucket_size(cuda)
     zero: dict[str, Any] = {
         "stage": p.zero_stage,
         "contiguous_gradients": True,

@@ -25,37 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moetrain.config import Config, ConfigError, check_world_layout
-
-
-def validate_layout(cfg: Config, world_size: int) -> int:
-    """Check the config against ``world_size`` before any heavy work; return the DP size.
-
-    Raises ``ConfigError`` naming the key: EP must divide the world size and the number of
-    experts, micro-batch x accumulation x DP must equal ``train.global_batch_size`` when set,
-    ZeRO-3 is refused (it would partition expert weights across expert-parallel peers).
-    """
-    if world_size < 1:
-        raise ConfigError(f"world size must be >= 1; got {world_size}")
-    p = cfg.parallel
-    if p.zero_stage not in (0, 1, 2):
-        raise ConfigError(
-            f"parallel.zero_stage: {p.zero_stage} is not supported with expert parallelism; use "
-            "0, 1 or 2 (ZeRO-3 would partition each expert's weights across ranks that hold "
-            "different experts)"
-        )
-    if p.ep_size < 1 or cfg.moe.num_experts % p.ep_size != 0:
-        raise ConfigError(
-            f"parallel.ep_size: must divide moe.num_experts={cfg.moe.num_experts}; got {p.ep_size}"
-        )
-    if p.zero_stage == 0 and cfg.optim.grad_clip > 0 and cfg.train.precision != "fp32":
-        raise ConfigError(
-            "parallel.zero_stage: stage 0 with gradient clipping supports train.precision=fp32 "
-            "only (moetrain computes the global norm itself there, DeepSpeed's stage-0 norm is "
-            "wrong for expert-parallel models); use parallel.zero_stage=1 or 2, or "
-            "optim.grad_clip=0"
-        )
-    return check_world_layout(cfg, world_size)
+from moetrain.config import Config
+from moetrain.parallel.layout import check_layout
 
 
 @dataclass
@@ -125,7 +96,7 @@ def init_distributed(cfg: Config) -> Topology:
     (a one-rank group on a free local port). Backend: NCCL on CUDA, gloo otherwise.
     """
     world = dist.get_world_size() if dist.is_initialized() else world_size_from_env()
-    validate_layout(cfg, world)
+    check_layout(cfg, world)
 
     created = False
     use_cuda = torch.cuda.is_available()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from moetrain.config import Config, config_from_dict, is_moe_layer
+from moetrain.config import Config, config_from_dict
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.train.checkpoint_files import (
     CheckpointError,
@@ -52,7 +52,7 @@ def dense_state(ckpt: Path) -> dict[str, torch.Tensor]:
 def expert_files(ckpt: Path, cfg: Config) -> dict[int, list[Path]]:
     """Expert files per transformer layer index, in global expert order; refuses gaps."""
     ckpt = Path(ckpt)
-    moe_ids = [i for i in range(cfg.model.n_layers) if is_moe_layer(i, cfg.moe)]
+    moe_ids = cfg.moe.moe_layers(cfg.model.n_layers)
     out: dict[int, list[Path]] = {}
     for moe_idx, layer in enumerate(moe_ids):
         files = []

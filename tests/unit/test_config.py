@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from moetrain.config import Config, ConfigError, check_world_layout, config_from_dict, load_config
+from moetrain.config import Config, ConfigError, config_from_dict, load_config
+from moetrain.parallel.layout import check_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -93,9 +94,9 @@ def test_missing_and_malformed_files(tmp_path):
 
 def test_world_layout_checks():
     cfg = load_config(None, ["parallel.ep_size=4", "train.micro_batch_size=2"])
-    assert check_world_layout(cfg, 8) == 8
+    assert check_layout(cfg, 8) == 8
     with pytest.raises(ConfigError, match=r"parallel\.ep_size: must divide the world size 6"):
-        check_world_layout(cfg, 6)
+        check_layout(cfg, 6)
     cfg = load_config(None, ["train.micro_batch_size=2", "train.global_batch_size=10"])
     with pytest.raises(ConfigError, match=r"train\.global_batch_size: 10 != .* = 8"):
-        check_world_layout(cfg, 4)
+        check_layout(cfg, 4)

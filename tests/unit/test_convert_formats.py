@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig, is_moe_layer
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.formats import ARCHITECTURES, choose_format, config_from_hf, hf_config
 from moetrain.convert.hf import from_hf_state_dict, to_hf_state_dict
 from moetrain.model import Transformer
@@ -114,8 +114,8 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     ):
         assert getattr(back_cfg.moe, key) == getattr(cfg.moe, key), key
     layers = range(cfg.model.n_layers)
-    assert [is_moe_layer(i, back_cfg.moe) for i in layers] == [
-        is_moe_layer(i, cfg.moe) for i in layers
+    assert [back_cfg.moe.is_moe_layer(i) for i in layers] == [
+        cfg.moe.is_moe_layer(i) for i in layers
     ]
     sd = model.state_dict()
     for layout in (to_hf_state_dict(sd, cfg, fmt), hf.state_dict()):

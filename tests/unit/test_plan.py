@@ -52,7 +52,15 @@ def _dense_and_expert_params(cfg: Config) -> tuple[int, int]:
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_zero_and_ep_partitioning_by_hand(zero: int) -> None:
-    cfg = _cfg(SMALL, parallel__ep_size=4, parallel__zero_stage=zero, train__precision="bf16")
+    # stage 0 refuses gradient clipping in bf16 (parallel/layout.py); memory does not depend on it
+    clip = 0.0 if zero == 0 else 1.0
+    cfg = _cfg(
+        SMALL,
+        parallel__ep_size=4,
+        parallel__zero_stage=zero,
+        train__precision="bf16",
+        optim__grad_clip=clip,
+    )
     dense, expert = _dense_and_expert_params(cfg)
     pl = plan(cfg, gpus=8, gpu="h100")
     # 8 ranks, EP 4: each rank holds 2 of 8 experts; expert-data-parallel group of 2.

@@ -7,15 +7,11 @@ import json
 import pytest
 import torch
 
-from moetrain.config import (
-    CPU_BUCKET_ELEMENTS,
-    GPU_BUCKET_ELEMENTS,
-    ConfigError,
-    bucket_elements,
-    load_config,
-)
+from moetrain.config import ConfigError, load_config
+from moetrain.config.sections import CPU_BUCKET_ELEMENTS, GPU_BUCKET_ELEMENTS
 from moetrain.parallel.deepspeed import deepspeed_config, dump_deepspeed_config
-from moetrain.parallel.topology import Topology, validate_layout
+from moetrain.parallel.layout import check_layout
+from moetrain.parallel.topology import Topology
 
 
 def _cfg(**kw: object):
@@ -25,29 +21,29 @@ def _cfg(**kw: object):
 
 
 def test_valid_layouts() -> None:
-    assert validate_layout(_cfg(**{"parallel.ep_size": 2}), 4) == 4
-    assert validate_layout(_cfg(**{"parallel.ep_size": 1}), 1) == 1
-    assert validate_layout(_cfg(**{"train.global_batch_size": 16}), 4) == 4
+    assert check_layout(_cfg(**{"parallel.ep_size": 2}), 4) == 4
+    assert check_layout(_cfg(**{"parallel.ep_size": 1}), 1) == 1
+    assert check_layout(_cfg(**{"train.global_batch_size": 16}), 4) == 4
 
 
 def test_ep_must_divide_world() -> None:
     with pytest.raises(ConfigError, match=r"parallel\.ep_size: must divide the world size 3"):
-        validate_layout(_cfg(**{"parallel.ep_size": 2}), 3)
+        check_layout(_cfg(**{"parallel.ep_size": 2}), 3)
 
 
 def test_ep_must_divide_experts() -> None:
     with pytest.raises(ConfigError, match=r"parallel\.ep_size: must divide moe\.num_experts=8"):
         load_config(None, ["moe.num_experts=8", "parallel.ep_size=3"])
     cfg = _cfg()
-    cfg.parallel.ep_size = 3  # bypassing load_config's check: validate_layout checks again
+    cfg.parallel.ep_size = 3  # bypassing load_config's check: check_layout checks again
     with pytest.raises(ConfigError, match="moe.num_experts=8"):
-        validate_layout(cfg, 6)
+        check_layout(cfg, 6)
 
 
 def test_global_batch_mismatch() -> None:
     cfg = _cfg(**{"train.global_batch_size": 10})
     with pytest.raises(ConfigError, match=r"train\.global_batch_size: 10 != .* = 16"):
-        validate_layout(cfg, 4)
+        check_layout(cfg, 4)
 
 
 def test_zero3_refused() -> None:
@@ -56,14 +52,17 @@ def test_zero3_refused() -> None:
     cfg = _cfg()
     cfg.parallel.zero_stage = 3
     with pytest.raises(ConfigError, match="ZeRO-3 would partition"):
-        validate_layout(cfg, 2)
+        check_layout(cfg, 2)
 
 
 def test_stage0_clipping_needs_fp32() -> None:
-    cfg = _cfg(**{"parallel.zero_stage": 0, "train.precision": "bf16", "optim.grad_clip": 1.0})
+    cfg = _cfg(**{"parallel.zero_stage": 0, "train.precision": "fp32", "optim.grad_clip": 1.0})
+    cfg.train.precision = "bf16"  # bypassing load_config's check: check_layout checks again
     with pytest.raises(ConfigError, match="stage 0 with gradient clipping"):
-        validate_layout(cfg, 2)
-    validate_layout(
+        check_layout(cfg, 2)
+    with pytest.raises(ConfigError, match="stage 0 with gradient clipping"):
+        _cfg(**{"parallel.zero_stage": 0, "train.precision": "bf16", "optim.grad_clip": 1.0})
+    check_layout(
         _cfg(**{"parallel.zero_stage": 0, "train.precision": "bf16", "optim.grad_clip": 0}), 2
     )
 
@@ -104,10 +103,10 @@ def test_deepspeed_config_bucket_size() -> None:
     zero = deepspeed_config(_cfg(), 2)["zero_optimization"]
     default = GPU_BUCKET_ELEMENTS if torch.cuda.is_available() else CPU_BUCKET_ELEMENTS
     assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == default
-    assert bucket_elements(_cfg(), cuda=False) == CPU_BUCKET_ELEMENTS
-    assert bucket_elements(_cfg(), cuda=True) == GPU_BUCKET_ELEMENTS
+    assert _cfg().parallel.bucket_size(False) == CPU_BUCKET_ELEMENTS
+    assert _cfg().parallel.bucket_size(True) == GPU_BUCKET_ELEMENTS
     cfg = _cfg(**{"parallel.bucket_elements": 123_456})
-    assert bucket_elements(cfg, cuda=True) == bucket_elements(cfg, cuda=False) == 123_456
+    assert cfg.parallel.bucket_size(True) == cfg.parallel.bucket_size(False) == 123_456
     assert deepspeed_config(cfg, 2)["zero_optimization"]["reduce_bucket_size"] == 123_456
 
 

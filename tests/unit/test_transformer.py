@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.config import Config, ModelConfig, MoEConfig, is_moe_layer
+from moetrain.config import Config, ModelConfig, MoEConfig
 from moetrain.model import Transformer
 from moetrain.model.attention import Attention, rope_tables
 from moetrain.model.layers import SwiGLU
@@ -120,7 +120,7 @@ def test_document_mask_equals_separate_documents() -> None:
 def test_moe_placement_and_parameter_count() -> None:
     model = build(n_layers=6, first_k_dense=1, moe_every=2, num_shared_experts=1)
     kinds = [isinstance(b.ffn, MoELayer) for b in model.layers]
-    assert kinds == [is_moe_layer(i, model.moe_cfg) for i in range(6)]
+    assert kinds == [model.moe_cfg.is_moe_layer(i) for i in range(6)]
     assert kinds == [False, False, True, False, True, False]
     assert all(
         isinstance(b.ffn, SwiGLU) for b, moe in zip(model.layers, kinds, strict=True) if not moe

@@ -90,8 +90,7 @@ class MoELayer(nn.Module):
         self.shared_expert: SwiGLU | None = None
         self.shared_gate: nn.Linear | None = None
         if cfg.num_shared_experts > 0:
-            hidden = cfg.shared_expert_hidden or cfg.num_shared_experts * cfg.expert_hidden
-            self.shared_expert = SwiGLU(d_model, hidden)
+            self.shared_expert = SwiGLU(d_model, cfg.shared_hidden)
             if cfg.shared_expert_gate:
                 self.shared_gate = nn.Linear(d_model, 1, bias=False)
 

@@ -1,0 +1,38 @@
+"""Configuration: a tree of dataclasses, loaded from YAML, with dotted command-line overrides.
+
+Every error names the dotted key (``moe.top_k``) and says what is allowed. Each component
+receives only its own sub-config (``cfg.model``, ``cfg.moe``, ...). The sections and their
+checks are in :mod:`moetrain.config.sections`, loading in :mod:`moetrain.config.loading`.
+"""
+
+from moetrain.config.loading import apply_overrides, config_from_dict, load_config
+from moetrain.config.sections import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    WandbConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "WandbConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "load_config",
+]

@@ -1,0 +1,68 @@
+"""The layout rules of a run, owned here and nowhere else: world = data-parallel x
+expert-parallel, the ZeRO stage, and the batch they imply.
+
+Pure Python (no torch), so config validation, `moetrain plan` and the topology all run the same
+checks before anything heavy starts. Every error is a ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from moetrain.config.sections import ConfigError
+
+if TYPE_CHECKING:
+    from moetrain.config import Config
+
+ZERO_STAGES = (0, 1, 2)
+
+
+def check_experts_divisible(num_experts: int, ep_size: int) -> None:
+    """Expert parallelism splits every MoE layer's experts evenly over the EP ranks."""
+    if ep_size < 1 or num_experts % ep_size:
+        raise ConfigError(
+            f"parallel.ep_size: must divide moe.num_experts={num_experts}; got {ep_size}"
+        )
+
+
+def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
+    """Check ``cfg``'s layout, and with ``world_size`` also against that world; return the
+    data-parallel size (None without a world).
+
+    Every rank reads its own data (expert-parallel peers are data-parallel for dense weights), so
+    the data-parallel world is the whole world. ZeRO-3 is refused: it would partition each
+    expert's weights across ranks that hold different experts.
+    """
+    p, t = cfg.parallel, cfg.train
+    if p.zero_stage not in ZERO_STAGES:
+        raise ConfigError(
+            f"parallel.zero_stage: must be 0, 1 or 2; got {p.zero_stage} (ZeRO-3 would "
+            "partition each expert's weights across ranks that hold different experts)"
+        )
+    check_experts_divisible(cfg.moe.num_experts, p.ep_size)
+    if p.zero_stage == 0 and cfg.optim.grad_clip > 0 and t.precision != "fp32":
+        raise ConfigError(
+            "parallel.zero_stage: stage 0 with gradient clipping supports train.precision=fp32 "
+            "only (moetrain computes the global norm itself there, DeepSpeed's stage-0 norm is "
+            "wrong for expert-parallel models); use parallel.zero_stage=1 or 2, or "
+            "optim.grad_clip=0"
+        )
+    if world_size is None:
+        return None
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1; got {world_size}")
+    if world_size % p.ep_size:
+        raise ConfigError(
+            f"parallel.ep_size: must divide the world size {world_size}; got {p.ep_size} "
+            f"(choose an ep_size that divides both {world_size} and moe.num_experts="
+            f"{cfg.moe.num_experts})"
+        )
+    dp = world_size
+    expected = t.micro_batch_size * t.grad_accum_steps * dp
+    if t.global_batch_size is not None and t.global_batch_size != expected:
+        raise ConfigError(
+            f"train.global_batch_size: {t.global_batch_size} != train.micro_batch_size "
+            f"({t.micro_batch_size}) x train.grad_accum_steps ({t.grad_accum_steps}) x "
+            f"data-parallel size ({dp}) = {expected}"
+        )
+    return dp
