@@ -25,7 +25,6 @@ class ModelNumbers:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-
 def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     """Count parameters exactly as moetrain's Transformer builds them."""
     m, e = cfg.model, cfg.moe

@@ -192,7 +192,9 @@ class DataConfig:
         require(self.max_docs is None or self.max_docs > 0, "data.max_docs", "must be > 0 or null")
         if self.source_format is not None:
             allowed = ("text", "json", "parquet", "csv")
-            require(self.source_format in allowed, "data.source_format", f"must be one of {allowed}")
+            require(
+                self.source_format in allowed, "data.source_format", f"must be one of {allowed}"
+            )
 
 
 GPU_BUCKET_ELEMENTS = 50_000_000

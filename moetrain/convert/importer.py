@@ -104,9 +104,7 @@ def write_checkpoint(
     ckpt = Path(ckpt_dir)
     if ckpt.exists():
         raise FileExistsError(f"{ckpt}: already exists")
-    moe_idx = {
-        i: n for n, i in enumerate(cfg.moe.moe_layers(cfg.model.n_layers))
-    }
+    moe_idx = {i: n for n, i in enumerate(cfg.moe.moe_layers(cfg.model.n_layers))}
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=ckpt.parent, prefix=f".{ckpt.name}.tmp-"))
     try:
