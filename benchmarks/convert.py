@@ -86,7 +86,7 @@ def main() -> None:
         return
     work = Path(args.work)
     ckpt = make_checkpoint(work)
-    from moetrain.train.checkpoint_reader import checkpoint_config, iter_layer_states
+    from moetrain.checkpoint.read import checkpoint_config, iter_layer_states
 
     cfg = checkpoint_config(ckpt)
     sizes = {

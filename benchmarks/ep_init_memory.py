@@ -55,14 +55,14 @@ def _build(args: argparse.Namespace, ep: int, local: bool) -> dict:
     )
     before = _rss_mib()
     torch.manual_seed(0)
-    experts = topo.local_expert_range(args.experts) if local and ep > 1 else None
+    experts = topo.local_experts(args.experts) if local and ep > 1 else None
     model = apply_expert_parallel(Transformer(cfg.model, cfg.moe, local_experts=experts), topo)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
     kept = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     equal = None
     if not local and ep > 1:
         torch.manual_seed(0)
-        ref = Transformer(cfg.model, cfg.moe, local_experts=topo.local_expert_range(args.experts))
+        ref = Transformer(cfg.model, cfg.moe, local_experts=topo.local_experts(args.experts))
         equal = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                       ref.state_dict().values(), strict=True))  # fmt: skip
     return {"peak_growth_mib": peak, "params_mib": kept, "equal": equal}

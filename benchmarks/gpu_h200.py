@@ -247,14 +247,20 @@ def train(device: torch.device, dry: bool, engine_choice: str, steps: int) -> di
     with torch.device(device):
         model = Transformer(cfg.model, cfg.moe)
     if use_ds:
-        from moetrain.parallel.deepspeed import initialize_engine
-        from moetrain.parallel.expert_parallel import apply_expert_parallel
+        from moetrain.parallel.apply import apply_parallelism
+        from moetrain.parallel.deepspeed import deepspeed_config, initialize_engine
         from moetrain.parallel.topology import init_distributed
+        from moetrain.train.optim import LRSchedule, build_optimizer
 
         topo = init_distributed(cfg)
-        apply_expert_parallel(model, topo)
+        apply_parallelism(model, cfg.parallel, topo)
         tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len
-        engine, *_ = initialize_engine(model, cfg, topo, steps + 2, tokens_per_step)
+        engine, *_ = initialize_engine(
+            model,
+            build_optimizer(model, cfg.optim, topo.device),
+            lambda opt: LRSchedule(opt, cfg.optim, steps + 2, tokens_per_step),
+            deepspeed_config(cfg, topo.world_size),
+        )
 
         def fwd_bwd_step(ids: torch.Tensor, labels: torch.Tensor) -> float:
             out = engine(ids, None, labels)

@@ -47,7 +47,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from moetrain.train.trainer import run_training
+    from moetrain.train.loop import run_training
 
     cfg = load_config(args.config, args.overrides)
     run_training(cfg, reset_optimizer=args.reset_optimizer)
@@ -55,8 +55,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from moetrain.checkpoint.catalog import resolve_checkpoint
     from moetrain.convert.export import convert_checkpoint
-    from moetrain.train.checkpoint_files import resolve_checkpoint
 
     out = convert_checkpoint(
         resolve_checkpoint(args.checkpoint),
@@ -78,8 +78,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from moetrain.checkpoint.catalog import resolve_checkpoint
     from moetrain.generate import generate_text
-    from moetrain.train.checkpoint_files import resolve_checkpoint
 
     completion = generate_text(
         resolve_checkpoint(args.path),
@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if not a.startswith("--local_rank")]
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
+    from moetrain.checkpoint.format import CheckpointError
     from moetrain.data.errors import DataError
-    from moetrain.train.checkpoint_files import CheckpointError
 
     try:
         return func(args)

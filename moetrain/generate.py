@@ -9,7 +9,6 @@ whose probability reaches ``top_p`` (1 = all), and sampled with a generator seed
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -20,36 +19,27 @@ from moetrain.model.transformer import Transformer
 
 def load_for_generation(path: str | Path) -> tuple[Transformer, Tokenizer]:
     """``(model in eval mode, tokenizer)`` from a checkpoint dir or a Hugging Face model dir."""
+    from moetrain.checkpoint.format import STATE_FILE, TOKENIZER_FILE
+
     path = Path(path)
-    if (path / "trainer_state.json").is_file():
-        from moetrain.train.checkpoint_reader import load_model
+    if (path / STATE_FILE).is_file():
+        from moetrain.checkpoint.read import load_model
 
         model, _ = load_model(path)
     elif (path / "config.json").is_file():
-        model = _load_hf(path)
+        from moetrain.convert.importer import load_hf_state_dict
+
+        state, cfg = load_hf_state_dict(path)
+        model = Transformer(cfg.model, cfg.moe)
+        model.load_state_dict({k: v.float() for k, v in state.items()})
     else:
         raise FileNotFoundError(
-            f"{path}: neither a moetrain checkpoint (trainer_state.json) nor a Hugging Face "
+            f"{path}: neither a moetrain checkpoint ({STATE_FILE}) nor a Hugging Face "
             "model directory (config.json)"
         )
-    if not (path / "tokenizer.model").is_file():
-        raise FileNotFoundError(f"{path / 'tokenizer.model'}: missing SentencePiece model")
-    return model.eval(), Tokenizer(path / "tokenizer.model")
-
-
-def _load_hf(path: Path) -> Transformer:
-    from moetrain.convert.formats import MODEL_TYPES, config_from_hf
-    from moetrain.convert.hf import from_hf_state_dict
-    from moetrain.convert.importer import _Weights
-
-    hf_cfg = json.loads((path / "config.json").read_text())
-    cfg = config_from_hf(hf_cfg)
-    fmt = MODEL_TYPES.get((hf_cfg.get("architectures") or [None])[0]) or hf_cfg["model_type"]
-    weights = _Weights(path)
-    sd = from_hf_state_dict(weights.load(list(weights.weight_map)), cfg, fmt)
-    model = Transformer(cfg.model, cfg.moe)
-    model.load_state_dict({k: v.float() for k, v in sd.items()})
-    return model
+    if not (path / TOKENIZER_FILE).is_file():
+        raise FileNotFoundError(f"{path / TOKENIZER_FILE}: missing SentencePiece model")
+    return model.eval(), Tokenizer(path / TOKENIZER_FILE)
 
 
 def sample_next(

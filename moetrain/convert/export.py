@@ -15,24 +15,24 @@ place; on any error the temporary directory is removed and ``out_dir`` is untouc
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from moetrain.checkpoint.format import TOKENIZER_FILE, CheckpointError, verify_manifest
+from moetrain.checkpoint.io import building_dir
+from moetrain.checkpoint.read import (
+    HF_INDEX_FILE,
+    HF_SINGLE_FILE,
+    checkpoint_config,
+    expert_files,
+    iter_layer_states,
+)
 from moetrain.config import Config
 from moetrain.convert.formats import ARCHITECTURES, choose_format, hf_config
 from moetrain.convert.hf import dense_key_map, expert_key, to_hf_state_dict
 from moetrain.convert.tokenizer_export import export_tokenizer
 from moetrain.model.transformer import Transformer
-from moetrain.train.checkpoint_files import CheckpointError, fsync_dir
-from moetrain.train.checkpoint_reader import (
-    checkpoint_config,
-    expert_files,
-    iter_layer_states,
-)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -97,7 +97,7 @@ class _ShardWriter:
         self.total_bytes = sum(_nbytes(s, dt) for _, s, dt in flat)
         n = len(self.shards)
         self.names = (
-            ["model.safetensors"]
+            [HF_SINGLE_FILE]
             if n == 1
             else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         )
@@ -145,9 +145,7 @@ class _ShardWriter:
 
     def _close(self) -> None:
         if self.file is not None:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
+            self.file.close()  # fsynced with the directory when it is installed
             self.file = None
 
     def finish(self) -> None:
@@ -159,7 +157,7 @@ class _ShardWriter:
             return
         weight_map = {n: self.names[i] for n, i in sorted(self.shard_of.items())}
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (self.out / HF_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _nbytes(shape: tuple, dt: torch.dtype) -> int:
@@ -198,8 +196,6 @@ def convert_checkpoint(
     missing, truncated or incomplete checkpoint, FileExistsError when ``out_dir`` is a
     non-empty directory and ``overwrite`` is false.
     """
-    from moetrain.train.checkpoint_files import verify_manifest
-
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
     if max_shard_bytes <= 0:
@@ -209,14 +205,12 @@ def convert_checkpoint(
     verify_manifest(ckpt)  # truncated or missing files, before anything is written
     expert_files(ckpt, cfg)  # every expert of every MoE layer present
     fmt = choose_format(cfg, fmt)
-    tokenizer = ckpt / "tokenizer.model"
+    tokenizer = ckpt / TOKENIZER_FILE
     if not tokenizer.is_file():
         raise CheckpointError(f"{tokenizer}: missing (the checkpoint carries its tokenizer)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out}: already exists and is not empty (pass overwrite=True)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with building_dir(out, replace=True) as tmp:  # an existing out was checked above
         writer = _ShardWriter(tmp, _plan(cfg, fmt, DTYPES[dtype]), max_shard_bytes)
         for where, part in iter_layer_states(ckpt, cfg):
             writer.write_part(to_hf_state_dict(part, cfg, fmt), f"{ckpt} ({where})")
@@ -224,18 +218,4 @@ def convert_checkpoint(
         writer.finish()
         _write_configs(cfg, fmt, tmp, dtype, tokenizer)
         export_tokenizer(tokenizer, tmp)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-        tmp.rename(out)
-        fsync_dir(out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -18,6 +18,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from moetrain.checkpoint.io import atomic_file
+
 BUILTIN_STDLIB = "builtin:stdlib"
 _VERSION = 1  # bump when the document layout changes
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
@@ -92,14 +94,10 @@ def ensure_builtin_corpus(cache_dir: Path) -> Path:
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(path) as f:
         for doc in stdlib_documents():
             f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
             n += 1
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     print(f"builtin:stdlib: wrote {n} documents ({path.stat().st_size / 1e6:.1f} MB) to {path}")
     return path

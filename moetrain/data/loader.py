@@ -29,11 +29,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moetrain.checkpoint.io import file_sha256
 from moetrain.config import DataConfig
 from moetrain.data.errors import DataError
 from moetrain.data.permutation import Permutation
 from moetrain.data.shards import INDEX_FILE, read_index, verify_split
-from moetrain.data.tokenizer import MODEL_FILE, file_sha256
+from moetrain.data.tokenizer import MODEL_FILE
 
 _SPLIT_KEY = {"train": 0, "val": 1}
 STATE_VERSION = 1

@@ -18,9 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
-import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,12 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from moetrain.checkpoint.io import (
+    file_sha256,
+    install_dir,
+    new_temp_dir,
+    remove_stale_temp_dirs,
+)
 from moetrain.config import Config, DataConfig
 from moetrain.data.errors import DataError
 from moetrain.data.shards import (
@@ -35,7 +39,6 @@ from moetrain.data.shards import (
     INDEX_FILE,
     VERSION,
     ShardWriter,
-    fsync_path,
     read_index,
     token_dtype,
     verify_split,
@@ -47,7 +50,6 @@ from moetrain.data.tokenizer import (
     MODEL_FILE,
     Tokenizer,
     check_vocab_size,
-    file_sha256,
     train_tokenizer,
 )
 
@@ -103,34 +105,6 @@ def _prepare_key(cfg: Config, corpus_fp: str) -> str:
         "split_rule": SPLIT_RULE,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def clean_stale_temp_dirs(out: Path) -> list[Path]:
-    """Remove ``.<name>.tmp-*`` / ``.<name>.old-*`` dirs of dead prepares on this host."""
-    removed = []
-    host = socket.gethostname()
-    for p in out.parent.glob(f".{out.name}.*-*"):
-        parts = p.name[len(out.name) + 2 :].split("-")
-        if parts[0] not in ("tmp", "old") or len(parts) < 4:
-            continue
-        p_host, p_pid = "-".join(parts[1:-2]), parts[-2]
-        if p_host == host and p_pid.isdigit() and _pid_alive(int(p_pid)):
-            continue
-        if p_host != host and time.time() - p.stat().st_mtime < 86400:
-            continue  # maybe a live prepare on another node sharing this filesystem
-        shutil.rmtree(p, ignore_errors=True)
-        removed.append(p)
-    return removed
 
 
 def _tokenizer_sample(corpus: Corpus, n: int) -> list[str]:
@@ -262,25 +236,6 @@ def _write_shards(cfg: Config, corpus: Corpus, tok: Tokenizer, work: Path) -> di
     return splits
 
 
-def _install(work: Path, out: Path) -> None:
-    """Atomically replace ``out`` by ``work`` (old set moved aside, then removed)."""
-    for p in work.iterdir():
-        if p.is_file():
-            fsync_path(p)
-    fsync_path(work)
-    old = None
-    if out.exists():
-        old = (
-            out.parent
-            / f".{out.name}.old-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
-        )
-        os.rename(out, old)
-    os.rename(work, out)
-    fsync_path(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def prepare(cfg: Config) -> Path:
     """Train or reuse the tokenizer and write the token shards to ``cfg.data.output_dir``.
 
@@ -292,13 +247,10 @@ def prepare(cfg: Config) -> Path:
         raise DataError(f"data.tokenizer_model: {d.tokenizer_model} does not exist")
     out = Path(d.output_dir).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    for p in clean_stale_temp_dirs(out):
+    for p in remove_stale_temp_dirs(out):
         print(f"prepare: removed stale temporary directory {p}")
     t0 = time.time()
-    work = (
-        out.parent / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
-    )
-    work.mkdir()
+    work = new_temp_dir(out)
     try:
         corpus = load_corpus(d, cache_dir=out.parent, work_dir=work)
         key = _prepare_key(cfg, corpus.fingerprint)
@@ -340,7 +292,7 @@ def prepare(cfg: Config) -> Path:
             "splits": splits,
         }
         write_index(work, index)
-        _install(work, out)
+        install_dir(work, out, replace=True)
     finally:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)

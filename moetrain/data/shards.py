@@ -22,12 +22,12 @@ Every document ends with the EOS id. ``index.json``::
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from moetrain.checkpoint.io import write_json_atomic
 from moetrain.data.errors import DataError
 
 INDEX_FILE = "index.json"
@@ -41,19 +41,12 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class ShardWriter:
     """Appends documents of one split to shard files of about ``shard_tokens`` tokens each.
 
-    Documents never straddle two shards; a shard is closed (and fsynced) once it reaches
-    ``shard_tokens``.
+    Documents never straddle two shards; a shard is closed once it reaches ``shard_tokens``.
+    The files are written into a directory that is fsynced as a whole when it is installed
+    (:func:`moetrain.checkpoint.io.install_dir`).
     """
 
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
@@ -77,16 +70,12 @@ class ShardWriter:
     def _close(self) -> None:
         if self._f is None:
             return
-        self._f.flush()
-        os.fsync(self._f.fileno())
         self._f.close()
         self._f = None
         starts = np.concatenate(self._offsets + [np.array([self._tokens], dtype=np.int64)])
         offsets_file = f"{self._name}.offsets.npy"
         with open(self.out_dir / offsets_file, "wb") as f:
             np.save(f, starts)
-            f.flush()
-            os.fsync(f.fileno())
         self.shards.append(
             {
                 "file": f"{self._name}.bin",
@@ -128,11 +117,7 @@ class ShardWriter:
 
 
 def write_index(out_dir: Path, index: dict) -> None:
-    path = out_dir / INDEX_FILE
-    with open(path, "w") as f:
-        f.write(json.dumps(index, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    write_json_atomic(out_dir / INDEX_FILE, index, sort_keys=False)
 
 
 def read_index(out_dir: str | Path) -> dict:

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import datasets
 
+from moetrain.checkpoint.io import file_sha256
 from moetrain.config import DataConfig
 from moetrain.data.builtin import BUILTIN_STDLIB, ensure_builtin_corpus
 from moetrain.data.errors import DataError
-from moetrain.data.tokenizer import file_sha256
 
 _EXT_FORMAT = {
     ".txt": "text",

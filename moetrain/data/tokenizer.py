@@ -13,7 +13,6 @@ fallback as ``<0x0A>``, as in Llama/Mistral tokenizers.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from moetrain.checkpoint.io import file_sha256
 from moetrain.data.errors import DataError
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -40,14 +40,6 @@ class SpecialIds:
     unk: int
     bos: int
     eos: int
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class Tokenizer:

@@ -49,7 +49,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.is_moe = moe_cfg.is_moe_layer(layer)
         self.ffn: nn.Module = (
-            MoELayer(moe_cfg, cfg.d_model, local_experts)
+            MoELayer(moe_cfg, cfg.d_model, local_experts, layer=layer)
             if self.is_moe
             else SwiGLU(cfg.d_model, cfg.dense_hidden)
         )

@@ -1,4 +1,9 @@
-"""The console channel of the monitor modules (stderr, flushed, prefixed)."""
+"""The run's one console channel: stdout, flushed, every line prefixed ``moetrain: ``.
+
+Training progress, checkpoint and evaluation messages and warnings (``warning: ...``) all go
+through :func:`console`; components take a ``printer`` argument defaulting to it, so tests can
+collect the messages.
+"""
 
 from __future__ import annotations
 
@@ -9,5 +14,5 @@ Printer = Callable[[str], None]
 
 
 def console(message: str) -> None:
-    """Print one monitoring message to stderr as ``moetrain: <message>``."""
-    print(f"moetrain: {message}", file=sys.stderr, flush=True)
+    """Print one message as ``moetrain: <message>`` to stdout."""
+    print(f"moetrain: {message}", file=sys.stdout, flush=True)

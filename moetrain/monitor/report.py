@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from moetrain.monitor.jsonl import METRICS_FILE
 from moetrain.monitor.plots import new_figure, relative_load
 
 _LOAD_KEY = re.compile(r"^moe/layer(\d+)/tokens_per_expert$")
@@ -138,7 +139,7 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list[
     Raises FileNotFoundError when ``RUN_DIR/metrics.jsonl`` does not exist.
     """
     run_dir = Path(run_dir)
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = run_dir / METRICS_FILE
     if not metrics_path.is_file():
         raise FileNotFoundError(f"{metrics_path}: no metrics file (is {run_dir} a run directory?)")
     out = Path(out_dir) if out_dir is not None else run_dir / "report"

@@ -22,7 +22,7 @@ ZeRO-3 is refused (parallel/layout.py).
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moetrain.checkpoint.format import deepspeed_expert_key
+from moetrain.checkpoint.io import write_json_atomic
 from moetrain.config import Config
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.parallel.expert_parallel import moe_layers
 from moetrain.parallel.topology import Topology
-
-DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
@@ -81,9 +81,7 @@ def dump_deepspeed_config(ds_config: dict[str, Any], run_dir: str | Path) -> Pat
     """Write the DeepSpeed config to ``run_dir/deepspeed_config.json`` for inspection."""
     path = Path(run_dir) / "deepspeed_config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(ds_config, indent=2) + "\n")
-    tmp.replace(path)
+    write_json_atomic(path, ds_config, sort_keys=False)
     return path
 
 
@@ -122,7 +120,7 @@ def _per_expert_state_dict_hook(
         if key in state_dict:
             stacked = state_dict.pop(key)
             for i in range(stacked.shape[0]):
-                state_dict[f"{prefix}{DS_EXPERT_PREFIX}{i}.{wname}"] = stacked[i]
+                state_dict[deepspeed_expert_key(prefix, i, wname)] = stacked[i]
 
 
 def _stack_experts_load_pre_hook(
@@ -130,7 +128,7 @@ def _stack_experts_load_pre_hook(
 ) -> None:
     n = module.num_local_experts
     for wname in EXPERT_WEIGHTS:
-        keys = [f"{prefix}{DS_EXPERT_PREFIX}{i}.{wname}" for i in range(n)]
+        keys = [deepspeed_expert_key(prefix, i, wname) for i in range(n)]
         if all(k in state_dict for k in keys):
             state_dict[prefix + wname] = torch.stack([state_dict.pop(k) for k in keys])
 
@@ -140,11 +138,14 @@ def mark_experts_for_deepspeed(model: nn.Module, topology: Topology) -> int:
     count = 0
     for _, layer in moe_layers(model):
         experts = layer.experts
-        n_local = experts.w2.shape[0]
+        if experts.num_local_experts * topology.ep_size != experts.num_experts:
+            raise ValueError(
+                f"experts hold {experts.num_local_experts} of {experts.num_experts}: apply "
+                f"expert parallelism (ep_size={topology.ep_size}) before marking them"
+            )
+        # DeepSpeed's MoE reads num_experts (global), num_local_experts, ep_size and the group
         experts.__class__ = _marker_class(type(experts))
-        experts.num_experts = n_local * topology.ep_size
         experts.ep_size = topology.ep_size
-        experts.num_local_experts = n_local
         experts.expert_group_name = topology.ep_group_name
         experts.enable_expert_tensor_parallelism = False
         for wname in EXPERT_WEIGHTS:
@@ -207,39 +208,33 @@ def clip_grad_norm_global(model: nn.Module, max_norm: float, topology: Topology)
 
 def initialize_engine(
     model: nn.Module,
-    cfg: Config,
-    topology: Topology,
-    total_steps: int,
-    tokens_per_step: int,
-) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """Mark experts, build optimizer + schedule, start the engine.
+    optimizer: torch.optim.Optimizer,
+    make_schedule: Callable[[Any], Any],
+    ds_config: dict[str, Any],
+) -> tuple[Any, Any, Any]:
+    """Start the DeepSpeed engine; returns ``(engine, ds_optimizer, schedule)``.
 
-    Returns ``(engine, optimizer, schedule, ds_config)``. The model must already be expert
-    parallel (:func:`moetrain.parallel.expert_parallel.apply_expert_parallel`).
+    The model must already be parallel (:func:`moetrain.parallel.apply.apply_parallelism`) and
+    on its device; ``make_schedule(ds_optimizer)`` builds the learning-rate schedule on the
+    optimizer DeepSpeed wraps.
     """
     import deepspeed
 
-    from moetrain.train.optim import LRSchedule, build_optimizer
-
-    mark_experts_for_deepspeed(model, topology)
     fp32_buffers = [
         name
         for name, buf in model.named_buffers()
         if buf.dtype == torch.float32 and name.endswith("expert_bias")
     ]
-    model.to(topology.device)
-    optimizer = build_optimizer(model, cfg.optim, topology.device)
-    ds_config = deepspeed_config(cfg, topology.world_size)
-    schedule_box: dict[str, LRSchedule] = {}
+    schedule_box: dict[str, Any] = {}
 
-    def make_schedule(opt: Any) -> LRSchedule:
-        schedule_box["s"] = LRSchedule(opt, cfg.optim, total_steps, tokens_per_step)
+    def schedule_factory(opt: Any) -> Any:
+        schedule_box["s"] = make_schedule(opt)
         return schedule_box["s"]
 
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
-        lr_scheduler=make_schedule,
+        lr_scheduler=schedule_factory,
         config=ds_config,
         dist_init_required=False,
     )
@@ -251,4 +246,4 @@ def initialize_engine(
         current = getattr(mod, attr)
         if current.dtype != torch.float32:
             setattr(mod, attr, current.float())
-    return engine, ds_optimizer, schedule_box["s"], ds_config
+    return engine, ds_optimizer, schedule_box["s"]

@@ -34,6 +34,7 @@ from moetrain.parallel.all_to_all import (
     finish_all_to_all_v,
     start_all_to_all_v,
 )
+from moetrain.parallel.layout import check_experts_divisible
 from moetrain.parallel.topology import Topology
 
 
@@ -63,8 +64,6 @@ class AllToAllDispatcher:
     """
 
     def __init__(self, num_experts: int, ep_size: int, ep_rank: int, group: Any) -> None:
-        if num_experts % ep_size:
-            raise ValueError(f"num_experts={num_experts} not divisible by ep_size={ep_size}")
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.ep_rank = ep_rank
@@ -147,16 +146,14 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def slice_experts(experts: nn.Module, start: int, stop: int) -> None:
-    """Keep experts ``[start, stop)`` of the stacked weights ``w13 (E,D,2F)``, ``w2 (E,F,D)``."""
+    """Keep global experts ``[start, stop)`` of a module holding all of them (stacked weights
+    ``w13 (E,D,2F)``, ``w2 (E,F,D)``); ``num_experts`` stays the global count."""
     for wname in EXPERT_WEIGHTS:
         w = getattr(experts, wname)
         sliced = nn.Parameter(w.detach()[start:stop].clone(), requires_grad=w.requires_grad)
         setattr(experts, wname, sliced)
-    for attr in ("num_experts", "num_local_experts"):
-        if isinstance(getattr(experts, attr, None), int):
-            setattr(experts, attr, stop - start)
-    if isinstance(getattr(experts, "first_expert", None), int):
-        experts.first_expert += start
+    experts.local_experts = (start, stop)
+    experts.num_local_experts = stop - start
 
 
 def apply_expert_parallel(model: nn.Module, topology: Topology) -> nn.Module:
@@ -164,17 +161,12 @@ def apply_expert_parallel(model: nn.Module, topology: Topology) -> nn.Module:
 
     Its MoE layers hold either every expert or exactly this rank's ones.
     """
-    layers = list(moe_layers(model))
-    for _, layer in layers:
+    for _, layer in moe_layers(model):
         experts = layer.experts
-        num_experts = getattr(experts, "global_num_experts", experts.w2.shape[0])
-        if num_experts % topology.ep_size:
-            raise ValueError(
-                f"parallel.ep_size={topology.ep_size} must divide the {num_experts} experts"
-            )
-        start, stop = topology.local_expert_range(num_experts)
-        first = getattr(experts, "first_expert", 0)
-        held = (first, first + experts.w2.shape[0])
+        num_experts = experts.num_experts
+        check_experts_divisible(num_experts, topology.ep_size)
+        start, stop = topology.local_experts(num_experts)
+        held = experts.local_experts
         if held == (0, num_experts) and topology.ep_size > 1:
             slice_experts(experts, start, stop)
         elif held not in ((0, num_experts), (start, stop)):
@@ -188,5 +180,4 @@ def apply_expert_parallel(model: nn.Module, topology: Topology) -> nn.Module:
             )
         if topology.world_size > 1:
             layer.router.stats_reducer = global_sum_reducer()
-        layer.global_num_experts = num_experts
     return model

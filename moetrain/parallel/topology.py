@@ -61,7 +61,7 @@ class Topology:
         """DeepSpeed's name for the expert groups (``param.group_name`` of expert weights)."""
         return f"ep_size_{self.ep_size}"
 
-    def local_expert_range(self, num_experts: int) -> tuple[int, int]:
+    def local_experts(self, num_experts: int) -> tuple[int, int]:
         """Global expert ids ``[start, stop)`` held by this rank."""
         n_local = num_experts // self.ep_size
         return self.ep_rank * n_local, (self.ep_rank + 1) * n_local

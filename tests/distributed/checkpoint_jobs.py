@@ -36,8 +36,8 @@ def fixed_batch() -> torch.Tensor:
 
 
 def _setup(world: int, ep: int, stage: int, run_dir: Path, **extra: Any):
+    from moetrain.checkpoint.save import Checkpointer
     from moetrain.parallel.topology import init_distributed
-    from moetrain.train.checkpoint import Checkpointer
     from moetrain.train.trainer import Trainer
 
     cfg = tiny_config(world, ep, stage, run_dir=str(run_dir), **extra)
@@ -76,7 +76,7 @@ def save_job(rank: int, world: int, run_dir: str) -> dict[str, Any]:
         out[f"ep{ep}"] = {
             "path": str(path),
             "experts": experts,
-            "range": topo.local_expert_range(cfg.moe.num_experts),
+            "range": topo.local_experts(cfg.moe.num_experts),
             "logits": _logits(trainer),
             "dense": {n: p.detach().clone() for n, p in params.items() if ".experts." not in n},
         }
@@ -86,7 +86,7 @@ def save_job(rank: int, world: int, run_dir: str) -> dict[str, Any]:
 
 def reshard_job(rank: int, world: int, ckpt_path: str, run_dir: str) -> dict[str, Any]:
     """Load a checkpoint written by another layout; refuse without --reset-optimizer."""
-    from moetrain.train.checkpoint_files import CheckpointError
+    from moetrain.checkpoint.format import CheckpointError
 
     ep = min(world, 2)
     cfg, topo, trainer, ckpt = _setup(world, ep, 2, Path(run_dir))
@@ -98,11 +98,11 @@ def reshard_job(rank: int, world: int, ckpt_path: str, run_dir: str) -> dict[str
         refused = str(e)
     state = ckpt.load(Path(ckpt_path), trainer, pos, reset_optimizer=True)
     logits = _logits(trainer)
-    losses = _train(trainer, rank, world, range(state["step"], state["step"] + 2), pos)
+    losses = _train(trainer, rank, world, range(state.step, state.step + 2), pos)
     return {
         "refused": refused,
         "logits": logits,
-        "step": state["step"],
+        "step": state.step,
         "losses": losses,
         "consumed": pos.consumed,
         "lr": trainer.schedule.get_last_lr()[0],
@@ -156,8 +156,8 @@ def timeout_job(rank: int, world: int, done_marker: str) -> str | None:
 
     Rank 1 stays alive (and away from the barrier) until rank 0 has its answer and leaves
     ``done_marker``, so rank 0 sees a timeout, not a peer that went away."""
+    from moetrain.checkpoint.save import barrier
     from moetrain.parallel.topology import Topology
-    from moetrain.train.checkpoint import barrier
 
     topo = Topology(rank, world, rank, 1, "gloo", torch.device("cpu"))
     marker = Path(done_marker)

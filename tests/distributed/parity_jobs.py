@@ -158,7 +158,7 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
         rec = trainer.train_step(micro, before_step=capture if step == 0 else None)
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
-    lo, hi = topo.local_expert_range(cfg.moe.num_experts)
+    lo, hi = topo.local_experts(cfg.moe.num_experts)
     result = {
         "losses": losses,
         "norms": norms,

@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import prepare_stdlib_config
 
+from moetrain.checkpoint.read import load_model
 from moetrain.convert.export import convert_checkpoint
 from moetrain.generate import generate_ids, generate_text
-from moetrain.train.checkpoint_reader import load_model
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

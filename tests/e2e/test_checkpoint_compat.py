@@ -31,7 +31,7 @@ def _corpus(path: Path, words: int, docs: int) -> None:
 
 
 def test_format1_checkpoint_reads_with_the_same_logits() -> None:
-    from moetrain.train.checkpoint_reader import load_model
+    from moetrain.checkpoint.read import load_model
 
     expected = torch.load(FIXTURE / "expected_logits.pt", weights_only=True)
     model, _ = load_model(CKPT)

@@ -9,9 +9,8 @@ by ``launch/train.sh``. Checked:
 - the data shards of the 4 global ranks are disjoint and together form the global batch (the
   loaders the ranks build, identified by sample contents), and observably so: one process that
   reads the whole global batch itself gives the same losses as the 4 ranks;
-- killing one node's agent mid-run and starting it again resumes from the last checkpoint
-  (torchrun --max-restarts on the surviving node); skipped while moetrain.train.checkpoint
-  does not exist yet.
+- killing one node's agent and workers mid-run, then starting the job again on both nodes,
+  resumes from the last complete checkpoint.
 
 Tiny shapes, one thread per process, a generated 600-document corpus with a 512-piece tokenizer.
 """
@@ -244,11 +243,8 @@ def test_killed_node_restarts_and_resumes_from_last_checkpoint(data_overrides, t
     started again on both nodes and resumes from the last complete checkpoint and finishes.
     Steps trained both before the kill and after the resume give the same losses (exact
     resume)."""
-    pytest.importorskip(
-        "moetrain.train.checkpoint",
-        reason="checkpoint/resume (moetrain/train/checkpoint.py) is not implemented yet",
-    )
-    from moetrain.train.checkpoint_files import latest_complete, step_of
+    from moetrain.checkpoint.catalog import latest_complete
+    from moetrain.checkpoint.format import step_of
 
     steps, every = 24, 10
     ov = [

@@ -20,7 +20,7 @@ import torch
 
 from moetrain.config import Config, apply_overrides, config_from_dict
 from moetrain.model import Transformer
-from moetrain.train.trainer import checkpoint_blocks
+from moetrain.parallel.apply import checkpoint_blocks
 
 
 def _status(key: str) -> int:

@@ -6,18 +6,14 @@ import pickle
 import pytest
 import torch
 
-from moetrain.train.checkpoint_files import (
-    COMMIT_FILE,
-    CheckpointError,
+from moetrain.checkpoint.catalog import (
     apply_retention,
     complete_checkpoints,
     latest_complete,
-    read_commit,
     remove_incomplete,
-    safe_torch_load,
-    tag_for_step,
-    write_json_atomic,
 )
+from moetrain.checkpoint.format import COMMIT_FILE, CheckpointError, read_commit, tag_for_step
+from moetrain.checkpoint.io import safe_torch_load, write_json_atomic
 
 
 def _make(root, step, complete=True):
@@ -73,7 +69,7 @@ def test_retention_keeps_last_k_and_never_the_newest(tmp_path):
 def test_retention_failure_is_reported_not_raised(tmp_path, monkeypatch):
     for s in (1, 2):
         _make(tmp_path, s)
-    import moetrain.train.checkpoint_files as cf
+    import moetrain.checkpoint.catalog as cf
 
     def boom(path):
         raise PermissionError("read-only")

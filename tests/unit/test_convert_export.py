@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from moetrain.checkpoint.format import CheckpointError
+from moetrain.checkpoint.read import load_model
 from moetrain.config import ConfigError
 from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.data.tokenizer import train_tokenizer
-from moetrain.train.checkpoint_files import CheckpointError
-from moetrain.train.checkpoint_reader import load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,9 +17,10 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
+from moetrain.checkpoint.io import remove_stale_temp_dirs
 from moetrain.config import load_config
 from moetrain.data import DataError, build_loader, load_tokenizer, prepare, read_index
-from moetrain.data.prepare import clean_stale_temp_dirs, is_val_doc
+from moetrain.data.prepare import is_val_doc
 from moetrain.data.shards import verify_split
 from moetrain.data.tokenizer import train_tokenizer
 
@@ -268,7 +269,7 @@ def test_stale_dirs_of_live_processes_are_kept(tmp_path):
     dead = tmp_path / f".out.tmp-{socket.gethostname()}-99999999-abcd"
     live.mkdir()
     dead.mkdir()
-    assert clean_stale_temp_dirs(out) == [dead]
+    assert remove_stale_temp_dirs(out) == [dead]
     assert live.exists() and not dead.exists()
 
 

@@ -100,5 +100,5 @@ def test_dead_expert_watch_counts_steps_not_calls(capsys):
     assert watch.update(10, load) == []
     assert watch.update(20, load) == []  # 11 steps < 15
     assert watch.update(30, load) == [(0, 2)]  # 21 steps
-    assert "expert 2" in capsys.readouterr().err
+    assert "expert 2" in capsys.readouterr().out
     assert watch.update(40, [[0, 0, 0, 0]]) == []  # empty layer: not judged

@@ -76,7 +76,7 @@ def test_topology_groups_arithmetic() -> None:
     assert t.ep_rank == 1 and t.expert_dp_size == 2 and t.dp_size == 8
     assert t.ep_ranks() == [4, 5, 6, 7]
     assert t.expert_dp_ranks() == [1, 5]
-    assert t.local_expert_range(16) == (4, 8)
+    assert t.local_experts(16) == (4, 8)
     assert t.ep_group_name == "ep_size_4"
 
 
@@ -144,7 +144,7 @@ def test_deepspeed_moe_marker_shim() -> None:
         torch.manual_seed(0)
         model = Transformer(cfg.model, cfg.moe)
         for _, layer in moe_layers(model):
-            slice_experts(layer.experts, *topo(ep).local_expert_range(4))
+            slice_experts(layer.experts, *topo(ep).local_experts(4))
         return model
 
     # marking changes nothing in the computation (ep 1: all experts local)
@@ -185,7 +185,7 @@ def test_deepspeed_moe_marker_shim() -> None:
 
 
 def test_accelerate_settings_that_disagree_are_reported() -> None:
-    from moetrain.train.trainer import launcher_disagreements
+    from moetrain.train.launcher_env import launcher_disagreements
 
     cfg = _cfg(**{"parallel.zero_stage": 1})
     assert launcher_disagreements(cfg, {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}) == []
@@ -232,6 +232,6 @@ def test_rank_builds_only_its_experts_with_the_full_models_weights() -> None:
         sliced = apply_expert_parallel(build(None), topo(ep_rank)).state_dict()
         apply_expert_parallel(local, topo(ep_rank))
         assert all(torch.equal(v, sliced[k]) for k, v in local.state_dict().items())
-        assert all(layer.experts.first_expert == lo for _, layer in moe_layers(local))
+        assert all(layer.experts.local_experts[0] == lo for _, layer in moe_layers(local))
     with pytest.raises(ValueError, match=r"holds experts \[2, 4\) of 4; EP rank 0 of 2"):
         apply_expert_parallel(build((2, 4)), topo(0))

@@ -123,8 +123,9 @@ class GroupedExperts(nn.Module):
     (the reference) runs. Experts with zero tokens and
     N = 0 are fine: every weight still gets a (zero) gradient.
 
-    ``local_range=(start, stop)`` builds only global experts ``[start, stop)`` of
-    ``num_experts`` (an expert-parallel rank never allocates the others). ``recompute_act``:
+    ``num_experts`` is always the global count; ``local_experts=(start, stop)`` builds only
+    global experts ``[start, stop)`` (an expert-parallel rank never allocates the others;
+    ``num_local_experts`` = stop - start). ``recompute_act``:
     the SwiGLU product is recomputed in backward rather than saved (see ``_DownProjection``).
     """
 
@@ -134,16 +135,16 @@ class GroupedExperts(nn.Module):
         d_model: int,
         hidden: int,
         grouped_mm: bool = True,
-        local_range: tuple[int, int] | None = None,
+        local_experts: tuple[int, int] | None = None,
         recompute_act: bool = False,
     ):
         super().__init__()
-        start, stop = local_range or (0, num_experts)
+        start, stop = local_experts or (0, num_experts)
         if not 0 <= start < stop <= num_experts:
-            raise ValueError(f"local_range {local_range} is not inside 0..{num_experts}")
-        self.global_num_experts = num_experts
-        self.first_expert = start
-        self.num_experts = stop - start
+            raise ValueError(f"local_experts {local_experts} is not inside 0..{num_experts}")
+        self.num_experts = num_experts
+        self.local_experts = (start, stop)
+        self.num_local_experts = stop - start
         self.use_grouped_mm = grouped_mm
         self.recompute_act = recompute_act
         self.w13 = nn.Parameter(torch.empty(stop - start, d_model, 2 * hidden))
@@ -156,12 +157,13 @@ class GroupedExperts(nn.Module):
         Drawn one global expert at a time (every w13, then every w2) whichever experts this
         module holds, so every expert-parallel layout gets the single-process init.
         """
+        start, stop = self.local_experts
         for w, w_std in ((self.w13, std), (self.w2, out_std)):
             one_expert = torch.empty(w.shape[1:], dtype=w.dtype, device=w.device)
-            for e in range(self.global_num_experts):
+            for e in range(self.num_experts):
                 one_expert.normal_(0.0, w_std)
-                if 0 <= e - self.first_expert < self.num_experts:
-                    w[e - self.first_expert].copy_(one_expert)
+                if start <= e < stop:
+                    w[e - start].copy_(one_expert)
 
     def forward(
         self, x_ND: torch.Tensor, counts_L: torch.Tensor, weights_N: torch.Tensor | None = None

@@ -70,13 +70,19 @@ class MoELayer(nn.Module):
 
     ``dispatcher`` is a plain attribute so expert parallelism can swap in its all-to-all one.
     ``local_experts=(start, stop)``: build only those global experts (expert parallelism).
+    ``layer``: the transformer layer index of this MoE layer (for metrics and checkpoints).
     """
 
     def __init__(
-        self, cfg: MoEConfig, d_model: int, local_experts: tuple[int, int] | None = None
+        self,
+        cfg: MoEConfig,
+        d_model: int,
+        local_experts: tuple[int, int] | None = None,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.layer = layer
         self.router = Router(cfg, d_model)
         self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)
         self.experts = GroupedExperts(

@@ -1,44 +1,39 @@
-"""Read a committed moetrain checkpoint into a single-device model, whatever its world/EP size.
+"""Reading weights: a committed moetrain checkpoint (whatever its world / EP size) into a
+single-device model, and a Hugging Face model directory's safetensors, tensor by tensor.
 
-Only moetrain's safe paths are used: every file is read with ``torch.load(weights_only=True)``
-(DeepSpeed's model files hold only tensors and plain containers), the commit manifest is
-checked first, and every expert of every MoE layer must be present exactly once.
+Only safe paths: every checkpoint file is read with ``torch.load(weights_only=True)``
+(DeepSpeed's model files hold only tensors and plain containers), the commit manifest is checked
+first, and every expert of every MoE layer must be present exactly once.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from moetrain.config import Config, config_from_dict
-from moetrain.model.moe.experts import EXPERT_WEIGHTS
-from moetrain.train.checkpoint_files import (
+from moetrain.checkpoint.format import (
+    DENSE_FILE,
+    EXPERT_FILE_RE,
+    EXPERT_KEY_RE,
     CheckpointError,
+    TrainerState,
+    expert_file,
     read_commit,
-    safe_torch_load,
+    stacked_expert_key,
     verify_manifest,
 )
-
-DENSE_FILE = "mp_rank_00_model_states.pt"
-_EXPERT_KEY = re.compile(
-    r"^(layers\.(\d+)\.ffn\.experts)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(\w+)$"
-)
-_EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
+from moetrain.checkpoint.io import safe_torch_load
+from moetrain.config import Config, config_from_dict
+from moetrain.model.moe.experts import EXPERT_WEIGHTS
 
 
 def checkpoint_config(ckpt: Path) -> Config:
     """The resolved config stored in the checkpoint."""
-    ckpt = Path(ckpt)
     read_commit(ckpt)
-    try:
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{ckpt / 'trainer_state.json'}: unreadable: {e}") from None
-    return config_from_dict(state["config"])
+    return config_from_dict(TrainerState.read(ckpt).config)
 
 
 def dense_state(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -57,7 +52,7 @@ def expert_files(ckpt: Path, cfg: Config) -> dict[int, list[Path]]:
     for moe_idx, layer in enumerate(moe_ids):
         files = []
         for e in range(cfg.moe.num_experts):
-            f = ckpt / f"layer_{moe_idx}_expert_{e}_mp_rank_00_model_states.pt"
+            f = ckpt / expert_file(moe_idx, e)
             if not f.is_file():
                 raise CheckpointError(
                     f"{f}: missing (expert {e} of MoE layer {moe_idx}, transformer layer {layer})"
@@ -67,7 +62,7 @@ def expert_files(ckpt: Path, cfg: Config) -> dict[int, list[Path]]:
     extra = [
         p.name
         for p in ckpt.iterdir()
-        if (m := _EXPERT_FILE.match(p.name))
+        if (m := EXPERT_FILE_RE.match(p.name))
         and (int(m.group(1)) >= len(moe_ids) or int(m.group(2)) >= cfg.moe.num_experts)
     ]
     if extra:
@@ -82,7 +77,7 @@ def stacked_experts(files: list[Path], layer: int) -> dict[str, torch.Tensor]:
         sd = safe_torch_load(f)
         found = {}
         for key, tensor in sd.items():
-            m = _EXPERT_KEY.match(key)
+            m = EXPERT_KEY_RE.match(key)
             if not m or int(m.group(2)) != layer or int(m.group(3)) != e:
                 raise CheckpointError(
                     f"{f}: unexpected key {key} (expected layer {layer}, expert {e})"
@@ -93,8 +88,7 @@ def stacked_experts(files: list[Path], layer: int) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{f}: has {sorted(found)}, expected {sorted(parts)}{old}")
         for name, tensor in found.items():
             parts[name].append(tensor)
-    prefix = f"layers.{layer}.ffn.experts."
-    return {prefix + name: torch.stack(ts) for name, ts in parts.items()}
+    return {stacked_expert_key(layer, name): torch.stack(ts) for name, ts in parts.items()}
 
 
 def iter_layer_states(ckpt: Path, cfg: Config) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
@@ -124,3 +118,44 @@ def load_model(ckpt: Path, cfg: Config | None = None) -> tuple[torch.nn.Module, 
             f"{ckpt}: weights do not fit the model: missing {missing}, unexpected {unexpected}"
         )
     return model, cfg
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+HF_INDEX_FILE = "model.safetensors.index.json"
+HF_SINGLE_FILE = "model.safetensors"
+
+
+class HFWeights:
+    """Lazy access by name to the tensors of a Hugging Face model directory (one
+    ``model.safetensors``, or shards listed in ``model.safetensors.index.json``)."""
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        from safetensors import safe_open
+
+        hf_dir = Path(hf_dir)
+        index = hf_dir / HF_INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (hf_dir / HF_SINGLE_FILE).is_file():
+            with safe_open(hf_dir / HF_SINGLE_FILE, "pt") as f:
+                weight_map = dict.fromkeys(f.keys(), HF_SINGLE_FILE)
+        else:
+            raise CheckpointError(f"{hf_dir}: no {HF_SINGLE_FILE} or {HF_INDEX_FILE}")
+        self.dir, self.weight_map = hf_dir, weight_map
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, each file opened once."""
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.weight_map[n], []).append(n)
+        out = {}
+        for file, keys in by_file.items():
+            with safe_open(self.dir / file, "pt") as f:
+                out.update({k: f.get_tensor(k) for k in keys})
+        return out

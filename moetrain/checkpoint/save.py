@@ -1,22 +1,11 @@
-"""Sharded checkpoints: save, atomic commit, resume, resharding.
+"""Saving and resuming during training: every method runs on every rank.
 
-Layout of ``<run_dir>/checkpoints/step_<N>/``:
-
-- DeepSpeed's files: ``mp_rank_00_model_states.pt`` (dense weights and buffers, including the
-  aux-loss-free biases), ``layer_<L>_expert_<G>_mp_rank_00_model_states.pt`` (one file per global
-  expert per MoE layer, written once whatever the EP size) and
-  ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (the ZeRO optimizer shards of each rank).
-- ``rank_<r>.pt``: that rank's RNG states (tensors only; loaded with ``weights_only=True``).
-- ``tokenizer.model``: a copy of the SentencePiece model the data was tokenized with.
-- ``trainer_state.json``: step, consumed tokens, the data loader's position, the schedule, the
-  layout it was written with, the resolved config (secrets removed), the tokenizer's sha256,
-  moetrain's version, and the caller's extras (e.g. the wandb run id).
-- ``COMMITTED.json``, written last by rank 0 once every rank has written and fsynced its files:
-  it lists every file with its size, so a truncated file is found before anything is loaded.
-
-DeepSpeed's ``latest`` file is not written (``save_latest=False``) and never trusted. DeepSpeed's
-own loader unpickles its files: a checkpoint directory must be trusted like code. moetrain's own
-files are JSON or are read with ``torch.load(weights_only=True)``.
+A save writes DeepSpeed's files (``engine.save_checkpoint``, never its ``latest`` file), each
+rank's RNG states, and on rank 0 the trainer state and the tokenizer; after a barrier every rank
+fsyncs its share of the files, and after another rank 0 writes the commit manifest, last. A
+resume takes the newest complete checkpoint (incomplete ones are removed). DeepSpeed's own loader
+unpickles its files: a checkpoint directory must be trusted like code; moetrain's own files are
+JSON or are read with ``torch.load(weights_only=True)``.
 
 Resharding: model weights always reshard (per-expert files). ZeRO optimizer shards are tied to
 the data-parallel layout; resuming with another world size or EP size needs
@@ -25,46 +14,38 @@ the data-parallel layout; resuming with another world size or EP size needs
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 import moetrain
-from moetrain.config import Config
-from moetrain.parallel.topology import Topology
-from moetrain.secrets import redact
-from moetrain.train.checkpoint_files import (
+from moetrain.checkpoint.catalog import apply_retention, latest_complete, remove_incomplete
+from moetrain.checkpoint.format import (
     COMMIT_FILE,
+    STATE_FILE,
+    TOKENIZER_FILE,
     CheckpointError,
-    apply_retention,
+    TrainerState,
+    checkpoint_root,
     is_complete,
-    latest_complete,
-    remove_incomplete,
-    safe_torch_load,
+    manifest_of,
+    rank_file,
     step_of,
     tag_for_step,
     verify_manifest,
-    write_json_atomic,
 )
+from moetrain.checkpoint.io import fsync_file, safe_torch_load, write_json_atomic
+from moetrain.monitor.console import Printer, console
+from moetrain.secrets import redact
 
-STATE_FILE = "trainer_state.json"
-TOKENIZER_FILE = "tokenizer.model"
-FORMAT_VERSION = 1
-
-
-def checkpoint_root(cfg: Config) -> Path:
-    return Path(cfg.run_dir) / "checkpoints"
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
+if TYPE_CHECKING:
+    from moetrain.config import Config
+    from moetrain.parallel.topology import Topology
 
 
 def barrier(topo: Topology, what: str, timeout_minutes: float) -> None:
@@ -102,11 +83,6 @@ def _broadcast(topo: Topology, value: Any) -> Any:
     return box[0]
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -126,11 +102,16 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 class Checkpointer:
-    """Saves and restores one run's checkpoints; every method is called on every rank."""
+    """Saves and restores one run's checkpoints; every method is called on every rank.
 
-    def __init__(self, cfg: Config, topo: Topology) -> None:
-        self.cfg, self.topo = cfg, topo
-        self.root = checkpoint_root(cfg)
+    ``trainer`` arguments need ``engine``, ``schedule``, ``step``, ``tokens_seen`` and
+    ``skipped_steps``; ``loader`` arguments ``state_dict``/``load_state_dict`` and
+    ``tokenizer_sha256``. ``printer`` gets the messages (rank 0 only).
+    """
+
+    def __init__(self, cfg: Config, topo: Topology, printer: Printer = console) -> None:
+        self.cfg, self.topo, self.log = cfg, topo, printer
+        self.root = checkpoint_root(cfg.run_dir)
 
     def _barrier(self, what: str) -> None:
         barrier(self.topo, what, self.cfg.parallel.timeout_minutes)
@@ -149,9 +130,10 @@ class Checkpointer:
                 shutil.rmtree(path)
         self._barrier(f"checkpoint {tag}: prepare directory")
         trainer.engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
-        torch.save(_rng_state(), path / _rank_file(topo.rank))
+        torch.save(_rng_state(), path / rank_file(topo.rank))
         if topo.is_main:
-            write_json_atomic(path / STATE_FILE, self._trainer_state(trainer, loader, extra))
+            state = self._trainer_state(trainer, loader, extra)
+            write_json_atomic(path / STATE_FILE, state.to_json())
             tokenizer = Path(self.cfg.data.output_dir) / TOKENIZER_FILE
             if tokenizer.is_file():  # the checkpoint converts without the data directory
                 shutil.copyfile(tokenizer, path / TOKENIZER_FILE)
@@ -159,31 +141,31 @@ class Checkpointer:
         files = sorted(p for p in path.iterdir() if p.is_file())
         for i, f in enumerate(files):
             if i % topo.world_size == topo.rank:
-                _fsync_file(f)
+                fsync_file(f)
         self._barrier(f"checkpoint {tag}: fsync shards")
         if topo.is_main:
-            manifest = {f.name: f.stat().st_size for f in files}
-            write_json_atomic(path / COMMIT_FILE, {"step": step, "files": manifest})
-            deleted, errors = apply_retention(self.root, self.cfg.checkpoint.keep_last)
+            write_json_atomic(path / COMMIT_FILE, manifest_of(path, step))
+            _, errors = apply_retention(self.root, self.cfg.checkpoint.keep_last)
             for err in errors:
-                print(f"moetrain: warning: could not delete old checkpoint: {err}", flush=True)
+                self.log(f"warning: could not delete old checkpoint: {err}")
         self._barrier(f"checkpoint {tag}: commit")
         return path
 
-    def _trainer_state(self, trainer: Any, loader: Any, extra: dict[str, Any] | None) -> dict:
-        return {
-            "format_version": FORMAT_VERSION,
-            "moetrain_version": moetrain.__version__,
-            "step": trainer.step,
-            "tokens_seen": trainer.tokens_seen,
-            "skipped_steps": trainer.skipped_steps,
-            "loader": loader.state_dict(),
-            "schedule": trainer.schedule.state_dict(),
-            "layout": self.layout(),
-            "tokenizer_sha256": getattr(loader, "tokenizer_sha256", None),
-            "config": redact(self.cfg.to_dict()),
-            "extra": redact(extra or {}),
-        }
+    def _trainer_state(
+        self, trainer: Any, loader: Any, extra: dict[str, Any] | None
+    ) -> TrainerState:
+        return TrainerState(
+            step=trainer.step,
+            tokens_seen=trainer.tokens_seen,
+            skipped_steps=trainer.skipped_steps,
+            loader=loader.state_dict(),
+            schedule=trainer.schedule.state_dict(),
+            layout=self.layout(),
+            config=redact(self.cfg.to_dict()),
+            tokenizer_sha256=getattr(loader, "tokenizer_sha256", None),
+            extra=redact(extra or {}),
+            moetrain_version=moetrain.__version__,
+        )
 
     def layout(self) -> dict[str, int]:
         return {
@@ -205,7 +187,7 @@ class Checkpointer:
         if self.topo.is_main:
             if mode == "auto":
                 for p in remove_incomplete(self.root):
-                    print(f"moetrain: removed incomplete checkpoint {p}", flush=True)
+                    self.log(f"removed incomplete checkpoint {p}")
                 latest = latest_complete(self.root)
                 found = str(latest) if latest else None
             elif mode != "none":
@@ -221,22 +203,20 @@ class Checkpointer:
             raise CheckpointError(error)
         return Path(found) if found else None
 
-    def verify(self, path: Path) -> dict[str, Any]:
+    def verify(self, path: Path) -> TrainerState:
         """Check the commit manifest against the files on disk; return the trainer state."""
         verify_manifest(path)
-        state = json.loads((path / STATE_FILE).read_text())
-        if state.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{path}: unsupported checkpoint format {state.get('format_version')}"
-            )
+        state = TrainerState.read(path)
+        if step_of(path) != state.step:
+            raise CheckpointError(f"{path}: directory name and trainer state disagree on the step")
         return state
 
     def load(
         self, path: Path, trainer: Any, loader: Any, reset_optimizer: bool = False
-    ) -> dict[str, Any]:
+    ) -> TrainerState:
         """Restore ``trainer`` and ``loader`` from ``path``; returns the saved trainer state."""
         state = self.verify(path)
-        saved, now = state["layout"], self.layout()
+        saved, now = state.layout, self.layout()
         same_layout = saved == now
         if not same_layout and not reset_optimizer:
             raise CheckpointError(
@@ -248,12 +228,8 @@ class Checkpointer:
                 "and restart the optimizer state"
             )
         if reset_optimizer and self.topo.is_main:
-            print(
-                "moetrain: warning: --reset-optimizer: loading weights only; Adam moments "
-                "restart from zero",
-                flush=True,
-            )
-        sha = state.get("tokenizer_sha256")
+            self.log("warning: --reset-optimizer: loading weights only; Adam moments restart")
+        sha = state.tokenizer_sha256
         if sha and getattr(loader, "tokenizer_sha256", sha) != sha:
             raise CheckpointError(
                 f"{path} was trained with tokenizer sha256 {sha}, but the data in "
@@ -267,14 +243,11 @@ class Checkpointer:
             load_lr_scheduler_states=False,
             load_module_only=not load_optim,
         )
-        trainer.step = state["step"]
-        trainer.tokens_seen = state["tokens_seen"]
-        trainer.skipped_steps = state.get("skipped_steps", 0)
-        trainer.schedule.load_state_dict(state["schedule"])
-        loader.load_state_dict(state["loader"])
+        trainer.step = state.step
+        trainer.tokens_seen = state.tokens_seen
+        trainer.skipped_steps = state.skipped_steps
+        trainer.schedule.load_state_dict(state.schedule)
+        loader.load_state_dict(state.loader)
         if same_layout:
-            rank_file = path / _rank_file(self.topo.rank)
-            _set_rng_state(safe_torch_load(rank_file))
-        if step_of(path) != state["step"]:
-            raise CheckpointError(f"{path}: directory name and trainer state disagree on the step")
+            _set_rng_state(safe_torch_load(path / rank_file(self.topo.rank)))
         return state

@@ -1,0 +1,13 @@
+"""Checkpoints: the on-disk format and everything that reads or writes it.
+
+- :mod:`~moetrain.checkpoint.format`: file names, DeepSpeed key patterns, the trainer-state
+  schema, the commit manifest (the only place they are spelled).
+- :mod:`~moetrain.checkpoint.io`: atomic writes and fsync (used by data/ and convert/ too).
+- :mod:`~moetrain.checkpoint.catalog`: the checkpoints of a run directory, retention.
+- :mod:`~moetrain.checkpoint.save`: save / resume during training, on every rank.
+- :mod:`~moetrain.checkpoint.read`: a checkpoint into a single-device model; Hugging Face
+  safetensors directories.
+- :mod:`~moetrain.checkpoint.write`: a checkpoint from streamed weights (import, upcycling).
+
+Modules are imported on demand; importing this package costs nothing.
+"""

@@ -1,0 +1,167 @@
+"""The checkpoint format, spelled here and nowhere else.
+
+``<run_dir>/checkpoints/step_<N>/`` holds:
+
+- ``mp_rank_00_model_states.pt``: DeepSpeed's dense file, ``{"module": state dict}`` of the
+  non-expert weights and buffers (the aux-loss-free biases included).
+- ``layer_<M>_expert_<G>_mp_rank_00_model_states.pt``: one file per global expert ``G`` of MoE
+  layer ``M`` (counted over MoE layers only), with DeepSpeed's per-expert keys
+  ``layers.<i>.ffn.experts.deepspeed_moe.experts.deepspeed_experts.<local>.<w13|w2>``; written
+  once whatever the EP size, so model weights reshard.
+- ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: the ZeRO optimizer shard of each rank.
+- ``rank_<r>.pt``: that rank's RNG states (tensors only).
+- ``tokenizer.model``: the SentencePiece model the data was tokenized with.
+- ``trainer_state.json``: :class:`TrainerState`.
+- ``COMMITTED.json``, written last: the manifest, ``{"step": N, "files": {name: size}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+CHECKPOINTS_DIR = "checkpoints"
+COMMIT_FILE = "COMMITTED.json"
+STATE_FILE = "trainer_state.json"
+TOKENIZER_FILE = "tokenizer.model"
+DENSE_FILE = "mp_rank_00_model_states.pt"
+EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
+DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
+EXPERT_KEY_RE = re.compile(
+    r"^(layers\.(\d+)\.ffn\.experts)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(\w+)$"
+)
+_TAG_RE = re.compile(r"^step_(\d{8})$")
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupt or does not fit this run."""
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    """Where a run keeps its checkpoints."""
+    return Path(run_dir) / CHECKPOINTS_DIR
+
+
+def tag_for_step(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step of a ``step_<N>`` directory, None for any other name."""
+    m = _TAG_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def rank_file(rank: int) -> str:
+    """Per-rank RNG states."""
+    return f"rank_{rank:05d}.pt"
+
+
+def expert_file(moe_index: int, expert: int) -> str:
+    """DeepSpeed's file of global expert ``expert`` of the ``moe_index``-th MoE layer."""
+    return f"layer_{moe_index}_expert_{expert}_mp_rank_00_model_states.pt"
+
+
+def stacked_expert_key(layer: int, weight: str) -> str:
+    """The model's key of a stacked expert weight (``w13`` (E, D, 2F), ``w2`` (E, F, D))."""
+    return f"layers.{layer}.ffn.experts.{weight}"
+
+
+def deepspeed_expert_key(module_prefix: str, local_expert: int, weight: str) -> str:
+    """DeepSpeed's per-expert key under ``module_prefix`` (``...ffn.experts.``)."""
+    return f"{module_prefix}{DS_EXPERT_PREFIX}{local_expert}.{weight}"
+
+
+def dense_file_content(module: dict[str, Any]) -> dict[str, Any]:
+    """What DeepSpeed's dense file holds for a single-rank, single-model-parallel writer."""
+    return {"module": module, "dp_world_size": 1, "mp_world_size": 1}
+
+
+@dataclass
+class TrainerState:
+    """``trainer_state.json``: everything but tensors that a resume or a reader needs.
+
+    ``layout`` is ``{"world_size", "ep_size", "zero_stage"}`` at save time; ``loader`` and
+    ``schedule`` are None in a checkpoint that was not written by training (import).
+    """
+
+    step: int
+    tokens_seen: int
+    skipped_steps: int
+    loader: dict[str, Any] | None
+    schedule: dict[str, Any] | None
+    layout: dict[str, int]
+    config: dict[str, Any]
+    tokenizer_sha256: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    moetrain_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def read(cls, ckpt: str | Path) -> TrainerState:
+        """Load and check ``<ckpt>/trainer_state.json``; errors name the file and the key."""
+        path = Path(ckpt) / STATE_FILE
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: unreadable: {e}") from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path}: expected a JSON object")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path}: unsupported checkpoint format {version}; this moetrain reads "
+                f"format {FORMAT_VERSION}"
+            )
+        known = {f.name for f in fields(cls)}
+        required = {
+            f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+        }
+        missing = sorted(required - set(data))
+        if missing:
+            raise CheckpointError(f"{path}: missing {missing}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+def manifest_of(directory: Path, step: int) -> dict[str, Any]:
+    """The commit manifest of every file in ``directory``: names and sizes."""
+    files = sorted(p for p in Path(directory).iterdir() if p.is_file())
+    return {"step": step, "files": {f.name: f.stat().st_size for f in files}}
+
+
+def is_complete(ckpt: Path) -> bool:
+    return (Path(ckpt) / COMMIT_FILE).is_file()
+
+
+def read_commit(ckpt: Path) -> dict[str, Any]:
+    """The commit marker's contents; a clear error when it is missing or unreadable."""
+    marker = Path(ckpt) / COMMIT_FILE
+    if not marker.is_file():
+        raise CheckpointError(f"{ckpt}: not a complete checkpoint (no {COMMIT_FILE})")
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{marker}: unreadable commit marker: {e}") from None
+
+
+def verify_manifest(ckpt: Path) -> None:
+    """Every file listed in the commit marker exists with the size it had at commit."""
+    for name, size in read_commit(ckpt).get("files", {}).items():
+        f = Path(ckpt) / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: file listed in {COMMIT_FILE} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"{f}: size {f.stat().st_size} != {size} recorded at commit (truncated or "
+                "overwritten)"
+            )

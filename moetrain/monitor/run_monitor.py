@@ -1,0 +1,100 @@
+"""Everything a training run reports, behind one object: metrics.jsonl, wandb, the console,
+throughput and memory, MFU, MoE health (the dead-expert watch and load heatmaps).
+
+Files and the console are written by rank 0 only; every method may be called on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from moetrain.config import Config
+from moetrain.monitor.console import console
+from moetrain.monitor.jsonl import MetricsWriter
+from moetrain.monitor.mfu import resolve_peak
+from moetrain.monitor.moe_health import DeadExpertWatch, load_matrix
+from moetrain.monitor.records import layer_stats, perplexity, progress_line, step_metrics
+from moetrain.monitor.throughput import Throughput, memory_stats
+from moetrain.monitor.wandb_run import WandbSink
+
+
+class RunMonitor:
+    """The reporting side of one run (``topo``: a :class:`~moetrain.parallel.topology.Topology`).
+
+    ``resume_wandb_id`` continues the wandb run of the checkpoint a run resumed from.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        topo: Any,
+        tokens_per_step: int,
+        total_steps: int,
+        start_step: int,
+        resume_wandb_id: str | None = None,
+    ) -> None:
+        self.cfg, self.topo, self.main = cfg, topo, topo.is_main
+        self.total, self.start_step = total_steps, start_step
+        run_dir = Path(cfg.run_dir)
+        self.writer = MetricsWriter(run_dir, enabled=self.main)
+        self.sink = WandbSink(
+            cfg.logging.wandb,
+            run_dir,
+            config=cfg.to_dict(),
+            rank=topo.rank,
+            resume_id=resume_wandb_id,
+        )
+        t = cfg.train
+        self.peak = (
+            resolve_peak(t.precision, cfg.logging.peak_tflops, topo.device) if self.main else None
+        )
+        self.watch = DeadExpertWatch(patience=max(20, 5 * t.log_every)) if self.main else None
+        self.meter = Throughput(cfg, topo.world_size, tokens_per_step)
+        self.started = time.perf_counter()
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.sink.run_id
+
+    def say(self, message: str) -> None:
+        """A console line, from rank 0."""
+        if self.main:
+            console(message)
+
+    def step_done(self, rec: dict[str, Any], data_s: float, log: bool) -> None:
+        """Count a finished step; with ``log``, report it (metrics, wandb, heatmap, console)."""
+        self.meter.step()
+        if not log:
+            return
+        rec.update(self.meter.measure())
+        rec.update(memory_stats(self.topo.device))
+        rec["time/data_s"] = data_s
+        rec["flops_per_token"] = self.meter.flops_per_token
+        if not self.main:
+            return
+        step = rec["step"]
+        row = step_metrics(rec, self.cfg, self.peak, self.topo.world_size, self.watch)
+        self.writer.write(row)
+        self.sink.log(row, step)
+        every = self.cfg.logging.heatmap_every
+        if rec.get("moe_layers") and every > 0 and step % every == 0:
+            stats = layer_stats(rec, self.cfg)
+            self.sink.log_heatmap(load_matrix(stats), step, layer_labels=list(rec["moe_layers"]))
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / max(step - self.start_step, 1) * (self.total - step)
+        console(progress_line(step, self.total, rec, eta))
+
+    def eval_done(self, step: int, loss: float) -> None:
+        val = {"step": step, "val_loss": loss, "val_perplexity": perplexity(loss)}
+        self.writer.write(val)
+        self.sink.log(val, step)
+        self.say(f"step {step} val loss {loss:.4f}")
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        self.writer.write({"summary": summary})
+
+    def close(self) -> None:
+        self.sink.finish()
+        self.writer.close()

@@ -1,0 +1,42 @@
+"""Parallelism applied to a model built on one device, in one place: expert parallelism, the
+DeepSpeed MoE marking of the experts, and activation checkpointing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from moetrain.config import ParallelConfig
+from moetrain.parallel.deepspeed import mark_experts_for_deepspeed
+from moetrain.parallel.expert_parallel import apply_expert_parallel
+from moetrain.parallel.topology import Topology
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Activation checkpointing: recompute every transformer block in backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    count = 0
+    for block in model.layers:
+        inner = block.forward
+
+        def forward(*args: Any, _inner: Callable[..., Any] = inner) -> Any:
+            if torch.is_grad_enabled():
+                return checkpoint(_inner, *args, use_reentrant=False)
+            return _inner(*args)
+
+        block.forward = forward
+        count += 1
+    return count
+
+
+def apply_parallelism(model: nn.Module, cfg: ParallelConfig, topology: Topology) -> nn.Module:
+    """Make ``model`` ready for the DeepSpeed engine on ``topology`` (in place; returned)."""
+    apply_expert_parallel(model, topology)
+    mark_experts_for_deepspeed(model, topology)
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model)
+    return model

@@ -1,0 +1,158 @@
+"""``moetrain train``: the run loop under any launcher (or one plain process).
+
+Each step: take ``train.grad_accum_steps`` micro-batches, run the step, then ask small objects
+whether to log, evaluate and save; ranks agree on a stop signal and on the time-based save in
+one all-reduce. Checkpoints (:mod:`moetrain.checkpoint.save`) are saved every
+``checkpoint.save_every_steps`` steps and/or ``save_every_minutes`` minutes, at the end, and
+when any rank receives SIGTERM/SIGINT; a run resumes from the newest complete checkpoint of its
+run_dir.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from moetrain.checkpoint.save import Checkpointer
+from moetrain.config import Config
+from moetrain.monitor.run_monitor import RunMonitor
+from moetrain.parallel.deepspeed import dump_deepspeed_config
+from moetrain.parallel.topology import Topology, init_distributed, shutdown
+from moetrain.secrets import redact
+from moetrain.train.cadence import Clock, Periodic
+from moetrain.train.launcher_env import launcher_disagreements
+from moetrain.train.signals import StopSignal, agree_any
+from moetrain.train.step import Batch
+from moetrain.train.trainer import Trainer
+
+
+def _take(it: Iterator[Batch], n: int) -> list[Batch]:
+    out = []
+    for _ in range(n):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            raise RuntimeError("the training data loader ran out of batches") from None
+    return out
+
+
+def _write_run_files(cfg: Config, trainer: Trainer) -> None:
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_deepspeed_config(trainer.ds_config, run_dir)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(redact(cfg.to_dict()), sort_keys=False))
+
+
+def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
+    """Train ``cfg``; returns a summary dict.
+
+    Resumes from the newest complete checkpoint of ``run_dir`` (``checkpoint.resume``);
+    ``reset_optimizer`` loads weights, schedule and data position but not the optimizer state
+    (needed to resume with another world size or EP size).
+    """
+    from moetrain.data.loader import build_loader
+
+    if cfg.train.threads_per_rank:
+        torch.set_num_threads(cfg.train.threads_per_rank)
+    topo: Topology | None = None
+    monitor: RunMonitor | None = None
+    stop = StopSignal().install()
+    try:
+        topo = init_distributed(cfg)
+        t, c = cfg.train, cfg.checkpoint
+
+        def loader(split: str) -> Any:
+            return build_loader(
+                cfg.data,
+                split,
+                t.micro_batch_size,
+                topo.rank,
+                topo.world_size,
+                cfg.seed,
+                vocab_size=cfg.model.vocab_size,
+            )
+
+        train_loader = loader("train")
+        trainer = Trainer(cfg, topo)
+        ckpt = Checkpointer(cfg, topo)
+        resume_path = ckpt.find_resume()
+        resumed_wandb_id = None
+        if resume_path is not None:
+            state = ckpt.load(resume_path, trainer, train_loader, reset_optimizer)
+            resumed_wandb_id = state.extra.get("wandb_run_id")
+        total, start_step = trainer.total_steps, trainer.step
+        monitor = RunMonitor(
+            cfg, topo, trainer.tokens_per_step, total, start_step, resumed_wandb_id
+        )
+        for msg in launcher_disagreements(cfg, dict(os.environ)):
+            monitor.say(f"warning: {msg}")
+        if resume_path is not None:
+            monitor.say(f"resumed from {resume_path} (step {trainer.step})")
+        if topo.is_main:
+            _write_run_files(cfg, trainer)
+        monitor.say(
+            f"training {total} steps, {trainer.tokens_per_step} tokens/step, world "
+            f"{topo.world_size} (ep {topo.ep_size}, zero {cfg.parallel.zero_stage}, {topo.backend})"
+        )
+        log = Periodic(t.log_every, also=(start_step + 1, total))
+        evaluate = Periodic(t.eval_every, also=(total,) if t.eval_every > 0 else ())
+        save = Periodic(c.save_every_steps, also=(total,))
+        save_clock = Clock(c.save_every_minutes)
+        it = iter(train_loader)
+        start = time.perf_counter()
+        first_loss = last_loss = eval_loss = None
+        stopped_by: str | None = None
+        while trainer.step < total:
+            t0 = time.perf_counter()
+            micro = _take(it, t.grad_accum_steps)
+            data_s = time.perf_counter() - t0
+            rec = trainer.train_step(micro)
+            first_loss = rec["loss"] if first_loss is None else first_loss
+            last_loss = rec["loss"]
+            monitor.step_done(rec, data_s, log=log.due(trainer.step))
+            if evaluate.due(trainer.step):
+                eval_loss = trainer.evaluate(loader("val").iter_eval(t.eval_steps))
+                monitor.eval_done(trainer.step, eval_loss)
+            signalled, time_due = agree_any(topo, [stop.received is not None, save_clock.due()])
+            if signalled or time_due or save.due(trainer.step):
+                path = ckpt.save(
+                    trainer, train_loader, extra={"wandb_run_id": monitor.wandb_run_id}
+                )
+                save_clock.reset()
+                monitor.say(f"saved {path}")
+            if signalled:
+                stopped_by = "signal"
+                monitor.say(f"stopping at step {trainer.step} on a signal (checkpoint saved)")
+                break
+        wall = time.perf_counter() - start
+        summary = {
+            "steps": trainer.step,
+            "first_loss": first_loss,
+            "final_loss": last_loss,
+            "eval_loss": eval_loss,
+            "tokens": trainer.tokens_seen,
+            "skipped_steps": trainer.skipped_steps,
+            "wall_s": wall,
+            "tokens_per_s": (trainer.step - start_step) * trainer.tokens_per_step / max(wall, 1e-9),
+            "run_dir": str(cfg.run_dir),
+            "resumed_from": str(resume_path) if resume_path else None,
+            "stopped_by": stopped_by,
+        }
+        monitor.summary(summary)
+        if first_loss is not None:
+            monitor.say(
+                f"done: step {trainer.step}, loss {first_loss:.4f} -> {last_loss:.4f}, "
+                f"{summary['tokens_per_s']:,.0f} tok/s"
+            )
+        return summary
+    finally:
+        stop.restore()
+        if monitor is not None:
+            monitor.close()
+        shutdown(topo)

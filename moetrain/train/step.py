@@ -1,0 +1,206 @@
+"""One optimizer step: ``train.grad_accum_steps`` micro-steps on every rank, the skip decision
+for non-finite gradients, the aux-loss-free bias update, and the step's statistics.
+
+The loss is cross-entropy plus the MoE losses; DeepSpeed divides it by the accumulation steps,
+reduces gradients (dense weights over every rank, expert weights over their expert-data-parallel
+group), clips and steps. The per-expert loads of the step are summed over every rank and passed
+to ``Router.update_bias``, so the aux-loss-free bias stays identical everywhere; the loads, the
+per-layer statistics and the loss sums travel in one all-reduce.
+
+Non-finite gradients: every rank takes the same decision, because it comes from a norm that is
+all-reduced over every rank (ZeRO-1/2: DeepSpeed's overflow check on the global norm skips the
+step and counts it in ``engine.skipped_steps``; stage 0: moetrain's global norm, and the step is
+skipped by dropping every gradient so AdamW leaves weights and moments alone). A skipped step
+still consumes its data; the bias is not updated; after ``train.max_nonfinite_in_a_row``
+skipped steps in a row training stops with an error.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.monitor.console import Printer, console
+from moetrain.parallel.deepspeed import clip_grad_norm_global, global_grad_norm
+
+Batch = dict[str, torch.Tensor]
+
+
+class StepStats:
+    """Sums over the micro-batches of one step on this rank: loss / CE / MoE loss, and per MoE
+    layer the expert loads and (dropped, entropy, aux, z, routed copies)."""
+
+    def __init__(self, n_layers: int, device: torch.device) -> None:
+        self.n_layers, self.device = n_layers, device
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.layer_sums = torch.zeros(5, n_layers, dtype=torch.float64, device=device)
+        self.loads: torch.Tensor | None = None
+
+    def add(self, out: Any, routed: int) -> None:
+        """One micro-batch's model output; ``routed`` = its tokens x top_k."""
+        self.sums += torch.stack([out.loss.detach(), out.ce_loss.detach(), out.moe_loss.detach()])
+        if not out.moe:
+            return
+        step_loads = torch.stack([m.tokens_per_expert_E for m in out.moe]).double()
+        self.loads = step_loads if self.loads is None else self.loads + step_loads
+        self.layer_sums += torch.stack(
+            [
+                torch.stack([m.dropped.double() for m in out.moe]),
+                torch.stack([m.entropy.detach().double() for m in out.moe]),
+                torch.stack([m.aux_loss.detach().double() for m in out.moe]),
+                torch.stack([m.z_loss.detach().double() for m in out.moe]),
+                torch.full(
+                    (self.n_layers,), float(routed), dtype=torch.float64, device=self.device
+                ),
+            ]
+        )
+
+    def all_reduce(self, world_size: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Sum over every rank in one all-reduce -> ``(loads (layers, E) or None,
+        layer sums (5, layers), loss sums (3,))``."""
+        parts = [self.layer_sums.reshape(-1), self.sums]
+        if self.loads is not None:
+            parts.insert(0, self.loads.reshape(-1))
+        flat = torch.cat(parts)
+        if world_size > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        n_loads = 0 if self.loads is None else self.loads.numel()
+        loads = None if self.loads is None else flat[:n_loads].view_as(self.loads)
+        layers = flat[n_loads : n_loads + self.layer_sums.numel()].view_as(self.layer_sums)
+        return loads, layers, flat[n_loads + self.layer_sums.numel() :]
+
+
+class SkipCounter:
+    """Counts skipped (non-finite) steps; raises after ``limit`` in a row."""
+
+    def __init__(self, limit: int, printer: Printer = console) -> None:
+        self.limit, self.printer = limit, printer
+        self.in_a_row = 0
+
+    def update(self, skipped: bool, step: int, loss: float, grad_norm: float, main: bool) -> None:
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        if main:
+            self.printer(
+                f"step {step}: skipped (loss {loss}, grad norm {grad_norm}); "
+                f"{self.in_a_row} in a row"
+            )
+        if self.in_a_row >= self.limit:
+            raise FloatingPointError(
+                f"{self.in_a_row} optimizer steps in a row had non-finite gradients "
+                f"(step {step}, train.max_nonfinite_in_a_row={self.limit}); lower optim.lr, "
+                "check the data, or use train.precision=fp32/bf16"
+            )
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _clip_stage0(trainer: Any) -> tuple[float, bool]:
+    """Stage 0: DeepSpeed's norm is wrong under EP (issue #8475), so moetrain clips with the
+    global norm itself; a non-finite norm drops every gradient. -> ``(norm, skipped)``."""
+    clip = trainer.cfg.optim.grad_clip
+    if clip > 0:
+        norm = clip_grad_norm_global(trainer.model, clip, trainer.topo)
+    else:
+        norm = float(global_grad_norm(trainer.model, trainer.topo))
+    if math.isfinite(norm):
+        return norm, False
+    for p in trainer.model.parameters():
+        p.grad = None
+    return norm, True
+
+
+def run_step(
+    trainer: Any,
+    micro_batches: Iterable[Batch],
+    before_step: Callable[[Any], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``grad_accum_steps`` micro-steps and one optimizer step of ``trainer``
+    (:class:`~moetrain.train.trainer.Trainer`); return the step's record.
+
+    ``before_step(trainer)`` runs after the last backward (gradients reduced, not yet clipped)
+    and before the optimizer step (tests read or poison gradients there).
+    """
+    cfg, topo, engine = trainer.cfg, trainer.topo, trainer.engine
+    engine.train()
+    accum = cfg.train.grad_accum_steps
+    stats = StepStats(len(trainer.moe_layer_ids), topo.device)
+    n = 0
+    lr = float(trainer.schedule.get_last_lr()[0])
+    grad_norm: float | None = None
+    skipped_before = engine.skipped_steps
+    skip_stage0 = False
+    t_fwd_bwd = t_step = 0.0
+    for batch in micro_batches:
+        n += 1
+        t0 = _now(topo.device)
+        batch = {k: v.to(topo.device, non_blocking=True) for k, v in batch.items()}
+        out = trainer.forward(batch)
+        engine.backward(out.loss)
+        stats.add(out, batch["input_ids"].numel() * cfg.moe.top_k)
+        t1 = _now(topo.device)
+        t_fwd_bwd += t1 - t0
+        if n == accum:
+            if before_step is not None:
+                before_step(trainer)
+            if cfg.parallel.zero_stage == 0:
+                grad_norm, skip_stage0 = _clip_stage0(trainer)
+        engine.step()
+        t_step += _now(topo.device) - t1 if n == accum else 0.0
+    if n != accum:
+        raise ValueError(f"train_step got {n} micro-batches, expected {accum}")
+    skipped = skip_stage0 or engine.skipped_steps > skipped_before
+    if grad_norm is None:
+        norm = engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else float("nan")
+
+    loads, layers, sums = stats.all_reduce(topo.world_size)
+    micro_total = accum * topo.world_size
+    if loads is not None and not skipped:
+        for router, load_E in zip(trainer.routers, loads, strict=True):
+            router.update_bias(load_E.float())
+    loss, ce, moe = (sums / micro_total).tolist()
+
+    trainer.step += 1
+    trainer.tokens_seen += trainer.tokens_per_step
+    if skipped:
+        trainer.skipped_steps += 1
+    trainer.skips.update(skipped, trainer.step, loss, grad_norm, topo.is_main)
+    rec: dict[str, Any] = {
+        "step": trainer.step,
+        "loss": loss,
+        "ce_loss": ce,
+        "moe_loss": moe,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens": trainer.tokens_seen,
+        "skipped": skipped,
+        "skipped_steps": trainer.skipped_steps,
+        "time/fwd_bwd_s": t_fwd_bwd,
+        "time/optimizer_s": t_step,
+    }
+    if loads is not None:
+        rec["moe_layers"] = {
+            layer: {
+                "tokens_per_expert": loads[i].tolist(),
+                "dropped": float(layers[0, i]),
+                "dropped_frac": float(layers[0, i] / layers[4, i].clamp_min(1)),
+                "entropy": float(layers[1, i] / micro_total),
+                "aux_loss": float(layers[2, i] / micro_total),
+                "z_loss": float(layers[3, i] / micro_total),
+                "expert_bias": trainer.routers[i].expert_bias.tolist(),
+            }
+            for i, layer in enumerate(trainer.moe_layer_ids)
+        }
+    return rec
