@@ -81,15 +81,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from moetrain.checkpoint.catalog import resolve_checkpoint
     from moetrain.generate import generate_text
 
-    completion = generate_text(
-        resolve_checkpoint(args.path),
-        args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
+    sampling = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
+    options = {name: getattr(args, name) for name in sampling}
+    completion = generate_text(resolve_checkpoint(args.path), args.prompt, **options)
     print(args.prompt + completion)
     return 0
 

@@ -75,16 +75,10 @@ def build_hf_tokenizer(model_path: str | Path):  # noqa: ANN201 (PreTrainedToken
         )
         if i >= 0
     }
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=hf,
-        add_bos_token=False,
-        add_eos_token=False,
-        clean_up_tokenization_spaces=False,
-        split_special_tokens=True,
-        model_max_length=int(1e30),
-        **special,
-    )
-    return fast
+    # ids exactly as in training: no BOS/EOS added, special pieces in text stay text
+    as_trained = {"add_bos_token": False, "add_eos_token": False, "split_special_tokens": True}
+    untouched = {"clean_up_tokenization_spaces": False, "model_max_length": int(1e30)}
+    return PreTrainedTokenizerFast(tokenizer_object=hf, **as_trained, **untouched, **special)
 
 
 def export_tokenizer(model_path: str | Path, out_dir: str | Path) -> list[Path]:

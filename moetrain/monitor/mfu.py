@@ -20,36 +20,51 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-# Dense TFLOP/s per device by math type. "fp32" is the non-tensor-core rate (torch's default for
-# fp32 matmuls); "tf32" applies when torch.backends.cuda.matmul.allow_tf32 is on. fp16 equals
-# bf16 wherever bf16 exists.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "B200": {"bf16": 2250.0, "tf32": 1100.0, "fp32": 75.0},
-    "H200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "H200 NVL": {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0},
-    "GH200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "H100 SXM": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "H100 NVL": {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0},
-    "H100 PCIe": {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2},
-    "H800": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "A100": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},  # 40 GB and 80 GB, SXM and PCIe
-    "A800": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "A10G": {"bf16": 70.0, "tf32": 35.0, "fp32": 31.2},
-    "A10": {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2},
-    "L40S": {"bf16": 362.0, "tf32": 183.0, "fp32": 91.6},
-    "L40": {"bf16": 181.0, "tf32": 90.5, "fp32": 90.5},
-    "L4": {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3},
-    "RTX A6000": {"bf16": 154.8, "tf32": 77.4, "fp32": 38.7},
-    "RTX 4090": {"bf16": 165.2, "tf32": 82.6, "fp32": 82.6},
-    "RTX 3090": {"bf16": 71.0, "tf32": 35.6, "fp32": 35.6},
-    "V100 SXM2": {"fp16": 125.0, "fp32": 15.7},  # no bf16 tensor cores
-    "V100 PCIe": {"fp16": 112.0, "fp32": 14.0},
-    "T4": {"fp16": 65.0, "fp32": 8.1},
-    "MI300X": {"bf16": 1307.4, "tf32": 653.7, "fp32": 163.4},
-    "MI325X": {"bf16": 1307.4, "tf32": 653.7, "fp32": 163.4},
-    "MI250X": {"bf16": 383.0, "fp32": 95.7},
-    "MI250": {"bf16": 362.1, "fp32": 90.5},
-}
+# Dense TFLOP/s per device by math type (vendor datasheets, no 2:4 sparsity). "fp32" is the
+# non-tensor-core rate (torch's default for fp32 matmuls); "tf32" applies when
+# torch.backends.cuda.matmul.allow_tf32 is on; fp16 equals bf16 wherever bf16 exists, so the fp16
+# column is only filled where there is no bf16. "-": the device has no such rate.
+_PEAK_TABLE = """
+device      bf16    tf32    fp32   fp16
+B200        2250.0  1100.0  75.0   -
+H200        989.4   494.7   66.9   -
+H200 NVL    835.0   417.5   60.0   -
+GH200       989.4   494.7   66.9   -
+H100 SXM    989.4   494.7   66.9   -
+H100 NVL    835.0   417.5   60.0   -
+H100 PCIe   756.0   378.0   51.2   -
+H800        989.4   494.7   66.9   -
+A100        312.0   156.0   19.5   -
+A800        312.0   156.0   19.5   -
+A10G        70.0    35.0    31.2   -
+A10         125.0   62.5    31.2   -
+L40S        362.0   183.0   91.6   -
+L40         181.0   90.5    90.5   -
+L4          121.0   60.0    30.3   -
+RTX A6000   154.8   77.4    38.7   -
+RTX 4090    165.2   82.6    82.6   -
+RTX 3090    71.0    35.6    35.6   -
+V100 SXM2   -       -       15.7   125.0
+V100 PCIe   -       -       14.0   112.0
+T4          -       -       8.1    65.0
+MI300X      1307.4  653.7   163.4  -
+MI325X      1307.4  653.7   163.4  -
+MI250X      383.0   -       95.7   -
+MI250       362.1   -       90.5   -
+"""  # A100 / A800: 40 GB and 80 GB, SXM and PCIe
+
+
+def _parse_peaks(table: str) -> dict[str, dict[str, float]]:
+    header, *rows = table.strip().splitlines()
+    columns = header.split()[1:]
+    out = {}
+    for row in rows:
+        device, *values = re.split(r"\s{2,}", row.strip())  # names may hold one space
+        out[device] = {c: float(v) for c, v in zip(columns, values, strict=True) if v != "-"}
+    return out
+
+
+PEAK_TFLOPS: dict[str, dict[str, float]] = _parse_peaks(_PEAK_TABLE)
 
 # (pattern on the device name, table key); first match wins, so specific names come first.
 _NAME_PATTERNS: list[tuple[str, str]] = [
