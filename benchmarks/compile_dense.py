@@ -8,7 +8,7 @@ One process, fp32, the shape of ``benchmarks/train_throughput.py`` (vocab 8192, 
 in the compiled one every block's ``attn_norm``, ``attn`` and ``ffn_norm`` are compiled in place
 (``nn.Module.compile``; the MoE FFN, whose routing is data-dependent, stays eager). The two
 alternate step by step. Reported: the first step's wall time (includes compilation; inductor
-caches it in /tmp between runs), the median CPU time of forward + backward over ``--steps``
+caches it on disk between runs), the median CPU time of forward + backward over ``--steps``
 steps, the median of the paired ratios, and the largest relative gradient difference.
 """
 

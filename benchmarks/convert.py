@@ -78,7 +78,7 @@ def child(ckpt: str, out: str, dtype: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--work", default="/tmp/moetrain-bench-convert")
+    ap.add_argument("--work", default="runs/bench-convert")
     ap.add_argument("--child", nargs=3)
     args = ap.parse_args()
     if args.child:

@@ -4,7 +4,7 @@ also moetrain without a cache (full recompute every token) as a reference.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/generate.py HF_DIR [--new 64] [--repeats 3]
 
-HF_DIR: e.g. /tmp/moetrain-bench-convert/hf-fp32 written by benchmarks/convert.py. EOS is
+HF_DIR: e.g. runs/bench-convert/hf-fp32 written by benchmarks/convert.py. EOS is
 disabled on both sides so every run produces exactly ``--new`` tokens.
 """
 

@@ -6,8 +6,8 @@
     .venv/bin/python benchmarks/train_throughput.py --shape vocab32k   # another shape (below)
     .venv/bin/python benchmarks/train_throughput.py --shape shared --cases moetrain hf-qwen2-moe
 
-Same shape for every case. ``--shape bench`` (the default, the distributed-training issue's
-benchmark): vocab 8192, d 256, 4 layers, 4 heads, 2 kv heads, 8 experts, top-2, expert hidden
+Same shape for every case. ``--shape bench`` (the default, the targets'
+shape): vocab 8192, d 256, 4 layers, 4 heads, 2 kv heads, 8 experts, top-2, expert hidden
 512, seq 256, micro-batch 4 per rank, fp32, AdamW, clipping 1.0, aux loss 0.01, one thread per
 rank, 2 ranks. Other shapes change only what their name says, keeping the active FLOPs of the
 experts: ``vocab32k`` Mixtral's 32000-token vocabulary; ``fine`` fine-grained experts as in
@@ -111,7 +111,7 @@ def moetrain_trainer(ep: int, overrides: list[str], shape: dict = SHAPE):
             "optim.grad_clip=1.0",
             "optim.warmup_steps=0",
             "optim.schedule=constant",
-            "run_dir=/tmp/moetrain-bench-unused",
+            "run_dir=runs/bench-unused",  # nothing is written there
             *_shared_expert_overrides(s),
             *overrides,
         ],

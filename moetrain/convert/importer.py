@@ -21,6 +21,7 @@ from moetrain.checkpoint.write import write_checkpoint
 from moetrain.config import Config
 from moetrain.convert.formats import MODEL_TYPES, config_from_hf
 from moetrain.convert.hf import from_hf_state_dict
+from moetrain.data.tokenizer import MODEL_FILE
 
 _EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.")
 
@@ -68,7 +69,7 @@ def import_hf_checkpoint(hf_dir: str | Path, ckpt_dir: str | Path, step: int = 0
     Face model directory; returns ``ckpt_dir``. Reads one expert layer at a time."""
     hf_dir = Path(hf_dir)
     cfg, fmt = read_hf_config(hf_dir)
-    tok = hf_dir / "tokenizer.model"
+    tok = hf_dir / MODEL_FILE
     return write_checkpoint(
         ckpt_dir,
         cfg,

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from moetrain.data.errors import DataError
-from moetrain.data.tokenizer import Tokenizer
+from moetrain.data.tokenizer import MODEL_FILE, Tokenizer
 
 SPIECE_UNDERLINE = "\u2581"
 
@@ -97,6 +97,6 @@ def export_tokenizer(model_path: str | Path, out_dir: str | Path) -> list[Path]:
     )
     cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
     src = Tokenizer(model_path).path
-    shutil.copyfile(src, out_dir / "tokenizer.model")
-    written.append(out_dir / "tokenizer.model")
+    shutil.copyfile(src, out_dir / MODEL_FILE)  # the SentencePiece model, for slow tokenizers
+    written.append(out_dir / MODEL_FILE)
     return sorted(set(written))
