@@ -29,6 +29,7 @@ import yaml
 from torch import nn
 
 from moetrain.config import Config
+from moetrain.model.attention import attention_report
 from moetrain.monitor.mfu import perf_metrics, resolve_peak
 from moetrain.monitor.moe_health import (
     DeadExpertWatch,
@@ -37,6 +38,7 @@ from moetrain.monitor.moe_health import (
     load_matrix,
     moe_health_metrics,
 )
+from moetrain.monitor.step_timer import StepTimer
 from moetrain.monitor.wandb_run import WandbSink
 from moetrain.parallel.deepspeed import (
     clip_grad_norm_global,
@@ -160,10 +162,10 @@ class Trainer:
         grad_norm: float | None = None
         skipped_before = self.engine.skipped_steps
         skip_stage0 = False
-        t_fwd_bwd = t_step = 0.0
+        timer = StepTimer(dev)
         for batch in micro_batches:
             n += 1
-            t0 = self._now()
+            timer.start()
             batch = self._to_device(batch)
             out = self._forward(batch)
             self.engine.backward(out.loss)
@@ -181,8 +183,7 @@ class Trainer:
                         torch.full((n_layers,), float(routed), dtype=torch.float64, device=dev),
                     ]
                 )
-            t1 = self._now()
-            t_fwd_bwd += t1 - t0
+            timer.lap("fwd_bwd")
             if n == accum:
                 if before_step is not None:
                     before_step(self)
@@ -198,7 +199,8 @@ class Trainer:
                         for p in self.model.parameters():
                             p.grad = None
             self.engine.step()
-            t_step += self._now() - t1 if n == accum else 0.0
+            if n == accum:
+                timer.lap("optimizer")
         if n != accum:
             raise ValueError(f"train_step got {n} micro-batches, expected {accum}")
         skipped = skip_stage0 or self.engine.skipped_steps > skipped_before
@@ -222,6 +224,7 @@ class Trainer:
                     router.update_bias(load_E.float())
         stats = flat[n_loads : n_loads + layer_sums.numel()].view_as(layer_sums)
         loss, ce, moe = (flat[n_loads + layer_sums.numel() :] / micro_total).tolist()
+        times = timer.read()  # after the step's results reached the host: no extra wait
 
         self.step += 1
         self.tokens_seen += self.tokens_per_step
@@ -236,8 +239,8 @@ class Trainer:
             "tokens": self.tokens_seen,
             "skipped": skipped,
             "skipped_steps": self.skipped_steps,
-            "time/fwd_bwd_s": t_fwd_bwd,
-            "time/optimizer_s": t_step,
+            "time/fwd_bwd_s": times.get("fwd_bwd", 0.0),
+            "time/optimizer_s": times.get("optimizer", 0.0),
         }
         if loads is not None:
             rec["moe_layers"] = {
@@ -253,11 +256,6 @@ class Trainer:
                 for i, layer in enumerate(self.moe_layer_ids)
             }
         return rec
-
-    def _now(self) -> float:
-        if self.topo.device.type == "cuda":
-            torch.cuda.synchronize(self.topo.device)
-        return time.perf_counter()
 
     def _count_skipped(self, skipped: bool, loss: float, grad_norm: float) -> None:
         if not skipped:
@@ -504,6 +502,8 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
             micro = _take(it, t.grad_accum_steps)
             data_s = time.perf_counter() - t0
             rec = trainer.train_step(micro)
+            if topo.is_main and trainer.step == start_step + 1:
+                print(f"moetrain: attention: {attention_report(trainer.model)}", flush=True)
             meter.step()
             first_loss = rec["loss"] if first_loss is None else first_loss
             last_loss = rec["loss"]
