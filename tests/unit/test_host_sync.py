@@ -51,7 +51,9 @@ def test_count_experts_equals_bincount() -> None:
         expected = torch.bincount(ids.reshape(-1), minlength=bins)
         got = count_experts(ids, bins)
         assert got.dtype == torch.int64 and torch.equal(got, expected)
-    assert torch.equal(count_experts(torch.zeros(0, 2, dtype=torch.int64), 3), torch.zeros(3).long())
+    assert torch.equal(
+        count_experts(torch.zeros(0, 2, dtype=torch.int64), 3), torch.zeros(3).long()
+    )
 
 
 def test_dropless_hint_gives_the_same_permutation_bit_for_bit() -> None:

@@ -146,7 +146,9 @@ def _fake_fused_adam(monkeypatch: pytest.MonkeyPatch, error: Exception | None) -
                 raise error
             super().__init__(groups, weight_decay=weight_decay, **kw)
 
-    monkeypatch.setitem(sys.modules, "deepspeed.ops.adam", types.SimpleNamespace(FusedAdam=FusedAdam))
+    monkeypatch.setitem(
+        sys.modules, "deepspeed.ops.adam", types.SimpleNamespace(FusedAdam=FusedAdam)
+    )
 
 
 @pytest.mark.parametrize("builds", [True, False], ids=["fused_adam", "build_fails"])
