@@ -108,3 +108,16 @@ def test_dropless_layer_has_no_host_sync(kw: dict, recompute: bool) -> None:
 def test_capacity_layer_syncs_once_for_the_kept_rows() -> None:
     assert _count(_layer(capacity_factor=1.0)) == {"_local_scalar_dense": 1}
     assert _count(_layer(capacity_factor=1.0), recompute=True) == {"_local_scalar_dense": 2}
+
+
+def test_experts_without_rows_read_no_counts() -> None:
+    """An expert-parallel rank that receives no rows takes the loop without reading counts."""
+    from moetrain.model.moe.experts import GroupedExperts
+
+    experts = GroupedExperts(4, D, 16)
+    torch.nn.init.normal_(experts.w13)
+    with HostSyncCounter() as c:
+        y = experts(torch.zeros(0, D), torch.zeros(4, dtype=torch.int64))
+        y.sum().backward()
+    assert c.counts == {} and y.shape == (0, D) and experts.path == "loop: no tokens"
+    assert torch.all(experts.w13.grad == 0)

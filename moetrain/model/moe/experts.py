@@ -191,7 +191,8 @@ class GroupedExperts(nn.Module):
     def _forward_loop(
         self, x_ND: torch.Tensor, counts_L: torch.Tensor, weights_N: torch.Tensor | None
     ) -> torch.Tensor:
-        splits = counts_L.tolist()
+        # no rows: every count is 0, known without reading them (a host sync on CUDA)
+        splits = counts_L.tolist() if x_ND.shape[0] else [0] * counts_L.shape[0]
         xs = torch.split(x_ND, splits)
         ws = [None] * len(xs) if weights_N is None else torch.split(weights_N, splits)
         outs = []
