@@ -1,22 +1,38 @@
-"""One prepared GPU run (H200, ~8 minutes): correctness vs CPU fp32, grouped GEMM vs per-expert
-loop, bf16 MoE training throughput and MFU, planner memory vs measured, NCCL sanity.
+"""One prepared GPU run (H200, ~5 minutes): what moetrain's trainer runs, measured, plus the
+checks that only a GPU can make for the CUDA paths (kernel choices, host syncs, timing).
 
     python3 benchmarks/gpu_h200.py                      # on the GPU machine (see README-gpu.md)
     .venv/bin/python benchmarks/gpu_h200.py --dry-run   # tiny shapes on CPU, same code paths
 
-Sections (each recorded in the JSON even when it fails, with the error):
+``preflight`` first: torch and CUDA versions, device name and compute capability, the bf16 peak
+read from the device name (moetrain.monitor.mfu's table), deepspeed, ``F.grouped_mm`` and the
+grouped-GEMM guard's decision for the training shape. A missing required piece (no CUDA device,
+no ``F.grouped_mm``, no deepspeed, a device the peak table lacks) stops the run at once with
+exit code 2 and the list on stderr. Then the sections (each recorded in the JSON even when it
+fails, with the error):
+
 1. ``correctness``: a tiny model built in fp32 on CPU; the same weights on the device in bf16
    (and fp32, tf32 off); logits relative error ||dev - cpu|| / ||cpu|| and loss difference
    against stated tolerances.
 2. ``grouped_gemm``: moetrain's GroupedExperts fwd+bwd with ``grouped_mm=True`` vs the
-   per-expert loop, same weights and routed tokens, CUDA-event median.
+   per-expert loop, same weights and routed tokens, CUDA-event median; the path that ran
+   (``GroupedExperts.path``), which must be grouped GEMM where the guard allows it; experts
+   without tokens get exactly zero weight gradients (PyTorch issue 172439 on sm100); an expert
+   hidden size torch's kernel refuses (F = 1436) runs through the loop instead of raising.
 3. ``matmul``: the measured bf16 matmul ceiling (8192^3, random data).
-4. ``train``: a ~0.9B-total-parameter MoE (``TRAIN_SHAPE``) trained in bf16 through moetrain's
-   DeepSpeed engine (``moetrain.parallel.deepspeed.initialize_engine``, ZeRO-1, EP=1) when
-   deepspeed imports, else a bf16 model with torch AdamW on fp32 master weights (the JSON says
-   which). Tokens/s, MFU = model FLOP/s (moetrain.numbers) / table peak (moetrain.monitor.mfu)
-   and vs the measured matmul ceiling, peak memory vs ``moetrain.plan``.
-5. ``nccl``: all_reduce on one rank (value check and a 256 MiB timing).
+4. ``attention``: one attention layer with a document mask and grouped K/V (16 query heads, 4
+   K/V heads, S 2048): the SDPA kernel torch picked (must not be the math kernel on CUDA),
+   peak memory of fwd+bwd against the math kernel forced, outputs against the grouped call.
+5. ``host_syncs``: one MoE layer (training shape, bf16, EP=1) fwd+bwd under
+   ``torch.cuda.set_sync_debug_mode("warn")``: synchronizing CUDA calls, dropless (0 expected)
+   and with a capacity factor (1: the kept-row count), next to the CPU op counter's numbers.
+6. ``train``: a ~0.9B-total-parameter MoE (``TRAIN_SHAPE``) through moetrain's own
+   ``Trainer.train_step`` (DeepSpeed ZeRO-1, EP=1, bf16, chunked loss): tokens/s, MFU against
+   the device's table peak and the measured matmul; peak memory of the steps (reset after the
+   build) against ``moetrain.plan``; the step timer's split against synchronized wall time;
+   ``torch.cuda.synchronize`` calls during the steps by caller (none from moetrain); the
+   attention kernel and the experts' path the trainer ran.
+7. ``nccl``: all_reduce on one rank (value check and a 256 MiB timing).
 
 Results go to ``$OUT/gpu_h200.json`` (``--out`` overrides; default ./gpu_h200_out) and a
 summary is printed last.
@@ -26,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import socket
@@ -33,18 +50,21 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moetrain.config import Config, apply_overrides, config_from_dict  # noqa: E402
 from moetrain.model import GroupedExperts, Transformer  # noqa: E402
-from moetrain.model.moe.experts import grouped_mm_supported  # noqa: E402
+from moetrain.model.moe.gemm_guard import grouped_mm_refusal  # noqa: E402
 from moetrain.numbers import model_numbers  # noqa: E402
 
 TINY = {
@@ -81,6 +101,8 @@ DRY_TRAIN_SHAPE = {**TINY, "train.precision": "fp32", "parallel.zero_stage": 1}
 LOGITS_RTOL_BF16 = 3e-2  # bf16 operands through 2 layers; near-tie routing may flip a few tokens
 LOSS_ATOL_BF16 = 2e-2
 LOGITS_RTOL_FP32 = 1e-4
+ATTN_RTOL_BF16 = 2e-2  # expanded vs grouped K/V in bf16: different kernels, same math
+TIMER_VS_WALL = (0.85, 1.05)  # the timer's fwd_bwd + optimizer over the synchronized step time
 
 
 def make_config(overrides: dict[str, Any]) -> Config:
@@ -90,6 +112,11 @@ def make_config(overrides: dict[str, Any]) -> Config:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def timed(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 2) -> list[float]:
@@ -110,6 +137,63 @@ def timed(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 
             fn()
             out.append(time.perf_counter() - t0)
     return out
+
+
+def peak_memory(device: torch.device, fn: Callable[[], Any]) -> int | None:
+    """Bytes allocated at the peak of ``fn`` above what was allocated before (CUDA only)."""
+    if device.type != "cuda":
+        fn()
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    sync(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+# --------------------------------------------------------------------------- preflight
+
+
+def preflight(dry: bool) -> tuple[dict[str, Any], list[str]]:
+    """What this machine has, and the required pieces it lacks (empty: go)."""
+    from moetrain.monitor.mfu import lookup_peak_tflops, match_device
+
+    cuda = torch.cuda.is_available()
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if cuda and not dry else "cpu",
+        "capability": list(torch.cuda.get_device_capability()) if cuda and not dry else None,
+        "grouped_mm_available": hasattr(F, "grouped_mm"),
+    }
+    missing = []
+    if not dry and not cuda:
+        missing.append("a CUDA device (use --dry-run on CPU)")
+    if not info["grouped_mm_available"]:
+        missing.append(f"torch.nn.functional.grouped_mm (torch {torch.__version__})")
+    try:
+        import deepspeed
+
+        info["deepspeed"] = deepspeed.__version__
+    except Exception as exc:  # noqa: BLE001 - any import failure is a missing piece
+        info["deepspeed"] = None
+        missing.append(f"deepspeed, which the trainer needs ({exc!r})")
+    if not dry and cuda:
+        info["peak_table_key"] = match_device(info["device"])
+        info["peak_bf16_tflops"] = lookup_peak_tflops(info["device"], "bf16")
+        if info["peak_bf16_tflops"] is None:
+            missing.append(f"a bf16 peak for {info['device']!r} in moetrain.monitor.mfu")
+    cfg = make_config(DRY_TRAIN_SHAPE if dry else TRAIN_SHAPE)
+    cap = info["capability"]
+    info["grouped_mm_refusal"] = grouped_mm_refusal(
+        device_type="cpu" if dry else "cuda",
+        dtype=torch.float32 if dry else torch.bfloat16,
+        d_model=cfg.model.d_model,
+        hidden=cfg.moe.expert_hidden,
+        capability=tuple(cap) if cap else None,
+    )
+    return info, missing
 
 
 # --------------------------------------------------------------------------- sections
@@ -146,13 +230,17 @@ def correctness(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     return res
 
 
+def _experts(e: int, d: int, f: int, device: torch.device, dtype: torch.dtype) -> GroupedExperts:
+    mod = GroupedExperts(e, d, f, grouped_mm=True).to(device)
+    for w in (mod.w13, mod.w2):
+        torch.nn.init.normal_(w, std=0.02)
+    return mod.to(dtype)
+
+
 def grouped_gemm(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, Any]:
     e, d, f, tokens, k = (4, 64, 128, 512, 2) if dry else (8, 2048, 1792, 16384, 2)
     torch.manual_seed(1)
-    fast = GroupedExperts(e, d, f, grouped_mm=True).to(device)
-    for w in (fast.w13, fast.w2):
-        torch.nn.init.normal_(w, std=0.02)
-    fast = fast.to(dtype)
+    fast = _experts(e, d, f, device, dtype)
     loop = copy.deepcopy(fast)
     loop.use_grouped_mm = False
     ids = torch.randint(0, e, (tokens * k,), device=device)
@@ -161,26 +249,51 @@ def grouped_gemm(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[st
     grad = torch.randn_like(x)
     outs = {}
 
-    def step(mod: GroupedExperts) -> torch.Tensor:
+    def step(mod: GroupedExperts, cnt: torch.Tensor = counts) -> torch.Tensor:
         xi = x.detach().requires_grad_(True)
-        y = mod(xi, counts)
+        y = mod(xi, cnt)
         y.backward(grad)
         mod.zero_grad(set_to_none=True)
         return y
 
-    res: dict[str, Any] = {
-        "shape": {"E": e, "D": d, "F": f, "copies": tokens * k},
-        "grouped_mm_used": grouped_mm_supported(x, fast.w13),
-    }
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    refusal = grouped_mm_refusal(
+        device_type=device.type, dtype=dtype, d_model=d, hidden=f, capability=cap
+    )
+    res: dict[str, Any] = {"shape": {"E": e, "D": d, "F": f, "copies": tokens * k}}
     flops = 18.0 * tokens * k * d * f  # 3 matmuls, forward 2 + backward 4 FLOPs per MAC
     for name, mod in (("grouped", fast), ("loop", loop)):
         outs[name] = step(mod).detach()
         times = timed(lambda m=mod: step(m), device, reps=3 if dry else 20)
         med = statistics.median(times)
-        res[name] = {"median_s": med, "tflops": flops / med / 1e12}
+        res[name] = {"median_s": med, "tflops": flops / med / 1e12, "path": mod.path}
+    res["path"] = fast.path
+    res["guard_refusal"] = refusal
     res["speedup"] = res["loop"]["median_s"] / res["grouped"]["median_s"]
     res["rel_err_grouped_vs_loop"] = rel_err(outs["grouped"], outs["loop"])
-    res["ok"] = res["rel_err_grouped_vs_loop"] < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+    # experts 1 and 3 get no tokens: their weight gradients must be exactly zero
+    empty = torch.zeros(e, dtype=counts.dtype, device=device)
+    empty[0], empty[2] = tokens * k // 2, tokens * k - tokens * k // 2
+    xi = x.detach().requires_grad_(True)
+    fast(xi, empty).backward(grad)
+    res["zero_token_experts_max_abs_grad"] = max(
+        float(w.grad[i].abs().max()) for w in (fast.w13, fast.w2) for i in (1, 3)
+    )
+    fast.zero_grad(set_to_none=True)
+
+    # an expert hidden size whose activation rows are not 16-byte aligned in bf16
+    odd = _experts(e, d, 1436, device, dtype)
+    y_odd = odd(x[:64], torch.tensor([64] + [0] * (e - 1), device=device))
+    res["f1436"] = {"path": odd.path, "finite": bool(torch.isfinite(y_odd).all())}
+
+    res["ok"] = (
+        res["rel_err_grouped_vs_loop"] < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+        and (fast.path == "grouped_mm") == (refusal is None)
+        and res["zero_token_experts_max_abs_grad"] == 0.0
+        and res["f1436"]["finite"]
+        and (dtype != torch.bfloat16 or odd.path.startswith("loop: SwiGLU activation"))
+    )
     return res
 
 
@@ -196,137 +309,207 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[
     return {"n": n, "dtype": str(dtype), "median_s": med, "tflops": tflops, "ok": tflops > 0}
 
 
-def _engine_available(choice: str) -> tuple[bool, str]:
-    if choice == "torch":
-        return False, "torch AdamW on fp32 master weights (chosen with --engine torch)"
-    try:
-        import deepspeed  # noqa: F401
+def attention(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, Any]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        from moetrain.parallel.deepspeed import initialize_engine  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        if choice == "deepspeed":
-            raise
-        return False, f"torch AdamW on fp32 master weights (deepspeed unavailable: {exc!r})"
-    return True, "DeepSpeed engine via moetrain.parallel.deepspeed.initialize_engine"
+    from moetrain.model.attention import Attention, document_mask, rope_tables
+
+    b, s, heads, kv, hd = (2, 64, 4, 2, 16) if dry else (2, 2048, 16, 4, 128)
+    cfg = make_config(
+        {"model.d_model": heads * hd, "model.n_heads": heads, "model.n_kv_heads": kv}
+        | {"model.max_seq_len": s, "data.seq_len": s}
+    )
+    torch.manual_seed(2)
+    attn = Attention(cfg.model).to(device=device, dtype=dtype)
+    cos, sin = (t.to(device) for t in rope_tables(hd, s, cfg.model.rope_theta))
+    bounds = torch.tensor([0, s // 5, s // 2, s - s // 8])  # four documents per row
+    doc_ids = (torch.arange(s)[None, :, None] >= bounds).sum(-1).expand(b, s).to(device)
+    mask = document_mask(doc_ids, dtype)
+    x = torch.randn(b, s, heads * hd, device=device, dtype=dtype, requires_grad=True)
+
+    def fwd_bwd() -> torch.Tensor:
+        y = attn(x, cos, sin, mask)
+        y.float().square().mean().backward()
+        return y.detach()
+
+    out: dict[str, Any] = {"shape": {"B": b, "S": s, "H": heads, "G": kv, "Hd": hd}}
+    y = fwd_bwd()
+    out["kernel"] = attn.sdpa_kernel
+    out["peak_bytes"] = peak_memory(device, fwd_bwd)
+    if device.type == "cuda":
+        with sdpa_kernel(SDPBackend.MATH):
+            attn.sdpa_kernel = None
+            y_math = fwd_bwd()
+            out["math_peak_bytes"] = peak_memory(device, fwd_bwd)
+        out["rel_err_vs_math"] = rel_err(y, y_math)
+    ok_kernel = not out["kernel"].startswith("math") or device.type == "cpu"
+    out["ok"] = ok_kernel and out.get("rel_err_vs_math", 0.0) <= ATTN_RTOL_BF16
+    return out
 
 
-class MasterAdamW:
-    """Fallback: bf16 model, AdamW on fp32 master copies (what DeepSpeed's bf16 path does)."""
-
-    def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        o = cfg.optim
-        self.opt = torch.optim.AdamW(
-            self.master, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
-        )
-
-    def step(self) -> None:
-        for p, m in zip(self.params, self.master, strict=True):
-            m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
-            p.grad = None
-        torch.nn.utils.clip_grad_norm_(self.master, 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master, strict=True):
-                p.copy_(m)
-
-
-def train(device: torch.device, dry: bool, engine_choice: str, steps: int) -> dict[str, Any]:
-    from moetrain.monitor.mfu import lookup_peak_tflops
-    from moetrain.plan import plan
+def host_syncs(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, Any]:
+    from moetrain.model.moe.layer import MoELayer
+    from moetrain.monitor.host_sync import HostSyncCounter
 
     cfg = make_config(DRY_TRAIN_SHAPE if dry else TRAIN_SHAPE)
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    out: dict[str, Any] = {"tokens": tokens}
+    for name, cf in (("dropless", 0.0), ("capacity_1.25", 1.25)):
+        torch.manual_seed(3)
+        moe_cfg = dataclasses.replace(cfg.moe, capacity_factor=cf)
+        layer = MoELayer(moe_cfg, cfg.model.d_model).to(device=device, dtype=dtype)
+        layer.router.expert_bias.data = layer.router.expert_bias.float()
+        for w in (layer.experts.w13, layer.experts.w2, layer.router.gate.weight):
+            torch.nn.init.normal_(w, std=0.02)
+        x = torch.randn(1, tokens, cfg.model.d_model, device=device, dtype=dtype)
+
+        def run(layer: MoELayer = layer, x: torch.Tensor = x) -> None:
+            xi = x.detach().requires_grad_(True)
+            y, stats = layer(xi)
+            (y.float().square().mean() + stats.aux_loss).backward()
+
+        run()  # warm-up (allocator, kernels)
+        sync(device)
+        with HostSyncCounter() as ops:
+            run()
+        row: dict[str, Any] = {"ops": dict(ops.counts), "experts_path": layer.experts.path}
+        if device.type == "cuda":
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    run()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            row["cuda_syncs"] = sum("synchronizing" in str(w.message) for w in caught)
+        out[name] = row
+    drop = out["dropless"]
+    out["ok"] = drop["ops"] == {} and drop.get("cuda_syncs", 0) == 0
+    return out
+
+
+class SyncCalls:
+    """Counts ``torch.cuda.synchronize`` calls by the module that called it."""
+
+    def __init__(self) -> None:
+        self.by_caller: Counter[str] = Counter()
+        self._real: Any = None
+
+    def __enter__(self) -> SyncCalls:
+        self._real = torch.cuda.synchronize
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            frame = sys._getframe(1)
+            self.by_caller[frame.f_globals.get("__name__", "?")] += 1
+            return self._real(*args, **kwargs)
+
+        torch.cuda.synchronize = counted
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.synchronize = self._real
+
+
+def train(device: torch.device, dry: bool, steps: int, peak_tflops: float | None) -> dict[str, Any]:
+    from moetrain.model.attention import attention_report
+    from moetrain.parallel.topology import init_distributed
+    from moetrain.plan import plan
+    from moetrain.train.trainer import Trainer
+
+    warmup = 2
+    cfg = make_config(
+        (DRY_TRAIN_SHAPE if dry else TRAIN_SHAPE) | {"train.max_steps": steps + warmup + 1}
+    )
     nums = model_numbers(cfg)
-    use_ds, engine_desc = _engine_available(engine_choice)
-    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-    torch.manual_seed(cfg.seed)
+    trainer = Trainer(cfg, init_distributed(cfg))  # DeepSpeed engine, as `moetrain train` builds
+    sync(device)
+    res: dict[str, Any] = {"step": "moetrain.train.trainer.Trainer.train_step"}
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    with torch.device(device):
-        model = Transformer(cfg.model, cfg.moe)
-    if use_ds:
-        from moetrain.parallel.apply import apply_parallelism
-        from moetrain.parallel.deepspeed import deepspeed_config, initialize_engine
-        from moetrain.parallel.topology import init_distributed
-        from moetrain.train.optim import LRSchedule, build_optimizer
-
-        topo = init_distributed(cfg)
-        apply_parallelism(model, cfg.parallel, topo)
-        tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len
-        engine, *_ = initialize_engine(
-            model,
-            build_optimizer(model, cfg.optim, topo.device),
-            lambda opt: LRSchedule(opt, cfg.optim, steps + 2, tokens_per_step),
-            deepspeed_config(cfg, topo.world_size),
-        )
-
-        def fwd_bwd_step(ids: torch.Tensor, labels: torch.Tensor) -> float:
-            out = engine(ids, None, labels)
-            engine.backward(out.loss)
-            engine.step()
-            return out.loss.detach()
-
-    else:
-        model = model.to(dtype)
-        for layer in model.moe_layers():
-            layer.router.expert_bias.data = layer.router.expert_bias.float()
-        opt = MasterAdamW(model, cfg)
-
-        def fwd_bwd_step(ids: torch.Tensor, labels: torch.Tensor) -> float:
-            out = model(ids, labels_BS=labels)
-            out.loss.backward()
-            opt.step()
-            return out.loss.detach()
+        res["memory_after_build"] = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)  # the build (fp32 init, casts) does not count
 
     b, s, v = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.vocab_size
+    accum = cfg.train.grad_accum_steps
     gen = torch.Generator(device="cpu").manual_seed(0)
     batches = [
-        (torch.randint(0, v, (b, s), generator=gen), torch.randint(0, v, (b, s), generator=gen))
+        {"input_ids": torch.randint(0, v, (b, s), generator=gen)}
+        | {"labels": torch.randint(0, v, (b, s), generator=gen)}
         for _ in range(4)
     ]
-    batches = [(i.to(device), lab.to(device)) for i, lab in batches]
-    losses: list[float] = []
-    it = iter(range(10**9))
+    records: list[dict[str, Any]] = []
 
-    def one() -> None:
-        ids, labels = batches[next(it) % len(batches)]
-        losses.append(fwd_bwd_step(ids, labels))
+    def one(i: int) -> None:
+        records.append(trainer.train_step([batches[(i + j) % 4] for j in range(accum)]))
 
-    times = timed(one, device, reps=steps, warmup=2)
-    med = statistics.median(times)
-    tokens_per_s = b * s / med
-    peak_table = lookup_peak_tflops("H200", "bf16") or 989.4
+    for i in range(warmup):
+        one(i)
+    records.clear()
+    sync(device)
+    with SyncCalls() as calls:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            one(i)
+        sync(device)
+        wall = (time.perf_counter() - t0) / steps
+    timer_s = statistics.median(r["time/fwd_bwd_s"] + r["time/optimizer_s"] for r in records)
+    tokens_per_s = b * s * accum / wall
     achieved = tokens_per_s * nums.flops_per_token / 1e12
     pl = plan(cfg, gpus=1, gpu="h200")
     predicted = pl.model_state_bytes + pl.activations_bytes + pl.param_grad_transient_bytes
-    res: dict[str, Any] = {
-        "engine": engine_desc,
+    paths = sorted({layer.experts.path for layer in trainer.model.moe_layers()})
+    res |= {
         "shape": cfg.to_dict()["model"] | {"moe": cfg.to_dict()["moe"]},
         "micro_batch": [b, s],
+        "grad_accum_steps": accum,
         "precision": cfg.train.precision,
         "zero_stage": cfg.parallel.zero_stage,
+        "loss_chunk_tokens": cfg.model.loss_chunk_tokens,
         "total_params": nums.total_params,
         "active_params": nums.active_params,
         "flops_per_token": nums.flops_per_token,
-        "step_median_s": med,
-        "step_times_s": times,
+        "step_wall_s": wall,
         "tokens_per_s": tokens_per_s,
         "model_tflops": achieved,
-        "mfu_vs_table_peak": achieved / peak_table,
-        "table_peak_tflops": peak_table,
-        "losses": [float(x) for x in losses],
+        "timer_step_s": timer_s,
+        "timer_split_s": {k: records[-1][f"time/{k}_s"] for k in ("fwd_bwd", "optimizer")},
+        "timer_vs_wall": timer_s / wall,
+        "synchronize_calls": dict(calls.by_caller),
+        "attention_kernel": attention_report(trainer.model),
+        "experts_path": paths,
+        "losses": [r["loss"] for r in records],
         "plan_predicted_bytes": predicted,
         "plan_activations_bytes": pl.activations_bytes,
         "plan_model_state_bytes": pl.model_state_bytes,
     }
+    if peak_tflops:
+        res["peak_tflops"] = peak_tflops
+        res["mfu_vs_table_peak"] = achieved / peak_tflops
     if device.type == "cuda":
-        res["max_memory_allocated"] = torch.cuda.max_memory_allocated()
-        res["max_memory_reserved"] = torch.cuda.max_memory_reserved()
+        res["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        res["max_memory_reserved"] = torch.cuda.max_memory_reserved(device)
         res["plan_over_measured"] = predicted / res["max_memory_allocated"]
-    res["ok"] = all(torch.isfinite(torch.tensor(res["losses"])).tolist())
+    lo, hi = TIMER_VS_WALL
+    res["ok"] = (
+        all(torch.isfinite(torch.tensor(res["losses"])).tolist())
+        and not any(name.startswith("moetrain") for name in calls.by_caller)
+        and lo <= res["timer_vs_wall"] <= hi
+        and (paths == ["grouped_mm"] or bool(grouped_mm_refusal_live(trainer)))
+    )
     return res
+
+
+def grouped_mm_refusal_live(trainer: Any) -> str | None:
+    """The guard's reason for the trainer's experts (None: grouped GEMM must have run)."""
+    layer = trainer.model.moe_layers()[0]
+    w = layer.experts.w13
+    cap = torch.cuda.get_device_capability(w.device) if w.is_cuda else None
+    return grouped_mm_refusal(
+        device_type=w.device.type,
+        dtype=w.dtype,
+        d_model=w.shape[-2],
+        hidden=w.shape[-1] // 2,
+        capability=cap,
+    )
 
 
 def nccl(device: torch.device) -> dict[str, Any]:
@@ -352,31 +535,33 @@ def nccl(device: torch.device) -> dict[str, Any]:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU")
-    ap.add_argument("--engine", choices=["auto", "deepspeed", "torch"], default="auto")
     ap.add_argument("--steps", type=int, default=None, help="timed training steps")
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_h200_out"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dry = args.dry_run
-    if not dry and not torch.cuda.is_available():
-        print("no CUDA device: use --dry-run", file=sys.stderr)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info, missing = preflight(dry)
+    results: dict[str, Any] = {"dry_run": dry, "preflight": info, **info}
+    if missing:
+        results["missing"] = missing
+        (out / "gpu_h200.json").write_text(json.dumps(results, indent=2, default=str))
+        print("gpu_h200: MISSING, nothing measured:", *missing, sep="\n  - ", file=sys.stderr)
         return 2
     device = torch.device("cpu" if dry else "cuda")
     low = torch.float32 if dry else torch.bfloat16
     torch.backends.cuda.matmul.allow_tf32 = False
     steps = args.steps or (2 if dry else 20)
-    results: dict[str, Any] = {
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "dry_run": dry,
-    }
     sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("correctness", lambda: correctness(device, low)),
         ("grouped_gemm", lambda: grouped_gemm(device, low, dry)),
         ("matmul", lambda: matmul_ceiling(device, low, dry)),
-        ("train", lambda: train(device, dry, args.engine, steps)),
+        ("attention", lambda: attention(device, low, dry)),
+        ("host_syncs", lambda: host_syncs(device, low, dry)),
+        ("train", lambda: train(device, dry, steps, info.get("peak_bf16_tflops"))),
         ("nccl", lambda: nccl(device)),
     ]
     for name, fn in sections:
@@ -390,15 +575,21 @@ def main() -> int:
     tr = results.get("train", {})
     if "model_tflops" in tr and "tflops" in results.get("matmul", {}):
         tr["mfu_vs_measured_matmul"] = tr["model_tflops"] / results["matmul"]["tflops"]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_h200.json").write_text(json.dumps(results, indent=2, default=str))
     print(summary(results))
     return 0 if all(results[n].get("ok") for n, _ in sections) else 1
 
 
+def _gib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
 def summary(r: dict[str, Any]) -> str:
-    lines = [f"device {r['device']}, torch {r['torch']}, dry_run={r['dry_run']}"]
+    cap = r.get("capability")
+    lines = [
+        f"device {r['device']} (sm {cap}), torch {r['torch']}, cuda {r['cuda']}, "
+        f"deepspeed {r.get('deepspeed')}, dry_run={r['dry_run']}"
+    ]
     c = r["correctness"]
     for key in ("fp32", "bfloat16"):
         if key in c:
@@ -406,42 +597,69 @@ def summary(r: dict[str, Any]) -> str:
                 f"correctness {key}: logits rel err {c[key]['logits_rel_err']:.2e} "
                 f"(tol {c[key]['logits_rtol']:.0e}), loss diff {c[key]['loss_abs_diff']:.2e}"
             )
-    if "error" in c:
-        lines.append(f"correctness: ERROR {c['error']}")
     g = r["grouped_gemm"]
     if "speedup" in g:
         lines.append(
-            f"experts fwd+bwd {g['shape']}: grouped {g['grouped']['median_s'] * 1e3:.2f} ms "
+            f"experts fwd+bwd {g['shape']}: {g['path']} {g['grouped']['median_s'] * 1e3:.2f} ms "
             f"({g['grouped']['tflops']:.1f} TFLOP/s), loop {g['loop']['median_s'] * 1e3:.2f} ms, "
-            f"speedup {g['speedup']:.2f}x, rel err {g['rel_err_grouped_vs_loop']:.1e}"
+            f"speedup {g['speedup']:.2f}x, rel err {g['rel_err_grouped_vs_loop']:.1e}, "
+            f"zero-token grad {g['zero_token_experts_max_abs_grad']:.1e}, "
+            f"F=1436: {g['f1436']['path']}"
         )
     m = r["matmul"]
     if "tflops" in m:
         lines.append(f"matmul {m['n']}^3 {m['dtype']}: {m['tflops']:.1f} TFLOP/s")
+    a = r["attention"]
+    if "kernel" in a:
+        lines.append(
+            f"attention {a['shape']} document mask: {a['kernel']}, peak {_gib(a['peak_bytes'])} "
+            f"(math kernel {_gib(a.get('math_peak_bytes'))})"
+        )
+    h = r["host_syncs"]
+    if "dropless" in h:
+        for key in ("dropless", "capacity_1.25"):
+            lines.append(
+                f"host syncs, one MoE layer fwd+bwd {key}: ops {h[key]['ops']}, "
+                f"CUDA sync calls {h[key].get('cuda_syncs', 'n/a')} ({h[key]['experts_path']})"
+            )
     t = r["train"]
     if "tokens_per_s" in t:
+        mfu = t.get("mfu_vs_table_peak")
         lines.append(
-            f"train [{t['engine']}] {t['total_params'] / 1e9:.2f}B total / "
+            f"train [{t['step']}] {t['total_params'] / 1e9:.2f}B total / "
             f"{t['active_params'] / 1e9:.2f}B active, {t['precision']} ZeRO-{t['zero_stage']}: "
-            f"{t['tokens_per_s']:,.0f} tokens/s, {t['model_tflops']:.1f} TFLOP/s, "
-            f"MFU {t['mfu_vs_table_peak']:.1%} of {t['table_peak_tflops']} "
-            f"({t.get('mfu_vs_measured_matmul', float('nan')):.1%} of measured matmul)"
+            f"{t['tokens_per_s']:,.0f} tokens/s, {t['model_tflops']:.1f} TFLOP/s"
+            + (f", MFU {mfu:.1%} of {t['peak_tflops']}" if mfu is not None else "")
+            + f" ({t.get('mfu_vs_measured_matmul', float('nan')):.1%} of measured matmul)"
+        )
+        lines.append(
+            f"  timer {t['timer_step_s'] * 1e3:.1f} ms vs wall {t['step_wall_s'] * 1e3:.1f} ms "
+            f"({t['timer_vs_wall']:.2f}), synchronize calls {t['synchronize_calls']}, "
+            f"attention {t['attention_kernel']}, experts {t['experts_path']}"
         )
         if "max_memory_allocated" in t:
             lines.append(
-                f"memory: measured peak {t['max_memory_allocated'] / 2**30:.2f} GiB, plan "
-                f"{t['plan_predicted_bytes'] / 2**30:.2f} GiB (ratio {t['plan_over_measured']:.2f})"
+                f"  memory: after build {_gib(t['memory_after_build'])}, peak of the steps "
+                f"{_gib(t['max_memory_allocated'])}, plan {_gib(t['plan_predicted_bytes'])} "
+                f"(plan / measured {t['plan_over_measured']:.2f})"
             )
-    elif "error" in t:
-        lines.append(f"train: ERROR {t['error']}")
     n = r["nccl"]
-    if "error" in n:
-        lines.append(f"nccl: ERROR {n['error']}")
-    else:
+    if "backend" in n:
         lines.append(
             f"{n['backend']} all_reduce world {n['world_size']}: value ok {n['value_ok']}, "
             f"256 MiB {n['all_reduce_256MiB_median_s'] * 1e3:.2f} ms"
         )
+    for name in (
+        "correctness",
+        "grouped_gemm",
+        "matmul",
+        "attention",
+        "host_syncs",
+        "train",
+        "nccl",
+    ):
+        if "error" in r.get(name, {}):
+            lines.append(f"{name}: ERROR {r[name]['error']}")
     return "\n".join(lines)
 
 

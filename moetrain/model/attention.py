@@ -3,9 +3,23 @@
 Shape legend: B batch, S sequence, D d_model, H query heads, G key/value heads, Hd head dim.
 RoPE uses the "rotate half" layout (first half / second half of each head), as Llama and
 Mixtral in Hugging Face transformers do, so q/k projection weights map across unchanged.
+
+Kernels: causal attention without a mask passes grouped K/V (``enable_gqa``), which flash
+attention takes. A mask (document masking, or several new tokens against a KV cache) rules out
+flash attention, and memory-efficient attention takes grouped K/V only on recent torch builds.
+So on a GPU, when torch's own selector would run the math kernel for the grouped masked call
+(whose (B, H, S, S) scores do not fit at training sizes), K/V are expanded to the H query heads
+first (same values), which memory-efficient attention takes everywhere. CPU kernels take grouped
+K/V with a mask, so CPU runs are unchanged. The document mask is built once per forward as an
+additive mask in the activations' dtype (what SDPA would convert a boolean one to in every
+layer), so all layers share, and save for backward, one tensor. Each :class:`Attention` records
+the kernel torch picked on its first call (``sdpa_kernel``); :func:`attention_report`
+summarises them for the log.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +49,56 @@ def apply_rope(x_BHSHd: torch.Tensor, cos_SHd: torch.Tensor, sin_SHd: torch.Tens
     return x_BHSHd * cos + _rotate_half(x_BHSHd) * sin
 
 
-def document_mask(doc_ids_BS: torch.Tensor) -> torch.Tensor:
-    """Block-causal boolean mask (B, 1, S, S): True where query may attend to key."""
+def document_mask(doc_ids_BS: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """Block-causal mask (B, 1, S, S): boolean, True where query may attend to key; or, with a
+    floating ``dtype``, additive (0 there, -inf elsewhere), as SDPA converts a boolean one."""
     s = doc_ids_BS.shape[1]
     causal_SS = torch.ones(s, s, dtype=torch.bool, device=doc_ids_BS.device).tril()
     same_BSS = doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]
-    return (same_BSS & causal_SS)[:, None]
+    allowed_B1SS = (same_BSS & causal_SS)[:, None]
+    if dtype == torch.bool:
+        return allowed_B1SS
+    out = torch.zeros(allowed_B1SS.shape, dtype=dtype, device=doc_ids_BS.device)
+    return out.masked_fill_(~allowed_B1SS, float("-inf"))
+
+
+def expand_kv_for_mask(device_type: str, grouped_kernel: str) -> bool:
+    """Whether a masked call with grouped K/V should get K/V expanded to the query heads: on a
+    GPU where torch would run ``grouped_kernel`` (its choice for the grouped call) = the math
+    kernel, or cannot say which."""
+    return device_type != "cpu" and grouped_kernel in ("math", "unknown")
+
+
+def sdpa_kernel_name(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    enable_gqa: bool,
+) -> str:
+    """The kernel ``F.scaled_dot_product_attention`` picks for these arguments on their device
+    (``flash_attention``, ``efficient_attention``, ``cudnn_attention``, ``math``, ...), asked
+    from torch's own selector; ``unknown`` where this torch cannot say."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return "unknown"
+    try:
+        from torch.nn.attention import SDPBackend
+
+        index = choose(
+            q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, enable_gqa=enable_gqa
+        )
+        return SDPBackend(index).name.lower()
+    except (TypeError, ValueError, RuntimeError, ImportError):
+        return "unknown"
+
+
+def attention_report(model: nn.Module) -> str | None:
+    """One line on the attention kernels the model's layers used on their first call (None
+    before any call), e.g. ``efficient_attention (mask, K/V expanded to 16 heads)``."""
+    seen = [m.sdpa_kernel for m in model.modules() if isinstance(m, Attention) and m.sdpa_kernel]
+    return ", ".join(dict.fromkeys(seen)) if seen else None
 
 
 class KVCache:
@@ -103,6 +161,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * hd, d, bias=False)
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.sdpa_kernel: str | None = None  # what the first call ran (see module docstring)
 
     def forward(
         self,
@@ -131,12 +190,37 @@ class Attention(nn.Module):
         if cache is not None:
             k_BGSHd, v_BGSHd = cache.append(layer, k_BGSHd, v_BGSHd)
             mask_B1SS, causal = cache.causal_mask(s), False
+        gqa, note = self.n_kv_heads != self.n_heads, "causal" if causal else "mask"
+        if gqa and mask_B1SS is not None:
+            grouped = sdpa_kernel_name(q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, causal, True)
+            if expand_kv_for_mask(q_BHSHd.device.type, grouped):  # off the math kernel
+                rep = self.n_heads // self.n_kv_heads
+                k_BGSHd = k_BGSHd.repeat_interleave(rep, dim=1)
+                v_BGSHd = v_BGSHd.repeat_interleave(rep, dim=1)
+                gqa, note = False, f"mask, K/V expanded to {self.n_heads} heads"
+        if self.sdpa_kernel is None:
+            self._record_kernel(q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, causal, gqa, note)
         out_BHSHd = F.scaled_dot_product_attention(
-            q_BHSHd,
-            k_BGSHd,
-            v_BGSHd,
-            attn_mask=mask_B1SS,
-            is_causal=causal,
-            enable_gqa=self.n_kv_heads != self.n_heads,
+            q_BHSHd, k_BGSHd, v_BGSHd, attn_mask=mask_B1SS, is_causal=causal, enable_gqa=gqa
         )
         return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))
+
+    def _record_kernel(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
+        gqa: bool,
+        note: str,
+    ) -> None:
+        name = sdpa_kernel_name(q, k, v, mask, causal, gqa)
+        self.sdpa_kernel = f"{name} ({note})"
+        if name == "math" and q.is_cuda:
+            warnings.warn(
+                f"attention runs torch's math kernel on {q.device} ({note}, {q.dtype}, head dim "
+                f"{q.shape[-1]}): it keeps (B, H, S, S) scores; check the dtype (bf16/fp16) and "
+                "the head dim (a multiple of 8, at most 256)",
+                stacklevel=3,
+            )

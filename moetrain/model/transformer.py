@@ -144,9 +144,10 @@ class Transformer(nn.Module):
             )
         if cache is not None and (doc_ids_BS is not None or start + s > cache.max_len):
             raise ValueError("cache: no document mask, and at most cache.max_len positions")
-        mask = document_mask(doc_ids_BS) if doc_ids_BS is not None else None
         cos, sin = self.rope_cos[start : start + s], self.rope_sin[start : start + s]
         x_BSD = self.embed(input_ids_BS)
+        # additive, in the activations' dtype: one tensor for every layer (see attention.py)
+        mask = None if doc_ids_BS is None else document_mask(doc_ids_BS, x_BSD.dtype)
         moe_outs: list[MoEOutput] = []
         for block in self.layers:
             x_BSD, stats = block(x_BSD, cos, sin, mask, cache)

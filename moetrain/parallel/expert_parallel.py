@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moetrain.model.moe.dispatch import (
+    Overlap,
+    Routes,
     gather_copies,
     gather_weights,
     inverse_permutation,
@@ -29,6 +31,7 @@ from moetrain.model.moe.dispatch import (
     sum_copies,
 )
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
+from moetrain.model.moe.router import count_experts
 from moetrain.parallel.all_to_all import (
     exchange_counts,
     finish_all_to_all_v,
@@ -59,7 +62,8 @@ class AllToAllDispatcher:
     ordered by source rank. ``combine(y_MD, ctx) -> y_TD``: the (weighted) results return to
     their tokens and are summed over the kept copies (dropped copies contribute zero).
     Per-expert counts are exchanged first, then the rows and the weights (two all-to-all-v in
-    flight together). ``overlap`` (either method) runs while the exchanges are in flight, and
+    flight together). One host sync per call: the split sizes (which also give the number of
+    kept copies when ``keep_TK`` is given; None = dropless). ``overlap`` (either method) runs while the exchanges are in flight, and
     its backward while the reverse exchanges are.
     """
 
@@ -71,29 +75,27 @@ class AllToAllDispatcher:
         self.group = group
 
     def dispatch(
-        self,
-        x_TD: Tensor,
-        ids_TK: Tensor,
-        keep_TK: Tensor,
-        weights_TK: Tensor,
-        overlap: Callable[[], None] | None = None,
+        self, x_TD: Tensor, routes: Routes, overlap: Overlap = None
     ) -> tuple[Tensor, Tensor, Tensor, Any]:
+        ids_TK, keep_TK, weights_TK = routes.ids_TK, routes.keep_TK, routes.weights_TK
         T, K = ids_TK.shape
-        P, L = self.ep_size, self.num_local
+        P, L, E = self.ep_size, self.num_local, self.num_experts
         flat_ids = ids_TK.reshape(-1)
-        copy_idx = torch.nonzero(keep_TK.reshape(-1), as_tuple=False).squeeze(1)
-        expert_N = flat_ids[copy_idx]
-        order = torch.argsort(expert_N, stable=True)
-        copy_idx = copy_idx[order]
-        token_idx = torch.div(copy_idx, K, rounding_mode="floor")
-        inverse = inverse_permutation(copy_idx) if copy_idx.numel() == T * K else None
-        x_ND = gather_copies(x_TD, token_idx, inverse, K)
-        w_N = gather_weights(weights_TK, copy_idx, inverse)
+        bins = E
+        if keep_TK is not None:  # dropped copies get the sentinel E: they sort last
+            flat_ids, bins = flat_ids.masked_fill(~keep_TK.reshape(-1), E), E + 1
+        order = torch.argsort(flat_ids, stable=True)  # flat (t*K + k) slots in send order
+        counts_E = count_experts(flat_ids, bins)[:E]
+        rows = None
+        if keep_TK is None:  # dropless: the rows are known before the split sizes
+            rows = self._gather(x_TD, weights_TK, order, T * K, K)
 
-        counts_E = torch.bincount(expert_N, minlength=self.num_experts).to(torch.int64)
         recv_PL = exchange_counts(counts_E, self.group).view(P, L)
         splits = torch.cat([counts_E.view(P, L).sum(1), recv_PL.sum(1)]).tolist()  # one host sync
         send_splits, recv_splits = splits[:P], splits[P:]
+        if rows is None:  # the kept copies are the first sum(send_splits) of the order
+            rows = self._gather(x_TD, weights_TK, order[: sum(send_splits)], T * K, K)
+        x_ND, w_N, copy_idx, token_idx, inverse = rows
         x_sent = start_all_to_all_v(x_ND, recv_splits, send_splits, self.group)
         w_sent = start_all_to_all_v(w_N, recv_splits, send_splits, self.group)
 
@@ -113,9 +115,19 @@ class AllToAllDispatcher:
         ctx = _A2AContext(copy_idx, token_idx, inverse, perm, inv, send_splits, recv_splits, T, K)
         return permute_rows(x_MD, perm, inv), permute_rows(w_M, perm, inv), counts_L, ctx
 
-    def combine(
-        self, y_MD: Tensor, ctx: _A2AContext, overlap: Callable[[], None] | None = None
-    ) -> Tensor:
+    @staticmethod
+    def _gather(
+        x_TD: Tensor, weights_TK: Tensor, copy_idx: Tensor, slots: int, K: int
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """Rows and weights of the copies ``copy_idx`` (flat slots, in send order), with each
+        copy's token and, when every one of the ``slots`` copies is sent, the inverse order."""
+        token_idx = torch.div(copy_idx, K, rounding_mode="floor")
+        inverse = inverse_permutation(copy_idx) if copy_idx.numel() == slots else None
+        x_ND = gather_copies(x_TD, token_idx, inverse, K)
+        w_N = gather_weights(weights_TK, copy_idx, inverse)
+        return x_ND, w_N, copy_idx, token_idx, inverse
+
+    def combine(self, y_MD: Tensor, ctx: _A2AContext, overlap: Overlap = None) -> Tensor:
         y_recv = permute_rows(y_MD, ctx.inverse_M, ctx.perm_M)
         y_sent = start_all_to_all_v(y_recv, ctx.send_splits, ctx.recv_splits, self.group)
         if overlap is not None:

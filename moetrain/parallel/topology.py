@@ -124,9 +124,12 @@ def init_distributed(cfg: Config) -> Topology:
     else:
         backend = dist.get_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = (
-        torch.device("cuda", local_rank) if use_cuda and backend == "nccl" else torch.device("cpu")
-    )
+    device = torch.device("cpu")
+    if use_cuda and backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        # also when a launcher started the group: kernels, NCCL and new tensors without an
+        # explicit device use the current one, which is otherwise GPU 0 on every rank
+        torch.cuda.set_device(device)
 
     import deepspeed
     from deepspeed.utils import groups, logger

@@ -21,6 +21,7 @@ import yaml
 
 from moetrain.checkpoint.save import Checkpointer
 from moetrain.config import Config
+from moetrain.model.attention import attention_report
 from moetrain.monitor.run_monitor import RunMonitor
 from moetrain.parallel.deepspeed import dump_deepspeed_config
 from moetrain.parallel.topology import Topology, init_distributed, shutdown
@@ -113,6 +114,8 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
             micro = _take(it, t.grad_accum_steps)
             data_s = time.perf_counter() - t0
             rec = trainer.train_step(micro)
+            if trainer.step == start_step + 1:
+                monitor.say(f"attention: {attention_report(trainer.model)}")
             first_loss = rec["loss"] if first_loss is None else first_loss
             last_loss = rec["loss"]
             monitor.step_done(rec, data_s, log=log.due(trainer.step))

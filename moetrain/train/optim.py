@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from moetrain.config import OptimConfig
+from moetrain.monitor.console import console
 
 EMBEDDING_NAMES = ("embed.weight",)
 
@@ -53,17 +54,37 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """AdamW: DeepSpeed's FusedAdam on CUDA when it builds, otherwise torch's fused AdamW (one
     kernel per tensor; on CPU about 8x faster than the per-op implementation on a ZeRO
-    partition, see benchmarks/RESULTS.md)."""
+    partition, see benchmarks/RESULTS.md). Global rank 0 says which one runs; a rank where
+    FusedAdam failed to build says why."""
     groups = param_groups(model, optim)
     kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
     if device.type == "cuda":
         try:
             from deepspeed.ops.adam import FusedAdam
 
-            return FusedAdam(groups, adam_w_mode=True, weight_decay=optim.weight_decay, **kwargs)
-        except Exception:  # op not buildable here: torch's fused kernel is the next best
-            pass
+            opt = FusedAdam(groups, adam_w_mode=True, weight_decay=optim.weight_decay, **kwargs)
+            _say("optimizer: DeepSpeed FusedAdam")
+            return opt
+        except Exception as exc:  # op not buildable here: torch's fused kernel is the next best
+            _say(
+                f"optimizer: DeepSpeed FusedAdam could not be built ({type(exc).__name__}: "
+                f"{exc}); using torch.optim.AdamW(fused=True)",
+                every_rank=True,
+            )
+            return torch.optim.AdamW(groups, fused=True, **kwargs)
+    _say("optimizer: torch.optim.AdamW(fused=True)")
     return torch.optim.AdamW(groups, fused=True, **kwargs)
+
+
+def _say(message: str, every_rank: bool = False) -> None:
+    """The console line on global rank 0 (prefixed with the rank on the others)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank == 0:
+        console(message)
+    elif every_rank:
+        console(f"rank {rank}: {message}")
 
 
 def warmup_steps_for(optim: OptimConfig, tokens_per_step: int) -> int:

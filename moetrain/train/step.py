@@ -18,7 +18,6 @@ skipped steps in a row training stops with an error.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.monitor.console import Printer, console
+from moetrain.monitor.step_timer import StepTimer
 from moetrain.parallel.deepspeed import clip_grad_norm_global, global_grad_norm
 
 Batch = dict[str, torch.Tensor]
@@ -100,12 +100,6 @@ class SkipCounter:
             )
 
 
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _clip_stage0(trainer: Any) -> tuple[float, bool]:
     """Stage 0: DeepSpeed's norm is wrong under EP (issue #8475), so moetrain clips with the
     global norm itself; a non-finite norm drops every gradient. -> ``(norm, skipped)``."""
@@ -141,23 +135,23 @@ def run_step(
     grad_norm: float | None = None
     skipped_before = engine.skipped_steps
     skip_stage0 = False
-    t_fwd_bwd = t_step = 0.0
+    timer = StepTimer(topo.device)
     for batch in micro_batches:
         n += 1
-        t0 = _now(topo.device)
+        timer.start()
         batch = {k: v.to(topo.device, non_blocking=True) for k, v in batch.items()}
         out = trainer.forward(batch)
         engine.backward(out.loss)
         stats.add(out, batch["input_ids"].numel() * cfg.moe.top_k)
-        t1 = _now(topo.device)
-        t_fwd_bwd += t1 - t0
+        timer.lap("fwd_bwd")
         if n == accum:
             if before_step is not None:
                 before_step(trainer)
             if cfg.parallel.zero_stage == 0:
                 grad_norm, skip_stage0 = _clip_stage0(trainer)
         engine.step()
-        t_step += _now(topo.device) - t1 if n == accum else 0.0
+        if n == accum:
+            timer.lap("optimizer")
     if n != accum:
         raise ValueError(f"train_step got {n} micro-batches, expected {accum}")
     skipped = skip_stage0 or engine.skipped_steps > skipped_before
@@ -171,6 +165,7 @@ def run_step(
         for router, load_E in zip(trainer.routers, loads, strict=True):
             router.update_bias(load_E.float())
     loss, ce, moe = (sums / micro_total).tolist()
+    times = timer.read()  # after the step's results reached the host: no extra wait
 
     trainer.step += 1
     trainer.tokens_seen += trainer.tokens_per_step
@@ -187,8 +182,8 @@ def run_step(
         "tokens": trainer.tokens_seen,
         "skipped": skipped,
         "skipped_steps": trainer.skipped_steps,
-        "time/fwd_bwd_s": t_fwd_bwd,
-        "time/optimizer_s": t_step,
+        "time/fwd_bwd_s": times.get("fwd_bwd", 0.0),
+        "time/optimizer_s": times.get("optimizer", 0.0),
     }
     if loads is not None:
         rec["moe_layers"] = {

@@ -39,7 +39,7 @@ def _case(rank: int, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def _job(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from moetrain.model.moe.dispatch import LocalDispatcher
+    from moetrain.model.moe.dispatch import LocalDispatcher, Routes
     from moetrain.model.moe.experts import GroupedExperts
     from moetrain.parallel.expert_parallel import AllToAllDispatcher, slice_experts
 
@@ -60,7 +60,7 @@ def _job(rank: int, world: int) -> dict:
         xr = x.clone().requires_grad_(True)
         wr = weights.clone().requires_grad_(True)
         ld = LocalDispatcher(E)
-        x_nd, w_n, counts, ctx = ld.dispatch(xr, ids, keep, wr)
+        x_nd, w_n, counts, ctx = ld.dispatch(xr, Routes(ids, wr, keep))
         y_ref = ld.combine(full(x_nd, counts, w_n), ctx)
         y_ref.pow(2).sum().backward()
         ref_w = full.w13.grad.clone()
@@ -72,7 +72,7 @@ def _job(rank: int, world: int) -> dict:
         xe = x.clone().requires_grad_(True)
         we = weights.clone().requires_grad_(True)
         ad = AllToAllDispatcher(E, world, rank, dist.group.WORLD)
-        x_md, w_m, counts_l, actx = ad.dispatch(xe, ids, keep, we)
+        x_md, w_m, counts_l, actx = ad.dispatch(xe, Routes(ids, we, keep))
         y_ep = ad.combine(local(x_md, counts_l, w_m), actx)
         y_ep.pow(2).sum().backward()
 

@@ -134,3 +134,38 @@ def test_expert_params_get_their_own_moe_group() -> None:
     assert moe[0]["weight_decay"] == 0.1
     dense = [g for g in groups if not g.get("moe")]
     assert all(".experts." not in n for g in dense for n in _names(model, g))
+
+
+def _fake_fused_adam(monkeypatch: pytest.MonkeyPatch, error: Exception | None) -> None:
+    import sys
+    import types
+
+    class FusedAdam(torch.optim.AdamW):
+        def __init__(self, groups, adam_w_mode, weight_decay, **kw):  # noqa: ANN001
+            if error is not None:
+                raise error
+            super().__init__(groups, weight_decay=weight_decay, **kw)
+
+    monkeypatch.setitem(
+        sys.modules, "deepspeed.ops.adam", types.SimpleNamespace(FusedAdam=FusedAdam)
+    )
+
+
+@pytest.mark.parametrize("builds", [True, False], ids=["fused_adam", "build_fails"])
+def test_the_optimizer_that_runs_is_logged(
+    builds: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from moetrain.train.optim import build_optimizer
+
+    _fake_fused_adam(monkeypatch, None if builds else RuntimeError("nvcc not found"))
+    opt = build_optimizer(_tiny_model(), _opt(), torch.device("cuda"))
+    err = capsys.readouterr().out  # the run's console channel is stdout
+    if builds:
+        assert type(opt).__name__ == "FusedAdam"
+        assert err == "moetrain: optimizer: DeepSpeed FusedAdam\n"
+    else:
+        assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]
+        assert "FusedAdam could not be built (RuntimeError: nvcc not found)" in err
+        assert "using torch.optim.AdamW(fused=True)" in err
+    build_optimizer(_tiny_model(), _opt(), torch.device("cpu"))
+    assert capsys.readouterr().out == "moetrain: optimizer: torch.optim.AdamW(fused=True)\n"

@@ -235,3 +235,34 @@ def test_rank_builds_only_its_experts_with_the_full_models_weights() -> None:
         assert all(layer.experts.local_experts[0] == lo for _, layer in moe_layers(local))
     with pytest.raises(ValueError, match=r"holds experts \[2, 4\) of 4; EP rank 0 of 2"):
         apply_expert_parallel(build((2, 4)), topo(0))
+
+
+@pytest.mark.parametrize("initialised", [False, True], ids=["fresh", "launcher_started"])
+def test_each_rank_selects_its_own_gpu(initialised: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both branches of init_distributed make cuda:LOCAL_RANK the current device (stopped
+    right after, before DeepSpeed: no GPU here)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from moetrain.config import Config
+    from moetrain.parallel import topology
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise Stop
+
+    selected = []
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: initialised)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(deepspeed, "init_distributed", stop)
+    with pytest.raises(Stop):
+        topology.init_distributed(Config())
+    assert selected and all(d in (3, torch.device("cuda", 3)) for d in selected)

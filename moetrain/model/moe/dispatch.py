@@ -3,9 +3,12 @@
 Shape legend: T tokens, D d_model, K top_k, E global experts, L local experts, N kept copies.
 
 Contract (``Dispatcher`` protocol):
-- ``dispatch(x_TD, ids_TK, keep_TK, weights_TK) -> (x_ND, weights_N, counts_L, ctx)``: x_ND
-  grouped contiguously by local expert in expert order, weights_N each row's routing weight
-  (the experts apply it inside their activation), counts_L int64 tokens per local expert.
+- ``dispatch(x_TD, routes) -> (x_ND, weights_N, counts_L, ctx)``, :class:`Routes` holding
+  ``ids_TK``, ``weights_TK`` and ``keep_TK``: x_ND grouped contiguously by local expert in
+  expert order, weights_N each row's routing weight (the experts apply it inside their
+  activation), counts_L int64 tokens per local expert. ``keep_TK`` None means dropless (every
+  copy kept): no keep mask to apply, and no host sync to count the kept copies (the only one a
+  dispatcher with drops needs locally).
 - ``combine(y_ND, ctx) -> y_TD``: the sum of each token's kept (already weighted) rows, zero
   for tokens whose copies were all dropped.
 - Both take ``overlap``, an optional zero-argument callable: independent work (the shared
@@ -15,7 +18,7 @@ The local dispatcher does one stable sort of the flattened expert ids and a gath
 way back sums each token's K rows (``index_add_`` on CPU, an inverse-permutation gather + sum on
 CUDA); with drops, a scatter into (T*K, D) and a sum over K. Forward and backward are
 deterministic (no atomics) with no Python loops over tokens, and the way back saves nothing but
-indices for backward.
+indices for backward. Expert counts come from :func:`count_experts` (no host sync).
 """
 
 from __future__ import annotations
@@ -25,23 +28,31 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch import Tensor
+
+from moetrain.model.moe.router import count_experts
+
+Overlap = Callable[[], None] | None  # independent work to run while an exchange is in flight
+
+
+@dataclass
+class Routes:
+    """Where each token's K copies go: experts ``ids_TK`` (int64), routing weights
+    ``weights_TK``, and ``keep_TK`` (False for copies dropped by capacity; None when dropless)."""
+
+    ids_TK: Tensor
+    weights_TK: Tensor
+    keep_TK: Tensor | None = None
 
 
 class Dispatcher(Protocol):
     """Moves token copies to experts and back; see the module docstring for the contract."""
 
     def dispatch(
-        self,
-        x_TD: torch.Tensor,
-        ids_TK: torch.Tensor,
-        keep_TK: torch.Tensor,
-        weights_TK: torch.Tensor,
-        overlap: Callable[[], None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
+        self, x_TD: Tensor, routes: Routes, overlap: Overlap = None
+    ) -> tuple[Tensor, Tensor, Tensor, Any]: ...
 
-    def combine(
-        self, y_ND: torch.Tensor, ctx: Any, overlap: Callable[[], None] | None = None
-    ) -> torch.Tensor: ...
+    def combine(self, y_ND: Tensor, ctx: Any, overlap: Overlap = None) -> Tensor: ...
 
 
 @dataclass
@@ -169,23 +180,29 @@ def sum_copies(
 def permute(
     x_TD: torch.Tensor,
     ids_TK: torch.Tensor,
-    keep_TK: torch.Tensor,
+    keep_TK: torch.Tensor | None,
     weights_TK: torch.Tensor,
     num_experts: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PermuteContext]:
     """Sort kept token copies by expert: returns ``(x_ND, weights_N, counts_E, ctx)``.
 
-    Dropped copies get the sentinel id E, so they sort last and are cut off.
+    ``keep_TK`` None (dropless): no host sync. Otherwise dropped copies get the sentinel id E,
+    so they sort last and are cut off, which needs their number on the host (one sync).
     """
     t, k = ids_TK.shape
     ids_flat = ids_TK.reshape(-1)
-    all_kept = bool(keep_TK.all())
-    if not all_kept:
+    if keep_TK is None:
+        slot_N = torch.argsort(ids_flat, stable=True)
+        counts_E = count_experts(ids_flat, num_experts)
+        all_kept = True
+    else:
         ids_flat = ids_flat.masked_fill(~keep_TK.reshape(-1), num_experts)
-    slot_N = torch.argsort(ids_flat, stable=True)
-    counts_E = torch.bincount(ids_flat, minlength=num_experts + 1)[:num_experts]
-    if not all_kept:
-        slot_N = slot_N[: int(counts_E.sum())]
+        slot_N = torch.argsort(ids_flat, stable=True)
+        counts_E = count_experts(ids_flat, num_experts + 1)[:num_experts]
+        kept = int(counts_E.sum())  # host sync: the number of rows
+        all_kept = kept == t * k
+        if not all_kept:
+            slot_N = slot_N[:kept]
     token_N = torch.div(slot_N, k, rounding_mode="floor")
     inverse_N = inverse_permutation(slot_N) if all_kept else None
     x_ND = gather_copies(x_TD, token_N, inverse_N, k)
@@ -209,20 +226,16 @@ class LocalDispatcher:
         self.num_experts = num_experts
 
     def dispatch(
-        self,
-        x_TD: torch.Tensor,
-        ids_TK: torch.Tensor,
-        keep_TK: torch.Tensor,
-        weights_TK: torch.Tensor,
-        overlap: Callable[[], None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PermuteContext]:
+        self, x_TD: Tensor, routes: Routes, overlap: Overlap = None
+    ) -> tuple[Tensor, Tensor, Tensor, PermuteContext]:
+        """:meth:`Dispatcher.dispatch` (``overlap`` runs first: there is no exchange)."""
         if overlap is not None:
             overlap()
-        return permute(x_TD, ids_TK, keep_TK, weights_TK, self.num_experts)
+        r = routes
+        return permute(x_TD, r.ids_TK, r.keep_TK, r.weights_TK, self.num_experts)
 
-    def combine(
-        self, y_ND: torch.Tensor, ctx: PermuteContext, overlap: Callable[[], None] | None = None
-    ) -> torch.Tensor:
+    def combine(self, y_ND: Tensor, ctx: PermuteContext, overlap: Overlap = None) -> Tensor:
+        """:meth:`Dispatcher.combine`."""
         if overlap is not None:
             overlap()
         return unpermute(y_ND, ctx)

@@ -13,11 +13,14 @@ weights' gradient.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.layers import silu_mul_packed
+from moetrain.model.moe.gemm_guard import grouped_mm_refusal_for
 
 EXPERT_WEIGHTS = ("w13", "w2")
 """Parameter names of :class:`GroupedExperts` (stacked over local experts in dim 0)."""
@@ -96,18 +99,11 @@ def unpack_w13(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w13.chunk(2, dim=-1)
 
 
-def grouped_mm_supported(x_ND: torch.Tensor, w_LDF: torch.Tensor) -> bool:
-    """Whether ``F.grouped_mm`` can run here: any dtype on CPU (fp32 and bf16 tested, torch
-    2.13); on CUDA bf16 on compute capability >= 9.0 with 16-byte aligned rows (not tested
-    here: no GPU in CI). Elsewhere the per-expert loop is used."""
-    if not hasattr(F, "grouped_mm"):
-        return False
-    if x_ND.device.type == "cpu":
-        return True
-    if x_ND.device.type != "cuda" or x_ND.dtype != torch.bfloat16:
-        return False
-    aligned = w_LDF.shape[-1] % 8 == 0 and w_LDF.shape[-2] % 8 == 0
-    return aligned and torch.cuda.get_device_capability(x_ND.device) >= (9, 0)
+def grouped_mm_supported(x_ND: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` may run the experts on ``x_ND`` with weights ``w13`` (and
+    ``w2``): the rules of :mod:`moetrain.model.moe.gemm_guard`. Elsewhere the per-expert loop
+    runs."""
+    return grouped_mm_refusal_for(x_ND, *weights) is None
 
 
 def _gmm(x_NI: torch.Tensor, w_LIO: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
@@ -120,8 +116,9 @@ class GroupedExperts(nn.Module):
 
     ``grouped_mm=True`` uses ``torch.nn.functional.grouped_mm`` (one kernel per weight for all
     experts) where :func:`grouped_mm_supported`; otherwise, or with False, the per-expert loop
-    (the reference) runs. Experts with zero tokens and
-    N = 0 are fine: every weight still gets a (zero) gradient.
+    (the reference) runs; ``path`` says which ran last (``grouped_mm`` or ``loop: <why>``), and
+    a refusal by the guard on CUDA is warned about.
+    Experts with zero tokens and N = 0 are fine: every weight still gets a (zero) gradient.
 
     ``num_experts`` is always the global count; ``local_experts=(start, stop)`` builds only
     global experts ``[start, stop)`` (an expert-parallel rank never allocates the others;
@@ -147,6 +144,7 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = stop - start
         self.use_grouped_mm = grouped_mm
         self.recompute_act = recompute_act
+        self.path: str | None = None
         self.w13 = nn.Parameter(torch.empty(stop - start, d_model, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(stop - start, hidden, d_model))
 
@@ -170,8 +168,18 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         if weights_N is not None:
             weights_N = weights_N.to(x_ND.dtype)
-        if self.use_grouped_mm and x_ND.shape[0] > 0 and grouped_mm_supported(x_ND, self.w13):
-            return self._forward_grouped(x_ND, counts_L, weights_N)
+        if not self.use_grouped_mm:
+            why = "grouped_mm=False"
+        elif x_ND.shape[0] == 0:
+            why = "no tokens"
+        else:
+            why = grouped_mm_refusal_for(x_ND, self.w13, self.w2)
+            if why is None:
+                self.path = "grouped_mm"
+                return self._forward_grouped(x_ND, counts_L, weights_N)
+            if x_ND.is_cuda:
+                warnings.warn(f"moetrain experts run one GEMM per expert: {why}", stacklevel=2)
+        self.path = f"loop: {why}"
         return self._forward_loop(x_ND, counts_L, weights_N)
 
     def _forward_grouped(
@@ -185,7 +193,8 @@ class GroupedExperts(nn.Module):
     def _forward_loop(
         self, x_ND: torch.Tensor, counts_L: torch.Tensor, weights_N: torch.Tensor | None
     ) -> torch.Tensor:
-        splits = counts_L.tolist()
+        # no rows: every count is 0, known without reading them (a host sync on CUDA)
+        splits = counts_L.tolist() if x_ND.shape[0] else [0] * counts_L.shape[0]
         xs = torch.split(x_ND, splits)
         ws = [None] * len(xs) if weights_N is None else torch.split(weights_N, splits)
         outs = []

@@ -14,7 +14,7 @@ from torch import nn
 
 from moetrain.config import MoEConfig
 from moetrain.model.layers import SwiGLU
-from moetrain.model.moe.dispatch import Dispatcher, LocalDispatcher
+from moetrain.model.moe.dispatch import Dispatcher, LocalDispatcher, Routes
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.router import Router
 
@@ -108,8 +108,10 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None:
             shared = _SharedExpertStages(self.shared_expert, self.shared_gate, x_TD)
         overlap = shared is not None and self.cfg.shared_expert_overlap
+        keep_TK = None if r.dropless else r.keep_TK  # dropless: no keep mask, no host sync
+        routes = Routes(r.ids_TK, r.weights_TK, keep_TK)
         x_ND, w_N, counts_L, ctx = self.dispatcher.dispatch(
-            x_TD, r.ids_TK, r.keep_TK, r.weights_TK, overlap=shared.up if overlap else None
+            x_TD, routes, overlap=shared.up if overlap else None
         )
         y_ND = self.experts(x_ND, counts_L, w_N)
         y_TD = self.dispatcher.combine(y_ND, ctx, overlap=shared.down if overlap else None)

@@ -32,6 +32,8 @@ class RouterOutput:
     tokens_per_expert_E: detached float counts of selections before capacity (local batch).
     dropped: detached int64 scalar tensor, number of dropped assignments.
     entropy: detached mean over tokens of the entropy of the routing distribution.
+    dropless: True when no capacity applies (keep_TK is all True): a host-side hint that lets
+    a dispatcher skip the keep mask, and with it the host sync that counts the kept copies.
     """
 
     weights_TK: torch.Tensor
@@ -42,6 +44,16 @@ class RouterOutput:
     tokens_per_expert_E: torch.Tensor
     dropped: torch.Tensor
     entropy: torch.Tensor
+    dropless: bool = False
+
+
+def count_experts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """int64 count of each value ``0 .. num_bins - 1`` in ``ids`` (every value must be in that
+    range): ``torch.bincount`` without its host syncs (CUDA ``bincount`` reads the minimum and
+    the maximum of its input on the host). Integer atomics, so exact in any order."""
+    flat = ids.reshape(-1)
+    out = torch.zeros(num_bins, dtype=torch.int64, device=ids.device)
+    return out.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 def capacity_keep(
@@ -55,7 +67,7 @@ def capacity_keep(
     ids_N, prio_N = ids_TK.reshape(-1), priority_TK.reshape(-1)
     by_prio_N = torch.argsort(-prio_N, stable=True)
     order_N = by_prio_N[torch.argsort(ids_N[by_prio_N], stable=True)]
-    counts_E = torch.bincount(ids_N, minlength=num_experts)
+    counts_E = count_experts(ids_N, num_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     rank_N = torch.arange(ids_N.numel(), device=ids_N.device) - starts_E[ids_N[order_N]]
     keep_N = torch.empty_like(ids_N, dtype=torch.bool)
@@ -108,7 +120,7 @@ class Router(nn.Module):
             if cfg.renormalize:
                 weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
 
-        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=e).float()
+        counts_E = count_experts(ids_TK, e).float()
         capacity = self.capacity(x_TD.shape[0])
         if capacity is None:
             keep_TK = torch.ones_like(ids_TK, dtype=torch.bool)
@@ -134,6 +146,7 @@ class Router(nn.Module):
             tokens_per_expert_E=counts_E,
             dropped=dropped.detach(),
             entropy=entropy,
+            dropless=capacity is None,
         )
 
     @torch.no_grad()
