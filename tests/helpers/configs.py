@@ -2,14 +2,14 @@
 (:func:`tiny_config`) and the same model as command-line overrides for tests that start
 ``python -m moetrain ...`` (:func:`tiny_args`, :func:`cli_args`).
 
-Both take overrides in one form, applied left to right after :data:`TINY`:
+All three take the same arguments, applied left to right after :data:`TINY`:
 
 - positional ``"key=value"`` strings, parsed as on the command line (``"moe.top_k=1"``), or
   mappings of dotted keys to Python values (``{"moe.top_k": 1}``);
 - keyword settings, with ``__`` for the dot (``moe__top_k=1``, ``seed=7``).
 
-A test that depends on a value should pass it, even when it equals the default here: every test
-that leaves a key to :data:`TINY` changes with it.
+Tests pass only what differs from :data:`TINY` and rely on the rest (shapes they spell out,
+tolerances chosen for this size): changing a value of :data:`TINY` changes those tests too.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _merged(overrides: tuple[Override, ...], settings: dict[str, Any]) -> dict[s
             if "=" not in item:
                 raise ValueError(f"override {item!r}: expected KEY=VALUE, e.g. moe.top_k=1")
             key, text = item.split("=", 1)
-            out.pop(key.strip(), None)  # keep the order of application
+            out.pop(key.strip(), None)  # a later value moves its key last, as on a command line
             out[key.strip()] = _Text(text)
         else:
             for key, value in item.items():
