@@ -25,7 +25,12 @@ def test_override_forms_agree_and_apply_in_order() -> None:
 
 
 @pytest.mark.parametrize(
-    "overrides", [{}, {"moe.top_k": 1, "model.n_layers": 3, "model.qk_norm": True}]
+    "overrides",
+    [
+        {},
+        {"moe.top_k": 1, "model.n_layers": 3, "model.qk_norm": True},
+        {"model.norm_eps": 1e-6, "moe.shared_expert_hidden": None, "run_dir": "/tmp/a b"},
+    ],
 )
 def test_command_line_overrides_give_the_same_model_on_the_shipped_config(overrides) -> None:
     """On configs/tiny-cpu.yaml (what the CLI tests start from) as on the defaults."""
