@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests" / "distributed"))
+sys.path.insert(0, str(HERE.parent))  # the repository: tests.helpers
 
 # first match wins; matched against the top-level op name (backward nodes by their node name)
 CATEGORIES = [
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--shape", default="bench", help="a shape of train_throughput.py")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override")
     args = ap.parse_args()
-    from dist_utils import run_distributed
+    from tests.helpers.distributed import run_distributed
 
     res = run_distributed(
         profile_job,

@@ -250,9 +250,9 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.helpers
     os.environ["OMP_NUM_THREADS"] = "1"
-    from dist_utils import run_distributed
+    from tests.helpers.distributed import run_distributed
 
     world = 2
     tokens_per_step = world * MICRO * SHAPES[args.shape]["seq"]

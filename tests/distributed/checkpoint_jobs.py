@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from parity_jobs import global_batches, rank_slice, tiny_config
+
+from tests.distributed.parity_jobs import global_batches, parity_config, rank_slice
 
 
 class StreamPosition:
@@ -40,7 +41,7 @@ def _setup(world: int, ep: int, stage: int, run_dir: Path, **extra: Any):
     from moetrain.parallel.topology import init_distributed
     from moetrain.train.trainer import Trainer
 
-    cfg = tiny_config(world, ep, stage, run_dir=str(run_dir), **extra)
+    cfg = parity_config(world, ep, stage, run_dir=str(run_dir), **extra)
     topo = init_distributed(cfg)
     return cfg, topo, Trainer(cfg, topo), Checkpointer(cfg, topo)
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from moetrain.config import Config, load_config
+from moetrain.config import Config
+from tests.helpers.configs import tiny_config
 
 GLOBAL_MICRO = 4  # sequences per micro-step over all ranks
 ACCUM = 2
@@ -33,18 +34,14 @@ GRAD_NAMES = (
 )
 
 
-def tiny_config(world: int, ep: int, stage: int, **extra: Any) -> Config:
-    overrides = {
+def parity_config(world: int, ep: int, stage: int, **extra: Any) -> Config:
+    """The tiny model with the parity tests' shape and training settings, for ``world`` ranks
+    at expert parallelism ``ep`` and ZeRO stage ``stage``; ``extra``: more dotted settings."""
+    settings = {
         "seed": 7,
         "model.vocab_size": 96,
-        "model.d_model": 32,
-        "model.n_layers": 2,
-        "model.n_heads": 4,
-        "model.n_kv_heads": 2,
         "model.dense_hidden": 64,
         "model.max_seq_len": SEQ,
-        "moe.num_experts": 4,
-        "moe.top_k": 2,
         "moe.expert_hidden": 32,
         # a gated shared expert: under EP it runs while the all-to-alls are in flight
         "moe.num_shared_experts": 1,
@@ -67,8 +64,7 @@ def tiny_config(world: int, ep: int, stage: int, **extra: Any) -> Config:
         "train.eval_every": 0,
         "run_dir": "/tmp/moetrain-parity-unused",
     }
-    overrides.update(extra)
-    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    return tiny_config(settings, extra)
 
 
 def global_batches(step: int, vocab: int = 96) -> list[dict[str, torch.Tensor]]:
@@ -97,7 +93,7 @@ def reference_run() -> dict[str, Any]:
     from moetrain.model.transformer import Transformer
     from moetrain.train.optim import LRSchedule, param_groups
 
-    cfg = tiny_config(1, 1, 0, **{"moe.grouped_mm": False})
+    cfg = parity_config(1, 1, 0, **{"moe.grouped_mm": False})
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg.model, cfg.moe)
     o = cfg.optim
@@ -190,6 +186,6 @@ def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
             extra["moe.recompute_act"] = True
         if "overlap" in variant:
             extra["parallel.overlap_comm"] = True
-        cfg = tiny_config(world, ep, stage, **extra)
+        cfg = parity_config(world, ep, stage, **extra)
         out[layout_key(layout)] = _parallel_run(cfg, rank, world)
     return out

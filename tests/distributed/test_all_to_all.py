@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
+
+from tests.helpers.configs import tiny_config
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -120,22 +122,21 @@ def _overlap_job(rank: int, world: int) -> dict:
     values, and the order in which backward reached the exchanges and the shared expert."""
     import torch.distributed as dist
 
-    from moetrain.config import MoEConfig
     from moetrain.model.moe.layer import MoELayer
     from moetrain.parallel.expert_parallel import AllToAllDispatcher, slice_experts
 
     out: dict = {}
     for overlap in (True, False):
-        cfg = MoEConfig(
-            num_experts=E,
-            top_k=K,
-            expert_hidden=F,
-            num_shared_experts=1,
-            shared_expert_gate=True,
-            shared_expert_overlap=overlap,
+        cfg = tiny_config(
+            moe__num_experts=E,
+            moe__top_k=K,
+            moe__expert_hidden=F,
+            moe__num_shared_experts=1,
+            moe__shared_expert_gate=True,
+            moe__shared_expert_overlap=overlap,
         )
         torch.manual_seed(0)
-        layer = MoELayer(cfg, D)
+        layer = MoELayer(cfg.moe, D)
         for p in layer.parameters():
             torch.nn.init.normal_(p, 0, 0.3)
         slice_experts(layer.experts, rank * (E // world), (rank + 1) * (E // world))

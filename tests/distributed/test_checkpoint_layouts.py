@@ -17,11 +17,17 @@ import re
 
 import pytest
 import torch
-from checkpoint_jobs import fixed_batch, nan_jobs, reshard_job, save_job, timeout_job
-from dist_utils import run_distributed, run_distributed_concurrently
 
 from moetrain.checkpoint.io import safe_torch_load
 from moetrain.checkpoint.read import checkpoint_config, load_model
+from tests.distributed.checkpoint_jobs import (
+    fixed_batch,
+    nan_jobs,
+    reshard_job,
+    save_job,
+    timeout_job,
+)
+from tests.helpers.distributed import run_distributed, run_distributed_concurrently
 
 pytestmark = pytest.mark.slow
 

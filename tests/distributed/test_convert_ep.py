@@ -12,29 +12,36 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import prepare_stdlib_config
 
 from moetrain.checkpoint.read import load_model
 from moetrain.convert.export import convert_checkpoint
 from moetrain.generate import generate_ids, generate_text
+from tests.helpers.corpus import prepare_stdlib_config
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-CONFIG = """\
-seed: 5
-model: {vocab_size: 384, d_model: 32, n_layers: 3, n_heads: 4, n_kv_heads: 2,
-        dense_hidden: 48, max_seq_len: 64}
-moe: {num_experts: 4, top_k: 2, expert_hidden: 32}
-data: {source: CORPUS, source_format: text, output_dir: DATA, seq_len: 32, num_proc: 1,
-       val_fraction: 0.05}
-parallel: {ep_size: 2, zero_stage: 2}
-optim: {lr: 1.0e-2, warmup_steps: 1}
-train: {max_steps: 2, micro_batch_size: 2, eval_every: 0, log_every: 1}
-checkpoint: {save_every_steps: 2}
-"""
+CONFIG = {  # on the tiny model
+    "seed": 5,
+    "model.vocab_size": 384,
+    "model.n_layers": 3,
+    "moe.expert_hidden": 32,
+    "data.source_format": "text",
+    "data.seq_len": 32,
+    "data.num_proc": 1,
+    "data.val_fraction": 0.05,
+    "parallel.ep_size": 2,
+    "parallel.zero_stage": 2,
+    "optim.lr": 1.0e-2,
+    "optim.warmup_steps": 1,
+    "train.max_steps": 2,
+    "train.micro_batch_size": 2,
+    "train.eval_every": 0,
+    "train.log_every": 1,
+    "checkpoint.save_every_steps": 2,
+}
 FORMATS = {
     "mixtral": [],
     "qwen2_moe": ["moe.first_k_dense=1", "moe.num_shared_experts=1", "moe.shared_expert_gate=true"],

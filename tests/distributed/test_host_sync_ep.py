@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
+
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.slow
 

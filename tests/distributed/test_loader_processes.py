@@ -4,7 +4,6 @@ and resuming a 2-rank position on 1 rank."""
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -15,9 +14,7 @@ import torch.distributed as dist
 
 from moetrain.config import load_config
 from moetrain.data import build_loader, prepare
-
-sys.path.insert(0, str(Path(__file__).parent))
-from dist_utils import run_distributed  # noqa: E402
+from tests.helpers.distributed import run_distributed
 
 MB, SEED = 3, 5
 pytestmark = pytest.mark.slow

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed_concurrently
-from parity_jobs import GRAD_NAMES, STEPS, layout_key, layouts_job, tiny_config
+
+from tests.distributed.parity_jobs import GRAD_NAMES, STEPS, layout_key, layouts_job, parity_config
+from tests.helpers.distributed import run_distributed_concurrently
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +54,7 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 
 def test_reference_clips_every_step(reference: dict) -> None:
-    clip = tiny_config(1, 1, 0).optim.grad_clip
+    clip = parity_config(1, 1, 0).optim.grad_clip
     assert len(reference["norms"]) == STEPS
     assert min(reference["norms"]) > 1.5 * clip  # the proof below covers real clipping
     assert reference["losses"][0] != reference["losses"][-1]

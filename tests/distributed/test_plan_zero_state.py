@@ -8,23 +8,22 @@ bf16, ZeRO-1 and ZeRO-2, EP 1 and 2)."""
 from __future__ import annotations
 
 import pytest
-from dist_utils import run_distributed
+
+from tests.helpers.configs import tiny_config
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.slow
 
-SHAPE = [
-    "model.vocab_size=512",
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.max_seq_len=32",
-    "moe.num_experts=4",
-    "moe.expert_hidden=96",
-    "data.seq_len=32",
-    "train.micro_batch_size=2",
-    "run_dir=/tmp/moetrain-plan-zero-unused",
-]
+SHAPE = {
+    "model.vocab_size": 512,
+    "model.d_model": 64,
+    "model.dense_hidden": 1024,
+    "model.max_seq_len": 32,
+    "moe.expert_hidden": 96,
+    "data.seq_len": 32,
+    "train.micro_batch_size": 2,
+    "run_dir": "/tmp/moetrain-plan-zero-unused",
+}
 LAYOUTS = [  # (ep_size, zero_stage, precision)
     (2, 2, "fp32"),
     (1, 1, "fp32"),
@@ -39,18 +38,15 @@ def _nbytes(tensors) -> int:  # noqa: ANN001
 def _job(rank: int, world: int) -> list[dict]:
     import torch
 
-    from moetrain.config import load_config
     from moetrain.parallel.topology import init_distributed
     from moetrain.plan import plan
     from moetrain.train.trainer import Trainer
 
     out = []
     for ep, zero, precision in LAYOUTS:
-        cfg = load_config(
-            None,
-            [*SHAPE, f"parallel.ep_size={ep}", f"parallel.zero_stage={zero}",
-             f"train.precision={precision}"],
-        )  # fmt: skip
+        cfg = tiny_config(
+            SHAPE, parallel__ep_size=ep, parallel__zero_stage=zero, train__precision=precision
+        )
         trainer = Trainer(cfg, init_distributed(cfg))
         g = torch.Generator().manual_seed(rank)
         ids = torch.randint(0, 512, (2, 33), generator=g)

@@ -5,29 +5,20 @@ and, resumed by `moetrain train`, the same losses bit for bit as the code that w
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from e2e_utils import CONFIG, PY, ROOT, env_for, losses
+
+from tests.helpers.corpus import run_prepare, write_words_corpus
+from tests.helpers.launch import CONFIG, PY, ROOT, env_for, losses
 
 FIXTURE = ROOT / "tests/fixtures/checkpoint_v1"
 CKPT = FIXTURE / "step_00000003"
 
 pytestmark = pytest.mark.slow
-
-
-def _corpus(path: Path, words: int, docs: int) -> None:
-    rng = random.Random(0)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    vocab = ["".join(rng.choices(letters, k=rng.randint(2, 8))) for _ in range(words)]
-    text = "\n\n".join(
-        " ".join(rng.choices(vocab, k=rng.randint(20, 120))) + "." for _ in range(docs)
-    )
-    path.write_text(text + "\n")
 
 
 def test_format1_checkpoint_reads_with_the_same_logits() -> None:
@@ -42,7 +33,7 @@ def test_format1_checkpoint_reads_with_the_same_logits() -> None:
 
 def test_format1_checkpoint_resumes_with_the_same_losses(tmp_path: Path) -> None:
     spec = json.loads((FIXTURE / "expected.json").read_text())
-    _corpus(tmp_path / "corpus.txt", spec["corpus"]["words"], spec["corpus"]["docs"])
+    write_words_corpus(tmp_path / "corpus.txt", spec["corpus"]["docs"], spec["corpus"]["words"])
     run_dir = tmp_path / "run"
     shutil.copytree(CKPT, run_dir / "checkpoints" / CKPT.name)
     ov = [
@@ -52,15 +43,15 @@ def test_format1_checkpoint_resumes_with_the_same_losses(tmp_path: Path) -> None
         f"data.tokenizer_model={CKPT / 'tokenizer.model'}",
         f"run_dir={run_dir}",
     ]
-    for cmd in (["prepare", CONFIG, *ov], ["train", CONFIG, *ov, *spec["resume_overrides"]]):
-        r = subprocess.run(
-            [PY, "-m", "moetrain", *cmd],
-            env=env_for(),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_prepare(CONFIG, ov)
+    r = subprocess.run(
+        [PY, "-m", "moetrain", "train", CONFIG, *ov, *spec["resume_overrides"]],
+        env=env_for(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     want = {int(k): v for k, v in spec["resume_losses"].items()}
     assert losses(run_dir) == want

@@ -14,26 +14,38 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import prepare_stdlib_config
-from e2e_utils import free_port
+
+from tests.helpers.corpus import prepare_stdlib_config
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 STEPS = 3
-CONFIG = """\
-seed: 3
-model: {vocab_size: 384, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2,
-        dense_hidden: 64, max_seq_len: 32}
-moe: {num_experts: 4, top_k: 2, expert_hidden: 32, bias_update_rate: 0.001}
-data: {source: CORPUS, source_format: text, output_dir: DATA, seq_len: 32, num_proc: 1,
-       val_fraction: 0.05}
-parallel: {ep_size: 2, zero_stage: 2}
-optim: {lr: 3.0e-3, warmup_steps: 1, grad_clip: 0.5}
-train: {max_steps: 3, micro_batch_size: 2, eval_every: 3, eval_steps: 1, log_every: 1}
-checkpoint: {save_every_steps: 0}
-"""
+CONFIG = {  # on the tiny model
+    "seed": 3,
+    "model.vocab_size": 384,
+    "model.dense_hidden": 64,
+    "model.max_seq_len": 32,
+    "moe.expert_hidden": 32,
+    "moe.bias_update_rate": 0.001,
+    "data.source_format": "text",
+    "data.seq_len": 32,
+    "data.num_proc": 1,
+    "data.val_fraction": 0.05,
+    "parallel.ep_size": 2,
+    "parallel.zero_stage": 2,
+    "optim.lr": 3.0e-3,
+    "optim.warmup_steps": 1,
+    "optim.grad_clip": 0.5,
+    "train.max_steps": STEPS,
+    "train.micro_batch_size": 2,
+    "train.eval_every": 3,
+    "train.eval_steps": 1,
+    "train.log_every": 1,
+    "checkpoint.save_every_steps": 0,
+}
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_utils import CONFIG, PY, ROOT, env_for, free_port, logged_losses, losses, prepare_tiny_data
-from e2e_utils import TINY as SMALL
+
+from tests.helpers.launch import CONFIG, PY, ROOT, env_for, logged_losses, losses
+from tests.helpers.ports import free_port
 
 STEPS = 6
 MBS = 2  # per rank; 4 ranks -> 8 sequences per step
-TINY = [
-    *SMALL,
+RUN = [
     "parallel.ep_size=2",
     "parallel.zero_stage=2",
     f"train.max_steps={STEPS}",
@@ -44,9 +44,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def data_overrides(tmp_path_factory) -> list[str]:
-    """Corpus -> tokenizer -> shards through `moetrain prepare`; returns the overrides."""
-    return prepare_tiny_data(tmp_path_factory.mktemp("mn-data"), TINY)
+def data_overrides(tiny_data) -> list[str]:
+    """The session's prepared corpus (tokenizer + shards) and this module's run settings."""
+    return [*tiny_data, *RUN]
 
 
 def descendants(pid: int) -> list[int]:

@@ -21,18 +21,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from e2e_utils import (
-    CONFIG,
-    PY,
-    ROOT,
-    env_for,
-    logged_losses,
-    losses,
-    prepare_tiny_data,
-    rank_pid,
-)
 
 from moetrain.monitor.wandb_run import offline_run_dirs, read_run_records
+from tests.helpers.launch import CONFIG, PY, ROOT, env_for, logged_losses, losses, rank_pid
 
 pytestmark = pytest.mark.slow
 
@@ -104,8 +95,8 @@ def _steps_in_order(run_dir: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
-    return prepare_tiny_data(tmp_path_factory.mktemp("resume-data"))
+def data(tiny_data) -> list[str]:
+    return tiny_data
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.formats import ARCHITECTURES, choose_format, config_from_hf, hf_config
 from moetrain.convert.hf import from_hf_state_dict, to_hf_state_dict
 from moetrain.model import Transformer
+from tests.helpers.configs import tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,21 +47,19 @@ CASES = {
 
 
 def tiny_cfg(fmt: str) -> Config:
-    model = ModelConfig(
-        vocab_size=96,
-        d_model=32,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        dense_hidden=48,
-        max_seq_len=64,
-        rope_theta=5000.0,
-        norm_eps=1e-6,
-        **CASES[fmt]["model"],
+    """The tiny model with 3 layers and what format ``fmt`` represents."""
+    return tiny_config(
+        {
+            "model.vocab_size": 96,
+            "model.n_layers": 3,
+            "model.head_dim": 16,
+            "model.rope_theta": 5000.0,
+            "model.norm_eps": 1e-6,
+            "moe.expert_hidden": 24,
+        },
+        {f"model.{k}": v for k, v in CASES[fmt]["model"].items()},
+        {f"moe.{k}": v for k, v in CASES[fmt]["moe"].items()},
     )
-    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=24, **CASES[fmt]["moe"])
-    return Config(model=model, moe=moe)
 
 
 def model_for(cfg: Config) -> Transformer:

@@ -7,31 +7,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.data.tokenizer import train_tokenizer
 from moetrain.generate import generate_ids, generate_text, load_for_generation, sample_next
 from moetrain.model.transformer import Transformer
+from tests.helpers.configs import tiny_config
 
 transformers = pytest.importorskip("transformers")
 
 
 def test_kv_cache_logits_equal_full_recompute() -> None:
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
-        max_seq_len=40,
-        qk_norm=True,
-        init_std=0.1,
+    cfg = tiny_config(
+        {
+            "model.n_layers": 3,
+            "model.dense_hidden": 1024,
+            "model.max_seq_len": 40,
+            "model.qk_norm": True,
+            "model.init_std": 0.1,
+            "moe.first_k_dense": 1,
+            "moe.num_shared_experts": 1,
+        }
     )
-    model = Transformer(
-        cfg,
-        MoEConfig(num_experts=4, top_k=2, expert_hidden=16, first_k_dense=1, num_shared_experts=1),
-    ).eval()
+    model = Transformer(cfg.model, cfg.moe).eval()
     ids = torch.randint(0, 64, (2, 23))
     with torch.no_grad():
         full = model(ids).logits

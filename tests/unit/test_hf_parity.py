@@ -9,25 +9,26 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.config import Config, ConfigError
 from moetrain.convert.hf import from_mixtral_state_dict, mixtral_config, to_mixtral_state_dict
 from moetrain.model import Transformer
+from tests.helpers.configs import tiny_config
 
 transformers = pytest.importorskip("transformers")
 
 
 def tiny_cfg(**moe_kw) -> Config:
-    model = ModelConfig(
-        vocab_size=96,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        max_seq_len=64,
-        rope_theta=5000.0,
-        norm_eps=1e-6,
+    """The tiny model as these tests have it; ``moe_kw``: MoEConfig fields."""
+    return tiny_config(
+        {
+            "model.vocab_size": 96,
+            "model.dense_hidden": 1024,
+            "model.rope_theta": 5000.0,
+            "model.norm_eps": 1e-6,
+            "moe.expert_hidden": 24,
+        },
+        {f"moe.{k}": v for k, v in moe_kw.items()},
     )
-    return Config(model=model, moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, **moe_kw))
 
 
 def ours(cfg: Config) -> Transformer:

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.config import ModelConfig, MoEConfig
 from moetrain.model import Transformer
 from moetrain.model.loss import chunked_cross_entropy
+from tests.helpers.configs import tiny_config
 
 N, D, V = 37, 16, 50
 
@@ -141,18 +141,10 @@ def test_saves_gradients_instead_of_logits() -> None:
 
 def tiny_model(tie: bool, chunk: int) -> Transformer:
     torch.manual_seed(0)
-    model_cfg = ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        dense_hidden=48,
-        max_seq_len=32,
-        tie_embeddings=tie,
-        loss_chunk_tokens=chunk,
+    cfg = tiny_config(
+        model__max_seq_len=32, model__tie_embeddings=tie, model__loss_chunk_tokens=chunk
     )
-    return Transformer(model_cfg, MoEConfig(num_experts=4, top_k=2, expert_hidden=16))
+    return Transformer(cfg.model, cfg.moe)
 
 
 @pytest.mark.parametrize("tie", [False, True])

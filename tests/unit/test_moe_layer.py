@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.config import MoEConfig
 from moetrain.model.moe.dispatch import permute, unpermute
 from moetrain.model.moe.experts import GroupedExperts, unpack_w13
 from moetrain.model.moe.layer import MoELayer
+from tests.helpers.configs import tiny_config
 
 D = 8
 
@@ -74,7 +74,8 @@ SETTINGS = [
 
 def build(seed: int = 0, bias: list[float] | None = None, **kw) -> MoELayer:
     torch.manual_seed(seed)
-    layer = MoELayer(MoEConfig(expert_hidden=16, **kw), D)
+    cfg = tiny_config({f"moe.{k}": v for k, v in kw.items()}, moe__expert_hidden=16)
+    layer = MoELayer(cfg.moe, D)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.5)

@@ -2,8 +2,7 @@
 
 import pytest
 
-from moetrain.config import Config, ModelConfig, MoEConfig
-from moetrain.config import DataConfig as _Data
+from moetrain.config import Config
 from moetrain.monitor.mfu import (
     CPU_MFU_METRIC,
     GPU_MFU_METRIC,
@@ -17,13 +16,16 @@ from moetrain.monitor.mfu import (
     tflops_per_device,
 )
 from moetrain.numbers import model_numbers
+from tests.helpers.configs import tiny_config
 
 
 def _config() -> Config:
-    return Config(
-        model=ModelConfig(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2),
-        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=128),
-        data=_Data(seq_len=32),
+    return tiny_config(
+        model__vocab_size=1000,
+        model__d_model=64,
+        model__dense_hidden=1024,
+        model__max_seq_len=2048,
+        moe__expert_hidden=128,
     )
 
 

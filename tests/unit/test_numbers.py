@@ -5,6 +5,7 @@ import pytest
 from moetrain.config import load_config
 from moetrain.model.transformer import Transformer
 from moetrain.numbers import model_numbers
+from tests.helpers.configs import tiny_config
 
 
 @pytest.mark.parametrize(
@@ -31,22 +32,14 @@ def test_parameter_counts_match_the_model(overrides):
 
 
 def test_flops_per_token_by_hand():
-    cfg = load_config(
-        None,
-        [
-            "model.vocab_size=1000",
-            "model.d_model=64",
-            "model.n_layers=2",
-            "model.n_heads=4",
-            "model.n_kv_heads=2",
-            "model.dense_hidden=128",
-            "moe.num_experts=4",
-            "moe.top_k=2",
-            "moe.expert_hidden=32",
-            "moe.first_k_dense=1",
-            "data.seq_len=100",
-            "model.max_seq_len=100",
-        ],
+    cfg = tiny_config(
+        "model.vocab_size=1000",
+        "model.d_model=64",
+        "model.dense_hidden=128",
+        "moe.expert_hidden=32",
+        "moe.first_k_dense=1",
+        "data.seq_len=100",
+        "model.max_seq_len=100",
     )
     attn = 64 * 64 * 2 + 64 * 32 * 2  # q, o: 64x64; k, v: 64x32 (2 kv heads x 16)
     dense = 3 * 64 * 128

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from moetrain.config import OptimConfig, load_config
+from moetrain.config import OptimConfig
 from moetrain.model.transformer import Transformer
 from moetrain.train.optim import LRSchedule, lr_factor, param_groups, warmup_steps_for
+from tests.helpers.configs import tiny_config
 
 
 def _opt(**kw) -> OptimConfig:
@@ -80,18 +81,9 @@ def test_schedule_drives_optimizer_lr() -> None:
 
 
 def _tiny_model(**overrides: object) -> Transformer:
-    args = {
-        "model.vocab_size": 64,
-        "model.d_model": 32,
-        "model.n_layers": 2,
-        "model.n_heads": 4,
-        "model.n_kv_heads": 2,
-        "moe.num_experts": 4,
-        "moe.expert_hidden": 16,
-        "moe.first_k_dense": 1,
-        **overrides,
-    }
-    cfg = load_config(None, [f"{k}={v}" for k, v in args.items()])
+    cfg = tiny_config(
+        {"model.dense_hidden": 1024, "model.max_seq_len": 2048, "moe.first_k_dense": 1}, overrides
+    )
     return Transformer(cfg.model, cfg.moe)
 
 

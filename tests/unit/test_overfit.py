@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from moetrain.config import ModelConfig, MoEConfig
 from moetrain.model import Transformer
+from tests.helpers.configs import tiny_config
 
 
 def test_overfits_a_fixed_batch() -> None:
@@ -13,11 +13,13 @@ def test_overfits_a_fixed_batch() -> None:
     torch.set_num_threads(1)  # tiny tensors: threads only add contention on a shared machine
     try:
         torch.manual_seed(0)
-        model_cfg = ModelConfig(
-            vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32
+        cfg = tiny_config(
+            model__dense_hidden=1024,
+            model__max_seq_len=32,
+            moe__expert_hidden=32,
+            moe__num_shared_experts=1,
         )
-        moe_cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=32, num_shared_experts=1)
-        model = Transformer(model_cfg, moe_cfg).train()
+        model = Transformer(cfg.model, cfg.moe).train()
         ids = torch.randint(0, 64, (2, 16))
         labels = torch.roll(ids, -1, dims=1)
         labels[:, -1] = -100

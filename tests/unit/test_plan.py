@@ -21,24 +21,28 @@ from moetrain.plan import (
     head_bytes_per_token,
     plan,
 )
+from tests.helpers.configs import tiny_config
 
 PROBE = Path(__file__).with_name("plan_memory_probe.py")
 
-SMALL = {
+SMALL = {  # on the tiny model
     "model.vocab_size": 512,
     "model.d_model": 64,
-    "model.n_layers": 2,
-    "model.n_heads": 4,
-    "model.n_kv_heads": 2,
+    "model.dense_hidden": 1024,
+    "model.max_seq_len": 2048,
     "moe.num_experts": 8,
-    "moe.top_k": 2,
     "moe.expert_hidden": 96,
     "data.seq_len": 64,
     "train.micro_batch_size": 2,
 }
 
 
+def _small(*overrides: dict[str, object], **extra: object) -> Config:
+    return tiny_config(SMALL, *overrides, **extra)
+
+
 def _cfg(base: dict[str, object], **extra: object) -> Config:
+    """On the project's defaults, as the memory probe builds its runs."""
     merged = {**base, **{k.replace("__", "."): v for k, v in extra.items()}}
     return config_from_dict(apply_overrides({}, [f"{k}={v}" for k, v in merged.items()]))
 
@@ -54,8 +58,7 @@ def _dense_and_expert_params(cfg: Config) -> tuple[int, int]:
 def test_zero_and_ep_partitioning_by_hand(zero: int) -> None:
     # stage 0 refuses gradient clipping in bf16 (parallel/layout.py); memory does not depend on it
     clip = 0.0 if zero == 0 else 1.0
-    cfg = _cfg(
-        SMALL,
+    cfg = _small(
         parallel__ep_size=4,
         parallel__zero_stage=zero,
         train__precision="bf16",
@@ -74,33 +77,32 @@ def test_zero_and_ep_partitioning_by_hand(zero: int) -> None:
 
 
 def test_fp32_world_one_and_offload() -> None:
-    cfg = _cfg(SMALL, parallel__zero_stage=2)
+    cfg = _small(parallel__zero_stage=2)
     dense, expert = _dense_and_expert_params(cfg)
     pl = plan(cfg, gpus=1, gpu="a100")
     assert (pl.weights_bytes, pl.grads_bytes) == (4 * (dense + expert), 4 * (dense + expert))
     # ZeRO keeps an fp32 partition copy even of fp32 weights; plain AdamW (stage 0) does not
     assert pl.optimizer_bytes == 12 * (dense + expert)
-    assert plan(_cfg(SMALL, parallel__zero_stage=0), 1).optimizer_bytes == 8 * (dense + expert)
-    off = plan(_cfg(SMALL, parallel__offload_optimizer=True, parallel__ep_size=2), 4, "a100")
+    assert plan(_small(parallel__zero_stage=0), 1).optimizer_bytes == 8 * (dense + expert)
+    off = plan(_small(parallel__offload_optimizer=True, parallel__ep_size=2), 4, "a100")
     d2, e2 = dense / 4 + expert / 2 / 2, 0
     assert off.optimizer_bytes == e2
     assert off.optimizer_cpu_bytes == pytest.approx(12 * d2, abs=2)
 
 
 def test_speed_follows_peak_mfu_and_flops() -> None:
-    cfg = _cfg(SMALL, train__precision="bf16", train__grad_accum_steps=4)
+    cfg = _small(train__precision="bf16", train__grad_accum_steps=4)
     pl = plan(cfg, gpus=4, gpu="h200", mfu=0.5)
     flops = pl.numbers.flops_per_token
     assert pl.peak_tflops == pytest.approx(989.4)
     assert pl.tokens_per_s == pytest.approx(4 * 989.4e12 * 0.5 / flops)
     assert pl.tokens_per_step == 2 * 64 * 4 * 4
     assert pl.step_time_s == pytest.approx(pl.tokens_per_step / pl.tokens_per_s)
-    assert plan(_cfg(SMALL, train__precision="fp32"), 1, "h100").peak_tflops < 100  # no tf32
+    assert plan(_small(train__precision="fp32"), 1, "h100").peak_tflops < 100  # no tf32
 
 
 def test_cannot_fit_warns_and_small_fits() -> None:
     big = {
-        **SMALL,
         "model.vocab_size": 50304,
         "model.d_model": 2048,
         "model.n_layers": 24,
@@ -114,21 +116,21 @@ def test_cannot_fit_warns_and_small_fits() -> None:
         "train.micro_batch_size": 8,
         "train.precision": "bf16",
     }
-    pl = plan(_cfg(big), gpus=8, gpu="rtx4090")
+    pl = plan(_small(big), gpus=8, gpu="rtx4090")
     assert not pl.fits
     assert pl.total_bytes > 24 * GiB
     assert any("does not fit" in w and "activation_checkpointing" in w for w in pl.warnings)
     assert "DOES NOT FIT" in format_plan(pl)
-    small = plan(_cfg(SMALL), gpus=1, gpu="h100")
+    small = plan(_small(), gpus=1, gpu="h100")
     assert small.fits and not small.warnings
     assert "fits" in format_plan(small) and "activations" in format_plan(small)
 
 
 def test_bad_layouts_raise_config_errors() -> None:
     with pytest.raises(ConfigError, match="parallel.ep_size"):
-        plan(_cfg(SMALL, parallel__ep_size=2), gpus=3)
+        plan(_small(parallel__ep_size=2), gpus=3)
     with pytest.raises(ConfigError, match="--gpu"):
-        plan(_cfg(SMALL), gpus=1, gpu="tpu-v9")
+        plan(_small(), gpus=1, gpu="tpu-v9")
 
 
 def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> float:
@@ -176,7 +178,7 @@ def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> floa
 def test_activation_formula_matches_saved_tensors(
     dtype: torch.dtype, extra: dict, chunk: int
 ) -> None:
-    cfg = _cfg({**SMALL, **extra, "model.loss_chunk_tokens": chunk})
+    cfg = _small(extra, {"model.loss_chunk_tokens": chunk})
     a = 4 if dtype == torch.float32 else 2
     tokens = 512
     predicted = sum(activation_bytes_per_token(cfg, i, a) for i in range(cfg.model.n_layers))

@@ -12,6 +12,7 @@ from moetrain.config.sections import CPU_BUCKET_ELEMENTS, GPU_BUCKET_ELEMENTS
 from moetrain.parallel.deepspeed import deepspeed_config, dump_deepspeed_config
 from moetrain.parallel.layout import check_layout
 from moetrain.parallel.topology import Topology
+from tests.helpers.configs import tiny_config
 
 
 def _cfg(**kw: object):
@@ -131,10 +132,7 @@ def test_deepspeed_moe_marker_shim() -> None:
     from moetrain.parallel.deepspeed import mark_experts_for_deepspeed
     from moetrain.parallel.expert_parallel import moe_layers, slice_experts
 
-    cfg = _cfg(
-        **{"model.d_model": 32, "model.n_layers": 1, "model.n_heads": 4, "model.vocab_size": 64,
-           "moe.num_experts": 4, "moe.expert_hidden": 16}
-    )  # fmt: skip
+    cfg = tiny_config(model__n_layers=1, model__dense_hidden=1024, model__max_seq_len=2048)
 
     def topo(ep: int) -> Topology:
         return Topology(rank=1, world_size=2, local_rank=1, ep_size=ep, backend="gloo",
@@ -209,10 +207,7 @@ def test_rank_builds_only_its_experts_with_the_full_models_weights() -> None:
     from moetrain.model.transformer import Transformer
     from moetrain.parallel.expert_parallel import apply_expert_parallel, moe_layers
 
-    cfg = _cfg(
-        **{"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4, "model.vocab_size": 64,
-           "moe.num_experts": 4, "moe.expert_hidden": 16}
-    )  # fmt: skip
+    cfg = tiny_config(model__dense_hidden=1024, model__max_seq_len=2048)
 
     def topo(ep_rank: int) -> Topology:
         return Topology(rank=ep_rank, world_size=2, local_rank=ep_rank, ep_size=2,

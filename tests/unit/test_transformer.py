@@ -15,15 +15,14 @@ from moetrain.model.attention import Attention, rope_tables
 from moetrain.model.layers import SwiGLU
 from moetrain.model.moe.layer import MoELayer
 from moetrain.numbers import model_numbers
+from tests.helpers.configs import tiny_config
 
 
 def tiny(**kw) -> tuple[ModelConfig, MoEConfig]:
-    m = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, dense_hidden=48)
-    m.update(max_seq_len=64)
-    moe = dict(num_experts=4, top_k=2, expert_hidden=16)
-    for k, v in kw.items():
-        (m if k in ModelConfig.__dataclass_fields__ else moe)[k] = v
-    return ModelConfig(**m), MoEConfig(**moe)
+    """The tiny model with 50 tokens; ``kw``: ModelConfig or MoEConfig fields."""
+    section = {k: "model" if k in ModelConfig.__dataclass_fields__ else "moe" for k in kw}
+    cfg = tiny_config(model__vocab_size=50, **{f"{section[k]}.{k}": v for k, v in kw.items()})
+    return cfg.model, cfg.moe
 
 
 def build(seed: int = 0, **kw) -> Transformer:

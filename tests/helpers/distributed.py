@@ -4,7 +4,8 @@
 group initialised (gloo, a free local port, RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set, one
 thread). Returns the list of the ranks' return values (picklable), in rank order. An exception
 on any rank fails the call with that rank's traceback; the process group is destroyed in
-``finally``.
+``finally``. ``fn`` must be importable by module name (a module-level function of a module
+under ``tests``, e.g. ``tests.distributed.parity_jobs``): spawned ranks unpickle it.
 
 ``run_distributed_concurrently([(fn, world_size, *args), ...])`` starts several such jobs at once
 (each its own process group and port) and returns their results in the same order: on 2 cores,
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,11 +24,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.ports import free_port
 
 
 def _worker(

@@ -1,42 +1,16 @@
-"""Helpers for the end-to-end tests: a generated corpus, clean launcher environments, metrics."""
+"""Helpers for tests that start the real CLI and launchers: paths, a clean environment for them,
+the metrics a run writes, and its rank processes."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = str(ROOT / "configs/tiny-cpu.yaml")
+ROOT = Path(__file__).resolve().parents[2]  # the repository, where every launch starts
+CONFIG = str(ROOT / "configs/tiny-cpu.yaml")  # the shipped config the CLI tests start from
 PY = sys.executable
-
-# A model small enough for several launches per test module on 2 cores.
-TINY = [
-    "model.vocab_size=512",
-    "model.d_model=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.dense_hidden=128",
-    "moe.expert_hidden=64",
-    "data.seq_len=64",
-    "data.num_proc=1",
-    "parallel.timeout_minutes=2",
-    "optim.warmup_steps=2",
-    "train.log_every=1",
-    "train.eval_every=0",
-    "logging.wandb.mode=disabled",
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_for(**extra: str) -> dict[str, str]:
@@ -47,37 +21,6 @@ def env_for(**extra: str) -> dict[str, str]:
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHON=PY, PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
-
-
-def write_corpus(path: Path, docs: int = 600) -> None:
-    rng = random.Random(0)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    words = ["".join(rng.choices(letters, k=rng.randint(2, 8))) for _ in range(400)]
-    text = "\n\n".join(
-        " ".join(rng.choices(words, k=rng.randint(20, 120))) + "." for _ in range(docs)
-    )
-    path.write_text(text + "\n")
-
-
-def prepare_tiny_data(directory: Path, overrides: list[str] | None = None) -> list[str]:
-    """Corpus -> tokenizer -> shards through `moetrain prepare`; returns the config overrides."""
-    write_corpus(directory / "corpus.txt")
-    ov = [
-        *TINY,
-        *(overrides or []),
-        f"data.source={directory / 'corpus.txt'}",
-        f"data.output_dir={directory / 'data'}",
-    ]
-    r = subprocess.run(
-        [PY, "-m", "moetrain", "prepare", CONFIG, *ov],
-        env=env_for(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    return ov
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny configs, corpora, rank spawning, launches (see each module)."""
