@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from moetrain.config import load_config
-from moetrain.data import build_loader, prepare
+from moetrain.data import build_loader
 from moetrain.data.loader import PackedLoader
+from moetrain.data.prepare import prepare
 from moetrain.data.shards import FORMAT, VERSION, ShardWriter, write_index
 
 REPO = Path(__file__).resolve().parents[1]

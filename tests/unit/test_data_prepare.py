@@ -19,8 +19,8 @@ import pytest
 
 from moetrain.checkpoint.io import remove_stale_temp_dirs
 from moetrain.config import load_config
-from moetrain.data import DataError, build_loader, load_tokenizer, prepare, read_index
-from moetrain.data.prepare import is_val_doc
+from moetrain.data import DataError, build_loader, load_tokenizer, read_index
+from moetrain.data.prepare import is_val_doc, prepare
 from moetrain.data.shards import verify_split
 from moetrain.data.tokenizer import train_tokenizer
 
