@@ -24,6 +24,7 @@ from moetrain.parallel.ep_dispatcher import AllToAllDispatcher
 from moetrain.parallel.layout import check_experts_divisible
 from moetrain.parallel.topology import Topology
 
+
 def global_sum_reducer(group: Any = None) -> Callable[[Tensor], Tensor]:
     """A no-grad all-reduce (sum) over ``group`` (default: every rank)."""
 

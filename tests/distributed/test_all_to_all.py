@@ -125,6 +125,7 @@ def test_counts_drops_and_traffic(results: list[dict]) -> None:
         assert results[0][case]["dropped"][1] > 0
     assert results[1]["all_dropped"]["kept_of_mine"] == 0  # rank 1 lost every slot
     assert results[0]["all_dropped"]["kept_of_mine"] > 0
+
     # one row per token and destination rank (ranks on separate nodes here); bytes: the counts
     # exchange, rows (D floats) and their 2K slot values out, results (D floats) back; in
     # backward the same exchanges in reverse
