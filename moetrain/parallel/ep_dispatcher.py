@@ -42,6 +42,15 @@ from moetrain.parallel.all_to_all import (
 )
 
 
+def true_indices(mask: Tensor, count: int) -> Tensor:
+    """The indices of the ``count`` True entries of the 1-D ``mask``, in order: ``nonzero``
+    without its host sync (``count`` is known) and without a sort."""
+    n = mask.numel()
+    slot = torch.where(mask, torch.cumsum(mask, 0) - 1, count)  # False -> a spare slot
+    out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
+    return out.scatter_(0, slot, torch.arange(n, device=mask.device))[:count]
+
+
 @dataclass
 class _Context:
     slot_R: Tensor  # token * J + (the row's index among its token's rows), per sent row
@@ -99,7 +108,7 @@ class AllToAllDispatcher:
         group_tokens, num_copies = sum(sizes[2 * P : 3 * P]), sum(sizes[3 * P :])
 
         # one row per (destination, token) pair, destination-major
-        pair_R = torch.argsort(~used, stable=True)[: sum(send_splits)]
+        pair_R = true_indices(used, sum(send_splits))
         token_R = pair_R % T
         dest_R = torch.div(pair_R, T, rounding_mode="floor")
         row_of_token_R = (used_PT.cumsum(0) - 1).view(-1)[pair_R]
@@ -130,7 +139,7 @@ class AllToAllDispatcher:
             )
             keep_N = capacity_keep(expert_N, w_flat.detach()[copy_N], L, capacity)
             kept = sum(min(n, capacity) for n in sizes[3 * P :])
-            copy_N = copy_N[torch.argsort(~keep_N, stable=True)[:kept]]
+            copy_N = copy_N[true_indices(keep_N, kept)]
             counts_L, dropped = copies_L.clamp(max=capacity), num_copies - kept
         x_ND = gather_slots(x_SD, copy_N, K)
         w_N = w_flat.index_select(0, copy_N)
