@@ -227,45 +227,6 @@ def test_global_batch_scope_sums_over_ranks_and_not_in_eval() -> None:
     assert r.step_counts_E.tolist() == [1, 1, 1, 1]
 
 
-def _gate_grad(scope: str, micro_batches: list[list[list[float]]], reducer=None) -> torch.Tensor:
-    """Gradient of the gate of the mean aux loss over ``micro_batches`` (one optimizer step)."""
-    r = make_router(aux_loss_scope=scope).train()
-    r.stats_reducer = reducer
-    r.begin_step()
-    for mb in micro_batches:
-        (r(torch.tensor(mb)).aux_loss / len(micro_batches)).backward()
-        r.end_micro_batch()
-    return r.gate.weight.grad
-
-
-def test_global_batch_relation_between_accumulation_and_data_parallelism() -> None:
-    """The README's relation: with accumulation, micro-step i uses the fractions f_{<=i} of the
-    micro-steps so far; data parallelism over the same global batch gives every token the whole
-    step's fractions. So they differ by exactly (1/A) E sum_e (f_{<=i} - f_step) dP_i over the
-    earlier micro-steps, and agree when those fractions agree."""
-    mb1, mb2 = [ROW_A, ROW_A], [ROW_B, ROW_A]
-    accumulated = _gate_grad("global_batch", [mb1, mb2])
-    # two ranks, one micro-step each: each rank's loss uses f of both micro-batches (the
-    # reducer adds the other rank's counts); the gradient is the mean of the ranks' gradients
-    counts = {0: torch.tensor([0, 0, 2, 2]), 1: torch.tensor([1, 1, 1, 1])}
-    data_parallel = sum(
-        _gate_grad("global_batch", [mb], lambda c, o=counts[1 - i]: c + o) / 2
-        for i, mb in enumerate([mb1, mb2])
-    )
-    # by hand: the difference comes from micro-step 1 only, f_1 = [0, 0, 1/2, 1/2] against
-    # f_step = [1, 1, 3, 3] / 8, through d/dlogits of P(A) (both tokens of mb1 are A)
-    p = torch.tensor([1 / 8, 1 / 8, 1 / 4, 1 / 2])
-    df = torch.tensor([0.0, 0.0, 0.5, 0.5]) - torch.tensor([1.0, 1.0, 3.0, 3.0]) / 8
-    dlogit = 4 * (df * p - p * (df * p).sum())  # d/dlogits of E sum_e df_e P_e for one token
-    expected = 0.5 * torch.outer(dlogit, torch.tensor(ROW_A))  # 1/A, mean over mb1's tokens
-    torch.testing.assert_close(accumulated - data_parallel, expected, atol=1e-6, rtol=1e-5)
-    # the same micro-steps split over ranks instead: identical to accumulation only when every
-    # micro-step sees the same fractions (here: one micro-step, A = 1)
-    one_step = _gate_grad("global_batch", [mb1 + mb2])
-    torch.testing.assert_close(one_step, _gate_grad("global_micro_batch", [mb1 + mb2]))
-    torch.testing.assert_close(one_step, data_parallel, atol=1e-7, rtol=1e-6)
-
-
 # ------------------------------------------------------------------ group-limited routing
 
 
