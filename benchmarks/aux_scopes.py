@@ -29,16 +29,10 @@ SCOPES = ["micro_batch", "global_micro_batch", "sequence", "global_batch"]
 
 def run(scope: str, steps: int, work: Path) -> dict[str, float]:
     run_dir = work / scope
+    launch = "-m torch.distributed.run --standalone --nproc_per_node 2 -m moetrain train"
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "moetrain",
-        "train",
+        *launch.split(),
         CONFIG,
         f"moe.aux_loss_scope={scope}",
         f"train.max_steps={steps}",

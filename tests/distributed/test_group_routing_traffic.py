@@ -16,7 +16,7 @@ from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.slow
 
-STEPS, MICRO, SEQ = 2, 2, 16
+STEPS, MICRO, SEQ = 1, 2, 16
 KEYS = ("rows", "rows_off_rank", "rows_off_node", "bytes_off_rank", "bytes_off_node")
 
 
@@ -33,7 +33,7 @@ def _job(rank: int, world: int) -> dict:
             moe__num_experts=8,
             moe__top_k=2,
             parallel__ep_size=4,
-            parallel__zero_stage=1,
+            parallel__zero_stage=0,
             train__micro_batch_size=MICRO,
             data__seq_len=SEQ,
             run_dir="/tmp/moetrain-group-traffic-unused",

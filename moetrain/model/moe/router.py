@@ -1,7 +1,7 @@
 """Token-choice top-k router with load-balancing losses.
 
 Shape legend: T tokens, D d_model, E experts, K top_k, G expert groups (``moe.n_group``),
-B sequences, S tokens per sequence.
+X experts per group, B sequences, S tokens per sequence.
 
 Scores are computed in fp32. Selection may be shifted by the aux-loss-free ``expert_bias``
 (DeepSeek-V3); combine weights never include it. Where the bias is updated: NOT in forward.
