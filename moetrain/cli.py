@@ -92,7 +92,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from moetrain.plan import format_plan, plan
 
     cfg = load_config(args.config, args.overrides)
-    print(format_plan(plan(cfg, args.gpus, gpu=args.gpu, mfu=args.mfu)))
+    pl = plan(cfg, args.gpus, gpu=args.gpu, mfu=args.mfu, gpus_per_node=args.gpus_per_node)
+    print(format_plan(pl))
     return 0
 
 
@@ -165,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs in the job")
     p.add_argument("--gpu", default="h100", help="GPU type (h100, h200, a100, ...)")
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=8, help="GPUs per node (expert all-to-all fan-out)"
+    )
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("report", help="PNG plots and a text summary of a run directory")

@@ -18,6 +18,8 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
 - framework: a fixed allowance (CUDA context, allocator slack, NCCL) plus DeepSpeed's reduce and
   all-gather buckets under ZeRO-1/2.
 
+Expert all-to-all: :mod:`moetrain.plan_traffic` (fan-out per token and bytes per step).
+
 Speed: ``tokens/s = gpus * peak * mfu / flops_per_token``, the peak from
 :data:`moetrain.monitor.mfu.PEAK_TFLOPS` for ``train.precision`` (or ``logging.peak_tflops``),
 FLOPs from
@@ -33,6 +35,7 @@ from moetrain.config import Config, ConfigError
 from moetrain.monitor.mfu import lookup_peak_tflops, math_type
 from moetrain.numbers import ModelNumbers, human, model_numbers
 from moetrain.parallel.layout import check_layout
+from moetrain.plan_traffic import Traffic, expert_traffic, format_traffic
 
 GiB = 1024**3
 MiB = 1024**2
@@ -205,6 +208,8 @@ class Plan:
     framework_bytes: int
     mfu: float
     peak_tflops: float
+    traffic: Traffic
+    gpus_per_node: int = 8
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -254,8 +259,10 @@ def plan(
     gpu: str = "h100",
     mfu: float = 0.4,
     activation_checkpointing: bool | None = None,
+    gpus_per_node: int = 8,
 ) -> Plan:
-    """Estimate memory per GPU and speed of ``cfg`` on ``gpus`` GPUs of type ``gpu``.
+    """Estimate memory per GPU and speed of ``cfg`` on ``gpus`` GPUs of type ``gpu``, and its
+    expert all-to-all with ``gpus_per_node`` GPUs in a node.
 
     ``activation_checkpointing`` None takes ``cfg.parallel.activation_checkpointing``.
     Raises ConfigError (naming ``parallel.ep_size``) when the layout is invalid.
@@ -264,6 +271,8 @@ def plan(
         raise ConfigError(f"--gpus: must be >= 1; got {gpus}")
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu: must be in (0, 1]; got {mfu}")
+    if gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node: must be >= 1; got {gpus_per_node}")
     spec = gpu_spec(gpu)
     check_layout(cfg, gpus)
     p, t = cfg.parallel, cfg.train
@@ -320,6 +329,8 @@ def plan(
         framework_bytes=framework,
         mfu=mfu,
         peak_tflops=peak,
+        traffic=expert_traffic(cfg, tokens * t.grad_accum_steps, gpus_per_node, wb, recompute=ckpt),
+        gpus_per_node=gpus_per_node,
     )
     capacity = spec.memory_mib * MiB
     if not result.fits:
@@ -375,6 +386,7 @@ def format_plan(pl: Plan) -> str:
         f"at MFU {pl.mfu:.0%} of {pl.peak_tflops:g} TFLOP/s per GPU: "
         f"{pl.tokens_per_s:,.0f} tokens/s ({pl.tokens_per_s / pl.gpus:,.0f} per GPU), "
         f"{pl.step_time_s:.3f} s per optimizer step",
+        format_traffic(pl.traffic, pl.gpus_per_node),
     ]
     lines += [f"WARNING: {w}" for w in pl.warnings]
     return "\n".join(lines)

@@ -104,7 +104,21 @@ class MoEConfig:
     aux_loss_coef: float = 0.01  # Switch/GShard load-balancing loss; 0 disables
     z_loss_coef: float = 0.001  # ST-MoE router z-loss; 0 disables
     bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing; 0 disables
-    capacity_factor: float = 0.0  # 0 = dropless; else capacity = ceil(cf * T * k / E)
+    # which tokens the load-balancing loss's expert fractions come from: micro_batch (this
+    # rank's micro-batch), global_micro_batch (every rank's micro-batch of this micro-step),
+    # sequence (each sequence on its own, DeepSeek-V3), global_batch (every rank's micro-batches
+    # of this optimizer step so far; Megatron-Core's global_aux_loss); README "Load balancing"
+    aux_loss_scope: Literal["micro_batch", "global_micro_batch", "sequence", "global_batch"] = (
+        "global_micro_batch"
+    )
+    # 0 = dropless; else each expert keeps at most ceil(cf * T * k / E) of the copies routed to
+    # it, T = the tokens of its expert-parallel group's micro-batches, lowest weight dropped first
+    capacity_factor: float = 0.0
+    # group-limited routing (DeepSeek-V3 / GLM-4.5 n_group, topk_group): experts in n_group
+    # equal groups; each token picks its topk_group best groups (sum of each group's two best
+    # scores), then its top_k experts inside them. 1 = off
+    n_group: int = 1
+    topk_group: int = 1
     num_shared_experts: int = 0
     shared_expert_hidden: int | None = None  # default num_shared_experts * expert_hidden
     shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE style)
@@ -133,6 +147,26 @@ class MoEConfig:
         """Hidden size of the (single, merged) shared-expert SwiGLU."""
         return self.shared_expert_hidden or self.num_shared_experts * self.expert_hidden
 
+    def _validate_groups(self) -> None:
+        require(
+            self.n_group >= 1 and self.num_experts % max(self.n_group, 1) == 0,
+            "moe.n_group",
+            f"must be >= 1 and divide moe.num_experts={self.num_experts}; got {self.n_group}",
+        )
+        require(
+            1 <= self.topk_group <= self.n_group,
+            "moe.topk_group",
+            f"must be between 1 and moe.n_group={self.n_group}; got {self.topk_group}",
+        )
+        reachable = self.topk_group * (self.num_experts // self.n_group)
+        require(
+            self.top_k <= reachable,
+            "moe.topk_group",
+            f"moe.top_k={self.top_k} experts must fit in topk_group={self.topk_group} groups of "
+            f"{self.num_experts // self.n_group} experts; raise it to at least "
+            f"{-(-self.top_k * self.n_group // self.num_experts)}",
+        )
+
     def validate(self) -> None:
         require(self.num_experts >= 1, "moe.num_experts", "must be >= 1")
         require(
@@ -149,6 +183,7 @@ class MoEConfig:
         require(0 <= self.jitter < 1, "moe.jitter", "must be in [0, 1)")
         require(self.route_scale > 0, "moe.route_scale", "must be > 0")
         require(self.capacity_factor >= 0, "moe.capacity_factor", "must be 0 (dropless) or > 0")
+        self._validate_groups()
         require(self.num_shared_experts >= 0, "moe.num_shared_experts", "must be >= 0")
         if self.shared_expert_hidden is not None:
             require(self.shared_expert_hidden > 0, "moe.shared_expert_hidden", "must be > 0")

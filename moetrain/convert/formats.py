@@ -17,8 +17,12 @@ refused with a ConfigError that names the moetrain setting that has no equivalen
 - ``glm4_moe`` (Glm4MoeForCausalLM): sigmoid scores, selection shifted by
   ``e_score_correction_bias`` (moetrain's aux-loss-free ``expert_bias``), weights from the
   unbiased scores, optional renormalisation, ``routed_scaling_factor`` = ``moe.route_scale``,
-  ungated shared experts, the first ``first_k_dense_replace`` layers dense; written with
-  ``n_group = topk_group = 1``, full rotary (``partial_rotary_factor = 1``), no attention bias.
+  ungated shared experts, the first ``first_k_dense_replace`` layers dense, group-limited
+  routing ``n_group`` / ``topk_group`` = ``moe.n_group`` / ``moe.topk_group`` (a group scored by
+  its two best biased scores, the other groups' experts excluded), full rotary
+  (``partial_rotary_factor = 1``), no attention bias.
+
+Only GLM-4-MoE has expert groups: the other formats need ``moe.n_group = 1``.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ def _softmax_router(moe: MoEConfig, name: str) -> list[tuple[bool, str, str]]:
             "moe.bias_update_rate",
             f"{name} has no expert bias (aux-loss-free balancing); must be 0",
         ),
+        (moe.n_group != 1, "moe.n_group", f"{name} routes without expert groups; must be 1"),
     ]
 
 
@@ -117,6 +122,11 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
                 f"{name} has MoE in every layer after first_k_dense_replace; must be 1",
             ),
             (moe.num_experts < 2, "moe.num_experts", f"{name}'s group scoring needs >= 2"),
+            (
+                moe.n_group > 1 and moe.num_experts // moe.n_group < 2,
+                "moe.n_group",
+                f"{name} scores a group by its two best experts: groups need >= 2 experts",
+            ),
             (
                 moe.num_shared_experts == 0,
                 "moe.num_shared_experts",
@@ -214,8 +224,8 @@ def hf_config(cfg: Config, fmt: str, **extra: Any):  # noqa: ANN201 (a transform
         n_routed_experts=moe.num_experts,
         n_shared_experts=moe.num_shared_experts,
         routed_scaling_factor=moe.route_scale,
-        n_group=1,
-        topk_group=1,
+        n_group=moe.n_group,
+        topk_group=moe.topk_group,
         first_k_dense_replace=moe.first_k_dense,
         norm_topk_prob=moe.renormalize,
         use_qk_norm=model.qk_norm,
@@ -294,8 +304,7 @@ def config_from_hf(hf_dict: dict[str, Any]) -> Config:
             if get("attention_bias"):
                 raise ConfigError("attention_bias: moetrain attention has no biases")
     else:  # glm4_moe
-        if get("n_group", 1) != 1 or get("topk_group", 1) != 1:
-            raise ConfigError("n_group/topk_group: moetrain routes without expert groups (=1)")
+        moe.n_group, moe.topk_group = int(get("n_group", 1)), int(get("topk_group", 1))
         if get("attention_bias"):
             raise ConfigError("attention_bias: moetrain attention has no biases")
         moe.num_experts, moe.expert_hidden = hf.n_routed_experts, hf.moe_intermediate_size

@@ -42,6 +42,7 @@ class Topology:
     ep_group: Any = field(repr=False, default=None)  # ranks holding different experts
     expert_dp_group: Any = field(repr=False, default=None)  # ranks holding the same experts
     created_process_group: bool = False
+    nodes: tuple[int, ...] = ()  # node index of every rank (empty: all on one node)
 
     @property
     def dp_size(self) -> int:
@@ -73,6 +74,12 @@ class Topology:
     def expert_dp_ranks(self) -> list[int]:
         return list(range(self.ep_rank, self.world_size, self.ep_size))
 
+    def ep_nodes(self) -> list[int]:
+        """The node of each rank of this rank's expert-parallel group."""
+        if not self.nodes:
+            return [0] * self.ep_size
+        return [self.nodes[r] for r in self.ep_ranks()]
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
@@ -82,6 +89,18 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def node_map() -> tuple[int, ...]:
+    """The node index of every rank (numbered in order of their first rank): ranks share a node
+    when they run on the same host under the same launcher agent (torchrun's ``GROUP_RANK``,
+    so two torchrun agents on one machine count as two nodes). A collective: every rank calls it.
+    """
+    key = f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '')}"
+    keys: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)
+    first: dict[str, int] = {}
+    return tuple(first.setdefault(k, len(first)) for k in keys)
 
 
 def world_size_from_env() -> int:
@@ -151,6 +170,7 @@ def init_distributed(cfg: Config) -> Topology:
         ep_group=groups._get_expert_parallel_group(name),
         expert_dp_group=groups._get_expert_data_parallel_group(name),
         created_process_group=created,
+        nodes=node_map(),
     )
     # DeepSpeed's own layout must be the one documented above.
     ds_ep = list(groups._get_expert_parallel_group_ranks(name))

@@ -26,18 +26,21 @@ import torch.distributed as dist
 
 from moetrain.monitor.console import Printer, console
 from moetrain.monitor.step_timer import StepTimer
+from moetrain.parallel.all_to_all import TrafficMeter
 from moetrain.parallel.deepspeed import clip_grad_norm_global, global_grad_norm
 
 Batch = dict[str, torch.Tensor]
 
 
 class StepStats:
-    """Sums over the micro-batches of one step on this rank: loss / CE / MoE loss, and per MoE
-    layer the expert loads and (dropped, entropy, aux, z, routed copies)."""
+    """Sums over the micro-batches of one step on this rank: loss / CE / MoE loss, the expert
+    all-to-alls' traffic (:attr:`TrafficMeter.FIELDS`), and per MoE layer the expert loads and
+    (dropped, entropy, aux, z, routed copies)."""
 
     def __init__(self, n_layers: int, device: torch.device) -> None:
         self.n_layers, self.device = n_layers, device
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.traffic = [0] * len(TrafficMeter.FIELDS)
         self.layer_sums = torch.zeros(5, n_layers, dtype=torch.float64, device=device)
         self.loads: torch.Tensor | None = None
 
@@ -60,10 +63,16 @@ class StepStats:
             ]
         )
 
+    def add_traffic(self, meters: list[TrafficMeter]) -> None:
+        """What the dispatchers' meters counted since they were last read (host integers)."""
+        for meter in meters:
+            self.traffic = [a + b for a, b in zip(self.traffic, meter.take(), strict=True)]
+
     def all_reduce(self, world_size: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Sum over every rank in one all-reduce -> ``(loads (layers, E) or None,
-        layer sums (5, layers), loss sums (3,))``."""
-        parts = [self.layer_sums.reshape(-1), self.sums]
+        layer sums (5, layers), sums (3 losses, then the traffic fields))``."""
+        traffic = torch.tensor(self.traffic, dtype=torch.float64, device=self.device)
+        parts = [self.layer_sums.reshape(-1), self.sums, traffic]
         if self.loads is not None:
             parts.insert(0, self.loads.reshape(-1))
         flat = torch.cat(parts)
@@ -136,12 +145,18 @@ def run_step(
     skipped_before = engine.skipped_steps
     skip_stage0 = False
     timer = StepTimer(topo.device)
+    for router in trainer.routers:
+        router.begin_step()
+    for meter in trainer.traffic_meters:
+        meter.take()  # drop what evaluation sent since the last step
     for batch in micro_batches:
         n += 1
         timer.start()
         batch = {k: v.to(topo.device, non_blocking=True) for k, v in batch.items()}
         out = trainer.forward(batch)
         engine.backward(out.loss)
+        for router in trainer.routers:
+            router.end_micro_batch()
         stats.add(out, batch["input_ids"].numel() * cfg.moe.top_k)
         timer.lap("fwd_bwd")
         if n == accum:
@@ -159,12 +174,13 @@ def run_step(
         norm = engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else float("nan")
 
+    stats.add_traffic(trainer.traffic_meters)
     loads, layers, sums = stats.all_reduce(topo.world_size)
     micro_total = accum * topo.world_size
     if loads is not None and not skipped:
         for router, load_E in zip(trainer.routers, loads, strict=True):
             router.update_bias(load_E.float())
-    loss, ce, moe = (sums / micro_total).tolist()
+    loss, ce, moe = (sums[:3] / micro_total).tolist()
     times = timer.read()  # after the step's results reached the host: no extra wait
 
     trainer.step += 1
@@ -185,6 +201,9 @@ def run_step(
         "time/fwd_bwd_s": times.get("fwd_bwd", 0.0),
         "time/optimizer_s": times.get("optimizer", 0.0),
     }
+    if trainer.traffic_meters:
+        names = [f"comm/a2a_{name}" for name in TrafficMeter.FIELDS]
+        rec.update(zip(names, sums[3:].tolist(), strict=True))
     if loads is not None:
         rec["moe_layers"] = {
             layer: {

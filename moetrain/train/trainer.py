@@ -61,6 +61,10 @@ class Trainer:
         self.model: nn.Module = self.engine.module
         moe = self.model.moe_layers()
         self.routers = [layer.router for layer in moe]
+        # the expert all-to-alls' traffic counters (dispatchers that communicate have one)
+        self.traffic_meters = [
+            layer.dispatcher.traffic for layer in moe if hasattr(layer.dispatcher, "traffic")
+        ]
         self.moe_layer_ids = [layer.layer for layer in moe]
         self.step = 0
         self.tokens_seen = 0

@@ -3,6 +3,7 @@ autograd really saves, and the whole estimate against measured peak memory of CP
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -250,3 +251,33 @@ def test_plan_matches_measured_peak_memory_of_cpu_training() -> None:
         assert pl.activations_bytes > 0.3 * pl.model_state_bytes  # activations matter here
         assert 0.8 <= ratio <= 1.2, report
     print("; ".join(report))
+
+
+def test_expert_traffic_by_hand() -> None:
+    """Fan-out and rows per token of the expert all-to-all, counted by hand: E=8, top-2."""
+    from moetrain.plan_traffic import expert_traffic
+
+    # EP=2, 4 experts per rank: a token's 2 experts share a rank with chance 3/7, so it sends
+    # 2 - 3/7 rows, half of them (on average) to the other rank
+    t = expert_traffic(_small(parallel__ep_size=2), 1000, 8, 4)
+    assert (t.max_ranks, t.max_nodes, t.ep_nodes) == (2, 1, 1)
+    assert t.rows_off_rank == pytest.approx((2 - 3 / 7) / 2, abs=0.02)
+    assert t.rows_off_node == 0
+    # groups = EP ranks, topk_group 1: one row per token, off the rank half the time; bytes:
+    # 1000 tokens x 2 MoE layers x 0.5 rows x (2 x 64 x 4 + 8 x 2) bytes x (forward, backward)
+    g = expert_traffic(_small(parallel__ep_size=2, moe__n_group=2), 1000, 8, 4)
+    assert (g.max_ranks, g.rows_off_rank) == (1, 0.5)
+    assert g.bytes_per_gpu_step == 1000 * 2 * 0.5 * (2 * 64 * 4 + 16) * 2
+    assert expert_traffic(_small(parallel__ep_size=2, moe__n_group=2), 1000, 8, 4, True) == (
+        dataclasses.replace(g, bytes_per_gpu_step=g.bytes_per_gpu_step * 1.5)
+    )
+    # EP=8 over 2 nodes of 4 GPUs, one expert per rank; groups = nodes: one node per token,
+    # and the rows to its 2 ranks leave the node half the time
+    n = expert_traffic(_small(parallel__ep_size=8, moe__n_group=2), 1000, 4, 4)
+    assert (n.max_ranks, n.max_nodes, n.ep_nodes) == (2, 1, 2)
+    assert (n.rows_off_rank, n.rows_off_node) == (2 * 7 / 8, 1.0)
+    plain = expert_traffic(_small(parallel__ep_size=8), 1000, 4, 4)
+    assert plain.max_nodes == 2 and plain.rows_off_rank == 2 * 7 / 8
+    text = format_plan(plan(_small(parallel__ep_size=8, moe__n_group=2), 8, gpus_per_node=4))
+    assert "reach at most 2 of 8 EP ranks" in text and "at most 1 per token" in text
+    assert "none (parallel.ep_size=1)" in format_plan(plan(_small(), 1))
