@@ -43,7 +43,11 @@ class ModelConfig:
     max_seq_len: int = 2048  # RoPE table size and HF max_position_embeddings
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    qk_norm: bool = False  # RMSNorm on per-head queries and keys (Qwen3-MoE / OLMoE style)
+    qk_norm: bool = False  # RMSNorm on queries and keys (Qwen3-MoE, GLM-4-MoE, OLMoE)
+    # what that norm normalises: "head" (each head's vector; Qwen3-MoE, GLM-4-MoE) or
+    # "projection" (the whole query / key projection, all heads together; OLMoE)
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    qkv_bias: bool = False  # biases on the query / key / value projections (Qwen2, Qwen2-MoE)
     tie_embeddings: bool = False
     init_std: float = 0.02
     # training loss: cross-entropy over chunks of this many tokens, never the full fp32 logits;

@@ -56,7 +56,7 @@ def _plan(cfg: Config, fmt: str, dtype: torch.dtype) -> list[list[tuple[str, tup
         return name, shape, torch.float32 if name.endswith(_KEEP_FP32) else dtype
 
     dense = [entry(hf, shapes[ours]) for ours, hf in dense_key_map(cfg, fmt).items()]
-    if fmt == "qwen2_moe":
+    if fmt == "qwen2_moe" and not m.qkv_bias:  # zeros, written beside the projections
         for i in range(m.n_layers):
             for p, heads in (("q", m.n_heads), ("k", m.n_kv_heads), ("v", m.n_kv_heads)):
                 dense.append(

@@ -103,13 +103,16 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """Normal(0, init_std) everywhere; output projections (attention ``wo``, FFN and expert
-        ``w2``) use init_std / sqrt(2 * n_layers); norms are ones, the expert bias zeros."""
+        ``w2``) use init_std / sqrt(2 * n_layers); norms are ones, the expert bias and the q/k/v
+        biases zeros."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 is_out = name.endswith((".wo", ".w2"))
                 nn.init.normal_(module.weight, 0.0, out_std if is_out else std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, GroupedExperts):
                 module.reset_parameters(std, out_std)
             elif isinstance(module, RMSNorm):
