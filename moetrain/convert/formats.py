@@ -259,22 +259,17 @@ def hf_config(cfg: Config, fmt: str, **extra: Any):  # noqa: ANN201 (a transform
     )
 
 
-def config_from_hf(hf_dict: dict[str, Any]) -> Config:
-    """A moetrain Config equivalent to a Hugging Face ``config.json`` (as a dict).
-
-    Raises ConfigError naming the Hugging Face field that moetrain cannot represent.
-    """
+def transformers_config(hf_dict: dict[str, Any], model_type: str) -> Any:
+    """The transformers config object of a ``config.json`` dict (attribute aliases resolved)."""
     import transformers
 
-    arch = (hf_dict.get("architectures") or [None])[0]
-    fmt = MODEL_TYPES.get(arch) or hf_dict.get("model_type")
-    if fmt not in FORMATS:
-        raise ConfigError(
-            f"architectures: {arch!r} (model_type {hf_dict.get('model_type')!r}) cannot be "
-            f"imported; supported: {[ARCHITECTURES[f] for f in AUTO_ORDER]}"
-        )
     fields = {k: v for k, v in hf_dict.items() if k != "model_type"}
-    hf = transformers.AutoConfig.for_model(fmt, **fields)  # resolves attribute aliases
+    return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+def model_config_from_hf(hf: Any) -> ModelConfig:
+    """The transformer shape of a transformers config object (any Llama-like family); raises
+    ConfigError naming the field moetrain cannot represent."""
 
     def get(name: str, default: Any = None) -> Any:
         return getattr(hf, name, default)
@@ -288,11 +283,11 @@ def config_from_hf(hf_dict: dict[str, Any]) -> Config:
         raise ConfigError(
             f"hidden_act: moetrain experts are SwiGLU (silu); got {get('hidden_act')}"
         )
-    n_layers, heads = hf.num_hidden_layers, hf.num_attention_heads
-    model = ModelConfig(
+    heads = hf.num_attention_heads
+    return ModelConfig(
         vocab_size=hf.vocab_size,
         d_model=hf.hidden_size,
-        n_layers=n_layers,
+        n_layers=hf.num_hidden_layers,
         n_heads=heads,
         n_kv_heads=get("num_key_value_heads") or heads,
         head_dim=get("head_dim") or hf.hidden_size // heads,
@@ -303,6 +298,27 @@ def config_from_hf(hf_dict: dict[str, Any]) -> Config:
         init_std=float(get("initializer_range", 0.02)),
         dense_hidden=hf.intermediate_size,
     )
+
+
+def config_from_hf(hf_dict: dict[str, Any]) -> Config:
+    """A moetrain Config equivalent to a Hugging Face ``config.json`` (as a dict).
+
+    Raises ConfigError naming the Hugging Face field that moetrain cannot represent.
+    """
+    arch = (hf_dict.get("architectures") or [None])[0]
+    fmt = MODEL_TYPES.get(arch) or hf_dict.get("model_type")
+    if fmt not in FORMATS:
+        raise ConfigError(
+            f"architectures: {arch!r} (model_type {hf_dict.get('model_type')!r}) cannot be "
+            f"imported; supported: {[ARCHITECTURES[f] for f in AUTO_ORDER]}"
+        )
+    hf = transformers_config(hf_dict, fmt)
+
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(hf, name, default)
+
+    model = model_config_from_hf(hf)
+    n_layers = model.n_layers
     moe = MoEConfig(top_k=hf.num_experts_per_tok, aux_loss_coef=0.0, z_loss_coef=0.0)
     if fmt == "mixtral":
         if get("sliding_window"):

@@ -101,6 +101,15 @@ class Transformer(nn.Module):
         self.init_weights()
 
     @torch.no_grad()
+    def reset_rope(self) -> None:
+        """Recompute the RoPE tables in place (a model built on the meta device and moved with
+        ``to_empty`` has uninitialised buffers; every other tensor is a loaded weight)."""
+        c = self.cfg
+        cos, sin = rope_tables(c.attention_head_dim, c.max_seq_len, c.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
     def init_weights(self) -> None:
         """Normal(0, init_std) everywhere; output projections (attention ``wo``, FFN and expert
         ``w2``) use init_std / sqrt(2 * n_layers); norms are ones, the expert bias and the q/k/v
