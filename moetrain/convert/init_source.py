@@ -83,10 +83,10 @@ class InitSource:
     step: int | None = None  # a checkpoint's step
 
     def describe(self) -> str:
+        """What the source is, e.g. ``Hugging Face MixtralForCausalLM (MoE)``."""
         if self.kind == "checkpoint":
-            return f"moetrain checkpoint {self.path} (step {self.step})"
-        what = "dense, upcycled" if self.upcycle else "MoE"
-        return f"Hugging Face {self.architecture} ({what}) {self.path}"
+            return f"moetrain checkpoint, step {self.step}"
+        return f"Hugging Face {self.architecture} ({'dense, upcycled' if self.upcycle else 'MoE'})"
 
 
 def _hf_source(spec: str, path: Path) -> InitSource:

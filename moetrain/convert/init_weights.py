@@ -77,8 +77,8 @@ def check_source_tensors(source: InitSource) -> None:
             raise CheckpointError(f"{source.path}: tensor {name} is missing")
         if weights.shapes[name] != shape:
             raise CheckpointError(
-                f"{source.path}: tensor {name} has shape {list(weights.shapes[name])}; this "
-                f"model ({source.describe()}) needs {list(shape)}"
+                f"{source.path}: tensor {name} has shape {list(weights.shapes[name])}; its "
+                f"config.json ({source.describe()}) needs {list(shape)}"
             )
 
 

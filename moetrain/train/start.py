@@ -54,7 +54,8 @@ def choose_start(
         )
     elif source is not None:
         printer(
-            f"start: weights from {source.describe()}; fresh optimizer, schedule and data position"
+            f"start: weights from {source.path} ({source.describe()}); fresh optimizer, "
+            "schedule and data position"
         )
         if source.upcycle:
             reasons = inexact_reasons(cfg)
