@@ -31,6 +31,7 @@ from moetrain.model.moe.experts import pack_w13
 from moetrain.model.transformer import Transformer
 
 Part = tuple[str, dict[str, torch.Tensor]]
+_W = ("w1", "w3", "w2")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.")
 
 
@@ -83,37 +84,47 @@ def check_source_tensors(source: InitSource) -> None:
 
 
 def _hf_experts(
-    weights: HFWeights, source: InitSource, layer: int, start: int, stop: int
+    weights: HFWeights,
+    source: InitSource,
+    layer: int,
+    experts: tuple[int, int],
+    into: dict[str, torch.Tensor] | None,
 ) -> dict[str, torch.Tensor]:
-    fam, f = source.family, source.config.moe.expert_hidden
+    """Experts ``[start, stop)`` of one layer, stacked as moetrain holds them: each expert's
+    tensors transposed straight into place, into ``into``'s tensors of the same names when
+    given (a model's parameters: no stacked copy in between), else new ones in the files'
+    dtype."""
+    (start, stop), fam, f = experts, source.family, source.config.moe.expert_hidden
+    p = f"layers.{layer}.ffn.experts."
     if _fused(layer) + "gate_up_proj" in weights.weight_map:
         gate_up = weights.load_rows(_fused(layer) + "gate_up_proj", start, stop)  # (L, 2F, D)
         w13 = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
         w2 = weights.load_rows(_fused(layer) + "down_proj", start, stop).transpose(1, 2)
-    else:
-        keys = {
-            (e, w): expert_key(fam, layer, e, w)
-            for e in range(start, stop)
-            for w in ("w1", "w3", "w2")
-        }
-        t = weights.load(list(keys.values()))
+        return {p + "w13": w13.contiguous(), p + "w2": w2.contiguous()}
+    keys = {(e, w): expert_key(fam, layer, e, w) for e in range(start, stop) for w in _W}
+    t = weights.load(list(keys.values()))
+    d, dtype = source.config.model.d_model, t[keys[start, "w1"]].dtype
+    into = into or {}
+    w13 = into.get(p + "w13", torch.empty(stop - start, d, 2 * f, dtype=dtype))
+    w2 = into.get(p + "w2", torch.empty(stop - start, f, d, dtype=dtype))
+    with torch.no_grad():
+        for i, e in enumerate(range(start, stop)):
+            w13[i, :, :f].copy_(t.pop(keys[e, "w1"]).t().contiguous())
+            w13[i, :, f:].copy_(t.pop(keys[e, "w3"]).t().contiguous())
+            w2[i].copy_(t.pop(keys[e, "w2"]).t().contiguous())
+    return {p + "w13": w13, p + "w2": w2}
 
-        def stack(w: str) -> torch.Tensor:
-            return torch.stack([t[keys[e, w]].t() for e in range(start, stop)])
 
-        w13, w2 = pack_w13(stack("w1"), stack("w3")), stack("w2")
-    p = f"layers.{layer}.ffn.experts."
-    return {p + "w13": w13.contiguous(), p + "w2": w2.contiguous()}
-
-
-def _moe_hf_parts(source: InitSource, experts: tuple[int, int]) -> Iterator[Part]:
+def _moe_hf_parts(
+    source: InitSource, experts: tuple[int, int], into: dict[str, torch.Tensor] | None
+) -> Iterator[Part]:
     cfg, weights = source.config, HFWeights(source.path)
     dense_names = [n for n in weights.names() if not _EXPERT.match(n)]
     state = from_hf_state_dict(weights.load(dense_names), cfg, source.family, expert_layers=[])
     yield "dense", state
     del state
     for layer in cfg.moe.moe_layers(cfg.model.n_layers):
-        yield f"layers.{layer}", _hf_experts(weights, source, layer, *experts)
+        yield f"layers.{layer}", _hf_experts(weights, source, layer, experts, into)
 
 
 def _upcycled_parts(source: InitSource, cfg: Config, experts: tuple[int, int]) -> Iterator[Part]:
@@ -147,16 +158,20 @@ def _checkpoint_parts(source: InitSource, experts: tuple[int, int]) -> Iterator[
 
 
 def source_parts(
-    source: InitSource, cfg: Config, experts: tuple[int, int] | None = None
+    source: InitSource,
+    cfg: Config,
+    experts: tuple[int, int] | None = None,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[Part]:
     """The run's weights from ``source`` in parts (see the module docstring); ``experts``:
-    the global experts to read, default all of them."""
+    the global experts to read, default all of them. ``into``: a model's state dict whose
+    expert tensors a Hugging Face MoE source may fill in place (the parts then hold them)."""
     experts = experts or (0, cfg.moe.num_experts)
     if source.kind == "checkpoint":
         return _checkpoint_parts(source, experts)
     if source.upcycle:
         return _upcycled_parts(source, cfg, experts)
-    return _moe_hf_parts(source, experts)
+    return _moe_hf_parts(source, experts, into)
 
 
 def init_record(source: InitSource, cfg: Config) -> dict[str, Any]:
@@ -196,7 +211,7 @@ def build_model(
     targets = model.state_dict(keep_vars=True)
     filled: set[str] = set()
     with torch.no_grad():
-        for where, part in source_parts(source, cfg, local_experts):
+        for where, part in source_parts(source, cfg, local_experts, into=targets):
             for name, tensor in part.items():
                 target = targets.get(name)
                 if target is None:
@@ -206,7 +221,8 @@ def build_model(
                         f"{source.path} ({where}): {name} has shape {list(tensor.shape)}; the "
                         f"model needs {list(target.shape)}"
                     )
-                target.copy_(tensor)
+                if tensor is not target:  # (filled in place already)
+                    target.copy_(tensor)
                 filled.add(name)
             del part
     missing = sorted(set(targets) - filled)

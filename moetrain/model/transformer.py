@@ -98,7 +98,8 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(head_dim, model_cfg.max_seq_len, model_cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if self.embed.weight.device.type != "meta":  # (a meta model is filled by loading)
+            self.init_weights()
 
     @torch.no_grad()
     def reset_rope(self) -> None:
