@@ -46,18 +46,13 @@ def dense_config_from_hf(hf_dict: dict[str, Any]) -> Config:
             f"upcycles; supported: {list(DENSE_ARCHITECTURES.values())}"
         )
     hf = transformers_config(hf_dict, fam)
-
-    def get(name: str, default: Any = None) -> Any:
-        return getattr(hf, name, default)
-
     model = model_config_from_hf(hf)
     for flag in ("attention_bias", "mlp_bias"):
-        if get(flag):
+        if getattr(hf, flag, False):
             raise ConfigError(f"{flag}: moetrain attention and FFNs have no such biases")
-    window = get("sliding_window")
-    if (get("use_sliding_window", fam == "mistral") and window is not None) and (
-        window < model.max_seq_len
-    ):
+    window = getattr(hf, "sliding_window", None)
+    windowed = getattr(hf, "use_sliding_window", fam == "mistral")
+    if windowed and window is not None and window < model.max_seq_len:
         raise ConfigError(
             f"sliding_window: {window} < max_position_embeddings={model.max_seq_len}; "
             "moetrain attends to the whole context"

@@ -59,19 +59,55 @@ class SpecialIds:
     eos: int
 
 
-class Tokenizer:
+class _Identified:
+    """What both backends share: the identity file (``path``), its ``sha256``, the special ids,
+    and what shards, checkpoints and converted models record about them."""
+
+    kind: str
+    special: SpecialIds
+
+    def _identify(self, path: str | Path, name: str, what: str) -> Path:
+        """``path`` (a file, or ``name`` inside a directory) checked and fingerprinted."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / name
+        if not path.is_file():
+            raise DataError(f"{path}: {what} not found")
+        self.path = path
+        self.sha256 = file_sha256(path)
+        return path
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def eos_id(self) -> int:
+        return self.special.eos
+
+    def metadata(self) -> dict:
+        """What the shard index and checkpoints record about this tokenizer."""
+        return {
+            "file": self.path.name,
+            "kind": self.kind,
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "special_ids": asdict(self.special),
+        }
+
+    @property
+    def files(self) -> list[Path]:
+        """The files that make up this tokenizer."""
+        return tokenizer_files(self.path)
+
+
+class Tokenizer(_Identified):
     """A loaded SentencePiece model plus its identity (sha256 of the ``.model`` file)."""
 
     kind = "sentencepiece"
 
     def __init__(self, path: str | Path):
-        path = Path(path)
-        if path.is_dir():
-            path = path / MODEL_FILE
-        if not path.is_file():
-            raise DataError(f"{path}: tokenizer model not found")
-        self.path = path
-        self.sha256 = file_sha256(path)
+        path = self._identify(path, MODEL_FILE, "tokenizer model")
         self.sp = spm.SentencePieceProcessor()
         try:
             self.sp.load(str(path))
@@ -87,10 +123,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
 
-    @property
-    def eos_id(self) -> int:
-        return self.special.eos
-
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
 
@@ -101,21 +133,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode(list(ids))
 
-    def metadata(self) -> dict:
-        """What the shard index and checkpoints record about this tokenizer."""
-        return {
-            "file": self.path.name,
-            "kind": self.kind,
-            "sha256": self.sha256,
-            "vocab_size": self.vocab_size,
-            "special_ids": asdict(self.special),
-        }
-
-    @property
-    def files(self) -> list[Path]:
-        """The files that make up this tokenizer."""
-        return [self.path]
-
 
 def _token_text(value: object) -> str | None:
     """A special token as ``tokenizer_config.json`` writes it (a string or an AddedToken dict)."""
@@ -124,7 +141,7 @@ def _token_text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class HFTokenizer:
+class HFTokenizer(_Identified):
     """A Hugging Face ``tokenizer.json`` (``tokenizers`` library) plus its identity (sha256 of
     ``tokenizer.json``) and special tokens (see the module docstring)."""
 
@@ -133,13 +150,7 @@ class HFTokenizer:
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as RustTokenizer
 
-        path = Path(path)
-        if path.is_dir():
-            path = path / HF_FILE
-        if not path.is_file():
-            raise DataError(f"{path}: Hugging Face tokenizer file not found")
-        self.path = path
-        self.sha256 = file_sha256(path)
+        path = self._identify(path, HF_FILE, "Hugging Face tokenizer file")
         try:
             self.tk = RustTokenizer.from_file(str(path))
         except Exception as e:  # the Rust library raises a bare Exception
@@ -172,10 +183,6 @@ class HFTokenizer:
         """Largest token id + 1 (added tokens included)."""
         return self._vocab_size
 
-    @property
-    def eos_id(self) -> int:
-        return self.special.eos
-
     def _ids(self, encoding: object) -> list[int]:
         ids = encoding.ids
         return ids[:-1] if self._strip_eos and ids[-1:] == [self.special.eos] else ids
@@ -189,21 +196,6 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=False)
-
-    def metadata(self) -> dict:
-        """What the shard index and checkpoints record about this tokenizer."""
-        return {
-            "file": self.path.name,
-            "kind": self.kind,
-            "sha256": self.sha256,
-            "vocab_size": self.vocab_size,
-            "special_ids": asdict(self.special),
-        }
-
-    @property
-    def files(self) -> list[Path]:
-        """``tokenizer.json`` and the Hugging Face files beside it that configure it."""
-        return tokenizer_files(self.path)
 
 
 AnyTokenizer = Tokenizer | HFTokenizer
