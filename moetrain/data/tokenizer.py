@@ -6,7 +6,8 @@ checkpoints and converted models). :func:`load_tokenizer` picks the backend from
 
 A Hugging Face tokenizer encodes a document as it encodes any text (its normaliser,
 pre-tokeniser and post-processor, e.g. Llama 3's ``<|begin_of_text|>``; special-token strings in
-the text are read as special tokens, as ``tokenizers`` and transformers do by default); a
+the text are read as special tokens, as ``tokenizers`` and transformers do by default, unless
+``tokenizer_config.json`` sets ``split_special_tokens``, as transformers reads it); a
 trailing EOS its post-processor adds is left to ``prepare``, which ends every document with one
 EOS. Its special tokens come from ``tokenizer_config.json`` (or ``special_tokens_map.json``)
 beside ``tokenizer.json``; an EOS token is required.
@@ -175,6 +176,8 @@ class HFTokenizer(_Identified):
                 f"{path}: no EOS token (eos_token in {HF_CONFIG_FILE} or special_tokens_map.json, "
                 "present in the vocabulary); documents need one"
             )
+        # transformers' split_special_tokens: special-token strings in the text stay text
+        self.tk.encode_special_tokens = bool(named.get("split_special_tokens", False))
         # the post-processor's own trailing EOS (if it adds one) is left to prepare
         self._strip_eos = self.tk.encode("").ids[-1:] == [self.special.eos]
 

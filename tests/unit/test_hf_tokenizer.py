@@ -107,3 +107,21 @@ def test_convert_exports_the_same_tokenizer(tok_dir, tmp_path) -> None:
     assert (out / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == auto.convert_tokens_to_ids(EOS_TOKEN)
+
+
+def test_split_special_tokens_as_transformers_reads_it(tok_dir, tmp_path) -> None:
+    """Special-token strings inside the text: read as the special token by default, kept as
+    text with tokenizer_config.json's split_special_tokens (as AutoTokenizer does)."""
+    text = f"a {EOS_TOKEN} b"
+    eos = HFTokenizer(tok_dir).eos_id
+    assert eos in HFTokenizer(tok_dir).encode(text)
+    split = tmp_path / "split"
+    split.mkdir()
+    (split / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (split / "tokenizer_config.json").write_text(
+        json.dumps(config | {"split_special_tokens": True})
+    )
+    ids = HFTokenizer(split).encode(text)
+    assert eos not in ids
+    assert transformers.AutoTokenizer.from_pretrained(split)(text)["input_ids"] == ids

@@ -4,6 +4,7 @@ and, after `moetrain import` + `moetrain convert`, in transformers."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,9 @@ def dense(tmp_path_factory) -> dict[str, Path]:
     return {f: save_hf_model(f, root / f, tokenizer=tok) for f in DENSE_FAMILIES}
 
 
+@functools.cache
 def dense_logits(path: Path) -> torch.Tensor:
+    """The dense model's logits on IDS, in transformers."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return hf(input_ids=IDS).logits
