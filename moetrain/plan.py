@@ -117,8 +117,9 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
     hd = m.attention_head_dim
     hq, hkv = m.n_heads * hd, m.n_kv_heads * hd
     attn = _rmsnorm_bytes(d, a) + a * d + 2 * a * hq + 2 * a * hkv + 4 * m.n_heads
-    if m.qk_norm:  # per-head RMSNorm of q and k: their input and a per-head rsqrt
-        attn += a * (hq + hkv) + 4 * (m.n_heads + m.n_kv_heads)
+    if m.qk_norm:  # RMSNorm of q and k: their input and an rsqrt per head (or per projection)
+        rows = m.n_heads + m.n_kv_heads if m.qk_norm_scope == "head" else 2
+        attn += a * (hq + hkv) + 4 * rows
     if not e.is_moe_layer(layer):
         return attn + _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
     k = e.top_k

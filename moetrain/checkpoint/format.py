@@ -10,7 +10,8 @@
   once whatever the EP size, so model weights reshard.
 - ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: the ZeRO optimizer shard of each rank.
 - ``rank_<r>.pt``: that rank's RNG states (tensors only).
-- ``tokenizer.model``: the SentencePiece model the data was tokenized with.
+- the tokenizer the data was tokenized with: ``tokenizer.model`` (SentencePiece), or a Hugging
+  Face tokenizer's ``tokenizer.json`` with the files that configure it (``TOKENIZER_FILES``).
 - ``trainer_state.json``: :class:`TrainerState`.
 - ``COMMITTED.json``, written last: the manifest, ``{"step": N, "files": {name: size}}``.
 """
@@ -27,6 +28,14 @@ CHECKPOINTS_DIR = "checkpoints"
 COMMIT_FILE = "COMMITTED.json"
 STATE_FILE = "trainer_state.json"
 TOKENIZER_FILE = "tokenizer.model"
+HF_TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILES = (
+    TOKENIZER_FILE,
+    HF_TOKENIZER_FILE,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 DENSE_FILE = "mp_rank_00_model_states.pt"
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
 DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
@@ -54,6 +63,15 @@ def step_of(path: Path) -> int | None:
     """The step of a ``step_<N>`` directory, None for any other name."""
     m = _TAG_RE.match(Path(path).name)
     return int(m.group(1)) if m else None
+
+
+def tokenizer_path(ckpt: Path) -> Path | None:
+    """The checkpoint's tokenizer identity file: ``tokenizer.json`` (Hugging Face) or
+    ``tokenizer.model`` (SentencePiece); None when it carries neither."""
+    for name in (HF_TOKENIZER_FILE, TOKENIZER_FILE):
+        if (Path(ckpt) / name).is_file():
+            return Path(ckpt) / name
+    return None
 
 
 def rank_file(rank: int) -> str:
@@ -98,6 +116,9 @@ class TrainerState:
     config: dict[str, Any]
     tokenizer_sha256: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # what the run's first weights were loaded from (checkpoint.init_from), carried by every
+    # later checkpoint of the run; None for a run started from random weights
+    init: dict[str, Any] | None = None
     moetrain_version: str = ""
     format_version: int = FORMAT_VERSION
 

@@ -29,6 +29,7 @@ from moetrain.checkpoint.format import (
     COMMIT_FILE,
     STATE_FILE,
     TOKENIZER_FILE,
+    TOKENIZER_FILES,
     CheckpointError,
     TrainerState,
     checkpoint_root,
@@ -104,9 +105,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 class Checkpointer:
     """Saves and restores one run's checkpoints; every method is called on every rank.
 
-    ``trainer`` arguments need ``engine``, ``schedule``, ``step``, ``tokens_seen`` and
-    ``skipped_steps``; ``loader`` arguments ``state_dict``/``load_state_dict`` and
-    ``tokenizer_sha256``. ``printer`` gets the messages (rank 0 only).
+        ``trainer`` arguments need ``engine``, ``schedule``, ``step``, ``tokens_seen`` and
+        ``skipped_steps``; ``loader`` arguments ``state_dict``/``load_state_dict`` and
+        ``tokenizer_sha256`` (and optionally ``tokenizer_files``: the tokenizer's files, copied into
+    every checkpoint). ``printer`` gets the messages (rank 0 only).
     """
 
     def __init__(self, cfg: Config, topo: Topology, printer: Printer = console) -> None:
@@ -134,9 +136,11 @@ class Checkpointer:
         if topo.is_main:
             state = self._trainer_state(trainer, loader, extra)
             write_json_atomic(path / STATE_FILE, state.to_json())
-            tokenizer = Path(self.cfg.data.output_dir) / TOKENIZER_FILE
-            if tokenizer.is_file():  # the checkpoint converts without the data directory
-                shutil.copyfile(tokenizer, path / TOKENIZER_FILE)
+            # the checkpoint converts without the data directory
+            default = [Path(self.cfg.data.output_dir) / TOKENIZER_FILE]
+            for f in getattr(loader, "tokenizer_files", None) or default:
+                if f.is_file() and f.name in TOKENIZER_FILES:
+                    shutil.copyfile(f, path / f.name)
         self._barrier(f"checkpoint {tag}: write shards")
         files = sorted(p for p in path.iterdir() if p.is_file())
         for i, f in enumerate(files):
@@ -164,6 +168,7 @@ class Checkpointer:
             config=redact(self.cfg.to_dict()),
             tokenizer_sha256=getattr(loader, "tokenizer_sha256", None),
             extra=redact(extra or {}),
+            init=getattr(trainer, "init_record", None),
             moetrain_version=moetrain.__version__,
         )
 
@@ -246,6 +251,7 @@ class Checkpointer:
         trainer.step = state.step
         trainer.tokens_seen = state.tokens_seen
         trainer.skipped_steps = state.skipped_steps
+        trainer.init_record = state.init
         trainer.schedule.load_state_dict(state.schedule)
         loader.load_state_dict(state.loader)
         if same_layout:

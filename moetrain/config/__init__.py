@@ -5,7 +5,12 @@ receives only its own sub-config (``cfg.model``, ``cfg.moe``, ...). The sections
 checks are in :mod:`moetrain.config.sections`, loading in :mod:`moetrain.config.loading`.
 """
 
-from moetrain.config.loading import apply_overrides, config_from_dict, load_config
+from moetrain.config.loading import (
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    read_config_data,
+)
 from moetrain.config.sections import (
     CheckpointConfig,
     Config,
@@ -35,4 +40,5 @@ __all__ = [
     "apply_overrides",
     "config_from_dict",
     "load_config",
+    "read_config_data",
 ]

@@ -118,6 +118,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a YAML config (or the defaults when ``path`` is None), apply overrides, validate."""
+    return config_from_dict(read_config_data(path, overrides))
+
+
+def read_config_data(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> dict[str, Any]:
+    """The raw nested dict of a YAML config with dotted overrides applied (nothing checked
+    yet): what the file and the command line set, and nothing else."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -133,13 +141,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: expected a mapping at the top level")
         data = loaded
     apply_overrides(data, list(overrides or []))
-    cfg = _build(Config, data, "")
-    cfg.validate()
-    return cfg
+    return data
 
 
-def config_from_dict(data: dict[str, Any]) -> Config:
-    """Rebuild and validate a Config from ``Config.to_dict()`` output (e.g. from a checkpoint)."""
+def config_from_dict(data: dict[str, Any], validate: bool = True) -> Config:
+    """Build a Config from a nested dict (``Config.to_dict()`` output, e.g. from a checkpoint,
+    or :func:`read_config_data`'s); keys and types are always checked, values unless
+    ``validate`` is false (then the caller validates)."""
     cfg = _build(Config, data, "")
-    cfg.validate()
+    if validate:
+        cfg.validate()
     return cfg

@@ -43,7 +43,11 @@ class ModelConfig:
     max_seq_len: int = 2048  # RoPE table size and HF max_position_embeddings
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    qk_norm: bool = False  # RMSNorm on per-head queries and keys (Qwen3-MoE / OLMoE style)
+    qk_norm: bool = False  # RMSNorm on queries and keys (Qwen3-MoE, GLM-4-MoE, OLMoE)
+    # what that norm normalises: "head" (each head's vector; Qwen3-MoE, GLM-4-MoE) or
+    # "projection" (the whole query / key projection, all heads together; OLMoE)
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    qkv_bias: bool = False  # biases on the query / key / value projections (Qwen2, Qwen2-MoE)
     tie_embeddings: bool = False
     init_std: float = 0.02
     # training loss: cross-entropy over chunks of this many tokens, never the full fp32 logits;
@@ -210,6 +214,9 @@ class DataConfig:
     streaming: bool = False
     output_dir: str = "data/stdlib"  # tokenizer + shards are written here
     tokenizer_model: str | None = None  # reuse this SentencePiece .model instead of training
+    # or any existing tokenizer: a Hugging Face tokenizer directory / tokenizer.json (a model's
+    # own tokenizer), or a SentencePiece .model; its vocabulary may be smaller than the model's
+    tokenizer: str | None = None
     tokenizer_sample_docs: int = 200_000  # documents sampled to train the tokenizer
     num_proc: int = 0  # tokenizer worker processes; 0 = all CPU cores
     seq_len: int = 256
@@ -218,6 +225,15 @@ class DataConfig:
     document_mask: bool = False  # restrict attention to one document inside packed sequences
     max_docs: int | None = None  # cap on documents read (quick experiments)
 
+    @property
+    def tokenizer_source(self) -> tuple[str, str] | None:
+        """``(dotted key, path)`` of the existing tokenizer to use, None to train one."""
+        if self.tokenizer:
+            return "data.tokenizer", self.tokenizer
+        if self.tokenizer_model:
+            return "data.tokenizer_model", self.tokenizer_model
+        return None
+
     def validate(self) -> None:
         require(self.seq_len > 0, "data.seq_len", "must be a positive integer")
         require(0 <= self.val_fraction < 1, "data.val_fraction", "must be in [0, 1)")
@@ -225,6 +241,11 @@ class DataConfig:
         require(self.shard_tokens > 0, "data.shard_tokens", "must be > 0")
         require(self.tokenizer_sample_docs > 0, "data.tokenizer_sample_docs", "must be > 0")
         require(self.max_docs is None or self.max_docs > 0, "data.max_docs", "must be > 0 or null")
+        require(
+            not (self.tokenizer and self.tokenizer_model),
+            "data.tokenizer",
+            "set data.tokenizer or data.tokenizer_model, not both",
+        )
         if self.source_format is not None:
             allowed = ("text", "json", "parquet", "csv")
             require(
@@ -331,12 +352,24 @@ class CheckpointConfig:
     save_every_minutes: float = 0.0
     keep_last: int = 3
     resume: str = "auto"  # auto | none | PATH
+    # start from these weights (fresh optimizer, schedule and data position) unless run_dir
+    # already has a complete checkpoint to resume: a Hugging Face model directory (an MoE
+    # family, or a dense one to upcycle with the moe settings), a moetrain checkpoint or a run
+    # dir; the model shape comes from it
+    init_from: str | None = None
+    # upcycling a dense model: the dense FFN is cut into this many slices per virtual group of
+    # experts (1 = every expert a copy of the whole FFN)
+    upcycle_granularity: int = 1
+    upcycle_noise: float = 0.0  # upcycled experts' weights times (1 + noise * N(0, 1))
 
     def validate(self) -> None:
         require(
             self.save_every_steps >= 0, "checkpoint.save_every_steps", "must be >= 0 (0 disables)"
         )
         require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+        require(self.init_from != "", "checkpoint.init_from", "must be a path or null")
+        require(self.upcycle_granularity >= 1, "checkpoint.upcycle_granularity", "must be >= 1")
+        require(self.upcycle_noise >= 0, "checkpoint.upcycle_noise", "must be >= 0")
 
 
 @dataclass

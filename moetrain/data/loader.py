@@ -34,7 +34,7 @@ from moetrain.config import DataConfig
 from moetrain.data.errors import DataError
 from moetrain.data.permutation import Permutation
 from moetrain.data.shards import INDEX_FILE, read_index, verify_split
-from moetrain.data.tokenizer import MODEL_FILE
+from moetrain.data.tokenizer import MODEL_FILE, tokenizer_file, tokenizer_files
 
 _SPLIT_KEY = {"train": 0, "val": 1}
 STATE_VERSION = 1
@@ -231,13 +231,16 @@ def build_loader(
     """Open the prepared shards of ``split`` ("train" or "val") in ``data_cfg.output_dir``.
 
     Checks that the shards exist and match their index, that they were built with the
-    configured tokenizer (``data.tokenizer_model``, else the ``tokenizer.model`` beside them),
-    and, when ``vocab_size`` is given, that the tokenizer's vocab equals it.
+    configured tokenizer (``data.tokenizer`` / ``data.tokenizer_model``, else the copy beside
+    them), and, when ``vocab_size`` is given, that the tokenizer's vocab is not larger. The
+    loader's ``tokenizer_files`` are the copy's files (checkpoints carry them).
     """
     out = Path(data_cfg.output_dir)
     index = read_index(out)
     tok = index["tokenizer"]
-    configured = Path(data_cfg.tokenizer_model) if data_cfg.tokenizer_model else out / MODEL_FILE
+    copy = out / tok.get("file", MODEL_FILE)
+    source = data_cfg.tokenizer_source
+    configured = tokenizer_file(source[1]) if source else copy
     if not configured.is_file():
         raise DataError(f"{configured}: tokenizer model not found")
     sha = file_sha256(configured)
@@ -247,12 +250,12 @@ def build_loader(
             f"but the configured tokenizer {configured} has sha256 {sha[:12]}; rerun "
             "`moetrain prepare` with this tokenizer"
         )
-    if vocab_size is not None and tok["vocab_size"] != vocab_size:
+    if vocab_size is not None and tok["vocab_size"] > vocab_size:
         raise DataError(
-            f"{out / INDEX_FILE}: tokenizer vocab size {tok['vocab_size']} != "
+            f"{out / INDEX_FILE}: tokenizer vocab size {tok['vocab_size']} is larger than "
             f"model.vocab_size={vocab_size}"
         )
-    return PackedLoader(
+    loader = PackedLoader(
         out,
         index,
         split,
@@ -263,3 +266,5 @@ def build_loader(
         seed,
         data_cfg.document_mask,
     )
+    loader.tokenizer_files = tokenizer_files(copy)
+    return loader

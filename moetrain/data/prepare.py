@@ -27,7 +27,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from moetrain.checkpoint.io import (
-    file_sha256,
     install_dir,
     new_temp_dir,
     remove_stale_temp_dirs,
@@ -47,9 +46,10 @@ from moetrain.data.shards import (
 from moetrain.data.sources import Corpus, default_num_proc, load_corpus
 from moetrain.data.tokenizer import (
     META_FILE,
-    MODEL_FILE,
-    Tokenizer,
+    AnyTokenizer,
     check_vocab_size,
+    copy_tokenizer,
+    load_tokenizer,
     train_tokenizer,
 )
 
@@ -73,14 +73,14 @@ class _Encoder:
 
     def __init__(self, model_path: str, text_field: str, val_fraction: float):
         self.model_path, self.text_field, self.val_fraction = model_path, text_field, val_fraction
-        self._tok: Tokenizer | None = None
+        self._tok: AnyTokenizer | None = None
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "_tok"} | {"_tok": None}
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         if self._tok is None:
-            self._tok = Tokenizer(self.model_path)
+            self._tok = load_tokenizer(self.model_path)
         eos = self._tok.eos_id
         texts = [t if isinstance(t, str) else "" for t in batch[self.text_field]]
         ids = self._tok.encode_batch(texts)
@@ -93,7 +93,7 @@ class _Encoder:
 
 def _prepare_key(cfg: Config, corpus_fp: str) -> str:
     d = cfg.data
-    tok = file_sha256(d.tokenizer_model) if d.tokenizer_model else None
+    tok = load_tokenizer(d.tokenizer_source[1]).sha256 if d.tokenizer_source else None
     key = {
         "version": VERSION,
         "source": corpus_fp,
@@ -117,21 +117,20 @@ def _tokenizer_sample(corpus: Corpus, n: int) -> list[str]:
     return [t for t in ds[field] if isinstance(t, str)]
 
 
-def _get_tokenizer(cfg: Config, corpus: Corpus, work: Path) -> Tokenizer:
+def _get_tokenizer(cfg: Config, corpus: Corpus, work: Path) -> AnyTokenizer:
     d, vocab = cfg.data, cfg.model.vocab_size
-    if d.tokenizer_model:
-        src = Path(d.tokenizer_model)
-        tok = Tokenizer(src)  # checks that it exists and loads
-        if tok.vocab_size != vocab:
+    if d.tokenizer_source:
+        src = Path(d.tokenizer_source[1])
+        tok = copy_tokenizer(load_tokenizer(src), work)  # checks that it exists and loads
+        if tok.vocab_size > vocab:
             raise DataError(
-                f"{src}: tokenizer vocab size {tok.vocab_size} != model.vocab_size={vocab}"
+                f"{src}: tokenizer vocab size {tok.vocab_size} > model.vocab_size={vocab}"
             )
-        shutil.copyfile(src, work / MODEL_FILE)
-        tok = Tokenizer(work / MODEL_FILE)
-        (work / META_FILE).write_text(
-            json.dumps(tok.metadata() | {"copied_from": str(src)}, indent=2) + "\n"
-        )
-        print(f"prepare: reusing tokenizer {src} (sha256 {tok.sha256[:12]})")
+        if tok.kind == "sentencepiece":
+            (work / META_FILE).write_text(
+                json.dumps(tok.metadata() | {"copied_from": str(src)}, indent=2) + "\n"
+            )
+        print(f"prepare: reusing {tok.kind} tokenizer {src} (sha256 {tok.sha256[:12]})")
         return tok
     t0 = time.time()
     docs = _tokenizer_sample(corpus, d.tokenizer_sample_docs)
@@ -214,11 +213,11 @@ class _Inline:
         return map(fn, items)
 
 
-def _write_shards(cfg: Config, corpus: Corpus, tok: Tokenizer, work: Path) -> dict:
+def _write_shards(cfg: Config, corpus: Corpus, tok: AnyTokenizer, work: Path) -> dict:
     d = cfg.data
     dtype = token_dtype(tok.vocab_size)
     writers = {s: ShardWriter(work, s, dtype, d.shard_tokens) for s in ("train", "val")}
-    encoder = _Encoder(str(work / MODEL_FILE), corpus.text_field, d.val_fraction)
+    encoder = _Encoder(str(tok.path), corpus.text_field, d.val_fraction)
     for flat, lengths, is_val in _tokenized_batches(
         corpus, encoder, default_num_proc(d.num_proc), work
     ):
@@ -242,9 +241,10 @@ def prepare(cfg: Config) -> Path:
     Returns the output directory. A complete set built from the same inputs is reused.
     """
     d: DataConfig = cfg.data
-    check_vocab_size(cfg.model.vocab_size)
-    if d.tokenizer_model and not Path(d.tokenizer_model).is_file():
-        raise DataError(f"data.tokenizer_model: {d.tokenizer_model} does not exist")
+    if not d.tokenizer_source:
+        check_vocab_size(cfg.model.vocab_size)
+    elif not Path(d.tokenizer_source[1]).exists():
+        raise DataError(f"{d.tokenizer_source[0]}: {d.tokenizer_source[1]} does not exist")
     out = Path(d.output_dir).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     for p in remove_stale_temp_dirs(out):
@@ -268,9 +268,9 @@ def prepare(cfg: Config) -> Path:
                 print(f"prepare: rebuilding {out}: {e}")
         print(f"prepare: source {corpus.description}")
         tok = _get_tokenizer(cfg, corpus, work)
-        if tok.vocab_size != cfg.model.vocab_size:
+        if tok.vocab_size > cfg.model.vocab_size:
             raise DataError(
-                f"{tok.path}: tokenizer vocab size {tok.vocab_size} != model.vocab_size={cfg.model.vocab_size}"
+                f"{tok.path}: tokenizer vocab size {tok.vocab_size} > model.vocab_size={cfg.model.vocab_size}"
             )
         splits = _write_shards(cfg, corpus, tok, work)
         shutil.rmtree(work / "tok", ignore_errors=True)
@@ -279,7 +279,7 @@ def prepare(cfg: Config) -> Path:
             "format": FORMAT,
             "version": VERSION,
             "dtype": token_dtype(tok.vocab_size).name,
-            "tokenizer": tok.metadata() | {"file": MODEL_FILE},
+            "tokenizer": tok.metadata() | {"file": tok.path.relative_to(work).as_posix()},
             "source": {
                 "spec": d.source,
                 "description": corpus.description,

@@ -5,7 +5,7 @@ whether to log, evaluate and save; ranks agree on a stop signal and on the time-
 one all-reduce. Checkpoints (:mod:`moetrain.checkpoint.save`) are saved every
 ``checkpoint.save_every_steps`` steps and/or ``save_every_minutes`` minutes, at the end, and
 when any rank receives SIGTERM/SIGINT; a run resumes from the newest complete checkpoint of its
-run_dir.
+run_dir, else starts from ``checkpoint.init_from`` when set (:mod:`moetrain.train.start`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from moetrain.secrets import redact
 from moetrain.train.cadence import Clock, Periodic
 from moetrain.train.launcher_env import launcher_disagreements
 from moetrain.train.signals import StopSignal, agree_any
+from moetrain.train.start import choose_start, open_start
 from moetrain.train.step import Batch
 from moetrain.train.trainer import Trainer
 
@@ -66,6 +67,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     stop = StopSignal().install()
     try:
         topo = init_distributed(cfg)
+        source = open_start(cfg)  # a bad checkpoint.init_from fails before anything is written
         t, c = cfg.train, cfg.checkpoint
 
         def loader(split: str) -> Any:
@@ -80,9 +82,9 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
             )
 
         train_loader = loader("train")
-        trainer = Trainer(cfg, topo)
         ckpt = Checkpointer(cfg, topo)
-        resume_path = ckpt.find_resume()
+        resume_path = choose_start(cfg, ckpt, source)
+        trainer = Trainer(cfg, topo, init=None if resume_path else source)
         resumed_wandb_id = None
         if resume_path is not None:
             state = ckpt.load(resume_path, trainer, train_loader, reset_optimizer)

@@ -1,6 +1,7 @@
 """A run's model and DeepSpeed engine, and what it does: one optimizer step, evaluation.
 
-Every rank builds the same model with the same seed, holding only its own experts; parallelism
+Every rank builds the same model with the same seed (or from ``checkpoint.init_from``), holding
+only its own experts; parallelism
 is applied (:func:`moetrain.parallel.apply.apply_parallelism`); the optimizer and the
 learning-rate schedule are built here (:mod:`moetrain.train.optim`) and handed to the engine.
 One optimizer step is :func:`moetrain.train.step.run_step`.
@@ -16,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.config import Config
+from moetrain.convert.init_source import InitSource
+from moetrain.convert.init_weights import build_model, init_record
 from moetrain.parallel.apply import apply_parallelism
 from moetrain.parallel.deepspeed import deepspeed_config, initialize_engine
 from moetrain.parallel.topology import Topology
@@ -41,7 +44,7 @@ class Trainer:
     ``step`` counts optimizer steps taken (skipped ones included: they consume data).
     """
 
-    def __init__(self, cfg: Config, topology: Topology) -> None:
+    def __init__(self, cfg: Config, topology: Topology, init: InitSource | None = None) -> None:
         from moetrain.model.transformer import Transformer
 
         self.cfg, self.topo = cfg, topology
@@ -50,7 +53,13 @@ class Trainer:
         # Same seed everywhere: every rank builds the same model, holding only its experts.
         torch.manual_seed(cfg.seed)
         local = topology.local_experts(cfg.moe.num_experts) if topology.ep_size > 1 else None
-        model = Transformer(cfg.model, cfg.moe, local_experts=local)
+        # what the weights were initialised from (checkpoint.init_from), kept in checkpoints
+        self.init_record: dict[str, Any] | None = None
+        if init is not None:  # before the engine: ZeRO's fp32 partitions start from these
+            model = build_model(cfg, init, local)
+            self.init_record = init_record(init, cfg)
+        else:
+            model = Transformer(cfg.model, cfg.moe, local_experts=local)
         apply_parallelism(model, cfg.parallel, topology)
         model.to(topology.device)
         optimizer = build_optimizer(model, cfg.optim, topology.device)

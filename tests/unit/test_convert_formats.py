@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 CASES = {
     "mixtral": dict(model={}, moe={}),
     "qwen2_moe": dict(
-        model={},
+        model=dict(qkv_bias=True),
         moe=dict(
             first_k_dense=1,
             moe_every=2,
@@ -42,6 +42,10 @@ CASES = {
             route_scale=2.5,
             bias_update_rate=1e-3,
         ),
+    ),
+    "olmoe": dict(
+        model=dict(qk_norm=True, qk_norm_scope="projection", head_dim=None),
+        moe=dict(renormalize=False),
     ),
 }
 
@@ -70,6 +74,8 @@ def model_for(cfg: Config) -> Transformer:
         for name, p in m.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            if name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
         if cfg.moe.bias_update_rate > 0:
             for layer in m.moe_layers():
                 layer.router.expert_bias.uniform_(-0.3, 0.3)
@@ -100,8 +106,9 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     assert ref.abs().max() > 1e-2
     # HF config -> moetrain config, and both HF layouts (per-expert file, v5 fused) -> moetrain
     back_cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
-    unused = {"dense_hidden": back_cfg.model.dense_hidden} if fmt == "mixtral" else {}
-    assert back_cfg.model == dataclasses.replace(cfg.model, **unused)  # mixtral: no dense FFN
+    no_dense = fmt in ("mixtral", "olmoe")
+    unused = {"dense_hidden": back_cfg.model.dense_hidden} if no_dense else {}
+    assert back_cfg.model == dataclasses.replace(cfg.model, **unused)  # no dense FFN layer
     for key in (
         "num_experts",
         "top_k",
@@ -129,7 +136,21 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     ("fmt", "model_kw", "moe_kw", "key"),
     [
         ("olmoe", {}, {}, "model.qk_norm"),
-        ("olmoe", dict(qk_norm=True), {}, "model.qk_norm"),
+        ("olmoe", dict(qk_norm=True), {}, "model.qk_norm_scope"),
+        (
+            "olmoe",
+            dict(qk_norm=True, qk_norm_scope="projection"),
+            dict(num_shared_experts=1),
+            "moe.num_shared_experts",
+        ),
+        (
+            "olmoe",
+            dict(qk_norm=True, qk_norm_scope="projection", head_dim=16),
+            {},
+            "model.head_dim",
+        ),
+        ("qwen3_moe", dict(qk_norm=True, qk_norm_scope="projection"), {}, "model.qk_norm_scope"),
+        ("mixtral", dict(qkv_bias=True), {}, "model.qkv_bias"),
         ("qwen2_moe", {}, dict(num_shared_experts=1), "moe.shared_expert_gate"),
         ("qwen2_moe", {}, {}, "moe.num_shared_experts"),
         ("qwen3_moe", {}, {}, "model.qk_norm"),
