@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import yaml
 
+from moetrain.config.mixture import SourceConfig, validate_sources
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the dotted key."""
@@ -182,6 +184,11 @@ class DataConfig:
     shard_tokens: int = 50_000_000  # tokens per shard file
     document_mask: bool = False  # restrict attention to one document inside packed sequences
     max_docs: int | None = None  # cap on documents read (quick experiments)
+    # a mixture instead of data.source: sources with weights (moetrain/config/mixture.py); the
+    # settings above are the defaults of every entry
+    sources: list[SourceConfig] = field(default_factory=list)
+    sources_dir: str | None = None  # each source's shard set of a mixture; default <output_dir>/../sources
+    prepare_chunk_mb: float = 16.0  # text per tokenizing task of `moetrain prepare` (MB)
 
     def validate(self) -> None:
         require(self.seq_len > 0, "data.seq_len", "must be a positive integer")
@@ -195,6 +202,8 @@ class DataConfig:
             require(
                 self.source_format in allowed, "data.source_format", f"must be one of {allowed}"
             )
+        require(self.prepare_chunk_mb > 0, "data.prepare_chunk_mb", "must be > 0")
+        validate_sources(self.sources, self.source, DataConfig.source)
 
 
 GPU_BUCKET_ELEMENTS = 50_000_000
