@@ -96,11 +96,8 @@ def test_apportionment_is_within_one_sample_at_every_prefix():
         k = rng.randint(1, 7)
         weights = [rng.choice([rng.random(), 1e-3, 1.0, 0.1 * rng.randint(1, 9)]) for _ in range(k)]
         ap = Apportionment(weights)
-        parts = [
-            Fraction(w) * Fraction(ap.total, ap.parts[0]) * Fraction(ap.parts[0], ap.total)
-            for w in weights
-        ]
-        assert [Fraction(a, ap.total) for a in ap.parts] == [p / sum(parts) for p in parts]
+        exact = [Fraction(w) / sum(map(Fraction, weights)) for w in weights]
+        assert [Fraction(a, ap.total) for a in ap.parts] == exact  # the weights, exactly
         counts = [0] * k
         for n in range(1, 400):
             counts[ap.pick(n, counts)] += 1
