@@ -187,7 +187,7 @@ class DataConfig:
     # a mixture instead of data.source: sources with weights (moetrain/config/mixture.py); the
     # settings above are the defaults of every entry
     sources: list[SourceConfig] = field(default_factory=list)
-    sources_dir: str | None = None  # each source's shard set of a mixture; default <output_dir>/../sources
+    sources_dir: str | None = None  # the sources' shard sets; default: sources/ beside output_dir
     prepare_chunk_mb: float = 16.0  # text per tokenizing task of `moetrain prepare` (MB)
 
     def validate(self) -> None:
