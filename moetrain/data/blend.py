@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -34,7 +35,13 @@ import torch
 
 from moetrain.config import DataConfig
 from moetrain.data.errors import DataError
-from moetrain.data.loader import STATE_VERSION, PackedLoader, check_tokenizer, rows_batch
+from moetrain.data.loader import (
+    PLAN_POSITIONS,
+    STATE_VERSION,
+    PackedLoader,
+    check_tokenizer,
+    rows_batch,
+)
 from moetrain.data.mixture import MIXTURE_FILE, match_sources, open_source_set, read_mixture_index
 from moetrain.data.sources import source_specs
 
@@ -55,19 +62,38 @@ class Apportionment:
         self.total = sum(self.parts)
         self.slack = 2 * (len(self.parts) - 1)  # 1/(2(S-1)) in units of 1/slack
 
+    def picks(self, n: int, counts: Sequence[int], m: int) -> list[int]:
+        """The sources of positions ``n .. n + m - 1`` (1-based) of the segment, given the
+        counts of the ``n - 1`` positions before them (running integers: one pass, no
+        divisions)."""
+        parts, total, slack = self.parts, self.total, self.slack
+        if len(parts) == 1:
+            return [0] * m
+        sources = range(len(parts))
+        # source i may take position p when slack (a_i p - c_i total) >= total, i.e. when
+        # step_i p + base_i >= total; due_i / (slack a_i) is its deadline, in positions
+        step = [slack * a for a in parts]
+        base = [-slack * c * total for c in counts]
+        due = [slack * (c + 1) - 1 for c in counts]
+        drop = slack * total
+        out = []
+        for p in range(n, n + m):
+            best, best_due, best_part = -1, 0, 1
+            for i in sources:
+                if step[i] * p + base[i] >= total and (
+                    best < 0 or due[i] * best_part < best_due * parts[i]
+                ):
+                    best, best_due, best_part = i, due[i], parts[i]
+            if best < 0:  # impossible by Tijdeman's theorem
+                raise RuntimeError(f"no source may take position {p}")
+            out.append(best)
+            base[best] -= drop
+            due[best] += slack
+        return out
+
     def pick(self, n: int, counts: Sequence[int]) -> int:
         """The source of position ``n`` (1-based) of the segment."""
-        if len(self.parts) == 1:
-            return 0
-        best, best_due = -1, 0
-        for i, (a, c) in enumerate(zip(self.parts, counts, strict=True)):
-            if self.slack * (a * n - c * self.total) >= self.total:  # w_i n - c_i >= 1/slack
-                due = self.slack * (c + 1) - 1  # deadline * a_i * slack / total
-                if best < 0 or due * self.parts[best] < best_due * a:
-                    best, best_due = i, due
-        if best < 0:  # impossible by Tijdeman's theorem
-            raise RuntimeError(f"no source may take position {n} with counts {list(counts)}")
-        return best
+        return self.picks(n, counts, 1)[0]
 
 
 def stream_key(name: str) -> int:
@@ -101,38 +127,55 @@ class BlendedLoader:
         self.counts = [0] * len(self.names)
         self._segment = (0, [0] * len(self.names))  # where the current weights took over
         self._apportion = Apportionment([weights[n] for n in self.names])
+        # batches assigned ahead: (this rank's (source, sample) rows, consumed, counts after)
+        self._ahead: deque[tuple[list[tuple[int, int]], int, list[int]]] = deque()
+        self._planned = (0, list(self.counts))  # where assigning ahead continues
+        self._plan_batches = 1  # doubles up to PLAN_POSITIONS / global batch
 
     @property
     def global_batch_size(self) -> int:
         return self.dp_world * self.micro_batch_size
 
-    def _assign(self, n: int) -> list[tuple[int, int]]:
-        """(source, position in the source's stream) of the next ``n`` global positions."""
+    def _plan(self) -> None:
+        """Assign the next global batches (1, 2, 4, ... up to about :data:`PLAN_POSITIONS`
+        positions) to sources, and this rank's rows of them to samples, in one vectorised pass
+        per source."""
+        pos, counts = self._planned
         start, base = self._segment
-        out = []
-        for p in range(self.consumed_samples, self.consumed_samples + n):
-            seg = [c - b for c, b in zip(self.counts, base, strict=True)]
-            i = self._apportion.pick(p - start + 1, seg)
-            out.append((i, self.counts[i]))
-            self.counts[i] += 1
-        self.consumed_samples += n
-        return out
+        g, mb = self.global_batch_size, self.micro_batch_size
+        batches = self._plan_batches
+        self._plan_batches = min(2 * batches, max(1, PLAN_POSITIONS // g))
+        m = batches * g
+        seg = [c - b for c, b in zip(counts, base, strict=True)]
+        picks = np.array(self._apportion.picks(pos - start + 1, seg, m), dtype=np.int64)
+        running = np.cumsum(picks[None, :] == np.arange(len(self.names))[:, None], axis=1)
+        at = np.asarray(counts, dtype=np.int64)[picks] + running[picks, np.arange(m)] - 1
+        mine = (np.arange(m) % g) // mb == self.dp_rank
+        samples = np.zeros(m, dtype=np.int64)
+        for i, name in enumerate(self.names):
+            sel = mine & (picks == i)
+            if sel.any():
+                loader = self.loaders[name]
+                if loader is None:
+                    raise DataError(f"source {name} has no sample in the {self.split} split")
+                samples[sel] = loader.sample_ids(at[sel])
+        lo = self.dp_rank * mb
+        for b in range(batches):
+            rows = slice(b * g + lo, b * g + lo + mb)
+            after = [c + int(running[i, (b + 1) * g - 1]) for i, c in enumerate(counts)]
+            pairs = list(zip(picks[rows].tolist(), samples[rows].tolist(), strict=True))
+            self._ahead.append((pairs, pos + (b + 1) * g, after))
+        self._planned = (pos + m, self._ahead[-1][2])
 
     def __iter__(self) -> BlendedLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        picks = self._assign(self.global_batch_size)
-        lo = self.dp_rank * self.micro_batch_size
-        mine = picks[lo : lo + self.micro_batch_size]
-        rows: list[np.ndarray] = [np.empty(0)] * len(mine)
-        for i in sorted({i for i, _ in mine}):
-            loader = self.loaders[self.names[i]]
-            assert loader is not None
-            slots = [k for k, (src, _) in enumerate(mine) if src == i]
-            samples = loader.sample_ids(np.array([mine[k][1] for k in slots], dtype=np.int64))
-            for k, sample in zip(slots, samples, strict=True):
-                rows[k] = loader.sample_tokens(int(sample))
+        if not self._ahead:
+            self._plan()
+        pairs, self.consumed_samples, self.counts = self._ahead.popleft()
+        loaders = [self.loaders[name] for name in self.names]
+        rows = [loaders[i].sample_tokens(s) for i, s in pairs]  # type: ignore[union-attr]
         return rows_batch(np.stack(rows), self.eos_id, self.document_mask)
 
     # ------------------------------------------------------------------ run loop
@@ -220,6 +263,8 @@ class BlendedLoader:
         if not isinstance(consumed, int) or consumed != sum(counts) or min(counts) < 0:
             raise DataError(f"data loader state: bad consumed_samples {consumed!r} for {counts}")
         self.consumed_samples, self.counts = consumed, counts
+        self._ahead.clear()
+        self._planned, self._plan_batches = (consumed, list(counts)), 1
         seg = state["segment"]
         self._segment = (int(seg["start"]), [int(seg["counts"][n]) for n in self.names])
         if any(saved[n]["weight"] != self.weights[n] for n in self.names):

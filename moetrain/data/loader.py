@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 _SPLIT_KEY = {"train": 0, "val": 1}
 STATE_VERSION = 1
+PLAN_POSITIONS = 4096  # global positions whose samples are computed at a time
 
 
 class PackedLoader:
@@ -85,6 +87,8 @@ class PackedLoader:
         self._fds: dict[int, int] = {}
         self.consumed_samples = 0
         self._perm: tuple[int, Permutation] | None = None
+        self._ahead: deque[np.ndarray] = deque()  # this rank's samples of the next batches
+        self._plan_batches = 1  # doubles up to PLAN_POSITIONS / global batch
 
     # Shards are read with pread rather than through the memory map: the page cache keeps hot
     # data in memory, but it is not mapped into this process, so resident memory stays flat
@@ -169,7 +173,13 @@ class PackedLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        samples = self.sample_ids(self._rank_positions(self.consumed_samples))
+        if not self._ahead:  # the samples of the next batches, in one permutation call
+            g, n = self.global_batch_size, self._plan_batches
+            self._plan_batches = min(2 * n, max(1, PLAN_POSITIONS // g))
+            start = self.consumed_samples
+            positions = np.concatenate([self._rank_positions(start + b * g) for b in range(n)])
+            self._ahead.extend(np.split(self.sample_ids(positions), n))
+        samples = self._ahead.popleft()
         self.consumed_samples += self.global_batch_size
         return self._batch(samples)
 
@@ -218,6 +228,8 @@ class PackedLoader:
         if not isinstance(consumed, int) or consumed < 0:
             raise DataError(f"data loader state: bad consumed_samples {consumed!r}")
         self.consumed_samples = consumed
+        self._ahead.clear()
+        self._plan_batches = 1
 
     # ------------------------------------------------------------------ what the run loop uses
     def source_progress(self) -> dict[str, dict[str, float]]:

@@ -98,13 +98,17 @@ def test_apportionment_is_within_one_sample_at_every_prefix():
         ap = Apportionment(weights)
         exact = [Fraction(w) / sum(map(Fraction, weights)) for w in weights]
         assert [Fraction(a, ap.total) for a in ap.parts] == exact  # the weights, exactly
+        block = ap.picks(1, [0] * k, 400)  # one pass, running integers
         counts = [0] * k
-        for n in range(1, 400):
-            counts[ap.pick(n, counts)] += 1
+        for n in range(1, 401):
+            assert ap.pick(n, counts) == block[n - 1]  # the same as deciding position by position
+            counts[block[n - 1]] += 1
             # |c_i - w_i n| < 1  <=>  |c_i total - a_i n| < total, in exact integers
             assert all(
                 abs(c * ap.total - a * n) < ap.total for c, a in zip(counts, ap.parts, strict=True)
             ), (trial, weights, n, counts)
+            if n == 150:  # a block started part-way continues the same sequence
+                assert ap.picks(151, counts, 250) == block[150:]
     ap = Apportionment([0.6, 0.3, 0.1])
     counts = [0, 0, 0]
     for n in range(1, 11):
