@@ -274,16 +274,14 @@ class BlendedLoader:
 def build_blended_loader(
     data_cfg: DataConfig,
     split: str,
-    micro_batch_size: int,
-    dp_rank: int,
-    dp_world: int,
-    seed: int,
+    open_split: Callable[..., PackedLoader],
     *,
     vocab_size: int | None = None,
 ) -> BlendedLoader:
     """The blend of every ``data.sources`` entry's shards of ``split``, prepared in
-    ``data.output_dir``; a source's validation split without a sample is left out of evaluation
-    (its loader is None), a training split without one is an error."""
+    ``data.output_dir``; ``open_split(directory, index, stream_key)`` opens one source's
+    (:func:`moetrain.data.loader.build_loader`). A source's validation split without a sample is
+    left out of evaluation (its loader is None), a training split without one is an error."""
     out = Path(data_cfg.output_dir)
     index = read_mixture_index(out)
     check_tokenizer(data_cfg, out / MIXTURE_FILE, index["tokenizer"], vocab_size)
@@ -292,21 +290,13 @@ def build_blended_loader(
     for spec, entry in zip(specs, match_sources(index, specs, out), strict=True):
         directory, sub = open_source_set(out, entry, index["tokenizer"]["sha256"], spec.where)
         try:
-            loaders[spec.name] = PackedLoader(
-                directory,
-                sub,
-                split,
-                data_cfg.seq_len,
-                micro_batch_size,
-                dp_rank,
-                dp_world,
-                seed,
-                data_cfg.document_mask,
-                stream_key=(stream_key(spec.name),),
-            )
+            loaders[spec.name] = open_split(directory, sub, (stream_key(spec.name),))
         except DataError as e:
             if split == "train" or "fewer than one sequence" not in str(e):
                 raise DataError(f"{spec.where}: {e}") from None
             loaders[spec.name] = None
+    first = next((ld for ld in loaders.values() if ld is not None), None)
+    if first is None:
+        raise DataError(f"{out}: no source of the mixture has a sample in its {split} split")
     weights = {s.name: s.weight for s in specs}
-    return BlendedLoader(loaders, weights, micro_batch_size, dp_rank, dp_world)
+    return BlendedLoader(loaders, weights, first.micro_batch_size, first.dp_rank, first.dp_world)

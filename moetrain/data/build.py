@@ -34,7 +34,6 @@ from moetrain.data.shards import (
     ShardWriter,
     read_index,
     token_dtype,
-    verify_split,
     write_index,
 )
 from moetrain.data.sources import Corpus, SourceRef, open_source
@@ -150,18 +149,6 @@ def open_corpus(refs: list[SourceRef], i: int, top: Path, opened: dict[int, Corp
     if i not in opened:
         opened[i] = open_source(refs[i], top / "hf-cache" / str(i))
     return opened[i]
-
-
-def shard_set_complete(final: Path, key: str) -> bool:
-    try:
-        index = read_index(final)
-        if index.get("prepare_key") != key:
-            return False
-        for split in index["splits"]:
-            verify_split(final, index, split)
-    except DataError:
-        return False
-    return True
 
 
 def tokenize_jobs(

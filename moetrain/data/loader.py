@@ -298,23 +298,26 @@ def build_loader(
     configured tokenizer (``data.tokenizer_model``, else the ``tokenizer.model`` beside them),
     and, when ``vocab_size`` is given, that the tokenizer's vocab equals it.
     """
+
+    def open_split(directory: Path, index: dict, stream_key: tuple[int, ...] = ()) -> PackedLoader:
+        return PackedLoader(
+            directory,
+            index,
+            split,
+            data_cfg.seq_len,
+            micro_batch_size,
+            dp_rank,
+            dp_world,
+            seed,
+            data_cfg.document_mask,
+            stream_key,
+        )
+
     if data_cfg.sources:
         from moetrain.data.blend import build_blended_loader
 
-        return build_blended_loader(
-            data_cfg, split, micro_batch_size, dp_rank, dp_world, seed, vocab_size=vocab_size
-        )
+        return build_blended_loader(data_cfg, split, open_split, vocab_size=vocab_size)
     out = Path(data_cfg.output_dir)
     index = read_index(out)
     check_tokenizer(data_cfg, out / INDEX_FILE, index["tokenizer"], vocab_size)
-    return PackedLoader(
-        out,
-        index,
-        split,
-        data_cfg.seq_len,
-        micro_batch_size,
-        dp_rank,
-        dp_world,
-        seed,
-        data_cfg.document_mask,
-    )
+    return open_split(out, index)

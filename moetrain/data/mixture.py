@@ -26,7 +26,7 @@ from typing import Any
 from moetrain.checkpoint.io import write_json_atomic
 from moetrain.config import DataConfig
 from moetrain.data.errors import DataError
-from moetrain.data.shards import VERSION, read_index, verify_split
+from moetrain.data.shards import VERSION, is_complete, read_index
 from moetrain.data.sources import SourceSpec
 
 MIXTURE_FILE = "mixture.json"
@@ -131,11 +131,9 @@ def mixture_up_to_date(out: Path, key: str) -> bool:
         if index.get("prepare_key") != key:
             return False
         for entry in index["sources"]:
-            directory, sub = open_source_set(
-                out, entry, index["tokenizer"]["sha256"], entry["name"]
-            )
-            for split in sub["splits"]:
-                verify_split(directory, sub, split)
+            directory, _ = open_source_set(out, entry, index["tokenizer"]["sha256"], entry["name"])
+            if not is_complete(directory, entry["prepare_key"]):
+                return False
     except (DataError, KeyError, TypeError):
         return False
     return True

@@ -44,7 +44,6 @@ from moetrain.data.build import (
     build_dir,
     open_corpus,
     pack_jobs,
-    shard_set_complete,
     tokenize_jobs,
 )
 from moetrain.data.chunks import (
@@ -62,7 +61,7 @@ from moetrain.data.mixture import (
     sources_dir,
 )
 from moetrain.data.ranks import Heartbeat, Ranks, RankStopped, Watch, default_num_proc
-from moetrain.data.shards import INDEX_FILE, VERSION
+from moetrain.data.shards import VERSION, is_complete
 from moetrain.data.sources import Corpus, SourceRef, resolve_source, source_specs
 from moetrain.data.tokenizer import (
     META_FILE,
@@ -214,7 +213,7 @@ def _make_plan(
         if mixture:
             skey = source_set_key(ref.fingerprint, tok.sha256, d, SPLIT_RULE)
             final = source_set_dir(d, ref.spec.name, skey)
-            todo = not shard_set_complete(final, skey)
+            todo = not is_complete(final, skey)
             job_dir = build_dir(final, skey)
         else:
             skey, final, todo, job_dir = key, out, True, top
@@ -237,15 +236,10 @@ def _make_plan(
 
 
 def _up_to_date(out: Path, key: str, mixture: bool) -> bool:
-    if mixture:
-        return mixture_up_to_date(out, key)
-    if not (out / INDEX_FILE).is_file():
-        return False
-    try:
-        return shard_set_complete(out, key)
-    except DataError as e:
-        print(f"prepare: rebuilding {out}: {e}")
-        return False
+    done = mixture_up_to_date(out, key) if mixture else is_complete(out, key)
+    if not done and out.exists():
+        print(f"prepare: rebuilding {out} (incomplete, or prepared with other settings)")
+    return done
 
 
 def prepare(cfg: Config, ranks: Ranks | None = None) -> Path:
