@@ -235,9 +235,9 @@ def _make_plan(
 # ----------------------------------------------------------------------------- prepare
 
 
-def _up_to_date(out: Path, key: str, mixture: bool) -> bool:
+def _up_to_date(out: Path, key: str, mixture: bool, say: bool = True) -> bool:
     done = mixture_up_to_date(out, key) if mixture else is_complete(out, key)
-    if not done and out.exists():
+    if say and not done and out.exists():
         print(f"prepare: rebuilding {out} (incomplete, or prepared with other settings)")
     return done
 
@@ -295,9 +295,15 @@ def _build(
                 (top / PLAN_FILE).unlink(missing_ok=True)  # no rank may act on a stale plan
                 plan = _make_plan(cfg, refs, out, key, top, ranks, opened)
         else:
-            watch.until(lambda: Plan.read(top, key) is not None, [0], f"{top}/plan.json")
+            mixture = bool(cfg.data.sources)
+            watch.until(
+                lambda: Plan.read(top, key) is not None or _up_to_date(out, key, mixture, False),
+                [0],
+                f"{top}/plan.json",
+            )
             plan = Plan.read(top, key)
-            assert plan is not None
+            if plan is None:  # rank 0 finished it all (every chunk was there already)
+                return
         chunks = tokenize_jobs(cfg, refs, plan, top, ranks, opened)
         if not ranks.is_main:
             print(

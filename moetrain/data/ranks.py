@@ -98,10 +98,10 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="prepare-heartbeat", daemon=True)
 
     def _beat(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:  # never recreates a build directory that rank 0 has removed
+            self.path.parent.mkdir(exist_ok=True)
             self.path.touch()
-        except OSError:  # the directory was removed: the prepare is finished
+        except OSError:
             pass
 
     def _run(self) -> None:
@@ -125,15 +125,21 @@ class Watch:
         self.directory = Path(directory) / HEARTBEAT_DIR
         self.timeout_s = timeout_s
         self._seen: dict[int, tuple[int | None, float]] = {}
+        self._gone = False
 
     def alive(self, rank: int) -> bool:
-        """False once rank's heartbeat has not changed for the timeout (or never appeared)."""
+        """False once rank's heartbeat has not changed for the timeout (or never appeared), or
+        has gone (the build directory was removed: that rank failed on bad input)."""
         try:
             mtime: int | None = (self.directory / f"rank-{rank}").stat().st_mtime_ns
         except OSError:
             mtime = None
         now = time.monotonic()
         last = self._seen.get(rank)
+        if last is not None and last[0] is not None and mtime is None:
+            self._seen[rank] = (None, now)
+            self._gone = True
+            return False
         if last is None or last[0] != mtime:
             self._seen[rank] = (mtime, now)
             return True
@@ -146,6 +152,11 @@ class Watch:
         while not ready():
             for r in ranks:
                 if not self.alive(r):
+                    if self._gone:
+                        raise DataError(
+                            f"prepare: rank {r} stopped and removed {self.directory.parent} while "
+                            f"this rank waited for {what}: see rank {r}'s error"
+                        )
                     state = "stopped" if self._seen[r][0] is not None else "never started"
                     raise RankStopped(
                         f"prepare: rank {r} {state} (no heartbeat in {self.directory} for "
