@@ -55,7 +55,8 @@ class Ranks:
         env = os.environ if env is None else env
         if "RANK" in env or "WORLD_SIZE" in env:
             rank, world = _env_int(env, "RANK", "0"), _env_int(env, "WORLD_SIZE", "1")
-            local = _env_int(env, "LOCAL_WORLD_SIZE", "1")
+            # torchrun: LOCAL_WORLD_SIZE; the deepspeed launcher: LOCAL_SIZE
+            local = _env_int(env, "LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", "1"))
             names = "RANK / WORLD_SIZE"
         elif "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
             rank = _env_int(env, "SLURM_PROCID", "0")

@@ -22,6 +22,7 @@ from tests.unit.test_data_prepare import write_jsonl
     [
         ({}, Ranks(0, 1, 1)),
         ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, Ranks(3, 8, 4)),
+        ({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_SIZE": "2"}, Ranks(2, 4, 2)),  # deepspeed
         ({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "6"}, Ranks(5, 6, 1)),
         # a launcher's RANK wins over the SLURM task it runs in
         ({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}, Ranks(1, 2, 1)),
