@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import yaml
 
+from moetrain.config.mixture import SourceConfig, validate_sources
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the dotted key."""
@@ -224,6 +226,11 @@ class DataConfig:
     shard_tokens: int = 50_000_000  # tokens per shard file
     document_mask: bool = False  # restrict attention to one document inside packed sequences
     max_docs: int | None = None  # cap on documents read (quick experiments)
+    # a mixture instead of data.source: sources with weights (moetrain/config/mixture.py); the
+    # settings above are the defaults of every entry
+    sources: list[SourceConfig] = field(default_factory=list)
+    sources_dir: str | None = None  # the sources' shard sets; default: sources/ beside output_dir
+    prepare_chunk_mb: float = 16.0  # text per tokenizing task of `moetrain prepare` (MB)
 
     @property
     def tokenizer_source(self) -> tuple[str, str] | None:
@@ -251,6 +258,8 @@ class DataConfig:
             require(
                 self.source_format in allowed, "data.source_format", f"must be one of {allowed}"
             )
+        require(self.prepare_chunk_mb > 0, "data.prepare_chunk_mb", "must be > 0")
+        validate_sources(self.sources, self.source, DataConfig.source)
 
 
 GPU_BUCKET_ELEMENTS = 50_000_000

@@ -14,7 +14,8 @@ Every document ends with the EOS id. ``index.json``::
 
     {"format": "moetrain-shards", "version": 1, "dtype": "uint16",
      "tokenizer": {"file", "kind", "sha256", "vocab_size", "special_ids": {"pad", "unk", "bos", "eos"}},
-     "source": {"spec", "description", "fingerprint"}, "prepare_key": "...",
+     "source": {"spec", "description", "fingerprint"[, "name" (a mixture's source)]},
+     "prepare_key": "...",
      "split_rule": "...", "val_fraction": 0.01,
      "splits": {"train": {"num_tokens", "num_docs", "shards": [{"file", "offsets",
                 "num_tokens", "num_docs"}]}, "val": {...}}}
@@ -183,3 +184,16 @@ def verify_split(out_dir: Path, index: dict, split: str, *, load_offsets: bool =
                 )
         views.append(ShardView(path, np.memmap(path, dtype=dtype, mode="r"), starts))
     return views
+
+
+def is_complete(out_dir: str | Path, prepare_key: str) -> bool:
+    """Whether ``out_dir`` holds a complete shard set prepared with ``prepare_key``."""
+    try:
+        index = read_index(out_dir)
+        if index.get("prepare_key") != prepare_key:
+            return False
+        for split in index["splits"]:
+            verify_split(Path(out_dir), index, split)
+    except (DataError, KeyError, TypeError):
+        return False
+    return True

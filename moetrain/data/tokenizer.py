@@ -249,6 +249,12 @@ def tokenizer_files(path: str | Path) -> list[Path]:
     return [ident.parent / n for n in HF_FILES if (ident.parent / n).is_file()]
 
 
+def prepared_tokenizer_file(directory: Path) -> Path:
+    """The identity file of the tokenizer copy that ``prepare`` keeps in ``directory``."""
+    hf = directory / HF_DIR
+    return tokenizer_file(hf) if hf.is_dir() else directory / MODEL_FILE
+
+
 def copy_tokenizer(tok: AnyTokenizer, dest: Path) -> AnyTokenizer:
     """Copy ``tok``'s files into ``dest`` (a SentencePiece model into ``dest`` itself, a Hugging
     Face tokenizer into ``dest/tokenizer/``); returns the copy, loaded."""

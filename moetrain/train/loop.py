@@ -120,10 +120,11 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
                 monitor.say(f"attention: {attention_report(trainer.model)}")
             first_loss = rec["loss"] if first_loss is None else first_loss
             last_loss = rec["loss"]
-            monitor.step_done(rec, data_s, log=log.due(trainer.step))
+            sources = train_loader.source_progress()
+            monitor.step_done(rec, data_s, log=log.due(trainer.step), sources=sources)
             if evaluate.due(trainer.step):
-                eval_loss = trainer.evaluate(loader("val").iter_eval(t.eval_steps))
-                monitor.eval_done(trainer.step, eval_loss)
+                eval_loss, by_source = loader("val").evaluate(t.eval_steps, trainer.evaluate)
+                monitor.eval_done(trainer.step, eval_loss, by_source)
             signalled, time_due = agree_any(topo, [stop.received is not None, save_clock.due()])
             if signalled or time_due or save.due(trainer.step):
                 path = ckpt.save(
