@@ -24,14 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -87,21 +83,13 @@ def _optimizer_bytes(trainer) -> int:  # noqa: ANN001
 
 
 def _saved_activation_bytes(trainer, batch) -> int:  # noqa: ANN001
+    from tests.helpers.memory import saved_storages
+
     model = trainer.model
-    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in owned:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages([*model.parameters(), *model.buffers()]) as seen:
         out = trainer.forward(batch)
     del out
-    labels = batch["labels"].untyped_storage()
-    return sum(seen.values()) + labels.nbytes()
+    return sum(seen.values()) + batch["labels"].untyped_storage().nbytes()
 
 
 def _plan_saved_activations(cfg) -> int:  # noqa: ANN001
@@ -160,33 +148,16 @@ def _case(rank: int, world: int, precision: str, stage: int) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )  # fmt: skip
-    import torch.distributed as dist
-
+def _job(rank: int, world: int) -> list[dict]:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=20))
-    results = [_case(rank, world, precision, stage) for precision, stage in CASES]
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return [_case(rank, world, precision, stage) for precision, stage in CASES]
 
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
-    import tempfile
+    from tests.helpers.distributed import run_distributed
 
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(2, _free_port(), tmp), nprocs=2)
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_distributed(_job, 2, timeout=3600)
     mib = 2**20
     print(
         "case          rank  weights  grads  optim  | model state  plan   ratio | activations  plan   ratio"

@@ -100,7 +100,8 @@ def check_precision_supported(precision: str) -> None:
     acc = get_accelerator()
     supported = acc.is_fp16_supported() if precision == "fp16" else acc.is_bf16_supported()
     if not supported:
-        hint = "use train.precision=bf16 (or fp32)" if precision == "fp16" else "use fp32"
+        other = "bf16" if precision == "fp16" else "fp16"
+        hint = f"use train.precision={other} if it has that, or fp32"
         raise ConfigError(
             f"train.precision: {precision} is not supported by this machine's accelerator "
             f"({acc.device_name()}, as DeepSpeed detects it); {hint}"

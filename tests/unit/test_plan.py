@@ -22,6 +22,7 @@ from moetrain.plan import (
     plan,
 )
 from tests.helpers.configs import tiny_config
+from tests.helpers.memory import saved_storages
 
 PROBE = Path(__file__).with_name("plan_memory_probe.py")
 
@@ -141,19 +142,10 @@ def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> floa
     logits the caller holds, per token."""
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.moe).to(dtype)
-    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in owned:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
     b = tokens // cfg.data.seq_len
     ids = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len))
     labels = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages([*model.parameters(), *model.buffers()]) as seen:
         out = model(ids, labels_BS=labels, return_logits=False)  # as the trainer calls it
     if out.logits is not None:  # plain loss (model.loss_chunk_tokens=0)
         seen[out.logits.untyped_storage().data_ptr()] = out.logits.untyped_storage().nbytes()
