@@ -6,7 +6,11 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
 - parameters held: ``P_d + P_e / ep`` (dense replicated over W; experts split over ep, then
   replicated over X).
 - weights: 4 B/param in fp32; 2 B in bf16/fp16 (the fp32 master copy belongs to the optimizer).
-- gradients: same dtype as the weights; ZeRO-2 partitions them (dense over W, experts over X).
+- gradients: accumulated in ``train.grad_dtype``: 4 B/param (fp32, the default in every
+  precision), or 2 B with ``train.grad_dtype`` bf16/fp16; ZeRO-2 partitions them (dense over W,
+  experts over X). Under bf16/fp16 DeepSpeed adds each micro-batch's low-precision gradient to
+  the fp32 buffer as soon as it is ready (ZeRO-1) or reduces it into the fp32 partition
+  (ZeRO-2), so the low-precision gradients are transient (the largest one is counted below).
 - optimizer: AdamW 8 B/param, + 4 B for the fp32 master copy under bf16/fp16 and under ZeRO-1/2
   whatever the precision (DeepSpeed's ZeRO optimizer clones its fp32 partition even from fp32
   weights), partitioned under ZeRO-1/2 (dense over W, experts over X);
@@ -212,6 +216,7 @@ class Plan:
     traffic: Traffic
     gpus_per_node: int = 8
     warnings: list[str] = field(default_factory=list)
+    grad_dtype: str = "fp32"  # gradient accumulation and reduction (train.grad_dtype)
 
     @property
     def model_state_bytes(self) -> int:
@@ -295,7 +300,7 @@ def plan(
         return int(per_param * (dense + expert))
 
     weights = split(wb, False)
-    grads = split(wb, z >= 2)
+    grads = split(_dtype_bytes(t.grad_dtype), z >= 2)
     opt_per_param = 8 + (4 if t.precision != "fp32" or z >= 1 else 0)
     opt = split(opt_per_param, z >= 1)
     opt_gpu, opt_cpu = (0, opt) if p.offload_optimizer else (opt, 0)
@@ -332,6 +337,7 @@ def plan(
         peak_tflops=peak,
         traffic=expert_traffic(cfg, tokens * t.grad_accum_steps, gpus_per_node, wb, recompute=ckpt),
         gpus_per_node=gpus_per_node,
+        grad_dtype=t.grad_dtype,
     )
     capacity = spec.memory_mib * MiB
     if not result.fits:
@@ -369,7 +375,7 @@ def format_plan(pl: Plan) -> str:
         f"{pl.tokens_per_step} tokens per optimizer step",
         "memory per GPU:",
         f"  weights            {_gib(pl.weights_bytes)}",
-        f"  gradients          {_gib(pl.grads_bytes)}",
+        f"  gradients          {_gib(pl.grads_bytes)}  ({pl.grad_dtype} accumulation)",
         f"  optimizer states   {_gib(pl.optimizer_bytes)}"
         + (
             f"  (+{_gib(pl.optimizer_cpu_bytes).strip()} in CPU memory)"

@@ -3,7 +3,9 @@
 ``<run_dir>/checkpoints/step_<N>/`` holds:
 
 - ``mp_rank_00_model_states.pt``: DeepSpeed's dense file, ``{"module": state dict}`` of the
-  non-expert weights and buffers (the aux-loss-free biases included).
+  non-expert weights and buffers (the aux-loss-free biases included). Model weights are the
+  fp32 master weights in every precision (under bf16/fp16 the module's low-precision copy is
+  what a resume rounds them to).
 - ``layer_<M>_expert_<G>_mp_rank_00_model_states.pt``: one file per global expert ``G`` of MoE
   layer ``M`` (counted over MoE layers only), with DeepSpeed's per-expert keys
   ``layers.<i>.ffn.experts.deepspeed_moe.experts.deepspeed_experts.<local>.<w13|w2>``; written
@@ -105,6 +107,9 @@ class TrainerState:
 
     ``layout`` is ``{"world_size", "ep_size", "zero_stage"}`` at save time; ``loader`` and
     ``schedule`` are None in a checkpoint that was not written by training (import).
+    ``skipped_steps`` counts non-finite steps, ``loss_scale_overflows`` fp16 loss-scale
+    calibration skips; ``loss_scaler`` is the fp16 dynamic loss scaler's state (``cur_scale``,
+    ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``), None in bf16/fp32.
     """
 
     step: int
@@ -120,6 +125,8 @@ class TrainerState:
     # later checkpoint of the run; None for a run started from random weights
     init: dict[str, Any] | None = None
     moetrain_version: str = ""
+    loss_scale_overflows: int = 0
+    loss_scaler: dict[str, float] | None = None
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:

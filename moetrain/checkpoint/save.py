@@ -105,10 +105,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 class Checkpointer:
     """Saves and restores one run's checkpoints; every method is called on every rank.
 
-        ``trainer`` arguments need ``engine``, ``schedule``, ``step``, ``tokens_seen`` and
-        ``skipped_steps``; ``loader`` arguments ``state_dict``/``load_state_dict`` and
-        ``tokenizer_sha256`` (and optionally ``tokenizer_files``: the tokenizer's files, copied into
-    every checkpoint). ``printer`` gets the messages (rank 0 only).
+    ``trainer`` arguments need ``engine``, ``schedule``, ``step``, ``tokens_seen``,
+    ``skipped_steps``, ``loss_scale_overflows``, ``checkpoint_weights()`` (a context for the
+    save: the module holds the fp32 weights) and ``loss_scaler_state()`` /
+    ``load_loss_scaler_state(state)``; ``loader`` arguments ``state_dict``/``load_state_dict``
+    and ``tokenizer_sha256`` (and optionally ``tokenizer_files``: the tokenizer's files, copied
+    into every checkpoint). ``printer`` gets the messages (rank 0 only).
     """
 
     def __init__(self, cfg: Config, topo: Topology, printer: Printer = console) -> None:
@@ -131,7 +133,8 @@ class Checkpointer:
                 (path / COMMIT_FILE).unlink(missing_ok=True)
                 shutil.rmtree(path)
         self._barrier(f"checkpoint {tag}: prepare directory")
-        trainer.engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
+        with trainer.checkpoint_weights():  # model files get the fp32 master weights
+            trainer.engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
         torch.save(_rng_state(), path / rank_file(topo.rank))
         if topo.is_main:
             state = self._trainer_state(trainer, loader, extra)
@@ -162,6 +165,8 @@ class Checkpointer:
             step=trainer.step,
             tokens_seen=trainer.tokens_seen,
             skipped_steps=trainer.skipped_steps,
+            loss_scale_overflows=trainer.loss_scale_overflows,
+            loss_scaler=trainer.loss_scaler_state(),
             loader=loader.state_dict(),
             schedule=trainer.schedule.state_dict(),
             layout=self.layout(),
@@ -252,6 +257,8 @@ class Checkpointer:
         trainer.tokens_seen = state.tokens_seen
         trainer.skipped_steps = state.skipped_steps
         trainer.init_record = state.init
+        trainer.loss_scale_overflows = state.loss_scale_overflows
+        trainer.load_loss_scaler_state(state.loss_scaler)  # also after --reset-optimizer
         trainer.schedule.load_state_dict(state.schedule)
         loader.load_state_dict(state.loader)
         if same_layout:

@@ -339,6 +339,10 @@ class TrainConfig:
     grad_accum_steps: int = 1
     global_batch_size: int | None = None  # sequences per optimizer step; checked if set
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # gradient accumulation over micro-batches and data-parallel reduction: fp32 (default), or
+    # under bf16/fp16 the weights' dtype (half the gradient memory and reduce traffic, but each
+    # sum keeps only 8 (bf16) or 11 (fp16) significant bits)
+    grad_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     eval_every: int = 50
     eval_steps: int = 10
     log_every: int = 10
@@ -351,6 +355,13 @@ class TrainConfig:
         require(self.grad_accum_steps >= 1, "train.grad_accum_steps", "must be >= 1")
         require(self.eval_every >= 0, "train.eval_every", "must be >= 0 (0 disables)")
         require(self.log_every >= 1, "train.log_every", "must be >= 1")
+        allowed = ("fp32",) if self.precision == "fp32" else ("fp32", self.precision)
+        require(
+            self.grad_dtype in allowed,
+            "train.grad_dtype",
+            f"must be one of {allowed} with train.precision={self.precision}; got "
+            f"{self.grad_dtype}",
+        )
 
 
 @dataclass

@@ -23,7 +23,7 @@ from moetrain.checkpoint.save import Checkpointer
 from moetrain.config import Config
 from moetrain.model.attention import attention_report
 from moetrain.monitor.run_monitor import RunMonitor
-from moetrain.parallel.deepspeed import dump_deepspeed_config
+from moetrain.parallel.deepspeed import check_precision_supported, dump_deepspeed_config
 from moetrain.parallel.topology import Topology, init_distributed, shutdown
 from moetrain.secrets import redact
 from moetrain.train.cadence import Clock, Periodic
@@ -66,6 +66,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     monitor: RunMonitor | None = None
     stop = StopSignal().install()
     try:
+        check_precision_supported(cfg.train.precision)  # before any process group starts
         topo = init_distributed(cfg)
         source = open_start(cfg)  # a bad checkpoint.init_from fails before anything is written
         t, c = cfg.train, cfg.checkpoint

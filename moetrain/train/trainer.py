@@ -10,6 +10,7 @@ One optimizer step is :func:`moetrain.train.step.run_step`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -21,9 +22,11 @@ from moetrain.convert.init_source import InitSource
 from moetrain.convert.init_weights import build_model, init_record
 from moetrain.parallel.apply import apply_parallelism
 from moetrain.parallel.deepspeed import deepspeed_config, initialize_engine
+from moetrain.parallel.master_weights import fp32_masters_in_module
 from moetrain.parallel.topology import Topology
+from moetrain.train.nonfinite import SkipCounter, load_loss_scaler_state, loss_scaler_state
 from moetrain.train.optim import LRSchedule, build_optimizer
-from moetrain.train.step import Batch, SkipCounter, run_step
+from moetrain.train.step import Batch, run_step
 
 
 def tokens_per_step(cfg: Config, world_size: int) -> int:
@@ -41,7 +44,9 @@ def total_steps(cfg: Config, world_size: int) -> int:
 class Trainer:
     """Model + engine for one run; :meth:`train_step` runs one optimizer step.
 
-    ``step`` counts optimizer steps taken (skipped ones included: they consume data).
+    ``step`` counts optimizer steps taken (skipped ones included: they consume data);
+    ``skipped_steps`` the non-finite ones, ``loss_scale_overflows`` the fp16 loss-scale
+    calibration skips (:mod:`moetrain.train.nonfinite`).
     """
 
     def __init__(self, cfg: Config, topology: Topology, init: InitSource | None = None) -> None:
@@ -78,6 +83,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
+        self.loss_scale_overflows = 0
         self.skips = SkipCounter(cfg.train.max_nonfinite_in_a_row)
         # torch.manual_seed differs per rank from here on (jitter, dropout-free otherwise)
         torch.manual_seed(cfg.seed + 1000 * topology.rank + 1)
@@ -98,6 +104,18 @@ class Trainer:
     ) -> dict[str, Any]:
         """One optimizer step (:func:`moetrain.train.step.run_step`); returns its record."""
         return run_step(self, micro_batches, before_step)
+
+    def checkpoint_weights(self) -> AbstractContextManager[int]:
+        """Around ``engine.save_checkpoint``: the module holds the fp32 master weights, so the
+        checkpoint's model files do (:mod:`moetrain.parallel.master_weights`). Collective."""
+        return fp32_masters_in_module(self.model)
+
+    def loss_scaler_state(self) -> dict[str, float] | None:
+        """The fp16 dynamic loss scaler's state (None without one), for the checkpoint."""
+        return loss_scaler_state(self.engine.optimizer)
+
+    def load_loss_scaler_state(self, state: dict[str, float] | None) -> None:
+        load_loss_scaler_state(self.engine.optimizer, state)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> float:

@@ -4,7 +4,8 @@ The reference is one uninterrupted 10-step run (checkpoints every 2 steps, keep 
 wandb offline with a sentinel WANDB_API_KEY). Every interrupted run must log exactly the
 reference's losses, bit for bit: on CPU, DeepSpeed restores the fp32 weights and Adam states
 exactly, the data position and per-rank RNG states are restored, and the kernels are
-deterministic.
+deterministic. The same holds in bf16 (its own uninterrupted reference): the checkpoint holds
+the fp32 masters, and the bf16 weights are rounded from them as the live ones were.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tests.helpers.launch import CONFIG, PY, ROOT, env_for, logged_losses, losse
 pytestmark = pytest.mark.slow
 
 STEPS = 10
+BF16 = {"train.precision": "bf16"}
 SENTINEL = "sentinel-wandb-key-0123456789abcdef"
 TORCHRUN = str(Path(PY).parent / "torchrun")
 
@@ -170,7 +172,7 @@ def test_report_renders_plots_of_a_real_run(reference, tmp_path):
 # depends on; its test checks the rest.
 
 
-def _sigterm_scenario(data: list[str], tmp_path: Path) -> tuple[Path, int, str]:
+def _sigterm_scenario(data: list[str], tmp_path: Path, **extra: str) -> tuple[Path, int, str]:
     run_dir = tmp_path / "run"
     ov = _overrides(
         data,
@@ -178,6 +180,7 @@ def _sigterm_scenario(data: list[str], tmp_path: Path) -> tuple[Path, int, str]:
             "checkpoint.save_every_steps": "100",
             "logging.wandb.mode": "offline",
             "logging.wandb.respect_env_mode": "false",
+            **extra,
         },
     )
     log = tmp_path / "first.log"
@@ -198,6 +201,15 @@ def _sigterm_scenario(data: list[str], tmp_path: Path) -> tuple[Path, int, str]:
     r = _run(_torchrun(run_dir, ov))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return run_dir, stopped, r.stdout
+
+
+def _bf16_scenario(data: list[str], tmp_path: Path) -> tuple[Path, Path, int]:
+    """An uninterrupted bf16 run, then the SIGTERM scenario in bf16."""
+    reference = tmp_path / "reference"
+    r = _run(_torchrun(reference, _overrides(data, **BF16)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_dir, stopped, _ = _sigterm_scenario(data, tmp_path / "interrupted", **BF16)
+    return reference, run_dir, stopped
 
 
 def _crash_scenario(data: list[str], tmp_path: Path) -> tuple[Path, int, str]:
@@ -260,10 +272,13 @@ def _truncated_scenario(
 @pytest.fixture(scope="module")
 def scenarios(data, reference, tmp_path_factory) -> Iterator[dict[str, Future]]:
     """name -> the future outcome of that scenario; two scenarios run at a time."""
-    work = {name: tmp_path_factory.mktemp(name) for name in ("sigterm", "crash", "save", "trunc")}
+    names = ("sigterm", "bf16", "crash", "save", "trunc")
+    work = {name: tmp_path_factory.mktemp(name) for name in names}
+    (work["bf16"] / "interrupted").mkdir()
     with ThreadPoolExecutor(max_workers=2) as pool:
         yield {
             "sigterm": pool.submit(_sigterm_scenario, data, work["sigterm"]),
+            "bf16": pool.submit(_bf16_scenario, data, work["bf16"]),
             "crash": pool.submit(_crash_scenario, data, work["crash"]),
             "save": pool.submit(_interrupted_save_scenario, data, reference, work["save"]),
             "trunc": pool.submit(_truncated_scenario, data, reference, work["trunc"]),
@@ -280,6 +295,19 @@ def test_sigterm_to_one_rank_saves_everywhere_and_resume_matches(scenarios, refe
     first, second = offline_run_dirs(run_dir)  # the resumed run continues the same wandb run
     assert first.name.rsplit("-", 1)[1] == second.name.rsplit("-", 1)[1]
     assert [step for step, _ in _history(second)] == list(range(stopped + 1, STEPS + 1))
+
+
+def test_bf16_sigterm_and_resume_match_the_uninterrupted_bf16_run(scenarios, reference):
+    """SIGTERM to rank 1 of a bf16 run; the resumed run logs the uninterrupted bf16 run's losses
+    bit for bit (and they are not the fp32 run's)."""
+    bf16_reference, run_dir, stopped = scenarios["bf16"].result()
+    assert 3 <= stopped < STEPS
+    assert sorted(losses(bf16_reference)) == list(range(1, STEPS + 1))
+    assert losses(run_dir) == losses(bf16_reference)
+    assert losses(bf16_reference) != losses(reference)  # bf16 really ran
+    ckpt = run_dir / "checkpoints" / f"step_{stopped:08d}"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["config"]["train"]["precision"] == "bf16"
 
 
 def test_crashed_rank_then_restarted_job_resumes(scenarios, reference):
