@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 
 from moetrain.config import load_config
-from moetrain.data import prepare, read_index
+from moetrain.data import read_index
 from moetrain.data.builtin import builtin_cache_path
+from moetrain.data.prepare import prepare
 from moetrain.data.ranks import Ranks
 
 REPO = Path(__file__).resolve().parents[1]

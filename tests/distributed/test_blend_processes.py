@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from moetrain.data import build_loader, prepare
+from moetrain.data import build_loader
+from moetrain.data.prepare import prepare
 from tests.helpers.distributed import run_distributed
 from tests.unit.test_data_mixture import mixture_config, write_sources
 

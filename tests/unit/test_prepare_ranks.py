@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from moetrain.config import load_config
-from moetrain.data import DataError, prepare
+from moetrain.data import DataError
 from moetrain.data.chunks import chunk_count, plan_chunks
+from moetrain.data.prepare import prepare
 from moetrain.data.ranks import Heartbeat, Ranks, RankStopped, Watch, default_num_proc
 from tests.unit.test_data_prepare import write_jsonl
 
