@@ -103,7 +103,9 @@ def test_a_rank_waiting_on_rank_0_that_fails_on_bad_input(tmp_path):
 
     waiting = threading.Thread(target=rank, args=(1,))
     waiting.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60  # until rank 1 waits for the plan (its heartbeat is there)
+    while not list(tmp_path.glob(".out.*/heartbeat/rank-1")) and time.monotonic() < deadline:
+        time.sleep(0.05)
     t0 = time.monotonic()
     rank(0)
     waiting.join(timeout=60)
