@@ -60,6 +60,8 @@ MOE_KEYS = (
     "topk_before_score",
     "renormalize",
     "route_scale",
+    "n_group",
+    "topk_group",
     "num_shared_experts",
     "shared_expert_hidden",
     "shared_expert_gate",

@@ -95,14 +95,24 @@ def hf_config(family: str) -> Any:
     return {**_moe_configs(transformers), **_dense_configs(transformers)}[family]()
 
 
-def save_hf_model(family: str, out: Path, seed: int = 1, tokenizer: Path | None = None) -> Path:
+def save_hf_model(
+    family: str,
+    out: Path,
+    seed: int = 1,
+    tokenizer: Path | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
     """A random ``family`` model saved at ``out`` (norms, biases and GLM's selection bias made
     non-trivial, so a swapped or dropped tensor shows); ``tokenizer``: a directory whose files
-    are copied in. Returns ``out``."""
+    are copied in; ``overrides``: config attributes changed from the family's tiny config.
+    Returns ``out``."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family)).eval()
+    config = hf_config(family)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

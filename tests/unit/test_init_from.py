@@ -58,6 +58,18 @@ def test_moe_source_gives_transformers_logits_and_local_experts(hf_dirs, family)
         assert torch.equal(t, want), name
 
 
+def test_group_limited_source_keeps_its_expert_groups(tmp_path) -> None:
+    """GLM-4-MoE with expert groups: the routing rule (n_group / topk_group) comes from the
+    source, so the model computes transformers' logits, not plain top-k routing's."""
+    src = save_hf_model("glm4_moe", tmp_path / "glm", overrides={"n_group": 2, "topk_group": 1})
+    cfg, source = resolved(f"checkpoint.init_from={src}")
+    assert (cfg.moe.n_group, cfg.moe.topk_group) == (2, 1)
+    ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = build_model(cfg, source).eval()(ids).logits
+    torch.testing.assert_close(got, hf_logits(src, ids), atol=1e-5, rtol=1e-5)
+
+
 def test_shape_comes_from_the_source_and_contradictions_are_refused(hf_dirs) -> None:
     src = hf_dirs["mixtral"]
     cfg, _ = resolved(f"checkpoint.init_from={src}", "moe.aux_loss_coef=0.02", "data.seq_len=32")
