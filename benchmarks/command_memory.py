@@ -1,6 +1,6 @@
-"""Where the memory of ``moetrain train`` goes, per rank, phase by phase, next to the bare step.
+"""Where the memory and time of ``moetrain train`` go, per rank, phase by phase, next to the bare step.
 
-    .venv/bin/python benchmarks/command_memory.py [--steps 20] [--shape bench]
+    .venv/bin/python benchmarks/command_memory.py [--steps 20] [--shape bench] [--rounds 3]
 
 Runs the real command (``python -m moetrain train`` through ``torchrun``, 2 CPU ranks, one thread
 each, the shape and data of ``benchmarks/train_command.py``) with this file as the entry point:
@@ -9,8 +9,10 @@ it wraps the run loop's parts to read the process's resident memory (``VmRSS``) 
 (:class:`~moetrain.train.trainer.Trainer`), the monitor, the first step, the remaining steps,
 evaluation, the checkpoint save -- and then starts ``moetrain.cli.main``. A second run does
 what ``benchmarks/train_throughput.py`` times: the same Trainer stepping over batches already in
-memory, nothing else. Reported: each phase's growth of RSS and of the peak, per rank (rank 0 and
-the maximum over ranks), and both runs' peaks.
+memory, nothing else. The two alternate for ``--rounds`` pairs. Reported: each phase's growth of
+RSS and of the peak, per rank (rank 0 and the maximum over ranks), both runs' peaks (last
+pair), and per pair the wall time of steps 2 to N (end of the first step to end of the last,
+the slower rank) of the command over the bare step's, with the median over pairs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -191,6 +194,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     ap.add_argument("--docs", type=int, default=4000)
+    ap.add_argument("--rounds", type=int, default=3, help="command / bare pairs, alternating")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     data = prepare(shape, args.docs)
@@ -208,18 +212,41 @@ def main() -> None:
         "logging.wandb.mode=disabled",
     ]
     run_dir = WORK / "memory-run"
-    cmd = launch(
-        WORK / "memory-phases-command",
-        args.steps,
-        ["train", str(ROOT / "configs" / "tiny-cpu.yaml"), *common, f"run_dir={run_dir}",
-         "checkpoint.resume=none"],
-    )  # fmt: skip
-    bare = launch(WORK / "memory-phases-bare", args.steps, ["bare", *common])
+    command = ["train", str(ROOT / "configs" / "tiny-cpu.yaml"), *common, f"run_dir={run_dir}",
+               "checkpoint.resume=none"]  # fmt: skip
+    ratios = []
+    for r in range(args.rounds):
+        runs = {}
+        order = ["command", "bare"] if r % 2 == 0 else ["bare", "command"]
+        for side in order:
+            argv = command if side == "command" else ["bare", *common]
+            runs[side] = launch(WORK / f"memory-phases-{side}", args.steps, argv)
+        times = {side: steps_time(ranks, args.steps) for side, ranks in runs.items()}
+        ratios.append(times["command"] / times["bare"])
+        print(
+            f"round {r}: steps 2-{args.steps} took {times['command']:.2f} s in the command, "
+            f"{times['bare']:.2f} s bare: {ratios[-1]:.3f}x"
+        )
+    cmd, bare = runs["command"], runs["bare"]
     print(table(f"moetrain train ({args.steps} steps, eval and a save at the end)", cmd))
     print(table(f"bare step ({args.steps} steps over in-memory batches)", bare))
     command_peak = max(r[-1]["hwm_mib"] for r in cmd)
     bare_peak = max(r[-1]["hwm_mib"] for r in bare)
     print(f"\ncommand - bare step: {command_peak - bare_peak:+.0f} MiB peak RSS per rank")
+    print(
+        f"command / bare step, time of steps 2-{args.steps}: median "
+        f"{statistics.median(ratios):.3f}x (range {min(ratios):.3f}-{max(ratios):.3f}, "
+        f"{len(ratios)} rounds)"
+    )
+
+
+def steps_time(ranks: list[list[dict]], steps: int) -> float:
+    """Wall time from the end of the first step to the end of the last, the slowest rank's."""
+    out = []
+    for rows in ranks:
+        t = {row["phase"]: row["t"] for row in rows}
+        out.append(t[f"steps 2-{steps}"] - t["first step"])
+    return max(out)
 
 
 if __name__ == "__main__":
