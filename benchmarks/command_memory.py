@@ -1,4 +1,4 @@
-"""Where the memory and time of ``moetrain train`` go, per rank, phase by phase, next to the bare step.
+"""Memory and time of ``moetrain train`` per rank, phase by phase, next to the bare step.
 
     .venv/bin/python benchmarks/command_memory.py [--steps 20] [--shape bench] [--rounds 3]
 
