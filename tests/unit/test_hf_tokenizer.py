@@ -13,7 +13,8 @@ from tokenizers import Tokenizer, processors
 from moetrain.config import load_config
 from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.importer import import_hf_checkpoint
-from moetrain.data import DataError, read_index
+from moetrain.data import DataError, build_loader, read_index
+from moetrain.data.mixture import read_mixture_index
 from moetrain.data.prepare import prepare
 from moetrain.data.tokenizer import HFTokenizer, load_tokenizer
 from tests.helpers.hf_models import EOS_TOKEN, save_hf_model, save_hf_tokenizer
@@ -61,6 +62,43 @@ def test_prepare_ids_equal_the_tokenizers_library(tok_dir, tmp_path) -> None:
     assert tok["sha256"] == HFTokenizer(tok_dir).sha256 and tok["vocab_size"] == 300
     assert tok["special_ids"]["eos"] == eos and index["dtype"] == "uint16"
     assert load_tokenizer(out / "tokenizer").decode(raw.encode(TEXT).ids) == TEXT
+
+
+def test_a_mixture_with_a_hugging_face_tokenizer(tok_dir, tmp_path) -> None:
+    """data.sources + data.tokenizer: every source's shard set and mixture.json record the
+    tokenizer copy, its ids are the tokenizers library's, and the blended loader hands the
+    tokenizer's files to checkpoints."""
+    raw = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    docs = {"a": [TEXT, "x = 1"], "b": ["the café in 東京", TEXT[::-1]]}
+    sources = [
+        {"source": str(write_jsonl(tmp_path / f"{name}.jsonl", d)), "weight": w}
+        for (name, d), w in zip(docs.items(), (0.7, 0.3), strict=True)
+    ]
+    cfg = load_config(
+        None,
+        [
+            "model.vocab_size=320",
+            f"data.sources={json.dumps(sources)}",
+            f"data.output_dir={tmp_path / 'out'}",
+            f"data.tokenizer={tok_dir}",
+            "data.seq_len=8",
+            "data.val_fraction=0",
+            "data.num_proc=1",
+        ],
+    )
+    out = prepare(cfg)
+    mixture = read_mixture_index(out)
+    assert mixture["tokenizer"]["file"] == "tokenizer/tokenizer.json"
+    assert mixture["tokenizer"]["kind"] == "huggingface"
+    eos = raw.token_to_id(EOS_TOKEN)
+    for entry, texts in zip(mixture["sources"], docs.values(), strict=True):
+        directory = out / entry["dir"]
+        assert (directory / "tokenizer" / "tokenizer.json").is_file()
+        assert read_docs(directory, "train") == [raw.encode(t).ids + [eos] for t in texts]
+    loader = build_loader(cfg.data, "train", 1, 0, 1, seed=0, vocab_size=320)
+    assert sorted(f.name for f in loader.tokenizer_files) == sorted(
+        f.name for f in tok_dir.iterdir()
+    )
 
 
 def test_post_processor_specials_kept_and_one_eos(tok_dir, tmp_path) -> None:

@@ -238,10 +238,10 @@ def test_group_limited_routing_by_hand() -> None:
     grouped = make_router(score_func="sigmoid", renormalize=False, n_group=2, topk_group=1)(x)
     assert sorted(grouped.ids_TK[0].tolist()) == [2, 3]
     close(grouped.weights_TK.sort(descending=True).values, [[0.8, 0.7]])
-    # the bias shifts the group scores as it shifts selection: +0.5 on expert 1 -> group 0
+    # the bias shifts the group scores as it shifts selection: +0.6 on expert 1 -> group 0 (1.6)
     r = make_router(score_func="sigmoid", renormalize=False, n_group=2, topk_group=1)
     with torch.no_grad():
-        r.expert_bias.copy_(torch.tensor([0.0, 0.5, 0.0, 0.0]))
+        r.expert_bias.copy_(torch.tensor([0.0, 0.6, 0.0, 0.0]))
     assert sorted(r(x).ids_TK[0].tolist()) == [0, 1]
     # groups of one expert: a group's score is that expert's; all groups = plain top-k
     assert torch.equal(limit_to_groups(x, 4, 4), x)
