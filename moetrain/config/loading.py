@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 import yaml
 
-from moetrain.config.sections import Config, ConfigError
+from moetrain.config.checks import ConfigError
+from moetrain.config.sections import Config
 
 
 def _type_name(tp: Any) -> str:

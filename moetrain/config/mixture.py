@@ -61,7 +61,7 @@ def validate_sources(sources: list[SourceConfig], single_source: str, default_so
     ``single_source`` is ``data.source``: with a mixture it must stay at its default
     (``default_source``), since only one of the two forms can describe the corpus.
     """
-    from moetrain.config.sections import ConfigError
+    from moetrain.config.checks import ConfigError
 
     if not sources:
         return

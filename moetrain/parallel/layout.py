@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moetrain.config.sections import ConfigError
+from moetrain.config.checks import ConfigError
 
 if TYPE_CHECKING:
     from moetrain.config import Config
