@@ -25,6 +25,7 @@ from moetrain.model.attention import attention_report
 from moetrain.monitor.run_monitor import RunMonitor
 from moetrain.parallel.deepspeed import dump_deepspeed_config
 from moetrain.parallel.topology import Topology, init_distributed, shutdown
+from moetrain.parallel.watchdog import CollectiveFailure, is_collective_failure
 from moetrain.secrets import redact
 from moetrain.train.cadence import Clock, Periodic
 from moetrain.train.launcher_env import launcher_disagreements
@@ -64,6 +65,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     topo: Topology | None = None
     monitor: RunMonitor | None = None
     stop = StopSignal().install()
+    finished = False
     try:
         topo = init_distributed(cfg)
         t, c = cfg.train, cfg.checkpoint
@@ -110,6 +112,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
         first_loss = last_loss = eval_loss = None
         stopped_by: str | None = None
         while trainer.step < total:
+            topo.phase(f"training step {trainer.step + 1}")
             t0 = time.perf_counter()
             micro = _take(it, t.grad_accum_steps)
             data_s = time.perf_counter() - t0
@@ -120,8 +123,10 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
             last_loss = rec["loss"]
             monitor.step_done(rec, data_s, log=log.due(trainer.step))
             if evaluate.due(trainer.step):
+                topo.phase(f"evaluation at step {trainer.step}")
                 eval_loss = trainer.evaluate(loader("val").iter_eval(t.eval_steps))
                 monitor.eval_done(trainer.step, eval_loss)
+            topo.phase(f"agreeing on stop / save after step {trainer.step}")
             signalled, time_due = agree_any(topo, [stop.received is not None, save_clock.due()])
             if signalled or time_due or save.due(trainer.step):
                 path = ckpt.save(
@@ -153,9 +158,14 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
                 f"done: step {trainer.step}, loss {first_loss:.4f} -> {last_loss:.4f}, "
                 f"{summary['tokens_per_s']:,.0f} tok/s"
             )
+        finished = True
         return summary
+    except RuntimeError as e:
+        if topo is None or topo.watch is None or not is_collective_failure(e):
+            raise
+        raise CollectiveFailure(topo.watch.explain(e, cfg.parallel.timeout_minutes)) from e
     finally:
         stop.restore()
         if monitor is not None:
             monitor.close()
-        shutdown(topo)
+        shutdown(topo, clean=finished)
