@@ -72,6 +72,7 @@ class RankWatch:
             s.set_timeout(_STORE_TIMEOUT)
         self._phase = "starting"
         self._stop = threading.Event()
+        self._changed = threading.Event()  # a new phase: publish it now, not at the next beat
         self._thread = threading.Thread(target=self._beat, name="moetrain-heartbeat", daemon=True)
 
     def start(self) -> RankWatch:
@@ -80,21 +81,24 @@ class RankWatch:
 
     def stop(self) -> None:
         self._stop.set()
+        self._changed.set()
         self._thread.join(timeout=5 * self.interval_s)
 
     def phase(self, what: str) -> None:
-        """Record what this rank is doing now (published with the next heartbeat)."""
+        """Record what this rank is doing now (the heartbeat thread publishes it at once)."""
         self._phase = what
+        self._changed.set()
 
     def _beat(self) -> None:
         count = 0
         while not self._stop.is_set():
             count += 1
+            self._changed.clear()
             try:
                 self._beat_store.set(f"{_KEY}/{self.rank}", f"{count}|{self._phase}")
             except Exception:  # the store is gone (its host died): nothing left to tell
                 return
-            self._stop.wait(self.interval_s)
+            self._changed.wait(self.interval_s)
 
     def _read(self) -> dict[int, tuple[int, str] | None]:
         out: dict[int, tuple[int, str] | None] = {}

@@ -21,6 +21,7 @@ import yaml
 
 from moetrain.checkpoint.save import Checkpointer
 from moetrain.config import Config
+from moetrain.faults import fault_point
 from moetrain.model.attention import attention_report
 from moetrain.monitor.run_monitor import RunMonitor
 from moetrain.parallel.deepspeed import dump_deepspeed_config
@@ -113,6 +114,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
         stopped_by: str | None = None
         while trainer.step < total:
             topo.phase(f"training step {trainer.step + 1}")
+            fault_point("train.step", topo.rank, trainer.step + 1)
             t0 = time.perf_counter()
             micro = _take(it, t.grad_accum_steps)
             data_s = time.perf_counter() - t0
