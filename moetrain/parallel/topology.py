@@ -37,7 +37,7 @@ import torch.distributed as dist
 from moetrain.config import Config
 from moetrain.parallel.layout import check_layout
 from moetrain.parallel.rendezvous import agent_store, agent_store_in_use, fresh_namespace
-from moetrain.parallel.watchdog import RankWatch
+from moetrain.parallel.watchdog import CollectiveFailure, RankWatch
 
 
 @dataclass
@@ -184,11 +184,19 @@ def init_distributed(cfg: Config) -> Topology:
 
     if not os.environ.get("MOETRAIN_DEEPSPEED_INFO"):
         logger.setLevel(logging.WARNING)  # DeepSpeed's per-rank INFO lines drown the progress
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     ep = cfg.parallel.ep_size
     name = f"ep_size_{ep}"
-    if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep)
+    try:
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        if name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(ep)
+    except dist.DistError as e:  # a peer late beyond the timeout, or gone
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CollectiveFailure(
+            f"rank {dist.get_rank()}: creating the expert-parallel groups failed: a rank did not "
+            f"arrive within parallel.timeout_minutes={cfg.parallel.timeout_minutes:g} or went "
+            f"away ({type(e).__name__}: {first})"
+        ) from e
     topo = Topology(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
