@@ -86,22 +86,14 @@ def save_job(rank: int, world: int, run_dir: str) -> dict[str, Any]:
 
 
 def reshard_job(rank: int, world: int, ckpt_path: str, run_dir: str) -> dict[str, Any]:
-    """Load a checkpoint written by another layout; refuse without --reset-optimizer."""
-    from moetrain.checkpoint.format import CheckpointError
-
+    """Load a checkpoint written by another layout, optimizer state included; train 2 steps."""
     ep = min(world, 2)
     cfg, topo, trainer, ckpt = _setup(world, ep, 2, Path(run_dir))
     pos = StreamPosition()
-    try:
-        ckpt.load(Path(ckpt_path), trainer, pos, reset_optimizer=False)
-        refused = None
-    except CheckpointError as e:
-        refused = str(e)
-    state = ckpt.load(Path(ckpt_path), trainer, pos, reset_optimizer=True)
+    state = ckpt.load(Path(ckpt_path), trainer, pos)
     logits = _logits(trainer)
     losses = _train(trainer, rank, world, range(state.step, state.step + 2), pos)
     return {
-        "refused": refused,
         "logits": logits,
         "step": state.step,
         "losses": losses,
@@ -110,11 +102,13 @@ def reshard_job(rank: int, world: int, ckpt_path: str, run_dir: str) -> dict[str
     }
 
 
+GROUP_TIMEOUT_MIN = 1.5  # not torch's default (30): shows that every group got the setting
+
+
 def nan_job(rank: int, world: int, stage: int, run_dir: str, poison_steps: list[int]) -> dict:
     """Make rank 1's loss NaN at ``poison_steps``; record what every rank decided."""
-    cfg, topo, trainer, _ = _setup(
-        world, 2, stage, Path(run_dir), **{"train.max_nonfinite_in_a_row": 2}
-    )
+    settings = {"train.max_nonfinite_in_a_row": 2, "parallel.timeout_minutes": GROUP_TIMEOUT_MIN}
+    cfg, topo, trainer, _ = _setup(world, 2, stage, Path(run_dir), **settings)
     records: list[dict[str, Any]] = []
     unchanged: list[bool] = []
     error = None
@@ -143,13 +137,23 @@ def nan_job(rank: int, world: int, stage: int, run_dir: str, poison_steps: list[
     }
 
 
-def nan_jobs(rank: int, world: int, run_dir: str, scenarios: list[tuple]) -> list[dict]:
+def nan_jobs(rank: int, world: int, run_dir: str, scenarios: list[tuple]) -> dict[str, Any]:
     """:func:`nan_job` for every ``(stage, poison_steps)`` in ``scenarios``, one after another in
-    this process group (one start-up for all of them), each with a fresh Trainer and run_dir."""
-    return [
+    this process group (one start-up for all of them), each with a fresh Trainer and run_dir ->
+    ``{"scenarios": [result, ...], "group_timeouts": {group: seconds}}`` (every process group
+    but the world, which the test harness created, once moetrain and DeepSpeed built theirs)."""
+    import torch.distributed as dist
+
+    results = [
         nan_job(rank, world, stage, str(Path(run_dir) / f"scenario{i}"), poison_steps)
         for i, (stage, poison_steps) in enumerate(scenarios)
     ]
+    timeouts = {
+        name: pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for pg, name in dist.distributed_c10d._world.pg_names.items()
+        if pg is not dist.group.WORLD
+    }
+    return {"scenarios": results, "group_timeouts": timeouts}
 
 
 def timeout_job(rank: int, world: int, done_marker: str) -> str | None:
@@ -187,9 +191,7 @@ RESHARD_SETTINGS = {"moe.bias_update_rate": 0.01}
 
 
 def _record(trainer: Any, rec: dict) -> dict[str, Any]:
-    biases = [
-        layer["expert_bias"] for _, layer in sorted((rec.get("moe_layers") or {}).items())
-    ]
+    biases = [layer["expert_bias"] for _, layer in sorted((rec.get("moe_layers") or {}).items())]
     return {"loss": rec["loss"], "lr": rec["lr"], "bias": biases}
 
 
