@@ -28,8 +28,8 @@ MOE = dict(num_experts=8, top_k=2, expert_hidden=1024)
 
 
 def make_checkpoint(work: Path) -> Path:
+    from moetrain.checkpoint.write import write_checkpoint
     from moetrain.config import Config, ModelConfig, MoEConfig
-    from moetrain.convert.importer import write_checkpoint
     from moetrain.data.tokenizer import train_tokenizer
     from moetrain.model.transformer import Transformer
 

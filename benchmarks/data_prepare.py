@@ -1,131 +1,175 @@
-"""Prepare throughput on the builtin corpus: num_proc=1 vs num_proc=2 vs a plain loop.
+"""Prepare throughput: one process vs two, and two loopback "nodes" vs one process.
 
-    .venv/bin/python benchmarks/data_prepare.py [--work DIR]
+    .venv/bin/python benchmarks/data_prepare.py [--rounds 3] [--nodes] [--work DIR]
 
-All three do the same work with the same trained tokenizer (vocab 4096, configs/tiny-cpu.yaml):
-every document encoded, EOS appended, tokens written as uint16. ``prepare`` runs are timed end
-to end (reading the corpus, datasets.map, shard writing, fsync, rename), so they include the
-overheads the plain loop does not have. Also reports the first full prepare of tiny-cpu.yaml
-(builtin corpus build + tokenizer training + shards), the README's first step.
+Every case prepares the same source with the same trained tokenizer (``configs/tiny-cpu.yaml``:
+``builtin:stdlib``, vocab 4096) into a fresh directory, end to end (reading the corpus, the
+plan, tokenizing, packing the shards, fsync and rename), and the outputs are checked to be the
+same bytes. Cases run interleaved round by round, and the speed-ups are the medians of the
+paired per-round ratios (the machine may be shared):
+
+- ``1 proc``: one process, ``data.num_proc=1``;
+- ``pool 2``: one process with a pool of 2 tokenizing workers (``data.num_proc=2``);
+- ``2 ranks``: two rank processes (``RANK``/``WORLD_SIZE``), one worker each; both are started
+  and have imported everything before the clock starts, as ``pool 2``'s pool is part of its run;
+- with ``--nodes``: ``1 CLI`` (``python -m moetrain prepare``, one process) vs ``2 nodes``: two
+  ``launch/multinode-torchrun.sh`` agents (``COMMAND=prepare``) of one rank each, meeting on
+  127.0.0.1; both timed as whole commands, start-up included.
+
+It first prints the first full prepare of tiny-cpu.yaml (builtin corpus build + tokenizer
+training + shards), the README's first step.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import multiprocessing
 import os
-import resource
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import sentencepiece as spm
-
 from moetrain.config import load_config
-from moetrain.data import prepare, read_index
+from moetrain.data import read_index
 from moetrain.data.builtin import builtin_cache_path
-from moetrain.data.prepare import _Encoder
-from moetrain.data.sources import load_corpus
+from moetrain.data.prepare import prepare
+from moetrain.data.ranks import Ranks
 
 REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs/tiny-cpu.yaml"
 
 
-def timed_prepare(work: Path, name: str, overrides: list[str]) -> tuple[float, int]:
-    cfg = load_config(
-        REPO / "configs/tiny-cpu.yaml", [f"data.output_dir={work / name}", *overrides]
-    )
+def _config(out: Path, *overrides: str):
+    return load_config(CONFIG, [f"data.output_dir={out}", *overrides])
+
+
+def in_process(out: Path, overrides: list[str]) -> float:
+    cfg = _config(out, *overrides)
     t0 = time.perf_counter()
-    out = prepare(cfg)
-    dt = time.perf_counter() - t0
-    index = read_index(out)
-    return dt, index["splits"]["train"]["num_tokens"] + index["splits"]["val"]["num_tokens"]
+    prepare(cfg)
+    return time.perf_counter() - t0
 
 
-def cpu_seconds() -> float:
-    ru = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    return sum(r.ru_utime + r.ru_stime for r in ru)
+def _rank_main(cfg, rank: int, world: int, go) -> None:
+    go.wait()
+    prepare(cfg, Ranks(rank, world, world))
 
 
-def map_only(work: Path, model: Path, num_proc: int) -> tuple[float, float, int]:
-    """Just the datasets.map(batched=True, num_proc) tokenize step, as prepare runs it."""
-    cfg = load_config(REPO / "configs/tiny-cpu.yaml", [f"data.output_dir={work / 'x'}"])
-    corpus = load_corpus(cfg.data, cache_dir=work, work_dir=work / f"map{num_proc}")
-    enc = _Encoder(str(model), corpus.text_field, 0.01)
-    c0, t0 = cpu_seconds(), time.perf_counter()
-    out = corpus.dataset.map(
-        enc,
-        batched=True,
-        batch_size=128,
-        with_indices=True,
-        num_proc=num_proc if num_proc > 1 else None,
-        remove_columns=corpus.dataset.column_names,
-        cache_file_name=str(work / f"map{num_proc}" / "t.arrow"),
-    )
-    dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    n = sum(len(x) for x in out.with_format("arrow")["ids"].to_pylist())
-    return dt, cpu, n
-
-
-def plain_loop(corpus: Path, model: Path, out: Path) -> tuple[float, int]:
+def ranks(out: Path, overrides: list[str], world: int) -> float:
+    """``world`` forked rank processes, released together once started."""
+    cfg = _config(out, *overrides)
+    ctx = multiprocessing.get_context("fork")
+    go = ctx.Event()
+    procs = [ctx.Process(target=_rank_main, args=(cfg, r, world, go)) for r in range(world)]
+    for p in procs:
+        p.start()
+    time.sleep(1.0)
     t0 = time.perf_counter()
-    sp = spm.SentencePieceProcessor(model_file=str(model))
-    eos = sp.eos_id()
-    n = 0
-    with open(corpus) as f, open(out, "wb") as w:
-        for line in f:
-            ids = sp.encode(json.loads(line)["text"])
-            ids.append(eos)
-            w.write(np.asarray(ids, dtype=np.uint16).tobytes())
-            n += len(ids)
-    return time.perf_counter() - t0, n
+    go.set()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"a rank failed: {[p.exitcode for p in procs]}")
+    return time.perf_counter() - t0
+
+
+def cli(out: Path, overrides: list[str]) -> float:
+    cmd = [sys.executable, "-m", "moetrain", "prepare", str(CONFIG), f"data.output_dir={out}"]
+    t0 = time.perf_counter()
+    subprocess.run([*cmd, *overrides], cwd=REPO, check=True, capture_output=True)
+    return time.perf_counter() - t0
+
+
+def two_nodes(out: Path, overrides: list[str]) -> float:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(
+        COMMAND="prepare", NNODES="2", NPROC="1", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), LOCAL_ADDR="127.0.0.1", RDZV_ID="bench", MAX_RESTARTS="0",
+        GPUS="0", PYTHON=sys.executable,
+    )  # fmt: skip
+    cmd = [
+        "bash",
+        "launch/multinode-torchrun.sh",
+        str(CONFIG),
+        f"data.output_dir={out}",
+        *overrides,
+    ]
+    t0 = time.perf_counter()
+    first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
+    second = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
+    if first.wait() or second.wait():
+        raise RuntimeError("a node failed")
+    return time.perf_counter() - t0
+
+
+def same_bytes(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    if names != sorted(p.name for p in b.iterdir()):
+        return False
+    return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--nodes", action="store_true", help="also 2 loopback nodes vs 1 process")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-prepare-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"cpus={os.cpu_count()} loadavg={os.getloadavg()} work={work}")
+    print(f"cpus={os.cpu_count()} loadavg={os.getloadavg()}")
 
-    cache = builtin_cache_path(work)
-    had_cache = cache.is_file()
-    dt, n = timed_prepare(work, "full", [])
+    had_cache = builtin_cache_path(work).is_file()
+    dt = in_process(work / "full", [])
+    index = read_index(work / "full")
+    n = sum(index["splits"][s]["num_tokens"] for s in ("train", "val"))
     print(
         f"RESULT first prepare of tiny-cpu.yaml (corpus cached before: {had_cache}): {dt:.1f}s, {n:,} tokens"
     )
-    model = work / "full" / "tokenizer.model"
-    results = {}
-    for k in (1, 2):
-        c0 = cpu_seconds()
-        dt, n = timed_prepare(
-            work, f"np{k}", [f"data.tokenizer_model={model}", f"data.num_proc={k}"]
-        )
-        results[k] = n / dt
-        cpu = cpu_seconds() - c0
+    tok = [f"data.tokenizer_model={work / 'full' / 'tokenizer.model'}"]
+    cases = {
+        "1 proc": lambda out: in_process(out, [*tok, "data.num_proc=1"]),
+        "pool 2": lambda out: in_process(out, [*tok, "data.num_proc=2"]),
+        "2 ranks": lambda out: ranks(out, [*tok, "data.num_proc=1"], 2),
+    }
+    if args.nodes:
+        cases["1 CLI"] = lambda out: cli(out, [*tok, "data.num_proc=1"])
+        cases["2 nodes"] = lambda out: two_nodes(out, [*tok, "data.num_proc=1"])
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    first_out = None
+    for r in range(args.rounds):
+        for name, run in cases.items():
+            out = work / f"r{r}-{name.replace(' ', '-')}"
+            times[name].append(run(out))
+            first_out = first_out or out
+            assert same_bytes(out, first_out), f"{name}: output differs from {first_out}"
+            shutil.rmtree(out) if out != first_out else None
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
+    for name, ts in times.items():
         print(
-            f"RESULT prepare num_proc={k}: {dt:.2f}s wall, {cpu:.2f}s CPU, {n:,} tokens, {n / dt:,.0f} tokens/s"
+            f"RESULT {name}: median {statistics.median(ts):.2f}s, {n / statistics.median(ts):,.0f} tokens/s ({', '.join(f'{t:.2f}' for t in ts)})"
         )
-    for k in (1, 2):
-        dt, cpu, n = map_only(work, model, k)
-        results[f"map{k}"] = n / dt
+
+    def ratio(slow: str, fast: str) -> None:
+        per_round = [a / b for a, b in zip(times[slow], times[fast], strict=True)]
         print(
-            f"RESULT datasets.map tokenize only, num_proc={k}: {dt:.2f}s wall, {cpu:.2f}s CPU, {n / dt:,.0f} tokens/s"
+            f"RESULT speed-up {fast} vs {slow}: median {statistics.median(per_round):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in per_round)})"
         )
-    print(
-        f"RESULT speed-up of the map step, num_proc 2 vs 1: {results['map2'] / results['map1']:.2f}x"
-    )
-    c0 = cpu_seconds()
-    dt, n = plain_loop(cache, model, work / "plain.bin")
-    print(f"  (plain loop CPU {cpu_seconds() - c0:.2f}s)")
-    print(
-        f"RESULT plain sentencepiece loop (1 process): {dt:.2f}s, {n:,} tokens, {n / dt:,.0f} tokens/s"
-    )
-    print(
-        f"RESULT speed-up num_proc 2 vs 1: {results[2] / results[1]:.2f}x; num_proc=1 vs plain: {results[1] / (n / dt):.2f}x"
-    )
+
+    ratio("1 proc", "pool 2")
+    ratio("1 proc", "2 ranks")
+    if args.nodes:
+        ratio("1 CLI", "2 nodes")
+    print(f"loadavg at the end={os.getloadavg()}")
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -27,12 +27,20 @@ fails, with the error):
    ``torch.cuda.set_sync_debug_mode("warn")``: synchronizing CUDA calls, dropless (0 expected)
    and with a capacity factor (1: the kept-row count), next to the CPU op counter's numbers.
 6. ``train``: a ~0.9B-total-parameter MoE (``TRAIN_SHAPE``) through moetrain's own
-   ``Trainer.train_step`` (DeepSpeed ZeRO-1, EP=1, bf16, chunked loss): tokens/s, MFU against
+   ``Trainer.train_step`` (DeepSpeed ZeRO-1, EP=1, bf16 with fp32 gradient accumulation and
+   master weights: DeepSpeed's BF16_Optimizer, chunked loss): tokens/s, MFU against
    the device's table peak and the measured matmul; peak memory of the steps (reset after the
    build) against ``moetrain.plan``; the step timer's split against synchronized wall time;
    ``torch.cuda.synchronize`` calls during the steps by caller (none from moetrain); the
    attention kernel and the experts' path the trainer ran.
-7. ``nccl``: all_reduce on one rank (value check and a 256 MiB timing).
+7. ``precision``: the bf16/fp16 numerics policy on the device, through ``Trainer.train_step``
+   on the tiny model. bf16 at ZeRO-1 and ZeRO-2: bf16 weights, fp32 losses and aux-loss-free
+   bias, fp32 gradient buffers (no bf16 gradient left alive), and a NaN gradient that skips the
+   step without changing a master weight, Adam state or the schedule. fp16 (GPU only; DeepSpeed's
+   CPU accelerator has none): an overflow forced with a huge loss scale is calibration (step
+   skipped, masters unchanged, ``loss_scale_overflows`` counted, not ``skipped_steps``, the scale
+   drops), and the logged gradient norm is unscaled (it matches the fp32 run's to 2%).
+8. ``nccl``: all_reduce on one rank (value check and a 256 MiB timing).
 
 Results go to ``$OUT/gpu_h200.json`` (``--out`` overrides; default ./gpu_h200_out) and a
 summary is printed last.
@@ -463,6 +471,8 @@ def train(device: torch.device, dry: bool, steps: int, peak_tflops: float | None
         "grad_accum_steps": accum,
         "precision": cfg.train.precision,
         "zero_stage": cfg.parallel.zero_stage,
+        "optimizer": type(trainer.engine.optimizer).__name__,
+        "grad_accum_dtype": trainer.ds_config["data_types"]["grad_accum_dtype"],
         "loss_chunk_tokens": cfg.model.loss_chunk_tokens,
         "total_params": nums.total_params,
         "active_params": nums.active_params,
@@ -495,6 +505,122 @@ def train(device: torch.device, dry: bool, steps: int, peak_tflops: float | None
         and lo <= res["timer_vs_wall"] <= hi
         and (paths == ["grouped_mm"] or bool(grouped_mm_refusal_live(trainer)))
     )
+    return res
+
+
+def _adam_state(trainer: Any) -> list[Any]:
+    """The optimizer's fp32 master partitions with their Adam state, and the schedule."""
+    base = trainer.engine.optimizer.optimizer
+    params = [p for g in base.param_groups for p in g["params"]]
+    adam = [{k: v.detach().clone() for k, v in base.state.get(p, {}).items()} for p in params]
+    return [[p.detach().clone() for p in params], adam, dict(trainer.schedule.state_dict())]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return bool(torch.equal(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def precision(device: torch.device, dry: bool) -> dict[str, Any]:
+    """The numerics policy on the device (see the module docstring, section 7)."""
+    from moetrain.parallel.topology import init_distributed
+    from moetrain.train.trainer import Trainer
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    v, b, s = TINY["model.vocab_size"], TINY["train.micro_batch_size"], TINY["data.seq_len"]
+    seqs = [torch.randint(0, v, (b, s + 1), generator=gen) for _ in range(6)]
+    batches = [[{"input_ids": q[:, :-1], "labels": q[:, 1:]}] for q in seqs]
+
+    def build(precision: str, stage: int) -> Any:
+        cfg = make_config(TINY | {"train.precision": precision, "parallel.zero_stage": stage})
+        return Trainer(cfg, init_distributed(cfg))
+
+    res: dict[str, Any] = {}
+    ok = True
+    for stage in (1, 2):
+        tr = build("bf16", stage)
+        seen: dict[str, Any] = {}
+
+        def grads(t: Any, seen: dict[str, Any] = seen) -> None:
+            opt = t.engine.optimizer
+            bufs = getattr(opt, "fp32_groups_gradients_flat", None)
+            if bufs is None:
+                bufs = [x for xs in opt.averaged_gradients.values() if xs for x in xs]
+            seen["grad_buffers"] = sorted({str(x.dtype) for x in bufs})
+            seen["bf16_grads_alive"] = sum(p.grad is not None for p in t.model.parameters())
+
+        tr.train_step(batches[0], before_step=grads)
+        before = _adam_state(tr)
+        w = dict(tr.model.named_parameters())["layers.0.attn.wq.weight"]
+        hook = w.register_hook(lambda g: torch.full_like(g, float("nan")))
+        skip = tr.train_step(batches[1])
+        hook.remove()
+        unchanged = _same(before, _adam_state(tr))
+        after = tr.train_step(batches[2])
+        r = {
+            "optimizer": type(tr.engine.optimizer).__name__,
+            "weights": str(w.dtype),
+            "expert_bias": str(tr.routers[0].expert_bias.dtype),
+            **seen,
+            "skip": {"skipped": skip["skipped"], "state_unchanged": unchanged},
+            "next_step_applied": not after["skipped"],
+        }
+        r["ok"] = (
+            r["weights"] == "torch.bfloat16"
+            and r["expert_bias"] == "torch.float32"
+            and r["grad_buffers"] == ["torch.float32"]
+            and r["bf16_grads_alive"] == 0
+            and skip["skipped"]
+            and unchanged
+            and r["next_step_applied"]
+        )
+        ok = ok and r["ok"]
+        res[f"bf16_zero{stage}"] = r
+        del tr
+    if device.type != "cuda":
+        res["fp16"] = {"skipped": "DeepSpeed's CPU accelerator has no fp16"}
+        res["ok"] = ok
+        return res
+    norms = {}
+    for prec in ("fp32", "fp16"):
+        tr = build(prec, 1)
+        rec = tr.train_step(batches[0])
+        norms[prec] = rec["grad_norm"]
+        if prec == "fp32":
+            del tr
+    scaler = tr.engine.optimizer.loss_scaler
+    scaler.cur_scale = 2.0**40  # fp16 gradients overflow for sure
+    before = _adam_state(tr)
+    forced = [tr.train_step(batches[i]) for i in (1, 2)]  # hysteresis 2: then the scale halves
+    unchanged = _same(before, _adam_state(tr))
+    f = {
+        "forced_overflow": [
+            {
+                k: x.get(k)
+                for k in ("skipped", "skipped_steps", "loss_scale", "loss_scale_overflows")
+            }
+            for x in forced
+        ],
+        "state_unchanged": unchanged,
+        "grad_norm_fp16": norms["fp16"],
+        "grad_norm_fp32": norms["fp32"],
+        "scaler_state": tr.loss_scaler_state(),
+    }
+    f["ok"] = (
+        all(x["skipped"] for x in forced)
+        and forced[-1]["skipped_steps"] == 0
+        and forced[-1]["loss_scale_overflows"] == 2
+        and forced[-1]["loss_scale"] < 2.0**40
+        and unchanged
+        and abs(norms["fp16"] - norms["fp32"]) <= 0.02 * norms["fp32"]
+    )
+    res["fp16"] = f
+    res["ok"] = ok and f["ok"]
     return res
 
 
@@ -562,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
         ("attention", lambda: attention(device, low, dry)),
         ("host_syncs", lambda: host_syncs(device, low, dry)),
         ("train", lambda: train(device, dry, steps, info.get("peak_bf16_tflops"))),
+        ("precision", lambda: precision(device, dry)),
         ("nccl", lambda: nccl(device)),
     ]
     for name, fn in sections:
@@ -643,6 +770,24 @@ def summary(r: dict[str, Any]) -> str:
                 f"{_gib(t['max_memory_allocated'])}, plan {_gib(t['plan_predicted_bytes'])} "
                 f"(plan / measured {t['plan_over_measured']:.2f})"
             )
+    pr = r["precision"]
+    for key in ("bf16_zero1", "bf16_zero2"):
+        if key in pr:
+            x = pr[key]
+            lines.append(
+                f"precision {key}: {x['optimizer']}, weights {x['weights']}, gradient buffers "
+                f"{x['grad_buffers']}, NaN step skipped {x['skip']['skipped']} with state "
+                f"unchanged {x['skip']['state_unchanged']}"
+            )
+    if "forced_overflow" in pr.get("fp16", {}):
+        x = pr["fp16"]
+        lines.append(
+            f"precision fp16: forced overflows {x['forced_overflow']}, state unchanged "
+            f"{x['state_unchanged']}, grad norm fp16 {x['grad_norm_fp16']:.4g} vs fp32 "
+            f"{x['grad_norm_fp32']:.4g}"
+        )
+    elif "fp16" in pr:
+        lines.append(f"precision fp16: {pr['fp16'].get('skipped')}")
     n = r["nccl"]
     if "backend" in n:
         lines.append(
@@ -656,6 +801,7 @@ def summary(r: dict[str, Any]) -> str:
         "attention",
         "host_syncs",
         "train",
+        "precision",
         "nccl",
     ):
         if "error" in r.get(name, {}):

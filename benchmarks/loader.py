@@ -1,6 +1,7 @@
 """Loader throughput and memory.
 
     .venv/bin/python benchmarks/loader.py [--data data/stdlib-4k]
+    .venv/bin/python benchmarks/loader.py --blend [--rounds 7]
 
 1. tokens/s of ``build_loader`` on the prepared tiny-cpu shards (micro-batch 8, seq 128, rank 0
    of 2, with and without document masks), next to the tokens/s the tiny model consumes in a
@@ -8,11 +9,17 @@
 2. resident memory while reading synthetic uint16 shard sets of growing size (the same number
    of random batches from each): anonymous RSS must not grow with the corpus size; file-backed
    RSS is the memmapped pages touched (reclaimable page cache), bounded by what was read.
+
+``--blend`` instead: tokens/s of a three-source blend (``data.sources``: the builtin corpus cut
+into three files, weights 0.6 / 0.3 / 0.1, one tokenizer) against the whole corpus as one source,
+same micro-batch, rank 0 of 2; interleaved rounds, the ratio is the median of the per-round
+ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import shutil
 import tempfile
@@ -23,8 +30,9 @@ import numpy as np
 import torch
 
 from moetrain.config import load_config
-from moetrain.data import build_loader, prepare
+from moetrain.data import build_loader
 from moetrain.data.loader import PackedLoader
+from moetrain.data.prepare import prepare
 from moetrain.data.shards import FORMAT, VERSION, ShardWriter, write_index
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,6 +95,43 @@ def synthetic_set(path: Path, num_tokens: int) -> PackedLoader:
     return PackedLoader(path, index, "train", 128, 8, 0, 2, 1234)
 
 
+def blend_vs_single(work: Path, rounds: int, batches: int) -> None:
+    import json
+    import statistics
+
+    from moetrain.data.builtin import ensure_builtin_corpus
+
+    single = load_config(REPO / "configs/tiny-cpu.yaml", [f"data.output_dir={work / 'single'}"])
+    prepare(single)
+    docs = ensure_builtin_corpus(work).read_text().splitlines()
+    sources = []
+    for i, (name, w) in enumerate((("a", 0.6), ("b", 0.3), ("c", 0.1))):
+        path = work / f"{name}.jsonl"
+        path.write_text("\n".join(docs[i::3]) + "\n")
+        sources.append({"source": str(path), "weight": w})
+    tok = work / "single" / "tokenizer.model"
+    mixed = load_config(
+        REPO / "configs/tiny-cpu.yaml",
+        [f"data.output_dir={work / 'mixed'}", f"data.sources={json.dumps(sources)}",
+         f"data.tokenizer_model={tok}"],
+    )  # fmt: skip
+    prepare(mixed)
+    rates: dict[str, list[float]] = {"single": [], "blend": []}
+    for r in range(rounds):
+        for name, cfg in (("single", single), ("blend", mixed)):
+            ld = build_loader(cfg.data, "train", 8, 0, 2, cfg.seed, vocab_size=cfg.model.vocab_size)
+            rates[name].append(loader_rate(ld, batches))
+        print(
+            f"round {r}: single {rates['single'][-1]:,.0f}, blend {rates['blend'][-1]:,.0f} tokens/s",
+            flush=True,
+        )
+    ratio = statistics.median(b / s for b, s in zip(rates["blend"], rates["single"], strict=True))
+    print(
+        f"RESULT loader, 3-source blend: median {statistics.median(rates['blend']):,.0f} tokens/s; one source: {statistics.median(rates['single']):,.0f} tokens/s"
+    )
+    print(f"RESULT blend / single: median of paired rounds {ratio:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument(
@@ -96,8 +141,16 @@ def main() -> None:
     ap.add_argument(
         "--sizes", default="10,100,400", help="synthetic corpus sizes, millions of tokens"
     )
+    ap.add_argument("--blend", action="store_true", help="3-source blend vs one source")
+    ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-loader-"))
+    if args.blend:
+        print(f"loadavg={os.getloadavg()}")
+        blend_vs_single(tmp, args.rounds, args.batches)
+        print(f"loadavg at the end={os.getloadavg()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     over = [f"data.output_dir={args.data or tmp / 'stdlib-4k'}"]
     cfg = load_config(REPO / "configs/tiny-cpu.yaml", over)
     if args.data is None:

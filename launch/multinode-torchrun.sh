@@ -3,6 +3,9 @@
 # (by hand, pdsh, or a scheduler). The agents meet at RDZV_ENDPOINT, form one job of
 # NNODES x NPROC ranks and, with MAX_RESTARTS > 0, restart the workers of every node together
 # after a failure; moetrain then resumes from the last complete checkpoint (checkpoint.resume=auto).
+# With COMMAND=prepare the same job runs `moetrain prepare` instead: every rank tokenizes its
+# share of the documents and rank 0 writes the index (data.output_dir must be on a filesystem
+# every node sees); a rerun after a failure keeps the finished work.
 #
 # Usage: bash launch/multinode-torchrun.sh [CONFIG.yaml] [key=value ...]
 #
@@ -23,10 +26,13 @@
 #   SHUTDOWN_TIMEOUT  seconds workers get to checkpoint after SIGTERM before SIGKILL (default 120)
 #   PYTHON         interpreter (default .venv/bin/python if present, else python3)
 #   OMP_NUM_THREADS   threads per process (default on CPU: cores / NPROC, at least 1)
+#   COMMAND        the moetrain command each rank runs: train (default) or prepare
 #   DRY_RUN        1 = print the torchrun command line instead of running it
 #
 # Example, two nodes with 8 GPUs each (run on both):
 #   NNODES=2 MASTER_ADDR=node01 RDZV_ID=run42 bash launch/multinode-torchrun.sh configs/mixtral-1b-8gpu.yaml
+# A prepare over the same two nodes, 8 ranks each (each with its share of the node's cores):
+#   COMMAND=prepare NNODES=2 NPROC=8 MASTER_ADDR=node01 RDZV_ID=prep42 bash launch/multinode-torchrun.sh configs/mixtral-1b-8gpu.yaml
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,6 +50,14 @@ NODE_RANK=${NODE_RANK:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 RDZV_TIMEOUT=${RDZV_TIMEOUT:-900}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120}
+COMMAND=${COMMAND:-train}
+case "$COMMAND" in
+  train | prepare) ;;
+  *)
+    echo "multinode-torchrun.sh: COMMAND must be train or prepare; got '$COMMAND'" >&2
+    exit 2
+    ;;
+esac
 
 # shellcheck source=launch/common.sh
 source launch/common.sh
@@ -66,7 +80,7 @@ esac
 if [ -n "${LOCAL_ADDR:-}" ]; then
   cmd+=(--local-addr "$LOCAL_ADDR")
 fi
-cmd+=(-m moetrain train "$CONFIG" "$@")
+cmd+=(-m moetrain "$COMMAND" "$CONFIG" "$@")
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   printf '%q ' "${cmd[@]}"

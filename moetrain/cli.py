@@ -10,7 +10,20 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from moetrain.config import ConfigError, load_config
+from moetrain.config import Config, ConfigError, read_config_data
+
+
+def load_config(path: str, overrides: list[str]) -> Config:
+    """The command's config; with ``checkpoint.init_from`` the model shape comes from that
+    source (a setting that contradicts it is refused, naming the key and both values)."""
+    data = read_config_data(path, overrides)
+    if not (data.get("checkpoint") or {}).get("init_from"):
+        from moetrain.config import config_from_dict
+
+        return config_from_dict(data)
+    from moetrain.convert.init_source import resolve_config_data
+
+    return resolve_config_data(data)[0]
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +85,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_import(args: argparse.Namespace) -> int:
     from moetrain.convert.importer import import_hf_checkpoint
 
-    out = import_hf_checkpoint(args.hf_dir, args.checkpoint, step=args.step)
+    out = import_hf_checkpoint(
+        args.hf_dir, args.checkpoint, step=args.step, overrides=args.overrides
+    )
     print(f"moetrain: wrote {out}")
     return 0
 
@@ -92,7 +107,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from moetrain.plan import format_plan, plan
 
     cfg = load_config(args.config, args.overrides)
-    print(format_plan(plan(cfg, args.gpus, gpu=args.gpu, mfu=args.mfu)))
+    pl = plan(cfg, args.gpus, gpu=args.gpu, mfu=args.mfu, gpus_per_node=args.gpus_per_node)
+    print(format_plan(pl))
     return 0
 
 
@@ -142,9 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("import", help="Hugging Face Mixtral-family directory -> checkpoint")
+    p = sub.add_parser(
+        "import", help="Hugging Face MoE directory (or a dense one, upcycled) -> checkpoint"
+    )
     p.add_argument("hf_dir", help="a Hugging Face model directory")
     p.add_argument("checkpoint", help="the checkpoint directory to write")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config settings, e.g. moe.num_experts=8 moe.top_k=2 to upcycle a dense model",
+    )
     p.add_argument("--step", type=int, default=0, help="step number recorded in the checkpoint")
     p.set_defaults(func=_cmd_import)
 
@@ -165,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs in the job")
     p.add_argument("--gpu", default="h100", help="GPU type (h100, h200, a100, ...)")
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=8, help="GPUs per node (expert all-to-all fan-out)"
+    )
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("report", help="PNG plots and a text summary of a run directory")

@@ -1,6 +1,7 @@
 """Text generation with a KV cache from a moetrain checkpoint or a converted HF directory.
 
-Prompts are encoded as in training (``sp.encode(text)``: no BOS; documents end with EOS), and
+Prompts are encoded as in training (the tokenizer's ``encode(text)``, as ``prepare`` encodes a
+document; documents end with EOS), and
 an empty prompt starts after an EOS, i.e. at a document boundary. Generation stops at EOS, after
 ``max_new_tokens`` or at ``model.max_seq_len``. ``temperature = 0`` is greedy; otherwise logits
 are divided by the temperature, cut to the ``top_k`` largest (0 = all) and to the smallest set
@@ -13,13 +14,13 @@ from pathlib import Path
 
 import torch
 
-from moetrain.data.tokenizer import Tokenizer
+from moetrain.data.tokenizer import AnyTokenizer, load_tokenizer
 from moetrain.model.transformer import Transformer
 
 
-def load_for_generation(path: str | Path) -> tuple[Transformer, Tokenizer]:
+def load_for_generation(path: str | Path) -> tuple[Transformer, AnyTokenizer]:
     """``(model in eval mode, tokenizer)`` from a checkpoint dir or a Hugging Face model dir."""
-    from moetrain.checkpoint.format import STATE_FILE, TOKENIZER_FILE
+    from moetrain.checkpoint.format import STATE_FILE, TOKENIZER_FILE, tokenizer_path
 
     path = Path(path)
     if (path / STATE_FILE).is_file():
@@ -37,9 +38,9 @@ def load_for_generation(path: str | Path) -> tuple[Transformer, Tokenizer]:
             f"{path}: neither a moetrain checkpoint ({STATE_FILE}) nor a Hugging Face "
             "model directory (config.json)"
         )
-    if not (path / TOKENIZER_FILE).is_file():
-        raise FileNotFoundError(f"{path / TOKENIZER_FILE}: missing SentencePiece model")
-    return model.eval(), Tokenizer(path / TOKENIZER_FILE)
+    if tokenizer_path(path) is None:
+        raise FileNotFoundError(f"{path}: no tokenizer ({TOKENIZER_FILE} or tokenizer.json)")
+    return model.eval(), load_tokenizer(path)
 
 
 def sample_next(

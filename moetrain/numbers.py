@@ -31,7 +31,9 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     d, hd = m.d_model, m.attention_head_dim
     seq_len = seq_len or cfg.data.seq_len
     attn = d * m.n_heads * hd * 2 + d * m.n_kv_heads * hd * 2
-    norms = 2 * d + (2 * hd if m.qk_norm else 0)
+    qkv_bias = (m.n_heads + 2 * m.n_kv_heads) * hd if m.qkv_bias else 0
+    qk_norms = 2 * hd if m.qk_norm_scope == "head" else (m.n_heads + m.n_kv_heads) * hd
+    norms = 2 * d + (qk_norms if m.qk_norm else 0)
     dense_ffn = 3 * d * m.dense_hidden
     expert = 3 * d * e.expert_hidden
     shared = 3 * d * e.shared_hidden if e.num_shared_experts else 0
@@ -41,8 +43,8 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     total = active = matmul_active = 0
     n_moe = 0
     for layer in range(m.n_layers):
-        total += attn + norms
-        active += attn + norms
+        total += attn + qkv_bias + norms
+        active += attn + qkv_bias + norms
         matmul_active += attn
         if e.is_moe_layer(layer):
             n_moe += 1

@@ -6,7 +6,11 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
 - parameters held: ``P_d + P_e / ep`` (dense replicated over W; experts split over ep, then
   replicated over X).
 - weights: 4 B/param in fp32; 2 B in bf16/fp16 (the fp32 master copy belongs to the optimizer).
-- gradients: same dtype as the weights; ZeRO-2 partitions them (dense over W, experts over X).
+- gradients: accumulated in ``train.grad_dtype``: 4 B/param (fp32, the default in every
+  precision), or 2 B with ``train.grad_dtype`` bf16/fp16; ZeRO-2 partitions them (dense over W,
+  experts over X). Under bf16/fp16 DeepSpeed adds each micro-batch's low-precision gradient to
+  the fp32 buffer as soon as it is ready (ZeRO-1) or reduces it into the fp32 partition
+  (ZeRO-2), so the low-precision gradients are transient (the largest one is counted below).
 - optimizer: AdamW 8 B/param, + 4 B for the fp32 master copy under bf16/fp16 and under ZeRO-1/2
   whatever the precision (DeepSpeed's ZeRO optimizer clones its fp32 partition even from fp32
   weights), partitioned under ZeRO-1/2 (dense over W, experts over X);
@@ -17,6 +21,8 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
   parameter's fresh gradient (before accumulation).
 - framework: a fixed allowance (CUDA context, allocator slack, NCCL) plus DeepSpeed's reduce and
   all-gather buckets under ZeRO-1/2.
+
+Expert all-to-all: :mod:`moetrain.plan_traffic` (fan-out per token and bytes per step).
 
 Speed: ``tokens/s = gpus * peak * mfu / flops_per_token``, the peak from
 :data:`moetrain.monitor.mfu.PEAK_TFLOPS` for ``train.precision`` (or ``logging.peak_tflops``),
@@ -33,6 +39,7 @@ from moetrain.config import Config, ConfigError
 from moetrain.monitor.mfu import lookup_peak_tflops, math_type
 from moetrain.numbers import ModelNumbers, human, model_numbers
 from moetrain.parallel.layout import check_layout
+from moetrain.plan_traffic import Traffic, expert_traffic, format_traffic
 
 GiB = 1024**3
 MiB = 1024**2
@@ -114,8 +121,9 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
     hd = m.attention_head_dim
     hq, hkv = m.n_heads * hd, m.n_kv_heads * hd
     attn = _rmsnorm_bytes(d, a) + a * d + 2 * a * hq + 2 * a * hkv + 4 * m.n_heads
-    if m.qk_norm:  # per-head RMSNorm of q and k: their input and a per-head rsqrt
-        attn += a * (hq + hkv) + 4 * (m.n_heads + m.n_kv_heads)
+    if m.qk_norm:  # RMSNorm of q and k: their input and an rsqrt per head (or per projection)
+        rows = m.n_heads + m.n_kv_heads if m.qk_norm_scope == "head" else 2
+        attn += a * (hq + hkv) + 4 * rows
     if not e.is_moe_layer(layer):
         return attn + _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
     k = e.top_k
@@ -205,7 +213,10 @@ class Plan:
     framework_bytes: int
     mfu: float
     peak_tflops: float
+    traffic: Traffic
+    gpus_per_node: int = 8
     warnings: list[str] = field(default_factory=list)
+    grad_dtype: str = "fp32"  # gradient accumulation and reduction (train.grad_dtype)
 
     @property
     def model_state_bytes(self) -> int:
@@ -254,8 +265,10 @@ def plan(
     gpu: str = "h100",
     mfu: float = 0.4,
     activation_checkpointing: bool | None = None,
+    gpus_per_node: int = 8,
 ) -> Plan:
-    """Estimate memory per GPU and speed of ``cfg`` on ``gpus`` GPUs of type ``gpu``.
+    """Estimate memory per GPU and speed of ``cfg`` on ``gpus`` GPUs of type ``gpu``, and its
+    expert all-to-all with ``gpus_per_node`` GPUs in a node.
 
     ``activation_checkpointing`` None takes ``cfg.parallel.activation_checkpointing``.
     Raises ConfigError (naming ``parallel.ep_size``) when the layout is invalid.
@@ -264,6 +277,8 @@ def plan(
         raise ConfigError(f"--gpus: must be >= 1; got {gpus}")
     if not 0 < mfu <= 1:
         raise ConfigError(f"--mfu: must be in (0, 1]; got {mfu}")
+    if gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node: must be >= 1; got {gpus_per_node}")
     spec = gpu_spec(gpu)
     check_layout(cfg, gpus)
     p, t = cfg.parallel, cfg.train
@@ -285,7 +300,7 @@ def plan(
         return int(per_param * (dense + expert))
 
     weights = split(wb, False)
-    grads = split(wb, z >= 2)
+    grads = split(_dtype_bytes(t.grad_dtype), z >= 2)
     opt_per_param = 8 + (4 if t.precision != "fp32" or z >= 1 else 0)
     opt = split(opt_per_param, z >= 1)
     opt_gpu, opt_cpu = (0, opt) if p.offload_optimizer else (opt, 0)
@@ -320,6 +335,9 @@ def plan(
         framework_bytes=framework,
         mfu=mfu,
         peak_tflops=peak,
+        traffic=expert_traffic(cfg, tokens * t.grad_accum_steps, gpus_per_node, wb, recompute=ckpt),
+        gpus_per_node=gpus_per_node,
+        grad_dtype=t.grad_dtype,
     )
     capacity = spec.memory_mib * MiB
     if not result.fits:
@@ -357,7 +375,7 @@ def format_plan(pl: Plan) -> str:
         f"{pl.tokens_per_step} tokens per optimizer step",
         "memory per GPU:",
         f"  weights            {_gib(pl.weights_bytes)}",
-        f"  gradients          {_gib(pl.grads_bytes)}",
+        f"  gradients          {_gib(pl.grads_bytes)}  ({pl.grad_dtype} accumulation)",
         f"  optimizer states   {_gib(pl.optimizer_bytes)}"
         + (
             f"  (+{_gib(pl.optimizer_cpu_bytes).strip()} in CPU memory)"
@@ -375,6 +393,7 @@ def format_plan(pl: Plan) -> str:
         f"at MFU {pl.mfu:.0%} of {pl.peak_tflops:g} TFLOP/s per GPU: "
         f"{pl.tokens_per_s:,.0f} tokens/s ({pl.tokens_per_s / pl.gpus:,.0f} per GPU), "
         f"{pl.step_time_s:.3f} s per optimizer step",
+        format_traffic(pl.traffic, pl.gpus_per_node),
     ]
     lines += [f"WARNING: {w}" for w in pl.warnings]
     return "\n".join(lines)

@@ -3,7 +3,9 @@
 ``<run_dir>/checkpoints/step_<N>/`` holds:
 
 - ``mp_rank_00_model_states.pt``: DeepSpeed's dense file, ``{"module": state dict}`` of the
-  non-expert weights and buffers (the aux-loss-free biases included).
+  non-expert weights and buffers (the aux-loss-free biases included). Model weights are the
+  fp32 master weights in every precision (under bf16/fp16 the module's low-precision copy is
+  what a resume rounds them to).
 - ``layer_<M>_expert_<G>_mp_rank_00_model_states.pt``: one file per global expert ``G`` of MoE
   layer ``M`` (counted over MoE layers only), with DeepSpeed's per-expert keys
   ``layers.<i>.ffn.experts.deepspeed_moe.experts.deepspeed_experts.<local>.<w13|w2>``; written
@@ -13,7 +15,8 @@
   ``expp_rank_<e>_mp_rank_00_optim_states.pt``: at ZeRO stage 0, the optimizer state of each
   expert-parallel rank.
 - ``rank_<r>.pt``: that rank's RNG states (tensors only).
-- ``tokenizer.model``: the SentencePiece model the data was tokenized with.
+- the tokenizer the data was tokenized with: ``tokenizer.model`` (SentencePiece), or a Hugging
+  Face tokenizer's ``tokenizer.json`` with the files that configure it (``TOKENIZER_FILES``).
 - ``trainer_state.json``: :class:`TrainerState`.
 - ``COMMITTED.json``, written last: the manifest, ``{"step": N, "files": {name: size},
   "crc32": {name: CRC-32}, "writers": {name: rank}}``, built from the list of files each rank
@@ -34,6 +37,14 @@ CHECKPOINTS_DIR = "checkpoints"
 COMMIT_FILE = "COMMITTED.json"
 STATE_FILE = "trainer_state.json"
 TOKENIZER_FILE = "tokenizer.model"
+HF_TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILES = (
+    TOKENIZER_FILE,
+    HF_TOKENIZER_FILE,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 DENSE_FILE = "mp_rank_00_model_states.pt"
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
 DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
@@ -61,6 +72,15 @@ def step_of(path: Path) -> int | None:
     """The step of a ``step_<N>`` directory, None for any other name."""
     m = _TAG_RE.match(Path(path).name)
     return int(m.group(1)) if m else None
+
+
+def tokenizer_path(ckpt: Path) -> Path | None:
+    """The checkpoint's tokenizer identity file: ``tokenizer.json`` (Hugging Face) or
+    ``tokenizer.model`` (SentencePiece); None when it carries neither."""
+    for name in (HF_TOKENIZER_FILE, TOKENIZER_FILE):
+        if (Path(ckpt) / name).is_file():
+            return Path(ckpt) / name
+    return None
 
 
 def rank_file(rank: int) -> str:
@@ -108,6 +128,9 @@ class TrainerState:
     ``schedule`` are None in a checkpoint that was not written by training (import).
     ``optimizer_params``: the names of each optimizer param group's parameters, in order, where
     DeepSpeed's files do not name them (ZeRO stage 0), so that the optimizer state reshards.
+    ``skipped_steps`` counts non-finite steps, ``loss_scale_overflows`` fp16 loss-scale
+    calibration skips; ``loss_scaler`` is the fp16 dynamic loss scaler's state (``cur_scale``,
+    ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``), None in bf16/fp32.
     """
 
     step: int
@@ -120,7 +143,12 @@ class TrainerState:
     tokenizer_sha256: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     optimizer_params: list[list[str]] | None = None
+    # what the run's first weights were loaded from (checkpoint.init_from), carried by every
+    # later checkpoint of the run; None for a run started from random weights
+    init: dict[str, Any] | None = None
     moetrain_version: str = ""
+    loss_scale_overflows: int = 0
+    loss_scaler: dict[str, float] | None = None
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:

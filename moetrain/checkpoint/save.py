@@ -33,6 +33,7 @@ from moetrain.checkpoint.format import (
     COMMIT_FILE,
     STATE_FILE,
     TOKENIZER_FILE,
+    TOKENIZER_FILES,
     CheckpointError,
     TrainerState,
     checkpoint_root,
@@ -121,9 +122,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 class Checkpointer:
     """Saves and restores one run's checkpoints; every method is called on every rank.
 
-    ``trainer`` arguments need ``engine``, ``schedule``, ``step``, ``tokens_seen`` and
-    ``skipped_steps``; ``loader`` arguments ``state_dict``/``load_state_dict`` and
-    ``tokenizer_sha256``. ``printer`` gets the messages (rank 0 only).
+    ``trainer`` arguments need ``engine``, ``schedule``, ``step``, ``tokens_seen``,
+    ``skipped_steps``, ``loss_scale_overflows``, ``checkpoint_weights()`` (a context for the
+    save: the module holds the fp32 weights) and ``loss_scaler_state()`` /
+    ``load_loss_scaler_state(state)``; ``loader`` arguments ``state_dict``/``load_state_dict``
+    and ``tokenizer_sha256`` (and optionally ``tokenizer_files``: the tokenizer's files, copied
+    into every checkpoint). ``printer`` gets the messages (rank 0 only).
     """
 
     def __init__(self, cfg: Config, topo: Topology, printer: Printer = console) -> None:
@@ -157,15 +161,18 @@ class Checkpointer:
         self._barrier(f"checkpoint {tag}: prepare directory")
         fault_point("save.before_shards", topo.rank, step)
         writes = RankWrites(path, topo.rank, step)
-        with writes.through(trainer.engine):
+        # model files get the fp32 master weights
+        with writes.through(trainer.engine), trainer.checkpoint_weights():
             trainer.engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
         writes.write(path / rank_file(topo.rank), lambda p: torch.save(_rng_state(), p))
         if topo.is_main:
             state = self._trainer_state(trainer, loader, extra).to_json()
             writes.write(path / STATE_FILE, lambda p: write_json_atomic(p, state))
-            tokenizer = Path(self.cfg.data.output_dir) / TOKENIZER_FILE
-            if tokenizer.is_file():  # the checkpoint converts without the data directory
-                writes.write(path / TOKENIZER_FILE, lambda p: shutil.copyfile(tokenizer, p))
+            # the checkpoint converts without the data directory
+            default = [Path(self.cfg.data.output_dir) / TOKENIZER_FILE]
+            for f in getattr(loader, "tokenizer_files", None) or default:
+                if f.is_file() and f.name in TOKENIZER_FILES:
+                    writes.write(path / f.name, lambda p, f=f: shutil.copyfile(f, p))
         writes.finish()
         fault_point("save.after_shards", topo.rank, step)
         topo.phase(f"checkpoint {tag}: gather the ranks' file lists")
@@ -199,6 +206,8 @@ class Checkpointer:
             step=trainer.step,
             tokens_seen=trainer.tokens_seen,
             skipped_steps=trainer.skipped_steps,
+            loss_scale_overflows=trainer.loss_scale_overflows,
+            loss_scaler=trainer.loss_scaler_state(),
             loader=loader.state_dict(),
             schedule=trainer.schedule.state_dict(),
             layout=self.layout(),
@@ -206,6 +215,7 @@ class Checkpointer:
             tokenizer_sha256=getattr(loader, "tokenizer_sha256", None),
             extra=redact(extra or {}),
             optimizer_params=optimizer_param_names(trainer.engine),
+            init=getattr(trainer, "init_record", None),
             moetrain_version=moetrain.__version__,
         )
 
@@ -311,6 +321,9 @@ class Checkpointer:
         trainer.step = state.step
         trainer.tokens_seen = state.tokens_seen
         trainer.skipped_steps = state.skipped_steps
+        trainer.init_record = state.init
+        trainer.loss_scale_overflows = state.loss_scale_overflows
+        trainer.load_loss_scaler_state(state.loss_scaler)  # also after --reset-optimizer
         trainer.schedule.load_state_dict(state.schedule)
         loader.load_state_dict(state.loader)
         if saved["world_size"] == now["world_size"]:

@@ -16,12 +16,14 @@ from moetrain.checkpoint.format import (
     DENSE_FILE,
     STATE_FILE,
     TOKENIZER_FILE,
+    TOKENIZER_FILES,
     TrainerState,
     deepspeed_expert_key,
     dense_file_content,
     expert_file,
     manifest_of,
     stacked_expert_key,
+    tokenizer_path,
 )
 from moetrain.checkpoint.io import building_dir, file_sha256, write_json_atomic
 from moetrain.config import Config
@@ -32,14 +34,17 @@ def write_checkpoint(
     ckpt_dir: str | Path,
     cfg: Config,
     parts: Iterable[tuple[str, dict[str, torch.Tensor]]],
-    tokenizer_model: str | Path | None = None,
+    tokenizer: str | Path | Iterable[str | Path] | None = None,
     step: int = 0,
     extra: dict | None = None,
+    init: dict | None = None,
 ) -> Path:
     """Write the trainer's checkpoint layout at ``ckpt_dir`` (must not exist) from ``parts`` as
     :func:`~moetrain.checkpoint.read.iter_layer_states` yields them: ``("dense", non-expert
     state)``, then ``("layers.<i>", {"layers.<i>.ffn.experts.w13": (E, D, 2F), ...})`` per MoE
-    layer. Built in a temporary directory, committed (``COMMITTED.json`` last), renamed."""
+    layer. ``tokenizer``: a SentencePiece ``.model``, or a Hugging Face tokenizer's files
+    (``tokenizer.json`` first); ``init``: what the weights came from (``TrainerState.init``).
+    Built in a temporary directory, committed (``COMMITTED.json`` last), renamed."""
     ckpt = Path(ckpt_dir)
     if ckpt.exists():
         raise FileExistsError(f"{ckpt}: already exists")
@@ -58,10 +63,12 @@ def write_checkpoint(
                     for n in EXPERT_WEIGHTS
                 }
                 torch.save(sd, tmp / expert_file(moe_index[layer], e))
-        sha = None
-        if tokenizer_model is not None:
-            shutil.copyfile(tokenizer_model, tmp / TOKENIZER_FILE)
-            sha = file_sha256(tmp / TOKENIZER_FILE)
+        files = [tokenizer] if isinstance(tokenizer, (str, Path)) else list(tokenizer or [])
+        for f in map(Path, files):
+            name = f.name if f.name in TOKENIZER_FILES else TOKENIZER_FILE  # any .model name
+            shutil.copyfile(f, tmp / name)
+        identity = tokenizer_path(tmp)
+        sha = file_sha256(identity) if identity else None
         state = TrainerState(
             step=step,
             tokens_seen=0,
@@ -72,6 +79,7 @@ def write_checkpoint(
             config=cfg.to_dict(),
             tokenizer_sha256=sha,
             extra=extra or {},
+            init=init,
             moetrain_version=moetrain.__version__,
         )
         write_json_atomic(tmp / STATE_FILE, state.to_json())

@@ -2,18 +2,23 @@
 
 Every error names the dotted key (``moe.top_k``) and says what is allowed. Each component
 receives only its own sub-config (``cfg.model``, ``cfg.moe``, ...). The sections and their
-checks are in :mod:`moetrain.config.sections`, loading in :mod:`moetrain.config.loading`.
+checks are in :mod:`moetrain.config.sections` (the model's two in :mod:`moetrain.config.model`),
+loading in :mod:`moetrain.config.loading`.
 """
 
-from moetrain.config.loading import apply_overrides, config_from_dict, load_config
+from moetrain.config.checks import ConfigError
+from moetrain.config.loading import (
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    read_config_data,
+)
+from moetrain.config.model import ModelConfig, MoEConfig
 from moetrain.config.sections import (
     CheckpointConfig,
     Config,
-    ConfigError,
     DataConfig,
     LoggingConfig,
-    ModelConfig,
-    MoEConfig,
     OptimConfig,
     ParallelConfig,
     TrainConfig,
@@ -35,4 +40,5 @@ __all__ = [
     "apply_overrides",
     "config_from_dict",
     "load_config",
+    "read_config_data",
 ]

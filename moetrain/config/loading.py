@@ -7,6 +7,7 @@ Unknown keys and wrong types are errors that name the dotted key; values are the
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -14,7 +15,8 @@ from typing import Any, Literal
 
 import yaml
 
-from moetrain.config.sections import Config, ConfigError
+from moetrain.config.checks import ConfigError
+from moetrain.config.sections import Config
 
 
 def _type_name(tp: Any) -> str:
@@ -25,12 +27,20 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (ints widen to floats)."""
     origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):  # a section inside a list, e.g. data.sources[1]
+        try:
+            return _build(tp, value, f"{key}.")
+        except ConfigError as e:  # name the item by what it describes, too
+            label = value.get("name") or value.get("source") if isinstance(value, dict) else None
+            raise ConfigError(f"{e} (in {label!r})" if isinstance(label, str) else str(e)) from None
     if origin is Literal:
         if value in typing.get_args(tp):
             return value
@@ -97,8 +107,26 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+_INDEXED = re.compile(r"^(\w+)\[(\d+)\]$")
+
+
+def _child(node: dict[str, Any], part: str, where: str) -> Any:
+    """The section ``part`` of ``node`` (created when missing); ``name[i]`` is item i of a list."""
+    m = _INDEXED.match(part)
+    if m is None:
+        return node.setdefault(part, {})
+    items = node.get(m.group(1))
+    i = int(m.group(2))
+    if not isinstance(items, list) or i >= len(items):
+        have = len(items) if isinstance(items, list) else 0
+        raise ConfigError(f"{where}: no such item ({m.group(1)} has {have})")
+    return items[i]
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides to a nested dict (in place); returns it."""
+    """Apply ``a.b.c=value`` overrides to a nested dict (in place); returns it.
+
+    ``data.sources[1].weight=0.2`` sets a key of one item of a list of sections."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. moe.num_experts=16")
@@ -108,7 +136,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override {item!r}: empty key component")
         node = data
         for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
+            child = _child(node, part, ".".join(parts[: i + 1]))
             if not isinstance(child, dict):
                 raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, not a section")
             node = child
@@ -118,6 +146,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a YAML config (or the defaults when ``path`` is None), apply overrides, validate."""
+    return config_from_dict(read_config_data(path, overrides))
+
+
+def read_config_data(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> dict[str, Any]:
+    """The raw nested dict of a YAML config with dotted overrides applied (nothing checked
+    yet): what the file and the command line set, and nothing else."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -133,13 +169,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: expected a mapping at the top level")
         data = loaded
     apply_overrides(data, list(overrides or []))
-    cfg = _build(Config, data, "")
-    cfg.validate()
-    return cfg
+    return data
 
 
-def config_from_dict(data: dict[str, Any]) -> Config:
-    """Rebuild and validate a Config from ``Config.to_dict()`` output (e.g. from a checkpoint)."""
+def config_from_dict(data: dict[str, Any], validate: bool = True) -> Config:
+    """Build a Config from a nested dict (``Config.to_dict()`` output, e.g. from a checkpoint,
+    or :func:`read_config_data`'s); keys and types are always checked, values unless
+    ``validate`` is false (then the caller validates)."""
     cfg = _build(Config, data, "")
-    cfg.validate()
+    if validate:
+        cfg.validate()
     return cfg

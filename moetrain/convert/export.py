@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from moetrain.checkpoint.format import TOKENIZER_FILE, CheckpointError, verify_manifest
+from moetrain.checkpoint.format import CheckpointError, tokenizer_path, verify_manifest
 from moetrain.checkpoint.io import building_dir
 from moetrain.checkpoint.read import (
     HF_INDEX_FILE,
@@ -56,7 +56,7 @@ def _plan(cfg: Config, fmt: str, dtype: torch.dtype) -> list[list[tuple[str, tup
         return name, shape, torch.float32 if name.endswith(_KEEP_FP32) else dtype
 
     dense = [entry(hf, shapes[ours]) for ours, hf in dense_key_map(cfg, fmt).items()]
-    if fmt == "qwen2_moe":
+    if fmt == "qwen2_moe" and not m.qkv_bias:  # zeros, written beside the projections
         for i in range(m.n_layers):
             for p, heads in (("q", m.n_heads), ("k", m.n_kv_heads), ("v", m.n_kv_heads)):
                 dense.append(
@@ -170,9 +170,9 @@ def _nbytes(shape: tuple, dt: torch.dtype) -> int:
 def _write_configs(cfg: Config, fmt: str, out: Path, dtype: str, tokenizer: Path) -> None:
     from transformers import GenerationConfig
 
-    from moetrain.data.tokenizer import Tokenizer
+    from moetrain.data.tokenizer import load_tokenizer
 
-    special = Tokenizer(tokenizer).special
+    special = load_tokenizer(tokenizer).special
     ids = dict(bos_token_id=special.bos, eos_token_id=special.eos, pad_token_id=special.pad)
     hf = hf_config(cfg, fmt, **ids)
     hf.architectures = [ARCHITECTURES[fmt]]
@@ -205,9 +205,11 @@ def convert_checkpoint(
     verify_manifest(ckpt)  # truncated or missing files, before anything is written
     expert_files(ckpt, cfg)  # every expert of every MoE layer present
     fmt = choose_format(cfg, fmt)
-    tokenizer = ckpt / TOKENIZER_FILE
-    if not tokenizer.is_file():
-        raise CheckpointError(f"{tokenizer}: missing (the checkpoint carries its tokenizer)")
+    tokenizer = tokenizer_path(ckpt)
+    if tokenizer is None:
+        raise CheckpointError(
+            f"{ckpt}: no tokenizer.model or tokenizer.json (the checkpoint carries its tokenizer)"
+        )
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out}: already exists and is not empty (pass overwrite=True)")
     with building_dir(out, replace=True) as tmp:  # an existing out was checked above

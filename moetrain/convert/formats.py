@@ -8,17 +8,22 @@ refused with a ConfigError that names the moetrain setting that has no equivalen
   experts, no query/key norm, MoE in every layer.
 - ``qwen2_moe`` (Qwen2MoeForCausalLM): softmax top-k (``norm_topk_prob`` = renormalise), one
   shared expert behind a sigmoid gate, any dense/MoE placement (``mlp_only_layers``), no qk norm.
-  Its q/k/v projections carry biases: written as zeros (exact).
+  Its q/k/v projections carry biases (``model.qkv_bias``; written as zeros without it).
 - ``qwen3_moe`` (Qwen3MoeForCausalLM): as qwen2_moe but per-head query/key RMSNorm and no
   shared expert.
-- ``olmoe`` (OlmoeForCausalLM): always refused. OLMoE's query/key norm runs over the whole
-  projection (all heads at once); moetrain's ``model.qk_norm`` is per head, and without it
-  OLMoE has no way to switch its norm off.
+- ``olmoe`` (OlmoeForCausalLM): softmax top-k (``norm_topk_prob`` = renormalise), no shared
+  experts, MoE in every layer, and RMSNorm over the whole query / key projection (all heads
+  together: ``model.qk_norm`` with ``model.qk_norm_scope: projection``), which OLMoE always has;
+  its head size is ``hidden_size / num_attention_heads``; ``clip_qkv`` must be unset.
 - ``glm4_moe`` (Glm4MoeForCausalLM): sigmoid scores, selection shifted by
   ``e_score_correction_bias`` (moetrain's aux-loss-free ``expert_bias``), weights from the
   unbiased scores, optional renormalisation, ``routed_scaling_factor`` = ``moe.route_scale``,
-  ungated shared experts, the first ``first_k_dense_replace`` layers dense; written with
-  ``n_group = topk_group = 1``, full rotary (``partial_rotary_factor = 1``), no attention bias.
+  ungated shared experts, the first ``first_k_dense_replace`` layers dense, group-limited
+  routing ``n_group`` / ``topk_group`` = ``moe.n_group`` / ``moe.topk_group`` (a group scored by
+  its two best biased scores, the other groups' experts excluded), full rotary
+  (``partial_rotary_factor = 1``), no attention bias.
+
+Only GLM-4-MoE has expert groups: the other formats need ``moe.n_group = 1``.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
 }
 MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
-# "auto" tries these in order; olmoe is never chosen (see the module docstring).
-AUTO_ORDER = ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe")
+# "auto" tries these in order
+AUTO_ORDER = ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "olmoe")
 
 
 def _common(moe: MoEConfig, name: str) -> list[tuple[bool, str, str]]:
@@ -64,7 +69,16 @@ def _softmax_router(moe: MoEConfig, name: str) -> list[tuple[bool, str, str]]:
             "moe.bias_update_rate",
             f"{name} has no expert bias (aux-loss-free balancing); must be 0",
         ),
+        (moe.n_group != 1, "moe.n_group", f"{name} routes without expert groups; must be 1"),
     ]
+
+
+def _per_head_norm(model: ModelConfig, name: str) -> tuple[bool, str, str]:
+    return (
+        model.qk_norm and model.qk_norm_scope != "head",
+        "model.qk_norm_scope",
+        f"{name} normalises each head's query/key; must be head",
+    )
 
 
 def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
@@ -73,6 +87,8 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
         raise ConfigError(f"--format: unknown format {fmt!r}; choose auto or one of {FORMATS}")
     name = ARCHITECTURES[fmt]
     checks = _common(moe, name)
+    if fmt != "qwen2_moe":
+        checks.append((model.qkv_bias, "model.qkv_bias", f"{name} has no q/k/v biases"))
     if fmt == "mixtral":
         checks += _softmax_router(moe, name) + [
             (model.qk_norm, "model.qk_norm", f"{name} has no query/key norm; must be false"),
@@ -98,25 +114,42 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
     elif fmt == "qwen3_moe":
         checks += _softmax_router(moe, name) + [
             (not model.qk_norm, "model.qk_norm", f"{name} always has per-head q/k norm"),
+            _per_head_norm(model, name),
             (moe.num_shared_experts != 0, "moe.num_shared_experts", f"{name} has none"),
         ]
     elif fmt == "olmoe":
-        why = (
-            "OLMoE normalises the whole query/key projection (all heads together); moetrain's "
-            "qk_norm is per head"
-            if model.qk_norm
-            else "OLMoE always normalises queries and keys; this model does not"
-        )
-        checks.append((True, "model.qk_norm", why))
+        checks += _softmax_router(moe, name) + [
+            (
+                not model.qk_norm or model.qk_norm_scope != "projection",
+                "model.qk_norm_scope" if model.qk_norm else "model.qk_norm",
+                f"{name} always normalises the whole query/key projection (all heads together): "
+                "needs model.qk_norm=true and model.qk_norm_scope=projection",
+            ),
+            (
+                model.attention_head_dim * model.n_heads != model.d_model,
+                "model.head_dim",
+                f"{name}'s head size is hidden_size / num_attention_heads "
+                f"= {model.d_model // model.n_heads}",
+            ),
+            (moe.first_k_dense != 0, "moe.first_k_dense", f"{name} has MoE in every layer"),
+            (moe.moe_every != 1, "moe.moe_every", f"{name} has MoE in every layer; must be 1"),
+            (moe.num_shared_experts != 0, "moe.num_shared_experts", f"{name} has none"),
+        ]
     elif fmt == "glm4_moe":
         checks += [
             (moe.score_func != "sigmoid", "moe.score_func", f"{name} routes with sigmoid"),
+            _per_head_norm(model, name),
             (
                 moe.moe_every != 1,
                 "moe.moe_every",
                 f"{name} has MoE in every layer after first_k_dense_replace; must be 1",
             ),
             (moe.num_experts < 2, "moe.num_experts", f"{name}'s group scoring needs >= 2"),
+            (
+                moe.n_group > 1 and moe.num_experts // moe.n_group < 2,
+                "moe.n_group",
+                f"{name} scores a group by its two best experts: groups need >= 2 experts",
+            ),
             (
                 moe.num_shared_experts == 0,
                 "moe.num_shared_experts",
@@ -205,6 +238,17 @@ def hf_config(cfg: Config, fmt: str, **extra: Any):  # noqa: ANN201 (a transform
         else:
             kw.update(attention_bias=False)
         return cls(**common, **kw, **extra)
+    if fmt == "olmoe":
+        del common["head_dim"]  # OLMoE derives it: hidden_size / num_attention_heads
+        return transformers.OlmoeConfig(
+            **common,
+            intermediate_size=moe.expert_hidden,
+            num_experts=moe.num_experts,
+            norm_topk_prob=moe.renormalize,
+            clip_qkv=None,
+            attention_bias=False,
+            **extra,
+        )
     # glm4_moe
     common["rope_parameters"] = dict(common["rope_parameters"], partial_rotary_factor=1.0)
     return transformers.Glm4MoeConfig(
@@ -214,8 +258,8 @@ def hf_config(cfg: Config, fmt: str, **extra: Any):  # noqa: ANN201 (a transform
         n_routed_experts=moe.num_experts,
         n_shared_experts=moe.num_shared_experts,
         routed_scaling_factor=moe.route_scale,
-        n_group=1,
-        topk_group=1,
+        n_group=moe.n_group,
+        topk_group=moe.topk_group,
         first_k_dense_replace=moe.first_k_dense,
         norm_topk_prob=moe.renormalize,
         use_qk_norm=model.qk_norm,
@@ -225,22 +269,17 @@ def hf_config(cfg: Config, fmt: str, **extra: Any):  # noqa: ANN201 (a transform
     )
 
 
-def config_from_hf(hf_dict: dict[str, Any]) -> Config:
-    """A moetrain Config equivalent to a Hugging Face ``config.json`` (as a dict).
-
-    Raises ConfigError naming the Hugging Face field that moetrain cannot represent.
-    """
+def transformers_config(hf_dict: dict[str, Any], model_type: str) -> Any:
+    """The transformers config object of a ``config.json`` dict (attribute aliases resolved)."""
     import transformers
 
-    arch = (hf_dict.get("architectures") or [None])[0]
-    fmt = MODEL_TYPES.get(arch) or hf_dict.get("model_type")
-    if fmt not in FORMATS or fmt == "olmoe":
-        raise ConfigError(
-            f"architectures: {arch!r} (model_type {hf_dict.get('model_type')!r}) cannot be "
-            f"imported; supported: {[ARCHITECTURES[f] for f in AUTO_ORDER]}"
-        )
     fields = {k: v for k, v in hf_dict.items() if k != "model_type"}
-    hf = transformers.AutoConfig.for_model(fmt, **fields)  # resolves attribute aliases
+    return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+def model_config_from_hf(hf: Any) -> ModelConfig:
+    """The transformer shape of a transformers config object (any Llama-like family); raises
+    ConfigError naming the field moetrain cannot represent."""
 
     def get(name: str, default: Any = None) -> Any:
         return getattr(hf, name, default)
@@ -254,11 +293,11 @@ def config_from_hf(hf_dict: dict[str, Any]) -> Config:
         raise ConfigError(
             f"hidden_act: moetrain experts are SwiGLU (silu); got {get('hidden_act')}"
         )
-    n_layers, heads = hf.num_hidden_layers, hf.num_attention_heads
-    model = ModelConfig(
+    heads = hf.num_attention_heads
+    return ModelConfig(
         vocab_size=hf.vocab_size,
         d_model=hf.hidden_size,
-        n_layers=n_layers,
+        n_layers=hf.num_hidden_layers,
         n_heads=heads,
         n_kv_heads=get("num_key_value_heads") or heads,
         head_dim=get("head_dim") or hf.hidden_size // heads,
@@ -269,6 +308,27 @@ def config_from_hf(hf_dict: dict[str, Any]) -> Config:
         init_std=float(get("initializer_range", 0.02)),
         dense_hidden=hf.intermediate_size,
     )
+
+
+def config_from_hf(hf_dict: dict[str, Any]) -> Config:
+    """A moetrain Config equivalent to a Hugging Face ``config.json`` (as a dict).
+
+    Raises ConfigError naming the Hugging Face field that moetrain cannot represent.
+    """
+    arch = (hf_dict.get("architectures") or [None])[0]
+    fmt = MODEL_TYPES.get(arch) or hf_dict.get("model_type")
+    if fmt not in FORMATS:
+        raise ConfigError(
+            f"architectures: {arch!r} (model_type {hf_dict.get('model_type')!r}) cannot be "
+            f"imported; supported: {[ARCHITECTURES[f] for f in AUTO_ORDER]}"
+        )
+    hf = transformers_config(hf_dict, fmt)
+
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(hf, name, default)
+
+    model = model_config_from_hf(hf)
+    n_layers = model.n_layers
     moe = MoEConfig(top_k=hf.num_experts_per_tok, aux_loss_coef=0.0, z_loss_coef=0.0)
     if fmt == "mixtral":
         if get("sliding_window"):
@@ -287,15 +347,24 @@ def config_from_hf(hf_dict: dict[str, Any]) -> Config:
         ]
         moe.first_k_dense, moe.moe_every = _placement(moe_layers, n_layers)
         if fmt == "qwen2_moe":
+            model.qkv_bias = True
             moe.num_shared_experts, moe.shared_expert_gate = 1, True
             moe.shared_expert_hidden = hf.shared_expert_intermediate_size
         else:
             model.qk_norm = True
             if get("attention_bias"):
                 raise ConfigError("attention_bias: moetrain attention has no biases")
+    elif fmt == "olmoe":
+        if get("clip_qkv") is not None:
+            raise ConfigError(f"clip_qkv: moetrain does not clip q/k/v; got {get('clip_qkv')}")
+        if get("attention_bias"):
+            raise ConfigError("attention_bias: moetrain attention has no biases")
+        model.head_dim = None  # hidden_size / num_attention_heads, as OLMoE computes it
+        model.qk_norm, model.qk_norm_scope = True, "projection"
+        moe.num_experts, moe.expert_hidden = hf.num_experts, hf.intermediate_size
+        moe.renormalize = bool(get("norm_topk_prob", False))
     else:  # glm4_moe
-        if get("n_group", 1) != 1 or get("topk_group", 1) != 1:
-            raise ConfigError("n_group/topk_group: moetrain routes without expert groups (=1)")
+        moe.n_group, moe.topk_group = int(get("n_group", 1)), int(get("topk_group", 1))
         if get("attention_bias"):
             raise ConfigError("attention_bias: moetrain attention has no biases")
         moe.num_experts, moe.expert_hidden = hf.n_routed_experts, hf.moe_intermediate_size

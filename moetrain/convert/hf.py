@@ -52,6 +52,8 @@ def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
         out[src + "ffn_norm.weight"] = dst + "post_attention_layernorm.weight"
         for ours, theirs in _ATTN.items():
             out[f"{src}attn.{ours}.weight"] = f"{dst}self_attn.{theirs}.weight"
+            if model.qkv_bias and ours != "wo":
+                out[f"{src}attn.{ours}.bias"] = f"{dst}self_attn.{theirs}.bias"
         if model.qk_norm:
             out[src + "attn.q_norm.weight"] = dst + "self_attn.q_norm.weight"
             out[src + "attn.k_norm.weight"] = dst + "self_attn.k_norm.weight"
@@ -75,7 +77,7 @@ def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
 def _zero_attention_biases(cfg: Config, fmt: str, key: str) -> dict[str, torch.Tensor]:
     """Qwen2-MoE's q/k/v biases, written as zeros next to their projection weights."""
     m = re.match(r"^layers\.(\d+)\.attn\.(w[qkv])\.weight$", key)
-    if fmt != "qwen2_moe" or not m:
+    if fmt != "qwen2_moe" or cfg.model.qkv_bias or not m:
         return {}
     head_dim = cfg.model.attention_head_dim
     heads = cfg.model.n_heads if m.group(2) == "wq" else cfg.model.n_kv_heads
@@ -145,8 +147,10 @@ def from_hf_state_dict(
         out = {ours: get(theirs) for ours, theirs in dense_key_map(cfg, fmt).items()}
         if cfg.model.tie_embeddings:
             out["lm_head.weight"] = out["embed.weight"]
+        mapped = set(dense_key_map(cfg, fmt).values())
         for key, t in sd.items():
-            if re.search(r"self_attn\.[qkvo]_proj\.bias$", key) and bool(t.ne(0).any()):
+            bias = re.search(r"self_attn\.[qkvo]_proj\.bias$", key)
+            if bias and key not in mapped and bool(t.ne(0).any()):
                 raise ConfigError(f"{key}: non-zero attention bias; moetrain attention has none")
         for i in range(cfg.model.n_layers):
             if moe.is_moe_layer(i):

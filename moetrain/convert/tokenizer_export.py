@@ -1,4 +1,5 @@
-"""SentencePiece model -> Hugging Face tokenizer files with identical ids.
+"""A checkpoint's tokenizer -> Hugging Face tokenizer files with identical ids: a Hugging Face
+tokenizer is copied as it is; a SentencePiece model is rebuilt as follows.
 
 Built directly with the ``tokenizers`` library (not ``LlamaTokenizer(vocab_file=...)``, which in
 transformers v5 can silently build a 3-token vocab, and whose converter hard-codes Llama's
@@ -17,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from moetrain.data.errors import DataError
-from moetrain.data.tokenizer import MODEL_FILE, Tokenizer
+from moetrain.data.tokenizer import MODEL_FILE, Tokenizer, load_tokenizer, tokenizer_files
 
 SPIECE_UNDERLINE = "\u2581"
 
@@ -83,8 +84,16 @@ def build_hf_tokenizer(model_path: str | Path):  # noqa: ANN201 (PreTrainedToken
 
 def export_tokenizer(model_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Write ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` and a
-    copy of ``tokenizer.model`` into ``out_dir``; returns the written paths."""
+    copy of ``tokenizer.model`` into ``out_dir``; returns the written paths. A Hugging Face
+    tokenizer (``model_path`` a ``tokenizer.json``) is copied as it is, with the files that
+    configure it: the converted model tokenizes exactly as the data was tokenized."""
     out_dir = Path(out_dir)
+    if load_tokenizer(model_path).kind == "huggingface":
+        written = []
+        for f in tokenizer_files(model_path):
+            shutil.copyfile(f, out_dir / f.name)
+            written.append(out_dir / f.name)
+        return written
     fast = build_hf_tokenizer(model_path)
     written = [Path(p) for p in fast.save_pretrained(str(out_dir))]
     cfg_file = out_dir / "tokenizer_config.json"

@@ -1,7 +1,9 @@
-"""Data pipeline: sources -> SentencePiece tokenizer -> token shards -> packed loader.
+"""Data pipeline: sources -> tokenizer -> token shards -> packed loader.
 
-The loader (which needs torch) is imported lazily so that tokenizer worker processes and
-``moetrain prepare`` do not pay for importing torch.
+``moetrain.data.prepare.prepare`` builds a data directory; the names below are imported on first
+use, so that a training process, which imports only the loader, does not pay for ``datasets``
+(about 100 MiB of resident memory per rank, with pyarrow), and the tokenizer worker processes of
+``moetrain prepare`` do not pay for torch.
 """
 
 from __future__ import annotations
@@ -10,12 +12,19 @@ import importlib
 from typing import TYPE_CHECKING
 
 from moetrain.data.errors import DataError
-from moetrain.data.prepare import prepare
-from moetrain.data.shards import read_index
-from moetrain.data.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from moetrain.data.loader import PackedLoader, build_loader
+    from moetrain.data.shards import read_index
+    from moetrain.data.tokenizer import Tokenizer, load_tokenizer
+
+_LAZY = {
+    "PackedLoader": "loader",
+    "build_loader": "loader",
+    "read_index": "shards",
+    "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+}
 
 __all__ = [
     "DataError",
@@ -23,12 +32,11 @@ __all__ = [
     "Tokenizer",
     "build_loader",
     "load_tokenizer",
-    "prepare",
     "read_index",
 ]
 
 
 def __getattr__(name: str):
-    if name in ("PackedLoader", "build_loader"):
-        return getattr(importlib.import_module("moetrain.data.loader"), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"moetrain.data.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,10 +36,14 @@ from moetrain.config import DataConfig
 from moetrain.data.errors import DataError
 from moetrain.data.permutation import Permutation
 from moetrain.data.shards import INDEX_FILE, read_index, verify_split
-from moetrain.data.tokenizer import MODEL_FILE
+from moetrain.data.tokenizer import MODEL_FILE, tokenizer_file, tokenizer_files
+
+if TYPE_CHECKING:
+    from moetrain.data.blend import BlendedLoader
 
 _SPLIT_KEY = {"train": 0, "val": 1}
 STATE_VERSION = 1
+PLAN_POSITIONS = 4096  # global positions whose samples are computed at a time
 
 
 class PackedLoader:
@@ -54,6 +60,7 @@ class PackedLoader:
         dp_world: int,
         seed: int,
         document_mask: bool = False,
+        stream_key: tuple[int, ...] = (),
     ):
         if dp_world < 1 or not 0 <= dp_rank < dp_world:
             raise DataError(f"dp_rank={dp_rank} must be in [0, dp_world={dp_world})")
@@ -62,6 +69,7 @@ class PackedLoader:
         self.out_dir, self.split, self.seq_len = Path(out_dir), split, seq_len
         self.micro_batch_size, self.dp_rank, self.dp_world = micro_batch_size, dp_rank, dp_world
         self.seed, self.document_mask = seed, document_mask
+        self.stream_key = stream_key  # extends the permutation key (a source of a blend)
         self.eos_id = int(index["tokenizer"]["special_ids"]["eos"])
         self.tokenizer_sha256 = index["tokenizer"]["sha256"]
         self._shards = verify_split(self.out_dir, index, split, load_offsets=False)
@@ -79,6 +87,8 @@ class PackedLoader:
         self._fds: dict[int, int] = {}
         self.consumed_samples = 0
         self._perm: tuple[int, Permutation] | None = None
+        self._ahead: deque[np.ndarray] = deque()  # this rank's samples of the next batches
+        self._plan_batches = 1  # doubles up to PLAN_POSITIONS / global batch
 
     # Shards are read with pread rather than through the memory map: the page cache keeps hot
     # data in memory, but it is not mapped into this process, so resident memory stays flat
@@ -118,7 +128,7 @@ class PackedLoader:
 
     def _permutation(self, epoch: int) -> Permutation:
         if self._perm is None or self._perm[0] != epoch:
-            key = (self.seed, epoch, _SPLIT_KEY.get(self.split, 2))
+            key = (self.seed, epoch, _SPLIT_KEY.get(self.split, 2), *self.stream_key)
             self._perm = (epoch, Permutation(self.num_samples, key))
         return self._perm[1]
 
@@ -152,16 +162,7 @@ class PackedLoader:
 
     def _batch(self, samples: np.ndarray) -> dict[str, torch.Tensor]:
         rows = np.stack([self.sample_tokens(s) for s in samples])
-        batch = {
-            "input_ids": torch.from_numpy(np.ascontiguousarray(rows[:, :-1])),
-            "labels": torch.from_numpy(np.ascontiguousarray(rows[:, 1:])),
-        }
-        if self.document_mask:
-            ends = rows[:, :-2] == self.eos_id
-            doc = np.zeros((len(rows), self.seq_len), dtype=np.int64)
-            np.cumsum(ends, axis=1, out=doc[:, 1:])
-            batch["doc_ids"] = torch.from_numpy(doc)
-        return batch
+        return rows_batch(rows, self.eos_id, self.document_mask)
 
     def _rank_positions(self, global_start: int) -> np.ndarray:
         lo = global_start + self.dp_rank * self.micro_batch_size
@@ -172,7 +173,13 @@ class PackedLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        samples = self.sample_ids(self._rank_positions(self.consumed_samples))
+        if not self._ahead:  # the samples of the next batches, in one permutation call
+            g, n = self.global_batch_size, self._plan_batches
+            self._plan_batches = min(2 * n, max(1, PLAN_POSITIONS // g))
+            start = self.consumed_samples
+            positions = np.concatenate([self._rank_positions(start + b * g) for b in range(n)])
+            self._ahead.extend(np.split(self.sample_ids(positions), n))
+        samples = self._ahead.popleft()
         self.consumed_samples += self.global_batch_size
         return self._batch(samples)
 
@@ -201,6 +208,11 @@ class PackedLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (possibly saved with another dp_world / micro_batch_size)."""
+        if "sources" in state:
+            raise DataError(
+                f"the data loader state was saved by a run blending data.sources "
+                f"{sorted(state['sources'])}; this run reads one source ({self.out_dir})"
+            )
         if state.get("version") != STATE_VERSION:
             raise DataError(
                 f"data loader state version {state.get('version')!r} is not {STATE_VERSION}"
@@ -216,6 +228,60 @@ class PackedLoader:
         if not isinstance(consumed, int) or consumed < 0:
             raise DataError(f"data loader state: bad consumed_samples {consumed!r}")
         self.consumed_samples = consumed
+        self._ahead.clear()
+        self._plan_batches = 1
+
+    # ------------------------------------------------------------------ what the run loop uses
+    def source_progress(self) -> dict[str, dict[str, float]]:
+        """Per-source progress of a blend; a one-source loader has none."""
+        return {}
+
+    def evaluate(
+        self, num_batches: int, evaluate: Callable[[Iterable[dict]], float]
+    ) -> tuple[float, dict[str, float | None]]:
+        """``evaluate`` (mean loss over batches) on :meth:`iter_eval`; no per-source losses."""
+        return evaluate(self.iter_eval(num_batches)), {}
+
+
+def rows_batch(rows: np.ndarray, eos_id: int, document_mask: bool) -> dict[str, torch.Tensor]:
+    """A micro-batch from ``(B, seq_len + 1)`` token rows: inputs, labels (shifted by one) and,
+    with ``document_mask``, the document number of every position (a document's EOS is its)."""
+    batch = {
+        "input_ids": torch.from_numpy(np.ascontiguousarray(rows[:, :-1])),
+        "labels": torch.from_numpy(np.ascontiguousarray(rows[:, 1:])),
+    }
+    if document_mask:
+        ends = rows[:, :-2] == eos_id
+        doc = np.zeros((len(rows), rows.shape[1] - 1), dtype=np.int64)
+        np.cumsum(ends, axis=1, out=doc[:, 1:])
+        batch["doc_ids"] = torch.from_numpy(doc)
+    return batch
+
+
+def check_tokenizer(
+    data_cfg: DataConfig, index_path: Path, tok: dict, vocab_size: int | None
+) -> list[Path]:
+    """The prepared data (``tok``: its index's tokenizer) was built with the configured tokenizer
+    (``data.tokenizer`` / ``data.tokenizer_model``, else the copy beside the index) whose vocab
+    is not larger than ``vocab_size``. Returns the copy's files (checkpoints carry them)."""
+    copy = index_path.parent / tok.get("file", MODEL_FILE)
+    source = data_cfg.tokenizer_source
+    configured = tokenizer_file(source[1]) if source else copy
+    if not configured.is_file():
+        raise DataError(f"{configured}: tokenizer model not found")
+    sha = file_sha256(configured)
+    if sha != tok["sha256"]:
+        raise DataError(
+            f"{index_path}: shards were built with tokenizer sha256 {tok['sha256'][:12]}, "
+            f"but the configured tokenizer {configured} has sha256 {sha[:12]}; rerun "
+            "`moetrain prepare` with this tokenizer"
+        )
+    if vocab_size is not None and tok["vocab_size"] > vocab_size:
+        raise DataError(
+            f"{index_path}: tokenizer vocab size {tok['vocab_size']} is larger than "
+            f"model.vocab_size={vocab_size}"
+        )
+    return tokenizer_files(copy)
 
 
 def build_loader(
@@ -227,39 +293,36 @@ def build_loader(
     seed: int,
     *,
     vocab_size: int | None = None,
-) -> PackedLoader:
-    """Open the prepared shards of ``split`` ("train" or "val") in ``data_cfg.output_dir``.
+) -> PackedLoader | BlendedLoader:
+    """Open the prepared shards of ``split`` ("train" or "val") in ``data_cfg.output_dir``: one
+    source's, or with ``data.sources`` the blend of every source's (:mod:`moetrain.data.blend`).
 
-    Checks that the shards exist and match their index, that they were built with the
-    configured tokenizer (``data.tokenizer_model``, else the ``tokenizer.model`` beside them),
-    and, when ``vocab_size`` is given, that the tokenizer's vocab equals it.
+    Checks that the shards exist and match their index and were built with the configured
+    tokenizer (:func:`check_tokenizer`). The loader's ``tokenizer_files`` are the tokenizer
+    copy's files (checkpoints carry them).
     """
+
+    def open_split(directory: Path, index: dict, stream_key: tuple[int, ...] = ()) -> PackedLoader:
+        return PackedLoader(
+            directory,
+            index,
+            split,
+            data_cfg.seq_len,
+            micro_batch_size,
+            dp_rank,
+            dp_world,
+            seed,
+            data_cfg.document_mask,
+            stream_key,
+        )
+
+    if data_cfg.sources:
+        from moetrain.data.blend import build_blended_loader
+
+        return build_blended_loader(data_cfg, split, open_split, vocab_size=vocab_size)
     out = Path(data_cfg.output_dir)
     index = read_index(out)
-    tok = index["tokenizer"]
-    configured = Path(data_cfg.tokenizer_model) if data_cfg.tokenizer_model else out / MODEL_FILE
-    if not configured.is_file():
-        raise DataError(f"{configured}: tokenizer model not found")
-    sha = file_sha256(configured)
-    if sha != tok["sha256"]:
-        raise DataError(
-            f"{out / INDEX_FILE}: shards were built with tokenizer sha256 {tok['sha256'][:12]}, "
-            f"but the configured tokenizer {configured} has sha256 {sha[:12]}; rerun "
-            "`moetrain prepare` with this tokenizer"
-        )
-    if vocab_size is not None and tok["vocab_size"] != vocab_size:
-        raise DataError(
-            f"{out / INDEX_FILE}: tokenizer vocab size {tok['vocab_size']} != "
-            f"model.vocab_size={vocab_size}"
-        )
-    return PackedLoader(
-        out,
-        index,
-        split,
-        data_cfg.seq_len,
-        micro_batch_size,
-        dp_rank,
-        dp_world,
-        seed,
-        data_cfg.document_mask,
-    )
+    files = check_tokenizer(data_cfg, out / INDEX_FILE, index["tokenizer"], vocab_size)
+    loader = open_split(out, index)
+    loader.tokenizer_files = files
+    return loader

@@ -1,99 +1,83 @@
-"""``moetrain prepare``: corpus -> tokenizer -> token shards, written atomically.
+"""``moetrain prepare``: sources -> tokenizer -> token shards, in one process or on every rank
+of every node.
 
-Everything is built in a temporary directory next to ``data.output_dir``
-(``.<name>.tmp-<host>-<pid>-<rand>``), fsynced, and renamed into place only when the index is
-written, so an interrupted prepare never leaves a complete-looking shard set (a previous
-complete set stays untouched until the rename). Temporary directories left by dead prepares are
-removed on the next run. A rerun with the same inputs finds the finished set and returns at once
-(same inputs = same source fingerprint and data/tokenizer settings; a streamed Hub dataset has no
-fingerprint, so delete ``output_dir`` to rebuild one after it changed upstream).
+One source (``data.source``): ``data.output_dir`` receives the tokenizer and the shard set. A
+mixture (``data.sources``): one tokenizer for all sources (given, or trained on a sample in which
+each source has its weight's share of the text), one shard set per source, cached by
+fingerprint in ``data.sources_dir`` and reused by every mixture that shares the source and the
+tokenizer, and ``mixture.json`` in ``data.output_dir`` (:mod:`moetrain.data.mixture`).
 
-Train/validation split: document ``i`` (in source order) goes to validation when
-``blake2b(i) / 2**64 < data.val_fraction``; document 0 always does when ``val_fraction > 0``,
-so small corpora still get a validation split. Independent of the run seed and of num_proc.
+Any number of ranks (``torchrun``, ``deepspeed``, ``srun`` or plain processes; see
+:mod:`moetrain.data.ranks`) share the work: rank 0 reads the sources, makes the tokenizer and
+the plan; every rank tokenizes a disjoint, size-balanced set of chunks of every source
+(:mod:`moetrain.data.chunks`), through a pool of ``data.num_proc`` processes (default: its share
+of the node's cores); rank 0 packs the chunks in document order into the shard files and writes
+the index once every rank has finished (:mod:`moetrain.data.build`). The other ranks return as
+soon as their chunks are written. The output is the same, byte for byte, whatever the number of
+ranks and processes. A rank or node that is killed leaves nothing that ``train`` would read as a
+finished dataset (a previous complete set stays in place until the rename that replaces it),
+and a rerun keeps the finished chunks. A rerun with the same inputs finds the finished set and
+returns at once (same inputs = same source fingerprints and data/tokenizer settings; a streamed
+Hub dataset has no fingerprint, so delete ``output_dir`` to rebuild one after it changed).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import shutil
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from moetrain.checkpoint.io import (
-    file_sha256,
-    install_dir,
-    new_temp_dir,
     remove_stale_temp_dirs,
 )
 from moetrain.config import Config, DataConfig
-from moetrain.data.errors import DataError
-from moetrain.data.shards import (
-    FORMAT,
-    INDEX_FILE,
-    VERSION,
-    ShardWriter,
-    read_index,
-    token_dtype,
-    verify_split,
-    write_index,
+from moetrain.data.build import (
+    PLAN_FILE,
+    Job,
+    Plan,
+    build_dir,
+    open_corpus,
+    pack_jobs,
+    tokenize_jobs,
 )
-from moetrain.data.sources import Corpus, default_num_proc, load_corpus
+from moetrain.data.chunks import (
+    SPLIT_RULE,
+    chunk_count,
+    doc_sizes,
+    is_val_doc,
+    plan_chunks,
+)
+from moetrain.data.errors import DataError
+from moetrain.data.mixture import (
+    mixture_up_to_date,
+    source_set_dir,
+    source_set_key,
+    sources_dir,
+)
+from moetrain.data.ranks import Heartbeat, Ranks, RankStopped, Watch, default_num_proc
+from moetrain.data.shards import VERSION, is_complete
+from moetrain.data.sources import Corpus, SourceRef, resolve_source, source_specs
 from moetrain.data.tokenizer import (
     META_FILE,
-    MODEL_FILE,
-    Tokenizer,
+    AnyTokenizer,
     check_vocab_size,
+    copy_tokenizer,
+    load_tokenizer,
     train_tokenizer,
 )
 
-SPLIT_RULE = "val iff blake2b(str(doc_index), digest 8, key 'moetrain-split') / 2**64 < val_fraction, or doc_index == 0"
+__all__ = ["SPLIT_RULE", "is_val_doc", "prepare"]
 _SAMPLE_SEED = 0  # tokenizer sample and SentencePiece seed (independent of the run seed)
-_BATCH = 128  # documents per tokenizer batch
-
-
-def is_val_doc(index: int, val_fraction: float) -> bool:
-    """The deterministic document split (see module docstring)."""
-    if val_fraction <= 0:
-        return False
-    if index == 0:
-        return True
-    h = hashlib.blake2b(str(index).encode(), digest_size=8, key=b"moetrain-split").digest()
-    return int.from_bytes(h, "little") / 2.0**64 < val_fraction
-
-
-class _Encoder:
-    """Batched tokenizer for ``datasets.map``: loads the model lazily in each worker."""
-
-    def __init__(self, model_path: str, text_field: str, val_fraction: float):
-        self.model_path, self.text_field, self.val_fraction = model_path, text_field, val_fraction
-        self._tok: Tokenizer | None = None
-
-    def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_tok"} | {"_tok": None}
-
-    def __call__(self, batch: dict, indices: list[int]) -> dict:
-        if self._tok is None:
-            self._tok = Tokenizer(self.model_path)
-        eos = self._tok.eos_id
-        texts = [t if isinstance(t, str) else "" for t in batch[self.text_field]]
-        ids = self._tok.encode_batch(texts)
-        out = [
-            np.array(x + [eos], dtype=np.int32) if t else np.zeros(0, np.int32)
-            for x, t in zip(ids, texts, strict=True)
-        ]
-        return {"ids": out, "val": [is_val_doc(i, self.val_fraction) for i in indices]}
 
 
 def _prepare_key(cfg: Config, corpus_fp: str) -> str:
     d = cfg.data
-    tok = file_sha256(d.tokenizer_model) if d.tokenizer_model else None
+    tok = load_tokenizer(d.tokenizer_source[1]).sha256 if d.tokenizer_source else None
     key = {
         "version": VERSION,
         "source": corpus_fp,
@@ -107,6 +91,31 @@ def _prepare_key(cfg: Config, corpus_fp: str) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
+def _mixture_key(cfg: Config, refs: list[SourceRef]) -> str:
+    d = cfg.data
+    given = load_tokenizer(d.tokenizer_source[1]).sha256 if d.tokenizer_source else None
+    key = {
+        "version": VERSION,
+        "mixture": True,
+        "vocab_size": cfg.model.vocab_size,
+        "tokenizer_model": given,
+        "tokenizer_sample_docs": None if given else d.tokenizer_sample_docs,
+        # the weights shape the tokenizer sample only
+        "sources": [
+            [r.spec.name, r.spec.source, r.fingerprint, None if given else r.spec.weight]
+            for r in refs
+        ],
+        "val_fraction": d.val_fraction,
+        "shard_tokens": d.shard_tokens,
+        "split_rule": SPLIT_RULE,
+        "sources_dir": str(sources_dir(d)),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
 def _tokenizer_sample(corpus: Corpus, n: int) -> list[str]:
     ds, field = corpus.dataset, corpus.text_field
     if corpus.streaming:
@@ -117,26 +126,54 @@ def _tokenizer_sample(corpus: Corpus, n: int) -> list[str]:
     return [t for t in ds[field] if isinstance(t, str)]
 
 
-def _get_tokenizer(cfg: Config, corpus: Corpus, work: Path) -> Tokenizer:
-    d, vocab = cfg.data, cfg.model.vocab_size
-    if d.tokenizer_model:
-        src = Path(d.tokenizer_model)
-        tok = Tokenizer(src)  # checks that it exists and loads
-        if tok.vocab_size != vocab:
-            raise DataError(
-                f"{src}: tokenizer vocab size {tok.vocab_size} != model.vocab_size={vocab}"
-            )
-        shutil.copyfile(src, work / MODEL_FILE)
-        tok = Tokenizer(work / MODEL_FILE)
-        (work / META_FILE).write_text(
-            json.dumps(tok.metadata() | {"copied_from": str(src)}, indent=2) + "\n"
+def _mixture_sample(corpora: list[Corpus], refs: list[SourceRef], n: int) -> list[str]:
+    """About ``n`` documents in which each source's share of the text is its weight's share."""
+    means = []
+    for corpus in corpora:
+        probe = _tokenizer_sample(corpus, 1000)
+        means.append(max(1.0, sum(len(t.encode()) for t in probe) / max(1, len(probe))))
+    shares = np.array([r.spec.weight / m for r, m in zip(refs, means, strict=True)])
+    docs = []
+    for corpus, ref, share in zip(corpora, refs, shares / shares.sum(), strict=True):
+        want = max(1, round(n * share))
+        if not corpus.streaming:
+            want = min(want, len(corpus.dataset))
+        part = _tokenizer_sample(corpus, want)
+        mb = sum(len(t) for t in part) / 1e6
+        print(
+            f"prepare: tokenizer sample: {ref.spec.name}: {len(part)} documents ({mb:.1f} M chars)"
         )
-        print(f"prepare: reusing tokenizer {src} (sha256 {tok.sha256[:12]})")
+        docs += part
+    return docs
+
+
+def _get_tokenizer(
+    cfg: Config, corpora: list[Corpus], refs: list[SourceRef], work: Path
+) -> AnyTokenizer:
+    d, vocab = cfg.data, cfg.model.vocab_size
+    if d.tokenizer_source:
+        src = Path(d.tokenizer_source[1])
+        tok = copy_tokenizer(load_tokenizer(src), work)  # checks that it exists and loads
+        if tok.vocab_size > vocab:
+            raise DataError(
+                f"{src}: tokenizer vocab size {tok.vocab_size} > model.vocab_size={vocab}"
+            )
+        if tok.kind == "sentencepiece":
+            (work / META_FILE).write_text(
+                json.dumps(tok.metadata() | {"copied_from": str(src)}, indent=2) + "\n"
+            )
+        print(f"prepare: reusing {tok.kind} tokenizer {src} (sha256 {tok.sha256[:12]})")
         return tok
     t0 = time.time()
-    docs = _tokenizer_sample(corpus, d.tokenizer_sample_docs)
+    if len(corpora) == 1:
+        docs = _tokenizer_sample(corpora[0], d.tokenizer_sample_docs)
+    else:
+        docs = _mixture_sample(corpora, refs, d.tokenizer_sample_docs)
     if not any(doc.strip() for doc in docs):
-        raise DataError(f"data.source {corpus.description}: empty corpus (no text)")
+        what = (
+            refs[0].spec.where + " " + corpora[0].description if len(refs) == 1 else "data.sources"
+        )
+        raise DataError(f"{what}: empty corpus (no text)")
     mb = sum(len(x) for x in docs) / 1e6
     print(
         f"prepare: training a {vocab}-piece BPE tokenizer on {len(docs)} documents ({mb:.1f} M chars)"
@@ -146,162 +183,131 @@ def _get_tokenizer(cfg: Config, corpus: Corpus, work: Path) -> Tokenizer:
     return tok
 
 
-def _tokenized_batches(corpus: Corpus, encoder: _Encoder, num_proc: int, work: Path):
-    """Yield (flat int32 tokens, lengths, is_val) per batch of documents, in source order."""
-    ds = corpus.dataset
-    if not corpus.streaming:
-        num_proc = max(1, min(num_proc, len(ds) // _BATCH or 1))
-        (work / "tok").mkdir()
-        mapped = ds.map(
-            encoder,
-            batched=True,
-            batch_size=_BATCH,
-            with_indices=True,
-            num_proc=num_proc if num_proc > 1 else None,
-            remove_columns=ds.column_names,
-            cache_file_name=str(work / "tok" / "tokens.arrow"),
-            desc=f"tokenize ({num_proc} proc)",
-        )
-        for table in tqdm(
-            mapped.with_format("arrow").iter(batch_size=10 * _BATCH),
-            total=-(-len(mapped) // (10 * _BATCH)),
-            desc="write shards",
-            unit="batch",
-        ):
-            ids = table.column("ids").combine_chunks()
-            yield (
-                ids.values.to_numpy(zero_copy_only=False),
-                np.diff(ids.offsets.to_numpy()),
-                table.column("val").to_numpy(zero_copy_only=False),
-            )
-        return
-    # streaming: batches of the iterable dataset, tokenized by a process pool in order
-
-    def batches():
-        start = 0
-        for batch in ds.iter(batch_size=_BATCH):
-            n = len(batch[corpus.text_field])
-            yield batch, list(range(start, start + n))
-            start += n
-
-    # fork (as datasets.map does on Linux): spawn would re-run an unguarded __main__ script
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    ctx = multiprocessing.get_context(method)
-    with ctx.Pool(num_proc) if num_proc > 1 else _Inline() as pool:
-        for out in tqdm(
-            pool.imap(_call_encoder, ((encoder, b, i) for b, i in batches())),
-            desc="tokenize (streaming)",
-            unit="batch",
-        ):
-            lengths = np.array([len(x) for x in out["ids"]], dtype=np.int64)
-            flat = np.concatenate(out["ids"]) if len(lengths) else np.zeros(0, np.int32)
-            yield flat, lengths, np.array(out["val"], dtype=bool)
+# ----------------------------------------------------------------------------- the plan
 
 
-def _call_encoder(args):
-    encoder, batch, indices = args
-    return encoder(batch, indices)
-
-
-class _Inline:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def imap(self, fn, items):
-        return map(fn, items)
-
-
-def _write_shards(cfg: Config, corpus: Corpus, tok: Tokenizer, work: Path) -> dict:
+def _make_plan(
+    cfg: Config, refs: list[SourceRef], out: Path, key: str, top: Path, ranks: Ranks,
+    opened: dict[int, Corpus],
+) -> Plan:  # fmt: skip
+    """Rank 0: the tokenizer (into ``top``) and the jobs, written as ``top/plan.json``."""
     d = cfg.data
-    dtype = token_dtype(tok.vocab_size)
-    writers = {s: ShardWriter(work, s, dtype, d.shard_tokens) for s in ("train", "val")}
-    encoder = _Encoder(str(work / MODEL_FILE), corpus.text_field, d.val_fraction)
-    for flat, lengths, is_val in _tokenized_batches(
-        corpus, encoder, default_num_proc(d.num_proc), work
-    ):
-        token_val = np.repeat(is_val, lengths)
-        writers["train"].add(flat[~token_val], lengths[~is_val])
-        writers["val"].add(flat[token_val], lengths[is_val])
-    splits = {s: w.finish() for s, w in writers.items()}
-    if splits["train"]["num_tokens"] + splits["val"]["num_tokens"] == 0:
-        raise DataError(f"data.source {corpus.description}: empty corpus (no text)")
-    if splits["train"]["num_tokens"] == 0:
+    mixture = bool(d.sources)
+    if mixture and d.tokenizer_source:
+        needed: list[int] = []  # sources are opened only when their shard set is built
+    else:
+        needed = list(range(len(refs)))
+    corpora = [open_corpus(refs, i, top, opened) for i in needed]
+    for r in refs:
+        print(f"prepare: source {f'{r.spec.name}: ' if mixture else ''}{r.description}")
+    tok = _get_tokenizer(cfg, corpora, [refs[i] for i in needed], top)
+    if tok.vocab_size > cfg.model.vocab_size:
         raise DataError(
-            f"data.source {corpus.description}: too few documents "
-            f"({splits['val']['num_docs']}) for a train/validation split; set data.val_fraction=0"
+            f"{tok.path}: tokenizer vocab size {tok.vocab_size} > model.vocab_size={cfg.model.vocab_size}"
         )
-    return splits
+    num_proc = default_num_proc(d.num_proc, ranks)
+    chunk_bytes = int(d.prepare_chunk_mb * 2**20)
+    jobs = []
+    for i, ref in enumerate(refs):
+        if mixture:
+            skey = source_set_key(ref.fingerprint, tok.sha256, d, SPLIT_RULE)
+            final = source_set_dir(d, ref.spec.name, skey)
+            todo = not is_complete(final, skey)
+            job_dir = build_dir(final, skey)
+        else:
+            skey, final, todo, job_dir = key, out, True, top
+        chunks = None
+        if todo and not ref.spec.streaming:
+            sizes = doc_sizes(open_corpus(refs, i, top, opened), ref.spec.where)
+            if not sizes.any():
+                raise DataError(f"{ref.spec.where} {ref.description}: empty corpus (no text)")
+            n = chunk_count(int(sizes.sum()), chunk_bytes, ranks.world, num_proc)
+            chunks = plan_chunks(sizes, n)
+        jobs.append(Job(i, ref.spec.name, str(final), skey, str(job_dir), chunks, todo))
+        if not todo:
+            print(f"prepare: source {ref.spec.name}: reusing {final}")
+    plan = Plan(key, tok.sha256, jobs)
+    plan.write(top)
+    return plan
 
 
-def prepare(cfg: Config) -> Path:
+# ----------------------------------------------------------------------------- prepare
+
+
+def _up_to_date(out: Path, key: str, mixture: bool, say: bool = True) -> bool:
+    done = mixture_up_to_date(out, key) if mixture else is_complete(out, key)
+    if say and not done and out.exists():
+        print(f"prepare: rebuilding {out} (incomplete, or prepared with other settings)")
+    return done
+
+
+def prepare(cfg: Config, ranks: Ranks | None = None) -> Path:
     """Train or reuse the tokenizer and write the token shards to ``cfg.data.output_dir``.
 
-    Returns the output directory. A complete set built from the same inputs is reused.
+    ``ranks`` defaults to the launcher's environment. Returns the output directory: on rank 0
+    once it is complete, on the other ranks once their share is written. A complete set built
+    from the same inputs is reused.
     """
     d: DataConfig = cfg.data
-    check_vocab_size(cfg.model.vocab_size)
-    if d.tokenizer_model and not Path(d.tokenizer_model).is_file():
-        raise DataError(f"data.tokenizer_model: {d.tokenizer_model} does not exist")
+    ranks = ranks or Ranks.from_env()
+    if not d.tokenizer_source:
+        check_vocab_size(cfg.model.vocab_size)
+    elif not Path(d.tokenizer_source[1]).exists():
+        raise DataError(f"{d.tokenizer_source[0]}: {d.tokenizer_source[1]} does not exist")
     out = Path(d.output_dir).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    for p in remove_stale_temp_dirs(out):
-        print(f"prepare: removed stale temporary directory {p}")
+    mixture = bool(d.sources)
+    refs = [resolve_source(spec, cache_dir=out.parent) for spec in source_specs(d)]
+    key = _mixture_key(cfg, refs) if mixture else _prepare_key(cfg, refs[0].fingerprint)
+    if _up_to_date(out, key, mixture):
+        print(f"prepare: {out} is up to date")
+        return out
     t0 = time.time()
-    work = new_temp_dir(out)
+    top = build_dir(out, key)
+    top.mkdir(parents=True, exist_ok=True)
+    opened: dict[int, Corpus] = {}
     try:
-        corpus = load_corpus(d, cache_dir=out.parent, work_dir=work)
-        key = _prepare_key(cfg, corpus.fingerprint)
-        if (out / INDEX_FILE).is_file():
-            try:
-                index = read_index(out)
-                if index.get("prepare_key") == key:
-                    for split in index["splits"]:
-                        verify_split(out, index, split)
-                    print(
-                        f"prepare: {out} is up to date ({index['splits']['train']['num_tokens']:,} train tokens)"
-                    )
-                    return out
-            except DataError as e:
-                print(f"prepare: rebuilding {out}: {e}")
-        print(f"prepare: source {corpus.description}")
-        tok = _get_tokenizer(cfg, corpus, work)
-        if tok.vocab_size != cfg.model.vocab_size:
-            raise DataError(
-                f"{tok.path}: tokenizer vocab size {tok.vocab_size} != model.vocab_size={cfg.model.vocab_size}"
-            )
-        splits = _write_shards(cfg, corpus, tok, work)
-        shutil.rmtree(work / "tok", ignore_errors=True)
-        shutil.rmtree(work / "hf-cache", ignore_errors=True)
-        index = {
-            "format": FORMAT,
-            "version": VERSION,
-            "dtype": token_dtype(tok.vocab_size).name,
-            "tokenizer": tok.metadata() | {"file": MODEL_FILE},
-            "source": {
-                "spec": d.source,
-                "description": corpus.description,
-                "fingerprint": corpus.fingerprint,
-            },
-            "prepare_key": key,
-            "split_rule": SPLIT_RULE,
-            "val_fraction": d.val_fraction,
-            "eos_appended": True,
-            "splits": splits,
-        }
-        write_index(work, index)
-        install_dir(work, out, replace=True)
-    finally:
-        if work.exists():
-            shutil.rmtree(work, ignore_errors=True)
-    tr, va = splits["train"], splits["val"]
-    print(
-        f"prepare: wrote {out}: train {tr['num_tokens']:,} tokens / {tr['num_docs']:,} docs in "
-        f"{len(tr['shards'])} shard(s), val {va['num_tokens']:,} tokens / {va['num_docs']:,} docs "
-        f"({time.time() - t0:.1f}s)",
-        file=sys.stdout,
-        flush=True,
-    )
+        _build(cfg, refs, out, key, top, ranks, opened)
+    except DataError as e:
+        if ranks.is_main and not isinstance(e, RankStopped):
+            shutil.rmtree(top, ignore_errors=True)  # bad input: nothing worth keeping
+        raise
+    if ranks.is_main:
+        shutil.rmtree(top, ignore_errors=True)
+        print(f"prepare: wrote {out} ({time.time() - t0:.1f}s)", file=sys.stdout, flush=True)
     return out
+
+
+def _build(
+    cfg: Config, refs: list[SourceRef], out: Path, key: str, top: Path, ranks: Ranks,
+    opened: dict[int, Corpus],
+) -> None:  # fmt: skip
+    """Every rank's part of the prepare: plan (rank 0) or wait for it, tokenize, pack (rank 0)."""
+    with Heartbeat(top, ranks.rank):
+        watch = Watch(top, cfg.parallel.timeout_minutes * 60)
+        if ranks.is_main:
+            for p in remove_stale_temp_dirs(out):
+                print(f"prepare: removed stale temporary directory {p}")
+            plan = Plan.read(top, key)
+            if plan is not None:
+                print(f"prepare: continuing the unfinished prepare in {top}")
+            else:
+                (top / PLAN_FILE).unlink(missing_ok=True)  # no rank may act on a stale plan
+                plan = _make_plan(cfg, refs, out, key, top, ranks, opened)
+        else:
+            mixture = bool(cfg.data.sources)
+            watch.until(
+                lambda: Plan.read(top, key) is not None or _up_to_date(out, key, mixture, False),
+                [0],
+                f"{top}/plan.json",
+            )
+            plan = Plan.read(top, key)
+            if plan is None:  # rank 0 finished it all (every chunk was there already)
+                return
+        chunks = tokenize_jobs(cfg, refs, plan, top, ranks, opened)
+        if not ranks.is_main:
+            print(
+                f"prepare: rank {ranks.rank} of {ranks.world} wrote its chunks; rank 0 writes the index"
+            )
+            return
+        pack_jobs(cfg, refs, plan, chunks, out, top, ranks, watch)

@@ -4,6 +4,7 @@ A prepared ``output_dir`` holds::
 
     tokenizer.model            SentencePiece model (its sha256 is the tokenizer's identity)
     tokenizer.json             tokenizer metadata: sha256, vocab size, special ids, trainer settings
+    tokenizer/                 instead of both: a Hugging Face tokenizer's files (tokenizer.json, ...)
     index.json                 the shard set (written last; see below)
     train-00000.bin ...        raw little-endian uint16 (vocab <= 65536) or uint32 token ids
     train-00000.offsets.npy    int64 document start offsets in that shard, plus the end (len docs+1)
@@ -12,8 +13,9 @@ A prepared ``output_dir`` holds::
 Every document ends with the EOS id. ``index.json``::
 
     {"format": "moetrain-shards", "version": 1, "dtype": "uint16",
-     "tokenizer": {"file", "sha256", "vocab_size", "special_ids": {"pad", "unk", "bos", "eos"}},
-     "source": {"spec", "description", "fingerprint"}, "prepare_key": "...",
+     "tokenizer": {"file", "kind", "sha256", "vocab_size", "special_ids": {"pad", "unk", "bos", "eos"}},
+     "source": {"spec", "description", "fingerprint"[, "name" (a mixture's source)]},
+     "prepare_key": "...",
      "split_rule": "...", "val_fraction": 0.01,
      "splits": {"train": {"num_tokens", "num_docs", "shards": [{"file", "offsets",
                 "num_tokens", "num_docs"}]}, "val": {...}}}
@@ -182,3 +184,16 @@ def verify_split(out_dir: Path, index: dict, split: str, *, load_offsets: bool =
                 )
         views.append(ShardView(path, np.memmap(path, dtype=dtype, mode="r"), starts))
     return views
+
+
+def is_complete(out_dir: str | Path, prepare_key: str) -> bool:
+    """Whether ``out_dir`` holds a complete shard set prepared with ``prepare_key``."""
+    try:
+        index = read_index(out_dir)
+        if index.get("prepare_key") != prepare_key:
+            return False
+        for split in index["splits"]:
+            verify_split(Path(out_dir), index, split)
+    except (DataError, KeyError, TypeError):
+        return False
+    return True

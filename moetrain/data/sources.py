@@ -12,6 +12,12 @@
   the network and is not exercised by the offline test suite.
 
 With ``data.streaming`` the corpus is read as an ``IterableDataset`` and never held whole.
+
+A mixture (``data.sources``) lists several such sources; :func:`source_specs` gives every
+source with its settings resolved (an entry's missing settings come from ``data.*``) and the
+label its errors carry (``data.source``, or ``data.sources[1] (code)``). A source is resolved
+in two steps: :func:`resolve_source` finds its files and fingerprint (cheap: file names, sizes
+and times), :func:`open_source` reads it into an Arrow-backed dataset.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +32,7 @@ import datasets
 
 from moetrain.checkpoint.io import file_sha256
 from moetrain.config import DataConfig
+from moetrain.config.mixture import default_source_name
 from moetrain.data.builtin import BUILTIN_STDLIB, ensure_builtin_corpus
 from moetrain.data.errors import DataError
 
@@ -44,6 +50,59 @@ _COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 _BUILDER = {"text": "text", "json": "json", "parquet": "parquet", "csv": "csv"}
 
 
+@dataclass(frozen=True)
+class SourceSpec:
+    """One source with every setting resolved: ``data.source``, or one ``data.sources`` entry."""
+
+    name: str
+    source: str
+    weight: float
+    text_field: str
+    source_format: str | None
+    split: str
+    max_docs: int | None
+    streaming: bool
+    where: str  # how errors name it: "data.source" or "data.sources[1] (code)"
+    key_prefix: str  # where its settings live: "data." or "data.sources[1]."
+
+
+def source_specs(cfg: DataConfig) -> list[SourceSpec]:
+    """The sources of ``cfg``: the one ``data.source``, or every ``data.sources`` entry."""
+    if not cfg.sources:
+        return [
+            SourceSpec(
+                name=default_source_name(cfg.source),
+                source=cfg.source,
+                weight=1.0,
+                text_field=cfg.text_field,
+                source_format=cfg.source_format,
+                split=cfg.split,
+                max_docs=cfg.max_docs,
+                streaming=cfg.streaming,
+                where="data.source",
+                key_prefix="data.",
+            )
+        ]
+    out = []
+    for i, s in enumerate(cfg.sources):
+        name = s.name or default_source_name(s.source)
+        out.append(
+            SourceSpec(
+                name=name,
+                source=s.source,
+                weight=s.weight,
+                text_field=s.text_field or cfg.text_field,
+                source_format=s.source_format or cfg.source_format,
+                split=s.split or cfg.split,
+                max_docs=s.max_docs if s.max_docs is not None else cfg.max_docs,
+                streaming=cfg.streaming,
+                where=f"data.sources[{i}] ({name})",
+                key_prefix=f"data.sources[{i}].",
+            )
+        )
+    return out
+
+
 @dataclass
 class Corpus:
     """A loaded source: the dataset, the name of its text column, and a fingerprint."""
@@ -58,6 +117,20 @@ class Corpus:
         return isinstance(self.dataset, datasets.IterableDataset)
 
 
+@dataclass
+class SourceRef:
+    """A resolved, not yet opened source: its files and fingerprint (a Hub dataset is opened
+    already: its fingerprint comes from the download)."""
+
+    spec: SourceSpec
+    fingerprint: str
+    description: str
+    fmt: str | None = None
+    files: list[Path] | None = None
+    text_field: str = "text"
+    hub: Corpus | None = None
+
+
 def _format_of(path: Path) -> str | None:
     name = path.name.lower()
     for ext in _COMPRESSED:
@@ -65,12 +138,12 @@ def _format_of(path: Path) -> str | None:
     return _EXT_FORMAT.get(Path(name).suffix)
 
 
-def resolve_files(source: str) -> list[Path]:
+def resolve_files(source: str, where: str = "data.source") -> list[Path]:
     """The files a local source names (file, directory or glob), sorted; errors name it."""
     if any(c in source for c in "*?["):
         files = sorted(Path(p) for p in glob.glob(source, recursive=True) if Path(p).is_file())
         if not files:
-            raise DataError(f"data.source: no files match the glob {source!r}")
+            raise DataError(f"{where}: no files match the glob {source!r}")
         return files
     path = Path(source)
     if path.is_file():
@@ -78,25 +151,25 @@ def resolve_files(source: str) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and _format_of(p))
         if not files:
-            raise DataError(f"data.source: directory {path} holds no text/json/parquet/csv files")
+            raise DataError(f"{where}: directory {path} holds no text/json/parquet/csv files")
         return files
-    raise DataError(f"data.source: {path} does not exist")
+    raise DataError(f"{where}: {path} does not exist")
 
 
-def _local_format(files: list[Path], source_format: str | None) -> str:
-    if source_format is not None:
-        return source_format
+def _local_format(files: list[Path], spec: SourceSpec) -> str:
+    if spec.source_format is not None:
+        return spec.source_format
     formats = {_format_of(f) for f in files}
     if None in formats:
         bad = next(f for f in files if _format_of(f) is None)
         raise DataError(
-            f"{bad}: cannot tell the format from the extension; set data.source_format "
+            f"{bad}: cannot tell the format from the extension; set {spec.key_prefix}source_format "
             "(text, json, parquet or csv)"
         )
     if len(formats) > 1:
         raise DataError(
-            f"data.source {files[0].parent}: mixes formats {sorted(formats)}; use one format "
-            "per source or set data.source_format"
+            f"{spec.where} {files[0].parent}: mixes formats {sorted(formats)}; use one format "
+            f"per source or set {spec.key_prefix}source_format"
         )
     return formats.pop()
 
@@ -106,90 +179,104 @@ def _stat_fingerprint(files: list[Path], extra: dict) -> str:
     return hashlib.sha256(json.dumps([items, extra]).encode()).hexdigest()
 
 
-def load_corpus(cfg: DataConfig, cache_dir: Path, work_dir: Path | None = None) -> Corpus:
-    """Open ``cfg.source`` as a (possibly streaming) dataset with a checked text column.
-
-    ``cache_dir`` keeps the builtin corpus; ``work_dir`` (if given) receives the Arrow cache of
-    local sources, so that it is removed together with the prepare's temporary directory.
-    """
-    extra = {"max_docs": cfg.max_docs, "text_field": cfg.text_field}
-    hf_cache = str(work_dir / "hf-cache") if work_dir is not None else None
-    if cfg.source == BUILTIN_STDLIB:
+def resolve_source(spec: SourceSpec, cache_dir: Path) -> SourceRef:
+    """Find the files of ``spec`` and its fingerprint, without reading the documents (the
+    builtin corpus is built into ``cache_dir`` on first use; a Hub dataset is loaded)."""
+    extra = {"max_docs": spec.max_docs, "text_field": spec.text_field}
+    if spec.source == BUILTIN_STDLIB:
         path = ensure_builtin_corpus(cache_dir)
-        fmt, files = "json", [path]
         fingerprint = hashlib.sha256(
             json.dumps([BUILTIN_STDLIB, file_sha256(path), extra]).encode()
         ).hexdigest()
-        text_field, desc = "text", f"{BUILTIN_STDLIB} ({path})"
-    elif cfg.source.startswith("hf:"):
-        return _load_hub(cfg, extra)
-    elif cfg.source.startswith("builtin:"):
+        return SourceRef(spec, fingerprint, f"{BUILTIN_STDLIB} ({path})", "json", [path])
+    if spec.source.startswith("hf:"):
+        corpus = _load_hub(spec, extra)
+        return SourceRef(spec, corpus.fingerprint, corpus.description, hub=corpus)
+    if spec.source.startswith("builtin:"):
         raise DataError(
-            f"data.source: unknown builtin corpus {cfg.source!r}; have {BUILTIN_STDLIB}"
+            f"{spec.where}: unknown builtin corpus {spec.source!r}; have {BUILTIN_STDLIB}"
         )
-    else:
-        files = resolve_files(cfg.source)
-        fmt = _local_format(files, cfg.source_format)
-        text_field = "text" if fmt == "text" else cfg.text_field
-        fingerprint = _stat_fingerprint(files, extra | {"format": fmt})
-        desc = f"{cfg.source} ({len(files)} {fmt} file{'s' * (len(files) != 1)})"
+    files = resolve_files(spec.source, spec.where)
+    fmt = _local_format(files, spec)
+    text_field = "text" if fmt == "text" else spec.text_field
+    fingerprint = _stat_fingerprint(files, extra | {"format": fmt})
+    desc = f"{spec.source} ({len(files)} {fmt} file{'s' * (len(files) != 1)})"
     for f in files:
         if f.stat().st_size == 0 and len(files) == 1:
-            raise DataError(f"{f}: empty corpus (the file has no bytes)")
+            raise DataError(f"{spec.where}: {f}: empty corpus (the file has no bytes)")
+    return SourceRef(spec, fingerprint, desc, fmt, files, text_field)
+
+
+def open_source(ref: SourceRef, work_dir: Path | None = None) -> Corpus:
+    """Read ``ref`` as a (possibly streaming) dataset with a checked text column. ``work_dir``
+    (if given) receives the Arrow cache of local sources (processes that pass the same
+    directory share one cache)."""
+    if ref.hub is not None:
+        return ref.hub
+    spec, fmt = ref.spec, ref.fmt
+    assert fmt is not None and ref.files is not None
     kwargs = {"sample_by": "paragraph"} if fmt == "text" else {}
     try:
         ds = datasets.load_dataset(
             _BUILDER[fmt],
-            data_files=[str(f) for f in files],
+            data_files=[str(f) for f in ref.files],
             split="train",
-            streaming=cfg.streaming,
-            cache_dir=hf_cache,
+            streaming=spec.streaming,
+            cache_dir=str(work_dir) if work_dir is not None else None,
             **kwargs,
         )
     except DataError:
         raise
     except Exception as e:  # datasets raises many types for unreadable input
-        raise DataError(f"data.source {desc}: could not be read as {fmt}: {e}") from None
-    return _finish(ds, cfg, text_field, fingerprint, desc)
+        raise DataError(
+            f"{spec.where} {ref.description}: could not be read as {fmt}: {e}"
+        ) from None
+    return _finish(ds, spec, ref.text_field, ref.fingerprint, ref.description)
 
 
-def _load_hub(cfg: DataConfig, extra: dict) -> Corpus:
-    name, _, config = cfg.source[3:].partition(":")
+def load_corpus(cfg: DataConfig, cache_dir: Path, work_dir: Path | None = None) -> Corpus:
+    """Open ``cfg.source`` (the one-source form) as a dataset with a checked text column.
+
+    ``cache_dir`` keeps the builtin corpus; ``work_dir`` (if given) receives the Arrow cache of
+    local sources.
+    """
+    ref = resolve_source(source_specs(cfg)[0], cache_dir)
+    return open_source(ref, work_dir / "hf-cache" if work_dir is not None else None)
+
+
+def _load_hub(spec: SourceSpec, extra: dict) -> Corpus:
+    name, _, config = spec.source[3:].partition(":")
     if not name:
-        raise DataError(f"data.source: {cfg.source!r} names no dataset; use hf:NAME[:CONFIG]")
+        raise DataError(f"{spec.where}: {spec.source!r} names no dataset; use hf:NAME[:CONFIG]")
     try:
-        ds = datasets.load_dataset(name, config or None, split=cfg.split, streaming=cfg.streaming)
+        ds = datasets.load_dataset(name, config or None, split=spec.split, streaming=spec.streaming)
     except Exception as e:
-        raise DataError(f"data.source {cfg.source}: could not load from the Hub: {e}") from None
+        raise DataError(f"{spec.where} {spec.source}: could not load from the Hub: {e}") from None
     fp = getattr(ds, "_fingerprint", None) or "streaming"
     fingerprint = hashlib.sha256(
-        json.dumps([cfg.source, cfg.split, fp, extra]).encode()
+        json.dumps([spec.source, spec.split, fp, extra]).encode()
     ).hexdigest()
-    return _finish(ds, cfg, cfg.text_field, fingerprint, f"{cfg.source} split {cfg.split}")
+    return _finish(ds, spec, spec.text_field, fingerprint, f"{spec.source} split {spec.split}")
 
 
-def _finish(ds, cfg: DataConfig, text_field: str, fingerprint: str, desc: str) -> Corpus:
+def _finish(ds, spec: SourceSpec, text_field: str, fingerprint: str, desc: str) -> Corpus:
     columns = ds.column_names
     if columns is None:  # streaming without known features: look at the first example
         first = next(iter(ds), None)
         if first is None:
-            raise DataError(f"data.source {desc}: empty corpus (no documents)")
+            raise DataError(f"{spec.where} {desc}: empty corpus (no documents)")
         columns = list(first)
     if text_field not in columns:
         raise DataError(
-            f"data.source {desc}: text field {text_field!r} not found (data.text_field); "
-            f"columns are {columns}"
+            f"{spec.where} {desc}: text field {text_field!r} not found "
+            f"({spec.key_prefix}text_field); columns are {columns}"
         )
-    if cfg.max_docs is not None:
+    if spec.max_docs is not None:
         ds = (
-            ds.take(cfg.max_docs)
+            ds.take(spec.max_docs)
             if isinstance(ds, datasets.IterableDataset)
-            else ds.select(range(min(cfg.max_docs, len(ds))))
+            else ds.select(range(min(spec.max_docs, len(ds))))
         )
     if isinstance(ds, datasets.Dataset) and len(ds) == 0:
-        raise DataError(f"data.source {desc}: empty corpus (no documents)")
+        raise DataError(f"{spec.where} {desc}: empty corpus (no documents)")
     return Corpus(ds, text_field, fingerprint, desc)
-
-
-def default_num_proc(num_proc: int) -> int:
-    return num_proc if num_proc > 0 else (os.cpu_count() or 1)

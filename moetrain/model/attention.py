@@ -155,12 +155,18 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.attention_head_dim
         d, hd = cfg.d_model, self.head_dim
-        self.wq = nn.Linear(d, self.n_heads * hd, bias=False)
-        self.wk = nn.Linear(d, self.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.wq = nn.Linear(d, self.n_heads * hd, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * hd, d, bias=False)
-        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        # per head: normalise each (Hd,) head vector; per projection (OLMoE): the whole
+        # (heads * Hd,) projection, before it is split into heads
+        self.qk_norm_per_head = cfg.qk_norm_scope == "head"
+        q_dim, k_dim = (
+            (hd, hd) if self.qk_norm_per_head else (self.n_heads * hd, self.n_kv_heads * hd)
+        )
+        self.q_norm = RMSNorm(q_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.sdpa_kernel: str | None = None  # what the first call ran (see module docstring)
 
     def forward(
@@ -178,10 +184,14 @@ class Attention(nn.Module):
         layer ``layer`` of the cache and the queries attend to every cached position.
         """
         b, s, _ = x_BSD.shape
-        q = self.wq(x_BSD).view(b, s, self.n_heads, self.head_dim)
-        k = self.wk(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
+        q, k = self.wq(x_BSD), self.wk(x_BSD)
+        norm = self.q_norm is not None and self.k_norm is not None
+        if norm and not self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, self.n_heads, self.head_dim)
+        k = k.view(b, s, self.n_kv_heads, self.head_dim)
         v = self.wv(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if norm and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHSHd = apply_rope(q.transpose(1, 2), cos_SHd, sin_SHd)
         k_BGSHd = apply_rope(k.transpose(1, 2), cos_SHd, sin_SHd)

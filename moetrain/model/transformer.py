@@ -98,18 +98,31 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(head_dim, model_cfg.max_seq_len, model_cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if self.embed.weight.device.type != "meta":  # (a meta model is filled by loading)
+            self.init_weights()
+
+    @torch.no_grad()
+    def reset_rope(self) -> None:
+        """Recompute the RoPE tables in place (a model built on the meta device and moved with
+        ``to_empty`` has uninitialised buffers; every other tensor is a loaded weight)."""
+        c = self.cfg
+        cos, sin = rope_tables(c.attention_head_dim, c.max_seq_len, c.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Normal(0, init_std) everywhere; output projections (attention ``wo``, FFN and expert
-        ``w2``) use init_std / sqrt(2 * n_layers); norms are ones, the expert bias zeros."""
+        ``w2``) use init_std / sqrt(2 * n_layers); norms are ones, the expert bias and the q/k/v
+        biases zeros."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 is_out = name.endswith((".wo", ".w2"))
                 nn.init.normal_(module.weight, 0.0, out_std if is_out else std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, GroupedExperts):
                 module.reset_parameters(std, out_std)
             elif isinstance(module, RMSNorm):

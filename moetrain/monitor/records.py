@@ -61,6 +61,16 @@ def step_metrics(
     return out
 
 
+def source_metrics(progress: dict[str, dict[str, float]], seq_len: int) -> dict[str, float]:
+    """``data/tokens/<name>`` (tokens of that source trained on, all ranks together) and
+    ``data/epochs/<name>`` (passes over that source) from a blend's per-source progress."""
+    out: dict[str, float] = {}
+    for name, p in progress.items():
+        out[f"data/tokens/{name}"] = int(p["samples"]) * seq_len
+        out[f"data/epochs/{name}"] = float(p["epochs"])
+    return out
+
+
 def format_eta(seconds: float) -> str:
     seconds = max(0, int(seconds))
     h, rem = divmod(seconds, 3600)

@@ -11,12 +11,16 @@ The JSONL file has one JSON object per line; every row has an integer ``step``. 
     moe/layer{i}/tokens_per_expert    list of E numbers: tokens routed to each expert of MoE layer i
     moe/layer{i}/dropped_frac         dropped-assignment fraction of layer i (moe_health)
     moe/dropped_frac                  dropped fraction pooled over layers (moe_health)
+    data/tokens/<name>                tokens trained on from source <name> of a mixture
+    data/epochs/<name>                passes over source <name>
+    val/loss/<name>                   validation loss on source <name> (eval rows)
 
 A step logged twice (a run resumed from an earlier checkpoint logs those steps again) keeps the
 later line. Malformed lines (e.g. a half-written last line after a crash) are skipped and
 counted. Output goes to ``RUN_DIR/report/``: ``loss.png``, ``lr.png``, ``tokens_per_s.png``,
-``expert_load.png`` (one panel per layer, time x experts, load / mean per row) and
-``report.txt``.
+``expert_load.png`` (one panel per layer, time x experts, load / mean per row), for a mixture
+``data_tokens.png`` (tokens per source) and ``val_loss_sources.png`` (validation loss per
+source), and ``report.txt``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from moetrain.monitor.jsonl import METRICS_FILE
 from moetrain.monitor.plots import new_figure, relative_load
 
 _LOAD_KEY = re.compile(r"^moe/layer(\d+)/tokens_per_expert$")
+_SOURCE_KEYS = ("data/tokens/", "data/epochs/", "val/loss/")
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -133,6 +138,46 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
+def _names(rows: list[dict[str, Any]], prefix: str) -> list[str]:
+    return sorted({k[len(prefix) :] for r in rows for k in r if k.startswith(prefix)})
+
+
+def _source_report(
+    rows: list[dict[str, Any]], out: Path, written: list[Path], missing: list[str]
+) -> list[str]:
+    """A mixture's plots (tokens and validation loss per source) and summary lines."""
+    lines: list[str] = []
+    tokens = {n: series(rows, f"data/tokens/{n}") for n in _names(rows, "data/tokens/")}
+    if tokens:
+        written.append(
+            _line_plot(out / "data_tokens.png", [(n, x, y) for n, (x, y) in tokens.items()],
+                       "tokens trained on, per source")
+        )  # fmt: skip
+        last = {n: y[-1] for n, (_, y) in tokens.items() if len(y)}
+        total = sum(last.values()) or 1.0
+        epochs = {n: series(rows, f"data/epochs/{n}")[1] for n in tokens}
+        lines.append(
+            "data sources (share of tokens, epochs): "
+            + ", ".join(
+                f"{n} {v / total:.1%} ({epochs[n][-1]:.3g})" if len(epochs[n]) else f"{n} {v / total:.1%}"
+                for n, v in last.items()
+            )
+        )  # fmt: skip
+    val = {n: series(rows, f"val/loss/{n}") for n in _names(rows, "val/loss/")}
+    if val:
+        written.append(
+            _line_plot(out / "val_loss_sources.png", [(n, x, y) for n, (x, y) in val.items()],
+                       "validation loss, per source")
+        )  # fmt: skip
+        lines.append(
+            "val/loss per source (final): "
+            + ", ".join(f"{n} {_fmt(y[-1])}" for n, (_, y) in val.items() if len(y))
+        )
+    if not tokens and any(k.startswith(_SOURCE_KEYS) for r in rows for k in r):
+        missing.append("no 'data/tokens/<name>' values (data_tokens.png not drawn)")
+    return lines
+
+
 def make_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Write the plots and ``report.txt`` (default ``RUN_DIR/report/``); return the paths written.
 
@@ -196,6 +241,8 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list[
             )
     else:
         missing.append("no 'moe/layer{i}/tokens_per_expert' lists (expert_load.png not drawn)")
+
+    lines += _source_report(rows, out, written, missing)
 
     drop_keys = sorted(
         {k for r in rows for k in r if re.fullmatch(r"moe/layer\d+/dropped_frac", k)},

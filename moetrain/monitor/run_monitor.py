@@ -15,7 +15,13 @@ from moetrain.monitor.console import console
 from moetrain.monitor.jsonl import MetricsWriter
 from moetrain.monitor.mfu import resolve_peak
 from moetrain.monitor.moe_health import DeadExpertWatch, load_matrix
-from moetrain.monitor.records import layer_stats, perplexity, progress_line, step_metrics
+from moetrain.monitor.records import (
+    layer_stats,
+    perplexity,
+    progress_line,
+    source_metrics,
+    step_metrics,
+)
 from moetrain.monitor.throughput import Throughput, memory_stats
 from moetrain.monitor.wandb_run import WandbSink
 
@@ -53,6 +59,8 @@ class RunMonitor:
         self.watch = DeadExpertWatch(patience=max(20, 5 * t.log_every)) if self.main else None
         self.meter = Throughput(cfg, topo.world_size, tokens_per_step)
         self.started = time.perf_counter()
+        self._epochs: dict[str, int] | None = None  # completed epochs per source of a blend
+        self._no_val: set[str] = set()
 
     @property
     def wandb_run_id(self) -> str | None:
@@ -63,9 +71,19 @@ class RunMonitor:
         if self.main:
             console(message)
 
-    def step_done(self, rec: dict[str, Any], data_s: float, log: bool) -> None:
-        """Count a finished step; with ``log``, report it (metrics, wandb, heatmap, console)."""
+    def step_done(
+        self,
+        rec: dict[str, Any],
+        data_s: float,
+        log: bool,
+        sources: dict[str, dict[str, float]] | None = None,
+    ) -> None:
+        """Count a finished step; with ``log``, report it (metrics, wandb, heatmap, console).
+        ``sources``: a blend's per-source progress (samples, epochs); a source starting a new
+        epoch is announced on the console."""
         self.meter.step()
+        if sources:
+            self._note_epochs(sources)
         if not log:
             return
         rec.update(self.meter.measure())
@@ -76,6 +94,7 @@ class RunMonitor:
             return
         step = rec["step"]
         row = step_metrics(rec, self.cfg, self.peak, self.topo.world_size, self.watch)
+        row.update(source_metrics(sources or {}, self.cfg.data.seq_len))
         self.writer.write(row)
         self.sink.log(row, step)
         every = self.cfg.logging.heatmap_every
@@ -86,11 +105,30 @@ class RunMonitor:
         eta = elapsed / max(step - self.start_step, 1) * (self.total - step)
         console(progress_line(step, self.total, rec, eta))
 
-    def eval_done(self, step: int, loss: float) -> None:
+    def _note_epochs(self, sources: dict[str, dict[str, float]]) -> None:
+        epochs = {name: int(p["epochs"]) for name, p in sources.items()}
+        if self._epochs is not None:
+            for name, e in epochs.items():
+                if e > self._epochs.get(name, e):
+                    self.say(f"data: source {name} starts epoch {e + 1} (of its own samples)")
+        self._epochs = epochs
+
+    def eval_done(
+        self, step: int, loss: float, by_source: dict[str, float | None] | None = None
+    ) -> None:
+        """Report a validation loss; ``by_source`` adds each source's (``val/loss/<name>``;
+        None: the source has no validation sample)."""
         val = {"step": step, "val_loss": loss, "val_perplexity": perplexity(loss)}
+        for name, v in (by_source or {}).items():
+            if v is not None:
+                val[f"val/loss/{name}"] = v
+            elif name not in self._no_val:
+                self._no_val.add(name)
+                self.say(f"warning: data source {name} has no validation sample (not evaluated)")
         self.writer.write(val)
         self.sink.log(val, step)
-        self.say(f"step {step} val loss {loss:.4f}")
+        per = ", ".join(f"{n} {v:.4f}" for n, v in (by_source or {}).items() if v is not None)
+        self.say(f"step {step} val loss {loss:.4f}" + (f" ({per})" if per else ""))
 
     def summary(self, summary: dict[str, Any]) -> None:
         self.writer.write({"summary": summary})

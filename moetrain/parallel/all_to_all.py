@@ -13,6 +13,7 @@ the start node's backward waits for it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,46 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
+class TrafficMeter:
+    """What one rank sends through the expert all-to-alls, as host integers (from split sizes
+    that are already on the host: no sync): rows dispatched (to any rank, to other ranks, to
+    other nodes) and bytes of every exchange, forward and backward, to other ranks and to
+    other nodes. ``me``: this rank's index in its group; ``nodes``: the node of each group rank.
+    """
+
+    FIELDS = ("rows", "rows_off_rank", "rows_off_node", "bytes_off_rank", "bytes_off_node")
+
+    def __init__(self, me: int, nodes: list[int]) -> None:
+        self.me, self.nodes = me, list(nodes)
+        self.totals = dict.fromkeys(self.FIELDS, 0)
+
+    def _split(self, per_peer: list[int]) -> tuple[int, int]:
+        here = self.nodes[self.me]
+        off_rank = sum(n for r, n in enumerate(per_peer) if r != self.me)
+        off_node = sum(n for r, n in enumerate(per_peer) if self.nodes[r] != here)
+        return off_rank, off_node
+
+    def add_rows(self, per_peer: list[int]) -> None:
+        """Rows dispatched: ``per_peer[r]`` to group rank ``r``."""
+        off_rank, off_node = self._split(per_peer)
+        self.totals["rows"] += sum(per_peer)
+        self.totals["rows_off_rank"] += off_rank
+        self.totals["rows_off_node"] += off_node
+
+    def add_bytes(self, per_peer: list[int], row_bytes: int) -> None:
+        """An exchange sending ``per_peer[r]`` rows of ``row_bytes`` bytes to group rank ``r``."""
+        off_rank, off_node = self._split(per_peer)
+        self.totals["bytes_off_rank"] += off_rank * row_bytes
+        self.totals["bytes_off_node"] += off_node * row_bytes
+
+    def take(self) -> list[int]:
+        """The totals in :attr:`FIELDS` order since the last call; resets them."""
+        out = [self.totals[k] for k in self.FIELDS]
+        self.totals = dict.fromkeys(self.FIELDS, 0)
+        return out
+
+
+def exchange_counts(send_counts: Tensor, group: Any, meter: TrafficMeter | None = None) -> Tensor:
     """All-to-all of equal-sized count blocks (no gradient).
 
     ``send_counts`` has ``group_size * n`` int64 entries; block ``r`` goes to rank ``r``.
@@ -32,6 +72,8 @@ def exchange_counts(send_counts: Tensor, group: Any) -> Tensor:
         return send_counts.clone()
     send = send_counts.contiguous()
     recv = torch.empty_like(send)
+    if meter is not None:
+        meter.add_bytes([1] * size, send.numel() // size * send.element_size())
     dist.all_to_all_single(recv, send, group=group)
     return recv
 
@@ -40,14 +82,19 @@ class _Exchange:
     """One asynchronous exchange at a time (forward, then the reverse one in backward); its
     buffers stay referenced until it has finished."""
 
-    def __init__(self, out_splits: list[int], in_splits: list[int], group: Any) -> None:
+    def __init__(
+        self, out_splits: list[int], in_splits: list[int], group: Any, meter: TrafficMeter | None
+    ) -> None:
         self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
+        self.meter = meter
         self.work: Any = None
         self.buffers: tuple[Tensor, ...] = ()
 
     def launch(self, x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
         send = x.contiguous()
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        if self.meter is not None:
+            self.meter.add_bytes(in_splits, math.prod(send.shape[1:]) * send.element_size())
         self.work = dist.all_to_all_single(
             out, send, out_splits, in_splits, group=self.group, async_op=True
         )
@@ -100,14 +147,19 @@ class InFlight:
 
 
 def start_all_to_all_v(
-    x: Tensor, out_splits: list[int], in_splits: list[int], group: Any
+    x: Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: Any,
+    meter: TrafficMeter | None = None,
 ) -> InFlight:
     """Start sending ``x[rows of block r]`` to rank ``r`` (``in_splits[r]`` rows, in rank order);
     ``out_splits[s]`` rows will come from rank ``s``. Differentiable; every rank must start and
-    finish its exchanges in the same order."""
+    finish its exchanges in the same order. ``meter`` counts the bytes of this exchange and of
+    its reverse in backward."""
     if dist.get_world_size(group) == 1:
         return InFlight(x, None)
-    exchange = _Exchange(list(out_splits), list(in_splits), group)
+    exchange = _Exchange(list(out_splits), list(in_splits), group, meter)
     return InFlight(_StartAllToAllV.apply(x, exchange), exchange)
 
 

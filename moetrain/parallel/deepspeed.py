@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from moetrain.checkpoint.format import deepspeed_expert_key
 from moetrain.checkpoint.io import write_json_atomic
-from moetrain.config import Config
+from moetrain.config import Config, ConfigError
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.parallel.expert_parallel import moe_layers
 from moetrain.parallel.topology import Topology
@@ -62,7 +62,14 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
-        "bf16": {"enabled": t.precision == "bf16"},
+        # bf16: skip a step whose gradients are not finite (the ZeRO optimizers check, all ranks
+        # agree through an all-reduce; fp16 always checks); ZeRO-1 with fp32 accumulation adds
+        # each bf16 gradient to its fp32 buffer as soon as it is ready and frees it
+        "bf16": {
+            "enabled": t.precision == "bf16",
+            "check_grad_overflow": True,
+            "immediate_grad_update": True,
+        },
         "fp16": {
             "enabled": t.precision == "fp16",
             "loss_scale": 0,
@@ -71,10 +78,34 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
             "hysteresis": 2,
             "min_loss_scale": 1,
         },
+        # the numerics policy (README "Mixed precision"): accumulate gradients over micro-batches
+        # and reduce them over ranks in train.grad_dtype (fp32 by default; ZeRO-1/2 only, which
+        # parallel/layout.py enforces for bf16/fp16)
+        "data_types": {"grad_accum_dtype": t.grad_dtype},
+        "communication_data_type": t.grad_dtype,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
     return ds
+
+
+def check_precision_supported(precision: str) -> None:
+    """Refuse a ``train.precision`` that this machine's accelerator cannot run, with the same
+    test DeepSpeed applies (``is_fp16_supported`` / ``is_bf16_supported``), but before any
+    process group starts. Raises ``ConfigError`` naming the key."""
+    if precision == "fp32":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    supported = acc.is_fp16_supported() if precision == "fp16" else acc.is_bf16_supported()
+    if not supported:
+        other = "bf16" if precision == "fp16" else "fp16"
+        hint = f"use train.precision={other} if it has that, or fp32"
+        raise ConfigError(
+            f"train.precision: {precision} is not supported by this machine's accelerator "
+            f"({acc.device_name()}, as DeepSpeed detects it); {hint}"
+        )
 
 
 def dump_deepspeed_config(ds_config: dict[str, Any], run_dir: str | Path) -> Path:
@@ -216,7 +247,9 @@ def initialize_engine(
 
     The model must already be parallel (:func:`moetrain.parallel.apply.apply_parallelism`) and
     on its device; ``make_schedule(ds_optimizer)`` builds the learning-rate schedule on the
-    optimizer DeepSpeed wraps.
+    optimizer DeepSpeed wraps. The schedule is not handed to DeepSpeed (which steps it after a
+    stage-0 skip but not after a ZeRO-1/2 one): the caller steps it after every step that was
+    not skipped.
     """
     import deepspeed
 
@@ -225,18 +258,8 @@ def initialize_engine(
         for name, buf in model.named_buffers()
         if buf.dtype == torch.float32 and name.endswith("expert_bias")
     ]
-    schedule_box: dict[str, Any] = {}
-
-    def schedule_factory(opt: Any) -> Any:
-        schedule_box["s"] = make_schedule(opt)
-        return schedule_box["s"]
-
     engine, ds_optimizer, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=schedule_factory,
-        config=ds_config,
-        dist_init_required=False,
+        model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
     )
     # bf16/fp16 engines cast buffers; balancing biases stay fp32 (sign updates need range).
     modules = dict(engine.module.named_modules())
@@ -246,4 +269,4 @@ def initialize_engine(
         current = getattr(mod, attr)
         if current.dtype != torch.float32:
             setattr(mod, attr, current.float())
-    return engine, ds_optimizer, schedule_box["s"]
+    return engine, ds_optimizer, make_schedule(ds_optimizer)

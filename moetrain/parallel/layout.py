@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moetrain.config.sections import ConfigError
+from moetrain.config.checks import ConfigError
 
 if TYPE_CHECKING:
     from moetrain.config import Config
@@ -31,7 +31,9 @@ def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
 
     Every rank reads its own data (expert-parallel peers are data-parallel for dense weights), so
     the data-parallel world is the whole world. ZeRO-3 is refused: it would partition each
-    expert's weights across ranks that hold different experts.
+    expert's weights across ranks that hold different experts. Stage 0 runs fp32 only: the
+    bf16/fp16 numerics policy (fp32 gradient accumulation and reduction, exact skipped steps)
+    needs DeepSpeed's ZeRO-1/2 optimizers.
     """
     p, t = cfg.parallel, cfg.train
     if p.zero_stage not in ZERO_STAGES:
@@ -40,12 +42,14 @@ def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
             "partition each expert's weights across ranks that hold different experts)"
         )
     check_experts_divisible(cfg.moe.num_experts, p.ep_size)
-    if p.zero_stage == 0 and cfg.optim.grad_clip > 0 and t.precision != "fp32":
+    if p.zero_stage == 0 and t.precision != "fp32":
         raise ConfigError(
-            "parallel.zero_stage: stage 0 with gradient clipping supports train.precision=fp32 "
-            "only (moetrain computes the global norm itself there, DeepSpeed's stage-0 norm is "
-            "wrong for expert-parallel models); use parallel.zero_stage=1 or 2, or "
-            "optim.grad_clip=0"
+            f"parallel.zero_stage: stage 0 supports train.precision=fp32 only; got "
+            f"train.precision={t.precision}. DeepSpeed's stage-0 {t.precision} optimizer "
+            "accumulates and reduces gradients in the weights' dtype (it refuses "
+            "data_types.grad_accum_dtype=fp32) and cannot skip a non-finite step exactly; use "
+            "parallel.zero_stage=1 or 2 (fp32 master weights, fp32 gradient accumulation and "
+            "reduction), or train.precision=fp32"
         )
     if world_size is None:
         return None

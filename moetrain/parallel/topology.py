@@ -54,6 +54,7 @@ class Topology:
     expert_dp_group: Any = field(repr=False, default=None)  # ranks holding the same experts
     created_process_group: bool = False
     watch: RankWatch | None = field(repr=False, default=None)  # heartbeat + phase (world > 1)
+    nodes: tuple[int, ...] = ()  # node index of every rank (empty: all on one node)
 
     @property
     def dp_size(self) -> int:
@@ -84,6 +85,12 @@ class Topology:
 
     def expert_dp_ranks(self) -> list[int]:
         return list(range(self.ep_rank, self.world_size, self.ep_size))
+
+    def ep_nodes(self) -> list[int]:
+        """The node of each rank of this rank's expert-parallel group."""
+        if not self.nodes:
+            return [0] * self.ep_size
+        return [self.nodes[r] for r in self.ep_ranks()]
 
     @property
     def is_main(self) -> bool:
@@ -130,6 +137,18 @@ def _start_process_group(backend: str, timeout: timedelta, device: torch.device 
         timeout=timeout,
         device_id=device,
     )
+
+
+def node_map() -> tuple[int, ...]:
+    """The node index of every rank (numbered in order of their first rank): ranks share a node
+    when they run on the same host under the same launcher agent (torchrun's ``GROUP_RANK``,
+    so two torchrun agents on one machine count as two nodes). A collective: every rank calls it.
+    """
+    key = f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '')}"
+    keys: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)
+    first: dict[str, int] = {}
+    return tuple(first.setdefault(k, len(first)) for k in keys)
 
 
 def world_size_from_env() -> int:
@@ -207,6 +226,7 @@ def init_distributed(cfg: Config) -> Topology:
         ep_group=groups._get_expert_parallel_group(name),
         expert_dp_group=groups._get_expert_data_parallel_group(name),
         created_process_group=created,
+        nodes=node_map(),
     )
     if topo.world_size > 1:
         store = dist.distributed_c10d._get_default_store()

@@ -5,7 +5,7 @@ whether to log, evaluate and save; ranks agree on a stop signal and on the time-
 one all-reduce. Checkpoints (:mod:`moetrain.checkpoint.save`) are saved every
 ``checkpoint.save_every_steps`` steps and/or ``save_every_minutes`` minutes, at the end, and
 when any rank receives SIGTERM/SIGINT; a run resumes from the newest complete checkpoint of its
-run_dir.
+run_dir, else starts from ``checkpoint.init_from`` when set (:mod:`moetrain.train.start`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ from moetrain.config import Config
 from moetrain.faults import fault_point
 from moetrain.model.attention import attention_report
 from moetrain.monitor.run_monitor import RunMonitor
-from moetrain.parallel.deepspeed import dump_deepspeed_config
+from moetrain.parallel.deepspeed import check_precision_supported, dump_deepspeed_config
 from moetrain.parallel.topology import Topology, init_distributed, shutdown
 from moetrain.parallel.watchdog import CollectiveFailure, is_collective_failure
 from moetrain.secrets import redact
 from moetrain.train.cadence import Clock, Periodic
 from moetrain.train.launcher_env import launcher_disagreements
 from moetrain.train.signals import StopSignal, agree_any
+from moetrain.train.start import choose_start, open_start
 from moetrain.train.step import Batch
 from moetrain.train.trainer import Trainer
 
@@ -68,7 +69,9 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     stop = StopSignal().install()
     finished = False
     try:
+        check_precision_supported(cfg.train.precision)  # before any process group starts
         topo = init_distributed(cfg)
+        source = open_start(cfg)  # a bad checkpoint.init_from fails before anything is written
         t, c = cfg.train, cfg.checkpoint
 
         def loader(split: str) -> Any:
@@ -83,9 +86,9 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
             )
 
         train_loader = loader("train")
-        trainer = Trainer(cfg, topo)
         ckpt = Checkpointer(cfg, topo)
-        resume_path = ckpt.find_resume()
+        resume_path = choose_start(cfg, ckpt, source)
+        trainer = Trainer(cfg, topo, init=None if resume_path else source)
         resumed_wandb_id = None
         if resume_path is not None:
             state = ckpt.load(resume_path, trainer, train_loader, reset_optimizer)
@@ -123,11 +126,12 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
                 monitor.say(f"attention: {attention_report(trainer.model)}")
             first_loss = rec["loss"] if first_loss is None else first_loss
             last_loss = rec["loss"]
-            monitor.step_done(rec, data_s, log=log.due(trainer.step))
+            sources = train_loader.source_progress()
+            monitor.step_done(rec, data_s, log=log.due(trainer.step), sources=sources)
             if evaluate.due(trainer.step):
                 topo.phase(f"evaluation at step {trainer.step}")
-                eval_loss = trainer.evaluate(loader("val").iter_eval(t.eval_steps))
-                monitor.eval_done(trainer.step, eval_loss)
+                eval_loss, by_source = loader("val").evaluate(t.eval_steps, trainer.evaluate)
+                monitor.eval_done(trainer.step, eval_loss, by_source)
             topo.phase(f"agreeing on stop / save after step {trainer.step}")
             signalled, time_due = agree_any(topo, [stop.received is not None, save_clock.due()])
             if signalled or time_due or save.due(trainer.step):

@@ -30,8 +30,26 @@ GRAD_NAMES = (
     "layers.0.ffn.shared_expert.w1.weight",
     "layers.1.ffn.shared_expert.w2.weight",
     "layers.1.ffn.shared_gate.weight",
+    "layers.0.ffn.w1.weight",  # a dense first layer (moe.first_k_dense)
     "lm_head.weight",
 )
+# Routing variants, each combining several settings on top of the base configuration (softmax
+# top-k, gated shared expert, aux-loss-free bias, global micro-batch balance statistics).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "routing": {  # sigmoid scores with the bias, group-limited, a dense first layer
+        "moe.num_experts": 8,
+        "moe.score_func": "sigmoid",
+        "moe.n_group": 4,
+        "moe.topk_group": 2,
+        "moe.first_k_dense": 1,
+        "moe.aux_loss_scope": "sequence",
+    },
+    "capacity": {  # drops at capacity factor 1, top-k before softmax, step-wide statistics
+        "moe.capacity_factor": 1.0,
+        "moe.topk_before_score": True,
+        "moe.aux_loss_scope": "global_batch",
+    },
+}
 
 
 def parity_config(world: int, ep: int, stage: int, **extra: Any) -> Config:
@@ -88,34 +106,47 @@ def _biases(model: torch.nn.Module) -> list[list[float]]:
     ]
 
 
-def reference_run() -> dict[str, Any]:
-    """One process, plain torch (no DeepSpeed), per-expert loop experts: the simplest reference."""
+def reference_run(variant: str | None = None, capacity_groups: int = 1) -> dict[str, Any]:
+    """One process, plain torch (no DeepSpeed), per-expert loop experts: the simplest reference.
+
+    ``capacity_groups``: how many expert-parallel groups the layout splits each global
+    micro-batch into (world / ep_size); each decides capacity over its own tokens.
+    """
+    from moetrain.model.moe.dispatch import LocalDispatcher
     from moetrain.model.transformer import Transformer
     from moetrain.train.optim import LRSchedule, param_groups
 
-    cfg = parity_config(1, 1, 0, **{"moe.grouped_mm": False})
+    cfg = parity_config(1, 1, 0, **{"moe.grouped_mm": False, **VARIANTS.get(variant, {})})
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg.model, cfg.moe)
+    for layer in model.moe_layers():
+        layer.dispatcher = LocalDispatcher(cfg.moe.num_experts, capacity_groups)
     o = cfg.optim
     opt = torch.optim.AdamW(
         param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False
     )
     sched = LRSchedule(opt, o, STEPS, 0)
     routers = [m.router for m in model.moe_layers()]
-    losses, norms, grads = [], [], {}
+    params = dict(model.named_parameters())
+    names = [n for n in GRAD_NAMES if n in params]
+    losses, norms, grads, dropped = [], [], {}, 0
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         total = 0.0
         loads = None
+        for router in routers:
+            router.begin_step()
         for batch in global_batches(step):
             out = model(batch["input_ids"], None, batch["labels"])
             (out.loss / ACCUM).backward()
+            for router in routers:
+                router.end_micro_batch()
             total += float(out.loss.detach()) / ACCUM
             step_loads = torch.stack([m.tokens_per_expert_E for m in out.moe])
             loads = step_loads if loads is None else loads + step_loads
-        params = dict(model.named_parameters())
+            dropped += sum(int(m.dropped) for m in out.moe)
         if step == 0:
-            grads = {n: params[n].grad.clone() for n in GRAD_NAMES}
+            grads = {n: params[n].grad.clone() for n in names}
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
         sched.step()
@@ -123,7 +154,13 @@ def reference_run() -> dict[str, Any]:
             router.update_bias(load)
         losses.append(total)
         norms.append(float(norm))
-    return {"losses": losses, "norms": norms, "grads": grads, "biases": _biases(model)}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "biases": _biases(model),
+        "dropped": dropped,
+    }
 
 
 def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
@@ -139,7 +176,7 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
 
     def capture(tr: Trainer) -> None:
         params = dict(tr.model.named_parameters())
-        for name in GRAD_NAMES:
+        for name in (n for n in GRAD_NAMES if n in params):
             g = safe_get_full_grad(params[name])
             grads[name] = g.detach().clone().float()
         if cfg.parallel.zero_stage == 0:
@@ -148,12 +185,13 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
 
             ds_norm.append(float(clip_grad_norm_(tr.model.parameters(), max_norm=float("inf"))))
 
-    losses, norms = [], []
+    losses, norms, dropped = [], [], 0.0
     for step in range(STEPS):
         micro = [rank_slice(b, rank, world) for b in global_batches(step)]
         rec = trainer.train_step(micro, before_step=capture if step == 0 else None)
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
+        dropped += sum(v["dropped"] for v in rec["moe_layers"].values())
     lo, hi = topo.local_experts(cfg.moe.num_experts)
     result = {
         "losses": losses,
@@ -163,21 +201,37 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
         "experts": (lo, hi),
         "ds_moe": bool(trainer.engine.has_moe_layers),
         "deepspeed_stage0_norm": ds_norm[0] if ds_norm else None,
+        "dropped": dropped,
     }
     del trainer
     return result
 
 
 def layout_key(layout: tuple) -> str:
-    """``(ep, stage)`` -> ``ep2_zero1``; a third item ``"ckpt"`` adds activation checkpointing."""
+    """``(ep, stage)`` -> ``ep2_zero1``; more items name a variant: ``"ckpt"`` (activation
+    checkpointing), ``"overlap"`` (DeepSpeed's overlap_comm) or a key of :data:`VARIANTS`."""
     return "_".join([f"ep{layout[0]}", f"zero{layout[1]}", *layout[2:]])
 
 
+def reference_key(world: int, layout: tuple) -> str:
+    """The reference run a layout is compared with (see :func:`layouts_job`)."""
+    variant = next((v for v in layout[2:] if v in VARIANTS), None)
+    if variant is None:
+        return "reference"
+    if variant == "capacity":
+        return f"reference_capacity_g{world // layout[0]}"
+    return f"reference_{variant}"
+
+
 def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
-    """Run every ``(ep_size, zero_stage[, "ckpt" | "overlap"])`` in ``layouts`` on this group."""
+    """Run every ``(ep_size, zero_stage[, variant])`` in ``layouts`` on this group; the world-1
+    job also runs every reference (plain torch, one process)."""
     out: dict[str, Any] = {}
     if world == 1:
         out["reference"] = reference_run()
+        out["reference_routing"] = reference_run("routing")
+        for groups in (1, 2):
+            out[f"reference_capacity_g{groups}"] = reference_run("capacity", groups)
     for layout in layouts:
         ep, stage, *variant = layout
         extra = {}
@@ -186,6 +240,8 @@ def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
             extra["moe.recompute_act"] = True
         if "overlap" in variant:
             extra["parallel.overlap_comm"] = True
+        for name in variant:
+            extra.update(VARIANTS.get(name, {}))
         cfg = parity_config(world, ep, stage, **extra)
         out[layout_key(layout)] = _parallel_run(cfg, rank, world)
     return out

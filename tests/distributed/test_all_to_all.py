@@ -1,11 +1,13 @@
 """The expert-parallel dispatcher on 2 real gloo ranks against the local dispatcher.
 
-Each rank routes its own tokens; the reference runs the same tokens through the local
-dispatcher with all experts. Outputs and the gradients of the input and of the routing weights
-must match per rank (a dropped copy's weight gets a zero gradient), and each rank's
-expert-weight gradients must equal the sum over ranks of the reference gradients of its experts
-(every peer's tokens contribute). Covers dropless routing, capacity drops, an expert that gets
-no tokens, and a rank whose copies are all dropped.
+Each rank routes its own tokens; the reference runs the EP group's tokens (both ranks') through
+the local dispatcher with all experts, capacity decided over all of them. Each rank's outputs and
+the gradients of its input and routing weights must equal its part of the reference's (a dropped
+copy's weight gets a zero gradient), and each rank's expert-weight gradients the reference's
+gradients of its experts. Covers dropless routing, capacity drops with tied weights, an expert
+that gets no tokens, and a rank whose copies are all dropped (the other rank's weights win every
+slot). Rows travel once per token and destination rank: the traffic counted is checked against
+the routes.
 """
 
 from __future__ import annotations
@@ -20,22 +22,24 @@ pytestmark = pytest.mark.slow
 
 T, K, D, F, E = 12, 2, 8, 16, 4
 
-
-CASES = ("dropless", "capacity", "empty_expert", "all_dropped")
+CASES = {"dropless": 0.0, "capacity": 0.75, "empty_expert": 0.0, "all_dropped": 0.5}
 
 
 def _case(rank: int, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * rank + CASES.index(name))
+    """Rank ``rank``'s tokens, expert ids and routing weights."""
+    g = torch.Generator().manual_seed(100 * rank + list(CASES).index(name))
     x = torch.randn(T, D, generator=g)
     experts = torch.tensor([0, 2, 3]) if name == "empty_expert" else torch.arange(E)
     n = len(experts)
     ids = torch.stack([experts[torch.randperm(n, generator=g)[:K]] for _ in range(T)])
-    keep = torch.ones(T, K, dtype=torch.bool)
+    weights = torch.rand(T, K, generator=g)
     if name == "capacity":
-        keep = torch.rand(T, K, generator=g) > 0.3
-    elif name == "all_dropped" and rank == 1:
-        keep = torch.zeros(T, K, dtype=torch.bool)
-    return x, ids, keep
+        weights = weights.round(decimals=1)  # ties between and within ranks
+    elif name == "all_dropped":  # rank 0's copies outweigh every copy of rank 1
+        weights = weights * 0.1 + (0.8 if rank == 0 else 0.0)
+        ids = ids % 2  # both ranks compete for experts 0 and 1 (capacity 6 each, 24 copies)
+        ids[:, 1] = 1 - ids[:, 0]
+    return x, ids, weights
 
 
 def _job(rank: int, world: int) -> dict:
@@ -46,9 +50,8 @@ def _job(rank: int, world: int) -> dict:
     from moetrain.parallel.expert_parallel import AllToAllDispatcher, slice_experts
 
     out = {}
-    for name in CASES:
-        x, ids, keep = _case(rank, name)
-        weights = torch.rand(T, K, generator=torch.Generator().manual_seed(rank))
+    for name, cf in CASES.items():
+        parts = [_case(r, name) for r in range(world)]
         torch.manual_seed(0)
         full = GroupedExperts(E, D, F, grouped_mm=False)
         for w in (full.w13, full.w2):
@@ -58,34 +61,38 @@ def _job(rank: int, world: int) -> dict:
         lo, hi = rank * (E // world), (rank + 1) * (E // world)
         slice_experts(local, lo, hi)
 
-        # reference: local dispatcher, all experts
-        xr = x.clone().requires_grad_(True)
-        wr = weights.clone().requires_grad_(True)
+        # reference: the EP group's tokens through the local dispatcher, all experts
+        xr = torch.cat([p[0] for p in parts]).requires_grad_(True)
+        wr = torch.cat([p[2] for p in parts]).requires_grad_(True)
+        ids_all = torch.cat([p[1] for p in parts])
         ld = LocalDispatcher(E)
-        x_nd, w_n, counts, ctx = ld.dispatch(xr, Routes(ids, wr, keep))
+        x_nd, w_n, counts, ctx = ld.dispatch(xr, Routes(ids_all, wr, cf))
         y_ref = ld.combine(full(x_nd, counts, w_n), ctx)
         y_ref.pow(2).sum().backward()
-        ref_w = full.w13.grad.clone()
-        ref_w2 = full.w2.grad.clone()
-        dist.all_reduce(ref_w)
-        dist.all_reduce(ref_w2)
+        mine = slice(rank * T, (rank + 1) * T)
 
         # expert parallel
+        x, ids, weights = parts[rank]
         xe = x.clone().requires_grad_(True)
         we = weights.clone().requires_grad_(True)
-        ad = AllToAllDispatcher(E, world, rank, dist.group.WORLD)
-        x_md, w_m, counts_l, actx = ad.dispatch(xe, Routes(ids, we, keep))
+        ad = AllToAllDispatcher(E, world, rank, dist.group.WORLD, nodes=list(range(world)))
+        x_md, w_m, counts_l, actx = ad.dispatch(xe, Routes(ids, we, cf))
         y_ep = ad.combine(local(x_md, counts_l, w_m), actx)
         y_ep.pow(2).sum().backward()
 
+        keep = ld.capacity_keep(Routes(ids_all, wr, cf))[mine] if cf else None
         out[name] = {
-            "y": (y_ep.detach(), y_ref.detach()),
-            "dx": (xe.grad, xr.grad),
-            "dweights": (we.grad, wr.grad),
-            "dweights_dropped": we.grad[~keep],
-            "dw13": (local.w13.grad, ref_w[lo:hi]),
-            "dw2": (local.w2.grad, ref_w2[lo:hi]),
+            "y": (y_ep.detach(), y_ref.detach()[mine]),
+            "dx": (xe.grad, xr.grad[mine]),
+            "dweights": (we.grad, wr.grad[mine]),
+            "dweights_dropped": None if keep is None else we.grad[~keep],
+            "dw13": (local.w13.grad, full.w13.grad[lo:hi]),
+            "dw2": (local.w2.grad, full.w2.grad[lo:hi]),
             "counts": counts_l.tolist(),
+            "dropped": (int(actx.dropped), int(ctx.dropped)),
+            "kept_of_mine": None if keep is None else int(keep.sum()),
+            "traffic": ad.traffic.take(),
+            "routes": ids,
         }
     return out
 
@@ -103,18 +110,35 @@ def test_matches_local_dispatcher(results: list[dict], case: str) -> None:
             got, want = r[key]
             assert got.shape == want.shape, (rank, key)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{case} {key}")
-        assert not r["dweights_dropped"].any(), (rank, case)
+        if r["dweights_dropped"] is not None:
+            assert not r["dweights_dropped"].any(), (rank, case)
 
 
-def test_counts_cover_every_routed_copy(results: list[dict]) -> None:
+def test_counts_drops_and_traffic(results: list[dict]) -> None:
     total = sum(sum(res["dropless"]["counts"]) for res in results)
     assert total == 2 * T * K
     # expert 1 (rank 0's second expert) receives nothing from either rank
     assert results[0]["empty_expert"]["counts"][1] == 0
-    # rank 1 dropped every copy; rank 0 still receives its own copies
-    assert sum(results[1]["all_dropped"]["counts"]) + sum(
-        results[0]["all_dropped"]["counts"]
-    ) == int(T * K)
+    for case in ("capacity", "all_dropped"):
+        # drops counted where the experts live add up to the reference's
+        assert sum(res[case]["dropped"][0] for res in results) == results[0][case]["dropped"][1]
+        assert results[0][case]["dropped"][1] > 0
+    assert results[1]["all_dropped"]["kept_of_mine"] == 0  # rank 1 lost every slot
+    assert results[0]["all_dropped"]["kept_of_mine"] > 0
+
+    # one row per token and destination rank (ranks on separate nodes here); bytes: the counts
+    # exchange, rows (D floats) and their 2K slot values out, results (D floats) back; in
+    # backward the same exchanges in reverse
+    def rows(r: int, p: int) -> int:
+        dest = torch.div(results[r]["dropless"]["routes"], E // 2, rounding_mode="floor")
+        return int((dest == p).any(1).sum())
+
+    for rank, res in enumerate(results):
+        sent, received = rows(rank, 1 - rank), rows(1 - rank, rank)
+        moved = (sent + received) * 4 * (2 * D + 2 * K) + (E // 2 + 2) * 8
+        total = rows(rank, 0) + rows(rank, 1)
+        assert res["dropless"]["traffic"] == [total, sent, sent, moved, moved]
+        assert total < T * K  # some tokens have both experts on one rank
 
 
 def _overlap_job(rank: int, world: int) -> dict:

@@ -1,6 +1,8 @@
 """Proof for every supported format: a tiny model trained by the real trainer with EP=2 on two
 ranks (torchrun, gloo), converted; transformers loads it, its logits equal moetrain's to 1e-4
-(fp32) on a batch of text, and greedy generation gives the same tokens."""
+(fp32) on a batch of text, and greedy generation gives the same tokens. One Mixtral run trains
+in bf16: its checkpoint holds the fp32 master weights, which the conversion exports (or rounds
+to the requested ``--dtype``)."""
 
 from __future__ import annotations
 
@@ -54,9 +56,11 @@ FORMATS = {
         "moe.bias_update_rate=0.05",
         "moe.route_scale=2.0",
     ],
+    "mixtral_bf16": ["train.precision=bf16"],
 }
 ARCH = {
     "mixtral": "MixtralForCausalLM",
+    "mixtral_bf16": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
@@ -136,3 +140,27 @@ def test_trained_ep2_checkpoint_converts_exactly(tmp_path, trained, fmt: str) ->
     assert text_ckpt == generate_text(out, prompt, 16, temperature=0.0)
     expected = hf_new[:-1] if hf_new and hf_new[-1] == tok.eos_token_id else hf_new
     assert tok.decode(prompt_ids + expected) == prompt + text_ckpt
+
+
+def test_bf16_run_exports_its_fp32_masters(tmp_path, trained) -> None:
+    """The bf16 run's checkpoint holds fp32 weights finer than bf16 (the masters, not the bf16
+    module upcast); `--dtype fp32` exports them as they are, `--dtype bf16` rounds them."""
+    from safetensors.torch import load_file
+
+    from moetrain.checkpoint.read import iter_layer_states
+
+    ckpt, _ = trained["mixtral_bf16"]
+    model, cfg = load_model(ckpt)
+    assert cfg.train.precision == "bf16"
+    weights = dict(model.named_parameters())
+    assert all(p.dtype == torch.float32 for p in weights.values())
+    finer = sum(int((p != p.bfloat16().float()).sum()) for p in weights.values())
+    assert finer > 0.5 * sum(p.numel() for p in weights.values())
+    dense = next(iter_layer_states(ckpt, cfg))[1]
+    fp32 = load_file(convert_checkpoint(ckpt, tmp_path / "fp32", fmt="auto") / "model.safetensors")
+    bf16 = load_file(
+        convert_checkpoint(ckpt, tmp_path / "bf16", fmt="auto", dtype="bf16") / "model.safetensors"
+    )
+    ours, theirs = dense["layers.0.attn.wq.weight"], "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(fp32[theirs], ours)
+    assert bf16[theirs].dtype == torch.bfloat16 and torch.equal(bf16[theirs], ours.bfloat16())

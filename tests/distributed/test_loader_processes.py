@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from moetrain.config import load_config
-from moetrain.data import build_loader, prepare
+from moetrain.data import build_loader
+from moetrain.data.prepare import prepare
 from tests.helpers.distributed import run_distributed
 
 MB, SEED = 3, 5

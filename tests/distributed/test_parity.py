@@ -5,12 +5,18 @@ world 1 (DeepSpeed, ZeRO 0/2), dp=2 (world 2, ep 1), dp=1 x ep=2 (world 2), dp=2
 (world 4), each for ZeRO stages 0, 1, 2 where listed, and dp=1 x ep=2 ZeRO-2 with activation
 checkpointing (blocks recomputed in backward, all-to-alls included), and dp=2 ZeRO-2 with
 DeepSpeed's overlap_comm (on CPU the engine's reduction stream is a no-op, so this proves the
-configuration path, not the overlap). The reference is plain torch in one
-process with the per-expert loop (no DeepSpeed, no dispatcher swap).
+configuration path, not the overlap). Two routing variants (``parity_jobs.VARIANTS``) run on
+dp=2, ep=2 and dp=2 x ep=2, which between them use ZeRO stages 0, 1 and 2: ``routing`` (sigmoid scores with the aux-loss-free
+bias, group-limited routing across the EP ranks, a dense first layer, per-sequence balance loss)
+and ``capacity`` (capacity factor 1 with drops, top-k before softmax, step-wide balance
+statistics). The base configuration has a gated shared expert. The reference is plain torch in
+one process with the per-expert loop (no DeepSpeed, no dispatcher swap); for capacity it decides
+capacity in world / ep_size parts of each global micro-batch, one per EP group, as the layout
+does.
 
 This proves: no EP-scaled expert gradients, a correct global clipping norm under EP at every
 stage (moetrain's own at stage 0, where DeepSpeed's is wrong: the control run shows it), global
-aux-loss statistics, and an identical aux-loss-free bias on every rank.
+aux-loss statistics, the same dropped copies, and an identical aux-loss-free bias on every rank.
 """
 
 from __future__ import annotations
@@ -18,15 +24,35 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.parity_jobs import GRAD_NAMES, STEPS, layout_key, layouts_job, parity_config
+from tests.distributed.parity_jobs import (
+    STEPS,
+    VARIANTS,
+    layout_key,
+    layouts_job,
+    parity_config,
+    reference_key,
+)
 from tests.helpers.distributed import run_distributed_concurrently
 
 pytestmark = pytest.mark.slow
 
 JOBS = {
     1: [(1, 0), (1, 2)],
-    2: [(1, 0), (1, 1), (1, 2), (1, 2, "overlap"), (2, 0), (2, 1), (2, 2), (2, 2, "ckpt")],
-    4: [(2, 0), (2, 1), (2, 2)],
+    2: [
+        (1, 0),
+        (1, 1),
+        (1, 2),
+        (1, 2, "overlap"),
+        (2, 0),
+        (2, 1),
+        (2, 2),
+        (2, 2, "ckpt"),
+        (1, 1, "routing"),
+        (2, 0, "routing"),
+        (1, 0, "capacity"),
+        (2, 1, "capacity"),
+    ],
+    4: [(2, 0), (2, 1), (2, 2), (2, 2, "routing"), (2, 2, "capacity")],
 }
 LAYOUTS = [(w, lay) for w, lays in JOBS.items() for lay in lays]
 REL = 1e-5
@@ -48,34 +74,55 @@ def reference(results: dict[int, list[dict]]) -> dict:
     return results[1][0]["reference"]
 
 
+def _reference(results: dict[int, list[dict]], world: int, layout: tuple) -> dict:
+    return results[1][0][reference_key(world, layout)]
+
+
 def _rel(a: list[float], b: list[float]) -> float:
     ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
     return float(((ta - tb).abs() / tb.abs()).max())
 
 
-def test_reference_clips_every_step(reference: dict) -> None:
+@pytest.mark.parametrize("key", ["reference", "reference_routing", "reference_capacity_g2"])
+def test_reference_clips_every_step(results, key: str) -> None:
+    reference = results[1][0][key]
     clip = parity_config(1, 1, 0).optim.grad_clip
     assert len(reference["norms"]) == STEPS
     assert min(reference["norms"]) > 1.5 * clip  # the proof below covers real clipping
     assert reference["losses"][0] != reference["losses"][-1]
 
 
+def test_capacity_variant_drops_and_depends_on_the_groups(results) -> None:
+    """Copies are really dropped, and deciding capacity per EP group (data-parallel layouts)
+    differs from deciding it over the whole global batch: the references are not the same."""
+    one, two = (results[1][0][f"reference_capacity_g{g}"] for g in (1, 2))
+    assert one["dropped"] > 0 and two["dropped"] > 0
+    assert one["losses"] != two["losses"]
+    assert results[1][0]["reference"]["dropped"] == 0
+
+
 @pytest.mark.parametrize("world,layout", LAYOUTS, ids=[f"w{w}-{_key(la)}" for w, la in LAYOUTS])
-def test_losses_and_norms_match_reference(results, reference, world: int, layout: tuple) -> None:
+def test_losses_and_norms_match_reference(results, world: int, layout: tuple) -> None:
+    reference = _reference(results, world, layout)
     for rank, res in enumerate(results[world]):
         run = res[_key(layout)]
         assert run["ds_moe"], "DeepSpeed did not recognise the model as MoE"
         assert _rel(run["losses"], reference["losses"]) < REL, (rank, run["losses"])
         assert _rel(run["norms"], reference["norms"]) < REL, (rank, run["norms"])
+        assert run["dropped"] == reference["dropped"], rank
 
 
 @pytest.mark.parametrize("world,layout", LAYOUTS, ids=[f"w{w}-{_key(la)}" for w, la in LAYOUTS])
-def test_gradients_after_first_step_match(results, reference, world: int, layout: tuple) -> None:
+def test_gradients_after_first_step_match(results, world: int, layout: tuple) -> None:
+    reference = _reference(results, world, layout)
+    num_experts = parity_config(1, 1, 0, **VARIANTS.get(layout[-1], {})).moe.num_experts
+    assert any(".experts." in name for name in reference["grads"])
     for rank, res in enumerate(results[world]):
         run = res[_key(layout)]
         lo, hi = run["experts"]
-        assert hi - lo == 4 // layout[0]
-        for name in GRAD_NAMES:
+        assert hi - lo == num_experts // layout[0]
+        assert run["grads"].keys() == reference["grads"].keys()
+        for name in reference["grads"]:
             want = reference["grads"][name]
             if ".experts." in name:
                 want = want[lo:hi]  # this rank's experts only
@@ -86,7 +133,8 @@ def test_gradients_after_first_step_match(results, reference, world: int, layout
 
 
 @pytest.mark.parametrize("world,layout", LAYOUTS, ids=[f"w{w}-{_key(la)}" for w, la in LAYOUTS])
-def test_bias_identical_on_every_rank(results, reference, world: int, layout: tuple) -> None:
+def test_bias_identical_on_every_rank(results, world: int, layout: tuple) -> None:
+    reference = _reference(results, world, layout)
     biases = [res[_key(layout)]["biases"] for res in results[world]]
     assert all(b == biases[0] for b in biases), "expert_bias differs between ranks"
     assert any(abs(v) > 0 for layer in biases[0] for v in layer), "the bias never moved"

@@ -3,7 +3,9 @@
 After one optimizer step of the real Trainer, each rank's model weights, its ZeRO fp32
 partition and AdamW's moments are counted tensor by tensor and compared with
 ``plan(cfg, gpus=2)``: the formula must hold for what DeepSpeed actually allocates (fp32 and
-bf16, ZeRO-1 and ZeRO-2, EP 1 and 2)."""
+bf16, ZeRO-1 and ZeRO-2, EP 1 and 2). Under bf16 the gradients are counted too, after the last
+backward of the step: DeepSpeed's fp32 accumulation buffers (ZeRO-1: whole, in its
+BF16_Optimizer; ZeRO-2: this rank's partition) and no bf16 gradient left alive."""
 
 from __future__ import annotations
 
@@ -28,11 +30,26 @@ LAYOUTS = [  # (ep_size, zero_stage, precision)
     (2, 2, "fp32"),
     (1, 1, "fp32"),
     (2, 1, "bf16"),
+    (2, 2, "bf16"),
 ]
 
 
 def _nbytes(tensors) -> int:  # noqa: ANN001
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _grad_bytes(trainer) -> dict:  # noqa: ANN001
+    """Gradient memory after the last backward: DeepSpeed's fp32 buffers (storages counted
+    once) and the module's own ``.grad`` tensors."""
+    opt = trainer.engine.optimizer
+    if hasattr(opt, "fp32_groups_gradients_flat"):  # BF16_Optimizer (ZeRO-1)
+        buffers = list(opt.fp32_groups_gradients_flat)
+    else:  # ZeRO-2: the partition this rank reduces into
+        buffers = [t for ts in opt.averaged_gradients.values() if ts for t in ts]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers}
+    dtypes = {str(t.dtype) for t in buffers}
+    live = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+    return {"buffers": sum(storages.values()), "dtypes": dtypes, "module_grads": _nbytes(live)}
 
 
 def _job(rank: int, world: int) -> list[dict]:
@@ -50,8 +67,17 @@ def _job(rank: int, world: int) -> list[dict]:
         trainer = Trainer(cfg, init_distributed(cfg))
         g = torch.Generator().manual_seed(rank)
         ids = torch.randint(0, 512, (2, 33), generator=g)
-        trainer.train_step([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}])
+        grads: dict = {}
+
+        def count(tr, grads: dict = grads, precision: str = precision) -> None:  # noqa: ANN001
+            if precision == "bf16":
+                grads.update(_grad_bytes(tr))
+
+        trainer.train_step([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], before_step=count)
         zero_opt = trainer.engine.optimizer
+        masters = getattr(zero_opt, "single_partition_of_fp32_groups", None)
+        if masters is None:  # BF16_Optimizer
+            masters = zero_opt.fp32_groups_flat_partition
         moments = [
             t for state in zero_opt.optimizer.state.values() for t in state.values() if t.dim()
         ]
@@ -61,11 +87,13 @@ def _job(rank: int, world: int) -> list[dict]:
                 "layout": (ep, zero, precision),
                 "weights": _nbytes(trainer.model.parameters()),
                 "plan_weights": pl.weights_bytes,
-                "optimizer": _nbytes(zero_opt.single_partition_of_fp32_groups) + _nbytes(moments),
+                "optimizer": _nbytes(masters) + _nbytes(moments),
                 "plan_optimizer": pl.optimizer_bytes,
+                "grads": grads,
+                "plan_grads": pl.grads_bytes,
             }
         )
-        del trainer, zero_opt, moments
+        del trainer, zero_opt, moments, masters
     return out
 
 
@@ -75,3 +103,7 @@ def test_plan_model_state_equals_deepspeed_zero_allocations() -> None:
             assert r["weights"] == r["plan_weights"], r
             # ZeRO pads each flat group to a multiple of the world size: a few elements
             assert r["optimizer"] == pytest.approx(r["plan_optimizer"], rel=1e-3), r
+            if r["layout"][2] == "bf16":  # fp32 accumulation, the bf16 gradients already freed
+                assert r["grads"]["dtypes"] == {"torch.float32"}, r
+                assert r["grads"]["module_grads"] == 0, r
+                assert r["grads"]["buffers"] == pytest.approx(r["plan_grads"], rel=1e-3), r

@@ -137,6 +137,7 @@ def single(runs: dict[str, tuple]) -> list[dict]:
 def test_plain_process(single: list[dict]) -> None:
     assert any("val_loss" in r for r in single)
     assert [sum(_loads(single[0], i)) for i in (0, 1)] == [4 * 32 * 2] * 2
+    assert not any(key.startswith("comm/") for key in single[0])  # no all-to-all at EP=1
 
 
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
@@ -149,3 +150,10 @@ def test_launcher_two_processes(launcher: str, runs: dict[str, tuple], single: l
     # tokens per expert are global counts: 2 layers x 4 experts summing to tokens x top_k
     tokens = 4 * 32 * 2
     assert [sum(_loads(records[0], i)) for i in (0, 1)] == [tokens, tokens]
+    # the expert all-to-alls, summed over ranks and the 2 MoE layers: a row per token and
+    # destination rank (1 or 2 of them with top-2), some to the other rank, none to another node
+    rec = records[0]
+    assert 2 * 4 * 32 <= rec["comm/a2a_rows"] <= 2 * tokens
+    assert 0 < rec["comm/a2a_rows_off_rank"] < rec["comm/a2a_rows"]
+    assert rec["comm/a2a_bytes_off_rank"] > rec["comm/a2a_rows_off_rank"] * 4 * 32
+    assert rec["comm/a2a_rows_off_node"] == rec["comm/a2a_bytes_off_node"] == 0

@@ -4,11 +4,13 @@ The reference is one uninterrupted 10-step run (checkpoints every 2 steps, keep 
 wandb offline with a sentinel WANDB_API_KEY). Every interrupted run must log exactly the
 reference's losses, bit for bit: on CPU, DeepSpeed restores the fp32 weights and Adam states
 exactly, the data position and per-rank RNG states are restored, and the kernels are
-deterministic.
+deterministic. The same holds in bf16 (its own uninterrupted reference): the checkpoint holds
+the fp32 masters, and the bf16 weights are rounded from them as the live ones were.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -36,6 +38,7 @@ from tests.helpers.launch import CONFIG, PY, logged_losses, losses, rank_pid
 
 pytestmark = pytest.mark.slow
 
+BF16 = {"train.precision": "bf16"}
 SENTINEL = "sentinel-wandb-key-0123456789abcdef"
 
 
@@ -112,7 +115,7 @@ def test_report_renders_plots_of_a_real_run(reference, tmp_path):
     assert all(p.stat().st_size > 5000 for p in pngs)
 
 
-# The four interruption scenarios below are independent of each other once the reference
+# The interruption scenarios below are independent of each other once the reference
 # exists. Each runs in a thread of its own (its own launches one after another), two scenarios
 # at a time, so that on 2 cores one scenario's start-ups fill the other's waits (more at once
 # only adds contention). A scenario does the launches and the checks its next launch depends
@@ -124,7 +127,7 @@ def test_report_renders_plots_of_a_real_run(reference, tmp_path):
 SAVE_FAULTS = ["save.after_shards:1:10"]
 
 
-def _sigterm_scenario(data: list[str], tmp_path: Path) -> tuple[Path, int, str]:
+def _sigterm_scenario(data: list[str], tmp_path: Path, **extra: str) -> tuple[Path, int, str]:
     run_dir = tmp_path / "run"
     ov = overrides(
         data,
@@ -132,6 +135,7 @@ def _sigterm_scenario(data: list[str], tmp_path: Path) -> tuple[Path, int, str]:
             "checkpoint.save_every_steps": "100",
             "logging.wandb.mode": "offline",
             "logging.wandb.respect_env_mode": "false",
+            **extra,
         },
     )
     log = tmp_path / "first.log"
@@ -152,6 +156,15 @@ def _sigterm_scenario(data: list[str], tmp_path: Path) -> tuple[Path, int, str]:
     r = run(torchrun(run_dir, ov))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return run_dir, stopped, r.stdout
+
+
+def _bf16_scenario(data: list[str], tmp_path: Path) -> tuple[Path, Path, int]:
+    """An uninterrupted bf16 run, then the SIGTERM scenario in bf16."""
+    reference = tmp_path / "reference"
+    r = run(torchrun(reference, overrides(data, **BF16)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_dir, stopped, _ = _sigterm_scenario(data, tmp_path / "interrupted", **BF16)
+    return reference, run_dir, stopped
 
 
 def _truncated_scenario(
@@ -179,12 +192,15 @@ def _truncated_scenario(
 @pytest.fixture(scope="module")
 def scenarios(data, reference, tmp_path_factory) -> Iterator[dict[str, Future]]:
     """name -> the future outcome of that scenario; two scenarios run at a time."""
-    work = {name: tmp_path_factory.mktemp(name) for name in ("sigterm", "crash", "save", "trunc")}
+    names = ("sigterm", "bf16", "crash", "save", "trunc")
+    work = {name: tmp_path_factory.mktemp(name) for name in names}
+    (work["bf16"] / "interrupted").mkdir()
     with ThreadPoolExecutor(max_workers=2) as pool:
         yield {
             "crash": pool.submit(kill_worker_in_place, data, work["crash"]),
             "save": pool.submit(kill_during_save, data, reference, work["save"], SAVE_FAULTS),
             "sigterm": pool.submit(_sigterm_scenario, data, work["sigterm"]),
+            "bf16": pool.submit(_bf16_scenario, data, work["bf16"]),
             "trunc": pool.submit(_truncated_scenario, data, reference, work["trunc"]),
         }
 
@@ -199,6 +215,19 @@ def test_sigterm_to_one_rank_saves_everywhere_and_resume_matches(scenarios, refe
     first, second = offline_run_dirs(run_dir)  # the resumed run continues the same wandb run
     assert first.name.rsplit("-", 1)[1] == second.name.rsplit("-", 1)[1]
     assert [step for step, _ in _history(second)] == list(range(stopped + 1, STEPS + 1))
+
+
+def test_bf16_sigterm_and_resume_match_the_uninterrupted_bf16_run(scenarios, reference):
+    """SIGTERM to rank 1 of a bf16 run; the resumed run logs the uninterrupted bf16 run's losses
+    bit for bit (and they are not the fp32 run's)."""
+    bf16_reference, run_dir, stopped = scenarios["bf16"].result()
+    assert 3 <= stopped < STEPS
+    assert sorted(losses(bf16_reference)) == list(range(1, STEPS + 1))
+    assert losses(run_dir) == losses(bf16_reference)
+    assert losses(bf16_reference) != losses(reference)  # bf16 really ran
+    ckpt = run_dir / "checkpoints" / f"step_{stopped:08d}"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["config"]["train"]["precision"] == "bf16"
 
 
 def test_killed_worker_restarts_in_place_and_matches(scenarios, reference):

@@ -14,56 +14,9 @@ from moetrain.config import ConfigError
 from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.data.tokenizer import train_tokenizer
+from tests.helpers.hf_models import MOE_FAMILIES, hf_config, save_hf_model
 
 transformers = pytest.importorskip("transformers")
-
-SMALL = dict(
-    vocab_size=320,
-    hidden_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-    num_experts_per_tok=2,
-    rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
-    bos_token_id=2,
-    eos_token_id=3,
-    pad_token_id=0,
-)
-HF_CONFIGS = {
-    "mixtral": lambda: transformers.MixtralConfig(
-        **SMALL, intermediate_size=24, num_local_experts=4, sliding_window=None
-    ),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **SMALL,
-        intermediate_size=40,
-        moe_intermediate_size=24,
-        num_experts=4,
-        shared_expert_intermediate_size=36,
-        norm_topk_prob=True,
-        mlp_only_layers=[0],
-    ),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **SMALL,
-        intermediate_size=40,
-        moe_intermediate_size=24,
-        num_experts=4,
-        decoder_sparse_step=2,
-    ),
-    "glm4_moe": lambda: transformers.Glm4MoeConfig(
-        **{**SMALL, "rope_parameters": {**SMALL["rope_parameters"], "partial_rotary_factor": 1.0}},
-        intermediate_size=40,
-        moe_intermediate_size=24,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        routed_scaling_factor=1.5,
-        use_qk_norm=True,
-        num_mtp_layers=0,
-    ),
-}
 
 
 @pytest.fixture(scope="module")
@@ -73,17 +26,7 @@ def sp_model(tmp_path_factory) -> Path:
 
 
 def hf_model_dir(fmt: str, root: Path, sp_model: Path) -> Path:
-    torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[fmt]()).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.uniform_(-0.2, 0.2)
-    out = root / f"hf-{fmt}"
-    model.save_pretrained(out)
+    out = save_hf_model(fmt, root / f"hf-{fmt}")
     (out / "tokenizer.model").write_bytes(sp_model.read_bytes())
     return out
 
@@ -93,7 +36,7 @@ def hf_state(path: Path) -> dict[str, torch.Tensor]:
     return {**m.state_dict(), **dict(m.named_buffers())}
 
 
-@pytest.mark.parametrize("fmt", list(HF_CONFIGS))
+@pytest.mark.parametrize("fmt", MOE_FAMILIES)
 def test_hf_to_moetrain_to_hf_identical(tmp_path, sp_model, fmt: str) -> None:
     src = hf_model_dir(fmt, tmp_path, sp_model)
     ckpt = import_hf_checkpoint(src, tmp_path / "ckpt" / "step_00000000")
@@ -102,7 +45,7 @@ def test_hf_to_moetrain_to_hf_identical(tmp_path, sp_model, fmt: str) -> None:
     out = convert_checkpoint(ckpt, tmp_path / "out", fmt=fmt)
     saved = json.loads((out / "config.json").read_text())
     assert saved["architectures"] == [
-        type(transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[fmt]())).__name__
+        type(transformers.AutoModelForCausalLM.from_config(hf_config(fmt))).__name__
     ]
     a, b = hf_state(src), hf_state(out)
     assert set(a) == set(b)

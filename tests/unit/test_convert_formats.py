@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 CASES = {
     "mixtral": dict(model={}, moe={}),
     "qwen2_moe": dict(
-        model={},
+        model=dict(qkv_bias=True),
         moe=dict(
             first_k_dense=1,
             moe_every=2,
@@ -43,11 +43,15 @@ CASES = {
             bias_update_rate=1e-3,
         ),
     ),
+    "olmoe": dict(
+        model=dict(qk_norm=True, qk_norm_scope="projection", head_dim=None),
+        moe=dict(renormalize=False),
+    ),
 }
 
 
-def tiny_cfg(fmt: str) -> Config:
-    """The tiny model with 3 layers and what format ``fmt`` represents."""
+def tiny_cfg(fmt: str, extra: dict | None = None) -> Config:
+    """The tiny model with 3 layers and what format ``fmt`` represents (and ``extra``)."""
     return tiny_config(
         {
             "model.vocab_size": 96,
@@ -59,6 +63,7 @@ def tiny_cfg(fmt: str) -> Config:
         },
         {f"model.{k}": v for k, v in CASES[fmt]["model"].items()},
         {f"moe.{k}": v for k, v in CASES[fmt]["moe"].items()},
+        extra or {},
     )
 
 
@@ -69,6 +74,8 @@ def model_for(cfg: Config) -> Transformer:
         for name, p in m.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            if name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
         if cfg.moe.bias_update_rate > 0:
             for layer in m.moe_layers():
                 layer.router.expert_bias.uniform_(-0.3, 0.3)
@@ -99,8 +106,9 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     assert ref.abs().max() > 1e-2
     # HF config -> moetrain config, and both HF layouts (per-expert file, v5 fused) -> moetrain
     back_cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
-    unused = {"dense_hidden": back_cfg.model.dense_hidden} if fmt == "mixtral" else {}
-    assert back_cfg.model == dataclasses.replace(cfg.model, **unused)  # mixtral: no dense FFN
+    no_dense = fmt in ("mixtral", "olmoe")
+    unused = {"dense_hidden": back_cfg.model.dense_hidden} if no_dense else {}
+    assert back_cfg.model == dataclasses.replace(cfg.model, **unused)  # no dense FFN layer
     for key in (
         "num_experts",
         "top_k",
@@ -128,7 +136,21 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     ("fmt", "model_kw", "moe_kw", "key"),
     [
         ("olmoe", {}, {}, "model.qk_norm"),
-        ("olmoe", dict(qk_norm=True), {}, "model.qk_norm"),
+        ("olmoe", dict(qk_norm=True), {}, "model.qk_norm_scope"),
+        (
+            "olmoe",
+            dict(qk_norm=True, qk_norm_scope="projection"),
+            dict(num_shared_experts=1),
+            "moe.num_shared_experts",
+        ),
+        (
+            "olmoe",
+            dict(qk_norm=True, qk_norm_scope="projection", head_dim=16),
+            {},
+            "model.head_dim",
+        ),
+        ("qwen3_moe", dict(qk_norm=True, qk_norm_scope="projection"), {}, "model.qk_norm_scope"),
+        ("mixtral", dict(qkv_bias=True), {}, "model.qkv_bias"),
         ("qwen2_moe", {}, dict(num_shared_experts=1), "moe.shared_expert_gate"),
         ("qwen2_moe", {}, {}, "moe.num_shared_experts"),
         ("qwen3_moe", {}, {}, "model.qk_norm"),
@@ -153,12 +175,41 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
             "moe.shared_expert_hidden",
         ),
         ("mixtral", {}, dict(capacity_factor=1.0), "moe.capacity_factor"),
+        ("mixtral", {}, dict(n_group=2), "moe.n_group"),
+        ("qwen2_moe", {}, dict(n_group=4, topk_group=2), "moe.n_group"),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, n_group=8, topk_group=2),
+            "moe.n_group",
+        ),
     ],
 )
 def test_explicit_format_refused_naming_the_setting(fmt, model_kw, moe_kw, key) -> None:
     cfg = Config(model=ModelConfig(**model_kw), moe=MoEConfig(**moe_kw))
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         choose_format(cfg, fmt)
+
+
+def test_glm4_group_limited_routing_matches_transformers(tmp_path) -> None:
+    """GLM-4.5-style n_group / topk_group: the same logits as transformers' Glm4Moe (with a
+    non-zero correction bias), the groups round-trip, and they change this input's routing."""
+    cfg = tiny_cfg("glm4_moe", {"moe.num_experts": 8, "moe.n_group": 4, "moe.topk_group": 2})
+    assert choose_format(cfg) == "glm4_moe"
+    model = model_for(cfg)
+    hf = load_hf(cfg, model, "glm4_moe", tmp_path)
+    assert (hf.config.n_group, hf.config.topk_group) == (4, 2)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, got = hf(input_ids=ids).logits, model(ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    back = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert (back.moe.n_group, back.moe.topk_group) == (4, 2)
+    ungrouped = dataclasses.replace(cfg.moe, n_group=1, topk_group=1)
+    plain = Transformer(cfg.model, ungrouped).eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(plain(ids).logits, got, atol=1e-4)
 
 
 def test_auto_refuses_a_model_no_format_represents() -> None:

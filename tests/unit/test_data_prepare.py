@@ -19,8 +19,8 @@ import pytest
 
 from moetrain.checkpoint.io import remove_stale_temp_dirs
 from moetrain.config import load_config
-from moetrain.data import DataError, build_loader, load_tokenizer, prepare, read_index
-from moetrain.data.prepare import is_val_doc
+from moetrain.data import DataError, build_loader, load_tokenizer, read_index
+from moetrain.data.prepare import is_val_doc, prepare
 from moetrain.data.shards import verify_split
 from moetrain.data.tokenizer import train_tokenizer
 
@@ -317,15 +317,18 @@ def test_vocab_too_small(tmp_path):
         prepare(config(tmp_path, src, model__vocab_size=100))
 
 
-def test_tokenizer_vocab_differs_from_model(prepared, tmp_path):
+def test_tokenizer_vocab_larger_than_model_refused(prepared, tmp_path):
     cfg, out, _ = prepared
     tok = str(out / "tokenizer.model")
-    with pytest.raises(DataError, match=f"{tok}: tokenizer vocab size 320 != model.vocab_size=512"):
-        prepare(config(tmp_path, cfg.data.source, data__tokenizer_model=tok, model__vocab_size=512))
+    with pytest.raises(DataError, match=f"{tok}: tokenizer vocab size 320 > model.vocab_size=300"):
+        prepare(config(tmp_path, cfg.data.source, data__tokenizer_model=tok, model__vocab_size=300))
+    assert not (tmp_path / "out").exists()
     with pytest.raises(
-        DataError, match=r"index.json: tokenizer vocab size 320 != model.vocab_size=512"
+        DataError, match=r"index.json: tokenizer vocab size 320 is larger than model.vocab_size=300"
     ):
-        build_loader(cfg.data, "train", 2, 0, 1, 0, vocab_size=512)
+        build_loader(cfg.data, "train", 2, 0, 1, 0, vocab_size=300)
+    # a smaller vocabulary is fine (a model's embedding often has spare rows)
+    build_loader(cfg.data, "train", 2, 0, 1, 0, vocab_size=512)
 
 
 def test_shards_built_with_another_tokenizer(prepared, tmp_path):

@@ -42,6 +42,12 @@ def test_gpu_script_dry_run(tmp_path: Path) -> None:
     assert train["attention_kernel"].endswith("(causal)")
     assert 0.85 <= train["timer_vs_wall"] <= 1.05
     assert train["plan_predicted_bytes"] > 0
+    assert train["optimizer"] == "DeepSpeedZeroOptimizer" and train["grad_accum_dtype"] == "fp32"
+    prec = res["precision"]  # bf16 runs on CPU too; fp16 needs the GPU
+    assert prec["ok"], prec
+    assert prec["bf16_zero1"]["optimizer"] == "BF16_Optimizer"
+    assert prec["bf16_zero2"]["skip"] == {"skipped": True, "state_unchanged": True}
+    assert "fp16" in prec and "no fp16" in prec["fp16"]["skipped"]
     assert res["nccl"]["value_ok"] and res["nccl"]["world_size"] == 1
     assert "correctness fp32" in proc.stdout and "all_reduce" in proc.stdout
 

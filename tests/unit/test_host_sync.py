@@ -96,11 +96,13 @@ SHAPES = [
     dict(),
     dict(num_shared_experts=1, shared_expert_gate=True, recompute_act=True),
     dict(score_func="sigmoid", topk_before_score=True, bias_update_rate=1e-3),
+    dict(n_group=2, topk_group=1, aux_loss_scope="sequence"),
+    dict(aux_loss_scope="global_batch"),
 ]
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "checkpointed"])
-@pytest.mark.parametrize("kw", SHAPES, ids=["plain", "shared", "sigmoid"])
+@pytest.mark.parametrize("kw", SHAPES, ids=["plain", "shared", "sigmoid", "groups", "step"])
 def test_dropless_layer_has_no_host_sync(kw: dict, recompute: bool) -> None:
     assert _count(_layer(**kw), recompute) == {}
 

@@ -172,3 +172,18 @@ def test_multinode_deepspeed_without_hostfile_is_a_clear_error(tmp_path):
         timeout=60,
     )
     assert r.returncode == 2 and "hostfile.example" in r.stderr
+
+
+def test_multinode_torchrun_runs_a_prepare():
+    argv, _ = dry("multinode-torchrun.sh", "configs/tiny-cpu.yaml", COMMAND="prepare", NPROC="3")
+    assert flag(argv, "--nproc-per-node") == "3"
+    assert argv[-4:] == ["-m", "moetrain", "prepare", "configs/tiny-cpu.yaml"]
+    r = subprocess.run(
+        ["bash", "launch/multinode-torchrun.sh"],
+        env={**os.environ, "DRY_RUN": "1", "COMMAND": "convert", "GPUS": "0"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "COMMAND must be train or prepare" in r.stderr

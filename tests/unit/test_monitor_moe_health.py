@@ -1,11 +1,13 @@
 """MoE health metrics on a router with a known routing, and the dead-expert warning."""
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from moetrain.config import MoEConfig
+from moetrain.model.moe.layer import MoELayer
 from moetrain.model.moe.router import Router
 from moetrain.monitor.moe_health import (
     DeadExpertWatch,
@@ -16,21 +18,24 @@ from moetrain.monitor.moe_health import (
 )
 
 
-def _known_router(capacity_factor: float) -> tuple[Router, torch.Tensor]:
-    """E=4, top-1, gate = 10 * I, one-hot tokens -> token t goes to expert target[t]."""
-    cfg = MoEConfig(num_experts=4, top_k=1, capacity_factor=capacity_factor)
-    router = Router(cfg, d_model=4)
+def _known_router(capacity_factor: float) -> tuple[Callable, Router, torch.Tensor]:
+    """An MoE layer (-> its MoEOutput), its router and tokens: E=4, top-1, gate = 10 * I,
+    one-hot tokens -> token t goes to expert target[t]."""
+    cfg = MoEConfig(num_experts=4, top_k=1, expert_hidden=8, capacity_factor=capacity_factor)
+    layer = MoELayer(cfg, d_model=4)
+    router = layer.router
     with torch.no_grad():
         router.gate.weight.copy_(10 * torch.eye(4))
         router.expert_bias.copy_(torch.tensor([0.1, -0.1, 0.0, 0.05]))
     target = torch.tensor([0, 0, 0, 0, 0, 1, 1, 2])  # loads 5, 2, 1, 0
-    return router, torch.nn.functional.one_hot(target, 4).float()
+    x = torch.nn.functional.one_hot(target, 4).float()
+    return lambda x_TD: layer(x_TD.unsqueeze(0))[1], router, x
 
 
 def test_known_routing_imbalance_cv_dropped():
     # capacity = ceil(1.0 * T=8 * K=1 / E=4) = 2 -> expert 0 keeps 2 of 5: 3 dropped of 8.
-    router, x = _known_router(capacity_factor=1.0)
-    out = router(x)
+    moe, router, x = _known_router(capacity_factor=1.0)
+    out = moe(x)
     assert out.tokens_per_expert_E.tolist() == [5, 2, 1, 0]
     stats = LayerStats.from_moe_output(out, expert_bias=router.expert_bias)
     m = moe_health_metrics({3: stats}, aux_coef=0.01, z_coef=0.001)
@@ -57,8 +62,8 @@ def test_known_routing_imbalance_cv_dropped():
 
 
 def test_dropless_router_and_global_summaries():
-    router, x = _known_router(capacity_factor=0.0)
-    out = router(x)
+    moe, _, x = _known_router(capacity_factor=0.0)
+    out = moe(x)
     balanced = LayerStats(tokens_per_expert=[4, 4, 4, 4], dropped=0, aux_loss=1.0, z_loss=2.0)
     m = moe_health_metrics([LayerStats.from_moe_output(out), balanced], aux_coef=0.5, z_coef=0.1)
     assert m["moe/layer0/dropped_frac"] == 0

@@ -79,3 +79,27 @@ def test_read_metrics_skips_rows_without_step(tmp_path):
     path.write_text('{"step": 1, "loss": 2}\n[1, 2]\n{"loss": 3}\n\n{"step": 2}\n')
     rows, bad = read_metrics(path)
     assert [r["step"] for r in rows] == [1, 2] and bad == 2
+
+
+def test_report_of_a_mixture_plots_each_source(tmp_path):
+    """data/tokens/<name> and val/loss/<name> of a data mixture: one curve per source."""
+    lines = []
+    for s in range(1, 21):
+        row = {"step": s, "loss": 3.0 - s / 20}
+        for name, share, size in (("web", 0.6, 500), ("code", 0.3, 100), ("math", 0.1, 5)):
+            row[f"data/tokens/{name}"] = int(share * s * 64) * 32
+            row[f"data/epochs/{name}"] = share * s * 64 / size
+        lines.append(json.dumps(row))
+        if s % 5 == 0:
+            val = {"step": s, "val_loss": 2.5, "val/loss/web": 2.4, "val/loss/code": 2.6}
+            lines.append(json.dumps(val | {"val/loss/math": 2.0 + s / 100}))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    names = {p.name for p in make_report(tmp_path)}
+    assert {"data_tokens.png", "val_loss_sources.png", "loss.png"} <= names
+    for name in ("data_tokens.png", "val_loss_sources.png"):
+        img = imread(tmp_path / "report" / name)
+        assert img[..., :3].std() > 0.05
+    text = (tmp_path / "report" / "report.txt").read_text()
+    assert "data sources (share of tokens, epochs): code 30.0% (3.84), math 10.0% (25.6)" in text
+    assert "web 60.0% (1.54)" in text
+    assert "val/loss per source (final): code 2.6, math 2.2, web 2.4" in text

@@ -3,6 +3,7 @@ autograd really saves, and the whole estimate against measured peak memory of CP
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ from moetrain.plan import (
     plan,
 )
 from tests.helpers.configs import tiny_config
+from tests.helpers.memory import saved_storages
 
 PROBE = Path(__file__).with_name("plan_memory_probe.py")
 
@@ -54,15 +56,14 @@ def _dense_and_expert_params(cfg: Config) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()) - expert, expert
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
-def test_zero_and_ep_partitioning_by_hand(zero: int) -> None:
-    # stage 0 refuses gradient clipping in bf16 (parallel/layout.py); memory does not depend on it
-    clip = 0.0 if zero == 0 else 1.0
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("grad_dtype", ["fp32", "bf16"])
+def test_zero_and_ep_partitioning_by_hand(zero: int, grad_dtype: str) -> None:
     cfg = _small(
         parallel__ep_size=4,
         parallel__zero_stage=zero,
         train__precision="bf16",
-        optim__grad_clip=clip,
+        train__grad_dtype=grad_dtype,
     )
     dense, expert = _dense_and_expert_params(cfg)
     pl = plan(cfg, gpus=8, gpu="h100")
@@ -70,9 +71,13 @@ def test_zero_and_ep_partitioning_by_hand(zero: int) -> None:
     assert pl.expert_dp == 2
     assert pl.params_per_gpu == dense + expert // 4
     assert pl.weights_bytes == 2 * (dense + expert // 4)
-    grads = 2 * (dense / 8 + expert / 4 / 2) if zero == 2 else 2 * (dense + expert / 4)
+    # gradients accumulate in fp32 by default (4 B), in bf16 when asked (2 B)
+    g = 4 if grad_dtype == "fp32" else 2
+    grads = g * (dense / 8 + expert / 4 / 2) if zero == 2 else g * (dense + expert / 4)
     assert pl.grads_bytes == pytest.approx(grads, abs=2)
-    opt = 12 * (dense / 8 + expert / 4 / 2) if zero >= 1 else 12 * (dense + expert / 4)
+    assert f"({grad_dtype} accumulation)" in format_plan(pl)
+    # fp32 master copy + two fp32 Adam moments, partitioned
+    opt = 12 * (dense / 8 + expert / 4 / 2)
     assert pl.optimizer_bytes == pytest.approx(opt, abs=2)
 
 
@@ -138,19 +143,10 @@ def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> floa
     logits the caller holds, per token."""
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.moe).to(dtype)
-    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in owned:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
     b = tokens // cfg.data.seq_len
     ids = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len))
     labels = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages([*model.parameters(), *model.buffers()]) as seen:
         out = model(ids, labels_BS=labels, return_logits=False)  # as the trainer calls it
     if out.logits is not None:  # plain loss (model.loss_chunk_tokens=0)
         seen[out.logits.untyped_storage().data_ptr()] = out.logits.untyped_storage().nbytes()
@@ -250,3 +246,33 @@ def test_plan_matches_measured_peak_memory_of_cpu_training() -> None:
         assert pl.activations_bytes > 0.3 * pl.model_state_bytes  # activations matter here
         assert 0.8 <= ratio <= 1.2, report
     print("; ".join(report))
+
+
+def test_expert_traffic_by_hand() -> None:
+    """Fan-out and rows per token of the expert all-to-all, counted by hand: E=8, top-2."""
+    from moetrain.plan_traffic import expert_traffic
+
+    # EP=2, 4 experts per rank: a token's 2 experts share a rank with chance 3/7, so it sends
+    # 2 - 3/7 rows, half of them (on average) to the other rank
+    t = expert_traffic(_small(parallel__ep_size=2), 1000, 8, 4)
+    assert (t.max_ranks, t.max_nodes, t.ep_nodes) == (2, 1, 1)
+    assert t.rows_off_rank == pytest.approx((2 - 3 / 7) / 2, abs=0.02)
+    assert t.rows_off_node == 0
+    # groups = EP ranks, topk_group 1: one row per token, off the rank half the time; bytes:
+    # 1000 tokens x 2 MoE layers x 0.5 rows x (2 x 64 x 4 + 8 x 2) bytes x (forward, backward)
+    g = expert_traffic(_small(parallel__ep_size=2, moe__n_group=2), 1000, 8, 4)
+    assert (g.max_ranks, g.rows_off_rank) == (1, 0.5)
+    assert g.bytes_per_gpu_step == 1000 * 2 * 0.5 * (2 * 64 * 4 + 16) * 2
+    assert expert_traffic(_small(parallel__ep_size=2, moe__n_group=2), 1000, 8, 4, True) == (
+        dataclasses.replace(g, bytes_per_gpu_step=g.bytes_per_gpu_step * 1.5)
+    )
+    # EP=8 over 2 nodes of 4 GPUs, one expert per rank; groups = nodes: one node per token,
+    # and the rows to its 2 ranks leave the node half the time
+    n = expert_traffic(_small(parallel__ep_size=8, moe__n_group=2), 1000, 4, 4)
+    assert (n.max_ranks, n.max_nodes, n.ep_nodes) == (2, 1, 2)
+    assert (n.rows_off_rank, n.rows_off_node) == (2 * 7 / 8, 1.0)
+    plain = expert_traffic(_small(parallel__ep_size=8), 1000, 4, 4)
+    assert plain.max_nodes == 2 and plain.rows_off_rank == 2 * 7 / 8
+    text = format_plan(plan(_small(parallel__ep_size=8, moe__n_group=2), 8, gpus_per_node=4))
+    assert "reach at most 2 of 8 EP ranks" in text and "at most 1 per token" in text
+    assert "none (parallel.ep_size=1)" in format_plan(plan(_small(), 1))

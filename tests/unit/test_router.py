@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from moetrain.config import MoEConfig
-from moetrain.model.moe.router import Router, capacity_keep
+from moetrain.model.moe.capacity import capacity_keep, expert_capacity
+from moetrain.model.moe.dispatch import LocalDispatcher, Routes
+from moetrain.model.moe.router import Router, limit_to_groups
 
 LN2, LN4 = math.log(2.0), math.log(4.0)
 # logits [0, 0, ln2, ln4] -> exp [1, 1, 2, 4] / 8 -> probs [1/8, 1/8, 1/4, 1/2]
@@ -37,7 +39,6 @@ def test_softmax_topk_renormalised() -> None:
     assert out.ids_TK.tolist() == [[3, 2], [0, 1]]
     close(out.weights_TK, [[2 / 3, 1 / 3], [2 / 3, 1 / 3]])
     assert out.weights_TK.dtype == torch.float32 and out.ids_TK.dtype == torch.int64
-    assert out.keep_TK.all() and int(out.dropped) == 0
 
 
 def test_softmax_topk_without_renormalisation_and_route_scale() -> None:
@@ -129,12 +130,30 @@ def test_capacity_drops_lowest_score_first() -> None:
     # E=2, K=1, T=4, cf=1 -> capacity ceil(1 * 4 * 1 / 2) = 2; all tokens pick expert 0
     r = make_router(num_experts=2, top_k=1, renormalize=False, capacity_factor=1.0)
     probs = [0.6, 0.9, 0.7, 0.8]
-    out = r(torch.tensor([[_logit(p), 0.0] for p in probs]))
-    assert r.capacity(4) == 2
+    x = torch.tensor([[_logit(p), 0.0] for p in probs])
+    out = r(x)
+    assert expert_capacity(1.0, 4, 1, 2) == 2 and expert_capacity(0.0, 4, 1, 2) is None
     assert out.ids_TK.flatten().tolist() == [0, 0, 0, 0]
-    assert out.keep_TK.flatten().tolist() == [False, True, False, True]
-    assert int(out.dropped) == 2
     close(out.tokens_per_expert_E, [4.0, 0.0])  # selections before capacity
+    dispatcher = LocalDispatcher(2)
+    routes = Routes(out.ids_TK, out.weights_TK, capacity_factor=1.0)
+    assert dispatcher.capacity_keep(routes).flatten().tolist() == [False, True, False, True]
+    x_ND, _, counts, ctx = dispatcher.dispatch(x, routes)
+    assert counts.tolist() == [2, 0] and int(ctx.dropped) == 2
+    assert torch.equal(x_ND, x[[1, 3]])
+
+
+def test_capacity_groups_decide_each_part_on_its_own() -> None:
+    """Two capacity groups (two EP groups' tokens in one process) = each part alone."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 4, (12, 2), generator=g)
+    w = torch.rand(12, 2, generator=g).round(decimals=1)  # ties
+    routes = Routes(ids, w, capacity_factor=0.5)
+    both = LocalDispatcher(4, capacity_groups=2).capacity_keep(routes)
+    one = LocalDispatcher(4)
+    halves = [one.capacity_keep(Routes(ids[i : i + 6], w[i : i + 6], 0.5)) for i in (0, 6)]
+    assert torch.equal(both, torch.cat(halves))
+    assert not torch.equal(both, one.capacity_keep(routes))  # the whole batch decides otherwise
 
 
 def test_capacity_ties_keep_earlier_tokens_and_respect_each_expert() -> None:
@@ -156,3 +175,94 @@ def test_jitter_only_in_training() -> None:
     torch.manual_seed(0)
     noisy = r(x)
     assert not torch.allclose(noisy.weights_TK, ref.weights_TK)
+
+
+# ----------------------------------------------------------------------- aux-loss scopes
+# P(A) = [1/8, 1/8, 1/4, 1/2] picks {2, 3}; P(B) = [1/2, 1/4, 1/8, 1/8] picks {0, 1}.
+
+
+def test_micro_batch_scope_ignores_other_ranks() -> None:
+    r = make_router(aux_loss_scope="micro_batch")
+    r.stats_reducer = lambda c: c + torch.tensor([2, 2, 0, 0])  # never called by this scope
+    # f = [0, 0, 1/2, 1/2] from this rank's two tokens
+    close(r(torch.tensor([ROW_A, ROW_A])).aux_loss, 4 * (0.5 * 0.25 + 0.5 * 0.5))
+
+
+def test_sequence_scope_balances_each_sequence() -> None:
+    x = torch.tensor([ROW_A, ROW_B, ROW_A, ROW_A])
+    # sequence [A, B]: f = 1/4 each -> 4 * 1/4 * sum(P) = 1; sequence [A, A]: 1.5 -> mean 1.25
+    close(make_router(aux_loss_scope="sequence")(x, num_seqs=2).aux_loss, 1.25)
+    # the same four tokens as one micro-batch: f = [1, 1, 3, 3] / 8, P = (3 P(A) + P(B)) / 4
+    close(make_router(aux_loss_scope="micro_batch")(x).aux_loss, 4 * 72 / 256)
+    # one sequence of four tokens is the micro-batch
+    close(make_router(aux_loss_scope="sequence")(x, num_seqs=1).aux_loss, 4 * 72 / 256)
+
+
+def test_global_batch_scope_accumulates_over_the_step() -> None:
+    r = make_router(aux_loss_scope="global_batch").train()
+    r.begin_step()
+    close(r(torch.tensor([ROW_A, ROW_A])).aux_loss, 1.5)  # f from micro-step 1 only
+    r.end_micro_batch()
+    # micro-step 2: counts [2, 2, 0, 0] + [0, 0, 2, 2] -> f = 1/4: 4 * 1/4 * sum(P(B)) = 1
+    close(r(torch.tensor([ROW_B, ROW_B])).aux_loss, 1.0)
+    # activation checkpointing runs the forward again before the backward: counted once
+    r(torch.tensor([ROW_B, ROW_B]))
+    r.end_micro_batch()
+    assert r.step_counts_E.tolist() == [2, 2, 2, 2]
+    assert "step_counts_E" not in r.state_dict()  # not part of checkpoints
+    r.begin_step()  # a new optimizer step starts from nothing
+    close(r(torch.tensor([ROW_B, ROW_B])).aux_loss, 4 * (0.5 * 0.5 + 0.5 * 0.25))
+
+
+def test_global_batch_scope_sums_over_ranks_and_not_in_eval() -> None:
+    r = make_router(aux_loss_scope="global_batch").train()
+    r.stats_reducer = lambda c: c + torch.tensor([1, 1, 0, 0])  # another rank's one token B
+    r.begin_step()
+    r(torch.tensor([ROW_A]))  # this rank's counts [0, 0, 1, 1] + [1, 1, 0, 0]
+    r.end_micro_batch()
+    assert r.step_counts_E.tolist() == [1, 1, 1, 1]
+    r.eval()  # evaluation neither uses nor changes the step's counts
+    close(r(torch.tensor([ROW_A])).aux_loss, 1.0)  # f = [1, 1, 1, 1] / 4 this micro-step
+    r.end_micro_batch()
+    assert r.step_counts_E.tolist() == [1, 1, 1, 1]
+
+
+# ------------------------------------------------------------------ group-limited routing
+
+
+def test_group_limited_routing_by_hand() -> None:
+    # sigmoid scores [0.9, 0.1, 0.8, 0.7]; groups {0, 1} (score 0.9 + 0.1) and {2, 3} (1.5)
+    x = torch.tensor([[_logit(0.9), _logit(0.1), _logit(0.8), _logit(0.7)]])
+    plain = make_router(score_func="sigmoid", renormalize=False)(x)
+    assert sorted(plain.ids_TK[0].tolist()) == [0, 2]
+    grouped = make_router(score_func="sigmoid", renormalize=False, n_group=2, topk_group=1)(x)
+    assert sorted(grouped.ids_TK[0].tolist()) == [2, 3]
+    close(grouped.weights_TK.sort(descending=True).values, [[0.8, 0.7]])
+    # the bias shifts the group scores as it shifts selection: +0.6 on expert 1 -> group 0 (1.6)
+    r = make_router(score_func="sigmoid", renormalize=False, n_group=2, topk_group=1)
+    with torch.no_grad():
+        r.expert_bias.copy_(torch.tensor([0.0, 0.6, 0.0, 0.0]))
+    assert sorted(r(x).ids_TK[0].tolist()) == [0, 1]
+    # groups of one expert: a group's score is that expert's; all groups = plain top-k
+    assert torch.equal(limit_to_groups(x, 4, 4), x)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(num_experts=8, top_k=2, n_group=4, topk_group=1),
+        dict(num_experts=8, top_k=3, n_group=4, topk_group=2),
+        dict(num_experts=16, top_k=4, n_group=8, topk_group=3, score_func="sigmoid"),
+        dict(num_experts=8, top_k=2, n_group=2, topk_group=1, topk_before_score=True),
+    ],
+)
+def test_group_limited_experts_lie_in_topk_groups(kw: dict) -> None:
+    r = make_router(**kw)
+    x = torch.randn(256, kw["num_experts"], generator=torch.Generator().manual_seed(0))
+    ids = r(x).ids_TK
+    group_size = kw["num_experts"] // kw["n_group"]
+    groups_per_token = [len(set((row // group_size).tolist())) for row in ids]
+    assert max(groups_per_token) <= kw["topk_group"]
+    assert all(len(set(row.tolist())) == kw["top_k"] for row in ids)  # K distinct experts
+    if kw["topk_group"] > 1:
+        assert max(groups_per_token) > 1

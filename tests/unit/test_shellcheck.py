@@ -202,3 +202,29 @@ def test_slurm_forwards_preemption_and_requeues(tmp_path, sig, requeued):
     assert "srun got TERM" in calls, err.decode()
     assert ("scontrol requeue 123456" in calls) == requeued, calls
     assert proc.returncode == 143
+
+
+def test_slurm_prepare_dry_run(tmp_path):
+    """launch/slurm-prepare.sbatch: one srun step whose tasks each run `moetrain prepare`."""
+    env = fake_slurm(tmp_path, DRY_RUN="1", TASKS_PER_NODE="2")
+    script = ROOT / "launch/slurm-prepare.sbatch"
+    r = subprocess.run(
+        ["bash", str(script), "configs/mixtral-1b-8gpu.yaml", "data.num_proc=8"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    srun = shlex.split(r.stdout.strip())
+    assert srun[0] == "srun" and flag(srun, "--nodes") == "4" and flag(srun, "--ntasks") == "8"
+    assert flag(srun, "--ntasks-per-node") == "2" and "--kill-on-bad-exit=1" in srun
+    assert srun[-6:] == [
+        str(ROOT / ".venv/bin/python"),
+        "-m",
+        "moetrain",
+        "prepare",
+        "configs/mixtral-1b-8gpu.yaml",
+        "data.num_proc=8",
+    ]

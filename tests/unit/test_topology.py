@@ -56,16 +56,19 @@ def test_zero3_refused() -> None:
         check_layout(cfg, 2)
 
 
-def test_stage0_clipping_needs_fp32() -> None:
-    cfg = _cfg(**{"parallel.zero_stage": 0, "train.precision": "fp32", "optim.grad_clip": 1.0})
-    cfg.train.precision = "bf16"  # bypassing load_config's check: check_layout checks again
-    with pytest.raises(ConfigError, match="stage 0 with gradient clipping"):
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_stage0_needs_fp32(precision: str, clip: float) -> None:
+    """Stage 0 cannot hold the bf16/fp16 numerics policy: refused, naming both keys, with or
+    without clipping, at config load and again in check_layout."""
+    cfg = _cfg(**{"parallel.zero_stage": 0, "train.precision": "fp32", "optim.grad_clip": clip})
+    check_layout(cfg, 2)
+    cfg.train.precision = precision  # bypassing load_config's check: check_layout checks again
+    match = rf"parallel\.zero_stage: stage 0 supports train\.precision=fp32 only; got train\.precision={precision}"
+    with pytest.raises(ConfigError, match=match):
         check_layout(cfg, 2)
-    with pytest.raises(ConfigError, match="stage 0 with gradient clipping"):
-        _cfg(**{"parallel.zero_stage": 0, "train.precision": "bf16", "optim.grad_clip": 1.0})
-    check_layout(
-        _cfg(**{"parallel.zero_stage": 0, "train.precision": "bf16", "optim.grad_clip": 0}), 2
-    )
+    with pytest.raises(ConfigError, match="parallel.zero_stage=1 or 2"):
+        _cfg(**{"parallel.zero_stage": 0, "train.precision": precision, "optim.grad_clip": clip})
 
 
 def test_topology_groups_arithmetic() -> None:

@@ -1,9 +1,10 @@
 """Mixture-of-Experts block: router -> dispatcher -> experts -> combine."""
 
+from moetrain.model.moe.capacity import capacity_keep, expert_capacity
 from moetrain.model.moe.dispatch import Dispatcher, LocalDispatcher, permute, unpermute
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
-from moetrain.model.moe.router import Router, RouterOutput, capacity_keep
+from moetrain.model.moe.router import Router, RouterOutput
 
 __all__ = [
     "Dispatcher",
@@ -14,6 +15,7 @@ __all__ = [
     "Router",
     "RouterOutput",
     "capacity_keep",
+    "expert_capacity",
     "permute",
     "unpermute",
 ]

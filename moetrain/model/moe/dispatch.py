@@ -4,11 +4,11 @@ Shape legend: T tokens, D d_model, K top_k, E global experts, L local experts, N
 
 Contract (``Dispatcher`` protocol):
 - ``dispatch(x_TD, routes) -> (x_ND, weights_N, counts_L, ctx)``, :class:`Routes` holding
-  ``ids_TK``, ``weights_TK`` and ``keep_TK``: x_ND grouped contiguously by local expert in
-  expert order, weights_N each row's routing weight (the experts apply it inside their
-  activation), counts_L int64 tokens per local expert. ``keep_TK`` None means dropless (every
-  copy kept): no keep mask to apply, and no host sync to count the kept copies (the only one a
-  dispatcher with drops needs locally).
+  ``ids_TK``, ``weights_TK`` and ``capacity_factor``: x_ND grouped contiguously by local expert
+  in expert order, weights_N each row's routing weight (the experts apply it inside their
+  activation), counts_L int64 copies per local expert. ``ctx.dropped`` (int64 0-dim tensor) is
+  the number of copies this rank's experts dropped. With a capacity factor, the drops follow
+  :mod:`moetrain.model.moe.capacity`, decided where the expert lives over every copy sent to it.
 - ``combine(y_ND, ctx) -> y_TD``: the sum of each token's kept (already weighted) rows, zero
   for tokens whose copies were all dropped.
 - Both take ``overlap``, an optional zero-argument callable: independent work (the shared
@@ -18,7 +18,8 @@ The local dispatcher does one stable sort of the flattened expert ids and a gath
 way back sums each token's K rows (``index_add_`` on CPU, an inverse-permutation gather + sum on
 CUDA); with drops, a scatter into (T*K, D) and a sum over K. Forward and backward are
 deterministic (no atomics) with no Python loops over tokens, and the way back saves nothing but
-indices for backward. Expert counts come from :func:`count_experts` (no host sync).
+indices for backward. Expert counts come from :func:`count_experts` (no host sync); dropless
+needs no host sync at all, a capacity factor one (the number of kept copies).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from moetrain.model.moe.capacity import capacity_keep, expert_capacity
 from moetrain.model.moe.router import count_experts
 
 Overlap = Callable[[], None] | None  # independent work to run while an exchange is in flight
@@ -38,11 +40,12 @@ Overlap = Callable[[], None] | None  # independent work to run while an exchange
 @dataclass
 class Routes:
     """Where each token's K copies go: experts ``ids_TK`` (int64), routing weights
-    ``weights_TK``, and ``keep_TK`` (False for copies dropped by capacity; None when dropless)."""
+    ``weights_TK`` (also each copy's priority under a capacity), and ``capacity_factor``
+    (``moe.capacity_factor``: 0 = dropless)."""
 
     ids_TK: Tensor
     weights_TK: Tensor
-    keep_TK: Tensor | None = None
+    capacity_factor: float = 0.0
 
 
 class Dispatcher(Protocol):
@@ -66,6 +69,7 @@ class PermuteContext:
     top_k: int
     token_N: torch.Tensor
     inverse_N: torch.Tensor | None = None
+    dropped: torch.Tensor | None = None  # set by LocalDispatcher: copies dropped by capacity
 
 
 def _sum_copies(
@@ -130,6 +134,57 @@ class _PermuteRows(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
+
+
+def _sum_slots(src_ND: torch.Tensor, slot_N: torch.Tensor, num_groups: int, width: int) -> Tensor:
+    if src_ND.is_cuda:  # no atomics: one slot per row (slots are unique), then a sum
+        buf = src_ND.new_zeros(num_groups * width, src_ND.shape[-1]).index_copy_(0, slot_N, src_ND)
+        return buf.view(num_groups, width, -1).sum(1)
+    group_N = torch.div(slot_N, width, rounding_mode="floor")
+    return src_ND.new_zeros(num_groups, src_ND.shape[-1]).index_add_(0, group_N, src_ND)
+
+
+class _SumSlots(torch.autograd.Function):
+    """:func:`sum_slots`; backward is one gather."""
+
+    @staticmethod
+    def forward(ctx, src_ND, slot_N, num_groups, width):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(slot_N)
+        ctx.width = width
+        return _sum_slots(src_ND, slot_N, num_groups, width)
+
+    @staticmethod
+    def backward(ctx, grad_GD):  # noqa: ANN001, ANN205
+        (slot_N,) = ctx.saved_tensors
+        group_N = torch.div(slot_N, ctx.width, rounding_mode="floor")
+        return grad_GD.index_select(0, group_N), None, None, None
+
+
+class _GatherSlots(torch.autograd.Function):
+    """:func:`gather_slots`; backward sums each group's rows (:func:`sum_slots`)."""
+
+    @staticmethod
+    def forward(ctx, x_GD, slot_N, width):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(slot_N)
+        ctx.width, ctx.num_groups = width, x_GD.shape[0]
+        return x_GD.index_select(0, torch.div(slot_N, width, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad_ND):  # noqa: ANN001, ANN205
+        (slot_N,) = ctx.saved_tensors
+        return _sum_slots(grad_ND.contiguous(), slot_N, ctx.num_groups, ctx.width), None, None
+
+
+def sum_slots(src_ND: Tensor, slot_N: Tensor, num_groups: int, width: int) -> Tensor:
+    """``out[g]`` = the sum of the rows ``r`` of ``src_ND`` with ``slot_N[r] // width == g``
+    (zero where none): rows sit in unique slots ``g * width + j``. Deterministic: ``index_add_``
+    on CPU, a scatter into the slots and a sum on CUDA."""
+    return _SumSlots.apply(src_ND, slot_N, num_groups, width)
+
+
+def gather_slots(x_GD: Tensor, slot_N: Tensor, width: int) -> Tensor:
+    """``x_GD[slot_N // width]``, one row per (unique) slot; backward is :func:`sum_slots`."""
+    return _GatherSlots.apply(x_GD, slot_N, width)
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -220,10 +275,16 @@ def unpermute(y_ND: torch.Tensor, ctx: PermuteContext) -> torch.Tensor:
 
 
 class LocalDispatcher:
-    """Single-device dispatcher: all E experts are local (L = E); no communication."""
+    """Single-device dispatcher: all E experts are local (L = E); no communication.
 
-    def __init__(self, num_experts: int) -> None:
+    ``capacity_groups``: the T tokens are that many equal consecutive parts, each deciding
+    capacity on its own, as the expert-parallel groups of a data-parallel run do (one process
+    reproducing such a run on the whole global batch sets it to world / ep_size).
+    """
+
+    def __init__(self, num_experts: int, capacity_groups: int = 1) -> None:
         self.num_experts = num_experts
+        self.capacity_groups = capacity_groups
 
     def dispatch(
         self, x_TD: Tensor, routes: Routes, overlap: Overlap = None
@@ -232,7 +293,27 @@ class LocalDispatcher:
         if overlap is not None:
             overlap()
         r = routes
-        return permute(x_TD, r.ids_TK, r.keep_TK, r.weights_TK, self.num_experts)
+        keep_TK = None if r.capacity_factor <= 0 else self.capacity_keep(r)
+        x_ND, w_N, counts_E, ctx = permute(x_TD, r.ids_TK, keep_TK, r.weights_TK, self.num_experts)
+        if keep_TK is None:
+            ctx.dropped = torch.zeros((), dtype=torch.int64, device=x_TD.device)
+        else:
+            ctx.dropped = (~keep_TK).sum()
+        return x_ND, w_N, counts_E, ctx
+
+    def capacity_keep(self, routes: Routes) -> Tensor:
+        """``keep_TK``: False for the copies over capacity (:mod:`moetrain.model.moe.capacity`),
+        decided in each of the ``capacity_groups`` parts of the tokens."""
+        ids_TK = routes.ids_TK
+        t, k = ids_TK.shape
+        g, e = self.capacity_groups, self.num_experts
+        if t % g:
+            raise ValueError(f"{t} tokens do not split into {g} equal capacity groups")
+        capacity = expert_capacity(routes.capacity_factor, t // g, k, e)
+        if g > 1:  # expert e of part p is bin p * E + e
+            part_T = torch.div(torch.arange(t, device=ids_TK.device), t // g, rounding_mode="floor")
+            ids_TK = ids_TK + part_T.unsqueeze(1) * e
+        return capacity_keep(ids_TK, routes.weights_TK.detach(), g * e, capacity)
 
     def combine(self, y_ND: Tensor, ctx: PermuteContext, overlap: Overlap = None) -> Tensor:
         """:meth:`Dispatcher.combine`."""

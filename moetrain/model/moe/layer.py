@@ -25,7 +25,9 @@ class MoEOutput:
 
     aux_loss, z_loss: unscaled scalars with gradient. tokens_per_expert_E: detached float
     selections before capacity (local batch; what ``Router.update_bias`` consumes after an
-    all-reduce). dropped: int64 scalar tensor; dropped_fraction = dropped / (T * K).
+    all-reduce). dropped: int64 scalar tensor, the copies this rank's experts dropped (under
+    expert parallelism they come from every rank of the EP group); dropped_fraction = dropped /
+    (T * K) with this rank's T.
     entropy: mean routing entropy. load_max_over_mean: max / mean of tokens_per_expert_E.
     """
 
@@ -103,13 +105,12 @@ class MoELayer(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEOutput]:
         b, s, d = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d)
-        r = self.router(x_TD)
+        r = self.router(x_TD, num_seqs=b)
         shared = None
         if self.shared_expert is not None:
             shared = _SharedExpertStages(self.shared_expert, self.shared_gate, x_TD)
         overlap = shared is not None and self.cfg.shared_expert_overlap
-        keep_TK = None if r.dropless else r.keep_TK  # dropless: no keep mask, no host sync
-        routes = Routes(r.ids_TK, r.weights_TK, keep_TK)
+        routes = Routes(r.ids_TK, r.weights_TK, self.cfg.capacity_factor)
         x_ND, w_N, counts_L, ctx = self.dispatcher.dispatch(
             x_TD, routes, overlap=shared.up if overlap else None
         )
@@ -122,8 +123,8 @@ class MoELayer(nn.Module):
             aux_loss=r.aux_loss,
             z_loss=r.z_loss,
             tokens_per_expert_E=load_E.detach(),
-            dropped=r.dropped,
-            dropped_fraction=r.dropped.float() / max(r.ids_TK.numel(), 1),
+            dropped=ctx.dropped,
+            dropped_fraction=ctx.dropped.float() / max(r.ids_TK.numel(), 1),
             entropy=r.entropy,
             load_max_over_mean=(load_E.max() / load_E.mean().clamp_min(1e-9)).detach(),
         )

@@ -1,17 +1,30 @@
-"""Token-choice top-k router with load-balancing losses and capacity.
+"""Token-choice top-k router with load-balancing losses.
 
-Shape legend: T tokens, D d_model, E experts, K top_k.
+Shape legend: T tokens, D d_model, E experts, K top_k, G expert groups (``moe.n_group``),
+X experts per group, B sequences, S tokens per sequence.
 
 Scores are computed in fp32. Selection may be shifted by the aux-loss-free ``expert_bias``
 (DeepSeek-V3); combine weights never include it. Where the bias is updated: NOT in forward.
 The trainer calls :meth:`Router.update_bias` once per optimizer step with the expert load summed
 over every rank (an all-reduce of ``MoEOutput.tokens_per_expert_E`` over the whole world), so the
 bias stays identical on every rank and is never part of the autograd graph.
+
+Group-limited routing (``moe.n_group`` > 1): each token keeps only its ``moe.topk_group`` best
+groups of experts (a group's score is the sum of its two best selection scores, DeepSeek-V3 and
+GLM-4.5's rule) and picks its top-k experts inside them.
+
+The load-balancing loss is ``E * sum_e f_e * P_e`` with P_e the mean routing probability of the
+micro-batch's tokens (with gradient) and f_e a detached fraction of expert selections taken over
+``moe.aux_loss_scope``: ``micro_batch`` (this rank's tokens), ``global_micro_batch`` (every rank's
+tokens of this micro-step, through ``stats_reducer``), ``sequence`` (f and P per sequence, the
+loss averaged over sequences) or ``global_batch`` (every rank's tokens of this micro-step and of
+the earlier micro-steps of the optimizer step: :meth:`Router.begin_step` /
+:meth:`Router.end_micro_batch` delimit them). Capacity is not the router's: the dispatchers apply
+it where each expert lives (:mod:`moetrain.model.moe.capacity`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,24 +40,18 @@ class RouterOutput:
     """What the router decided for T tokens.
 
     weights_TK: fp32 combine weights (route_scale applied, bias never included).
-    ids_TK: int64 selected experts. keep_TK: False for assignments dropped by capacity.
+    ids_TK: int64 selected experts (within the token's groups under group-limited routing).
     aux_loss, z_loss: unscaled fp32 scalars (the model multiplies by the coefficients).
-    tokens_per_expert_E: detached float counts of selections before capacity (local batch).
-    dropped: detached int64 scalar tensor, number of dropped assignments.
+    tokens_per_expert_E: detached float counts of this rank's selections (before capacity).
     entropy: detached mean over tokens of the entropy of the routing distribution.
-    dropless: True when no capacity applies (keep_TK is all True): a host-side hint that lets
-    a dispatcher skip the keep mask, and with it the host sync that counts the kept copies.
     """
 
     weights_TK: torch.Tensor
     ids_TK: torch.Tensor
-    keep_TK: torch.Tensor
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
     tokens_per_expert_E: torch.Tensor
-    dropped: torch.Tensor
     entropy: torch.Tensor
-    dropless: bool = False
 
 
 def count_experts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
@@ -56,30 +63,26 @@ def count_experts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
     return out.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
-def capacity_keep(
-    ids_TK: torch.Tensor, priority_TK: torch.Tensor, num_experts: int, capacity: int
-) -> torch.Tensor:
-    """Keep at most ``capacity`` assignments per expert, highest priority first.
-
-    Ties go to the earlier (token, slot) in row-major order, so the result is deterministic.
-    Uses two stable sorts (no T x E x C tensor).
-    """
-    ids_N, prio_N = ids_TK.reshape(-1), priority_TK.reshape(-1)
-    by_prio_N = torch.argsort(-prio_N, stable=True)
-    order_N = by_prio_N[torch.argsort(ids_N[by_prio_N], stable=True)]
-    counts_E = count_experts(ids_N, num_experts)
-    starts_E = torch.cumsum(counts_E, 0) - counts_E
-    rank_N = torch.arange(ids_N.numel(), device=ids_N.device) - starts_E[ids_N[order_N]]
-    keep_N = torch.empty_like(ids_N, dtype=torch.bool)
-    keep_N[order_N] = rank_N < capacity
-    return keep_N.view_as(ids_TK)
+def limit_to_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """``choice_TE`` with -inf outside each token's ``topk_group`` best of ``n_group`` equal
+    groups of experts; a group's score is the sum of its two best values (its best one when a
+    group holds a single expert)."""
+    t, e = choice_TE.shape
+    grouped_TGX = choice_TE.view(t, n_group, e // n_group)
+    best = min(2, e // n_group)
+    group_scores_TG = grouped_TGX.topk(best, dim=-1).values.sum(-1)
+    chosen = group_scores_TG.topk(topk_group, dim=-1).indices
+    allowed_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, chosen, True)
+    return grouped_TGX.masked_fill(~allowed_TG.unsqueeze(-1), float("-inf")).view(t, e)
 
 
 class Router(nn.Module):
     """Linear gate ``router.gate.weight`` (E, D) + top-k selection + balancing losses.
 
     ``stats_reducer`` (set by parallel code, default None): sums the per-expert selection
-    counts over every rank that routes tokens, so the aux loss uses global-batch fractions.
+    counts over every rank that routes tokens; the global scopes of the aux loss use it.
+    ``step_counts_E`` (int64 buffer, not saved): the ``global_batch`` scope's counts of the
+    optimizer step's earlier micro-steps (every rank).
     """
 
     def __init__(self, cfg: MoEConfig, d_model: int) -> None:
@@ -89,16 +92,15 @@ class Router(nn.Module):
         self.top_k = cfg.top_k
         self.gate = nn.Linear(d_model, cfg.num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        self.register_buffer(
+            "step_counts_E", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False
+        )
         self.stats_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._micro_counts_E: torch.Tensor | None = None  # this micro-step's, until committed
 
-    def capacity(self, num_tokens: int) -> int | None:
-        """Per-expert capacity ``ceil(cf * T * K / E)``, or None when dropless."""
-        cf = self.cfg.capacity_factor
-        if cf <= 0:
-            return None
-        return math.ceil(cf * num_tokens * self.top_k / self.num_experts)
-
-    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+    def forward(self, x_TD: torch.Tensor, num_seqs: int = 1) -> RouterOutput:
+        """Route ``x_TD``, the tokens of ``num_seqs`` equal sequences (the ``sequence`` scope
+        balances each one)."""
         cfg, e, k = self.cfg, self.num_experts, self.top_k
         if self.training and cfg.jitter > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
@@ -111,28 +113,19 @@ class Router(nn.Module):
         else:
             scores_TE = probs_TE = torch.softmax(logits_TE, dim=-1)
 
+        choice_TE = (logits_TE if cfg.topk_before_score else scores_TE) + bias_E
+        if cfg.n_group > 1:
+            choice_TE = limit_to_groups(choice_TE, cfg.n_group, cfg.topk_group)
+        ids_TK = torch.topk(choice_TE, k, dim=-1).indices
         if cfg.topk_before_score:
-            ids_TK = torch.topk(logits_TE + bias_E, k, dim=-1).indices
             weights_TK = torch.softmax(logits_TE.gather(1, ids_TK), dim=-1)
         else:
-            ids_TK = torch.topk(scores_TE + bias_E, k, dim=-1).indices
             weights_TK = scores_TE.gather(1, ids_TK)
             if cfg.renormalize:
                 weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
 
-        counts_E = count_experts(ids_TK, e).float()
-        capacity = self.capacity(x_TD.shape[0])
-        if capacity is None:
-            keep_TK = torch.ones_like(ids_TK, dtype=torch.bool)
-            dropped = torch.zeros((), dtype=torch.int64, device=x_TD.device)
-        else:
-            keep_TK = capacity_keep(ids_TK, weights_TK.detach(), e, capacity)
-            dropped = (~keep_TK).sum()
-
-        global_counts_E = counts_E if self.stats_reducer is None else self.stats_reducer(counts_E)
-        frac_E = global_counts_E / global_counts_E.sum().clamp_min(1.0)
+        counts_E = count_experts(ids_TK, e)
         t = max(x_TD.shape[0], 1)  # T = 0 (an empty micro-batch) gives zero losses, not NaN
-        aux_loss = e * torch.sum(frac_E.detach() * probs_TE.sum(0) / t)
         z_loss = torch.logsumexp(logits_TE, dim=-1).pow(2).sum() / t
         with torch.no_grad():
             entropy = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum() / t
@@ -140,14 +133,50 @@ class Router(nn.Module):
         return RouterOutput(
             weights_TK=weights_TK * cfg.route_scale,
             ids_TK=ids_TK,
-            keep_TK=keep_TK,
-            aux_loss=aux_loss,
+            aux_loss=self._aux_loss(probs_TE, ids_TK, counts_E, num_seqs),
             z_loss=z_loss,
-            tokens_per_expert_E=counts_E,
-            dropped=dropped.detach(),
+            tokens_per_expert_E=counts_E.float(),
             entropy=entropy,
-            dropless=capacity is None,
         )
+
+    def _aux_loss(
+        self, probs_TE: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor, num_seqs: int
+    ) -> torch.Tensor:
+        """``E * sum_e f_e * P_e`` over ``moe.aux_loss_scope`` (see the module docstring)."""
+        scope, e = self.cfg.aux_loss_scope, self.num_experts
+        t = probs_TE.shape[0]
+        if scope == "sequence":
+            if t == 0:
+                return probs_TE.sum() * 0.0
+            b = num_seqs
+            counts_BE = torch.zeros(b, e, device=ids_TK.device).scatter_add_(
+                1, ids_TK.reshape(b, -1), torch.ones_like(ids_TK, dtype=torch.float32).view(b, -1)
+            )
+            frac_BE = counts_BE / ids_TK.reshape(b, -1).shape[1]
+            mean_probs_BE = probs_TE.view(b, t // b, e).mean(1)
+            return e * torch.sum(frac_BE * mean_probs_BE) / b
+        if scope != "micro_batch" and self.stats_reducer is not None:
+            counts_E = self.stats_reducer(counts_E)
+        if scope == "global_batch" and self.training:
+            self._micro_counts_E = counts_E.detach()
+            counts_E = counts_E + self.step_counts_E
+        frac_E = counts_E.float() / counts_E.sum().clamp_min(1).float()
+        return e * torch.sum(frac_E.detach() * probs_TE.sum(0) / max(t, 1))
+
+    @torch.no_grad()
+    def begin_step(self) -> None:
+        """Start an optimizer step: forget the ``global_batch`` scope's counts."""
+        self.step_counts_E.zero_()
+        self._micro_counts_E = None
+
+    @torch.no_grad()
+    def end_micro_batch(self) -> None:
+        """After a micro-step's backward: add its (every rank's) counts to the step's, for the
+        ``global_batch`` scope. A forward that activation checkpointing runs again in backward
+        recomputes the same counts, so they are added once, here."""
+        if self._micro_counts_E is not None:
+            self.step_counts_E += self._micro_counts_E
+            self._micro_counts_E = None
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor) -> None:

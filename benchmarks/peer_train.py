@@ -1,0 +1,82 @@
+"""The peer of ``benchmarks/train_command.py``: Hugging Face MixtralForCausalLM (or Qwen2-MoE for
+the ``shared`` shape) trained through DeepSpeed ZeRO-2 on moetrain's prepared token shards, as one
+training script started by a launcher (one process per rank, as ``moetrain train`` is).
+
+    deepspeed --num_gpus 2 benchmarks/peer_train.py --data DIR --steps 20 [--shape bench]
+
+The same shape, optimizer, clipping, micro-batch and data as the moetrain side; ZeRO-2 with
+DeepSpeed's default buckets, or moetrain's CPU bucket size with ``--cpu-buckets``. Prints one
+JSON line with the median step time of the steps after the first two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_throughput's model builder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", required=True, help="a moetrain-prepared data directory")
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--shape", default="bench")
+    ap.add_argument("--cpu-buckets", action="store_true")
+    ap.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
+    args = ap.parse_args()
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from train_throughput import MICRO, SHAPES, _hf_model
+
+    from moetrain.config import DataConfig
+    from moetrain.config.sections import CPU_BUCKET_ELEMENTS
+    from moetrain.data.loader import build_loader
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shape = SHAPES[args.shape]
+    family = "qwen2-moe" if "shared_hidden" in shape else "mixtral"
+    torch.manual_seed(0)
+    model = _hf_model(family, False, shape)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True
+    )
+    zero = {"stage": 2, "contiguous_gradients": True, "overlap_comm": False}
+    if args.cpu_buckets:
+        zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = CPU_BUCKET_ELEMENTS
+    ds = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+    data = DataConfig(output_dir=args.data, seq_len=shape["seq"])
+    loader = iter(build_loader(data, "train", MICRO, rank, world, 1234))
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        batch = next(loader)
+        out = engine(input_ids=batch["input_ids"], labels=batch["input_ids"])  # HF shifts
+        engine.backward(out.loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        tail = times[2:] or times
+        print(json.dumps({"step_s": statistics.median(tail), "loss": float(out.loss)}), flush=True)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

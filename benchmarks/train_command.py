@@ -1,0 +1,252 @@
+"""Training throughput and memory through the command users run: ``moetrain train`` under a
+launcher (2 CPU ranks, one thread each) against Hugging Face Mixtral + DeepSpeed ZeRO-2 started
+by the same launcher (``benchmarks/peer_train.py``), at the shape of ``train_throughput.py``.
+
+    .venv/bin/python benchmarks/train_command.py                 # deepspeed launcher, bench shape
+    .venv/bin/python benchmarks/train_command.py --launcher torchrun --rounds 5
+    .venv/bin/python benchmarks/train_command.py --shape fine --peer-cpu-buckets
+
+Data: the built-in corpus (``builtin:stdlib``, first ``--docs`` documents) prepared once per
+vocabulary size into ``runs/bench-command/data-<V>``; both sides read the same token shards.
+moetrain runs with its defaults around the step (loader, monitors, metrics.jsonl, the checkpoint
+at the end; evaluation every 50 steps is not reached), ZeRO-2, EP ``--ep``.
+
+Each round runs, for each side, a short (``--short`` steps) and a long (``--long`` steps) run of
+the same command, sides and lengths in alternating order, after one warm-up run of each side:
+
+- tokens/s from outside: ``(long - short) x tokens per step / (wall(long) - wall(short))`` --
+  start-up, model build and the final save cancel out;
+- tokens/s from inside: moetrain's last logged ``tokens_per_s`` (metrics.jsonl); the peer's
+  median step time;
+- peak RSS per rank, the same way for both: ``VmHWM`` of every rank process of the launcher,
+  sampled from ``/proc`` every 50 ms until it exits; the maximum over ranks.
+
+Reported per round and as medians (with the range) of the paired ratios moetrain / peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from train_throughput import MICRO, SHAPES, _shared_expert_overrides  # noqa: E402
+
+WORK = ROOT / "runs" / "bench-command"
+CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
+PY = sys.executable
+
+
+def shape_overrides(shape: dict) -> list[str]:
+    return [
+        f"model.vocab_size={shape['vocab']}",
+        f"model.d_model={shape['d']}",
+        f"model.n_layers={shape['layers']}",
+        f"model.n_heads={shape['heads']}",
+        f"model.n_kv_heads={shape['kv_heads']}",
+        f"model.dense_hidden={4 * shape['d']}",
+        f"model.max_seq_len={shape['seq']}",
+        f"moe.num_experts={shape['experts']}",
+        f"moe.top_k={shape['top_k']}",
+        f"moe.expert_hidden={shape['hidden']}",
+        "moe.aux_loss_coef=0.01",
+        "moe.z_loss_coef=0",
+        f"data.seq_len={shape['seq']}",
+        *_shared_expert_overrides(shape),
+    ]
+
+
+def prepare(shape: dict, docs: int) -> Path:
+    data = WORK / f"data-{shape['vocab']}"
+    ov = [
+        *shape_overrides(shape),
+        "data.source=builtin:stdlib",
+        f"data.output_dir={data}",
+        f"data.max_docs={docs}",
+    ]
+    subprocess.run([PY, "-m", "moetrain", "prepare", str(CONFIG), *ov], cwd=ROOT, check=True)
+    return data
+
+
+def _vm_hwm_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _rank_pids(root: int) -> list[int]:
+    """Descendants of ``root`` whose environment holds RANK (the launcher's workers)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        for child in children.get(pid, []):
+            todo.append(child)
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(e.startswith(b"RANK=") for e in env):
+                out.append(child)
+    return out
+
+
+def run(cmd: list[str], env: dict[str, str]) -> dict[str, float]:
+    """Run one launcher command; wall seconds, peak VmHWM (MiB) over its rank processes, stdout."""
+    peaks: dict[int, int] = {}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            for pid in _rank_pids(proc.pid):
+                hwm = _vm_hwm_kib(pid)
+                if hwm is not None:
+                    peaks[pid] = max(peaks.get(pid, 0), hwm)
+            done.wait(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, _ = proc.communicate()
+    wall = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    text = out.decode(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{text[-4000:]}")
+    return {"wall_s": wall, "peak_rss_mib": max(peaks.values(), default=0) / 1024, "out": text}
+
+
+def launcher(kind: str, port: int, target: list[str]) -> list[str]:
+    bin_dir = Path(PY).parent
+    if kind == "deepspeed":
+        head = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
+        return head + (["--module", *target[1:]] if target[0] == "-m" else target)
+    head = [str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node", "2"]
+    return head + target
+
+
+def moetrain_cmd(args: argparse.Namespace, data: Path, steps: int, port: int) -> list[str]:
+    run_dir = WORK / f"moetrain-{steps}"
+    ov = [
+        *shape_overrides(SHAPES[args.shape]),
+        f"data.output_dir={data}",
+        f"run_dir={run_dir}",
+        "checkpoint.resume=none",
+        f"parallel.ep_size={args.ep}",
+        "parallel.zero_stage=2",
+        f"train.micro_batch_size={MICRO}",
+        f"train.max_steps={steps}",
+        "train.log_every=2",
+        "train.precision=fp32",
+        "optim.grad_clip=1.0",
+        "optim.warmup_steps=0",
+        "optim.schedule=constant",
+        "logging.wandb.mode=disabled",
+    ]
+    target = ["-m", "moetrain", "train", str(CONFIG), *ov]
+    return launcher(args.launcher, port, target)
+
+
+def peer_cmd(args: argparse.Namespace, data: Path, steps: int, port: int) -> list[str]:
+    target = [str(HERE / "peer_train.py"), "--data", str(data), "--steps", str(steps)]
+    target += ["--shape", args.shape] + (["--cpu-buckets"] if args.peer_cpu_buckets else [])
+    return launcher(args.launcher, port, target)
+
+
+def inside_tokens_per_s(side: str, result: dict, steps: int, tokens_per_step: int) -> float:
+    """The run's own figure: moetrain's last logged tokens/s, the peer's median step time."""
+    if side == "moetrain":
+        rows = [
+            json.loads(line)
+            for line in (WORK / f"moetrain-{steps}" / "metrics.jsonl").read_text().splitlines()
+        ]
+        return [r for r in rows if "tokens_per_s" in r][-1]["tokens_per_s"]
+    last = [line for line in result["out"].splitlines() if line.startswith("{")][-1]
+    return tokens_per_step / json.loads(last)["step_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--short", type=int, default=4)
+    ap.add_argument("--long", type=int, default=20)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
+    ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
+    ap.add_argument("--peer-cpu-buckets", action="store_true")
+    ap.add_argument("--docs", type=int, default=4000, help="documents of the built-in corpus")
+    args = ap.parse_args()
+
+    shape = SHAPES[args.shape]
+    data = prepare(shape, args.docs)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    tokens_per_step = 2 * MICRO * shape["seq"]
+    builders = {"moetrain": moetrain_cmd, "peer": peer_cmd}
+    port = 29600
+    for side, build in builders.items():  # warm-up: caches, the compiled DeepSpeed op
+        port += 1
+        run(build(args, data, args.short, port), env)
+        print(f"warm-up {side} done", flush=True)
+    ratios, rss_ratios, inside = [], [], []
+    for rnd in range(args.rounds):
+        sides = list(builders) if rnd % 2 == 0 else list(reversed(builders))
+        res: dict[str, dict] = {}
+        for side in sides:
+            walls, peak, inner = {}, 0.0, 0.0
+            lengths = (args.short, args.long) if rnd % 2 == 0 else (args.long, args.short)
+            for steps in lengths:
+                port += 1
+                r = run(builders[side](args, data, steps, port), env)
+                walls[steps], peak = r["wall_s"], max(peak, r["peak_rss_mib"])
+                if steps == args.long:
+                    inner = inside_tokens_per_s(side, r, steps, tokens_per_step)
+            outside = (
+                (args.long - args.short) * tokens_per_step / (walls[args.long] - walls[args.short])
+            )
+            res[side] = {"outside": outside, "inside": inner, "peak_rss_mib": peak}
+            print(f"round {rnd} {side}: {json.dumps(res[side])}", flush=True)
+        ratios.append(res["moetrain"]["outside"] / res["peer"]["outside"])
+        inside.append(res["moetrain"]["inside"] / res["peer"]["inside"])
+        rss_ratios.append(res["moetrain"]["peak_rss_mib"] / res["peer"]["peak_rss_mib"])
+        print(
+            f"round {rnd}: tokens/s moetrain/peer {ratios[-1]:.2f}x (inside {inside[-1]:.2f}x), "
+            f"peak RSS {rss_ratios[-1]:.2f}x",
+            flush=True,
+        )
+
+    def summary(xs: list[float]) -> str:
+        return f"median {statistics.median(xs):.2f}x (range {min(xs):.2f}-{max(xs):.2f})"
+
+    print(f"\nshape {args.shape}, launcher {args.launcher}, EP {args.ep}, {args.rounds} rounds")
+    print(f"tokens/s from outside, moetrain / peer: {summary(ratios)}")
+    print(f"tokens/s from the runs' own figures:    {summary(inside)}")
+    print(f"peak RSS per rank, moetrain / peer:     {summary(rss_ratios)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The model's sections of the config: the transformer (``model``) and its MoE layers (``moe``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from moetrain.config.checks import require, require_positive
+
+
+@dataclass
+class ModelConfig:
+    """Dense transformer shape."""
+
+    vocab_size: int = 8192
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int | None = None  # default d_model // n_heads
+    dense_hidden: int = 1024  # SwiGLU hidden size of dense (non-MoE) FFN layers
+    max_seq_len: int = 2048  # RoPE table size and HF max_position_embeddings
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qk_norm: bool = False  # RMSNorm on queries and keys (Qwen3-MoE, GLM-4-MoE, OLMoE)
+    # what that norm normalises: "head" (each head's vector; Qwen3-MoE, GLM-4-MoE) or
+    # "projection" (the whole query / key projection, all heads together; OLMoE)
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    qkv_bias: bool = False  # biases on the query / key / value projections (Qwen2, Qwen2-MoE)
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    # training loss: cross-entropy over chunks of this many tokens, never the full fp32 logits;
+    # 0 = plain full-logits cross-entropy
+    loss_chunk_tokens: int = 1024
+
+    @property
+    def attention_head_dim(self) -> int:
+        """``head_dim``, or ``d_model // n_heads`` when it is not set."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    def validate(self) -> None:
+        require_positive(
+            self, "model", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"
+        )
+        require_positive(self, "model", "max_seq_len", "dense_hidden")
+        if self.head_dim is None:
+            require(
+                self.d_model % self.n_heads == 0,
+                "model.n_heads",
+                f"must divide model.d_model={self.d_model} (or set model.head_dim); "
+                f"got {self.n_heads}",
+            )
+        else:
+            require(self.head_dim > 0, "model.head_dim", "must be a positive integer")
+        require(
+            self.attention_head_dim % 2 == 0,
+            "model.head_dim",
+            f"must be even for rotary embeddings; got {self.attention_head_dim}",
+        )
+        require(
+            self.n_heads % self.n_kv_heads == 0,
+            "model.n_kv_heads",
+            f"must divide model.n_heads={self.n_heads}; got {self.n_kv_heads}",
+        )
+        require(self.rope_theta > 0, "model.rope_theta", "must be > 0")
+        require(self.norm_eps > 0, "model.norm_eps", "must be > 0")
+        require(self.init_std > 0, "model.init_std", "must be > 0")
+        require(
+            self.loss_chunk_tokens >= 0,
+            "model.loss_chunk_tokens",
+            f"must be >= 0 (0 = full logits); got {self.loss_chunk_tokens}",
+        )
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-Experts FFN: routing, balancing, capacity, placement."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 512
+    moe_every: int = 1  # every n-th layer (after first_k_dense) is MoE
+    first_k_dense: int = 0  # the first k layers use a dense FFN
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    topk_before_score: bool = False  # True: top-k on logits, then softmax over the k
+    renormalize: bool = True  # renormalise the top-k weights to sum to 1
+    route_scale: float = 1.0  # multiply combine weights (DeepSeek-V3 style)
+    jitter: float = 0.0  # multiplicative uniform noise on router input, training only
+    aux_loss_coef: float = 0.01  # Switch/GShard load-balancing loss; 0 disables
+    z_loss_coef: float = 0.001  # ST-MoE router z-loss; 0 disables
+    bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing; 0 disables
+    # which tokens the load-balancing loss's expert fractions come from: micro_batch (this
+    # rank's micro-batch), global_micro_batch (every rank's micro-batch of this micro-step),
+    # sequence (each sequence on its own, DeepSeek-V3), global_batch (every rank's micro-batches
+    # of this optimizer step so far; Megatron-Core's global_aux_loss); README "Load balancing"
+    aux_loss_scope: Literal["micro_batch", "global_micro_batch", "sequence", "global_batch"] = (
+        "global_micro_batch"
+    )
+    # 0 = dropless; else each expert keeps at most ceil(cf * T * k / E) of the copies routed to
+    # it, T = the tokens of its expert-parallel group's micro-batches, lowest weight dropped first
+    capacity_factor: float = 0.0
+    # group-limited routing (DeepSeek-V3 / GLM-4.5 n_group, topk_group): experts in n_group
+    # equal groups; each token picks its topk_group best groups (sum of each group's two best
+    # scores), then its top_k experts inside them. 1 = off
+    n_group: int = 1
+    topk_group: int = 1
+    num_shared_experts: int = 0
+    shared_expert_hidden: int | None = None  # default num_shared_experts * expert_hidden
+    shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE style)
+    # compute the shared expert while the expert-parallel all-to-alls are in flight (its
+    # projections during the dispatch, its down projection during the combine; same values)
+    shared_expert_overlap: bool = True
+    grouped_mm: bool = True  # F.grouped_mm for experts; False = per-expert loop
+    # experts recompute silu(gate) * up in backward instead of saving it (Megatron-Core's
+    # moe_act recompute): 2F values kept per routed copy instead of 3F, ~3% more MoE-block time
+    recompute_act: bool = False
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Placement: after ``first_k_dense`` dense layers, every ``moe_every``-th layer is MoE
+        (the last of each group of ``moe_every``, as Qwen2-MoE's ``decoder_sparse_step``
+        counts)."""
+        if layer < self.first_k_dense:
+            return False
+        return (layer - self.first_k_dense + 1) % self.moe_every == 0
+
+    def moe_layers(self, n_layers: int) -> list[int]:
+        """Transformer layer indices of the MoE layers, in order (position = MoE layer index)."""
+        return [i for i in range(n_layers) if self.is_moe_layer(i)]
+
+    @property
+    def shared_hidden(self) -> int:
+        """Hidden size of the (single, merged) shared-expert SwiGLU."""
+        return self.shared_expert_hidden or self.num_shared_experts * self.expert_hidden
+
+    def _validate_groups(self) -> None:
+        require(
+            self.n_group >= 1 and self.num_experts % max(self.n_group, 1) == 0,
+            "moe.n_group",
+            f"must be >= 1 and divide moe.num_experts={self.num_experts}; got {self.n_group}",
+        )
+        require(
+            1 <= self.topk_group <= self.n_group,
+            "moe.topk_group",
+            f"must be between 1 and moe.n_group={self.n_group}; got {self.topk_group}",
+        )
+        reachable = self.topk_group * (self.num_experts // self.n_group)
+        require(
+            self.top_k <= reachable,
+            "moe.topk_group",
+            f"moe.top_k={self.top_k} experts must fit in topk_group={self.topk_group} groups of "
+            f"{self.num_experts // self.n_group} experts; raise it to at least "
+            f"{-(-self.top_k * self.n_group // self.num_experts)}",
+        )
+
+    def validate(self) -> None:
+        require(self.num_experts >= 1, "moe.num_experts", "must be >= 1")
+        require(
+            1 <= self.top_k <= self.num_experts,
+            "moe.top_k",
+            f"must be between 1 and moe.num_experts={self.num_experts}; got {self.top_k}",
+        )
+        require(self.expert_hidden > 0, "moe.expert_hidden", "must be a positive integer")
+        require(self.moe_every >= 1, "moe.moe_every", "must be >= 1")
+        require(self.first_k_dense >= 0, "moe.first_k_dense", "must be >= 0")
+        require(self.aux_loss_coef >= 0, "moe.aux_loss_coef", "must be >= 0")
+        require(self.z_loss_coef >= 0, "moe.z_loss_coef", "must be >= 0")
+        require(self.bias_update_rate >= 0, "moe.bias_update_rate", "must be >= 0")
+        require(0 <= self.jitter < 1, "moe.jitter", "must be in [0, 1)")
+        require(self.route_scale > 0, "moe.route_scale", "must be > 0")
+        require(self.capacity_factor >= 0, "moe.capacity_factor", "must be 0 (dropless) or > 0")
+        self._validate_groups()
+        require(self.num_shared_experts >= 0, "moe.num_shared_experts", "must be >= 0")
+        if self.shared_expert_hidden is not None:
+            require(self.shared_expert_hidden > 0, "moe.shared_expert_hidden", "must be > 0")
+        require(
+            not (self.topk_before_score and self.score_func == "sigmoid"),
+            "moe.topk_before_score",
+            "only applies to moe.score_func=softmax (sigmoid scores are per-expert)",
+        )
+        require(
+            not (self.shared_expert_gate and self.num_shared_experts == 0),
+            "moe.shared_expert_gate",
+            "needs moe.num_shared_experts >= 1",
+        )

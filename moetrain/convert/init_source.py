@@ -1,0 +1,217 @@
+"""``checkpoint.init_from``: where a run's first weights come from, and the config they imply.
+
+A source is a Hugging Face model directory (``config.json`` + safetensors) of an MoE family
+(:mod:`moetrain.convert.formats`) or of a dense family (:mod:`moetrain.convert.dense`, which is
+upcycled into the configured MoE), a committed moetrain checkpoint, or a run directory (its
+newest complete checkpoint). Opening a source checks everything that can be checked without
+reading a tensor: the path exists, the architecture is supported, every weight file is present
+and as long as its header says, and the checkpoint's manifest holds.
+
+The model shape comes from the source: :func:`resolve_config_data` fills the ``model`` keys
+(and for an MoE source the ``moe`` keys that define the function) from it, and refuses a
+config that sets one of them to something else, naming the key and both values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moetrain.checkpoint.catalog import latest_complete
+from moetrain.checkpoint.format import (
+    STATE_FILE,
+    CheckpointError,
+    TrainerState,
+    checkpoint_root,
+    is_complete,
+    verify_manifest,
+)
+from moetrain.checkpoint.read import HFWeights, checkpoint_config, expert_files
+from moetrain.config import Config, ConfigError, config_from_dict
+from moetrain.convert.dense import DENSE_ARCHITECTURES, dense_config_from_hf, dense_family
+from moetrain.convert.formats import ARCHITECTURES, MODEL_TYPES, config_from_hf
+from moetrain.convert.upcycle import check_upcycle
+
+# The keys that define the function the source computes: taken from it, never contradicted.
+MODEL_KEYS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "dense_hidden",
+    "rope_theta",
+    "norm_eps",
+    "qk_norm",
+    "qk_norm_scope",
+    "qkv_bias",
+    "tie_embeddings",
+)
+MOE_KEYS = (
+    "num_experts",
+    "top_k",
+    "expert_hidden",
+    "moe_every",
+    "first_k_dense",
+    "score_func",
+    "topk_before_score",
+    "renormalize",
+    "route_scale",
+    "n_group",
+    "topk_group",
+    "num_shared_experts",
+    "shared_expert_hidden",
+    "shared_expert_gate",
+)
+# Taken from the source unless the config sets them (the RoPE table size, the init scale).
+MODEL_DEFAULTS = ("max_seq_len", "init_std")
+HF_CONFIG = "config.json"
+
+
+@dataclass
+class InitSource:
+    """An opened ``checkpoint.init_from``; ``config`` is the source model's own config."""
+
+    requested: str
+    path: Path
+    kind: str  # "huggingface" | "checkpoint"
+    config: Config
+    family: str | None = None  # Hugging Face format or dense family
+    architecture: str | None = None
+    upcycle: bool = False  # a dense model, upcycled into the configured MoE
+    step: int | None = None  # a checkpoint's step
+
+    def describe(self) -> str:
+        """What the source is, e.g. ``Hugging Face MixtralForCausalLM (MoE)``."""
+        if self.kind == "checkpoint":
+            return f"moetrain checkpoint, step {self.step}"
+        return f"Hugging Face {self.architecture} ({'dense, upcycled' if self.upcycle else 'MoE'})"
+
+
+def _hf_source(spec: str, path: Path) -> InitSource:
+    try:
+        hf = json.loads((path / HF_CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path / HF_CONFIG}: unreadable ({e})") from None
+    arch = (hf.get("architectures") or [None])[0]
+    dense = dense_family(hf)
+    fmt = MODEL_TYPES.get(arch) or hf.get("model_type")
+    if dense is None and fmt not in ARCHITECTURES:
+        raise ConfigError(
+            f"checkpoint.init_from={spec}: architecture {arch!r} (model_type "
+            f"{hf.get('model_type')!r}) is not supported; MoE: {list(ARCHITECTURES.values())}, "
+            f"dense (upcycled): {list(DENSE_ARCHITECTURES.values())}"
+        )
+    cfg = dense_config_from_hf(hf) if dense else config_from_hf(hf)
+    HFWeights(path)  # every weight file present, none truncated
+    family = dense or fmt
+    arch = arch or (DENSE_ARCHITECTURES.get(family) or ARCHITECTURES[family])
+    return InitSource(spec, path, "huggingface", cfg, family, arch, upcycle=dense is not None)
+
+
+def _checkpoint_source(spec: str, path: Path) -> InitSource:
+    verify_manifest(path)  # complete, nothing missing or truncated
+    cfg = checkpoint_config(path)
+    expert_files(path, cfg)  # every expert of every MoE layer present
+    step = TrainerState.read(path).step
+    return InitSource(spec, path, "checkpoint", cfg, step=step)
+
+
+def open_init_source(spec: str) -> InitSource:
+    """Open and check ``checkpoint.init_from`` (see the module docstring)."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.init_from={spec}: does not exist")
+    if (path / HF_CONFIG).is_file():
+        return _hf_source(spec, path)
+    if (path / STATE_FILE).is_file() or is_complete(path):
+        return _checkpoint_source(spec, path)
+    root = checkpoint_root(path)
+    if root.is_dir():
+        latest = latest_complete(root)
+        if latest is None:
+            raise CheckpointError(
+                f"checkpoint.init_from={spec}: run directory has no complete checkpoint"
+            )
+        return _checkpoint_source(spec, latest)
+    raise CheckpointError(
+        f"checkpoint.init_from={spec}: neither a Hugging Face model directory ({HF_CONFIG}), "
+        f"a moetrain checkpoint ({STATE_FILE}) nor a run directory (checkpoints/)"
+    )
+
+
+def source_settings(source: InitSource, cfg: Config) -> dict[str, Any]:
+    """Dotted key -> value for every key the source decides, given the run's ``cfg`` (an
+    upcycled model's expert sizes follow ``checkpoint.upcycle_granularity`` and
+    ``moe.num_shared_experts``)."""
+    src = source.config
+    fixed = {f"model.{k}": getattr(src.model, k) for k in MODEL_KEYS}
+    if len(src.moe.moe_layers(src.model.n_layers)) == src.model.n_layers:
+        del fixed["model.dense_hidden"]  # no dense FFN layer: the value means nothing
+    if not source.upcycle:
+        return fixed | {f"moe.{k}": getattr(src.moe, k) for k in MOE_KEYS}
+    hidden, g = src.model.dense_hidden, cfg.checkpoint.upcycle_granularity
+    if hidden % g == 0:
+        fixed["moe.expert_hidden"] = hidden // g
+    if cfg.moe.num_shared_experts:
+        fixed["moe.shared_expert_hidden"] = hidden
+    return fixed
+
+
+def _given(data: dict[str, Any], prefix: str = "") -> set[str]:
+    """The dotted keys a raw config dict sets."""
+    out: set[str] = set()
+    for k, v in data.items():
+        out |= _given(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+    return out
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, value)
+
+
+def _conflict(key: str, ours: Any, theirs: Any, source: InitSource) -> ConfigError:
+    return ConfigError(
+        f"{key}: the config sets {ours!r}, but checkpoint.init_from={source.requested} "
+        f"({source.describe()}) has {theirs!r}; remove the setting or make them agree"
+    )
+
+
+def resolve_config_data(data: dict[str, Any]) -> tuple[Config, InitSource | None]:
+    """The run's Config from its raw YAML + overrides ``data``. With ``checkpoint.init_from``
+    the source decides the model: keys the config leaves out are taken from it (and
+    ``data.seq_len`` is capped at its context), a key set to another value is a ConfigError
+    naming the key and both values. Returns (validated config, opened source or None)."""
+    spec = (data.get("checkpoint") or {}).get("init_from")
+    if not spec:
+        return config_from_dict(data), None
+    source = open_init_source(str(spec))
+    given = _given(data)
+    cfg = config_from_dict(data, validate=False)
+    for key in MODEL_DEFAULTS:
+        if f"model.{key}" not in given:
+            _set(cfg, f"model.{key}", getattr(source.config.model, key))
+    for key, value in source_settings(source, cfg).items():
+        if key not in given:
+            _set(cfg, key, value)
+    if "data.seq_len" not in given:
+        cfg.data.seq_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
+    check_config_fits(cfg, source)
+    cfg.validate()
+    return cfg, source
+
+
+def check_config_fits(cfg: Config, source: InitSource) -> None:
+    """Refuse a config whose model differs from the source's (ConfigError naming the key and
+    both values), or an MoE that an upcycled dense model cannot become."""
+    for key, value in source_settings(source, cfg).items():
+        section, name = key.split(".")
+        ours = getattr(getattr(cfg, section), name)
+        if ours != value:
+            raise _conflict(key, ours, value, source)
+    if source.upcycle:
+        check_upcycle(cfg, source.config.model.dense_hidden)

@@ -1,0 +1,231 @@
+"""The weights of a ``checkpoint.init_from`` source, streamed, and a model built from them.
+
+:func:`source_parts` yields what :func:`moetrain.checkpoint.read.iter_layer_states` yields for a
+checkpoint (``("dense", non-expert state)``, then ``("layers.<i>", stacked experts)`` per MoE
+layer), for any source, reading only the experts ``[start, stop)`` that are asked for: an
+expert-parallel rank reads its own experts from the safetensors files, nothing else, and holds
+at most the dense weights plus one layer of experts besides the model. A dense source is
+upcycled on the fly (:mod:`moetrain.convert.upcycle`).
+
+:func:`build_model` builds the run's model on the meta device (no random init), allocates it
+and fills every parameter and buffer from the source; :func:`check_source_tensors` checks every
+tensor's name and shape against the model before anything is read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from moetrain.checkpoint.format import CheckpointError
+from moetrain.checkpoint.read import HFWeights, dense_state, expert_files, stacked_experts
+from moetrain.config import Config
+from moetrain.convert.dense import dense_hf_names, ffn_names
+from moetrain.convert.hf import dense_key_map, expert_key, from_hf_state_dict
+from moetrain.convert.init_source import InitSource
+from moetrain.convert.upcycle import inexact_reasons, upcycled_dense_part, upcycled_experts
+from moetrain.model.moe.experts import pack_w13
+from moetrain.model.transformer import Transformer
+
+Part = tuple[str, dict[str, torch.Tensor]]
+_W = ("w1", "w3", "w2")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.")
+
+
+def _fused(layer: int) -> str:
+    """transformers v5's in-memory fused expert tensors (some files are saved that way)."""
+    return f"model.layers.{layer}.mlp.experts."
+
+
+def _meta_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in Transformer(cfg.model, cfg.moe).state_dict().items()}
+
+
+def expected_hf_shapes(source: InitSource) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor the source must hold -> its shape (experts per expert, or
+    fused where the files hold them fused)."""
+    src, fam = source.config, source.family
+    shapes = _meta_shapes(src)
+    names = dense_key_map(src, fam)
+    out = {hf: shapes[ours] for ours, hf in names.items()}
+    if source.upcycle:
+        return out
+    weights_names = set(HFWeights(source.path).names())
+    d, f, e = src.model.d_model, src.moe.expert_hidden, src.moe.num_experts
+    for layer in src.moe.moe_layers(src.model.n_layers):
+        if _fused(layer) + "gate_up_proj" in weights_names:
+            out[_fused(layer) + "gate_up_proj"] = (e, 2 * f, d)
+            out[_fused(layer) + "down_proj"] = (e, d, f)
+            continue
+        for x in range(e):
+            for w, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
+                out[expert_key(fam, layer, x, w)] = shape
+    return out
+
+
+def check_source_tensors(source: InitSource) -> None:
+    """Every tensor the model needs is in the source with the right shape (reads headers
+    only); CheckpointError naming the tensor (and both shapes)."""
+    if source.kind != "huggingface":
+        return  # a checkpoint's files are checked by its manifest and against its own config
+    weights = HFWeights(source.path)
+    for name, shape in expected_hf_shapes(source).items():
+        if name not in weights.shapes:
+            raise CheckpointError(f"{source.path}: tensor {name} is missing")
+        if weights.shapes[name] != shape:
+            raise CheckpointError(
+                f"{source.path}: tensor {name} has shape {list(weights.shapes[name])}; its "
+                f"config.json ({source.describe()}) needs {list(shape)}"
+            )
+
+
+def _hf_experts(
+    weights: HFWeights,
+    source: InitSource,
+    layer: int,
+    experts: tuple[int, int],
+    into: dict[str, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    """Experts ``[start, stop)`` of one layer, stacked as moetrain holds them: each expert's
+    tensors transposed straight into place, into ``into``'s tensors of the same names when
+    given (a model's parameters: no stacked copy in between), else new ones in the files'
+    dtype."""
+    (start, stop), fam, f = experts, source.family, source.config.moe.expert_hidden
+    p = f"layers.{layer}.ffn.experts."
+    if _fused(layer) + "gate_up_proj" in weights.weight_map:
+        gate_up = weights.load_rows(_fused(layer) + "gate_up_proj", start, stop)  # (L, 2F, D)
+        w13 = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
+        w2 = weights.load_rows(_fused(layer) + "down_proj", start, stop).transpose(1, 2)
+        return {p + "w13": w13.contiguous(), p + "w2": w2.contiguous()}
+    keys = {(e, w): expert_key(fam, layer, e, w) for e in range(start, stop) for w in _W}
+    t = weights.load(list(keys.values()))
+    d, dtype = source.config.model.d_model, t[keys[start, "w1"]].dtype
+    into = into or {}
+    w13 = into.get(p + "w13", torch.empty(stop - start, d, 2 * f, dtype=dtype))
+    w2 = into.get(p + "w2", torch.empty(stop - start, f, d, dtype=dtype))
+    with torch.no_grad():
+        for i, e in enumerate(range(start, stop)):
+            w13[i, :, :f].copy_(t.pop(keys[e, "w1"]).t().contiguous())
+            w13[i, :, f:].copy_(t.pop(keys[e, "w3"]).t().contiguous())
+            w2[i].copy_(t.pop(keys[e, "w2"]).t().contiguous())
+    return {p + "w13": w13, p + "w2": w2}
+
+
+def _moe_hf_parts(
+    source: InitSource, experts: tuple[int, int], into: dict[str, torch.Tensor] | None
+) -> Iterator[Part]:
+    cfg, weights = source.config, HFWeights(source.path)
+    dense_names = [n for n in weights.names() if not _EXPERT.match(n)]
+    state = from_hf_state_dict(weights.load(dense_names), cfg, source.family, expert_layers=[])
+    yield "dense", state
+    del state
+    for layer in cfg.moe.moe_layers(cfg.model.n_layers):
+        yield f"layers.{layer}", _hf_experts(weights, source, layer, experts, into)
+
+
+def _upcycled_parts(source: InitSource, cfg: Config, experts: tuple[int, int]) -> Iterator[Part]:
+    weights, fam = HFWeights(source.path), source.family
+    names = dense_hf_names(cfg, fam)
+    loaded = weights.load(list(names.values()))
+    state = {ours: loaded[theirs] for ours, theirs in names.items()}
+    del loaded
+    if cfg.model.tie_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+    moe_layers = cfg.moe.moe_layers(cfg.model.n_layers)
+
+    def ffn(layer: int) -> list[torch.Tensor]:
+        hf = ffn_names(layer)
+        t = weights.load(list(hf.values()))
+        return [t[hf[w]] for w in ("w1", "w3", "w2")]
+
+    for layer in moe_layers:
+        state |= upcycled_dense_part(*ffn(layer), cfg, layer)
+    yield "dense", state
+    del state
+    for layer in moe_layers:
+        yield f"layers.{layer}", upcycled_experts(*ffn(layer), cfg, layer, experts)
+
+
+def _checkpoint_parts(source: InitSource, experts: tuple[int, int]) -> Iterator[Part]:
+    yield "dense", dense_state(source.path)
+    start, stop = experts
+    for layer, files in expert_files(source.path, source.config).items():
+        yield f"layers.{layer}", stacked_experts(files[start:stop], layer, first=start)
+
+
+def source_parts(
+    source: InitSource,
+    cfg: Config,
+    experts: tuple[int, int] | None = None,
+    into: dict[str, torch.Tensor] | None = None,
+) -> Iterator[Part]:
+    """The run's weights from ``source`` in parts (see the module docstring); ``experts``:
+    the global experts to read, default all of them. ``into``: a model's state dict whose
+    expert tensors a Hugging Face MoE source may fill in place (the parts then hold them)."""
+    experts = experts or (0, cfg.moe.num_experts)
+    if source.kind == "checkpoint":
+        return _checkpoint_parts(source, experts)
+    if source.upcycle:
+        return _upcycled_parts(source, cfg, experts)
+    return _moe_hf_parts(source, experts, into)
+
+
+def init_record(source: InitSource, cfg: Config) -> dict[str, Any]:
+    """What was loaded from where: written into every checkpoint's trainer state."""
+    record: dict[str, Any] = {
+        "from": str(source.path),
+        "requested": source.requested,
+        "kind": source.kind,
+        "architecture": source.architecture,
+        "step": source.step,
+        "upcycled": None,
+    }
+    if source.upcycle:
+        reasons = inexact_reasons(cfg)
+        record["upcycled"] = {
+            "granularity": cfg.checkpoint.upcycle_granularity,
+            "noise": cfg.checkpoint.upcycle_noise,
+            "router_init": "normal(0, model.init_std), one row per virtual group",
+            "dense_function_at_step_0": not reasons,
+            "inexact_because": reasons,
+        }
+    return record
+
+
+def build_model(
+    cfg: Config, source: InitSource, local_experts: tuple[int, int] | None = None
+) -> Transformer:
+    """The run's model holding ``source``'s weights (only ``local_experts`` of each MoE layer
+    when given), in fp32. No random init: built on the meta device, then every parameter and
+    persistent buffer is filled from the source (CheckpointError naming what is missing,
+    unexpected or of the wrong shape)."""
+    check_source_tensors(source)
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.moe, local_experts=local_experts)
+    model.to_empty(device="cpu")
+    model.reset_rope()
+    targets = model.state_dict(keep_vars=True)
+    filled: set[str] = set()
+    with torch.no_grad():
+        for where, part in source_parts(source, cfg, local_experts, into=targets):
+            for name, tensor in part.items():
+                target = targets.get(name)
+                if target is None:
+                    raise CheckpointError(f"{source.path} ({where}): unexpected tensor {name}")
+                if target.shape != tensor.shape:
+                    raise CheckpointError(
+                        f"{source.path} ({where}): {name} has shape {list(tensor.shape)}; the "
+                        f"model needs {list(target.shape)}"
+                    )
+                if tensor is not target:  # (filled in place already)
+                    target.copy_(tensor)
+                filled.add(name)
+            del part
+    missing = sorted(set(targets) - filled)
+    if missing:
+        raise CheckpointError(f"{source.path}: no weights for {missing[:5]}")
+    return model

@@ -1,0 +1,290 @@
+"""Tokenizing a source in chunks, spread over the ranks of a prepare and the workers of each.
+
+The documents of a source are cut into chunks, contiguous document ranges of about equal text
+size (:func:`plan_chunks`), so the work is balanced however unequal the documents are; a
+streamed source is cut while it is read, at the first document that takes a chunk past
+``data.prepare_chunk_mb``. Chunk ``c`` belongs to rank ``c % world``; inside a rank a process
+pool takes the chunks one at a time. The result of the chunk of documents ``[lo, hi)`` is two
+files in ``<build>/parts-<tokenizer sha256>/``, each written atomically, the second last:
+
+    <lo>-<hi>.tokens     the documents' token ids with EOS appended, in order, in the shard dtype
+    <lo>-<hi>.docs.npy   int64 (documents, 2): each document's token count (0 for an empty one)
+                         and 1 if it belongs to the validation split
+
+A chunk whose files are both there is finished: a rerun skips it (the names say which documents
+and which tokenizer, so files of another plan are never mistaken for this one's). The chunking
+does not change the result: the packer reads the chunks in document order and writes the shards
+one process would.
+
+Train/validation split: document ``i`` (in source order) goes to validation when
+``blake2b(i) / 2**64 < data.val_fraction``; document 0 always does when ``val_fraction > 0``,
+so small corpora still get a validation split. Independent of the run seed and of the ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from moetrain.checkpoint.io import atomic_file
+from moetrain.data.errors import DataError
+from moetrain.data.sources import Corpus
+from moetrain.data.tokenizer import Tokenizer, load_tokenizer
+
+SPLIT_RULE = "val iff blake2b(str(doc_index), digest 8, key 'moetrain-split') / 2**64 < val_fraction, or doc_index == 0"
+CHUNKS_PER_WORKER = 8  # chunks per worker of the whole prepare: the pools' tail stays short
+_BATCH = 128  # documents per tokenizer call
+
+
+def is_val_doc(index: int, val_fraction: float) -> bool:
+    """The deterministic document split (see module docstring)."""
+    if val_fraction <= 0:
+        return False
+    if index == 0:
+        return True
+    h = hashlib.blake2b(str(index).encode(), digest_size=8, key=b"moetrain-split").digest()
+    return int.from_bytes(h, "little") / 2.0**64 < val_fraction
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def doc_sizes(corpus: Corpus, where: str) -> np.ndarray:
+    """UTF-8 bytes of every document of a (non-streaming) corpus, from the Arrow offsets."""
+    out = []
+    for table in corpus.dataset.with_format("arrow").iter(batch_size=1 << 16):
+        column = table.column(corpus.text_field)
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            if pa.types.is_null(column.type):
+                out.append(np.zeros(len(column), np.int64))
+                continue
+            raise DataError(
+                f"{where}: text field {corpus.text_field!r} holds {column.type}, not text"
+            )
+        sizes = pc.fill_null(pc.binary_length(column), 0)
+        out.append(sizes.to_numpy().astype(np.int64))
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def plan_chunks(sizes: np.ndarray, num_chunks: int) -> list[tuple[int, int]]:
+    """At most ``num_chunks`` contiguous document ranges ``[lo, hi)`` covering every document,
+    each of about the same number of bytes (a document counts one byte more than its text)."""
+    n = len(sizes)
+    if n == 0:
+        return []
+    k = max(1, min(num_chunks, n))
+    ends = np.cumsum(np.asarray(sizes, dtype=np.int64) + 1)
+    targets = ends[-1] * np.arange(1, k, dtype=np.float64) / k
+    cuts = np.searchsorted(ends, targets, side="left") + 1
+    bounds = np.unique(np.concatenate([[0], np.clip(cuts, 1, n - 1), [n]]))
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def chunk_count(total_bytes: int, chunk_bytes: int, world: int, num_proc: int) -> int:
+    """How many chunks a source of ``total_bytes`` is cut into: chunks of about
+    ``chunk_bytes``, and at least :data:`CHUNKS_PER_WORKER` per worker of the whole prepare."""
+    return max(-(-total_bytes // chunk_bytes), CHUNKS_PER_WORKER * world * num_proc)
+
+
+# ----------------------------------------------------------------------------- chunk files
+
+
+def parts_dir(build: Path, tokenizer_sha256: str) -> Path:
+    """Where the chunks of a build directory tokenized with this tokenizer go."""
+    return Path(build) / f"parts-{tokenizer_sha256[:16]}"
+
+
+def _paths(parts: Path, lo: int, hi: int) -> tuple[Path, Path]:
+    return parts / f"{lo:012d}-{hi:012d}.tokens", parts / f"{lo:012d}-{hi:012d}.docs.npy"
+
+
+def read_chunk(
+    parts: Path, lo: int, hi: int, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, lengths, is_val) of the finished chunk ``[lo, hi)``; errors name the file."""
+    tokens_path, docs_path = _paths(parts, lo, hi)
+    try:
+        docs = np.load(docs_path)
+        tokens = np.fromfile(tokens_path, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{docs_path}: unreadable chunk: {e}") from None
+    if docs.shape != (hi - lo, 2) or int(docs[:, 0].sum()) != len(tokens):
+        raise DataError(
+            f"{tokens_path}: {len(tokens)} tokens, but {docs_path} lists "
+            f"{int(docs[:, 0].sum()) if docs.ndim == 2 else '?'}; remove both to redo the chunk"
+        )
+    return tokens, docs[:, 0], docs[:, 1].astype(bool)
+
+
+def chunk_done(parts: Path, lo: int, hi: int, dtype: np.dtype) -> bool:
+    """Whether the chunk ``[lo, hi)`` is finished (both files there and consistent)."""
+    tokens_path, docs_path = _paths(parts, lo, hi)
+    if not docs_path.is_file():
+        return False
+    try:
+        docs = np.load(docs_path, mmap_mode="r")
+        size = tokens_path.stat().st_size
+    except (OSError, ValueError):
+        return False
+    return docs.shape == (hi - lo, 2) and size == int(docs[:, 0].sum()) * dtype.itemsize
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+@dataclass
+class _Worker:
+    """What a worker needs; set once per process (inherited through fork, or pickled)."""
+
+    parts: Path
+    tokenizer_path: str
+    dtype: np.dtype
+    val_fraction: float
+    dataset: object = None  # the Arrow-formatted dataset of a non-streaming source
+    text_field: str = "text"
+    _tok: Tokenizer | None = None
+
+    def tokenizer(self) -> Tokenizer:
+        if self._tok is None:
+            self._tok = load_tokenizer(self.tokenizer_path)
+        return self._tok
+
+
+_WORKER: _Worker | None = None
+
+
+def _init(worker: _Worker) -> None:
+    global _WORKER
+    _WORKER = worker
+
+
+def _encode_chunk(lo: int, hi: int, batches: Iterable[list]) -> None:
+    w = _WORKER
+    assert w is not None
+    tok = w.tokenizer()
+    eos = tok.eos_id
+    docs: list[tuple[int, int]] = []
+    tokens_path, docs_path = _paths(w.parts, lo, hi)
+    with atomic_file(tokens_path, "wb") as f:
+        index = lo
+        for batch in batches:
+            texts = [t if isinstance(t, str) else "" for t in batch]
+            flat: list[int] = []
+            for ids, text in zip(tok.encode_batch(texts), texts, strict=True):
+                n = len(ids) + 1 if text else 0
+                if n:
+                    flat += ids
+                    flat.append(eos)
+                docs.append((n, is_val_doc(index, w.val_fraction)))
+                index += 1
+            f.write(np.array(flat, dtype=w.dtype).tobytes())
+    if index != hi:
+        raise DataError(f"chunk [{lo}, {hi}) read {index - lo} documents")
+    with atomic_file(docs_path, "wb") as f:
+        np.save(f, np.array(docs, dtype=np.int64).reshape(-1, 2))
+
+
+def _range_task(task: tuple[int, int]) -> None:
+    lo, hi = task
+    w = _WORKER
+    assert w is not None
+    ds, field = w.dataset, w.text_field
+    batches = (
+        ds[b : min(b + _BATCH, hi)].column(field).to_pylist()  # type: ignore[index]
+        for b in range(lo, hi, _BATCH)
+    )
+    _encode_chunk(lo, hi, batches)
+
+
+def _texts_task(task: tuple[int, list]) -> None:
+    lo, texts = task
+    batches = (texts[b : b + _BATCH] for b in range(0, len(texts), _BATCH))
+    _encode_chunk(lo, lo + len(texts), batches)
+
+
+def _run(fn: Callable, tasks: Iterable, num_proc: int, worker: _Worker, done: Callable) -> None:
+    """``fn(task)`` for every task, in a pool of ``num_proc`` processes (inline for one); at
+    most two tasks per worker wait in the queue, so streamed texts are never all in memory."""
+    if num_proc <= 1:
+        _init(worker)
+        for task in tasks:
+            fn(task)
+            done()
+        return
+    # fork, as datasets.map does on Linux: spawn would re-run an unguarded __main__ script
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with multiprocessing.get_context(method).Pool(num_proc, _init, (worker,)) as pool:
+        pending: deque = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(fn, (task,)))
+            while len(pending) >= 2 * num_proc:
+                pending.popleft().get()
+                done()
+        while pending:
+            pending.popleft().get()
+            done()
+
+
+def stream_chunks(corpus: Corpus, chunk_bytes: int) -> Iterator[tuple[int, list]]:
+    """``(first document index, texts)`` of consecutive chunks of a streamed source."""
+    first = size = 0
+    texts: list = []
+    for batch in corpus.dataset.iter(batch_size=_BATCH):
+        for text in batch[corpus.text_field]:
+            texts.append(text)
+            size += len(text.encode("utf-8", "replace")) + 1 if isinstance(text, str) else 1
+            if size >= chunk_bytes:
+                yield first, texts
+                first, size, texts = first + len(texts), 0, []
+    if texts:
+        yield first, texts
+
+
+def tokenize_chunks(
+    corpus: Corpus,
+    chunks: list[tuple[int, int]] | None,
+    parts: Path,
+    *,
+    tokenizer_path: Path,
+    dtype: np.dtype,
+    val_fraction: float,
+    rank: int,
+    world: int,
+    num_proc: int,
+    chunk_bytes: int,
+    done: Callable[[], None] = lambda: None,
+) -> list[tuple[int, int]]:
+    """Tokenize this rank's unfinished chunks into ``parts``; ``chunks`` is the plan of a
+    non-streaming source (None: cut the stream; every rank reads all of it). Returns every
+    chunk of the source (this rank's or not), in order; chunk ``c`` belongs to rank
+    ``c % world``."""
+    parts.mkdir(parents=True, exist_ok=True)
+    worker = _Worker(parts, str(tokenizer_path), dtype, val_fraction)
+    if chunks is not None:
+        worker.dataset, worker.text_field = corpus.dataset.with_format("arrow"), corpus.text_field
+        mine = [
+            (lo, hi)
+            for c, (lo, hi) in enumerate(chunks)
+            if c % world == rank and not chunk_done(parts, lo, hi, dtype)
+        ]
+        _run(_range_task, mine, num_proc, worker, done)
+        return list(chunks)
+    seen: list[tuple[int, int]] = []
+
+    def my_stream() -> Iterator[tuple[int, list]]:
+        for first, texts in stream_chunks(corpus, chunk_bytes):
+            lo, hi = first, first + len(texts)
+            seen.append((lo, hi))
+            if (len(seen) - 1) % world == rank and not chunk_done(parts, lo, hi, dtype):
+                yield lo, texts
+
+    _run(_texts_task, my_stream(), num_proc, worker, done)
+    return seen

@@ -1,0 +1,64 @@
+"""Where a run starts: resume a checkpoint of its run_dir, or load ``checkpoint.init_from``.
+
+The rule, printed at start: a checkpoint to resume (``checkpoint.resume``: the newest complete
+one of run_dir for ``auto``, or the given path) wins, so a restarted job continues where it
+stopped; otherwise ``checkpoint.init_from`` is loaded (weights only: a fresh optimizer, schedule
+and data position); otherwise the weights are random. The source is opened and checked against
+the config (:mod:`moetrain.convert.init_source`) before anything is written to run_dir.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moetrain.checkpoint.catalog import latest_complete
+from moetrain.checkpoint.format import checkpoint_root
+from moetrain.checkpoint.save import Checkpointer
+from moetrain.config import Config
+from moetrain.convert.init_source import InitSource, check_config_fits, open_init_source
+from moetrain.convert.upcycle import inexact_reasons
+from moetrain.monitor.console import Printer, console
+
+
+def will_resume(cfg: Config) -> bool:
+    """Whether ``checkpoint.resume`` will load a checkpoint (read-only: nothing is removed)."""
+    mode = cfg.checkpoint.resume
+    if mode == "none":
+        return False
+    return mode != "auto" or latest_complete(checkpoint_root(cfg.run_dir)) is not None
+
+
+def open_start(cfg: Config) -> InitSource | None:
+    """The opened and checked ``checkpoint.init_from`` when the run will load it, else None.
+    Call before anything is written to run_dir: bad sources fail here."""
+    if not cfg.checkpoint.init_from or will_resume(cfg):
+        return None
+    source = open_init_source(cfg.checkpoint.init_from)
+    check_config_fits(cfg, source)
+    return source
+
+
+def choose_start(
+    cfg: Config, checkpointer: Checkpointer, source: InitSource | None, printer: Printer = console
+) -> Path | None:
+    """The checkpoint to resume (None: start from ``source`` or random weights); says which
+    on rank 0."""
+    resume = checkpointer.find_resume()
+    if not checkpointer.topo.is_main:
+        return resume
+    init = cfg.checkpoint.init_from
+    if resume is not None and init:
+        printer(
+            f"start: resuming {resume} (run_dir already has a checkpoint); "
+            f"checkpoint.init_from={init} is not loaded"
+        )
+    elif source is not None:
+        printer(
+            f"start: weights from {source.path} ({source.describe()}); fresh optimizer, "
+            "schedule and data position"
+        )
+        if source.upcycle:
+            reasons = inexact_reasons(cfg)
+            exact = "exactly" if not reasons else "not exactly (" + "; ".join(reasons) + ")"
+            printer(f"start: the upcycled model computes the dense model {exact} at step 0")
+    return resume

@@ -1,0 +1,160 @@
+"""Tiny Hugging Face models and tokenizers built offline, as a user's existing weights.
+
+:func:`save_hf_model` writes a random model of one family with ``save_pretrained`` (safetensors,
+the layout transformers writes); :func:`save_hf_tokenizer` trains a small byte-level BPE with the
+``tokenizers`` library and writes ``tokenizer.json`` + ``tokenizer_config.json`` as a model
+directory holds them. Every family shares :data:`SMALL`'s shape (vocab 320, d 32, 3 layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SMALL: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    bos_token_id=2,
+    eos_token_id=3,
+    pad_token_id=0,
+)
+EOS_TOKEN = "<|endoftext|>"
+
+
+def _moe_configs(transformers: Any) -> dict[str, Any]:
+    moe = dict(SMALL, num_experts_per_tok=2)
+    return {
+        "mixtral": lambda: transformers.MixtralConfig(
+            **moe, intermediate_size=24, num_local_experts=4, sliding_window=None
+        ),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **moe,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=4,
+            shared_expert_intermediate_size=36,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **moe,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=4,
+            decoder_sparse_step=2,
+        ),
+        "olmoe": lambda: transformers.OlmoeConfig(**moe, intermediate_size=24, num_experts=4),
+        "glm4_moe": lambda: transformers.Glm4MoeConfig(
+            **{
+                **moe,
+                "rope_parameters": {**SMALL["rope_parameters"], "partial_rotary_factor": 1.0},
+            },
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            use_qk_norm=True,
+            n_group=1,
+            topk_group=1,
+            num_mtp_layers=0,
+        ),
+    }
+
+
+def _dense_configs(transformers: Any) -> dict[str, Any]:
+    return {
+        "llama": lambda: transformers.LlamaConfig(**SMALL, intermediate_size=48),
+        "mistral": lambda: transformers.MistralConfig(
+            **SMALL, intermediate_size=48, sliding_window=None
+        ),
+        "qwen2": lambda: transformers.Qwen2Config(**SMALL, intermediate_size=48),
+        "qwen3": lambda: transformers.Qwen3Config(**SMALL, intermediate_size=48),
+    }
+
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def hf_config(family: str) -> Any:
+    """The transformers config object of ``family``'s tiny model."""
+    import transformers
+
+    return {**_moe_configs(transformers), **_dense_configs(transformers)}[family]()
+
+
+def save_hf_model(
+    family: str,
+    out: Path,
+    seed: int = 1,
+    tokenizer: Path | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
+    """A random ``family`` model saved at ``out`` (norms, biases and GLM's selection bias made
+    non-trivial, so a swapped or dropped tensor shows); ``tokenizer``: a directory whose files
+    are copied in; ``overrides``: config attributes changed from the family's tiny config.
+    Returns ``out``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(family)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.2, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.2, 0.2)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        for f in Path(tokenizer).iterdir():
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def save_hf_tokenizer(texts: Iterable[str], vocab_size: int, out: Path) -> Path:
+    """Train a byte-level BPE (lossless on any text) on ``texts``; write ``tokenizer.json`` and
+    ``tokenizer_config.json`` (EOS ``<|endoftext|>``, nothing added around the text) into
+    ``out``. Returns ``out``."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "pad_token": "<pad>",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 64,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -1,0 +1,185 @@
+"""checkpoint.init_from in one process: every source gives the model transformers computes; the
+config takes the source's shape and refuses contradictions; bad sources are refused, named,
+before anything is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetrain.checkpoint.format import CheckpointError, TrainerState
+from moetrain.config import ConfigError, read_config_data
+from moetrain.convert.importer import import_hf_checkpoint
+from moetrain.convert.init_source import open_init_source, resolve_config_data
+from moetrain.convert.init_weights import build_model
+from moetrain.train.start import open_start, will_resume
+from tests.helpers.configs import tiny_args
+from tests.helpers.hf_models import MOE_FAMILIES, save_hf_model
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {f: save_hf_model(f, root / f) for f in (*MOE_FAMILIES, "llama")}
+
+
+def resolved(*overrides: str):
+    return resolve_config_data(read_config_data(None, list(overrides)))
+
+
+def hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_source_gives_transformers_logits_and_local_experts(hf_dirs, family) -> None:
+    cfg, source = resolved(f"checkpoint.init_from={hf_dirs[family]}")
+    assert source.kind == "huggingface" and not source.upcycle
+    assert (cfg.model.vocab_size, cfg.model.d_model, cfg.model.n_layers) == (320, 32, 3)
+    ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(0))
+    model = build_model(cfg, source).eval()
+    with torch.no_grad():
+        got = model(ids).logits
+    ref = hf_logits(hf_dirs[family], ids)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert ref.abs().max() > 1e-2
+    # an expert-parallel rank reads only its experts, and they are the full model's
+    half = build_model(cfg, source, local_experts=(2, 4))
+    full, part = model.state_dict(), half.state_dict()
+    for name, t in part.items():
+        want = full[name][2:4] if ".experts." in name else full[name]
+        assert torch.equal(t, want), name
+
+
+def test_group_limited_source_keeps_its_expert_groups(tmp_path) -> None:
+    """GLM-4-MoE with expert groups: the routing rule (n_group / topk_group) comes from the
+    source, so the model computes transformers' logits, not plain top-k routing's."""
+    src = save_hf_model("glm4_moe", tmp_path / "glm", overrides={"n_group": 2, "topk_group": 1})
+    cfg, source = resolved(f"checkpoint.init_from={src}")
+    assert (cfg.moe.n_group, cfg.moe.topk_group) == (2, 1)
+    ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = build_model(cfg, source).eval()(ids).logits
+    torch.testing.assert_close(got, hf_logits(src, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_shape_comes_from_the_source_and_contradictions_are_refused(hf_dirs) -> None:
+    src = hf_dirs["mixtral"]
+    cfg, _ = resolved(f"checkpoint.init_from={src}", "moe.aux_loss_coef=0.02", "data.seq_len=32")
+    assert cfg.moe.num_experts == 4 and cfg.moe.expert_hidden == 24 and cfg.model.head_dim == 8
+    assert cfg.moe.aux_loss_coef == 0.02 and cfg.data.seq_len == 32  # training choices stay
+    assert (
+        cfg.model.max_seq_len == 64
+        and resolved(f"checkpoint.init_from={src}")[0].data.seq_len == 64
+    )
+    for key, ours, theirs in (
+        ("model.d_model", "64", "32"),
+        ("moe.num_experts", "8", "4"),
+        ("model.qk_norm", "true", "False"),
+    ):
+        shown = "True" if ours == "true" else ours
+        with pytest.raises(ConfigError, match=rf"{key}: the config sets {shown}.* has {theirs}"):
+            resolved(f"checkpoint.init_from={src}", f"{key}={ours}")
+    # the same values given explicitly are fine
+    resolved(f"checkpoint.init_from={src}", "model.d_model=32", "moe.num_experts=4")
+
+
+def test_checkpoint_and_run_dir_sources(hf_dirs, tmp_path) -> None:
+    ckpt = import_hf_checkpoint(
+        hf_dirs["qwen3_moe"], tmp_path / "run" / "checkpoints" / "step_00000005", step=5
+    )
+    state = TrainerState.read(ckpt)
+    assert state.init["kind"] == "huggingface" and state.init["from"] == str(hf_dirs["qwen3_moe"])
+    ids = torch.randint(0, 320, (1, 9))
+    ref = hf_logits(hf_dirs["qwen3_moe"], ids)
+    for spec in (ckpt, tmp_path / "run"):
+        cfg, source = resolved(f"checkpoint.init_from={spec}")
+        assert source.kind == "checkpoint" and source.step == 5 and source.path == ckpt
+        with torch.no_grad():
+            got = build_model(cfg, source, local_experts=None).eval()(ids).logits
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_sources_are_refused_by_name(hf_dirs, tmp_path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(CheckpointError, match=f"checkpoint.init_from={missing}: does not exist"):
+        open_init_source(str(missing))
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)
+    ).save_pretrained(gpt2)
+    with pytest.raises(ConfigError, match="architecture 'GPT2LMHeadModel'.*not supported"):
+        open_init_source(str(gpt2))
+    with pytest.raises(CheckpointError, match="neither a Hugging Face model directory"):
+        open_init_source(str(tmp_path))
+    # a sharded directory with one shard gone, and one cut short
+    sharded = tmp_path / "sharded"
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["mixtral"])
+    model.save_pretrained(sharded, max_shard_size="60KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    data = shards[1].read_bytes()
+    shards[1].write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match=f"{shards[1]}: truncated or corrupt"):
+        open_init_source(str(sharded))
+    shards[1].unlink()
+    with pytest.raises(CheckpointError, match=f"{shards[1]}: weight file is missing"):
+        open_init_source(str(sharded))
+    # a tensor of the wrong shape: named, with both shapes
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((hf_dirs["mixtral"] / "config.json").read_text())
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(hf_dirs["mixtral"] / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+    tensors[name] = torch.zeros(32, 20)
+    save_file(tensors, bad / "model.safetensors")
+    cfg, source = resolved(f"checkpoint.init_from={bad}")
+    with pytest.raises(
+        CheckpointError, match=rf"tensor {name} has shape \[32, 20\].* needs \[32, 24\]"
+    ):
+        build_model(cfg, source)
+    del tensors[name]
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"tensor {name} is missing"):
+        build_model(cfg, source)
+
+
+def test_run_dir_checkpoint_wins_and_bad_init_from_writes_nothing(hf_dirs, tmp_path) -> None:
+    """Precedence is read without touching run_dir; a bad source fails in run_training before
+    run_dir exists."""
+    from moetrain.config import config_from_dict
+    from moetrain.train.loop import run_training
+
+    run_dir = tmp_path / "run"
+    cfg, _ = resolved(f"checkpoint.init_from={hf_dirs['mixtral']}", f"run_dir={run_dir}")
+    assert not will_resume(cfg) and open_start(cfg) is not None
+    import_hf_checkpoint(hf_dirs["mixtral"], run_dir / "checkpoints" / "step_00000003", step=3)
+    assert will_resume(cfg) and open_start(cfg) is None  # resume wins; the source is not opened
+    for bad in (tmp_path / "gone", hf_dirs["llama"]):
+        data = read_config_data(None, tiny_args(run_dir=str(tmp_path / "fresh")))
+        data["checkpoint"] = {"init_from": str(bad)}
+        bad_cfg = config_from_dict(data)
+        with pytest.raises((CheckpointError, ConfigError)):
+            run_training(bad_cfg)
+        assert not (tmp_path / "fresh").exists()
+
+
+def test_import_writes_what_it_loaded(hf_dirs, tmp_path) -> None:
+    ckpt = import_hf_checkpoint(
+        hf_dirs["olmoe"], tmp_path / "ckpt", overrides=["moe.z_loss_coef=0.0"]
+    )
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["config"]["model"]["qk_norm_scope"] == "projection"
+    assert state["init"]["architecture"] == "OlmoeForCausalLM" and state["init"]["upcycled"] is None
+    with pytest.raises(ConfigError, match="moe.top_k: the config sets 1"):
+        import_hf_checkpoint(hf_dirs["olmoe"], tmp_path / "ckpt2", overrides=["moe.top_k=1"])
+    assert not (tmp_path / "ckpt2").exists()

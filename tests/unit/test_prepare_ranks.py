@@ -1,0 +1,115 @@
+"""The pieces of a distributed prepare in one process: ranks from the launcher's environment,
+size-balanced chunks, heartbeats, and a rank that fails on bad input while another waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moetrain.config import load_config
+from moetrain.data import DataError
+from moetrain.data.chunks import chunk_count, plan_chunks
+from moetrain.data.prepare import prepare
+from moetrain.data.ranks import Heartbeat, Ranks, RankStopped, Watch, default_num_proc
+from tests.unit.test_data_prepare import write_jsonl
+
+
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({}, Ranks(0, 1, 1)),
+        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, Ranks(3, 8, 4)),
+        ({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_SIZE": "2"}, Ranks(2, 4, 2)),  # deepspeed
+        ({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "6"}, Ranks(5, 6, 1)),
+        # a launcher's RANK wins over the SLURM task it runs in
+        ({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}, Ranks(1, 2, 1)),
+        # the batch script of a job (no job step): one process
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, Ranks(0, 1, 1)),
+    ],
+)  # fmt: skip
+def test_ranks_from_the_environment(env, want):
+    assert Ranks.from_env(env) == want
+
+
+def test_bad_rank_environment():
+    with pytest.raises(DataError, match=r"RANK / WORLD_SIZE: rank 4 is not in \[0, 4\)"):
+        Ranks.from_env({"RANK": "4", "WORLD_SIZE": "4"})
+    with pytest.raises(DataError, match="WORLD_SIZE='two' is not an integer"):
+        Ranks.from_env({"RANK": "0", "WORLD_SIZE": "two"})
+
+
+def test_default_num_proc_shares_the_cores():
+    assert default_num_proc(3, Ranks(0, 2, 2)) == 3
+    one = default_num_proc(0, Ranks())
+    assert one >= 1 and default_num_proc(0, Ranks(0, 64, 64)) == max(1, one // 64)
+
+
+def test_chunks_are_contiguous_and_size_balanced():
+    rng = np.random.default_rng(0)
+    sizes = rng.pareto(1.2, 5000).astype(np.int64) * 100 + rng.integers(0, 50, 5000)
+    sizes[::97] = 0  # empty documents still belong to a chunk
+    chunks = plan_chunks(sizes, 32)
+    assert chunks[0][0] == 0 and chunks[-1][1] == len(sizes)
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(chunks, chunks[1:], strict=False))
+    per = np.array([sizes[lo:hi].sum() + (hi - lo) for lo, hi in chunks])
+    target = per.sum() / len(chunks)
+    # no chunk is larger than its share by more than its largest document
+    for (lo, hi), got in zip(chunks, per, strict=True):
+        assert got <= target + sizes[lo:hi].max() + 1
+    # chunk c goes to rank c % world: every rank's share is within a chunk of the others'
+    for world in (2, 3, 5):
+        shares = [per[r::world].sum() for r in range(world)]
+        assert max(shares) - min(shares) <= per.max()
+    assert plan_chunks(np.array([5, 0, 7]), 10) == [(0, 1), (1, 2), (2, 3)]
+    assert plan_chunks(np.zeros(0, np.int64), 4) == []
+    assert chunk_count(100 << 20, 16 << 20, 1, 1) == 8
+    assert chunk_count(1 << 40, 16 << 20, 4, 8) == 65536
+
+
+def test_watch_waits_for_a_live_rank_and_gives_up_on_a_dead_one(tmp_path):
+    ready = threading.Event()
+    with Heartbeat(tmp_path, 1):
+        threading.Timer(0.3, ready.set).start()
+        Watch(tmp_path, timeout_s=5).until(ready.is_set, [1], "a file")
+    with pytest.raises(RankStopped, match="rank 1 stopped .*while this rank waited for a file"):
+        Watch(tmp_path, timeout_s=0.3).until(lambda: False, [1], "a file")
+    with pytest.raises(RankStopped, match="rank 2 never started"):
+        Watch(tmp_path, timeout_s=0.3).until(lambda: False, [2], "a file")
+
+
+def test_a_rank_waiting_on_rank_0_that_fails_on_bad_input(tmp_path):
+    """Rank 0 finds the corpus empty and removes its build directory; rank 1, waiting for the
+    plan, stops at once with an error that points at rank 0 (not after the timeout)."""
+    blank = write_jsonl(tmp_path / "blank.jsonl", ["", ""])
+    cfg = load_config(
+        None,
+        [
+            "model.vocab_size=320",
+            f"data.source={blank}",
+            f"data.output_dir={tmp_path / 'out'}",
+        ],
+    )
+    errors: dict[int, BaseException] = {}
+
+    def rank(r: int) -> None:
+        try:
+            prepare(cfg, Ranks(r, 2))
+        except BaseException as e:  # noqa: BLE001 (reported to the test)
+            errors[r] = e
+
+    waiting = threading.Thread(target=rank, args=(1,))
+    waiting.start()
+    deadline = time.monotonic() + 60  # until rank 1 waits for the plan (its heartbeat is there)
+    while not list(tmp_path.glob(".out.*/heartbeat/rank-1")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    rank(0)
+    waiting.join(timeout=60)
+    assert not waiting.is_alive() and time.monotonic() - t0 < 30
+    assert isinstance(errors[0], DataError) and "empty corpus" in str(errors[0])
+    assert "rank 0 stopped and removed" in str(errors[1]), errors[1]
+    assert not list(Path(tmp_path).glob(".out.*"))

@@ -1,0 +1,151 @@
+"""Sparse upcycling of dense Hugging Face models: at step 0 the MoE computes the dense model
+(<= 1e-5) wherever the module docstring of moetrain.convert.upcycle says it does, in moetrain
+and, after `moetrain import` + `moetrain convert`, in transformers."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetrain.checkpoint.read import load_model
+from moetrain.cli import main
+from moetrain.config import ConfigError, read_config_data
+from moetrain.convert.export import convert_checkpoint
+from moetrain.convert.init_source import resolve_config_data
+from moetrain.convert.init_weights import build_model, init_record
+from tests.helpers.hf_models import DENSE_FAMILIES, save_hf_model, save_hf_tokenizer
+
+transformers = pytest.importorskip("transformers")
+IDS = torch.randint(0, 320, (2, 21), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dense")
+    tok = save_hf_tokenizer(["def f(x):\n    return x + 1  # ü"] * 20, 300, root / "tok")
+    return {f: save_hf_model(f, root / f, tokenizer=tok) for f in DENSE_FAMILIES}
+
+
+@functools.cache
+def dense_logits(path: Path) -> torch.Tensor:
+    """The dense model's logits on IDS, in transformers."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(input_ids=IDS).logits
+
+
+def upcycled(path: Path, *overrides: str):
+    data = read_config_data(None, [f"checkpoint.init_from={path}", *overrides])
+    cfg, source = resolve_config_data(data)
+    assert source.upcycle
+    model = build_model(cfg, source).eval()
+    with torch.no_grad():
+        return model(IDS).logits, cfg, source, model
+
+
+EXACT = {
+    "copies": ["moe.num_experts=8", "moe.top_k=2"],
+    "fine-grained G=2": ["moe.num_experts=8", "moe.top_k=2", "checkpoint.upcycle_granularity=2"],
+    "fine-grained G=4, top-8": [
+        "moe.num_experts=16",
+        "moe.top_k=8",
+        "checkpoint.upcycle_granularity=4",
+    ],
+    "gated shared expert": ["moe.num_shared_experts=1", "moe.shared_expert_gate=true"],
+    "shared expert, sigmoid router": [
+        "moe.num_shared_experts=1",
+        "moe.score_func=sigmoid",
+        "moe.route_scale=2.5",
+    ],
+    "every other layer, top-k before softmax": [
+        "moe.moe_every=2",
+        "moe.topk_before_score=true",
+        "moe.renormalize=false",
+    ],
+}
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_upcycled_copies_compute_the_dense_model(dense, family) -> None:
+    got, cfg, source, model = upcycled(dense[family], *EXACT["copies"])
+    assert cfg.moe.expert_hidden == 48 and len(model.moe_layers()) == 3
+    torch.testing.assert_close(got, dense_logits(dense[family]), atol=1e-5, rtol=1e-5)
+    assert init_record(source, cfg)["upcycled"]["dense_function_at_step_0"]
+
+
+@pytest.mark.parametrize("case", list(EXACT)[1:])
+def test_upcycled_variants_compute_the_dense_model(dense, case) -> None:
+    got, cfg, _, model = upcycled(dense["qwen2"], *EXACT[case])
+    torch.testing.assert_close(got, dense_logits(dense["qwen2"]), atol=1e-5, rtol=1e-5)
+    g = cfg.checkpoint.upcycle_granularity
+    router = model.moe_layers()[0].router.gate.weight
+    assert torch.equal(router, router[::g].repeat_interleave(g, 0))  # one row per virtual group
+    assert len(set(map(tuple, router.tolist()))) == cfg.moe.num_experts // g
+
+
+def test_inexact_settings_are_allowed_and_said(dense) -> None:
+    ref = dense_logits(dense["llama"])
+    for extra, reason in (
+        (["moe.renormalize=false"], "moe.renormalize=false"),
+        (["checkpoint.upcycle_noise=0.05"], "checkpoint.upcycle_noise"),
+    ):
+        got, cfg, source, model = upcycled(dense["llama"], *EXACT["copies"], *extra)
+        assert (got - ref).abs().max() > 1e-3
+        record = init_record(source, cfg)["upcycled"]
+        assert not record["dense_function_at_step_0"] and reason in record["inexact_because"][0]
+    w13 = model.moe_layers()[0].experts.w13
+    assert not torch.equal(w13[0], w13[1])  # noise differs per expert
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["checkpoint.upcycle_granularity=5"], "checkpoint.upcycle_granularity"),
+        (["checkpoint.upcycle_granularity=2", "moe.top_k=3"], "moe.top_k"),
+        (["checkpoint.upcycle_granularity=4", "moe.num_experts=6"], "moe.num_experts"),
+        (["moe.expert_hidden=24"], "moe.expert_hidden"),
+        (["moe.num_shared_experts=1", "moe.shared_expert_hidden=24"], "moe.shared_expert_hidden"),
+    ],
+)
+def test_impossible_upcycling_is_refused_by_name(dense, overrides, key) -> None:
+    data = read_config_data(None, [f"checkpoint.init_from={dense['llama']}", *overrides])
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        resolve_config_data(data)
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "arch"),
+    [
+        ("llama", [], "MixtralForCausalLM"),
+        (
+            "qwen2",
+            ["moe.num_shared_experts=1", "moe.shared_expert_gate=true"],
+            "Qwen2MoeForCausalLM",
+        ),
+    ],
+)
+def test_import_upcycles_and_transformers_agrees(dense, tmp_path, family, overrides, arch) -> None:
+    """`moetrain import DENSE OUT moe.num_experts=8 moe.top_k=2` then `moetrain convert`."""
+    ckpt = tmp_path / "ckpt"
+    args = ["import", str(dense[family]), str(ckpt), *EXACT["copies"], *overrides]
+    assert main(args) == 0
+    ref = dense_logits(dense[family])
+    model, cfg = load_model(ckpt)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(IDS).logits, ref, atol=1e-5, rtol=1e-5)
+    assert cfg.moe.num_experts == 8 and cfg.moe.top_k == 2
+    out = convert_checkpoint(ckpt, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == arch
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=IDS).logits, ref, atol=1e-5, rtol=1e-5)
+    # the model's own tokenizer went along: AutoTokenizer on the converted model gives the ids
+    # the tokenizers library gives (what `moetrain prepare` trains on)
+    from tokenizers import Tokenizer
+
+    text = "def f(x):\n    return x + 1  # ü"
+    raw = Tokenizer.from_file(str(dense[family] / "tokenizer.json")).encode(text).ids
+    assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == raw
