@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     from moetrain.checkpoint.format import CheckpointError
     from moetrain.data.errors import DataError
+    from moetrain.parallel.watchdog import CollectiveFailure
 
     try:
         return func(args)
@@ -218,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"moetrain: error: {e}", file=sys.stderr)
         return 2
+    except (CollectiveFailure, TimeoutError) as e:  # a rank went missing: not a usage error
+        print(f"moetrain: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

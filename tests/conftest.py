@@ -29,3 +29,16 @@ os.environ.setdefault(
         / f"moetrain-tests-py{sys.version_info.major}{sys.version_info.minor}"
     ),
 )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``long`` (fault-injection loops, resume matrices) run only when ``-m``
+    names them."""
+    import pytest
+
+    if "long" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="takes minutes: run with -m long")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)

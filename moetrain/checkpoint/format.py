@@ -10,12 +10,17 @@
   layer ``M`` (counted over MoE layers only), with DeepSpeed's per-expert keys
   ``layers.<i>.ffn.experts.deepspeed_moe.experts.deepspeed_experts.<local>.<w13|w2>``; written
   once whatever the EP size, so model weights reshard.
-- ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: the ZeRO optimizer shard of each rank.
+- ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: the ZeRO-1/2 optimizer shard of each rank
+  (``bf16_`` prefix under DeepSpeed's bf16 optimizer);
+  ``expp_rank_<e>_mp_rank_00_optim_states.pt``: at ZeRO stage 0, the optimizer state of each
+  expert-parallel rank.
 - ``rank_<r>.pt``: that rank's RNG states (tensors only).
 - the tokenizer the data was tokenized with: ``tokenizer.model`` (SentencePiece), or a Hugging
   Face tokenizer's ``tokenizer.json`` with the files that configure it (``TOKENIZER_FILES``).
 - ``trainer_state.json``: :class:`TrainerState`.
-- ``COMMITTED.json``, written last: the manifest, ``{"step": N, "files": {name: size}}``.
+- ``COMMITTED.json``, written last: the manifest, ``{"step": N, "files": {name: size},
+  "crc32": {name: CRC-32}, "writers": {name: rank}}``, built from the list of files each rank
+  wrote (checkpoints before the checksums have only ``files``; their sizes are still checked).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from moetrain.checkpoint.io import file_crc32
 
 CHECKPOINTS_DIR = "checkpoints"
 COMMIT_FILE = "COMMITTED.json"
@@ -81,6 +88,18 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
+def zero_optimizer_file(ckpt: Path, rank: int) -> Path:
+    """DeepSpeed's ZeRO-1/2 optimizer file of ``rank`` in ``ckpt`` (plain or bf16 name)."""
+    name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    bf16 = Path(ckpt) / f"bf16_{name}"
+    return bf16 if bf16.is_file() else Path(ckpt) / name
+
+
+def stage0_optimizer_file(ckpt: Path, ep_rank: int) -> Path:
+    """DeepSpeed's ZeRO stage 0 optimizer file of expert-parallel rank ``ep_rank``."""
+    return Path(ckpt) / f"expp_rank_{ep_rank}_mp_rank_00_optim_states.pt"
+
+
 def expert_file(moe_index: int, expert: int) -> str:
     """DeepSpeed's file of global expert ``expert`` of the ``moe_index``-th MoE layer."""
     return f"layer_{moe_index}_expert_{expert}_mp_rank_00_model_states.pt"
@@ -107,6 +126,8 @@ class TrainerState:
 
     ``layout`` is ``{"world_size", "ep_size", "zero_stage"}`` at save time; ``loader`` and
     ``schedule`` are None in a checkpoint that was not written by training (import).
+    ``optimizer_params``: the names of each optimizer param group's parameters, in order, where
+    DeepSpeed's files do not name them (ZeRO stage 0), so that the optimizer state reshards.
     ``skipped_steps`` counts non-finite steps, ``loss_scale_overflows`` fp16 loss-scale
     calibration skips; ``loss_scaler`` is the fp16 dynamic loss scaler's state (``cur_scale``,
     ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``), None in bf16/fp32.
@@ -121,6 +142,7 @@ class TrainerState:
     config: dict[str, Any]
     tokenizer_sha256: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    optimizer_params: list[list[str]] | None = None
     # what the run's first weights were loaded from (checkpoint.init_from), carried by every
     # later checkpoint of the run; None for a run started from random weights
     init: dict[str, Any] | None = None
@@ -161,10 +183,42 @@ class TrainerState:
 # ----------------------------------------------------------------------------- manifest
 
 
+FileEntry = tuple[int, int]  # (size in bytes, CRC-32)
+
+
+def file_entry(path: Path) -> FileEntry:
+    """What the manifest records of one file: its size and CRC-32."""
+    return Path(path).stat().st_size, file_crc32(path)
+
+
+def manifest_from(step: int, written: list[dict[str, FileEntry]]) -> dict[str, Any]:
+    """The commit manifest from each rank's own list of the files it wrote (index = rank).
+
+    A file claimed by two ranks is an error: two writers of one name would race.
+    """
+    files: dict[str, int] = {}
+    crcs: dict[str, int] = {}
+    writers: dict[str, int] = {}
+    for rank, entries in enumerate(written):
+        for name, (size, crc) in entries.items():
+            if name in writers:
+                raise CheckpointError(
+                    f"checkpoint step {step}: {name} written by rank {writers[name]} and rank {rank}"
+                )
+            files[name], crcs[name], writers[name] = size, crc, rank
+    order = sorted(files)
+    return {
+        "step": step,
+        "files": {n: files[n] for n in order},
+        "crc32": {n: crcs[n] for n in order},
+        "writers": {n: writers[n] for n in order},
+    }
+
+
 def manifest_of(directory: Path, step: int) -> dict[str, Any]:
-    """The commit manifest of every file in ``directory``: names and sizes."""
+    """The commit manifest of every file in ``directory`` (one writer: rank 0)."""
     files = sorted(p for p in Path(directory).iterdir() if p.is_file())
-    return {"step": step, "files": {f.name: f.stat().st_size for f in files}}
+    return manifest_from(step, [{f.name: file_entry(f) for f in files}])
 
 
 def is_complete(ckpt: Path) -> bool:
@@ -182,14 +236,27 @@ def read_commit(ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(f"{marker}: unreadable commit marker: {e}") from None
 
 
-def verify_manifest(ckpt: Path) -> None:
-    """Every file listed in the commit marker exists with the size it had at commit."""
-    for name, size in read_commit(ckpt).get("files", {}).items():
+def manifest_names(ckpt: Path) -> list[str]:
+    """The files the commit marker lists, sorted."""
+    return sorted(read_commit(ckpt).get("files", {}))
+
+
+def verify_manifest(ckpt: Path, names: list[str] | None = None) -> None:
+    """Every file listed in the commit marker (or only ``names`` of them) exists with the size
+    and, where recorded, the CRC-32 it had at commit. Reads nothing but the bytes."""
+    commit = read_commit(ckpt)
+    sizes, crcs = commit.get("files", {}), commit.get("crc32", {})
+    for name in sizes if names is None else names:
         f = Path(ckpt) / name
         if not f.is_file():
             raise CheckpointError(f"{f}: file listed in {COMMIT_FILE} is missing")
-        if f.stat().st_size != size:
+        if f.stat().st_size != sizes[name]:
             raise CheckpointError(
-                f"{f}: size {f.stat().st_size} != {size} recorded at commit (truncated or "
-                "overwritten)"
+                f"{f}: size {f.stat().st_size} != {sizes[name]} recorded at commit (truncated "
+                "or overwritten)"
+            )
+        if name in crcs and file_crc32(f) != crcs[name]:
+            raise CheckpointError(
+                f"{f}: contents changed since the commit (CRC-32 {file_crc32(f):08x} != "
+                f"{crcs[name]:08x} recorded in {COMMIT_FILE})"
             )

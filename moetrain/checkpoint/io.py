@@ -16,6 +16,7 @@ import shutil
 import socket
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -140,6 +141,15 @@ def remove_stale_temp_dirs(final: str | Path) -> list[Path]:
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
+
+
+def file_crc32(path: str | Path) -> int:
+    """CRC-32 of a file's bytes: a cheap check that it is the file that was committed."""
+    crc = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
 def file_sha256(path: str | Path) -> str:

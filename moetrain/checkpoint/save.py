@@ -1,19 +1,23 @@
 """Saving and resuming during training: every method runs on every rank.
 
 A save writes DeepSpeed's files (``engine.save_checkpoint``, never its ``latest`` file), each
-rank's RNG states, and on rank 0 the trainer state and the tokenizer; after a barrier every rank
-fsyncs its share of the files, and after another rank 0 writes the commit manifest, last. A
-resume takes the newest complete checkpoint (incomplete ones are removed). DeepSpeed's own loader
-unpickles its files: a checkpoint directory must be trusted like code; moetrain's own files are
-JSON or are read with ``torch.load(weights_only=True)``.
+rank's RNG states, and on rank 0 the trainer state and the tokenizer. Every rank fsyncs and
+measures (size, CRC-32) the files it wrote itself; the ranks exchange these lists, and rank 0
+writes the manifest of all of them as the commit marker, last. A write error on any rank (a full
+disk) stops every rank with the same error and removes the partial directory. A resume takes
+the newest complete checkpoint (incomplete ones are removed) and checks every file against the
+manifest before DeepSpeed unpickles anything. DeepSpeed's own loader unpickles its files: a
+checkpoint directory must be trusted like code; moetrain's own files are JSON or are read with
+``torch.load(weights_only=True)``.
 
-Resharding: model weights always reshard (per-expert files). ZeRO optimizer shards are tied to
-the data-parallel layout; resuming with another world size or EP size needs
-``--reset-optimizer`` (weights, schedule and data position are restored; Adam moments restart).
+Resharding: model weights always reshard (per-expert files), and the optimizer state is
+re-partitioned for another world size, EP size or ZeRO stage (:mod:`moetrain.checkpoint.reshard`);
+``--reset-optimizer`` loads weights, schedule and data position and restarts the moments.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from datetime import timedelta
@@ -34,13 +38,17 @@ from moetrain.checkpoint.format import (
     TrainerState,
     checkpoint_root,
     is_complete,
-    manifest_of,
+    manifest_from,
+    manifest_names,
     rank_file,
     step_of,
     tag_for_step,
     verify_manifest,
 )
-from moetrain.checkpoint.io import fsync_file, safe_torch_load, write_json_atomic
+from moetrain.checkpoint.io import atomic_file, safe_torch_load, write_json_atomic
+from moetrain.checkpoint.reshard import SavedOptimizer, optimizer_param_names, restore_optimizer
+from moetrain.checkpoint.writes import RankWrites
+from moetrain.faults import fault_point
 from moetrain.monitor.console import Printer, console
 from moetrain.secrets import redact
 
@@ -74,6 +82,15 @@ def _same_on_every_rank(topo: Topology, value: Any, what: str) -> None:
     dist.all_gather_object(values, value)
     if any(v != values[0] for v in values):
         raise CheckpointError(f"{what} differs between ranks: {values}")
+
+
+def _gather(topo: Topology, value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order, on every rank."""
+    if topo.world_size == 1:
+        return [value]
+    values: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(values, value)
+    return values
 
 
 def _broadcast(topo: Topology, value: Any) -> Any:
@@ -118,14 +135,23 @@ class Checkpointer:
         self.root = checkpoint_root(cfg.run_dir)
 
     def _barrier(self, what: str) -> None:
+        self.topo.phase(what)
         barrier(self.topo, what, self.cfg.parallel.timeout_minutes)
 
     # ------------------------------------------------------------------ save
     def save(self, trainer: Any, loader: Any, extra: dict[str, Any] | None = None) -> Path:
-        """Write a complete, committed checkpoint of ``trainer`` at its current step."""
+        """Write a complete, committed checkpoint of ``trainer`` at its current step.
+
+        Each rank writes, fsyncs and measures its own files (:class:`RankWrites`); the ranks
+        then exchange their lists and errors in one gather. If any rank failed (a full disk),
+        every rank raises the same :class:`CheckpointError` and rank 0 removes the partial
+        directory: the previous checkpoint stays the newest complete one. Otherwise rank 0
+        writes the manifest of every rank's files as the commit marker.
+        """
         topo, step = self.topo, trainer.step
         tag = tag_for_step(step)
         path = self.root / tag
+        topo.phase(f"checkpoint {tag}: save")
         _same_on_every_rank(topo, (str(self.root.resolve()), tag), "checkpoint path and tag")
         if topo.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -133,25 +159,40 @@ class Checkpointer:
                 (path / COMMIT_FILE).unlink(missing_ok=True)
                 shutil.rmtree(path)
         self._barrier(f"checkpoint {tag}: prepare directory")
-        with trainer.checkpoint_weights():  # model files get the fp32 master weights
+        fault_point("save.before_shards", topo.rank, step)
+        writes = RankWrites(path, topo.rank, step)
+        # model files get the fp32 master weights
+        with writes.through(trainer.engine), trainer.checkpoint_weights():
             trainer.engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
-        torch.save(_rng_state(), path / rank_file(topo.rank))
+        writes.write(path / rank_file(topo.rank), lambda p: torch.save(_rng_state(), p))
         if topo.is_main:
-            state = self._trainer_state(trainer, loader, extra)
-            write_json_atomic(path / STATE_FILE, state.to_json())
+            state = self._trainer_state(trainer, loader, extra).to_json()
+            writes.write(path / STATE_FILE, lambda p: write_json_atomic(p, state))
             # the checkpoint converts without the data directory
             default = [Path(self.cfg.data.output_dir) / TOKENIZER_FILE]
             for f in getattr(loader, "tokenizer_files", None) or default:
                 if f.is_file() and f.name in TOKENIZER_FILES:
-                    shutil.copyfile(f, path / f.name)
-        self._barrier(f"checkpoint {tag}: write shards")
-        files = sorted(p for p in path.iterdir() if p.is_file())
-        for i, f in enumerate(files):
-            if i % topo.world_size == topo.rank:
-                fsync_file(f)
-        self._barrier(f"checkpoint {tag}: fsync shards")
+                    writes.write(path / f.name, lambda p, f=f: shutil.copyfile(f, p))
+        writes.finish()
+        fault_point("save.after_shards", topo.rank, step)
+        topo.phase(f"checkpoint {tag}: gather the ranks' file lists")
+        written = _gather(topo, (writes.entries, writes.error))
+        errors = [err for _, err in written if err]
+        if errors:
+            if topo.is_main:
+                shutil.rmtree(path, ignore_errors=True)
+            previous = latest_complete(self.root)
+            raise CheckpointError(
+                f"checkpoint {tag} could not be written ({'; '.join(errors)}); its partial "
+                f"directory was removed, the newest complete checkpoint is "
+                f"{previous.name if previous else 'none'}"
+            )
         if topo.is_main:
-            write_json_atomic(path / COMMIT_FILE, manifest_of(path, step))
+            manifest = manifest_from(step, [entries for entries, _ in written])
+            with atomic_file(path / COMMIT_FILE) as f:
+                f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+                f.flush()
+                fault_point("save.commit", topo.rank, step)
             _, errors = apply_retention(self.root, self.cfg.checkpoint.keep_last)
             for err in errors:
                 self.log(f"warning: could not delete old checkpoint: {err}")
@@ -173,6 +214,7 @@ class Checkpointer:
             config=redact(self.cfg.to_dict()),
             tokenizer_sha256=getattr(loader, "tokenizer_sha256", None),
             extra=redact(extra or {}),
+            optimizer_params=optimizer_param_names(trainer.engine),
             init=getattr(trainer, "init_record", None),
             moetrain_version=moetrain.__version__,
         )
@@ -214,8 +256,19 @@ class Checkpointer:
         return Path(found) if found else None
 
     def verify(self, path: Path) -> TrainerState:
-        """Check the commit manifest against the files on disk; return the trainer state."""
-        verify_manifest(path)
+        """Check every file of the commit manifest (size and CRC-32; the ranks share the
+        reading, every rank gets the same answer) before anything is unpickled; return the
+        trainer state."""
+        topo = self.topo
+        names = manifest_names(path)
+        error = None
+        try:
+            verify_manifest(path, names[topo.rank :: topo.world_size])
+        except CheckpointError as e:
+            error = str(e)
+        errors = [e for e in _gather(topo, error) if e]
+        if errors:
+            raise CheckpointError(errors[0])
         state = TrainerState.read(path)
         if step_of(path) != state.step:
             raise CheckpointError(f"{path}: directory name and trainer state disagree on the step")
@@ -224,35 +277,47 @@ class Checkpointer:
     def load(
         self, path: Path, trainer: Any, loader: Any, reset_optimizer: bool = False
     ) -> TrainerState:
-        """Restore ``trainer`` and ``loader`` from ``path``; returns the saved trainer state."""
+        """Restore ``trainer`` and ``loader`` from ``path``; returns the saved trainer state.
+
+        On the layout that wrote it, DeepSpeed loads everything. On another world size, EP size
+        or ZeRO stage the model weights come from the per-expert files and the optimizer state
+        is re-partitioned (:mod:`moetrain.checkpoint.reshard`); ``reset_optimizer`` starts a
+        fresh optimizer instead. RNG states are restored when the world size is the same.
+        """
+        topo = self.topo
+        topo.phase(f"loading {path.name}")
         state = self.verify(path)
         saved, now = state.layout, self.layout()
         same_layout = saved == now
-        if not same_layout and not reset_optimizer:
-            raise CheckpointError(
-                f"{path} was written with world_size={saved['world_size']}, "
-                f"ep_size={saved['ep_size']}, zero_stage={saved['zero_stage']}; this run has "
-                f"world_size={now['world_size']}, ep_size={now['ep_size']}, "
-                f"zero_stage={now['zero_stage']}. ZeRO optimizer shards are tied to the layout: "
-                "rerun with --reset-optimizer to load the weights, schedule and data position "
-                "and restart the optimizer state"
-            )
-        if reset_optimizer and self.topo.is_main:
-            self.log("warning: --reset-optimizer: loading weights only; Adam moments restart")
         sha = state.tokenizer_sha256
         if sha and getattr(loader, "tokenizer_sha256", sha) != sha:
             raise CheckpointError(
                 f"{path} was trained with tokenizer sha256 {sha}, but the data in "
                 f"{self.cfg.data.output_dir} uses {loader.tokenizer_sha256}"
             )
-        load_optim = not reset_optimizer
+        saved_optimizer = None
+        if not same_layout and not reset_optimizer:
+            saved_optimizer = SavedOptimizer(path, state)  # read (and checked) before loading
+        if topo.is_main:
+            if reset_optimizer:
+                self.log("warning: --reset-optimizer: loading weights only; Adam moments restart")
+            elif not same_layout:
+                self.log(
+                    f"resharding {path.name} from world_size={saved['world_size']}, "
+                    f"ep_size={saved['ep_size']}, zero_stage={saved['zero_stage']} to "
+                    f"world_size={now['world_size']}, ep_size={now['ep_size']}, "
+                    f"zero_stage={now['zero_stage']} (optimizer state re-partitioned)"
+                )
         trainer.engine.load_checkpoint(
             str(path.parent),
             tag=path.name,
-            load_optimizer_states=load_optim,
+            load_optimizer_states=same_layout and not reset_optimizer,
             load_lr_scheduler_states=False,
-            load_module_only=not load_optim,
+            load_module_only=not same_layout or reset_optimizer,
         )
+        if saved_optimizer is not None:
+            experts = topo.local_experts(self.cfg.moe.num_experts)
+            restore_optimizer(trainer.engine, saved_optimizer, experts)
         trainer.step = state.step
         trainer.tokens_seen = state.tokens_seen
         trainer.skipped_steps = state.skipped_steps
@@ -261,6 +326,6 @@ class Checkpointer:
         trainer.load_loss_scaler_state(state.loss_scaler)  # also after --reset-optimizer
         trainer.schedule.load_state_dict(state.schedule)
         loader.load_state_dict(state.loader)
-        if same_layout:
-            _set_rng_state(safe_torch_load(path / rank_file(self.topo.rank)))
+        if saved["world_size"] == now["world_size"]:
+            _set_rng_state(safe_torch_load(path / rank_file(topo.rank)))
         return state

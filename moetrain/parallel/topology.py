@@ -11,6 +11,15 @@ together hold every expert once; each expert is replicated over ``world_size // 
 
 The groups are created through ``deepspeed.utils.groups._create_expert_and_data_parallel`` so
 that DeepSpeed's engine and ZeRO optimizer reduce expert gradients over the same groups.
+
+Every group honours ``parallel.timeout_minutes``: the default group gets it directly, and the
+groups DeepSpeed creates later (``dist.new_group(ranks)`` without a timeout: the expert groups,
+the engine's data-parallel clone of the world) take torch's default for new groups, which is
+set to the same value first. Under torchrun's shared agent store the process group starts in a
+namespace of its own (:mod:`moetrain.parallel.rendezvous`), so an in-place restart round never
+reads what a killed round left in the store. A :class:`~moetrain.parallel.watchdog.RankWatch`
+keeps each rank's heartbeat and phase in the store, to name the missing rank when a collective
+fails.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ import torch.distributed as dist
 
 from moetrain.config import Config
 from moetrain.parallel.layout import check_layout
+from moetrain.parallel.rendezvous import agent_store, agent_store_in_use, fresh_namespace
+from moetrain.parallel.watchdog import CollectiveFailure, RankWatch
 
 
 @dataclass
@@ -42,6 +53,7 @@ class Topology:
     ep_group: Any = field(repr=False, default=None)  # ranks holding different experts
     expert_dp_group: Any = field(repr=False, default=None)  # ranks holding the same experts
     created_process_group: bool = False
+    watch: RankWatch | None = field(repr=False, default=None)  # heartbeat + phase (world > 1)
     nodes: tuple[int, ...] = ()  # node index of every rank (empty: all on one node)
 
     @property
@@ -84,11 +96,47 @@ class Topology:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def phase(self, what: str) -> None:
+        """Record what this rank is doing (named by the watchdog if a collective fails)."""
+        if self.watch is not None:
+            self.watch.phase(what)
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def honour_timeout_in_new_groups(timeout: timedelta) -> None:
+    """Make ``timeout`` torch's default for groups created without one (DeepSpeed's)."""
+    c10d = dist.distributed_c10d
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if not hasattr(c10d, name):
+            raise RuntimeError(
+                f"torch.distributed.distributed_c10d.{name} is gone in torch {torch.__version__}: "
+                "moetrain cannot give DeepSpeed's process groups parallel.timeout_minutes"
+            )
+        setattr(c10d, name, timeout)
+
+
+def _start_process_group(backend: str, timeout: timedelta, device: torch.device | None) -> None:
+    """``init_process_group`` from the launcher's environment; under the shared agent store of
+    torchrun in a namespace of this launch's own (see the module docstring)."""
+    if not agent_store_in_use():
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    base = agent_store(timeout)
+    namespace = fresh_namespace(base, rank, world, timeout)
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"{namespace}/", base),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        device_id=device,
+    )
 
 
 def node_map() -> tuple[int, ...]:
@@ -118,6 +166,8 @@ def init_distributed(cfg: Config) -> Topology:
     check_layout(cfg, world)
 
     created = False
+    timeout = timedelta(minutes=cfg.parallel.timeout_minutes)
+    honour_timeout_in_new_groups(timeout)
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
     if not dist.is_initialized():
@@ -134,10 +184,8 @@ def init_distributed(cfg: Config) -> Topology:
         local_rank = int(os.environ["LOCAL_RANK"])
         if use_cuda:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(
-            backend=backend,
-            timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
-            device_id=torch.device("cuda", local_rank) if use_cuda else None,
+        _start_process_group(
+            backend, timeout, torch.device("cuda", local_rank) if use_cuda else None
         )
         created = True
     else:
@@ -155,11 +203,19 @@ def init_distributed(cfg: Config) -> Topology:
 
     if not os.environ.get("MOETRAIN_DEEPSPEED_INFO"):
         logger.setLevel(logging.WARNING)  # DeepSpeed's per-rank INFO lines drown the progress
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     ep = cfg.parallel.ep_size
     name = f"ep_size_{ep}"
-    if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep)
+    try:
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        if name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(ep)
+    except dist.DistError as e:  # a peer late beyond the timeout, or gone
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CollectiveFailure(
+            f"rank {dist.get_rank()}: creating the expert-parallel groups failed: a rank did not "
+            f"arrive within parallel.timeout_minutes={cfg.parallel.timeout_minutes:g} or went "
+            f"away ({type(e).__name__}: {first})"
+        ) from e
     topo = Topology(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -172,6 +228,9 @@ def init_distributed(cfg: Config) -> Topology:
         created_process_group=created,
         nodes=node_map(),
     )
+    if topo.world_size > 1:
+        store = dist.distributed_c10d._get_default_store()
+        topo.watch = RankWatch(store, topo.rank, topo.world_size).start()
     # DeepSpeed's own layout must be the one documented above.
     ds_ep = list(groups._get_expert_parallel_group_ranks(name))
     ds_edp = list(groups._get_expert_data_parallel_group_ranks(name))
@@ -183,10 +242,19 @@ def init_distributed(cfg: Config) -> Topology:
     return topo
 
 
-def shutdown(topo: Topology | None) -> None:
-    """Destroy the process group if :func:`init_distributed` created it."""
-    if topo is not None and topo.created_process_group and dist.is_initialized():
+def shutdown(topo: Topology | None, clean: bool = True) -> None:
+    """Stop the heartbeat and destroy the process group if :func:`init_distributed` created it.
+
+    ``clean``: every rank got here normally, so wait for the others first; after a failure the
+    group may be broken and a barrier would only wait for the timeout.
+    """
+    if topo is None:
+        return
+    if topo.watch is not None:
+        topo.watch.stop()
+    if topo.created_process_group and dist.is_initialized():
         try:
-            dist.barrier()
+            if clean:
+                dist.barrier()
         finally:
             dist.destroy_process_group()

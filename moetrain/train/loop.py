@@ -21,10 +21,12 @@ import yaml
 
 from moetrain.checkpoint.save import Checkpointer
 from moetrain.config import Config
+from moetrain.faults import fault_point
 from moetrain.model.attention import attention_report
 from moetrain.monitor.run_monitor import RunMonitor
 from moetrain.parallel.deepspeed import check_precision_supported, dump_deepspeed_config
 from moetrain.parallel.topology import Topology, init_distributed, shutdown
+from moetrain.parallel.watchdog import CollectiveFailure, is_collective_failure
 from moetrain.secrets import redact
 from moetrain.train.cadence import Clock, Periodic
 from moetrain.train.launcher_env import launcher_disagreements
@@ -65,6 +67,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     topo: Topology | None = None
     monitor: RunMonitor | None = None
     stop = StopSignal().install()
+    finished = False
     try:
         check_precision_supported(cfg.train.precision)  # before any process group starts
         topo = init_distributed(cfg)
@@ -113,6 +116,8 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
         first_loss = last_loss = eval_loss = None
         stopped_by: str | None = None
         while trainer.step < total:
+            topo.phase(f"training step {trainer.step + 1}")
+            fault_point("train.step", topo.rank, trainer.step + 1)
             t0 = time.perf_counter()
             micro = _take(it, t.grad_accum_steps)
             data_s = time.perf_counter() - t0
@@ -124,8 +129,10 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
             sources = train_loader.source_progress()
             monitor.step_done(rec, data_s, log=log.due(trainer.step), sources=sources)
             if evaluate.due(trainer.step):
+                topo.phase(f"evaluation at step {trainer.step}")
                 eval_loss, by_source = loader("val").evaluate(t.eval_steps, trainer.evaluate)
                 monitor.eval_done(trainer.step, eval_loss, by_source)
+            topo.phase(f"agreeing on stop / save after step {trainer.step}")
             signalled, time_due = agree_any(topo, [stop.received is not None, save_clock.due()])
             if signalled or time_due or save.due(trainer.step):
                 path = ckpt.save(
@@ -157,9 +164,14 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
                 f"done: step {trainer.step}, loss {first_loss:.4f} -> {last_loss:.4f}, "
                 f"{summary['tokens_per_s']:,.0f} tok/s"
             )
+        finished = True
         return summary
+    except RuntimeError as e:
+        if topo is None or topo.watch is None or not is_collective_failure(e):
+            raise
+        raise CollectiveFailure(topo.watch.explain(e, cfg.parallel.timeout_minutes)) from e
     finally:
         stop.restore()
         if monitor is not None:
             monitor.close()
-        shutdown(topo)
+        shutdown(topo, clean=finished)

@@ -86,22 +86,14 @@ def save_job(rank: int, world: int, run_dir: str) -> dict[str, Any]:
 
 
 def reshard_job(rank: int, world: int, ckpt_path: str, run_dir: str) -> dict[str, Any]:
-    """Load a checkpoint written by another layout; refuse without --reset-optimizer."""
-    from moetrain.checkpoint.format import CheckpointError
-
+    """Load a checkpoint written by another layout, optimizer state included; train 2 steps."""
     ep = min(world, 2)
     cfg, topo, trainer, ckpt = _setup(world, ep, 2, Path(run_dir))
     pos = StreamPosition()
-    try:
-        ckpt.load(Path(ckpt_path), trainer, pos, reset_optimizer=False)
-        refused = None
-    except CheckpointError as e:
-        refused = str(e)
-    state = ckpt.load(Path(ckpt_path), trainer, pos, reset_optimizer=True)
+    state = ckpt.load(Path(ckpt_path), trainer, pos)
     logits = _logits(trainer)
     losses = _train(trainer, rank, world, range(state.step, state.step + 2), pos)
     return {
-        "refused": refused,
         "logits": logits,
         "step": state.step,
         "losses": losses,
@@ -110,11 +102,13 @@ def reshard_job(rank: int, world: int, ckpt_path: str, run_dir: str) -> dict[str
     }
 
 
+GROUP_TIMEOUT_MIN = 1.5  # not torch's default (30): shows that every group got the setting
+
+
 def nan_job(rank: int, world: int, stage: int, run_dir: str, poison_steps: list[int]) -> dict:
     """Make rank 1's loss NaN at ``poison_steps``; record what every rank decided."""
-    cfg, topo, trainer, _ = _setup(
-        world, 2, stage, Path(run_dir), **{"train.max_nonfinite_in_a_row": 2}
-    )
+    settings = {"train.max_nonfinite_in_a_row": 2, "parallel.timeout_minutes": GROUP_TIMEOUT_MIN}
+    cfg, topo, trainer, _ = _setup(world, 2, stage, Path(run_dir), **settings)
     records: list[dict[str, Any]] = []
     unchanged: list[bool] = []
     error = None
@@ -143,13 +137,23 @@ def nan_job(rank: int, world: int, stage: int, run_dir: str, poison_steps: list[
     }
 
 
-def nan_jobs(rank: int, world: int, run_dir: str, scenarios: list[tuple]) -> list[dict]:
+def nan_jobs(rank: int, world: int, run_dir: str, scenarios: list[tuple]) -> dict[str, Any]:
     """:func:`nan_job` for every ``(stage, poison_steps)`` in ``scenarios``, one after another in
-    this process group (one start-up for all of them), each with a fresh Trainer and run_dir."""
-    return [
+    this process group (one start-up for all of them), each with a fresh Trainer and run_dir ->
+    ``{"scenarios": [result, ...], "group_timeouts": {group: seconds}}`` (every process group
+    but the world, which the test harness created, once moetrain and DeepSpeed built theirs)."""
+    import torch.distributed as dist
+
+    results = [
         nan_job(rank, world, stage, str(Path(run_dir) / f"scenario{i}"), poison_steps)
         for i, (stage, poison_steps) in enumerate(scenarios)
     ]
+    timeouts = {
+        name: pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for pg, name in dist.distributed_c10d._world.pg_names.items()
+        if pg is not dist.group.WORLD
+    }
+    return {"scenarios": results, "group_timeouts": timeouts}
 
 
 def timeout_job(rank: int, world: int, done_marker: str) -> str | None:
@@ -174,3 +178,92 @@ def timeout_job(rank: int, world: int, done_marker: str) -> str | None:
     finally:
         marker.touch()
     return "no timeout"
+
+
+# ----------------------------------------------------------------------------- resume, reshard
+
+# Everything a resume has to restore exactly: router jitter draws from each rank's RNG, the
+# aux-loss-free bias moves every step, capacity dropping depends on both.
+RESUME_SETTINGS = {"moe.jitter": 0.1, "moe.bias_update_rate": 0.01, "moe.capacity_factor": 1.0}
+# Layout parity needs the same function on every layout: no jitter (per-rank noise), dropless
+# (capacity is per rank under EP); the bias still moves.
+RESHARD_SETTINGS = {"moe.bias_update_rate": 0.01}
+
+
+def _record(trainer: Any, rec: dict) -> dict[str, Any]:
+    biases = [layer["expert_bias"] for _, layer in sorted((rec.get("moe_layers") or {}).items())]
+    return {"loss": rec["loss"], "lr": rec["lr"], "bias": biases}
+
+
+def _run_steps(trainer: Any, rank: int, world: int, steps: range, pos: StreamPosition) -> list:
+    out = []
+    for step in steps:
+        rec = trainer.train_step([rank_slice(b, rank, world) for b in global_batches(step)])
+        pos.consumed += 1
+        out.append(_record(trainer, rec))
+    return out
+
+
+def resume_job(
+    rank: int, world: int, layouts: list[tuple[int, int]], run_dir: str, steps: int, stop: int
+) -> dict[str, Any]:
+    """For each ``(ep, stage)``: the uninterrupted run of ``steps`` steps, and the same run
+    stopped after ``stop`` steps (checkpoint saved, a fresh Trainer built and resumed from it)
+    -> per layout ``{"uninterrupted", "resumed", "checkpoint"}`` step records."""
+    from moetrain.checkpoint.save import Checkpointer
+    from moetrain.parallel.topology import init_distributed
+    from moetrain.train.trainer import Trainer
+
+    out: dict[str, Any] = {}
+    for ep, stage in layouts:
+        d = Path(run_dir) / f"ep{ep}_zero{stage}"
+        cfg = parity_config(world, ep, stage, run_dir=str(d), **RESUME_SETTINGS)
+        topo = init_distributed(cfg)
+        trainer = Trainer(cfg, topo)
+        whole = _run_steps(trainer, rank, world, range(steps), StreamPosition())
+        del trainer
+        trainer, pos = Trainer(cfg, topo), StreamPosition()
+        first = _run_steps(trainer, rank, world, range(stop), pos)
+        path = Checkpointer(cfg, topo).save(trainer, pos)
+        del trainer
+        trainer, pos = Trainer(cfg, topo), StreamPosition()
+        Checkpointer(cfg, topo).load(path, trainer, pos)
+        assert trainer.step == stop and pos.consumed == stop
+        rest = _run_steps(trainer, rank, world, range(stop, steps), pos)
+        out[f"ep{ep}_zero{stage}"] = {"uninterrupted": whole, "resumed": first + rest}
+        del trainer
+    return out
+
+
+def reshard_source_job(
+    rank: int, world: int, ep: int, stage: int, run_dir: str, steps: int, stop: int
+) -> dict[str, Any]:
+    """The reference on layout A: ``steps`` uninterrupted steps, with a checkpoint after
+    ``stop`` of them -> ``{"records", "checkpoint"}``."""
+    cfg, topo, trainer, ckpt = _setup(world, ep, stage, Path(run_dir), **RESHARD_SETTINGS)
+    pos = StreamPosition()
+    records = _run_steps(trainer, rank, world, range(stop), pos)
+    path = ckpt.save(trainer, pos)
+    records += _run_steps(trainer, rank, world, range(stop, steps), pos)
+    return {"records": records, "checkpoint": str(path)}
+
+
+def reshard_target_job(
+    rank: int, world: int, targets: list[tuple[int, int, str, bool]], run_dir: str, steps: int
+) -> list[dict[str, Any]]:
+    """For each ``(ep, stage, checkpoint, reset_optimizer)``: resume on layout ``world`` x
+    ``ep`` x ``stage`` and train to ``steps`` -> the step records after the resume."""
+    from moetrain.checkpoint.save import Checkpointer
+    from moetrain.parallel.topology import init_distributed
+    from moetrain.train.trainer import Trainer
+
+    out = []
+    for i, (ep, stage, path, reset) in enumerate(targets):
+        cfg = parity_config(world, ep, stage, run_dir=f"{run_dir}/t{i}", **RESHARD_SETTINGS)
+        topo = init_distributed(cfg)
+        trainer, pos = Trainer(cfg, topo), StreamPosition()
+        state = Checkpointer(cfg, topo).load(Path(path), trainer, pos, reset_optimizer=reset)
+        records = _run_steps(trainer, rank, world, range(state.step, steps), pos)
+        out.append({"records": records, "step": state.step, "consumed": pos.consumed})
+        del trainer
+    return out

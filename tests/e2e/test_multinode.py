@@ -10,7 +10,9 @@ by ``launch/train.sh``. Checked:
   loaders the ranks build, identified by sample contents), and observably so: one process that
   reads the whole global batch itself gives the same losses as the 4 ranks;
 - killing one node's agent and workers mid-run, then starting the job again on both nodes,
-  resumes from the last complete checkpoint.
+  resumes from the last complete checkpoint (MAX_RESTARTS=0: the job is restarted by hand, as a
+  scheduler would; one worker killed and restarted in place by its agent under MAX_RESTARTS=1
+  is tests/e2e/test_fault_loops.py's two-node test).
 
 Tiny shapes, one thread per process, a generated 600-document corpus with a 512-piece tokenizer.
 """

@@ -10,86 +10,36 @@ the fp32 masters, and the bf16 weights are rounded from them as the live ones we
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from moetrain.checkpoint.format import verify_manifest
 from moetrain.monitor.wandb_run import offline_run_dirs, read_run_records
-from tests.helpers.launch import CONFIG, PY, ROOT, env_for, logged_losses, losses, rank_pid
+from tests.e2e.restarts import (
+    STEPS,
+    kill_during_save,
+    kill_worker_in_place,
+    overrides,
+    run,
+    start,
+    stop,
+    torchrun,
+    wait_for_step,
+)
+from tests.helpers.launch import CONFIG, PY, logged_losses, losses, rank_pid
 
 pytestmark = pytest.mark.slow
 
-STEPS = 10
 BF16 = {"train.precision": "bf16"}
 SENTINEL = "sentinel-wandb-key-0123456789abcdef"
-TORCHRUN = str(Path(PY).parent / "torchrun")
-
-
-def _overrides(data: list[str], **extra: str) -> list[str]:
-    ov = {
-        "parallel.ep_size": "2",
-        "parallel.zero_stage": "2",
-        "train.max_steps": str(STEPS),
-        "train.micro_batch_size": "2",
-        "checkpoint.save_every_steps": "2",
-        "checkpoint.keep_last": "2",
-    }
-    ov.update(extra)
-    return [*data, *(f"{k}={v}" for k, v in ov.items())]
-
-
-def _torchrun(run_dir: Path, ov: list[str], *launcher_args: str) -> list[str]:
-    return [
-        TORCHRUN,
-        "--standalone",  # c10d rendezvous: a restarted round can rendezvous again
-        "--nproc_per_node",
-        "2",
-        *launcher_args,
-        "-m",
-        "moetrain",
-        "train",
-        CONFIG,
-        *ov,
-        f"run_dir={run_dir}",
-    ]
-
-
-def _run(cmd: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        cmd, env=env_for(**env), cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def _start(cmd: list[str], log: Path) -> subprocess.Popen:
-    """Start a launcher in its own session, so :func:`_stop` can end it with its workers."""
-    fh = log.open("w")
-    return subprocess.Popen(
-        cmd, env=env_for(), cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, log: Path) -> None:
-    end = time.monotonic() + 240
-    while not any(s >= step for s, _ in logged_losses(run_dir)):
-        assert proc.poll() is None, log.read_text()[-4000:]
-        assert time.monotonic() < end, log.read_text()[-4000:]
-        time.sleep(0.05)
 
 
 def _steps_in_order(run_dir: Path) -> list[int]:
@@ -104,10 +54,10 @@ def data(tiny_data) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("resume-ref") / "run"
-    ov = _overrides(
+    ov = overrides(
         data, **{"logging.wandb.mode": "offline", "logging.wandb.respect_env_mode": "false"}
     )
-    r = _run(_torchrun(run_dir, ov), WANDB_API_KEY=SENTINEL)
+    r = run(torchrun(run_dir, ov), WANDB_API_KEY=SENTINEL)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
     return run_dir
@@ -158,23 +108,28 @@ def test_wandb_offline_run_from_rank_0_only(reference):
 
 
 def test_report_renders_plots_of_a_real_run(reference, tmp_path):
-    r = _run([PY, "-m", "moetrain", "report", str(reference)])
+    r = run([PY, "-m", "moetrain", "report", str(reference)])
     assert r.returncode == 0, r.stderr[-2000:]
     pngs = [Path(line) for line in r.stdout.split() if line.endswith(".png")]
     assert {p.name for p in pngs} >= {"loss.png", "lr.png", "expert_load.png"}
     assert all(p.stat().st_size > 5000 for p in pngs)
 
 
-# The four interruption scenarios below are independent of each other once the reference
-# exists. Each runs in a thread of its own (its own launches one after another, as before), two
-# scenarios at a time, so that on 2 cores one scenario's start-ups fill the other's waits (more
-# at once only adds contention). A scenario does the launches and the checks its next launch
-# depends on; its test checks the rest.
+# The interruption scenarios below are independent of each other once the reference
+# exists. Each runs in a thread of its own (its own launches one after another), two scenarios
+# at a time, so that on 2 cores one scenario's start-ups fill the other's waits (more at once
+# only adds contention). A scenario does the launches and the checks its next launch depends
+# on; its test checks the rest.
+
+# Killed inside the save of step 10: rank 1 with its files written and fsynced, before the ranks
+# exchange their lists. Every point of moetrain.faults (before any file, between files, after
+# the files, during the commit marker), one restart round each: tests/e2e/test_fault_loops.py.
+SAVE_FAULTS = ["save.after_shards:1:10"]
 
 
 def _sigterm_scenario(data: list[str], tmp_path: Path, **extra: str) -> tuple[Path, int, str]:
     run_dir = tmp_path / "run"
-    ov = _overrides(
+    ov = overrides(
         data,
         **{
             "checkpoint.save_every_steps": "100",
@@ -184,21 +139,21 @@ def _sigterm_scenario(data: list[str], tmp_path: Path, **extra: str) -> tuple[Pa
         },
     )
     log = tmp_path / "first.log"
-    proc = _start(_torchrun(run_dir, ov), log)
+    proc = start(torchrun(run_dir, ov), log)
     try:
-        _wait_for_step(run_dir, 3, proc, log)
+        wait_for_step(run_dir, 3, proc, log)
         pid = rank_pid(proc.pid, 1)
         assert pid is not None
         os.kill(pid, signal.SIGTERM)
         assert proc.wait(timeout=240) == 0, log.read_text()[-4000:]
     finally:
-        _stop(proc)
+        stop(proc)
     out = log.read_text()
     assert "stopping at step" in out, out[-3000:]
     stopped = max(_steps_in_order(run_dir))
     assert 3 <= stopped < STEPS, stopped
     assert (run_dir / "checkpoints" / f"step_{stopped:08d}" / "COMMITTED.json").is_file()
-    r = _run(_torchrun(run_dir, ov))
+    r = run(torchrun(run_dir, ov))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return run_dir, stopped, r.stdout
 
@@ -206,45 +161,10 @@ def _sigterm_scenario(data: list[str], tmp_path: Path, **extra: str) -> tuple[Pa
 def _bf16_scenario(data: list[str], tmp_path: Path) -> tuple[Path, Path, int]:
     """An uninterrupted bf16 run, then the SIGTERM scenario in bf16."""
     reference = tmp_path / "reference"
-    r = _run(_torchrun(reference, _overrides(data, **BF16)))
+    r = run(torchrun(reference, overrides(data, **BF16)))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run_dir, stopped, _ = _sigterm_scenario(data, tmp_path / "interrupted", **BF16)
     return reference, run_dir, stopped
-
-
-def _crash_scenario(data: list[str], tmp_path: Path) -> tuple[Path, int, str]:
-    run_dir = tmp_path / "run"
-    ov = _overrides(data)
-    log = tmp_path / "crash.log"
-    proc = _start(_torchrun(run_dir, ov), log)
-    try:
-        _wait_for_step(run_dir, 5, proc, log)
-        pid = rank_pid(proc.pid, 1)
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        crashed_at = max(_steps_in_order(run_dir))
-        assert proc.wait(timeout=240) != 0
-    finally:
-        _stop(proc)
-    assert crashed_at < STEPS, "the run ended before the crash: make it longer"
-    r = _run(_torchrun(run_dir, ov))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return run_dir, crashed_at, r.stdout
-
-
-def _interrupted_save_scenario(
-    data: list[str], reference: Path, tmp_path: Path
-) -> tuple[Path, Path, subprocess.CompletedProcess]:
-    run_dir = tmp_path / "run"
-    ckpts = run_dir / "checkpoints"
-    ckpts.mkdir(parents=True)
-    shutil.copytree(reference / "checkpoints" / "step_00000008", ckpts / "step_00000008")
-    partial = ckpts / "step_00000010"
-    shutil.copytree(reference / "checkpoints" / "step_00000010", partial)
-    (partial / "COMMITTED.json").unlink()
-    victim = next(partial.glob("*optim_states.pt"))
-    victim.write_bytes(victim.read_bytes()[:100])
-    return run_dir, victim, _run(_torchrun(run_dir, _overrides(data)))
 
 
 def _truncated_scenario(
@@ -254,14 +174,14 @@ def _truncated_scenario(
     shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
     victim = next((run_dir / "checkpoints" / "step_00000010").glob("layer_0_expert_1_*.pt"))
     victim.write_bytes(victim.read_bytes()[:64])
-    r = _run(
+    r = run(
         [
             PY,
             "-m",
             "moetrain",
             "train",
             CONFIG,
-            *_overrides(data),
+            *overrides(data),
             "parallel.ep_size=1",
             f"run_dir={run_dir}",
         ]
@@ -277,10 +197,10 @@ def scenarios(data, reference, tmp_path_factory) -> Iterator[dict[str, Future]]:
     (work["bf16"] / "interrupted").mkdir()
     with ThreadPoolExecutor(max_workers=2) as pool:
         yield {
+            "crash": pool.submit(kill_worker_in_place, data, work["crash"]),
+            "save": pool.submit(kill_during_save, data, reference, work["save"], SAVE_FAULTS),
             "sigterm": pool.submit(_sigterm_scenario, data, work["sigterm"]),
             "bf16": pool.submit(_bf16_scenario, data, work["bf16"]),
-            "crash": pool.submit(_crash_scenario, data, work["crash"]),
-            "save": pool.submit(_interrupted_save_scenario, data, reference, work["save"]),
             "trunc": pool.submit(_truncated_scenario, data, reference, work["trunc"]),
         }
 
@@ -310,35 +230,41 @@ def test_bf16_sigterm_and_resume_match_the_uninterrupted_bf16_run(scenarios, ref
     assert state["config"]["train"]["precision"] == "bf16"
 
 
-def test_crashed_rank_then_restarted_job_resumes(scenarios, reference):
-    """Rank 1 is killed hard (SIGKILL) mid-run; the job fails; starting the same command again
-    resumes from the newest complete checkpoint and reproduces the reference.
-
-    The restart is the job's (as a scheduler or `launch/slurm.sbatch` requeue does it), not
-    torchrun's in-place `--max-restarts`: in this sandbox the in-place restarted round hung
-    intermittently while DeepSpeed created its process groups."""
-    run_dir, _, stdout = scenarios["crash"].result()
-    assert "resumed from" in stdout
+def test_killed_worker_restarts_in_place_and_matches(scenarios, reference):
+    """``kill -9`` of rank 1 once step 5 is logged, under ``torchrun --max-restarts 1``:
+    torchrun restarts both workers in the same job, they resume from the newest complete
+    checkpoint, the job exits 0 and its losses equal the uninterrupted run's bit for bit."""
+    run_dir, killed_at, code, out = scenarios["crash"].result()
+    assert code == 0, out[-4000:]
+    resumed = [line for line in out.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1, out[-4000:]
+    step = int(resumed[0].rsplit("(step ", 1)[1].rstrip(")"))
+    newest = killed_at - killed_at % 2  # checkpoints every 2 steps
+    # newest - 2 when the kill landed after step `newest` was logged, before it was committed
+    assert step in (newest, newest - 2), (resumed, killed_at)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{step:08d}'}" in resumed[0]
     order = _steps_in_order(run_dir)
     assert any(b <= a for a, b in zip(order, order[1:], strict=False)), "no resume in the metrics"
     assert losses(run_dir) == losses(reference)
 
 
-def test_interrupted_save_is_ignored_and_the_step_saved_again(scenarios, reference):
-    """State left by a kill during the save of step 10: step 8 complete, step 10 without its
-    commit marker and with a truncated shard. The restart must resume from step 8, remove the
-    partial directory, and save step 10 again, complete."""
-    run_dir, victim, r = scenarios["save"].result()
+def test_kills_during_a_save_resume_from_the_previous_checkpoint(scenarios, reference):
+    """A kill inside the save of step 10 (see SAVE_FAULTS) under ``torchrun --max-restarts``
+    leaves a step-10 directory without its commit marker; the restarted round removes it,
+    resumes from step 8, trains steps 9 and 10 again with the reference's losses and commits a
+    complete step 10."""
+    run_dir, r = scenarios["save"].result()
+    out = r.stdout + r.stderr
     ckpts = run_dir / "checkpoints"
-    partial = ckpts / "step_00000010"
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "removed incomplete checkpoint" in r.stdout
-    assert f"resumed from {ckpts / 'step_00000008'}" in r.stdout
-    assert (partial / "COMMITTED.json").is_file()
+    assert r.returncode == 0, out[-4000:]
+    assert [p.name for p in (run_dir.parent / "fired").iterdir()] == ["save.after_shards-1-10"]
+    assert out.count(f"removed incomplete checkpoint {ckpts / 'step_00000010'}") == 1, out[-4000:]
+    assert out.count(f"resumed from {ckpts / 'step_00000008'}") == 2, out[-4000:]
     ref = losses(reference)
     assert losses(run_dir) == {s: ref[s] for s in (9, 10)}
-    commit = json.loads((partial / "COMMITTED.json").read_text())
-    assert commit["files"][victim.name] == victim.stat().st_size > 100
+    assert [s for s, _ in logged_losses(run_dir)] == [9, 10] * 2
+    verify_manifest(ckpts / "step_00000010")  # complete and intact
+    assert not list((ckpts / "step_00000010").glob("*.tmp*"))
 
 
 def test_truncated_file_in_a_committed_checkpoint_is_a_clear_error(scenarios):

@@ -1,0 +1,226 @@
+"""Resuming on another layout (world size, EP size, ZeRO stage) with the optimizer state.
+
+DeepSpeed's own loader only reloads optimizer shards on the layout that wrote them, and its
+universal checkpoint knows only its own (AutoEP) expert layers. moetrain re-partitions instead:
+
+1. Read, per parameter, the fp32 master weight and the Adam moments from the saved layout's
+   files (:class:`SavedOptimizer`). ZeRO-1/2 files hold each rank's flat partition of every
+   parameter group plus DeepSpeed's map of which slice of the partition belongs to which named
+   parameter (``param_slice_mappings``); a parameter is its slices, in partition order, over the
+   ranks that partitioned its group: every rank for dense groups, the expert-data-parallel
+   ranks ``e, e + ep, ...`` of expert-parallel rank ``e`` for expert groups. Expert stacks of the
+   EP ranks are concatenated into the global (E, ...) stack. Stage-0 files hold the torch
+   optimizer's per-parameter state of each EP rank, named through ``TrainerState.optimizer_params``.
+2. Write them into the new engine (:func:`restore_optimizer`), whose model weights were loaded
+   from the per-expert files: ZeRO-1/2 (and DeepSpeed's bf16 optimizer) get, for every
+   parameter slice this rank now owns, the master weight copied into its flat fp32 partition
+   and the moments into flat state buffers of the partition's size; stage 0 gets the torch
+   optimizer's per-parameter state. Every rank gets only its own experts (its slice of the stack).
+
+The step count is the same for every group and is restored with the moments, so Adam's bias
+correction continues where it stopped. The files are read with ``weights_only=True`` (three
+DeepSpeed classes allowed: the slice map, the loss scaler and the stage enum).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetrain.checkpoint.format import (
+    DENSE_FILE,
+    CheckpointError,
+    TrainerState,
+    stage0_optimizer_file,
+    zero_optimizer_file,
+)
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+MASTER = "fp32"
+_EXPERT_PARAM_RE = re.compile(r"^layers\.\d+\.ffn\.experts\.\w+$")
+
+
+def is_expert_param(name: str) -> bool:
+    """A stacked expert weight (``layers.<i>.ffn.experts.<w>``): partitioned per EP rank."""
+    return bool(_EXPERT_PARAM_RE.match(name))
+
+
+def optimizer_param_names(engine: Any) -> list[list[str]] | None:
+    """Names of each optimizer param group's parameters, in order, when the checkpoint itself
+    will not name them (a plain torch optimizer, ZeRO stage 0); None under ZeRO-1/2."""
+    if hasattr(engine.optimizer, "_param_slice_mappings"):
+        return None
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in engine.optimizer.param_groups]
+
+
+def _load(path: Path) -> Any:
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: optimizer file of the saved layout is missing")
+    with torch.serialization.safe_globals([fragment_address, LossScaler, ZeroStageEnum]):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # not a zip archive: mmap unsupported
+            return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class SavedOptimizer:
+    """The optimizer state of one checkpoint, per parameter name (any saved layout)."""
+
+    def __init__(self, ckpt: Path, state: TrainerState) -> None:
+        self.ckpt, self.layout = Path(ckpt), state.layout
+        world, self.ep = self.layout["world_size"], self.layout["ep_size"]
+        dense = _load(self.ckpt / DENSE_FILE)
+        self.counters = {
+            k: dense.get(k) for k in ("global_steps", "global_samples", "skipped_steps")
+        }
+        # (name, ep rank or None) -> [(tensor source, group, start, numel)] in partition order
+        self._pieces: dict[tuple[str, int | None], list[tuple[Any, int, int, int]]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self.step: torch.Tensor | None = None
+        if self.layout["zero_stage"] > 0:
+            for group in dense.get("param_shapes") or []:
+                self._shapes.update({n: tuple(s) for n, s in group.items()})
+            for rank in range(world):
+                self._add_zero_rank(rank, _load(zero_optimizer_file(self.ckpt, rank)))
+        else:
+            if not state.optimizer_params:
+                raise CheckpointError(
+                    f"{self.ckpt}: a ZeRO stage 0 checkpoint without the names of its optimizer "
+                    "parameters (written before moetrain recorded them): resume it on the layout "
+                    "that wrote it, or with --reset-optimizer"
+                )
+            for ep_rank in range(self.ep):
+                self._add_stage0_rank(ep_rank, _load(stage0_optimizer_file(self.ckpt, ep_rank)))
+                self._add_stage0_names(ep_rank, state.optimizer_params)
+        if self.step is None:
+            raise CheckpointError(f"{self.ckpt}: the optimizer state holds no step count")
+
+    # ---------------------------------------------------------------- reading the saved files
+    def _set_step(self, step: Any, where: str) -> None:
+        step = torch.as_tensor(step).detach().clone()
+        if self.step is not None and not torch.equal(step, self.step):
+            raise CheckpointError(f"{where}: step {step} differs from {self.step} elsewhere")
+        self.step = step
+
+    def _add_zero_rank(self, rank: int, sd: Any) -> None:
+        where = f"{zero_optimizer_file(self.ckpt, rank)}"
+        try:
+            osd = sd["optimizer_state_dict"]
+            mappings, masters = osd["param_slice_mappings"], osd["single_partition_of_fp32_groups"]
+            base = osd["base_optimizer_state"]
+            states, groups = base["state"], base["param_groups"]
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"{where}: not a ZeRO-1/2 optimizer file ({e})") from None
+        for g, mapping in enumerate(mappings):
+            sources = {MASTER: masters[g], **{k: states[g][k] for k in ADAM_KEYS}}
+            self._set_step(states[g]["step"], where)
+            ep_rank = rank % self.ep if groups[g].get("moe") else None
+            for name, address in mapping.items():
+                self._pieces.setdefault((name, ep_rank), []).append(
+                    (sources, g, address.start, address.numel)
+                )
+
+    def _add_stage0_rank(self, ep_rank: int, sd: Any) -> None:
+        self._stage0 = getattr(self, "_stage0", {})
+        try:
+            self._stage0[ep_rank] = sd["optimizer"]
+        except (KeyError, TypeError):
+            raise CheckpointError(
+                f"{stage0_optimizer_file(self.ckpt, ep_rank)}: no 'optimizer' state inside"
+            ) from None
+
+    def _add_stage0_names(self, ep_rank: int, names: list[list[str]]) -> None:
+        opt = self._stage0[ep_rank]
+        where = stage0_optimizer_file(self.ckpt, ep_rank)
+        if [len(g["params"]) for g in opt["param_groups"]] != [len(g) for g in names]:
+            raise CheckpointError(f"{where}: its param groups do not match the recorded names")
+        for group, group_names in zip(opt["param_groups"], names, strict=True):
+            for index, name in zip(group["params"], group_names, strict=True):
+                state = opt["state"][index]
+                self._set_step(state["step"], str(where))
+                key = (name, ep_rank if is_expert_param(name) else None)
+                if key not in self._pieces:  # dense state: identical in every EP rank's file
+                    self._shapes[name] = tuple(state["exp_avg"].shape)
+                    sources = {k: state[k].reshape(-1) for k in ADAM_KEYS}
+                    self._pieces[key] = [(sources, 0, 0, state["exp_avg"].numel())]
+
+    # ---------------------------------------------------------------- per-parameter values
+    def has_master(self) -> bool:
+        """Whether the saved files hold fp32 master weights (ZeRO-1/2) or only moments."""
+        return self.layout["zero_stage"] > 0
+
+    def _one(self, name: str, ep_rank: int | None, key: str) -> torch.Tensor:
+        pieces = self._pieces.get((name, ep_rank))
+        if not pieces:
+            raise CheckpointError(f"{self.ckpt}: no optimizer state for parameter {name}")
+        flat = torch.cat(
+            [src[key].reshape(-1)[start : start + numel] for src, _, start, numel in pieces]
+        )
+        shape = self._shapes.get(name)
+        if shape is None or flat.numel() != torch.Size(shape).numel():
+            raise CheckpointError(
+                f"{self.ckpt}: optimizer state of {name} has {flat.numel()} values, its shape "
+                f"is {shape}"
+            )
+        return flat.view(shape)
+
+    def full(self, name: str, key: str) -> torch.Tensor:
+        """``key`` (``fp32``, ``exp_avg``, ``exp_avg_sq``) of parameter ``name``; an expert
+        weight as the global stack of every expert, (E, ...)."""
+        if not is_expert_param(name):
+            return self._one(name, None, key)
+        return torch.cat([self._one(name, e, key) for e in range(self.ep)])
+
+
+# ------------------------------------------------------------------------- writing them back
+
+
+def _value(saved: SavedOptimizer, name: str, key: str, experts: tuple[int, int]) -> torch.Tensor:
+    full = saved.full(name, key)
+    return full[experts[0] : experts[1]] if is_expert_param(name) else full
+
+
+@torch.no_grad()
+def restore_optimizer(engine: Any, saved: SavedOptimizer, experts: tuple[int, int]) -> None:
+    """Put ``saved``'s optimizer state into ``engine`` (built for the new layout, model weights
+    already loaded); ``experts``: the global experts ``[start, stop)`` this rank holds."""
+    params = dict(engine.module.named_parameters())
+    step = saved.step
+    if hasattr(engine.optimizer, "_param_slice_mappings"):  # ZeRO-1/2, DeepSpeed's bf16
+        inner = engine.optimizer.optimizer
+        flats = [group["params"][0] for group in inner.param_groups]
+        moments = {i: {k: torch.zeros_like(f) for k in ADAM_KEYS} for i, f in enumerate(flats)}
+        for name, p in params.items():
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:  # no slice of this parameter in this rank's partition
+                continue
+            lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+            keys = ([MASTER] if saved.has_master() else []) + list(ADAM_KEYS)
+            for key in keys:
+                src = _value(saved, name, key, experts).reshape(-1)[lp.start : lp.start + lp.numel]
+                dst = (
+                    mapping.hp_fragment
+                    if key == MASTER
+                    else moments[mapping.param_group_index][key][hp.start : hp.start + hp.numel]
+                )
+                dst.copy_(src)
+        for i, flat in enumerate(flats):
+            inner.state[flat] = {"step": step.to(flat.device).clone(), **moments[i]}
+    else:  # ZeRO stage 0: the torch optimizer, one state per parameter
+        names = {id(p): n for n, p in params.items()}
+        for group in engine.optimizer.param_groups:
+            for p in group["params"]:
+                name = names[id(p)]
+                state = {k: _value(saved, name, k, experts).to(p).clone() for k in ADAM_KEYS}
+                engine.optimizer.state[p] = {"step": step.to(p.device).clone(), **state}
+    for attr, value in saved.counters.items():
+        if value is not None:
+            setattr(engine, attr, value)
