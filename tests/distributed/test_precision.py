@@ -49,8 +49,13 @@ pytestmark = pytest.mark.slow
 
 U = 2.0**-8  # bf16 unit roundoff
 JOBS = {1: [(1, 1), (1, 2)], 2: [(1, 1), (1, 2), (2, 1), (2, 2)], 4: [(2, 1), (2, 2)]}
-REPEAT = 4  # the world whose last layout runs twice
-LAYOUTS = [(w, lay) for w, lays in JOBS.items() for lay in lays]
+# the default suite's share (the rest, and the 60-step curve, with -m long)
+QUICK_JOBS = {1: [(1, 1)], 2: [(2, 1), (2, 2)]}
+LAYOUTS = [
+    pytest.param(w, lay, marks=() if lay in QUICK_JOBS.get(w, []) else pytest.mark.long)
+    for w, lays in JOBS.items()
+    for lay in lays
+]
 SKIPS = [("bf16", 1), ("bf16", 2), ("fp32", 0), ("fp32", 1)]
 ACCUM = 16
 ACCUM_CASES = [(1, "fp32"), (2, "fp32"), (2, "bf16")]  # the last: the control
@@ -67,17 +72,24 @@ def _rel(a: list[float], b: list[float]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Any]:
-    """The training part, all at once: the bf16 layouts (world 1, 2, 4), the bf16-vs-fp32 curve
-    (world 1), and bf16 checkpoints at ZeRO-1 and ZeRO-2 with their resume (world 2)."""
+def runs(request, tmp_path_factory) -> dict[str, Any]:
+    """The training part, all at once: the bf16 layouts (world 1, 2 and, with -m long, 4), the
+    bf16-vs-fp32 curve (world 1, -m long), and bf16 checkpoints at ZeRO-1 and ZeRO-2 with their
+    resume (world 2). The largest world runs its last layout twice."""
+    full = "long" in (request.config.getoption("markexpr") or "")
+    layouts = JOBS if full else QUICK_JOBS
+    repeat = max(layouts)
     run_dir = str(tmp_path_factory.mktemp("bf16-masters"))
-    jobs = [(bf16_layouts_job, w, lays, w == REPEAT) for w, lays in JOBS.items()]
-    jobs += [(curve_job, 1), (masters_job, 2, run_dir, [1, 2])]
-    *layouts, curve, masters = run_distributed_concurrently(jobs, timeout=900)
+    jobs = [(bf16_layouts_job, w, lays, w == repeat) for w, lays in layouts.items()]
+    jobs += [(masters_job, 2, run_dir, [1, 2])] + ([(curve_job, 1)] if full else [])
+    results = run_distributed_concurrently(jobs, timeout=900)
+    n = len(layouts)
     return {
-        "layouts": dict(zip(JOBS, layouts, strict=True)),
-        "curve": curve[0],
-        "masters": masters,
+        "jobs": layouts,
+        "repeat": repeat,
+        "layouts": dict(zip(layouts, results[:n], strict=True)),
+        "masters": results[n],
+        "curve": results[n + 1][0] if full else None,
     }
 
 
@@ -111,13 +123,15 @@ def test_bf16_really_ran_with_the_policy(runs, reference, fp32_gap) -> None:
                 "z_loss": "torch.float32",
                 "expert_bias": "torch.float32",
             }, (world, key)
-            zero1 = key.endswith("zero1") or (key == "repeat" and JOBS[world][-1][1] == 1)
+            zero1 = key.endswith("zero1") or (key == "repeat" and runs["jobs"][world][-1][1] == 1)
             assert run["optimizer"] == ("BF16_Optimizer" if zero1 else "DeepSpeedZeroOptimizer")
     assert 1e-6 < fp32_gap["losses"] < 1e-2, fp32_gap
     assert 1e-6 < fp32_gap["norms"] < 1e-1, fp32_gap
 
 
-@pytest.mark.parametrize("world,layout", LAYOUTS, ids=[f"w{w}-{_key(la)}" for w, la in LAYOUTS])
+@pytest.mark.parametrize(
+    "world,layout", LAYOUTS, ids=[f"w{p.values[0]}-{_key(p.values[1])}" for p in LAYOUTS]
+)
 def test_bf16_layout_matches_world_one(runs, reference, fp32_gap, world, layout) -> None:
     for rank, res in enumerate(runs["layouts"][world]):
         run = res[_key(layout)]
@@ -139,25 +153,29 @@ def test_bf16_layout_matches_world_one(runs, reference, fp32_gap, world, layout)
             assert err <= 4 * U, f"rank {rank} {name}: {err:.2e} of the largest entry"
 
 
-@pytest.mark.parametrize("world", list(JOBS))
+@pytest.mark.parametrize(
+    "world", [w if w in QUICK_JOBS else pytest.param(w, marks=pytest.mark.long) for w in JOBS]
+)
 def test_bf16_bias_identical_on_every_rank(runs, world) -> None:
     ranks = runs["layouts"][world]
-    for key in [_key(la) for la in JOBS[world]]:
+    for key in [_key(la) for la in runs["jobs"][world]]:
         biases = [res[key]["biases"] for res in ranks]
         assert all(b == biases[0] for b in biases), key  # bit for bit
         assert any(v != 0 for layer in biases[0] for v in layer), "the bias never moved"
 
 
 def test_bf16_rerun_is_identical(runs) -> None:
-    """dp2 x ep2, ZeRO-2, run twice in the same processes: the same losses, norms and biases,
-    bit for bit."""
-    for res in runs["layouts"][REPEAT]:
-        first = res[_key(JOBS[REPEAT][-1])]
+    """ep2, ZeRO-2 (dp2 x ep2 with -m long), run twice in the same processes: the same losses,
+    norms and biases, bit for bit."""
+    world = runs["repeat"]
+    for res in runs["layouts"][world]:
+        first = res[_key(runs["jobs"][world][-1])]
         assert res["repeat"]["losses"] == first["losses"]
         assert res["repeat"]["norms"] == first["norms"]
         assert res["repeat"]["biases"] == first["biases"]
 
 
+@pytest.mark.long
 def test_bf16_against_fp32_over_60_steps(runs) -> None:
     """The stated band: every step within 5% of fp32, the mean of the last 20 steps within 1%,
     on a curve that falls from ln(96) = 4.56 toward ln 2 (bf16 and fp32 runs are two

@@ -106,6 +106,7 @@ def test_any_number_of_ranks_gives_the_same_bytes(corpus, reference, tmp_path):
         assert not list((tmp_path / name).glob(".data.*")), name  # no build directory left
 
 
+@pytest.mark.long  # the default suite keeps the byte-identity test of every rank count
 def test_torchrun_two_ranks_and_a_killed_rank(corpus, reference, tmp_path):
     """Under torchrun: two ranks give the reference's bytes. Then rank 1 is killed once chunks
     are written: no finished dataset, and a one-process rerun completes from what was left."""
@@ -154,6 +155,7 @@ def test_torchrun_two_ranks_and_a_killed_rank(corpus, reference, tmp_path):
     assert not build.exists()
 
 
+@pytest.mark.long  # the default suite keeps the byte-identity test of every rank count
 def test_two_loopback_nodes(corpus, reference, tmp_path):
     """Two torchrun agents (`launch/multinode-torchrun.sh`, COMMAND=prepare) of two ranks each,
     meeting in a c10d rendezvous on 127.0.0.1: the same bytes as one process."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moetrain.checkpoint.format import CheckpointError
+from moetrain.checkpoint.io import file_crc32
 from moetrain.checkpoint.read import load_model
 from moetrain.config import ConfigError
 from moetrain.convert.export import convert_checkpoint
@@ -121,6 +122,7 @@ def test_truncated_shard_with_matching_manifest_refused(tmp_path, ckpt) -> None:
     f.write_bytes(f.read_bytes()[:100])
     commit = json.loads((ckpt / "COMMITTED.json").read_text())
     commit["files"][f.name] = 100
+    commit["crc32"][f.name] = file_crc32(f)  # the manifest vouches for the torn file
     (ckpt / "COMMITTED.json").write_text(json.dumps(commit))
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         convert_checkpoint(ckpt, tmp_path / "out", max_shard_bytes=1000)
