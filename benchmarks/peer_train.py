@@ -34,10 +34,9 @@ def main() -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
-    from train_throughput import MICRO, SHAPES, _hf_model
+    from train_throughput import MICRO, SHAPES, _hf_model, peer_ds_config
 
     from moetrain.config import DataConfig
-    from moetrain.config.sections import CPU_BUCKET_ELEMENTS
     from moetrain.data.loader import build_loader
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -50,18 +49,9 @@ def main() -> None:
     opt = torch.optim.AdamW(
         model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True
     )
-    zero = {"stage": 2, "contiguous_gradients": True, "overlap_comm": False}
-    if args.cpu_buckets:
-        zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = CPU_BUCKET_ELEMENTS
-    ds = {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=opt, config=peer_ds_config(args.cpu_buckets)
+    )
     data = DataConfig(output_dir=args.data, seq_len=shape["seq"])
     loader = iter(build_loader(data, "train", MICRO, rank, world, 1234))
     times = []

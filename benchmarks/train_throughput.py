@@ -134,6 +134,24 @@ def _moetrain_step_fn(ep: int, overrides: list[str], shape: dict):
     return lambda batch: trainer.train_step([batch])
 
 
+def peer_ds_config(small_buckets: bool) -> dict:
+    """The Hugging Face peers' DeepSpeed config: ZeRO-2, clipping 1.0, one micro-batch per step;
+    ``small_buckets``: moetrain's CPU bucket sizes instead of DeepSpeed's defaults."""
+    from moetrain.config.sections import CPU_BUCKET_ELEMENTS
+
+    zero = {"stage": 2, "contiguous_gradients": True, "overlap_comm": False}
+    if small_buckets:
+        zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = CPU_BUCKET_ELEMENTS
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
 def _hf_model(family: str, grouped: bool, shape: dict):
     import transformers
 
@@ -175,23 +193,12 @@ def _hf_step_fn(family: str, grouped: bool, small_buckets: bool, shape: dict):
     import deepspeed
     import torch
 
-    from moetrain.config.sections import CPU_BUCKET_ELEMENTS
-
     torch.manual_seed(0)
     model = _hf_model(family, grouped, shape)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    zero = {"stage": 2, "contiguous_gradients": True, "overlap_comm": False}
-    if small_buckets:
-        zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = CPU_BUCKET_ELEMENTS
-    ds = {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=opt, config=peer_ds_config(small_buckets)
+    )
 
     def step(batch):
         out = engine(input_ids=batch["input_ids"], labels=batch["input_ids"])
