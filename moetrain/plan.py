@@ -11,10 +11,10 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
   experts over X). Under bf16/fp16 DeepSpeed adds each micro-batch's low-precision gradient to
   the fp32 buffer as soon as it is ready (ZeRO-1) or reduces it into the fp32 partition
   (ZeRO-2), so the low-precision gradients are transient (the largest one is counted below).
-- optimizer: AdamW 8 B/param, + 4 B for the fp32 master copy under bf16/fp16 and under ZeRO-1/2
-  whatever the precision (DeepSpeed's ZeRO optimizer clones its fp32 partition even from fp32
-  weights), partitioned under ZeRO-1/2 (dense over W, experts over X);
-  ``parallel.offload_optimizer`` moves it to CPU.
+- optimizer: AdamW 8 B/param, + 4 B for the fp32 master copy under bf16/fp16 (and under fp32
+  with ``parallel.offload_optimizer``; otherwise fp32 masters share the weights' storage,
+  :mod:`moetrain.parallel.fp32_partitions`), partitioned under ZeRO-1/2 (dense over W, experts
+  over X); ``parallel.offload_optimizer`` moves it to CPU.
 - activations: :func:`activation_bytes_per_token` times the micro-batch tokens, plus the head
   and loss (:func:`head_bytes_per_token`, :func:`loss_transient_bytes`: full logits, or one chunk
   of them with ``model.loss_chunk_tokens``, as the trainer computes the loss) and the largest
@@ -301,7 +301,7 @@ def plan(
 
     weights = split(wb, False)
     grads = split(_dtype_bytes(t.grad_dtype), z >= 2)
-    opt_per_param = 8 + (4 if t.precision != "fp32" or z >= 1 else 0)
+    opt_per_param = 8 + (4 if t.precision != "fp32" or (z >= 1 and p.offload_optimizer) else 0)
     opt = split(opt_per_param, z >= 1)
     opt_gpu, opt_cpu = (0, opt) if p.offload_optimizer else (opt, 0)
 

@@ -35,6 +35,7 @@ from moetrain.checkpoint.io import write_json_atomic
 from moetrain.config import Config, ConfigError
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.parallel.expert_parallel import moe_layers
+from moetrain.parallel.fp32_partitions import share_fp32_partitions
 from moetrain.parallel.topology import Topology
 
 
@@ -261,6 +262,7 @@ def initialize_engine(
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
     )
+    share_fp32_partitions(ds_optimizer)  # fp32 ZeRO-1/2: no clone of the weights
     # bf16/fp16 engines cast buffers; balancing biases stay fp32 (sign updates need range).
     modules = dict(engine.module.named_modules())
     for name in fp32_buffers:

@@ -3,7 +3,8 @@
 After one optimizer step of the real Trainer, each rank's model weights, its ZeRO fp32
 partition and AdamW's moments are counted tensor by tensor and compared with
 ``plan(cfg, gpus=2)``: the formula must hold for what DeepSpeed actually allocates (fp32 and
-bf16, ZeRO-1 and ZeRO-2, EP 1 and 2). Under bf16 the gradients are counted too, after the last
+bf16, ZeRO-1 and ZeRO-2, EP 1 and 2; fp32 masters that share the weights' storage count as
+weights only). Under bf16 the gradients are counted too, after the last
 backward of the step: DeepSpeed's fp32 accumulation buffers (ZeRO-1: whole, in its
 BF16_Optimizer; ZeRO-2: this rank's partition) and no bf16 gradient left alive."""
 
@@ -81,6 +82,9 @@ def _job(rank: int, world: int) -> list[dict]:
         moments = [
             t for state in zero_opt.optimizer.state.values() for t in state.values() if t.dim()
         ]
+        weight_storages = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+        # fp32: the masters are slices of the weights' flat buffer (not memory of their own)
+        masters = [m for m in masters if m.untyped_storage().data_ptr() not in weight_storages]
         pl = plan(cfg, gpus=world)
         out.append(
             {

@@ -1,0 +1,54 @@
+"""fp32 training under ZeRO-1/2 without a second copy of the weights.
+
+DeepSpeed's ZeRO-1/2 optimizer clones each rank's partition of the flat weight buffer into an
+fp32 "master" partition, and after every optimizer step copies the updated masters back into the
+weights. Under bf16/fp16 that copy is the point (the masters keep the precision the weights
+lack); under fp32 it is a duplicate of the same values: 4 bytes per parameter of the rank's
+partition (dense weights over the data-parallel ranks, experts over their expert-data-parallel
+group), freed by :func:`share_fp32_partitions`.
+
+The master partition then is the rank's slice of the flat weight buffer itself: the optimizer
+updates the weights in place, DeepSpeed's copy back becomes a copy onto itself, and the
+all-gather that follows distributes the updated slices as before. Every value is the same as with
+the clone, so training stays bit-identical; checkpoints keep the same files and keys (the masters
+are still saved, and loading them writes the weights, as DeepSpeed then does anyway).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["share_fp32_partitions"]
+
+
+def share_fp32_partitions(zero_optimizer: Any) -> int:
+    """Make every fp32 master partition of ``zero_optimizer`` (DeepSpeed's ZeRO-1/2 optimizer)
+    the slice of the weights it was cloned from, where both have the same dtype and device and
+    the optimizer is not offloaded; -> bytes freed on this rank (0 when nothing was shared)."""
+    if getattr(zero_optimizer, "cpu_offload", True) or not hasattr(
+        zero_optimizer, "single_partition_of_fp32_groups"
+    ):
+        return 0
+    freed = 0
+    masters = zero_optimizer.single_partition_of_fp32_groups
+    for i, master in enumerate(masters):
+        rank = dist.get_rank(group=zero_optimizer.real_dp_process_group[i])
+        weights = zero_optimizer.parallel_partitioned_bit16_groups[i][rank]
+        if (
+            weights.dtype != master.dtype
+            or weights.device != master.device
+            or weights.shape != master.shape
+        ):
+            continue
+        if weights.data_ptr() != master.data_ptr():
+            freed += master.numel() * master.element_size()
+            master.data = weights.data  # same values: the clone was taken from this slice
+    if freed:
+        # DeepSpeed's per-parameter views of the masters (safe_get_full_fp32_param, universal
+        # checkpoints) point at the clones: link them to the shared storage, as DeepSpeed does
+        # itself after moving a partition, and the optimizer-state views again on the next step
+        zero_optimizer._link_all_hp_params()
+        zero_optimizer._hp_optimizer_states_linked = False
+    return freed
