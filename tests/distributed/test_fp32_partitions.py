@@ -33,7 +33,9 @@ def _run(rank: int, zero: int, share: bool) -> dict:
         ds.share_fp32_partitions = real
     opt = trainer.engine.optimizer
     weights = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    shared = [m.untyped_storage().data_ptr() in weights for m in opt.single_partition_of_fp32_groups]
+    shared = [
+        m.untyped_storage().data_ptr() in weights for m in opt.single_partition_of_fp32_groups
+    ]
     g = torch.Generator().manual_seed(100 + rank)
     records = []
     for _ in range(3):
@@ -41,8 +43,7 @@ def _run(rank: int, zero: int, share: bool) -> dict:
         rec = trainer.train_step([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}])
         records.append((rec["loss"], rec["grad_norm"]))
     masters_match = all(
-        torch.equal(safe_get_full_fp32_param(p), p.detach())
-        for p in trainer.model.parameters()
+        torch.equal(safe_get_full_fp32_param(p), p.detach()) for p in trainer.model.parameters()
     )
     state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return {"shared": shared, "records": records, "masters_match": masters_match, "state": state}
