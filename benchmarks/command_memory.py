@@ -135,10 +135,12 @@ def _bare_step(phases: Phases, steps: int, overrides: list[str]) -> None:
 
     from moetrain.config import load_config
     from moetrain.parallel.topology import init_distributed, shutdown
+    from moetrain.train.host_allocator import tune_host_allocator
     from moetrain.train.trainer import Trainer
 
     phases.mark("imports")
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", overrides)
+    tune_host_allocator(cfg.train.host_allocator)  # the process setting the command makes
     topo = init_distributed(cfg)
     phases.mark("process groups")
     trainer = Trainer(cfg, topo)

@@ -161,6 +161,10 @@ class TrainConfig:
     log_every: int = 10
     max_nonfinite_in_a_row: int = 5
     threads_per_rank: int | None = None  # torch.set_num_threads on CPU
+    # CPU training on Linux/glibc (train/host_allocator.py): keep = one malloc arena for every
+    # thread and freed memory kept on the heap (no page faults per step); one_arena = the arena
+    # only (a little less memory, slower); system = glibc's defaults
+    host_allocator: Literal["keep", "one_arena", "system"] = "keep"
 
     def validate(self) -> None:
         require(self.max_steps >= 1, "train.max_steps", "must be >= 1")

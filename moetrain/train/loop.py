@@ -29,6 +29,7 @@ from moetrain.parallel.topology import Topology, init_distributed, shutdown
 from moetrain.parallel.watchdog import CollectiveFailure, is_collective_failure
 from moetrain.secrets import redact
 from moetrain.train.cadence import Clock, Periodic
+from moetrain.train.host_allocator import tune_host_allocator
 from moetrain.train.launcher_env import launcher_disagreements
 from moetrain.train.signals import StopSignal, agree_any
 from moetrain.train.start import choose_start, open_start
@@ -64,6 +65,9 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
 
     if cfg.train.threads_per_rank:
         torch.set_num_threads(cfg.train.threads_per_rank)
+    allocator_note = None
+    if not torch.cuda.is_available():  # before any process group starts its threads
+        allocator_note = tune_host_allocator(cfg.train.host_allocator)
     topo: Topology | None = None
     monitor: RunMonitor | None = None
     stop = StopSignal().install()
@@ -101,6 +105,8 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
             monitor.say(f"warning: {msg}")
         if resume_path is not None:
             monitor.say(f"resumed from {resume_path} (step {trainer.step})")
+        if allocator_note is not None:
+            monitor.say(allocator_note)
         if topo.is_main:
             _write_run_files(cfg, trainer)
         monitor.say(
