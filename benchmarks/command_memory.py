@@ -8,8 +8,9 @@ it wraps the run loop's parts to read the process's resident memory (``VmRSS``) 
 (``VmHWM``) when each part ends -- imports, process groups, the data loader, the model + engine
 (:class:`~moetrain.train.trainer.Trainer`), the monitor, the first step, the remaining steps,
 evaluation, the checkpoint save -- and then starts ``moetrain.cli.main``. A second run does
-what ``benchmarks/train_throughput.py`` times: the same Trainer stepping over batches already in
-memory, nothing else. The two alternate for ``--rounds`` pairs. Reported: each phase's growth of
+what ``benchmarks/train_throughput.py`` times: the same Trainer stepping over the command's own
+batches (read by its loader before the model is built, so both route the same tokens), nothing
+else. The two alternate for ``--rounds`` pairs. Reported: each phase's growth of
 RSS and of the peak, per rank (rank 0 and the maximum over ranks), both runs' peaks (last
 pair), and per pair the wall time of steps 2 to N (end of the first step to end of the last,
 the slower rank) of the command over the bare step's, with the median over pairs.
@@ -130,10 +131,13 @@ def rank_main(out: Path, steps: int, argv: list[str]) -> None:
 
 
 def _bare_step(phases: Phases, steps: int, overrides: list[str]) -> None:
-    """What train_throughput.py times: the Trainer over in-memory batches, nothing around it."""
-    import torch
+    """What train_throughput.py times: the Trainer over batches already in memory, nothing
+    around it; the batches are the command's own (its loader, read before the model exists), so
+    both route the same tokens."""
+    import itertools
 
     from moetrain.config import load_config
+    from moetrain.data.loader import build_loader
     from moetrain.parallel.topology import init_distributed, shutdown
     from moetrain.train.host_allocator import tune_host_allocator
     from moetrain.train.trainer import Trainer
@@ -143,13 +147,21 @@ def _bare_step(phases: Phases, steps: int, overrides: list[str]) -> None:
     tune_host_allocator(cfg.train.host_allocator)  # the process setting the command makes
     topo = init_distributed(cfg)
     phases.mark("process groups")
+    loader = build_loader(
+        cfg.data,
+        "train",
+        cfg.train.micro_batch_size,
+        topo.rank,
+        topo.world_size,
+        cfg.seed,
+        vocab_size=cfg.model.vocab_size,
+    )
+    batches = list(itertools.islice(iter(loader), steps))
+    del loader
     trainer = Trainer(cfg, topo)
     phases.mark("model + engine")
-    g = torch.Generator().manual_seed(topo.rank)
-    b, s, v = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.vocab_size
-    for step in range(steps):
-        ids = torch.randint(0, v, (b, s + 1), generator=g)
-        trainer.train_step([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}])
+    for step, batch in enumerate(batches):
+        trainer.train_step([batch])
         if step + 1 in (1, steps):
             phases.mark("first step" if step == 0 else f"steps 2-{steps}")
     shutdown(topo)

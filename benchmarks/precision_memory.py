@@ -78,6 +78,9 @@ def _optimizer_bytes(trainer) -> int:  # noqa: ANN001
     masters = getattr(opt, "single_partition_of_fp32_groups", None)
     if masters is None:
         masters = opt.fp32_groups_flat_partition
+    weights = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    # fp32: the masters are slices of the weights (moetrain.parallel.fp32_partitions)
+    masters = [m for m in masters if m.untyped_storage().data_ptr() not in weights]
     moments = [t for st in opt.optimizer.state.values() for t in st.values() if t.dim()]
     return _nbytes(masters) + _nbytes(moments)
 
