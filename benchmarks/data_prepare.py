@@ -17,14 +17,20 @@ paired per-round ratios (the machine may be shared):
   127.0.0.1; both timed as whole commands, start-up included.
 
 It first prints the first full prepare of tiny-cpu.yaml (builtin corpus build + tokenizer
-training + shards), the README's first step.
+training + shards), the README's first step. For the in-process cases it also reads the phase
+times ``prepare`` prints (reading the source, the plan, tokenizing, packing) and reports the
+serial part of the one-process run: everything but tokenizing, which is all that more processes
+share, and the speed-up that bound allows (Amdahl), next to the tokenizing phase's own speed-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import multiprocessing
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -47,11 +53,23 @@ def _config(out: Path, *overrides: str):
     return load_config(CONFIG, [f"data.output_dir={out}", *overrides])
 
 
-def in_process(out: Path, overrides: list[str]) -> float:
+PHASES: dict[str, list[dict[str, float]]] = {}  # case -> per round: phase -> seconds
+
+
+def in_process(out: Path, overrides: list[str], case: str = "") -> float:
     cfg = _config(out, *overrides)
+    printed = io.StringIO()
     t0 = time.perf_counter()
-    prepare(cfg)
-    return time.perf_counter() - t0
+    with contextlib.redirect_stdout(printed):
+        prepare(cfg)
+    wall = time.perf_counter() - t0
+    line = re.search(r"times of rank 0: (.*)", printed.getvalue())
+    if case and line:
+        phases = {
+            k.strip(): float(v) for k, v in re.findall(r"([a-z ]+?) ([0-9.]+)s", line.group(1))
+        }
+        PHASES.setdefault(case, []).append(phases | {"wall": wall})
+    return wall
 
 
 def _rank_main(cfg, rank: int, world: int, go) -> None:
@@ -137,8 +155,8 @@ def main() -> None:
     )
     tok = [f"data.tokenizer_model={work / 'full' / 'tokenizer.model'}"]
     cases = {
-        "1 proc": lambda out: in_process(out, [*tok, "data.num_proc=1"]),
-        "pool 2": lambda out: in_process(out, [*tok, "data.num_proc=2"]),
+        "1 proc": lambda out: in_process(out, [*tok, "data.num_proc=1"], "1 proc"),
+        "pool 2": lambda out: in_process(out, [*tok, "data.num_proc=2"], "pool 2"),
         "2 ranks": lambda out: ranks(out, [*tok, "data.num_proc=1"], 2),
     }
     if args.nodes:
@@ -167,6 +185,21 @@ def main() -> None:
 
     ratio("1 proc", "pool 2")
     ratio("1 proc", "2 ranks")
+    for case, rounds in PHASES.items():
+        names = [k for k in rounds[0] if k != "wall"]
+        print(f"RESULT phases {case}, median s: " + ", ".join(f"{k} {statistics.median(r.get(k, 0) for r in rounds):.2f}" for k in [*names, "wall"]))  # fmt: skip
+    if "1 proc" in PHASES and "pool 2" in PHASES:
+        serial = [r["wall"] - r["tokenize"] for r in PHASES["1 proc"]]
+        frac = [s / r["wall"] for s, r in zip(serial, PHASES["1 proc"], strict=True)]
+        f = statistics.median(frac)
+        tok_up = [a["tokenize"] / b["tokenize"] for a, b in zip(PHASES["1 proc"], PHASES["pool 2"], strict=True)]  # fmt: skip
+        print(
+            f"RESULT serial part of 1 proc (all but tokenizing): median {statistics.median(serial):.2f}s = {f:.1%} "
+            f"(rounds: {', '.join(f'{x:.1%}' for x in frac)}); Amdahl bound for 2 processes {1 / (f + (1 - f) / 2):.2f}x"
+        )
+        print(
+            f"RESULT tokenizing phase, pool 2 vs 1 proc: median {statistics.median(tok_up):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in tok_up)})"
+        )
     if args.nodes:
         ratio("1 CLI", "2 nodes")
     print(f"loadavg at the end={os.getloadavg()}")

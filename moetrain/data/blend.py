@@ -3,7 +3,8 @@
 The global sample stream is the one :class:`~moetrain.data.loader.PackedLoader` numbers: each
 global batch takes the next ``dp_world * micro_batch_size`` positions and rank ``r`` the
 ``r``-th micro-batch of them. Position ``p`` is given to a source by Tijdeman's rule for the
-chairman assignment problem (:class:`Apportionment`): with weights ``w`` (normalised), after
+chairman assignment problem (:class:`~moetrain.data.apportion.Apportionment`, a block of
+positions at a time): with weights ``w`` (normalised), after
 ``n`` positions source ``i`` holds ``c_i(n)`` of them with ``|c_i(n) - w_i * n| < 1`` for every
 prefix ``n`` and every source, the property of Megatron's blended dataset (whose simpler
 "largest error first" rule can miss it by up to half a sample more). Exact rational arithmetic
@@ -24,16 +25,15 @@ position (the property then holds from there on, for the new weights).
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from fractions import Fraction
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from moetrain.config import DataConfig
+from moetrain.data.apportion import Apportionment
 from moetrain.data.errors import DataError
 from moetrain.data.loader import (
     PLAN_POSITIONS,
@@ -44,56 +44,6 @@ from moetrain.data.loader import (
 )
 from moetrain.data.mixture import MIXTURE_FILE, match_sources, open_source_set, read_mixture_index
 from moetrain.data.sources import source_specs
-
-
-class Apportionment:
-    """Tijdeman's assignment (1980): the source of the ``n``-th position of a segment given the
-    counts of the ``n - 1`` before it, with ``|count_i - w_i n| <= 1 - 1/(2(S-1))`` throughout.
-
-    Among the sources that may take a position without exceeding their share by that bound,
-    the one whose deadline (when it would fall that far behind) comes first; ties go to the
-    lower index.
-    """
-
-    def __init__(self, weights: Sequence[float]) -> None:
-        fractions = [Fraction(w) for w in weights]  # floats are exact binary fractions
-        den = math.lcm(*(f.denominator for f in fractions))
-        self.parts = [int(f * den) for f in fractions]
-        self.total = sum(self.parts)
-        self.slack = 2 * (len(self.parts) - 1)  # 1/(2(S-1)) in units of 1/slack
-
-    def picks(self, n: int, counts: Sequence[int], m: int) -> list[int]:
-        """The sources of positions ``n .. n + m - 1`` (1-based) of the segment, given the
-        counts of the ``n - 1`` positions before them (running integers: one pass, no
-        divisions)."""
-        parts, total, slack = self.parts, self.total, self.slack
-        if len(parts) == 1:
-            return [0] * m
-        sources = range(len(parts))
-        # source i may take position p when slack (a_i p - c_i total) >= total, i.e. when
-        # step_i p + base_i >= total; due_i / (slack a_i) is its deadline, in positions
-        step = [slack * a for a in parts]
-        base = [-slack * c * total for c in counts]
-        due = [slack * (c + 1) - 1 for c in counts]
-        drop = slack * total
-        out = []
-        for p in range(n, n + m):
-            best, best_due, best_part = -1, 0, 1
-            for i in sources:
-                if step[i] * p + base[i] >= total and (
-                    best < 0 or due[i] * best_part < best_due * parts[i]
-                ):
-                    best, best_due, best_part = i, due[i], parts[i]
-            if best < 0:  # impossible by Tijdeman's theorem
-                raise RuntimeError(f"no source may take position {p}")
-            out.append(best)
-            base[best] -= drop
-            due[best] += slack
-        return out
-
-    def pick(self, n: int, counts: Sequence[int]) -> int:
-        """The source of position ``n`` (1-based) of the segment."""
-        return self.picks(n, counts, 1)[0]
 
 
 def stream_key(name: str) -> int:
@@ -147,7 +97,7 @@ class BlendedLoader:
         self._plan_batches = min(2 * batches, max(1, PLAN_POSITIONS // g))
         m = batches * g
         seg = [c - b for c, b in zip(counts, base, strict=True)]
-        picks = np.array(self._apportion.picks(pos - start + 1, seg, m), dtype=np.int64)
+        picks = self._apportion.sequence(pos - start + 1, seg, m)
         running = np.cumsum(picks[None, :] == np.arange(len(self.names))[:, None], axis=1)
         at = np.asarray(counts, dtype=np.int64)[picks] + running[picks, np.arange(m)] - 1
         mine = (np.arange(m) % g) // mb == self.dp_rank
@@ -159,13 +109,12 @@ class BlendedLoader:
                 if loader is None:
                     raise DataError(f"source {name} has no sample in the {self.split} split")
                 samples[sel] = loader.sample_ids(at[sel])
-        lo = self.dp_rank * mb
-        for b in range(batches):
-            rows = slice(b * g + lo, b * g + lo + mb)
-            after = [c + int(running[i, (b + 1) * g - 1]) for i, c in enumerate(counts)]
-            pairs = list(zip(picks[rows].tolist(), samples[rows].tolist(), strict=True))
-            self._ahead.append((pairs, pos + (b + 1) * g, after))
-        self._planned = (pos + m, self._ahead[-1][2])
+        rows = self.dp_rank * mb + np.arange(batches)[:, None] * g + np.arange(mb)  # (batches, mb)
+        after = (np.asarray(counts, dtype=np.int64) + running[:, g - 1 :: g].T).tolist()
+        sources, ids = picks[rows].tolist(), samples[rows].tolist()
+        for b, (src, smp) in enumerate(zip(sources, ids, strict=True)):
+            self._ahead.append((list(zip(src, smp, strict=True)), pos + (b + 1) * g, after[b]))
+        self._planned = (pos + m, after[-1])
 
     def __iter__(self) -> BlendedLoader:
         return self
@@ -174,8 +123,8 @@ class BlendedLoader:
         if not self._ahead:
             self._plan()
         pairs, self.consumed_samples, self.counts = self._ahead.popleft()
-        loaders = [self.loaders[name] for name in self.names]
-        rows = [loaders[i].sample_tokens(s) for i, s in pairs]  # type: ignore[union-attr]
+        read = [ld.sample_tokens if ld is not None else None for ld in self.loaders.values()]
+        rows = [read[i](s) for i, s in pairs]  # type: ignore[misc]
         return rows_batch(np.stack(rows), self.eos_id, self.document_mask)
 
     # ------------------------------------------------------------------ run loop

@@ -28,6 +28,8 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +75,24 @@ from moetrain.data.tokenizer import (
 
 __all__ = ["SPLIT_RULE", "is_val_doc", "prepare"]
 _SAMPLE_SEED = 0  # tokenizer sample and SentencePiece seed (independent of the run seed)
+
+
+class Clock:
+    """Wall seconds of each phase of this rank's prepare, in the order first entered."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {s:.2f}s" for name, s in self.seconds.items())
 
 
 def _prepare_key(cfg: Config, corpus_fp: str) -> str:
@@ -188,7 +208,7 @@ def _get_tokenizer(
 
 def _make_plan(
     cfg: Config, refs: list[SourceRef], out: Path, key: str, top: Path, ranks: Ranks,
-    opened: dict[int, Corpus],
+    opened: dict[int, Corpus], clock: Clock,
 ) -> Plan:  # fmt: skip
     """Rank 0: the tokenizer (into ``top``) and the jobs, written as ``top/plan.json``."""
     d = cfg.data
@@ -197,10 +217,12 @@ def _make_plan(
         needed: list[int] = []  # sources are opened only when their shard set is built
     else:
         needed = list(range(len(refs)))
-    corpora = [open_corpus(refs, i, top, opened) for i in needed]
+    with clock.phase("read sources"):
+        corpora = [open_corpus(refs, i, top, opened) for i in needed]
     for r in refs:
         print(f"prepare: source {f'{r.spec.name}: ' if mixture else ''}{r.description}")
-    tok = _get_tokenizer(cfg, corpora, [refs[i] for i in needed], top)
+    with clock.phase("tokenizer"):
+        tok = _get_tokenizer(cfg, corpora, [refs[i] for i in needed], top)
     if tok.vocab_size > cfg.model.vocab_size:
         raise DataError(
             f"{tok.path}: tokenizer vocab size {tok.vocab_size} > model.vocab_size={cfg.model.vocab_size}"
@@ -218,7 +240,10 @@ def _make_plan(
             skey, final, todo, job_dir = key, out, True, top
         chunks = None
         if todo and not ref.spec.streaming:
-            sizes = doc_sizes(open_corpus(refs, i, top, opened), ref.spec.where)
+            with clock.phase("read sources"):
+                corpus = open_corpus(refs, i, top, opened)
+            with clock.phase("plan"):
+                sizes = doc_sizes(corpus, ref.spec.where)
             if not sizes.any():
                 raise DataError(f"{ref.spec.where} {ref.description}: empty corpus (no text)")
             n = chunk_count(int(sizes.sum()), chunk_bytes, ranks.world, num_proc)
@@ -282,7 +307,9 @@ def _build(
     cfg: Config, refs: list[SourceRef], out: Path, key: str, top: Path, ranks: Ranks,
     opened: dict[int, Corpus],
 ) -> None:  # fmt: skip
-    """Every rank's part of the prepare: plan (rank 0) or wait for it, tokenize, pack (rank 0)."""
+    """Every rank's part of the prepare: plan (rank 0) or wait for it, tokenize, pack (rank 0);
+    each rank prints the time of each phase."""
+    clock = Clock()
     with Heartbeat(top, ranks.rank):
         watch = Watch(top, cfg.parallel.timeout_minutes * 60)
         if ranks.is_main:
@@ -293,21 +320,32 @@ def _build(
                 print(f"prepare: continuing the unfinished prepare in {top}")
             else:
                 (top / PLAN_FILE).unlink(missing_ok=True)  # no rank may act on a stale plan
-                plan = _make_plan(cfg, refs, out, key, top, ranks, opened)
+                plan = _make_plan(cfg, refs, out, key, top, ranks, opened, clock)
         else:
             mixture = bool(cfg.data.sources)
-            watch.until(
-                lambda: Plan.read(top, key) is not None or _up_to_date(out, key, mixture, False),
-                [0],
-                f"{top}/plan.json",
-            )
+            with clock.phase("wait for the plan"):
+                watch.until(
+                    lambda: (
+                        Plan.read(top, key) is not None or _up_to_date(out, key, mixture, False)
+                    ),
+                    [0],
+                    f"{top}/plan.json",
+                )
             plan = Plan.read(top, key)
             if plan is None:  # rank 0 finished it all (every chunk was there already)
                 return
-        chunks = tokenize_jobs(cfg, refs, plan, top, ranks, opened)
+        with clock.phase("read sources"):
+            for job in plan.jobs:
+                if job.todo:
+                    open_corpus(refs, job.source, top, opened)
+        with clock.phase("tokenize"):
+            chunks = tokenize_jobs(cfg, refs, plan, top, ranks, opened)
         if not ranks.is_main:
             print(
-                f"prepare: rank {ranks.rank} of {ranks.world} wrote its chunks; rank 0 writes the index"
+                f"prepare: rank {ranks.rank} of {ranks.world} wrote its chunks; rank 0 writes the "
+                f"index (times: {clock})"
             )
             return
-        pack_jobs(cfg, refs, plan, chunks, out, top, ranks, watch)
+        with clock.phase("pack"):
+            pack_jobs(cfg, refs, plan, chunks, out, top, ranks, watch)
+        print(f"prepare: times of rank 0: {clock}")

@@ -26,6 +26,10 @@ from moetrain.data.errors import DataError
 
 HEARTBEAT_DIR = "heartbeat"
 _BEAT_S = 2.0
+# a waiting rank looks again after at most _POLL_S while a wait is young (a file of another rank
+# is usually a moment away: the plan, the next chunk), after at most _POLL_LONG_S once it has
+# lasted _YOUNG_S (light on a shared filesystem's metadata server when many ranks wait long)
+_POLL_S, _POLL_LONG_S, _YOUNG_S = 0.02, 0.25, 5.0
 
 
 def _env_int(env: Mapping[str, str], name: str, default: str) -> int:
@@ -149,7 +153,7 @@ class Watch:
     def until(self, ready: Callable[[], bool], ranks: Iterable[int], what: str) -> None:
         """Return once ``ready()``; raise if one of ``ranks`` stops first."""
         ranks = list(ranks)
-        delay = 0.005
+        delay, start = 0.002, time.monotonic()
         while not ready():
             for r in ranks:
                 if not self.alive(r):
@@ -165,4 +169,5 @@ class Watch:
                         f"for {what}; rerun the prepare on every rank: finished work is kept"
                     )
             time.sleep(delay)
-            delay = min(delay * 1.5, 0.25)
+            young = time.monotonic() - start < _YOUNG_S
+            delay = min(delay * 1.5, _POLL_S if young else _POLL_LONG_S)

@@ -1,7 +1,8 @@
 """Training on a three-source mixture through the real CLI: per-source metrics in
 metrics.jsonl (``data/tokens/<name>``, ``data/epochs/<name>``, ``val/loss/<name>``) and the
 report's plots, and an exact resume: SIGTERM mid-run, the same command again, the uninterrupted
-run's losses bit for bit. (Resuming with another data-parallel size:
+run's losses bit for bit; with ``-m long``, a resume on two data-parallel ranks of a run
+stopped on one process. (The loader alone resumed on another number of ranks:
 tests/distributed/test_blend_processes.py.)"""
 
 from __future__ import annotations
@@ -132,3 +133,39 @@ def test_sigterm_and_resume_give_the_same_losses(runs):
     last = {n: _rows(runs["cut"])[-2].get(f"val/loss/{n}") for n in NAMES}
     want = {n: _rows(runs["ref"])[-2].get(f"val/loss/{n}") for n in NAMES}
     assert last == want
+
+
+def _per_step(run_dir: Path) -> dict[int, dict]:
+    """step -> its metrics record (the last record of a step wins)."""
+    return {r["step"]: r for r in _rows(run_dir) if "loss" in r and "step" in r}
+
+
+@pytest.mark.long  # three training runs, one on two ranks: minutes on 2 cores
+def test_resume_on_two_ranks_continues_every_source(mixture, tmp_path):
+    """Stopped after 4 steps on one process (grad_accum 2), resumed under torchrun on two
+    data-parallel ranks (grad_accum 1, the same global batch; a constant learning rate, so the
+    shorter first run's schedule is the same): every later step trains on as many samples of
+    every source as the uninterrupted one-process run, on the same samples: step 5's loss
+    (the same weights) is the uninterrupted run's exactly, later steps' within the
+    layout-parity tolerance."""
+    one = [*mixture, "optim.schedule=constant", "train.grad_accum_steps=2"]
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(_uninterrupted, one, ref)
+        first = pool.submit(_uninterrupted, [*one, "train.max_steps=4"], cut)
+        for r in (whole.result(), first.result()):
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    two = [*mixture, "optim.schedule=constant", "train.grad_accum_steps=1"]
+    torchrun = [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    cmd = [*torchrun, "-m", "moetrain", "train", CONFIG, *two, f"run_dir={cut}"]
+    r = subprocess.run(cmd, env=env_for(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"resumed from {cut / 'checkpoints' / 'step_00000004'}" in r.stdout + r.stderr
+    want, got = _per_step(ref), _per_step(cut)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    tokens = [f"data/tokens/{n}" for n in NAMES]
+    for step in got:  # steps 1-4 on one process, 5-8 on two ranks
+        assert [got[step][k] for k in tokens] == [want[step][k] for k in tokens], step
+    assert got[5]["ce_loss"] == want[5]["ce_loss"]
+    for step in (6, 7, 8):
+        assert got[step]["ce_loss"] == pytest.approx(want[step]["ce_loss"], rel=1e-5), step

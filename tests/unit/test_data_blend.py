@@ -116,6 +116,39 @@ def test_apportionment_is_within_one_sample_at_every_prefix():
     assert counts == [6, 3, 1]
 
 
+def test_block_sequence_is_the_sequential_rule():
+    """The block computation (sorted deadlines, a queue where releases bind, exact integers
+    for near ties) gives the position-by-position rule's sources: weights where the sorted
+    order holds, where it parts often, equal and small-ratio weights, past a block's end, from
+    part-way states, and at positions where floats lose precision."""
+    rng = random.Random(1)
+    cases = [[0.6, 0.3, 0.1], [0.5, 0.5], [1, 1, 1, 1], [0.25, 0.75], [0.7, 0.2, 0.05, 0.05],
+             [0.7, 0.2, 0.1], [1e-9, 1, 1], [0.031, 0.462, 0.46, 0.047]]  # fmt: skip
+    cases += [[rng.choice([rng.random(), 0.5, 0.1 * rng.randint(1, 9)]) for _ in range(rng.randint(2, 8))]
+              for _ in range(40)]  # fmt: skip
+    for weights in cases:
+        ap = Apportionment(weights)
+        k = len(weights)
+        m = 5000 if len(weights) <= 4 else 1500  # past BLOCK (4096) for some
+        ref = ap.picks_sequential(1, [0] * k, m)
+        assert ap.sequence(1, [0] * k, m).tolist() == ref, weights
+        start = rng.randint(2, m - 100)
+        counts = Counter(ref[: start - 1])
+        part = ap.sequence(start, [counts[i] for i in range(k)], 100).tolist()
+        assert part == ref[start - 1 : start + 99], weights
+        n = rng.choice([10**9, 10**12, 2**45 + 3])  # a state near the ideal, far into a run
+        total = sum(map(Fraction, weights))
+        far = [int(Fraction(w) / total * (n - 1)) for w in weights]
+        far[0] += n - 1 - sum(far)
+        try:
+            want = ap.picks_sequential(n, far, 300)
+        except RuntimeError:  # not a state the rule reaches: both refuse
+            with pytest.raises(RuntimeError):
+                ap.sequence(n, far, 300)
+            continue
+        assert ap.sequence(n, far, 300).tolist() == want, (weights, n)
+
+
 @pytest.mark.parametrize("world,mb", [(1, 1), (2, 3), (3, 2)])
 def test_blend_proportions_epochs_and_ranks(sets, world, mb):
     ranks = [blend(sets, mb=mb, rank=r, world=world) for r in range(world)]
