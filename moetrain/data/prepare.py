@@ -77,7 +77,7 @@ __all__ = ["SPLIT_RULE", "is_val_doc", "prepare"]
 _SAMPLE_SEED = 0  # tokenizer sample and SentencePiece seed (independent of the run seed)
 
 
-class Clock:
+class PhaseClock:
     """Wall seconds of each phase of this rank's prepare, in the order first entered."""
 
     def __init__(self) -> None:
@@ -208,7 +208,7 @@ def _get_tokenizer(
 
 def _make_plan(
     cfg: Config, refs: list[SourceRef], out: Path, key: str, top: Path, ranks: Ranks,
-    opened: dict[int, Corpus], clock: Clock,
+    opened: dict[int, Corpus], clock: PhaseClock,
 ) -> Plan:  # fmt: skip
     """Rank 0: the tokenizer (into ``top``) and the jobs, written as ``top/plan.json``."""
     d = cfg.data
@@ -309,7 +309,7 @@ def _build(
 ) -> None:  # fmt: skip
     """Every rank's part of the prepare: plan (rank 0) or wait for it, tokenize, pack (rank 0);
     each rank prints the time of each phase."""
-    clock = Clock()
+    clock = PhaseClock()
     with Heartbeat(top, ranks.rank):
         watch = Watch(top, cfg.parallel.timeout_minutes * 60)
         if ranks.is_main:
