@@ -13,8 +13,8 @@ Two habits of glibc's malloc cost a CPU training process memory or time:
   serves every allocation from the heap and never trims it, so the next step reuses the blocks
   as they are; ``one_arena`` leaves this habit alone: a little less peak memory, slower steps.
   Measured through ``moetrain train`` at the benchmark shape (benchmarks/RESULTS.md): against
-  glibc's defaults, ``keep`` about 20 MiB less peak memory per rank and faster steps,
-  ``one_arena`` about 30 MiB less.
+  glibc's defaults, ``keep`` 20 MiB less peak memory per rank and 1.05-1.11x the tokens/s,
+  ``one_arena`` 40 MiB less and no faster.
 
 Only where it applies: Linux with glibc, when ``moetrain train`` computes on the CPU (a GPU's step
 allocates on the device), before any process group starts its threads. A ``MALLOC_*`` or
