@@ -27,7 +27,7 @@ def minor_faults():
 
 note = tune_host_allocator(sys.argv[1])
 faults = []
-for _ in range(10):  # a step's pattern: 64 MiB (above glibc's largest mmap threshold) and others
+for _ in range(20):  # a step's pattern: 64 MiB (above glibc's largest mmap threshold) and others
     before = minor_faults()
     x, h = torch.ones(4 * 2**20), torch.ones(16 * 2**20)
     y = (h * 2).sum() + (torch.ones(9 * 2**20) * x.sum()).sum()
@@ -72,9 +72,9 @@ def test_keep_reuses_freed_buffers_without_page_faults() -> None:
     system, kept = _probe("system"), _probe("keep")
     assert min(system["faults"][5:]) > PAGES_64MIB  # mapped and faulted in again every time
     assert kept["arenas"] == 1 and "kept on the heap" in kept["note"]
-    # once the heap holds the pattern's blocks (a few rounds) they are reused as they are: the
-    # last five rounds together fault fewer pages than one round does by default
-    assert sum(kept["faults"][5:]) < PAGES_64MIB
+    # once the heap holds the pattern's blocks (a few rounds; how many varies) they are reused
+    # as they are: the last ten rounds together fault fewer pages than two rounds by default
+    assert sum(kept["faults"][10:]) < 2 * PAGES_64MIB
 
 
 @LINUX
