@@ -24,7 +24,14 @@ from tqdm.auto import tqdm
 
 from moetrain.checkpoint.io import building_dir, file_sha256, write_json_atomic
 from moetrain.config import Config, DataConfig
-from moetrain.data.chunks import SPLIT_RULE, chunk_done, parts_dir, read_chunk, tokenize_chunks
+from moetrain.data.chunks import (
+    SPLIT_RULE,
+    chunk_done,
+    chunk_owners,
+    parts_dir,
+    read_chunk,
+    tokenize_chunks,
+)
 from moetrain.data.errors import DataError
 from moetrain.data.mixture import relative_dir, write_mixture_index
 from moetrain.data.ranks import Ranks, Watch, default_num_proc
@@ -46,7 +53,7 @@ from moetrain.data.tokenizer import (
 )
 
 PLAN_FILE = "plan.json"
-_PLAN_FORMAT = "moetrain-prepare-plan"
+_PLAN_FORMAT = "moetrain-prepare-plan-2"
 
 
 def build_dir(final: Path, key: str) -> Path:
@@ -56,7 +63,8 @@ def build_dir(final: Path, key: str) -> Path:
 
 @dataclass
 class Job:
-    """One source's shard set: where it goes, its key, and its chunks (None: streamed)."""
+    """One source's shard set: where it goes, its key, and its chunks with their bytes (None:
+    streamed)."""
 
     source: int  # index into the prepare's sources
     name: str
@@ -64,7 +72,14 @@ class Job:
     key: str
     build: str
     chunks: list[tuple[int, int]] | None
+    chunk_bytes: list[int] | None
     todo: bool = True  # False: a finished shard set of this key exists and is reused
+
+    def owners(self, count: int, world: int) -> list[int]:
+        """The rank that tokenizes each of the job's ``count`` chunks."""
+        if self.chunk_bytes is None:  # streamed: dealt in turn as they are read
+            return [c % world for c in range(count)]
+        return chunk_owners(self.chunk_bytes, world)
 
 
 @dataclass
@@ -115,7 +130,7 @@ def pack(
     *,
     dtype: np.dtype,
     shard_tokens: int,
-    world: int,
+    owners: list[int],
     watch: Watch,
     tokenizer_dir: Path,
     index: dict[str, Any],
@@ -123,12 +138,12 @@ def pack(
 ) -> dict[str, Any]:
     """Write ``job``'s shard set from its chunks (waiting for other ranks' chunks) and install
     it at ``job.final``; ``index`` is its ``index.json`` without the splits; chunk ``c`` of
-    ``chunks`` comes from rank ``c % world``. Returns the splits."""
+    ``chunks`` comes from rank ``owners[c]``. Returns the splits."""
     with building_dir(job.final, replace=True) as tmp:
         copy_prepared_tokenizer(tokenizer_dir, tmp)
         writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "val")}
         for c, (lo, hi) in enumerate(chunks):
-            owner = c % world
+            owner = owners[c]
             if owner == 0 and not chunk_done(parts, lo, hi, dtype):
                 raise DataError(f"{parts}: chunk [{lo}, {hi}) of {job.name} is missing")
             watch.until(
@@ -179,6 +194,7 @@ def tokenize_jobs(
                 corpus,
                 job.chunks,
                 parts_dir(Path(job.build), plan.tokenizer_sha256),
+                costs=job.chunk_bytes,
                 tokenizer_path=prepared_tokenizer_file(top),
                 dtype=dtype,
                 val_fraction=d.val_fraction,
@@ -210,7 +226,7 @@ def pack_jobs(
                 parts_dir(Path(job.build), plan.tokenizer_sha256),
                 dtype=dtype,
                 shard_tokens=d.shard_tokens,
-                world=ranks.world,
+                owners=job.owners(len(chunks[job.source]), ranks.world),
                 watch=watch,
                 tokenizer_dir=top,
                 index=index_fields(ref, tok, job.key, d, dtype),

@@ -3,8 +3,10 @@
 The documents of a source are cut into chunks, contiguous document ranges of about equal text
 size (:func:`plan_chunks`), so the work is balanced however unequal the documents are; a
 streamed source is cut while it is read, at the first document that takes a chunk past
-``data.prepare_chunk_mb``. Chunk ``c`` belongs to rank ``c % world``; inside a rank a process
-pool takes the chunks one at a time. The result of the chunk of documents ``[lo, hi)`` is two
+``data.prepare_chunk_mb``. The chunks of a planned source are dealt to the ranks largest first,
+each to the rank with the fewest bytes so far (:func:`chunk_owners`); those of a stream go to rank
+``c % world`` as they are read. Inside a rank a process pool takes the chunks one at a time,
+largest first, so a chunk made large by one big document does not finish last. The result of the chunk of documents ``[lo, hi)`` is two
 files in ``<build>/parts-<tokenizer sha256>/``, each written atomically, the second last:
 
     <lo>-<hi>.tokens     the documents' token ids with EOS appended, in order, in the shard dtype
@@ -24,9 +26,10 @@ so small corpora still get a validation split. Independent of the run seed and o
 from __future__ import annotations
 
 import hashlib
+import heapq
 import multiprocessing
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +89,29 @@ def plan_chunks(sizes: np.ndarray, num_chunks: int) -> list[tuple[int, int]]:
     cuts = np.searchsorted(ends, targets, side="left") + 1
     bounds = np.unique(np.concatenate([[0], np.clip(cuts, 1, n - 1), [n]]))
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def chunk_bytes(sizes: np.ndarray, chunks: list[tuple[int, int]]) -> list[int]:
+    """Bytes of each chunk, counting a document one byte more than its text (as the plan does)."""
+    ends = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64) + 1)])
+    return [int(ends[hi] - ends[lo]) for lo, hi in chunks]
+
+
+def chunk_owners(costs: Sequence[int], world: int) -> list[int]:
+    """The rank of each chunk: largest first, each to the rank with the fewest bytes so far
+    (ties: the lower rank). The ranks' shares differ by at most one chunk."""
+    owners = [0] * len(costs)
+    load = [(0, r) for r in range(world)]
+    for c in largest_first(range(len(costs)), costs):
+        total, r = heapq.heappop(load)
+        owners[c] = r
+        heapq.heappush(load, (total + costs[c], r))
+    return owners
+
+
+def largest_first(indices: Iterable[int], costs: Sequence[int]) -> list[int]:
+    """``indices`` by decreasing cost (ties: in order)."""
+    return sorted(indices, key=lambda c: (-costs[c], c))
 
 
 def chunk_count(total_bytes: int, chunk_bytes: int, world: int, num_proc: int) -> int:
@@ -253,6 +279,7 @@ def tokenize_chunks(
     chunks: list[tuple[int, int]] | None,
     parts: Path,
     *,
+    costs: list[int] | None,
     tokenizer_path: Path,
     dtype: np.dtype,
     val_fraction: float,
@@ -262,18 +289,19 @@ def tokenize_chunks(
     chunk_bytes: int,
     done: Callable[[], None] = lambda: None,
 ) -> list[tuple[int, int]]:
-    """Tokenize this rank's unfinished chunks into ``parts``; ``chunks`` is the plan of a
-    non-streaming source (None: cut the stream; every rank reads all of it). Returns every
-    chunk of the source (this rank's or not), in order; chunk ``c`` belongs to rank
-    ``c % world``."""
+    """Tokenize this rank's unfinished chunks into ``parts``; ``chunks`` and their ``costs``
+    (bytes) are the plan of a non-streaming source (None: cut the stream; every rank reads all
+    of it). Returns every chunk of the source (this rank's or not), in order."""
     parts.mkdir(parents=True, exist_ok=True)
     worker = _Worker(parts, str(tokenizer_path), dtype, val_fraction)
     if chunks is not None:
         worker.dataset, worker.text_field = corpus.dataset.with_format("arrow"), corpus.text_field
+        assert costs is not None and len(costs) == len(chunks)
+        owners = chunk_owners(costs, world)
         mine = [
-            (lo, hi)
-            for c, (lo, hi) in enumerate(chunks)
-            if c % world == rank and not chunk_done(parts, lo, hi, dtype)
+            chunks[c]
+            for c in largest_first(range(len(chunks)), costs)
+            if owners[c] == rank and not chunk_done(parts, *chunks[c], dtype)
         ]
         _run(_range_task, mine, num_proc, worker, done)
         return list(chunks)

@@ -49,6 +49,7 @@ from moetrain.data.build import (
 )
 from moetrain.data.chunks import (
     SPLIT_RULE,
+    chunk_bytes,
     chunk_count,
     doc_sizes,
     is_val_doc,
@@ -228,7 +229,7 @@ def _make_plan(
             f"{tok.path}: tokenizer vocab size {tok.vocab_size} > model.vocab_size={cfg.model.vocab_size}"
         )
     num_proc = default_num_proc(d.num_proc, ranks)
-    chunk_bytes = int(d.prepare_chunk_mb * 2**20)
+    chunk_target = int(d.prepare_chunk_mb * 2**20)
     jobs = []
     for i, ref in enumerate(refs):
         if mixture:
@@ -238,7 +239,7 @@ def _make_plan(
             job_dir = build_dir(final, skey)
         else:
             skey, final, todo, job_dir = key, out, True, top
-        chunks = None
+        chunks = costs = None
         if todo and not ref.spec.streaming:
             with clock.phase("read sources"):
                 corpus = open_corpus(refs, i, top, opened)
@@ -246,9 +247,10 @@ def _make_plan(
                 sizes = doc_sizes(corpus, ref.spec.where)
             if not sizes.any():
                 raise DataError(f"{ref.spec.where} {ref.description}: empty corpus (no text)")
-            n = chunk_count(int(sizes.sum()), chunk_bytes, ranks.world, num_proc)
+            n = chunk_count(int(sizes.sum()), chunk_target, ranks.world, num_proc)
             chunks = plan_chunks(sizes, n)
-        jobs.append(Job(i, ref.spec.name, str(final), skey, str(job_dir), chunks, todo))
+            costs = chunk_bytes(sizes, chunks)
+        jobs.append(Job(i, ref.spec.name, str(final), skey, str(job_dir), chunks, costs, todo))
         if not todo:
             print(f"prepare: source {ref.spec.name}: reusing {final}")
     plan = Plan(key, tok.sha256, jobs)

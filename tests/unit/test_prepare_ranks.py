@@ -12,7 +12,7 @@ import pytest
 
 from moetrain.config import load_config
 from moetrain.data import DataError
-from moetrain.data.chunks import chunk_count, plan_chunks
+from moetrain.data.chunks import chunk_bytes, chunk_count, chunk_owners, plan_chunks
 from moetrain.data.prepare import prepare
 from moetrain.data.ranks import Heartbeat, Ranks, RankStopped, Watch, default_num_proc
 from tests.unit.test_data_prepare import write_jsonl
@@ -56,14 +56,27 @@ def test_chunks_are_contiguous_and_size_balanced():
     assert chunks[0][0] == 0 and chunks[-1][1] == len(sizes)
     assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(chunks, chunks[1:], strict=False))
     per = np.array([sizes[lo:hi].sum() + (hi - lo) for lo, hi in chunks])
+    assert chunk_bytes(sizes, chunks) == per.tolist()
     target = per.sum() / len(chunks)
     # no chunk is larger than its share by more than its largest document
     for (lo, hi), got in zip(chunks, per, strict=True):
         assert got <= target + sizes[lo:hi].max() + 1
-    # chunk c goes to rank c % world: every rank's share is within a chunk of the others'
-    for world in (2, 3, 5):
-        shares = [per[r::world].sum() for r in range(world)]
+    # largest chunks first, each to the least-loaded rank: every rank's share is within a
+    # chunk of the others', and at least as even as dealing the chunks in turn
+    for world in (1, 2, 3, 5, 40):
+        owners = chunk_owners(per.tolist(), world)
+        assert owners == chunk_owners(per.tolist(), world)
+        shares = [per[np.array(owners) == r].sum() for r in range(world)]
         assert max(shares) - min(shares) <= per.max()
+        in_turn = [per[r::world].sum() for r in range(world)]
+        assert max(shares) - min(shares) <= max(in_turn) - min(in_turn)
+
+
+def test_a_chunk_made_large_by_one_document_is_dealt_first():
+    costs = [10, 10, 10, 40, 10, 10, 10, 10]
+    # rank 0 takes the large chunk, rank 1 the next four; then each goes to the lighter rank
+    assert chunk_owners(costs, 2) == [1, 1, 1, 0, 1, 0, 1, 0]
+    assert chunk_owners([], 3) == [] and chunk_owners([5, 5], 1) == [0, 0]
     assert plan_chunks(np.array([5, 0, 7]), 10) == [(0, 1), (1, 2), (2, 3)]
     assert plan_chunks(np.zeros(0, np.int64), 4) == []
     assert chunk_count(100 << 20, 16 << 20, 1, 1) == 8
