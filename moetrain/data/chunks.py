@@ -1,13 +1,14 @@
 """Tokenizing a source in chunks, spread over the ranks of a prepare and the workers of each.
 
-The documents of a source are cut into chunks, contiguous document ranges of about equal text
-size (:func:`plan_chunks`), so the work is balanced however unequal the documents are; a
-streamed source is cut while it is read, at the first document that takes a chunk past
+The documents of a source are cut into chunks, contiguous document ranges sized by their text
+(:func:`plan_chunks`): at most ``data.prepare_chunk_mb`` each, shrinking towards the end of the
+source, so every worker stays busy and all finish together however unequal the documents are.
+A streamed source is cut while it is read, at the first document that takes a chunk past
 ``data.prepare_chunk_mb``. The chunks of a planned source are dealt to the ranks largest first,
-each to the rank with the fewest bytes so far (:func:`chunk_owners`); those of a stream go to rank
-``c % world`` as they are read. Inside a rank a process pool takes the chunks one at a time,
-largest first, so a chunk made large by one big document does not finish last. The result of the chunk of documents ``[lo, hi)`` is two
-files in ``<build>/parts-<tokenizer sha256>/``, each written atomically, the second last:
+each to the rank with the fewest bytes so far (:func:`chunk_owners`); those of a stream go to
+rank ``c % world`` as they are read. Inside a rank a process pool takes its chunks largest
+first, a new one whenever a worker is free. The result of the chunk of documents ``[lo, hi)``
+is two files in ``<build>/parts-<tokenizer sha256>/``, each written atomically, the second last:
 
     <lo>-<hi>.tokens     the documents' token ids with EOS appended, in order, in the shard dtype
     <lo>-<hi>.docs.npy   int64 (documents, 2): each document's token count (0 for an empty one)
@@ -28,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import multiprocessing
-from collections import deque
+import queue
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ from moetrain.data.sources import Corpus
 from moetrain.data.tokenizer import Tokenizer, load_tokenizer
 
 SPLIT_RULE = "val iff blake2b(str(doc_index), digest 8, key 'moetrain-split') / 2**64 < val_fraction, or doc_index == 0"
-CHUNKS_PER_WORKER = 8  # chunks per worker of the whole prepare: the pools' tail stays short
+SMALLEST_CHUNK = 32  # the smallest chunk of a plan: 1/32 of a worker's share of the source
 _BATCH = 128  # documents per tokenizer call
 
 
@@ -77,15 +78,31 @@ def doc_sizes(corpus: Corpus, where: str) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def plan_chunks(sizes: np.ndarray, num_chunks: int) -> list[tuple[int, int]]:
-    """At most ``num_chunks`` contiguous document ranges ``[lo, hi)`` covering every document,
-    each of about the same number of bytes (a document counts one byte more than its text)."""
+def chunk_targets(total_bytes: int, max_bytes: int, workers: int) -> list[int]:
+    """Sizes, in document order, of the chunks of a source of ``total_bytes`` shared by
+    ``workers`` tokenizing processes (over all ranks). Each chunk takes 1/(2 x ``workers``) of
+    what is left, at most ``max_bytes`` and at least 1/:data:`SMALLEST_CHUNK` of a worker's
+    share (factoring, as in loop scheduling): few chunks, and small ones last, where they set
+    how long the last worker runs after the others have finished."""
+    max_bytes = max(1, max_bytes)
+    smallest = max(1, total_bytes // (SMALLEST_CHUNK * workers))
+    sizes, left = [], total_bytes
+    while left > 0:
+        size = min(left, max_bytes, max(smallest, left // (2 * workers)))
+        sizes.append(size)
+        left -= size
+    return sizes
+
+
+def plan_chunks(sizes: np.ndarray, max_bytes: int, workers: int) -> list[tuple[int, int]]:
+    """Contiguous document ranges ``[lo, hi)`` covering every document, cut where the bytes so
+    far reach the :func:`chunk_targets` sizes (a document counts one byte more than its text;
+    a range ends with the document that reaches its target)."""
     n = len(sizes)
     if n == 0:
         return []
-    k = max(1, min(num_chunks, n))
     ends = np.cumsum(np.asarray(sizes, dtype=np.int64) + 1)
-    targets = ends[-1] * np.arange(1, k, dtype=np.float64) / k
+    targets = np.cumsum(chunk_targets(int(ends[-1]), max_bytes, workers))[:-1]
     cuts = np.searchsorted(ends, targets, side="left") + 1
     bounds = np.unique(np.concatenate([[0], np.clip(cuts, 1, n - 1), [n]]))
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
@@ -112,12 +129,6 @@ def chunk_owners(costs: Sequence[int], world: int) -> list[int]:
 def largest_first(indices: Iterable[int], costs: Sequence[int]) -> list[int]:
     """``indices`` by decreasing cost (ties: in order)."""
     return sorted(indices, key=lambda c: (-costs[c], c))
-
-
-def chunk_count(total_bytes: int, chunk_bytes: int, world: int, num_proc: int) -> int:
-    """How many chunks a source of ``total_bytes`` is cut into: chunks of about
-    ``chunk_bytes``, and at least :data:`CHUNKS_PER_WORKER` per worker of the whole prepare."""
-    return max(-(-total_bytes // chunk_bytes), CHUNKS_PER_WORKER * world * num_proc)
 
 
 # ----------------------------------------------------------------------------- chunk files
@@ -238,7 +249,9 @@ def _texts_task(task: tuple[int, list]) -> None:
 
 def _run(fn: Callable, tasks: Iterable, num_proc: int, worker: _Worker, done: Callable) -> None:
     """``fn(task)`` for every task, in a pool of ``num_proc`` processes (inline for one); at
-    most two tasks per worker wait in the queue, so streamed texts are never all in memory."""
+    most two tasks per worker are in flight, so streamed texts are never all in memory. A
+    new task goes out as soon as any task finishes (not the oldest: a long chunk must not
+    leave the other workers idle)."""
     if num_proc <= 1:
         _init(worker)
         for task in tasks:
@@ -247,16 +260,27 @@ def _run(fn: Callable, tasks: Iterable, num_proc: int, worker: _Worker, done: Ca
         return
     # fork, as datasets.map does on Linux: spawn would re-run an unguarded __main__ script
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    finished: queue.SimpleQueue = queue.SimpleQueue()  # None, or a task's exception
+    in_flight = 0
+
+    def collect() -> None:
+        nonlocal in_flight
+        error = finished.get()
+        in_flight -= 1
+        if error is not None:
+            raise error
+        done()
+
     with multiprocessing.get_context(method).Pool(num_proc, _init, (worker,)) as pool:
-        pending: deque = deque()
         for task in tasks:
-            pending.append(pool.apply_async(fn, (task,)))
-            while len(pending) >= 2 * num_proc:
-                pending.popleft().get()
-                done()
-        while pending:
-            pending.popleft().get()
-            done()
+            if in_flight >= 2 * num_proc:
+                collect()
+            pool.apply_async(
+                fn, (task,), callback=lambda _: finished.put(None), error_callback=finished.put
+            )
+            in_flight += 1
+        while in_flight:
+            collect()
 
 
 def stream_chunks(corpus: Corpus, chunk_bytes: int) -> Iterator[tuple[int, list]]:

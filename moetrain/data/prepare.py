@@ -50,7 +50,6 @@ from moetrain.data.build import (
 from moetrain.data.chunks import (
     SPLIT_RULE,
     chunk_bytes,
-    chunk_count,
     doc_sizes,
     is_val_doc,
     plan_chunks,
@@ -247,8 +246,7 @@ def _make_plan(
                 sizes = doc_sizes(corpus, ref.spec.where)
             if not sizes.any():
                 raise DataError(f"{ref.spec.where} {ref.description}: empty corpus (no text)")
-            n = chunk_count(int(sizes.sum()), chunk_target, ranks.world, num_proc)
-            chunks = plan_chunks(sizes, n)
+            chunks = plan_chunks(sizes, chunk_target, ranks.world * num_proc)
             costs = chunk_bytes(sizes, chunks)
         jobs.append(Job(i, ref.spec.name, str(final), skey, str(job_dir), chunks, costs, todo))
         if not todo:
