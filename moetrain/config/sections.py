@@ -43,7 +43,7 @@ class DataConfig:
     # settings above are the defaults of every entry
     sources: list[SourceConfig] = field(default_factory=list)
     sources_dir: str | None = None  # the sources' shard sets; default: sources/ beside output_dir
-    prepare_chunk_mb: float = 16.0  # text per tokenizing task of `moetrain prepare` (MB)
+    prepare_chunk_mb: float = 16.0  # the most text per tokenizing task of `moetrain prepare` (MB)
 
     @property
     def tokenizer_source(self) -> tuple[str, str] | None:
