@@ -16,8 +16,10 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:  # imported where used: every CLI command imports this module, torch-free
+    import torch.distributed as dist
 
 _KEY = "moetrain/heartbeat"
 _STORE_TIMEOUT = timedelta(seconds=10)  # a diagnosis never waits long on a dead store
@@ -37,6 +39,8 @@ def _chain(error: BaseException | None) -> list[BaseException]:
 
 def is_collective_failure(error: BaseException) -> bool:
     """``error`` (or what caused it) was raised inside a torch.distributed call."""
+    import torch.distributed as dist
+
     for e in _chain(error):
         if isinstance(e, dist.DistError):
             return True

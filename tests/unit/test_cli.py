@@ -7,6 +7,7 @@ from pathlib import Path
 from moetrain.cli import main
 from moetrain.config import load_config
 from moetrain.numbers import model_numbers
+from tests.unit.test_data_prepare import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/tiny-cpu.yaml")
@@ -35,6 +36,23 @@ def test_python_dash_m_is_the_same_program():
         check=True,
     ).stdout
     assert "run_dir: runs/tiny-cpu" in out
+
+
+def test_prepare_does_not_import_torch(tmp_path):
+    """Every rank of a multi-node prepare pays the start-up: torch alone is ~2 s of imports."""
+    docs = [f"document {i}: " + "some text to tokenize " * 20 for i in range(60)]
+    source = write_jsonl(tmp_path / "c.jsonl", docs)
+    probe = (
+        "import sys; from moetrain.cli import main; "
+        f"code = main(['prepare', {TINY!r}, 'data.source={source}', "
+        f"'data.output_dir={tmp_path / 'out'}', 'model.vocab_size=320', 'data.num_proc=1']); "
+        "assert code == 0, code; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip().splitlines()[-1] == "[]"
 
 
 def test_deepspeed_local_rank_argument_is_accepted(capsys):
