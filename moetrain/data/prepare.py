@@ -228,7 +228,7 @@ def _make_plan(
             f"{tok.path}: tokenizer vocab size {tok.vocab_size} > model.vocab_size={cfg.model.vocab_size}"
         )
     num_proc = default_num_proc(d.num_proc, ranks)
-    chunk_target = int(d.prepare_chunk_mb * 2**20)
+    max_chunk_bytes = int(d.prepare_chunk_mb * 2**20)
     jobs = []
     for i, ref in enumerate(refs):
         if mixture:
@@ -246,7 +246,7 @@ def _make_plan(
                 sizes = doc_sizes(corpus, ref.spec.where)
             if not sizes.any():
                 raise DataError(f"{ref.spec.where} {ref.description}: empty corpus (no text)")
-            chunks = plan_chunks(sizes, chunk_target, ranks.world * num_proc)
+            chunks = plan_chunks(sizes, max_chunk_bytes, ranks.world * num_proc)
             costs = chunk_bytes(sizes, chunks)
         jobs.append(Job(i, ref.spec.name, str(final), skey, str(job_dir), chunks, costs, todo))
         if not todo:
