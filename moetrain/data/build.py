@@ -170,7 +170,7 @@ def pack(
 
 def open_corpus(refs: list[SourceRef], i: int, top: Path, opened: dict[int, Corpus]) -> Corpus:
     if i not in opened:
-        opened[i] = open_source(refs[i], top / "hf-cache" / str(i))
+        opened[i] = open_source(refs[i], top / "read-cache" / str(i))
     return opened[i]
 
 

@@ -35,12 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from moetrain.checkpoint.io import atomic_file
 from moetrain.data.errors import DataError
-from moetrain.data.sources import Corpus
+from moetrain.data.sources import Corpus, Documents
 from moetrain.data.tokenizer import Tokenizer, load_tokenizer
 
 SPLIT_RULE = "val iff blake2b(str(doc_index), digest 8, key 'moetrain-split') / 2**64 < val_fraction, or doc_index == 0"
@@ -59,23 +57,6 @@ def is_val_doc(index: int, val_fraction: float) -> bool:
 
 
 # ----------------------------------------------------------------------------- the plan
-
-
-def doc_sizes(corpus: Corpus, where: str) -> np.ndarray:
-    """UTF-8 bytes of every document of a (non-streaming) corpus, from the Arrow offsets."""
-    out = []
-    for table in corpus.dataset.with_format("arrow").iter(batch_size=1 << 16):
-        column = table.column(corpus.text_field)
-        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-            if pa.types.is_null(column.type):
-                out.append(np.zeros(len(column), np.int64))
-                continue
-            raise DataError(
-                f"{where}: text field {corpus.text_field!r} holds {column.type}, not text"
-            )
-        sizes = pc.fill_null(pc.binary_length(column), 0)
-        out.append(sizes.to_numpy().astype(np.int64))
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 def chunk_targets(total_bytes: int, max_bytes: int, workers: int) -> list[int]:
@@ -185,8 +166,7 @@ class _Worker:
     tokenizer_path: str
     dtype: np.dtype
     val_fraction: float
-    dataset: object = None  # the Arrow-formatted dataset of a non-streaming source
-    text_field: str = "text"
+    docs: Documents | None = None  # a non-streaming source's documents
     _tok: Tokenizer | None = None
 
     def tokenizer(self) -> Tokenizer:
@@ -231,14 +211,8 @@ def _encode_chunk(lo: int, hi: int, batches: Iterable[list]) -> None:
 
 def _range_task(task: tuple[int, int]) -> None:
     lo, hi = task
-    w = _WORKER
-    assert w is not None
-    ds, field = w.dataset, w.text_field
-    batches = (
-        ds[b : min(b + _BATCH, hi)].column(field).to_pylist()  # type: ignore[index]
-        for b in range(lo, hi, _BATCH)
-    )
-    _encode_chunk(lo, hi, batches)
+    assert _WORKER is not None and _WORKER.docs is not None
+    _encode_chunk(lo, hi, _WORKER.docs.texts(lo, hi, _BATCH))
 
 
 def _texts_task(task: tuple[int, list]) -> None:
@@ -287,7 +261,8 @@ def stream_chunks(corpus: Corpus, chunk_bytes: int) -> Iterator[tuple[int, list]
     """``(first document index, texts)`` of consecutive chunks of a streamed source."""
     first = size = 0
     texts: list = []
-    for batch in corpus.dataset.iter(batch_size=_BATCH):
+    assert corpus.stream is not None
+    for batch in corpus.stream.iter(batch_size=_BATCH):
         for text in batch[corpus.text_field]:
             texts.append(text)
             size += len(text.encode("utf-8", "replace")) + 1 if isinstance(text, str) else 1
@@ -319,7 +294,7 @@ def tokenize_chunks(
     parts.mkdir(parents=True, exist_ok=True)
     worker = _Worker(parts, str(tokenizer_path), dtype, val_fraction)
     if chunks is not None:
-        worker.dataset, worker.text_field = corpus.dataset.with_format("arrow"), corpus.text_field
+        worker.docs = corpus.docs
         assert costs is not None and len(costs) == len(chunks)
         owners = chunk_owners(costs, world)
         mine = [

@@ -50,7 +50,6 @@ from moetrain.data.build import (
 from moetrain.data.chunks import (
     SPLIT_RULE,
     chunk_bytes,
-    doc_sizes,
     is_val_doc,
     plan_chunks,
 )
@@ -137,13 +136,17 @@ def _mixture_key(cfg: Config, refs: list[SourceRef]) -> str:
 
 
 def _tokenizer_sample(corpus: Corpus, n: int) -> list[str]:
-    ds, field = corpus.dataset, corpus.text_field
-    if corpus.streaming:
-        return [ex[field] for ex in ds.take(n) if isinstance(ex[field], str)]
-    if n < len(ds):
+    if corpus.docs is None:
+        assert corpus.stream is not None
+        field = corpus.text_field
+        return [ex[field] for ex in corpus.stream.take(n) if isinstance(ex[field], str)]
+    total = len(corpus.docs)
+    if n < total:
         rng = np.random.default_rng(_SAMPLE_SEED)
-        ds = ds.select(np.sort(rng.choice(len(ds), size=n, replace=False)))
-    return [t for t in ds[field] if isinstance(t, str)]
+        texts = corpus.docs.take(np.sort(rng.choice(total, size=n, replace=False)).tolist())
+    else:
+        texts = [t for batch in corpus.docs.texts(0, total, 4096) for t in batch]
+    return [t for t in texts if isinstance(t, str)]
 
 
 def _mixture_sample(corpora: list[Corpus], refs: list[SourceRef], n: int) -> list[str]:
@@ -156,8 +159,8 @@ def _mixture_sample(corpora: list[Corpus], refs: list[SourceRef], n: int) -> lis
     docs = []
     for corpus, ref, share in zip(corpora, refs, shares / shares.sum(), strict=True):
         want = max(1, round(n * share))
-        if not corpus.streaming:
-            want = min(want, len(corpus.dataset))
+        if corpus.docs is not None:
+            want = min(want, len(corpus.docs))
         part = _tokenizer_sample(corpus, want)
         mb = sum(len(t) for t in part) / 1e6
         print(
@@ -243,7 +246,8 @@ def _make_plan(
             with clock.phase("read sources"):
                 corpus = open_corpus(refs, i, top, opened)
             with clock.phase("plan"):
-                sizes = doc_sizes(corpus, ref.spec.where)
+                assert corpus.docs is not None
+                sizes = corpus.docs.sizes(ref.spec.where)
             if not sizes.any():
                 raise DataError(f"{ref.spec.where} {ref.description}: empty corpus (no text)")
             chunks = plan_chunks(sizes, max_chunk_bytes, ranks.world * num_proc)

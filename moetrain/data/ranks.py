@@ -135,6 +135,9 @@ class Watch:
     def alive(self, rank: int) -> bool:
         """False once rank's heartbeat has not changed for the timeout (or never appeared), or
         has gone (the build directory was removed: that rank failed on bad input)."""
+        if not self.directory.parent.is_dir():  # removed, perhaps before any heartbeat was seen
+            self._gone = True
+            return False
         try:
             mtime: int | None = (self.directory / f"rank-{rank}").stat().st_mtime_ns
         except OSError:

@@ -1,4 +1,4 @@
-"""Corpus sources through Hugging Face ``datasets``.
+"""Corpus sources: local files, the builtin corpus and the Hugging Face Hub.
 
 ``data.source`` is one of:
 
@@ -17,7 +17,9 @@ A mixture (``data.sources``) lists several such sources; :func:`source_specs` gi
 source with its settings resolved (an entry's missing settings come from ``data.*``) and the
 label its errors carry (``data.source``, or ``data.sources[1] (code)``). A source is resolved
 in two steps: :func:`resolve_source` finds its files and fingerprint (cheap: file names, sizes
-and times), :func:`open_source` reads it into an Arrow-backed dataset.
+and times), :func:`open_source` opens its documents: uncompressed JSON Lines in place
+(:mod:`moetrain.data.jsonl`: no conversion before tokenizing), every other format through
+Hugging Face ``datasets`` (an Arrow-backed dataset, or an ``IterableDataset`` when streamed).
 """
 
 from __future__ import annotations
@@ -25,16 +27,22 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from moetrain.checkpoint.io import file_sha256
 from moetrain.config import DataConfig
 from moetrain.config.mixture import default_source_name
 from moetrain.data.builtin import BUILTIN_STDLIB, ensure_builtin_corpus
 from moetrain.data.errors import DataError
+from moetrain.data.jsonl import JsonLines, is_json_lines
 
 _EXT_FORMAT = {
     ".txt": "text",
@@ -103,18 +111,71 @@ def source_specs(cfg: DataConfig) -> list[SourceSpec]:
     return out
 
 
+class Documents(Protocol):
+    """The documents of a source that is read whole, by index (not streamed)."""
+
+    def __len__(self) -> int: ...
+
+    def sizes(self, where: str) -> np.ndarray:
+        """Each document's size in bytes (what the chunk plan balances)."""
+        ...
+
+    def texts(self, lo: int, hi: int, batch: int) -> Iterator[list[str | None]]:
+        """The texts (None: no text) of documents ``[lo, hi)``, in lists of ``batch``."""
+        ...
+
+    def take(self, indices: Sequence[int]) -> list[str | None]:
+        """The texts of the documents ``indices``."""
+        ...
+
+
+class ArrowDocuments:
+    """The documents of a ``datasets.Dataset`` (an Arrow table, memory-mapped)."""
+
+    def __init__(self, dataset: datasets.Dataset, text_field: str) -> None:
+        self.dataset = dataset.with_format("arrow")
+        self.text_field = text_field
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def sizes(self, where: str) -> np.ndarray:
+        """UTF-8 bytes of every document's text, from the Arrow offsets."""
+        out = []
+        for table in self.dataset.iter(batch_size=1 << 16):
+            column = table.column(self.text_field)
+            if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+                if pa.types.is_null(column.type):
+                    out.append(np.zeros(len(column), np.int64))
+                    continue
+                raise DataError(
+                    f"{where}: text field {self.text_field!r} holds {column.type}, not text"
+                )
+            out.append(pc.fill_null(pc.binary_length(column), 0).to_numpy().astype(np.int64))
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def texts(self, lo: int, hi: int, batch: int) -> Iterator[list[str | None]]:
+        for b in range(lo, hi, batch):
+            yield self.dataset[b : min(b + batch, hi)].column(self.text_field).to_pylist()
+
+    def take(self, indices: Sequence[int]) -> list[str | None]:
+        return self.dataset.select(indices)[:].column(self.text_field).to_pylist()
+
+
 @dataclass
 class Corpus:
-    """A loaded source: the dataset, the name of its text column, and a fingerprint."""
+    """An opened source: its documents by index, or (``data.streaming``) a stream; the field
+    that holds the text; a fingerprint."""
 
-    dataset: datasets.Dataset | datasets.IterableDataset
+    docs: Documents | None
+    stream: datasets.IterableDataset | None
     text_field: str
     fingerprint: str
     description: str
 
     @property
     def streaming(self) -> bool:
-        return isinstance(self.dataset, datasets.IterableDataset)
+        return self.docs is None
 
 
 @dataclass
@@ -208,13 +269,15 @@ def resolve_source(spec: SourceSpec, cache_dir: Path) -> SourceRef:
 
 
 def open_source(ref: SourceRef, work_dir: Path | None = None) -> Corpus:
-    """Read ``ref`` as a (possibly streaming) dataset with a checked text column. ``work_dir``
-    (if given) receives the Arrow cache of local sources (processes that pass the same
-    directory share one cache)."""
+    """Open ``ref``: uncompressed JSON Lines in place (:mod:`moetrain.data.jsonl`), any other
+    local format as an Arrow-backed dataset, or a stream. ``work_dir`` (if given) receives the
+    line index or the Arrow cache (processes that pass the same directory share it)."""
     if ref.hub is not None:
         return ref.hub
     spec, fmt = ref.spec, ref.fmt
     assert fmt is not None and ref.files is not None
+    if fmt == "json" and not spec.streaming and is_json_lines(ref.files):
+        return _open_json_lines(ref, work_dir)
     kwargs = {"sample_by": "paragraph"} if fmt == "text" else {}
     try:
         ds = datasets.load_dataset(
@@ -234,14 +297,21 @@ def open_source(ref: SourceRef, work_dir: Path | None = None) -> Corpus:
     return _finish(ds, spec, ref.text_field, ref.fingerprint, ref.description)
 
 
-def load_corpus(cfg: DataConfig, cache_dir: Path, work_dir: Path | None = None) -> Corpus:
-    """Open ``cfg.source`` (the one-source form) as a dataset with a checked text column.
-
-    ``cache_dir`` keeps the builtin corpus; ``work_dir`` (if given) receives the Arrow cache of
-    local sources.
-    """
-    ref = resolve_source(source_specs(cfg)[0], cache_dir)
-    return open_source(ref, work_dir / "hf-cache" if work_dir is not None else None)
+def _open_json_lines(ref: SourceRef, work_dir: Path | None) -> Corpus:
+    spec = ref.spec
+    assert ref.files is not None
+    docs = JsonLines.open(ref.files, ref.text_field, ref.fingerprint, work_dir)
+    if spec.max_docs is not None:
+        docs = docs.head(spec.max_docs)
+    if len(docs) == 0:
+        raise DataError(f"{spec.where} {ref.description}: empty corpus (no documents)")
+    fields = docs.missing_text_field()
+    if fields is not None:
+        raise DataError(
+            f"{spec.where} {ref.description}: text field {ref.text_field!r} not found "
+            f"({spec.key_prefix}text_field); columns are {fields}"
+        )
+    return Corpus(docs, None, ref.text_field, ref.fingerprint, ref.description)
 
 
 def _load_hub(spec: SourceSpec, extra: dict) -> Corpus:
@@ -271,12 +341,11 @@ def _finish(ds, spec: SourceSpec, text_field: str, fingerprint: str, desc: str) 
             f"{spec.where} {desc}: text field {text_field!r} not found "
             f"({spec.key_prefix}text_field); columns are {columns}"
         )
+    if isinstance(ds, datasets.IterableDataset):
+        stream = ds.take(spec.max_docs) if spec.max_docs is not None else ds
+        return Corpus(None, stream, text_field, fingerprint, desc)
     if spec.max_docs is not None:
-        ds = (
-            ds.take(spec.max_docs)
-            if isinstance(ds, datasets.IterableDataset)
-            else ds.select(range(min(spec.max_docs, len(ds))))
-        )
-    if isinstance(ds, datasets.Dataset) and len(ds) == 0:
+        ds = ds.select(range(min(spec.max_docs, len(ds))))
+    if len(ds) == 0:
         raise DataError(f"{spec.where} {desc}: empty corpus (no documents)")
-    return Corpus(ds, text_field, fingerprint, desc)
+    return Corpus(ArrowDocuments(ds, text_field), None, text_field, fingerprint, desc)
