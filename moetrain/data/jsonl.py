@@ -32,11 +32,9 @@ _WHITESPACE = b" \t\r\n\f\v"
 
 
 def is_json_lines(files: Sequence[Path]) -> bool:
-    """Whether every file is uncompressed and empty or starts with a JSON object (not an
-    array: a ``[...]`` file is left to ``datasets``)."""
+    """Whether every file is empty or starts with a JSON object: not an array (``[...]``) and
+    not compressed (whatever the name says); those are left to ``datasets``."""
     for path in files:
-        if path.suffix.lower() not in (".jsonl", ".json", ".ndjson"):
-            return False
         with open(path, "rb") as f:
             head = f.read(4096).removeprefix(_BOM).lstrip(_WHITESPACE)
         if head and not head.startswith(b"{"):
@@ -121,11 +119,19 @@ class JsonLines:
                 "not an object"
             )
         text = obj.get(self.text_field)
-        if text is not None and not isinstance(text, str):
+        if text is None:
+            return None
+        if not isinstance(text, str):
             raise DataError(
                 f"{file} at byte {start}: text field {self.text_field!r} of document {doc} "
                 f"holds {type(text).__name__}, not text"
             )
+        try:
+            text.encode()
+        except UnicodeEncodeError:  # JSON allows "\ud800" alone; no tokenizer takes it
+            raise DataError(
+                f"{file} at byte {start}: document {doc} holds an unpaired surrogate escape"
+            ) from None
         return text
 
     def _raw(self, lo: int, hi: int) -> Iterator[tuple[int, bytes]]:

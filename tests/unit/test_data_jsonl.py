@@ -3,6 +3,7 @@ document, and prepares equal to the ``datasets`` path."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -79,14 +80,19 @@ def test_prepare_reads_json_lines_as_datasets_does(tmp_path):
     assert not list((tmp_path / "inplace").glob(".out.*"))  # the build directory is gone
 
 
-def test_a_json_array_file_is_read_by_datasets(tmp_path):
+def test_json_arrays_and_compressed_files_are_read_by_datasets(tmp_path):
     docs = make_docs(20, seed=4)
-    src = tmp_path / "c.json"
-    src.write_text(json.dumps([{"text": d} for d in docs]))
-    assert not is_json_lines([src])
-    corpus = _open(tmp_path, src)
-    assert not isinstance(corpus.docs, JsonLines)
-    assert corpus.docs.take(list(range(20))) == docs
+    array = tmp_path / "c.json"
+    array.write_text(json.dumps([{"text": d} for d in docs]))
+    packed = tmp_path / "c.jsonl.gz"
+    packed.write_bytes(
+        gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in docs).encode())
+    )
+    for src in (array, packed):
+        assert not is_json_lines([src])
+        corpus = _open(tmp_path, src)
+        assert not isinstance(corpus.docs, JsonLines)
+        assert corpus.docs.take(list(range(20))) == docs
 
 
 @pytest.mark.parametrize(
@@ -96,6 +102,7 @@ def test_a_json_array_file_is_read_by_datasets(tmp_path):
         (b'["text", "a list"]', r"at byte 26: document 1 is a JSON list, not an object"),
         (b'{"text": 42}', r"at byte 26: text field 'text' of document 1 holds int, not text"),
         (b'{"text": "bad utf-8 \xff"}', r"at byte 26: document 1 is not valid JSON"),
+        (b'{"text": "a \\ud800 alone"}', r"at byte 26: document 1 holds an unpaired surrogate"),
     ],
 )
 def test_a_bad_document_is_named_by_its_file_and_byte(tmp_path, line, error):
