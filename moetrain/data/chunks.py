@@ -26,10 +26,12 @@ so small corpora still get a validation split. Independent of the run seed and o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import multiprocessing
 import queue
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,39 +224,64 @@ def _texts_task(task: tuple[int, list]) -> None:
 
 
 def _run(fn: Callable, tasks: Iterable, num_proc: int, worker: _Worker, done: Callable) -> None:
-    """``fn(task)`` for every task, in a pool of ``num_proc`` processes (inline for one); at
-    most two tasks per worker are in flight, so streamed texts are never all in memory. A
-    new task goes out as soon as any task finishes (not the oldest: a long chunk must not
-    leave the other workers idle)."""
-    if num_proc <= 1:
-        _init(worker)
-        for task in tasks:
-            fn(task)
-            done()
-        return
+    """``fn(task)`` for every task, here and in ``num_proc - 1`` forked workers. Each takes
+    the next task when it is free (so a long chunk never leaves another idle), and only then:
+    streamed texts are never all in memory. ``done()`` follows every finished task."""
+    _init(worker)  # this process works too: one process less to start, and none sits idle
+    queue_, forked = _TaskQueue(iter(tasks)), num_proc - 1
     # fork, as datasets.map does on Linux: spawn would re-run an unguarded __main__ script
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    finished: queue.SimpleQueue = queue.SimpleQueue()  # None, or a task's exception
-    in_flight = 0
+    pool = multiprocessing.get_context(method).Pool(forked, _init, (worker,)) if forked else None
+    with pool or contextlib.nullcontext():
 
-    def collect() -> None:
-        nonlocal in_flight
-        error = finished.get()
-        in_flight -= 1
-        if error is not None:
-            raise error
-        done()
+        def feed(finished: bool) -> None:  # here at first, then in the pool's result thread
+            try:
+                if finished:
+                    done()
+                task = queue_.take()
+            except BaseException as e:  # noqa: BLE001 (e.g. a failing stream: raised below)
+                queue_.stop(e)
+                return
+            if task is _END:
+                queue_.ended.put(None)
+            else:
+                assert pool is not None
+                pool.apply_async(
+                    fn, (task,), callback=lambda _: feed(True), error_callback=queue_.stop
+                )
 
-    with multiprocessing.get_context(method).Pool(num_proc, _init, (worker,)) as pool:
-        for task in tasks:
-            if in_flight >= 2 * num_proc:
-                collect()
-            pool.apply_async(
-                fn, (task,), callback=lambda _: finished.put(None), error_callback=finished.put
-            )
-            in_flight += 1
-        while in_flight:
-            collect()
+        for _ in range(forked):
+            feed(False)
+        while (task := queue_.take()) is not _END:
+            fn(task)
+            done()
+        for _ in range(forked):
+            error = queue_.ended.get()
+            if error is not None:
+                raise error
+
+
+_END = object()
+
+
+class _TaskQueue:
+    """Hands the next task to whichever thread asks, under a lock, until the tasks run out or
+    a worker stops with an error; ``ended`` gets one entry per forked worker (None, or the
+    error)."""
+
+    def __init__(self, tasks: Iterator) -> None:
+        self._tasks = tasks
+        self._lock = threading.Lock()
+        self._failed = False
+        self.ended: queue.SimpleQueue = queue.SimpleQueue()
+
+    def take(self) -> object:
+        with self._lock:
+            return _END if self._failed else next(self._tasks, _END)
+
+    def stop(self, error: BaseException) -> None:
+        self._failed = True
+        self.ended.put(error)
 
 
 def stream_chunks(corpus: Corpus, chunk_bytes: int) -> Iterator[tuple[int, list]]:

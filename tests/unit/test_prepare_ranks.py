@@ -118,8 +118,15 @@ def test_the_pool_keeps_every_worker_busy_and_reports_a_workers_error():
     t0 = time.perf_counter()
     _run(_slow_task, iter(tasks), 2, worker, lambda: done.append(time.perf_counter() - t0))
     assert len(done) == len(tasks) and max(done) < 1.45
-    with pytest.raises(DataError, match="task of 0.1s failed"):
-        _run(_slow_task, iter([(0.01, False), (0.1, True), (0.01, False)]), 2, worker, list)
+    # the first task goes to the forked worker, the second to this process: either may fail,
+    # and a failure stops the taking of new tasks
+    for failing in (0, 1):
+        tasks = [(0.1, True) if i == failing else (0.3, False) for i in range(2)]
+        tasks += [(5.0, False)] * 4  # never started: the tasks in progress finish, no more
+        t0 = time.perf_counter()
+        with pytest.raises(DataError, match="task of 0.1s failed"):
+            _run(_slow_task, iter(tasks), 2, worker, list)
+        assert time.perf_counter() - t0 < 4
 
 
 def test_a_chunk_made_large_by_one_document_is_dealt_first():
