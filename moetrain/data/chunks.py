@@ -6,8 +6,8 @@ source, so every worker stays busy and all finish together however unequal the d
 A streamed source is cut while it is read, at the first document that takes a chunk past
 ``data.prepare_chunk_mb``. The chunks of a planned source are dealt to the ranks largest first,
 each to the rank with the fewest bytes so far (:func:`chunk_owners`); those of a stream go to
-rank ``c % world`` as they are read. Inside a rank a process pool takes its chunks largest
-first, a new one whenever a worker is free. The result of the chunk of documents ``[lo, hi)``
+rank ``c % world`` as they are read. Inside a rank, ``data.num_proc`` processes (the rank's own
+and forked workers) take its chunks largest first, each the next one when it is free. The result of the chunk of documents ``[lo, hi)``
 is two files in ``<build>/parts-<tokenizer sha256>/``, each written atomically, the second last:
 
     <lo>-<hi>.tokens     the documents' token ids with EOS appended, in order, in the shard dtype

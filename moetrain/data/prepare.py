@@ -10,8 +10,8 @@ tokenizer, and ``mixture.json`` in ``data.output_dir`` (:mod:`moetrain.data.mixt
 Any number of ranks (``torchrun``, ``deepspeed``, ``srun`` or plain processes; see
 :mod:`moetrain.data.ranks`) share the work: rank 0 reads the sources, makes the tokenizer and
 the plan; every rank tokenizes a disjoint, size-balanced set of chunks of every source
-(:mod:`moetrain.data.chunks`), through a pool of ``data.num_proc`` processes (default: its share
-of the node's cores); rank 0 packs the chunks in document order into the shard files and writes
+(:mod:`moetrain.data.chunks`) with ``data.num_proc`` processes, its own among them (default: its
+share of the node's cores); rank 0 packs the chunks in document order into the shard files and writes
 the index once every rank has finished (:mod:`moetrain.data.build`). The other ranks return as
 soon as their chunks are written. The output is the same, byte for byte, whatever the number of
 ranks and processes. A rank or node that is killed leaves nothing that ``train`` would read as a
