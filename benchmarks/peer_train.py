@@ -34,7 +34,7 @@ def main() -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
-    from train_throughput import MICRO, SHAPES, _hf_model, peer_ds_config
+    from train_throughput import LR, MICRO, SHAPES, _hf_model, peer_ds_config
 
     from moetrain.config import DataConfig
     from moetrain.data.loader import build_loader
@@ -47,7 +47,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = _hf_model(family, False, shape)
     opt = torch.optim.AdamW(
-        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True
+        model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1, fused=True
     )
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=opt, config=peer_ds_config(args.cpu_buckets)

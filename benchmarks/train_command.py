@@ -9,15 +9,16 @@ by the same launcher (``benchmarks/peer_train.py``), at the shape of ``train_thr
 Data: the built-in corpus (``builtin:stdlib``, first ``--docs`` documents) prepared once per
 vocabulary size into ``runs/bench-command/data-<V>``; both sides read the same token shards.
 moetrain runs with its defaults around the step (loader, monitors, metrics.jsonl, the checkpoint
-at the end; evaluation every 50 steps is not reached), ZeRO-2, EP ``--ep``.
+at the end; evaluation every 50 steps is not reached), ZeRO-2, EP ``--ep``, and the peer's
+optimizer settings (AdamW at a constant ``train_throughput.LR``, clipping 1.0).
 
 Each round runs, for each side, a short (``--short`` steps) and a long (``--long`` steps) run of
 the same command, sides and lengths in alternating order, after one warm-up run of each side:
 
 - tokens/s from outside: ``(long - short) x tokens per step / (wall(long) - wall(short))`` --
   start-up, model build and the final save cancel out;
-- tokens/s from inside: moetrain's last logged ``tokens_per_s`` (metrics.jsonl); the peer's
-  median step time;
+- tokens/s from inside, over the steps after the first two: the median of moetrain's logged
+  ``tokens_per_s`` intervals (metrics.jsonl, one every 2 steps); the peer's median step time;
 - peak RSS per rank, the same way for both: ``VmHWM`` of every rank process of the launcher,
   sampled from ``/proc`` every 50 ms until it exits; the maximum over ranks.
 
@@ -40,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from train_throughput import MICRO, SHAPES, _shared_expert_overrides  # noqa: E402
+from train_throughput import LR, MICRO, SHAPES, _shared_expert_overrides  # noqa: E402
 
 WORK = ROOT / "runs" / "bench-command"
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
@@ -163,6 +164,7 @@ def moetrain_cmd(args: argparse.Namespace, data: Path, steps: int, port: int) ->
         f"train.max_steps={steps}",
         "train.log_every=2",
         "train.precision=fp32",
+        f"optim.lr={LR}",
         "optim.grad_clip=1.0",
         "optim.warmup_steps=0",
         "optim.schedule=constant",
@@ -179,13 +181,16 @@ def peer_cmd(args: argparse.Namespace, data: Path, steps: int, port: int) -> lis
 
 
 def inside_tokens_per_s(side: str, result: dict, steps: int, tokens_per_step: int) -> float:
-    """The run's own figure: moetrain's last logged tokens/s, the peer's median step time."""
+    """The run's own figure over the steps after the first two, the same way for both: the
+    median of moetrain's logged tokens/s intervals, the median of the peer's step times."""
     if side == "moetrain":
         rows = [
             json.loads(line)
             for line in (WORK / f"moetrain-{steps}" / "metrics.jsonl").read_text().splitlines()
         ]
-        return [r for r in rows if "tokens_per_s" in r][-1]["tokens_per_s"]
+        return statistics.median(
+            r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 2
+        )
     last = [line for line in result["out"].splitlines() if line.startswith("{")][-1]
     return tokens_per_step / json.loads(last)["step_s"]
 
@@ -221,6 +226,7 @@ def main() -> None:
             lengths = (args.short, args.long) if rnd % 2 == 0 else (args.long, args.short)
             for steps in lengths:
                 port += 1
+                (WORK / f"moetrain-{steps}" / "metrics.jsonl").unlink(missing_ok=True)  # appends
                 r = run(builders[side](args, data, steps, port), env)
                 walls[steps], peak = r["wall_s"], max(peak, r["peak_rss_mib"])
                 if steps == args.long:

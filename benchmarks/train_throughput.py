@@ -55,6 +55,7 @@ SHAPES = {
     "shared": {**SHAPE, "shared_hidden": 512},
 }
 MICRO = 4
+LR = 3e-4  # AdamW's learning rate on every side (moetrain's default), constant, no warm-up
 CASES = ["moetrain", "moetrain-ep1", "hf-mixtral", "hf-mixtral-grouped", "hf-mixtral-cpu-buckets"]
 PEER_CASES = ["hf-qwen2-moe", "hf-qwen2-moe-cpu-buckets"]
 
@@ -108,6 +109,7 @@ def moetrain_trainer(ep: int, overrides: list[str], shape: dict = SHAPE):
             "parallel.zero_stage=2",
             f"train.micro_batch_size={MICRO}",
             "train.precision=fp32",
+            f"optim.lr={LR}",
             "optim.grad_clip=1.0",
             "optim.warmup_steps=0",
             "optim.schedule=constant",
@@ -195,7 +197,7 @@ def _hf_step_fn(family: str, grouped: bool, small_buckets: bool, shape: dict):
 
     torch.manual_seed(0)
     model = _hf_model(family, grouped, shape)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=opt, config=peer_ds_config(small_buckets)
     )

@@ -1,0 +1,136 @@
+"""The matrix-multiply floor of one rank's training step: every GEMM (and the attention kernel)
+of the step at a ``train_throughput.py`` shape, timed alone on one thread with nothing else.
+
+    .venv/bin/python benchmarks/step_floor.py                 # bench shape
+    .venv/bin/python benchmarks/step_floor.py --shape fine --rounds 5
+
+One rank's share of a data-parallel step at micro-batch ``MICRO``: per layer the q/k/v/o
+projections, causal SDPA, the router and the expert GEMMs (forward, input gradient, weight
+gradient; the experts get an even split of the copies, as balanced expert parallelism would give
+each rank: T x top_k copies over its experts), then the LM head's three GEMMs. Each block is
+the best of ``--rounds`` timings of the block run whole. The sum is what the step cannot go
+below at this machine's GEMM speed, whichever trainer runs it: the gap between it and a measured
+step is everything else (optimizer, communication and waiting, elementwise work, Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_throughput import MICRO, SHAPES  # noqa: E402
+
+
+def best_ms(fn, rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times)
+
+
+def linear_fwd_bwd(n: int, d_in: int, d_out: int) -> tuple[callable, float]:
+    """Forward, input gradient and weight gradient of ``x @ w.T`` for ``n`` rows."""
+    x, w, g = torch.randn(n, d_in), torch.randn(d_out, d_in), torch.randn(n, d_out)
+
+    def run() -> None:
+        torch.mm(x, w.t())
+        torch.mm(g, w)
+        torch.mm(g.t(), x)
+
+    return run, 3 * 2.0 * n * d_in * d_out
+
+
+def experts_fwd_bwd(copies: int, local: int, d: int, hidden: int) -> tuple[callable, float]:
+    """The grouped SwiGLU experts' GEMMs (w13 and w2: forward, input and weight gradients)."""
+    per = [copies // local + (i < copies % local) for i in range(local)]
+    offs = torch.tensor(per).cumsum(0).to(torch.int32)
+    x, h = torch.randn(copies, d), torch.randn(copies, hidden)
+    g13, g2 = torch.randn(copies, 2 * hidden), torch.randn(copies, d)
+    w13, w2 = torch.randn(local, d, 2 * hidden), torch.randn(local, hidden, d)
+
+    def run() -> None:
+        F.grouped_mm(x, w13, offs=offs)
+        F.grouped_mm(h, w2, offs=offs)
+        F.grouped_mm(g2, w2.transpose(1, 2), offs=offs)
+        F.grouped_mm(h.t(), g2, offs=offs)
+        F.grouped_mm(g13, w13.transpose(1, 2), offs=offs)
+        F.grouped_mm(x.t(), g13, offs=offs)
+
+    return run, 3 * 2.0 * copies * (d * 2 * hidden + hidden * d)
+
+
+def attention_fwd_bwd(b: int, heads: int, kv_heads: int, s: int, hd: int) -> tuple[callable, float]:
+    q = torch.randn(b, heads, s, hd, requires_grad=True)
+    k = torch.randn(b, kv_heads, s, hd, requires_grad=True)
+    v = torch.randn(b, kv_heads, s, hd, requires_grad=True)
+    grad = torch.randn(b, heads, s, hd)
+
+    def run() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.backward(grad)
+
+    # forward: two GEMMs over half the score matrix (causal); backward counted as twice forward
+    return run, 3 * 2 * 2.0 * b * heads * s * s * hd / 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ep", type=int, default=2, help="expert-parallel size (experts per rank)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    s = SHAPES[args.shape]
+    n, d, hd = MICRO * s["seq"], s["d"], s["d"] // s["heads"]
+    layers = s["layers"]
+    blocks = {
+        "attention projections (q, k, v, o)": [
+            linear_fwd_bwd(n, d, d),
+            linear_fwd_bwd(n, d, s["kv_heads"] * hd),
+            linear_fwd_bwd(n, d, s["kv_heads"] * hd),
+            linear_fwd_bwd(n, d, d),
+        ],
+        "attention (SDPA, causal)": [
+            attention_fwd_bwd(MICRO, s["heads"], s["kv_heads"], s["seq"], hd)
+        ],
+        "router": [linear_fwd_bwd(n, d, s["experts"])],
+        "experts": [experts_fwd_bwd(n * s["top_k"], s["experts"] // args.ep, d, s["hidden"])],
+    }
+    if "shared_hidden" in s:
+        blocks["shared expert"] = [
+            linear_fwd_bwd(n, d, 2 * s["shared_hidden"]),
+            linear_fwd_bwd(n, s["shared_hidden"], d),
+        ]
+    rows = []
+    for name, parts in blocks.items():
+        ms = sum(best_ms(run, args.rounds) for run, _ in parts) * layers
+        flops = sum(f for _, f in parts) * layers
+        rows.append((f"{name}, {layers} layers", ms, flops))
+    head, flops = linear_fwd_bwd(n, d, s["vocab"])
+    rows.append(("LM head", best_ms(head, args.rounds), flops))
+
+    total_ms = sum(ms for _, ms, _ in rows)
+    print(f"shape {args.shape}, EP {args.ep}, {n} tokens per rank, one thread")
+    print("| GEMMs of one rank's step | ms | GFLOP | GFLOP/s |\n|---|---:|---:|---:|")
+    for name, ms, fl in rows:
+        print(f"| {name} | {ms:.1f} | {fl / 1e9:.2f} | {fl / ms / 1e6:.0f} |")
+    total_fl = sum(fl for _, _, fl in rows)
+    print(
+        f"| **floor** | **{total_ms:.0f}** | {total_fl / 1e9:.1f} | {total_fl / total_ms / 1e6:.0f} |"
+    )
+    tokens = 2 * n  # both ranks' tokens per optimizer step
+    print(f"\nat the floor the 2-rank step would run {tokens / total_ms * 1e3:.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()
