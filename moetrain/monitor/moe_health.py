@@ -14,13 +14,17 @@ Metric names (``i`` = the caller's layer key, normally the transformer layer ind
     moe/layer{i}/cv                        coefficient of variation, population std / mean
     moe/layer{i}/load_entropy_norm         entropy of the load shares / log(E) (1 = balanced)
     moe/layer{i}/dead_experts              experts below ``dead_rel_threshold`` x mean load
+    moe/layer{i}/ep_max_over_mean          (expert parallelism) max / mean of the copies each EP
+                                           rank's experts compute; the other ranks wait for the
+                                           busiest at the layer's exchanges (1 = balanced)
     moe/layer{i}/dropped_frac              dropped assignments / selections (capacity drops)
     moe/layer{i}/entropy                   mean per-token router entropy (nats), if given
     moe/layer{i}/aux_loss, aux_loss_scaled load-balancing loss, unscaled and x aux_coef
     moe/layer{i}/z_loss, z_loss_scaled     router z-loss, unscaled and x z_coef
     moe/layer{i}/bias_{min,max,mean,std}   aux-loss-free expert bias, if given
 
-Global summaries: ``moe/imbalance_max_over_mean`` (worst layer), ``moe/cv_mean``,
+Global summaries: ``moe/imbalance_max_over_mean`` and ``moe/ep_max_over_mean`` (worst layer),
+``moe/cv_mean``,
 ``moe/dropped_frac`` (all layers pooled), ``moe/dead_experts`` (sum), ``moe/entropy_mean``,
 ``moe/load_entropy_norm_mean``, ``moe/aux_loss``, ``moe/aux_loss_scaled``, ``moe/z_loss``,
 ``moe/z_loss_scaled`` (sums over layers, as the model adds them to the loss),
@@ -92,8 +96,10 @@ def layer_metrics(
     aux_coef: float = 0.0,
     z_coef: float = 0.0,
     dead_rel_threshold: float = 0.01,
+    ep_size: int = 1,
 ) -> dict[str, float]:
-    """Metrics of one layer, without the ``moe/layer{i}/`` prefix."""
+    """Metrics of one layer, without the ``moe/layer{i}/`` prefix. ``ep_size`` > 1: EP rank
+    ``r`` holds experts ``[r * E / ep_size, (r + 1) * E / ep_size)``."""
     load = _array(stats.tokens_per_expert)
     e = load.size
     total = float(load.sum())
@@ -107,6 +113,9 @@ def layer_metrics(
         out["cv"] = float(load.std() / mean)
         out["load_entropy_norm"] = float(-(nz * np.log(nz)).sum() / math.log(e)) if e > 1 else 1.0
         out["dead_experts"] = float((load < dead_rel_threshold * mean).sum())
+        if ep_size > 1:
+            per_rank = load.reshape(ep_size, e // ep_size).sum(1)
+            out["ep_max_over_mean"] = float(per_rank.max() / per_rank.mean())
         out["dropped_frac"] = float(_scalar(stats.dropped) or 0.0) / total
     if (entropy := _scalar(stats.entropy)) is not None:
         out["entropy"] = entropy
@@ -137,11 +146,13 @@ def moe_health_metrics(
     aux_coef: float = 0.0,
     z_coef: float = 0.0,
     dead_rel_threshold: float = 0.01,
+    ep_size: int = 1,
 ) -> dict[str, float]:
     """Flat ``{name: float}`` of every layer's metrics plus the global ``moe/...`` summaries.
 
     ``layers``: ``{layer_index: LayerStats}``, or a sequence (keys 0..n-1). ``aux_coef`` and
-    ``z_coef`` are ``moe.aux_loss_coef`` and ``moe.z_loss_coef``.
+    ``z_coef`` are ``moe.aux_loss_coef`` and ``moe.z_loss_coef``; ``ep_size`` is
+    ``parallel.ep_size``.
     """
     metrics: dict[str, float] = {}
     per_layer = []
@@ -149,7 +160,11 @@ def moe_health_metrics(
     bias_absmax = None
     for i, stats in _as_items(layers):
         m = layer_metrics(
-            stats, aux_coef=aux_coef, z_coef=z_coef, dead_rel_threshold=dead_rel_threshold
+            stats,
+            aux_coef=aux_coef,
+            z_coef=z_coef,
+            dead_rel_threshold=dead_rel_threshold,
+            ep_size=ep_size,
         )
         per_layer.append(m)
         metrics.update({f"moe/layer{i}/{k}": v for k, v in m.items()})
@@ -169,6 +184,8 @@ def moe_health_metrics(
         metrics["moe/cv_mean"] = float(np.mean(values("cv")))
         metrics["moe/load_entropy_norm_mean"] = float(np.mean(values("load_entropy_norm")))
         metrics["moe/dead_experts"] = float(sum(values("dead_experts")))
+    if v := values("ep_max_over_mean"):
+        metrics["moe/ep_max_over_mean"] = max(v)
     if tokens > 0:
         metrics["moe/dropped_frac"] = dropped / tokens
     if v := values("entropy"):

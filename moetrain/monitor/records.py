@@ -51,7 +51,12 @@ def step_metrics(
     stats = layer_stats(rec, cfg)
     if stats:
         out.update(
-            moe_health_metrics(stats, aux_coef=cfg.moe.aux_loss_coef, z_coef=cfg.moe.z_loss_coef)
+            moe_health_metrics(
+                stats,
+                aux_coef=cfg.moe.aux_loss_coef,
+                z_coef=cfg.moe.z_loss_coef,
+                ep_size=cfg.parallel.ep_size,
+            )
         )
         out.update(load_lists(stats))
         for i, v in rec["moe_layers"].items():

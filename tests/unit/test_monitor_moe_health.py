@@ -38,7 +38,7 @@ def test_known_routing_imbalance_cv_dropped():
     out = moe(x)
     assert out.tokens_per_expert_E.tolist() == [5, 2, 1, 0]
     stats = LayerStats.from_moe_output(out, expert_bias=router.expert_bias)
-    m = moe_health_metrics({3: stats}, aux_coef=0.01, z_coef=0.001)
+    m = moe_health_metrics({3: stats}, aux_coef=0.01, z_coef=0.001, ep_size=2)
 
     assert m["moe/layer3/tokens"] == 8
     assert m["moe/layer3/imbalance_max_over_mean"] == pytest.approx(5 / 2)
@@ -50,6 +50,9 @@ def test_known_routing_imbalance_cv_dropped():
     h = -sum(p * math.log(p) for p in shares)
     assert m["moe/layer3/load_entropy_norm"] == pytest.approx(h / math.log(4))
     assert m["moe/layer3/dead_experts"] == 1
+    # EP rank 0 holds experts 0-1 (5 + 2 copies), rank 1 experts 2-3 (1 + 0): 7 / mean 4
+    assert m["moe/layer3/ep_max_over_mean"] == pytest.approx(7 / 4)
+    assert m["moe/ep_max_over_mean"] == pytest.approx(7 / 4)
     assert m["moe/layer3/entropy"] == pytest.approx(out.entropy.item())
     assert m["moe/layer3/aux_loss"] == pytest.approx(out.aux_loss.item())
     assert m["moe/layer3/aux_loss_scaled"] == pytest.approx(0.01 * out.aux_loss.item())
@@ -73,6 +76,7 @@ def test_dropless_router_and_global_summaries():
     assert m["moe/imbalance_max_over_mean"] == pytest.approx(2.5)  # worst layer
     assert m["moe/cv_mean"] == pytest.approx((math.sqrt(3.5) / 2 + 0) / 2)
     assert m["moe/dead_experts"] == 1
+    assert not any("ep_max_over_mean" in k for k in m)  # one process: no EP ranks
     assert m["moe/aux_loss"] == pytest.approx(out.aux_loss.item() + 1.0)
     assert m["moe/aux_loss_scaled"] == pytest.approx(0.5 * (out.aux_loss.item() + 1.0))
     assert m["moe/z_loss_scaled"] == pytest.approx(0.1 * (out.z_loss.item() + 2.0))
