@@ -226,7 +226,7 @@ def main() -> None:
             lengths = (args.short, args.long) if rnd % 2 == 0 else (args.long, args.short)
             for steps in lengths:
                 port += 1
-                (WORK / f"moetrain-{steps}" / "metrics.jsonl").unlink(missing_ok=True)  # appends
+                (WORK / f"moetrain-{steps}" / "metrics.jsonl").unlink(missing_ok=True)  # not kept
                 r = run(builders[side](args, data, steps, port), env)
                 walls[steps], peak = r["wall_s"], max(peak, r["peak_rss_mib"])
                 if steps == args.long:

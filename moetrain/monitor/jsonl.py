@@ -4,6 +4,10 @@ A step record holds ``step``, ``loss``, ``ce_loss``, ``moe_loss``, ``lr``, ``gra
 ``tokens_per_s``, ``tflops_per_s`` ... plus the MoE health and MFU metrics
 (:mod:`moetrain.monitor.records`); eval records carry ``val_loss``; the last line is
 ``{"summary": ...}``. Non-finite floats are written as strings.
+
+A resumed run appends to the file (a step logged again after a restart: the last record wins).
+A run that starts at step 0 first sets an earlier run's file aside (:func:`set_aside`), so two
+runs never share one file.
 """
 
 from __future__ import annotations
@@ -25,6 +29,19 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
     return v
+
+
+def set_aside(run_dir: str | Path) -> Path | None:
+    """Rename a non-empty ``run_dir/metrics.jsonl`` to ``metrics.<n>.jsonl`` (the first free
+    ``n`` from 1) and return the new path; None when there is nothing to set aside."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    n = 1
+    while (target := path.with_name(f"metrics.{n}.jsonl")).exists():
+        n += 1
+    path.rename(target)
+    return target
 
 
 class MetricsWriter:

@@ -12,7 +12,7 @@ from typing import Any
 
 from moetrain.config import Config
 from moetrain.monitor.console import console
-from moetrain.monitor.jsonl import MetricsWriter
+from moetrain.monitor.jsonl import MetricsWriter, set_aside
 from moetrain.monitor.mfu import resolve_peak
 from moetrain.monitor.moe_health import DeadExpertWatch, load_matrix
 from moetrain.monitor.records import (
@@ -44,6 +44,10 @@ class RunMonitor:
         self.cfg, self.topo, self.main = cfg, topo, topo.is_main
         self.total, self.start_step = total_steps, start_step
         run_dir = Path(cfg.run_dir)
+        if self.main and start_step == 0 and (earlier := set_aside(run_dir)) is not None:
+            console(
+                f"metrics: this run starts at step 0; an earlier run's records moved to {earlier}"
+            )
         self.writer = MetricsWriter(run_dir, enabled=self.main)
         self.sink = WandbSink(
             cfg.logging.wandb,
