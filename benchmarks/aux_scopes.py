@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,7 @@ SCOPES = ["micro_batch", "global_micro_batch", "sequence", "global_batch"]
 
 def run(scope: str, steps: int, work: Path) -> dict[str, float]:
     run_dir = work / scope
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not over the last one's
     launch = "-m torch.distributed.run --standalone --nproc_per_node 2 -m moetrain train"
     cmd = [
         sys.executable,

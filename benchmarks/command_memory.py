@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -234,6 +235,7 @@ def main() -> None:
         order = ["command", "bare"] if r % 2 == 0 else ["bare", "command"]
         for side in order:
             argv = command if side == "command" else ["bare", *common]
+            shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not over the last one's
             runs[side] = launch(WORK / f"memory-phases-{side}", args.steps, argv)
         times = {side: steps_time(ranks, args.steps) for side, ranks in runs.items()}
         ratios.append(times["command"] / times["bare"])

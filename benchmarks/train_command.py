@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -152,7 +153,10 @@ def launcher(kind: str, port: int, target: list[str]) -> list[str]:
 
 
 def moetrain_cmd(args: argparse.Namespace, data: Path, steps: int, port: int) -> list[str]:
+    """The command of a fresh ``steps``-step moetrain run; its run_dir is emptied here (moetrain
+    refuses to start fresh over an earlier run's checkpoints)."""
     run_dir = WORK / f"moetrain-{steps}"
+    shutil.rmtree(run_dir, ignore_errors=True)
     ov = [
         *shape_overrides(SHAPES[args.shape]),
         f"data.output_dir={data}",
@@ -226,7 +230,6 @@ def main() -> None:
             lengths = (args.short, args.long) if rnd % 2 == 0 else (args.long, args.short)
             for steps in lengths:
                 port += 1
-                (WORK / f"moetrain-{steps}" / "metrics.jsonl").unlink(missing_ok=True)  # not kept
                 r = run(builders[side](args, data, steps, port), env)
                 walls[steps], peak = r["wall_s"], max(peak, r["peak_rss_mib"])
                 if steps == args.long:

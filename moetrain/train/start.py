@@ -5,6 +5,9 @@ one of run_dir for ``auto``, or the given path) wins, so a restarted job continu
 stopped; otherwise ``checkpoint.init_from`` is loaded (weights only: a fresh optimizer, schedule
 and data position); otherwise the weights are random. The source is opened and checked against
 the config (:mod:`moetrain.convert.init_source`) before anything is written to run_dir.
+``checkpoint.resume=none`` in a run_dir that already holds a complete checkpoint is refused:
+the fresh run's saves would mix with the earlier run's, and ``checkpoint.keep_last`` would
+delete whichever have the lowest steps (the fresh run's own first ones).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 from moetrain.checkpoint.catalog import latest_complete
 from moetrain.checkpoint.format import checkpoint_root
 from moetrain.checkpoint.save import Checkpointer
-from moetrain.config import Config
+from moetrain.config import Config, ConfigError
 from moetrain.convert.init_source import InitSource, check_config_fits, open_init_source
 from moetrain.convert.upcycle import inexact_reasons
 from moetrain.monitor.console import Printer, console
@@ -26,6 +29,19 @@ def will_resume(cfg: Config) -> bool:
     if mode == "none":
         return False
     return mode != "auto" or latest_complete(checkpoint_root(cfg.run_dir)) is not None
+
+
+def check_fresh_start(cfg: Config) -> None:
+    """Refuse ``checkpoint.resume=none`` where run_dir already holds a complete checkpoint
+    (``ConfigError``). Read-only; call before any process group starts."""
+    root = checkpoint_root(cfg.run_dir)
+    if cfg.checkpoint.resume == "none" and (earlier := latest_complete(root)) is not None:
+        raise ConfigError(
+            f"checkpoint.resume=none: {root} already holds an earlier run's checkpoints (newest "
+            f"{earlier.name}); a fresh run would save among them and checkpoint.keep_last would "
+            "delete its own first ones. Use another run_dir, resume that run "
+            "(checkpoint.resume=auto), or remove those checkpoints"
+        )
 
 
 def open_start(cfg: Config) -> InitSource | None:

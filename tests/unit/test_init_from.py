@@ -15,7 +15,7 @@ from moetrain.config import ConfigError, read_config_data
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.convert.init_source import open_init_source, resolve_config_data
 from moetrain.convert.init_weights import build_model
-from moetrain.train.start import open_start, will_resume
+from moetrain.train.start import check_fresh_start, open_start, will_resume
 from tests.helpers.configs import tiny_args
 from tests.helpers.hf_models import MOE_FAMILIES, save_hf_model
 
@@ -183,3 +183,22 @@ def test_import_writes_what_it_loaded(hf_dirs, tmp_path) -> None:
     with pytest.raises(ConfigError, match="moe.top_k: the config sets 1"):
         import_hf_checkpoint(hf_dirs["olmoe"], tmp_path / "ckpt2", overrides=["moe.top_k=1"])
     assert not (tmp_path / "ckpt2").exists()
+
+
+def test_a_fresh_start_over_an_earlier_runs_checkpoints_is_refused(hf_dirs, tmp_path) -> None:
+    """``checkpoint.resume=none`` where run_dir holds a complete checkpoint: a clear error before
+    anything is written (its saves would mix with the earlier run's, retention would delete
+    them)."""
+    from moetrain.train.loop import run_training
+
+    run_dir = tmp_path / "run"
+    import_hf_checkpoint(hf_dirs["mixtral"], run_dir / "checkpoints" / "step_00000003", step=3)
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    cfg, _ = resolved("checkpoint.resume=none", f"run_dir={run_dir}")
+    with pytest.raises(ConfigError, match=r"checkpoint.resume=none: .*\(newest step_00000003\)"):
+        check_fresh_start(cfg)
+    with pytest.raises(ConfigError, match="checkpoint.resume=none"):
+        run_training(cfg)
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+    cfg, _ = resolved("checkpoint.resume=none", f"run_dir={tmp_path / 'other'}")
+    check_fresh_start(cfg)  # an empty run_dir starts fresh
