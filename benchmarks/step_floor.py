@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,8 +27,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import MICRO, SHAPES  # noqa: E402
 
+Block = tuple[Callable[[], None], float]  # a block's GEMMs to run, and their FLOPs
 
-def best_ms(fn, rounds: int) -> float:
+
+def best_ms(fn: Callable[[], None], rounds: int) -> float:
     fn()
     times = []
     for _ in range(rounds):
@@ -37,7 +40,7 @@ def best_ms(fn, rounds: int) -> float:
     return 1e3 * min(times)
 
 
-def linear_fwd_bwd(n: int, d_in: int, d_out: int) -> tuple[callable, float]:
+def linear_fwd_bwd(n: int, d_in: int, d_out: int) -> Block:
     """Forward, input gradient and weight gradient of ``x @ w.T`` for ``n`` rows."""
     x, w, g = torch.randn(n, d_in), torch.randn(d_out, d_in), torch.randn(n, d_out)
 
@@ -49,7 +52,7 @@ def linear_fwd_bwd(n: int, d_in: int, d_out: int) -> tuple[callable, float]:
     return run, 3 * 2.0 * n * d_in * d_out
 
 
-def experts_fwd_bwd(copies: int, local: int, d: int, hidden: int) -> tuple[callable, float]:
+def experts_fwd_bwd(copies: int, local: int, d: int, hidden: int) -> Block:
     """The grouped SwiGLU experts' GEMMs (w13 and w2: forward, input and weight gradients)."""
     per = [copies // local + (i < copies % local) for i in range(local)]
     offs = torch.tensor(per).cumsum(0).to(torch.int32)
@@ -68,7 +71,7 @@ def experts_fwd_bwd(copies: int, local: int, d: int, hidden: int) -> tuple[calla
     return run, 3 * 2.0 * copies * (d * 2 * hidden + hidden * d)
 
 
-def attention_fwd_bwd(b: int, heads: int, kv_heads: int, s: int, hd: int) -> tuple[callable, float]:
+def attention_fwd_bwd(b: int, heads: int, kv_heads: int, s: int, hd: int) -> Block:
     q = torch.randn(b, heads, s, hd, requires_grad=True)
     k = torch.randn(b, kv_heads, s, hd, requires_grad=True)
     v = torch.randn(b, kv_heads, s, hd, requires_grad=True)

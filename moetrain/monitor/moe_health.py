@@ -24,10 +24,9 @@ Metric names (``i`` = the caller's layer key, normally the transformer layer ind
     moe/layer{i}/bias_{min,max,mean,std}   aux-loss-free expert bias, if given
 
 Global summaries: ``moe/imbalance_max_over_mean`` and ``moe/ep_max_over_mean`` (worst layer),
-``moe/cv_mean``,
-``moe/dropped_frac`` (all layers pooled), ``moe/dead_experts`` (sum), ``moe/entropy_mean``,
-``moe/load_entropy_norm_mean``, ``moe/aux_loss``, ``moe/aux_loss_scaled``, ``moe/z_loss``,
-``moe/z_loss_scaled`` (sums over layers, as the model adds them to the loss),
+``moe/cv_mean``, ``moe/dropped_frac`` (all layers pooled), ``moe/dead_experts`` (sum),
+``moe/entropy_mean``, ``moe/load_entropy_norm_mean``, ``moe/aux_loss``, ``moe/aux_loss_scaled``,
+``moe/z_loss``, ``moe/z_loss_scaled`` (sums over layers, as the model adds them to the loss),
 ``moe/bias_absmax``.
 
 For the JSONL record (and ``report.py``), :func:`load_lists` gives the per-expert lists
