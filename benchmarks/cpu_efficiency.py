@@ -6,7 +6,8 @@
 One process, fp32, CPU. A small MoE Transformer (moetrain's model, grouped experts) trains with
 torch.optim.AdamW: forward + backward + optimizer step + zero_grad. Model FLOPs per token come
 from ``moetrain.numbers.model_numbers`` (6 x active matmul params + attention; the optimizer's
-element-wise work is not counted). The denominator is the fp32 ``torch.matmul`` rate measured in
+element-wise work is not counted). The denominator is the fp32 matmul rate, through the kernel
+the model uses (``moetrain.model.cpu_matmul``, ``--cpu-matmul``: oneDNN by default), measured in
 the same run: first at the GEMM sizes training uses (projections, experts, LM head) and one
 square 2048^3, then, after every training step, again at the fastest of those sizes. Each
 (step, matmul) pair sees the same load from other processes; the efficiency is the median over
@@ -23,7 +24,7 @@ import time
 import torch
 
 from moetrain.config import Config, apply_overrides, config_from_dict
-from moetrain.model import Transformer
+from moetrain.model import Transformer, cpu_matmul
 from moetrain.numbers import model_numbers
 
 SHAPE = {
@@ -61,10 +62,10 @@ def gemm_shapes(cfg: Config) -> list[tuple[int, int, int]]:
 
 def matmul_tflops(m: int, k: int, n: int, min_seconds: float = 0.5) -> float:
     a, b = torch.randn(m, k), torch.randn(k, n)
-    torch.matmul(a, b)
+    cpu_matmul.mm(a, b)
     reps, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < min_seconds or reps < 3:
-        torch.matmul(a, b)
+        cpu_matmul.mm(a, b)
         reps += 1
     return 2.0 * m * k * n * reps / elapsed / 1e12
 
@@ -120,9 +121,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="(training step, matmul) pairs")
     ap.add_argument("--loop", action="store_true", help="per-expert loop instead of grouped_mm")
     ap.add_argument("--json", action="store_true", help="print JSON lines only")
+    ap.add_argument("--cpu-matmul", choices=cpu_matmul.CHOICES, default="onednn")
     args = ap.parse_args()
+    cpu_matmul.use_cpu_matmul(args.cpu_matmul)
     if not args.json:
-        print(f"shape: {json.dumps(SHAPE)}  (torch {torch.__version__})")
+        print(f"shape: {json.dumps(SHAPE)}  (torch {torch.__version__}, {args.cpu_matmul})")
         print("threads | model GFLOP/s | matmul GFLOP/s (m x k x n) | efficiency (median of pairs)")
     for threads in args.threads:
         res = run(threads, args.steps, grouped_mm=not args.loop)

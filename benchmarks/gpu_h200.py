@@ -72,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 from moetrain.config import Config, apply_overrides, config_from_dict  # noqa: E402
 from moetrain.model import GroupedExperts, Transformer  # noqa: E402
+from moetrain.model.cpu_matmul import use_cpu_matmul  # noqa: E402
 from moetrain.model.moe.gemm_guard import grouped_mm_refusal  # noqa: E402
 from moetrain.numbers import model_numbers  # noqa: E402
 
@@ -678,6 +679,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_h200: MISSING, nothing measured:", *missing, sep="\n  - ", file=sys.stderr)
         return 2
     device = torch.device("cpu" if dry else "cuda")
+    if dry:  # the dry run stands for the GPU run: torch's kernels, as on a GPU
+        use_cpu_matmul("torch")
     low = torch.float32 if dry else torch.bfloat16
     torch.backends.cuda.matmul.allow_tf32 = False
     steps = args.steps or (2 if dry else 20)

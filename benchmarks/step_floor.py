@@ -11,6 +11,10 @@ each rank: T x top_k copies over its experts), then the LM head's three GEMMs. E
 the best of ``--rounds`` timings of the block run whole. The sum is what the step cannot go
 below at this machine's GEMM speed, whichever trainer runs it: the gap between it and a measured
 step is everything else (optimizer, communication and waiting, elementwise work, Python).
+
+The GEMMs run through :mod:`moetrain.model.cpu_matmul`, once with each of its kernels
+(``--cpu-matmul``): ``torch`` (torch's own, MKL's sgemm; what a trainer built on ``nn.Linear``
+gets) and ``onednn`` (moetrain's default). Attention is torch's SDPA kernel in both.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import MICRO, SHAPES  # noqa: E402
+
+from moetrain.model import cpu_matmul  # noqa: E402
+from moetrain.model.cpu_matmul import add_product_, grouped_mm, mm  # noqa: E402
 
 Block = tuple[Callable[[], None], float]  # a block's GEMMs to run, and their FLOPs
 
@@ -45,11 +52,25 @@ def linear_fwd_bwd(n: int, d_in: int, d_out: int) -> Block:
     x, w, g = torch.randn(n, d_in), torch.randn(d_out, d_in), torch.randn(n, d_out)
 
     def run() -> None:
-        torch.mm(x, w.t())
-        torch.mm(g, w)
-        torch.mm(g.t(), x)
+        mm(x, w.t())
+        mm(g, w)
+        mm(g.t(), x)
 
     return run, 3 * 2.0 * n * d_in * d_out
+
+
+def lm_head_fwd_bwd(n: int, d: int, vocab: int) -> Block:
+    """The LM head's forward, input gradient and weight gradient, as the chunked loss runs
+    them (its weight gradient accumulates through ``add_product_``)."""
+    h, w, g = torch.randn(n, d), torch.randn(vocab, d), torch.randn(n, vocab)
+    grad_w = torch.zeros(vocab, d)
+
+    def run() -> None:
+        mm(h, w.t())
+        mm(g, w)
+        add_product_(grad_w, g.t(), h)
+
+    return run, 3 * 2.0 * n * d * vocab
 
 
 def experts_fwd_bwd(copies: int, local: int, d: int, hidden: int) -> Block:
@@ -61,12 +82,12 @@ def experts_fwd_bwd(copies: int, local: int, d: int, hidden: int) -> Block:
     w13, w2 = torch.randn(local, d, 2 * hidden), torch.randn(local, hidden, d)
 
     def run() -> None:
-        F.grouped_mm(x, w13, offs=offs)
-        F.grouped_mm(h, w2, offs=offs)
-        F.grouped_mm(g2, w2.transpose(1, 2), offs=offs)
-        F.grouped_mm(h.t(), g2, offs=offs)
-        F.grouped_mm(g13, w13.transpose(1, 2), offs=offs)
-        F.grouped_mm(x.t(), g13, offs=offs)
+        grouped_mm(x, w13, offs)
+        grouped_mm(h, w2, offs)
+        grouped_mm(g2, w2.transpose(1, 2), offs)
+        grouped_mm(h.t(), g2, offs)
+        grouped_mm(g13, w13.transpose(1, 2), offs)
+        grouped_mm(x.t(), g13, offs)
 
     return run, 3 * 2.0 * copies * (d * 2 * hidden + hidden * d)
 
@@ -90,6 +111,9 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ep", type=int, default=2, help="expert-parallel size (experts per rank)")
+    ap.add_argument(
+        "--cpu-matmul", nargs="+", choices=cpu_matmul.CHOICES, default=list(cpu_matmul.CHOICES)
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -114,25 +138,34 @@ def main() -> None:
             linear_fwd_bwd(n, d, 2 * s["shared_hidden"]),
             linear_fwd_bwd(n, s["shared_hidden"], d),
         ]
-    rows = []
-    for name, parts in blocks.items():
-        ms = sum(best_ms(run, args.rounds) for run, _ in parts) * layers
-        flops = sum(f for _, f in parts) * layers
-        rows.append((f"{name}, {layers} layers", ms, flops))
-    head, flops = linear_fwd_bwd(n, d, s["vocab"])
-    rows.append(("LM head", best_ms(head, args.rounds), flops))
-
-    total_ms = sum(ms for _, ms, _ in rows)
+    blocks["LM head"] = [lm_head_fwd_bwd(n, d, s["vocab"])]
+    ms: dict[str, list[float]] = {}
+    for kernel in args.cpu_matmul:
+        cpu_matmul.use_cpu_matmul(kernel)
+        ms[kernel] = [
+            sum(best_ms(run, args.rounds) for run, _ in parts) for parts in blocks.values()
+        ]
+    scale = [1 if name.startswith("LM head") else layers for name in blocks]
+    flops = [sum(f for _, f in parts) * k for parts, k in zip(blocks.values(), scale, strict=True)]
     print(f"shape {args.shape}, EP {args.ep}, {n} tokens per rank, one thread")
-    print("| GEMMs of one rank's step | ms | GFLOP | GFLOP/s |\n|---|---:|---:|---:|")
-    for name, ms, fl in rows:
-        print(f"| {name} | {ms:.1f} | {fl / 1e9:.2f} | {fl / ms / 1e6:.0f} |")
-    total_fl = sum(fl for _, _, fl in rows)
-    print(
-        f"| **floor** | **{total_ms:.0f}** | {total_fl / 1e9:.1f} | {total_fl / total_ms / 1e6:.0f} |"
-    )
+    head = " | ".join(f"{k} ms | {k} GFLOP/s" for k in args.cpu_matmul)
+    print(f"| GEMMs of one rank's step | GFLOP | {head} |")
+    print("|---|---:|" + "---:|---:|" * len(args.cpu_matmul))
+    totals = {k: sum(t * c for t, c in zip(ms[k], scale, strict=True)) for k in args.cpu_matmul}
+    for i, name in enumerate(blocks):
+        label = name if scale[i] == 1 else f"{name}, {layers} layers"
+        cells = " | ".join(
+            f"{ms[k][i] * scale[i]:.1f} | {flops[i] / (ms[k][i] * scale[i]) / 1e6:.0f}"
+            for k in args.cpu_matmul
+        )
+        print(f"| {label} | {flops[i] / 1e9:.2f} | {cells} |")
+    cells = " | ".join(f"**{totals[k]:.0f}** | {sum(flops) / totals[k] / 1e6:.0f}" for k in totals)
+    print(f"| **floor** | {sum(flops) / 1e9:.1f} | {cells} |")
     tokens = 2 * n  # both ranks' tokens per optimizer step
-    print(f"\nat the floor the 2-rank step would run {tokens / total_ms * 1e3:.0f} tokens/s")
+    for k, total in totals.items():
+        print(
+            f"at the floor with {k} the 2-rank step would run {tokens / total * 1e3:.0f} tokens/s"
+        )
 
 
 if __name__ == "__main__":

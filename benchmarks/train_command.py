@@ -28,6 +28,7 @@ Reported per round and as medians (with the range) of the paired ratios moetrain
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -152,9 +153,12 @@ def launcher(kind: str, port: int, target: list[str]) -> list[str]:
     return head + target
 
 
-def moetrain_cmd(args: argparse.Namespace, data: Path, steps: int, port: int) -> list[str]:
-    """The command of a fresh ``steps``-step moetrain run; its run_dir is emptied here (moetrain
-    refuses to start fresh over an earlier run's checkpoints)."""
+def moetrain_cmd(
+    args: argparse.Namespace, data: Path, steps: int, port: int, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The command of a fresh ``steps``-step moetrain run (``extra``: more overrides); its
+    run_dir is emptied here (moetrain refuses to start fresh over an earlier run's
+    checkpoints)."""
     run_dir = WORK / f"moetrain-{steps}"
     shutil.rmtree(run_dir, ignore_errors=True)
     ov = [
@@ -173,6 +177,7 @@ def moetrain_cmd(args: argparse.Namespace, data: Path, steps: int, port: int) ->
         "optim.warmup_steps=0",
         "optim.schedule=constant",
         "logging.wandb.mode=disabled",
+        *extra,
     ]
     target = ["-m", "moetrain", "train", str(CONFIG), *ov]
     return launcher(args.launcher, port, target)
@@ -187,7 +192,7 @@ def peer_cmd(args: argparse.Namespace, data: Path, steps: int, port: int) -> lis
 def inside_tokens_per_s(side: str, result: dict, steps: int, tokens_per_step: int) -> float:
     """The run's own figure over the steps after the first two, the same way for both: the
     median of moetrain's logged tokens/s intervals, the median of the peer's step times."""
-    if side == "moetrain":
+    if side.startswith("moetrain"):
         rows = [
             json.loads(line)
             for line in (WORK / f"moetrain-{steps}" / "metrics.jsonl").read_text().splitlines()
@@ -209,6 +214,11 @@ def main() -> None:
     ap.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
     ap.add_argument("--peer-cpu-buckets", action="store_true")
     ap.add_argument("--docs", type=int, default=4000, help="documents of the built-in corpus")
+    ap.add_argument(
+        "--torch-matmul",
+        action="store_true",
+        help="also run moetrain with train.cpu_matmul=torch (torch's own fp32 GEMMs) each round",
+    )
     args = ap.parse_args()
 
     shape = SHAPES[args.shape]
@@ -216,12 +226,16 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     tokens_per_step = 2 * MICRO * shape["seq"]
     builders = {"moetrain": moetrain_cmd, "peer": peer_cmd}
+    if args.torch_matmul:
+        builders["moetrain-torch-matmul"] = functools.partial(
+            moetrain_cmd, extra=("train.cpu_matmul=torch",)
+        )
     port = 29600
     for side, build in builders.items():  # warm-up: caches, the compiled DeepSpeed op
         port += 1
         run(build(args, data, args.short, port), env)
         print(f"warm-up {side} done", flush=True)
-    ratios, rss_ratios, inside = [], [], []
+    ratios, rss_ratios, inside = ({side: [] for side in builders} for _ in range(3))
     for rnd in range(args.rounds):
         sides = list(builders) if rnd % 2 == 0 else list(reversed(builders))
         res: dict[str, dict] = {}
@@ -239,22 +253,29 @@ def main() -> None:
             )
             res[side] = {"outside": outside, "inside": inner, "peak_rss_mib": peak}
             print(f"round {rnd} {side}: {json.dumps(res[side])}", flush=True)
-        ratios.append(res["moetrain"]["outside"] / res["peer"]["outside"])
-        inside.append(res["moetrain"]["inside"] / res["peer"]["inside"])
-        rss_ratios.append(res["moetrain"]["peak_rss_mib"] / res["peer"]["peak_rss_mib"])
-        print(
-            f"round {rnd}: tokens/s moetrain/peer {ratios[-1]:.2f}x (inside {inside[-1]:.2f}x), "
-            f"peak RSS {rss_ratios[-1]:.2f}x",
-            flush=True,
-        )
+        for side in builders:
+            if side == "peer":
+                continue
+            ratios[side].append(res[side]["outside"] / res["peer"]["outside"])
+            inside[side].append(res[side]["inside"] / res["peer"]["inside"])
+            rss_ratios[side].append(res[side]["peak_rss_mib"] / res["peer"]["peak_rss_mib"])
+            print(
+                f"round {rnd}: tokens/s {side}/peer {ratios[side][-1]:.2f}x (inside "
+                f"{inside[side][-1]:.2f}x), peak RSS {rss_ratios[side][-1]:.2f}x",
+                flush=True,
+            )
 
     def summary(xs: list[float]) -> str:
         return f"median {statistics.median(xs):.2f}x (range {min(xs):.2f}-{max(xs):.2f})"
 
     print(f"\nshape {args.shape}, launcher {args.launcher}, EP {args.ep}, {args.rounds} rounds")
-    print(f"tokens/s from outside, moetrain / peer: {summary(ratios)}")
-    print(f"tokens/s from the runs' own figures:    {summary(inside)}")
-    print(f"peak RSS per rank, moetrain / peer:     {summary(rss_ratios)}")
+    for side in builders:
+        if side == "peer":
+            continue
+        print(f"{side} / peer:")
+        print(f"  tokens/s from outside:         {summary(ratios[side])}")
+        print(f"  tokens/s from the runs' own figures: {summary(inside[side])}")
+        print(f"  peak RSS per rank:             {summary(rss_ratios[side])}")
 
 
 if __name__ == "__main__":

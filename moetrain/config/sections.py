@@ -165,6 +165,9 @@ class TrainConfig:
     # thread and freed memory kept on the heap (no page faults per step); one_arena = the arena
     # only (a little less memory, slower); system = glibc's defaults
     host_allocator: Literal["keep", "one_arena", "system"] = "keep"
+    # fp32 matrix multiplies on CPU (model/cpu_matmul.py): onednn = oneDNN's kernels, which use
+    # AVX-512 where the CPU has it (torch's MKL runs AVX2 kernels on AMD CPUs); torch = torch's own
+    cpu_matmul: Literal["onednn", "torch"] = "onednn"
 
     def validate(self) -> None:
         require(self.max_steps >= 1, "train.max_steps", "must be >= 1")

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig
+from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import RMSNorm
 
 
@@ -155,10 +156,10 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.attention_head_dim
         d, hd = cfg.d_model, self.head_dim
-        self.wq = nn.Linear(d, self.n_heads * hd, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(self.n_heads * hd, d, bias=False)
+        self.wq = Linear(d, self.n_heads * hd, bias=cfg.qkv_bias)
+        self.wk = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.wv = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.wo = Linear(self.n_heads * hd, d, bias=False)
         # per head: normalise each (Hd,) head vector; per projection (OLMoE): the whole
         # (heads * Hd,) projection, before it is split into heads
         self.qk_norm_per_head = cfg.qk_norm_scope == "head"

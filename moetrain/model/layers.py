@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.model.cpu_matmul import Linear
+
 
 class _RMSNormFunction(torch.autograd.Function):
     """``weight * (x * rsqrt(mean(x^2) + eps))`` (math in at least fp32, result in x's dtype),
@@ -139,9 +141,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model: int, hidden: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(d_model, hidden, bias=False)
-        self.w3 = nn.Linear(d_model, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, d_model, bias=False)
+        self.w1 = Linear(d_model, hidden, bias=False)
+        self.w3 = Linear(d_model, hidden, bias=False)
+        self.w2 = Linear(hidden, d_model, bias=False)
 
     def up(self, x: torch.Tensor) -> torch.Tensor:
         """The hidden activation ``silu(w1 x) * w3 x``."""

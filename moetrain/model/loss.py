@@ -12,7 +12,8 @@ Shape legend: N rows (tokens), C rows of one chunk, D hidden size, V vocabulary.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from moetrain.model.cpu_matmul import add_product_, mm
 
 IGNORE_INDEX = -100
 
@@ -24,7 +25,7 @@ def _chunk_loss(
     wrt the fp32 logits (softmax - one-hot; zero rows where the label is ignored)."""
     valid_C1 = (labels_C != IGNORE_INDEX).unsqueeze(1)
     target_C1 = labels_C.unsqueeze(1).masked_fill(~valid_C1, 0)
-    logits_CV = F.linear(h_CD, weight_VD).float()  # a fresh tensor: edited in place below
+    logits_CV = mm(h_CD, weight_VD.t()).float()  # a fresh tensor: edited in place below
     max_C1 = logits_CV.amax(1, keepdim=True)
     shifted_target_C1 = logits_CV.gather(1, target_C1) - max_C1
     exp_CV = logits_CV.sub_(max_C1).exp_()
@@ -67,12 +68,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             total += loss_sum
             grad_CV = grad_CV.to(h_ND.dtype)
             if grad_h_ND is not None:
-                torch.mm(grad_CV, weight_VD, out=grad_h_ND[rows])
+                grad_h_ND[rows] = mm(grad_CV, weight_VD)
             if grad_w_VD is not None:
-                if grad_CV.dtype == torch.float32:
-                    grad_w_VD.addmm_(grad_CV.t(), h_ND[rows])
-                else:
-                    grad_w_VD.add_(grad_CV.t() @ h_ND[rows])
+                add_product_(grad_w_VD, grad_CV.t(), h_ND[rows])
             del grad_CV
         count = (labels_N != IGNORE_INDEX).sum().clamp_min(1)
         ctx.save_for_backward(grad_h_ND, grad_w_VD, count)

@@ -14,6 +14,7 @@ from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.model.attention import Attention, KVCache, document_mask, rope_tables
+from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import RMSNorm, SwiGLU
 from moetrain.model.loss import chunked_cross_entropy
 from moetrain.model.moe.experts import GroupedExperts
@@ -91,7 +92,7 @@ class Transformer(nn.Module):
             Block(i, model_cfg, moe_cfg, local_experts) for i in range(model_cfg.n_layers)
         )
         self.norm = RMSNorm(model_cfg.d_model, model_cfg.norm_eps)
-        self.lm_head = nn.Linear(model_cfg.d_model, model_cfg.vocab_size, bias=False)
+        self.lm_head = Linear(model_cfg.d_model, model_cfg.vocab_size, bias=False)
         if model_cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         head_dim = model_cfg.attention_head_dim

@@ -6,8 +6,9 @@ params + attention, forward + backward; activation recomputation is not counted)
 
 The peak comes from, in order: ``logging.peak_tflops`` (override), the table below matched on
 ``torch.cuda.get_device_name()`` (vendor datasheet dense numbers, no 2:4 sparsity), and on CPU a
-*measured* number: the fp32 GEMM throughput of this process's threads, probed once at startup per
-rank (so concurrent ranks share cores as in training). CPU "MFU" is therefore reported under
+*measured* number: the fp32 GEMM throughput of this process's threads through the model's CPU
+matmul kernel (``train.cpu_matmul``), probed once at startup per rank (so concurrent ranks share
+cores as in training). CPU "MFU" is therefore reported under
 its own name, ``perf/mfu_vs_cpu_gemm``: the fraction of what one big matmul reaches on this
 machine, not of a hardware peak. GPU MFU is ``perf/mfu``.
 """
@@ -138,19 +139,26 @@ class Peak:
 
 @functools.lru_cache(maxsize=8)
 def cpu_gemm_tflops(
-    size: int = 1024, min_seconds: float = 0.3, threads: int | None = None
+    size: int = 1024,
+    min_seconds: float = 0.3,
+    threads: int | None = None,
+    kernel: str | None = None,
 ) -> float:
     """Measured fp32 GEMM throughput (TFLOP/s) of this process on CPU, ``size`` x ``size``
-    matrices, torch's current thread count; cached per process (argument tuple)."""
+    matrices, torch's current thread count, through the kernel the model's matmuls use
+    (:mod:`moetrain.model.cpu_matmul`); cached per process (argument tuple: ``threads`` and
+    ``kernel`` are part of the key only)."""
     import torch
 
-    del threads  # part of the cache key only
+    from moetrain.model.cpu_matmul import mm
+
+    del threads, kernel
     a = torch.randn(size, size)
     b = torch.randn(size, size)
-    torch.mm(a, b)  # warm-up
+    mm(a, b)  # warm-up
     n, start = 0, time.perf_counter()
     while True:
-        torch.mm(a, b)
+        mm(a, b)
         n += 1
         elapsed = time.perf_counter() - start
         if elapsed >= min_seconds:
@@ -176,9 +184,12 @@ def resolve_peak(
     if override_tflops is not None:
         return Peak(float(override_tflops), "logging.peak_tflops (override)", metric)
     if dev.type == "cpu":
-        threads = torch.get_num_threads()
-        tflops = cpu_gemm_tflops(threads=threads)
-        return Peak(tflops, f"measured fp32 1024x1024 GEMM on CPU, {threads} threads", metric)
+        from moetrain.model.cpu_matmul import cpu_matmul_choice
+
+        threads, kernel = torch.get_num_threads(), cpu_matmul_choice()
+        tflops = cpu_gemm_tflops(threads=threads, kernel=kernel)
+        source = f"measured fp32 1024x1024 GEMM on CPU ({kernel}), {threads} threads"
+        return Peak(tflops, source, metric)
     name = torch.cuda.get_device_name(dev)
     math = math_type(precision, bool(torch.backends.cuda.matmul.allow_tf32))
     tflops = lookup_peak_tflops(name, math)

@@ -23,6 +23,7 @@ from moetrain.checkpoint.save import Checkpointer
 from moetrain.config import Config
 from moetrain.faults import fault_point
 from moetrain.model.attention import attention_report
+from moetrain.model.cpu_matmul import use_cpu_matmul
 from moetrain.monitor.run_monitor import RunMonitor
 from moetrain.parallel.deepspeed import check_precision_supported, dump_deepspeed_config
 from moetrain.parallel.topology import Topology, init_distributed, shutdown
@@ -65,6 +66,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
 
     if cfg.train.threads_per_rank:
         torch.set_num_threads(cfg.train.threads_per_rank)
+    use_cpu_matmul(cfg.train.cpu_matmul)
     allocator_note = None
     if not torch.cuda.is_available():  # before any process group starts its threads
         allocator_note = tune_host_allocator(cfg.train.host_allocator)

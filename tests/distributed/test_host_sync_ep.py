@@ -18,10 +18,14 @@ def _job(rank: int, world: int) -> dict[str, dict[str, int]]:
     from torch.utils.checkpoint import checkpoint
 
     from moetrain.config import MoEConfig
+    from moetrain.model.cpu_matmul import use_cpu_matmul
     from moetrain.model.moe.layer import MoELayer
     from moetrain.monitor.host_sync import HostSyncCounter
     from moetrain.parallel.expert_parallel import AllToAllDispatcher, slice_experts
 
+    # the counts stand for a CUDA run: torch's kernels, as on a GPU (the CPU-only oneDNN path
+    # reads the expert offsets on the host, where nothing waits)
+    use_cpu_matmul("torch")
     out = {}
     for name, cf, recompute in [
         ("dropless", 0.0, False),

@@ -10,12 +10,22 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from moetrain.config import MoEConfig
+from moetrain.model.cpu_matmul import use_cpu_matmul
 from moetrain.model.moe.dispatch import permute, unpermute
 from moetrain.model.moe.layer import MoELayer
 from moetrain.model.moe.router import count_experts
 from moetrain.monitor.host_sync import HostSyncCounter
 
 D = 8
+
+
+@pytest.fixture(autouse=True)
+def _kernels_of_a_gpu():
+    """The counts stand for a CUDA run, so the model's matmuls take torch's kernels, as on a GPU
+    (the CPU-only oneDNN path reads the expert offsets on the host, where nothing waits)."""
+    use_cpu_matmul("torch")
+    yield
+    use_cpu_matmul("onednn")
 
 
 def test_counter_sees_each_kind_of_sync_and_restores_tolist() -> None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moetrain.model import cpu_matmul
 from moetrain.model.layers import silu_mul_packed
 from moetrain.model.moe.gemm_guard import grouped_mm_refusal_for
 
@@ -44,7 +44,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _expert_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
     """``a @ b`` for one expert (``offs`` None) or one grouped GEMM over experts (``offs``)."""
-    return a @ b if offs is None else F.grouped_mm(a, b, offs=offs)
+    return cpu_matmul.mm(a, b) if offs is None else cpu_matmul.grouped_mm(a, b, offs)
 
 
 class _DownProjection(torch.autograd.Function):
@@ -107,7 +107,7 @@ def grouped_mm_supported(x_ND: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def _gmm(x_NI: torch.Tensor, w_LIO: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
-    return _ContiguousGrad.apply(F.grouped_mm(x_NI, w_LIO, offs=offs_L))
+    return _ContiguousGrad.apply(cpu_matmul.grouped_mm(x_NI, w_LIO, offs_L))
 
 
 class GroupedExperts(nn.Module):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from moetrain.config import MoEConfig
+from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import SwiGLU
 from moetrain.model.moe.dispatch import Dispatcher, LocalDispatcher, Routes
 from moetrain.model.moe.experts import GroupedExperts
@@ -100,7 +101,7 @@ class MoELayer(nn.Module):
         if cfg.num_shared_experts > 0:
             self.shared_expert = SwiGLU(d_model, cfg.shared_hidden)
             if cfg.shared_expert_gate:
-                self.shared_gate = nn.Linear(d_model, 1, bias=False)
+                self.shared_gate = Linear(d_model, 1, bias=False)
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEOutput]:
         b, s, d = x_BSD.shape

@@ -29,10 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import MoEConfig
+from moetrain.model.cpu_matmul import linear
 
 
 @dataclass
@@ -104,7 +104,7 @@ class Router(nn.Module):
         cfg, e, k = self.cfg, self.num_experts, self.top_k
         if self.training and cfg.jitter > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
-        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        logits_TE = linear(x_TD.float(), self.gate.weight.float())
         bias_E = self.expert_bias
 
         if cfg.score_func == "sigmoid":
