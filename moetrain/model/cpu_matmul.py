@@ -1,9 +1,9 @@
 """fp32 matrix multiplies on CPU through oneDNN: the one owner of which kernel multiplies them.
 
-torch multiplies fp32 matrices on CPU with MKL's sgemm. On AMD processors MKL runs its AVX2
-kernels even where the CPU has AVX-512; oneDNN, which torch also ships, uses the widest vector
-unit the CPU has (on an AVX-512 AMD EPYC, one thread: ~200 GFLOP/s against MKL's ~90 at the
-model's GEMM shapes; ``benchmarks/step_floor.py`` measures both). Both compute every product in
+torch multiplies fp32 matrices on CPU with MKL's sgemm, which does not use AVX-512 on AMD
+processors; oneDNN, which torch also ships, uses the widest vector unit the CPU has (on an
+AVX-512 AMD EPYC, one thread: ~200 GFLOP/s against MKL's ~90 at the model's GEMM shapes;
+``benchmarks/step_floor.py`` measures both). Both compute every product in
 fp32 with fp32 accumulation; only the order of the additions differs.
 
 :func:`mm`, :func:`linear` (and :class:`Linear`) and :func:`grouped_mm` run oneDNN's inner
@@ -27,7 +27,7 @@ KERNEL_CACHE = 32
 """Shapes whose kernels oneDNN keeps (both of its caches; the environment's
 ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and ``LRU_CACHE_CAPACITY`` win). Their default, 1024
 kernels of about 1 MiB each, grows a training process by hundreds of MiB as the expert GEMMs'
-shapes change from step to step; a step of the model needs about 20 shapes. Read by oneDNN
+shapes change from step to step; a step of the benchmark's model uses 15. Read by oneDNN
 on its first use in the process, so set at import."""
 for _name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_name, str(KERNEL_CACHE))
@@ -133,7 +133,9 @@ keeps it, while an expert's row count changes every step. Calls of exactly this 
 weight gradients sum zero-padded pieces) keep the shapes few and the kernels reused."""
 
 
-def _rows_by_tiles(a_NK: torch.Tensor, w_OK: torch.Tensor, out_NO: torch.Tensor, s: int, e: int):
+def _rows_by_tiles(
+    a_NK: torch.Tensor, w_OK: torch.Tensor, out_NO: torch.Tensor, s: int, e: int
+) -> None:
     """``out_NO[s:e] = a_NK[s:e] @ w_OK.T`` in calls of ``TILE_ROWS`` rows of ``a_NK``."""
     n_all = a_NK.shape[0]
     tile = min(TILE_ROWS, n_all)
