@@ -8,9 +8,9 @@ The peak comes from, in order: ``logging.peak_tflops`` (override), the table bel
 ``torch.cuda.get_device_name()`` (vendor datasheet dense numbers, no 2:4 sparsity), and on CPU a
 *measured* number: the fp32 GEMM throughput of this process's threads through the model's CPU
 matmul kernel (``train.cpu_matmul``), probed once at startup per rank (so concurrent ranks share
-cores as in training). CPU "MFU" is therefore reported under
-its own name, ``perf/mfu_vs_cpu_gemm``: the fraction of what one big matmul reaches on this
-machine, not of a hardware peak. GPU MFU is ``perf/mfu``.
+cores as in training). CPU "MFU" is therefore reported under its own name,
+``perf/mfu_vs_cpu_gemm``: the fraction of what one big matmul reaches on this machine, not of a
+hardware peak. GPU MFU is ``perf/mfu``.
 """
 
 from __future__ import annotations
