@@ -23,6 +23,9 @@ the same command, sides and lengths in alternating order, after one warm-up run 
   sampled from ``/proc`` every 50 ms until it exits; the maximum over ranks.
 
 Reported per round and as medians (with the range) of the paired ratios moetrain / peer.
+``--torch-matmul`` adds a third side, moetrain with ``train.cpu_matmul=torch`` (torch's own fp32
+GEMMs instead of oneDNN's), reported against the peer and, as what the kernel alone gives,
+moetrain / that side.
 """
 
 from __future__ import annotations
@@ -235,7 +238,8 @@ def main() -> None:
         port += 1
         run(build(args, data, args.short, port), env)
         print(f"warm-up {side} done", flush=True)
-    ratios, rss_ratios, inside = ({side: [] for side in builders} for _ in range(3))
+    sides_vs_peer = [side for side in builders if side != "peer"]
+    rounds: list[dict[str, dict[str, float]]] = []
     for rnd in range(args.rounds):
         sides = list(builders) if rnd % 2 == 0 else list(reversed(builders))
         res: dict[str, dict] = {}
@@ -253,29 +257,33 @@ def main() -> None:
             )
             res[side] = {"outside": outside, "inside": inner, "peak_rss_mib": peak}
             print(f"round {rnd} {side}: {json.dumps(res[side])}", flush=True)
-        for side in builders:
-            if side == "peer":
-                continue
-            ratios[side].append(res[side]["outside"] / res["peer"]["outside"])
-            inside[side].append(res[side]["inside"] / res["peer"]["inside"])
-            rss_ratios[side].append(res[side]["peak_rss_mib"] / res["peer"]["peak_rss_mib"])
+        rounds.append(res)
+        for side in sides_vs_peer:
             print(
-                f"round {rnd}: tokens/s {side}/peer {ratios[side][-1]:.2f}x (inside "
-                f"{inside[side][-1]:.2f}x), peak RSS {rss_ratios[side][-1]:.2f}x",
+                f"round {rnd}: {side}/peer {ratio(res, side, 'peer', 'outside'):.2f}x tokens/s "
+                f"(inside {ratio(res, side, 'peer', 'inside'):.2f}x), peak RSS "
+                f"{ratio(res, side, 'peer', 'peak_rss_mib'):.2f}x",
                 flush=True,
             )
 
-    def summary(xs: list[float]) -> str:
-        return f"median {statistics.median(xs):.2f}x (range {min(xs):.2f}-{max(xs):.2f})"
-
     print(f"\nshape {args.shape}, launcher {args.launcher}, EP {args.ep}, {args.rounds} rounds")
-    for side in builders:
-        if side == "peer":
-            continue
-        print(f"{side} / peer:")
-        print(f"  tokens/s from outside:         {summary(ratios[side])}")
-        print(f"  tokens/s from the runs' own figures: {summary(inside[side])}")
-        print(f"  peak RSS per rank:             {summary(rss_ratios[side])}")
+    pairs = [(side, "peer") for side in sides_vs_peer]
+    if args.torch_matmul:  # what the kernel alone gives, round by round
+        pairs.append(("moetrain", "moetrain-torch-matmul"))
+    for a, b in pairs:
+        print(f"{a} / {b}:")
+        for key, label in (
+            ("outside", "tokens/s from outside"),
+            ("inside", "tokens/s from the runs' own figures"),
+            ("peak_rss_mib", "peak RSS per rank"),
+        ):
+            xs = [ratio(res, a, b, key) for res in rounds]
+            summary = f"median {statistics.median(xs):.2f}x (range {min(xs):.2f}-{max(xs):.2f})"
+            print(f"  {label + ':':37s} {summary}")
+
+
+def ratio(res: dict[str, dict[str, float]], a: str, b: str, key: str) -> float:
+    return res[a][key] / res[b][key]
 
 
 if __name__ == "__main__":
