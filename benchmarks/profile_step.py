@@ -32,7 +32,7 @@ CATEGORIES = [
     ("optimizer step (ZeRO reduce + AdamW + gather)", r"^optimizer step$"),
     ("LM head + cross-entropy (chunked)", r"ChunkedLinearCrossEntropy|cross_entropy|NllLoss"),
     # the down projection's node also recomputes the SwiGLU product in backward
-    ("expert GEMMs (grouped_mm, down projection)", r"grouped_mm|GroupedMm|DownProjection"),
+    ("expert GEMMs (grouped_mm, down projection)", r"(?i:grouped_?mm)|DownProjection"),
     ("expert all-to-all (incl. waiting for the peer)", r"AllToAll|all_to_all"),
     ("ZeRO gradient hooks (AccumulateGrad, bucket flatten)", r"AccumulateGrad|flatten_dense"),
     ("SwiGLU activation", r"SiluMul|silu|Silu"),
