@@ -264,7 +264,7 @@ def initialize_engine(
         model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
     )
     share_fp32_partitions(ds_optimizer)  # fp32 ZeRO-1/2: no clone of the weights
-    flatten_grad_partitions_in_place(ds_optimizer)  # ZeRO-2: no copy of the gradients at the step
+    flatten_grad_partitions_in_place(ds_optimizer)  # ZeRO-1/2: no gradient copy at the step
     # bf16/fp16 engines cast buffers; balancing biases stay fp32 (sign updates need range).
     modules = dict(engine.module.named_modules())
     for name in fp32_buffers:
