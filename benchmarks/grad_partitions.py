@@ -24,14 +24,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))  # the repository: tests.helpers
 
-HOOKED = ("copy_grads_in_partition", "_get_preflattened_grad_partition")
-
 
 def paired_job(rank: int, world: int, shape: str, steps: int) -> dict[str, list[float]]:
     import torch
     from train_throughput import SHAPES, _batches, moetrain_trainer
 
-    from moetrain.parallel.grad_partitions import flatten_grad_partitions_in_place
+    from moetrain.parallel.grad_partitions import (
+        HOOKED_METHODS,
+        flatten_grad_partitions_in_place,
+    )
 
     torch.set_num_threads(1)
     trainer = moetrain_trainer(2, [], SHAPES[shape])
@@ -41,7 +42,7 @@ def paired_job(rank: int, world: int, shape: str, steps: int) -> dict[str, list[
         trainer.train_step([batch])
     times: dict[str, list[tuple[float, float, float]]] = {"in place": [], "concatenated": []}
     for i, batch in enumerate(batches[2:]):
-        for name in HOOKED:
+        for name in HOOKED_METHODS:
             opt.__dict__.pop(name, None)  # DeepSpeed's methods again
         case = "in place" if (i // 2) % 2 == 0 else "concatenated"
         if case == "in place":

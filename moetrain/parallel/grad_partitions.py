@@ -30,7 +30,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["contiguous_span", "flatten_grad_partitions_in_place"]
+__all__ = ["HOOKED_METHODS", "contiguous_span", "flatten_grad_partitions_in_place"]
+
+HOOKED_METHODS = ("copy_grads_in_partition", "_get_preflattened_grad_partition")
+"""The optimizer methods :func:`flatten_grad_partitions_in_place` replaces on the instance
+(deleting these instance attributes restores DeepSpeed's own)."""
 
 
 def contiguous_span(tensors: Sequence[torch.Tensor], numel: int) -> torch.Tensor | None:
@@ -72,7 +76,7 @@ def flatten_grad_partitions_in_place(zero_optimizer: Any) -> bool:
     """Install the two changes of the module docstring on ``zero_optimizer`` (DeepSpeed's
     ZeRO-1/2 optimizer); -> whether they were installed (False where it lacks the hooks, e.g. an
     optimizer DeepSpeed's stage 0 uses, or offloads the optimizer)."""
-    needed = ("_get_preflattened_grad_partition", "copy_grads_in_partition", "averaged_gradients")
+    needed = (*HOOKED_METHODS, "averaged_gradients")
     if getattr(zero_optimizer, "cpu_offload", True) or not all(
         hasattr(zero_optimizer, name) for name in needed
     ):
