@@ -25,7 +25,9 @@ the same command, sides and lengths in alternating order, after one warm-up run 
 Reported per round and as medians (with the range) of the paired ratios moetrain / peer.
 ``--torch-matmul`` adds a third side, moetrain with ``train.cpu_matmul=torch`` (torch's own fp32
 GEMMs instead of oneDNN's), reported against the peer and, as what the kernel alone gives,
-moetrain / that side.
+moetrain / that side. ``--shadow-experts N`` likewise adds moetrain with
+``parallel.shadow_experts=N`` (hot experts replicated onto every EP rank each forward), reported
+against the peer and as moetrain-shadow / moetrain.
 """
 
 from __future__ import annotations
@@ -222,6 +224,12 @@ def main() -> None:
         action="store_true",
         help="also run moetrain with train.cpu_matmul=torch (torch's own fp32 GEMMs) each round",
     )
+    ap.add_argument(
+        "--shadow-experts",
+        type=int,
+        default=0,
+        help="also run moetrain with parallel.shadow_experts=N each round (0: not)",
+    )
     args = ap.parse_args()
 
     shape = SHAPES[args.shape]
@@ -232,6 +240,10 @@ def main() -> None:
     if args.torch_matmul:
         builders["moetrain-torch-matmul"] = functools.partial(
             moetrain_cmd, extra=("train.cpu_matmul=torch",)
+        )
+    if args.shadow_experts:
+        builders["moetrain-shadow"] = functools.partial(
+            moetrain_cmd, extra=(f"parallel.shadow_experts={args.shadow_experts}",)
         )
     port = 29600
     for side, build in builders.items():  # warm-up: caches, the compiled DeepSpeed op
@@ -270,6 +282,8 @@ def main() -> None:
     pairs = [(side, "peer") for side in sides_vs_peer]
     if args.torch_matmul:  # what the kernel alone gives, round by round
         pairs.append(("moetrain", "moetrain-torch-matmul"))
+    if args.shadow_experts:  # what the shadows alone give, round by round
+        pairs.append(("moetrain-shadow", "moetrain"))
     for a, b in pairs:
         print(f"{a} / {b}:")
         for key, label in (

@@ -93,6 +93,10 @@ class ParallelConfig:
     # ZeRO-1/2 reduce and all-gather bucket, in elements; None = 50M with CUDA, 2M on CPU
     # (DeepSpeed allocates the reduce bucket afresh every micro-step: small on CPU saves RSS)
     bucket_elements: int | None = None
+    # expert parallelism: per MoE layer and forward, replicate up to this many of the most
+    # loaded experts onto every EP rank, each rank computing its own tokens' copies of them
+    # (the owner's weights broadcast, their gradients summed back); 0 = off; dropless only
+    shadow_experts: int = 0
     timeout_minutes: float = 30.0
 
     def bucket_size(self, cuda: bool) -> int:
@@ -111,6 +115,7 @@ class ParallelConfig:
             "parallel.bucket_elements",
             f"must be > 0 (or null for the default); got {self.bucket_elements}",
         )
+        require(self.shadow_experts >= 0, "parallel.shadow_experts", "must be >= 0 (0 = off)")
         require(self.timeout_minutes > 0, "parallel.timeout_minutes", "must be > 0")
 
 

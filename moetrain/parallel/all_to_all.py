@@ -25,11 +25,20 @@ from torch import Tensor
 class TrafficMeter:
     """What one rank sends through the expert all-to-alls, as host integers (from split sizes
     that are already on the host: no sync): rows dispatched (to any rank, to other ranks, to
-    other nodes) and bytes of every exchange, forward and backward, to other ranks and to
-    other nodes. ``me``: this rank's index in its group; ``nodes``: the node of each group rank.
+    other nodes), bytes of every exchange, forward and backward, to other ranks and to
+    other nodes (shadow experts' weights and gradients included), and the shadow experts'
+    replicas this rank received. ``me``: this rank's index in its group; ``nodes``: the node of
+    each group rank.
     """
 
-    FIELDS = ("rows", "rows_off_rank", "rows_off_node", "bytes_off_rank", "bytes_off_node")
+    FIELDS = (
+        "rows",
+        "rows_off_rank",
+        "rows_off_node",
+        "bytes_off_rank",
+        "bytes_off_node",
+        "replicas",
+    )
 
     def __init__(self, me: int, nodes: list[int]) -> None:
         self.me, self.nodes = me, list(nodes)
@@ -53,6 +62,10 @@ class TrafficMeter:
         off_rank, off_node = self._split(per_peer)
         self.totals["bytes_off_rank"] += off_rank * row_bytes
         self.totals["bytes_off_node"] += off_node * row_bytes
+
+    def add_replicas(self, count: int) -> None:
+        """``count`` shadow experts' weights received from their owners."""
+        self.totals["replicas"] += count
 
     def take(self) -> list[int]:
         """The totals in :attr:`FIELDS` order since the last call; resets them."""

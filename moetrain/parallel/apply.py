@@ -35,7 +35,7 @@ def checkpoint_blocks(model: nn.Module) -> int:
 
 def apply_parallelism(model: nn.Module, cfg: ParallelConfig, topology: Topology) -> nn.Module:
     """Make ``model`` ready for the DeepSpeed engine on ``topology`` (in place; returned)."""
-    apply_expert_parallel(model, topology)
+    apply_expert_parallel(model, topology, cfg.shadow_experts)
     mark_experts_for_deepspeed(model, topology)
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)

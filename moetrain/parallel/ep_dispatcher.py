@@ -40,6 +40,7 @@ from moetrain.parallel.all_to_all import (
     finish_all_to_all_v,
     start_all_to_all_v,
 )
+from moetrain.parallel.shadow_experts import gather_counts, plan_shadows, replicate, virtual_ids
 
 
 def true_indices(mask: Tensor, count: int) -> Tensor:
@@ -60,6 +61,7 @@ class _Context:
     num_tokens: int
     top_k: int
     dropped: Tensor  # copies this rank's experts dropped (int64, 0-dim)
+    expert_weights: tuple[Tensor, Tensor] | None = None  # with shadows: this rank's + replicas
 
 
 class AllToAllDispatcher:
@@ -69,6 +71,11 @@ class AllToAllDispatcher:
     experts compute, grouped by local expert; ``combine(y_ND, ctx) -> y_TD``. ``nodes``: the
     node of each EP rank (default: one node), for :attr:`traffic`, a
     :class:`~moetrain.parallel.all_to_all.TrafficMeter` of what this rank sends.
+    ``max_shadows`` > 0 (dropless routing only): up to that many of each forward's most loaded
+    experts are replicated from ``experts`` (the layer's
+    :class:`~moetrain.model.moe.experts.GroupedExperts`) onto every EP rank
+    (:mod:`moetrain.parallel.shadow_experts`); counts_L then also counts the replicas' copies,
+    after the L local experts, and ``ctx.expert_weights`` holds the weights to compute with.
     """
 
     def __init__(
@@ -78,13 +85,18 @@ class AllToAllDispatcher:
         ep_rank: int,
         group: Any,
         nodes: list[int] | None = None,
+        experts: Any = None,
+        max_shadows: int = 0,
     ) -> None:
+        if max_shadows and experts is None:
+            raise ValueError("shadow experts need the layer's experts to replicate")
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.ep_rank = ep_rank
         self.num_local = num_experts // ep_size
         self.group = group
         self.traffic = TrafficMeter(ep_rank, nodes if nodes is not None else [0] * ep_size)
+        self.experts, self.max_shadows = experts, max_shadows
 
     def dispatch(
         self, x_TD: Tensor, routes: Routes, overlap: Overlap = None
@@ -93,6 +105,10 @@ class AllToAllDispatcher:
         T, K = ids_TK.shape
         P, L, E = self.ep_size, self.num_local, self.num_experts
         J, dev = min(K, P), ids_TK.device
+        shadows = self._plan_shadows(ids_TK, routes)
+        if shadows:  # the same exchange over L + S slots per rank
+            ids_TK = virtual_ids(ids_TK, shadows, L, P, self.ep_rank)
+            L, E = L + len(shadows), P * (L + len(shadows))
         dest_TK = torch.div(ids_TK, L, rounding_mode="floor")
         used = torch.zeros(P * T, dtype=torch.bool, device=dev)  # (destination, token) pairs
         used[(dest_TK * T + torch.arange(T, device=dev).unsqueeze(1)).reshape(-1)] = True
@@ -132,7 +148,7 @@ class AllToAllDispatcher:
         copy_N = torch.argsort(local_flat, stable=True)[:num_copies]
         counts_L = copies_L
         dropped = 0
-        capacity = expert_capacity(routes.capacity_factor, group_tokens, K, E)
+        capacity = expert_capacity(routes.capacity_factor, group_tokens, K, self.num_experts)
         if capacity is not None:  # same graph on every rank, whether it drops or not
             expert_N = torch.repeat_interleave(
                 torch.arange(L, device=dev), copies_L, output_size=num_copies
@@ -152,7 +168,24 @@ class AllToAllDispatcher:
             K,
             torch.full((), dropped, dtype=torch.int64, device=dev),
         )
+        if self._shadowing(routes):
+            ctx.expert_weights = replicate(
+                self.experts.w13, self.experts.w2, shadows, self.num_local, self.group, self.traffic
+            )
         return x_ND, w_N, counts_L, ctx
+
+    def _shadowing(self, routes: Routes) -> bool:
+        return self.max_shadows > 0 and routes.capacity_factor <= 0
+
+    def _plan_shadows(self, ids_TK: Tensor, routes: Routes) -> list[int]:
+        """This forward's shadowed experts (the same on every EP rank); none when off or when
+        a capacity factor drops copies."""
+        if not self._shadowing(routes):
+            return []
+        counts = gather_counts(count_experts(ids_TK, self.num_experts), self.group)
+        shadows = plan_shadows(counts, self.num_local, self.max_shadows)
+        self.traffic.add_replicas(sum(e // self.num_local != self.ep_rank for e in shadows))
+        return shadows
 
     def combine(self, y_ND: Tensor, ctx: _Context, overlap: Overlap = None) -> Tensor:
         rows_in = sum(ctx.recv_splits)

@@ -5,7 +5,8 @@ model or, as the trainer does, only its own experts via ``Transformer(..., local
 - slices each MoE layer's stacked expert weights to this rank's experts ``[ep_rank*L, +L)``
   when they are still the full set,
 - replaces ``layer.dispatcher`` with :class:`~moetrain.parallel.ep_dispatcher.AllToAllDispatcher`
-  (when ``ep_size > 1``), which knows the node of each EP rank for its traffic counts,
+  (when ``ep_size > 1``), which knows the node of each EP rank for its traffic counts and
+  replicates up to ``shadow_experts`` hot experts per forward (``parallel.shadow_experts``),
 - sets ``router.stats_reducer`` to a no-grad sum over every rank (the global scopes of the
   load-balancing loss).
 """
@@ -57,7 +58,9 @@ def slice_experts(experts: nn.Module, start: int, stop: int) -> None:
     experts.num_local_experts = stop - start
 
 
-def apply_expert_parallel(model: nn.Module, topology: Topology) -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module, topology: Topology, shadow_experts: int = 0
+) -> nn.Module:
     """Make a single-device model expert-parallel on ``topology`` (in place; returned).
 
     Its MoE layers hold either every expert or exactly this rank's ones.
@@ -82,6 +85,8 @@ def apply_expert_parallel(model: nn.Module, topology: Topology) -> nn.Module:
                 topology.ep_rank,
                 topology.ep_group,
                 nodes=topology.ep_nodes(),
+                experts=experts,
+                max_shadows=shadow_experts,
             )
         if topology.world_size > 1:
             layer.router.stats_reducer = global_sum_reducer()

@@ -42,6 +42,13 @@ def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
             "partition each expert's weights across ranks that hold different experts)"
         )
     check_experts_divisible(cfg.moe.num_experts, p.ep_size)
+    if p.shadow_experts and cfg.moe.capacity_factor > 0:
+        raise ConfigError(
+            f"parallel.shadow_experts: needs dropless routing (moe.capacity_factor=0); got "
+            f"moe.capacity_factor={cfg.moe.capacity_factor}. A capacity drops copies over every "
+            "copy an expert receives, and a shadowed expert's copies are computed where they "
+            "come from; set parallel.shadow_experts=0 or moe.capacity_factor=0"
+        )
     if p.zero_stage == 0 and t.precision != "fp32":
         raise ConfigError(
             f"parallel.zero_stage: stage 0 supports train.precision=fp32 only; got "

@@ -185,13 +185,14 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
 
             ds_norm.append(float(clip_grad_norm_(tr.model.parameters(), max_norm=float("inf"))))
 
-    losses, norms, dropped = [], [], 0.0
+    losses, norms, dropped, replicas = [], [], 0.0, 0.0
     for step in range(STEPS):
         micro = [rank_slice(b, rank, world) for b in global_batches(step)]
         rec = trainer.train_step(micro, before_step=capture if step == 0 else None)
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
         dropped += sum(v["dropped"] for v in rec["moe_layers"].values())
+        replicas += rec.get("comm/a2a_replicas", 0.0)
     lo, hi = topo.local_experts(cfg.moe.num_experts)
     result = {
         "losses": losses,
@@ -202,6 +203,7 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
         "ds_moe": bool(trainer.engine.has_moe_layers),
         "deepspeed_stage0_norm": ds_norm[0] if ds_norm else None,
         "dropped": dropped,
+        "replicas": replicas,
     }
     del trainer
     return result
@@ -209,7 +211,8 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
 
 def layout_key(layout: tuple) -> str:
     """``(ep, stage)`` -> ``ep2_zero1``; more items name a variant: ``"ckpt"`` (activation
-    checkpointing), ``"overlap"`` (DeepSpeed's overlap_comm) or a key of :data:`VARIANTS`."""
+    checkpointing), ``"overlap"`` (DeepSpeed's overlap_comm), ``"shadow"`` (up to 2 shadow
+    experts per layer) or a key of :data:`VARIANTS`."""
     return "_".join([f"ep{layout[0]}", f"zero{layout[1]}", *layout[2:]])
 
 
@@ -240,6 +243,8 @@ def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
             extra["moe.recompute_act"] = True
         if "overlap" in variant:
             extra["parallel.overlap_comm"] = True
+        if "shadow" in variant:
+            extra["parallel.shadow_experts"] = 2
         for name in variant:
             extra.update(VARIANTS.get(name, {}))
         cfg = parity_config(world, ep, stage, **extra)

@@ -3,7 +3,9 @@
 Layouts (same global batch, seed, accumulation 2, clipping active every step):
 world 1 (DeepSpeed, ZeRO 0/2), dp=2 (world 2, ep 1), dp=1 x ep=2 (world 2), dp=2 x ep=2
 (world 4), each for ZeRO stages 0, 1, 2 where listed, and dp=1 x ep=2 ZeRO-2 with activation
-checkpointing (blocks recomputed in backward, all-to-alls included), and dp=2 ZeRO-2 with
+checkpointing (blocks recomputed in backward, all-to-alls included), dp=1 x ep=2 ZeRO-1 and
+dp=2 x ep=2 ZeRO-2 with shadow experts (hot experts replicated per forward onto every EP rank;
+with recompute at ZeRO-1, where the replication runs again in backward), and dp=2 ZeRO-2 with
 DeepSpeed's overlap_comm (on CPU the engine's reduction stream is a no-op, so this proves the
 configuration path, not the overlap). Two routing variants (``parity_jobs.VARIANTS``) run on
 dp=2, ep=2 and dp=2 x ep=2, which between them use ZeRO stages 0, 1 and 2: ``routing`` (sigmoid scores with the aux-loss-free
@@ -47,12 +49,13 @@ JOBS = {
         (2, 1),
         (2, 2),
         (2, 2, "ckpt"),
+        (2, 1, "shadow", "ckpt"),
         (1, 1, "routing"),
         (2, 0, "routing"),
         (1, 0, "capacity"),
         (2, 1, "capacity"),
     ],
-    4: [(2, 0), (2, 1), (2, 2), (2, 2, "routing"), (2, 2, "capacity")],
+    4: [(2, 0), (2, 1), (2, 2), (2, 2, "routing"), (2, 2, "capacity"), (2, 2, "shadow")],
 }
 LAYOUTS = [(w, lay) for w, lays in JOBS.items() for lay in lays]
 REL = 1e-5
@@ -99,6 +102,15 @@ def test_capacity_variant_drops_and_depends_on_the_groups(results) -> None:
     assert one["dropped"] > 0 and two["dropped"] > 0
     assert one["losses"] != two["losses"]
     assert results[1][0]["reference"]["dropped"] == 0
+
+
+def test_shadow_layouts_replicate_experts(results) -> None:
+    """The shadow layouts' parity is not vacuous: their plans replicated experts."""
+    for world, layout in LAYOUTS:
+        if "shadow" in layout:
+            assert all(res[_key(layout)]["replicas"] > 0 for res in results[world]), layout
+        else:
+            assert all(res[_key(layout)]["replicas"] == 0 for res in results[world]), layout
 
 
 @pytest.mark.parametrize("world,layout", LAYOUTS, ids=[f"w{w}-{_key(la)}" for w, la in LAYOUTS])

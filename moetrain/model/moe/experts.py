@@ -164,8 +164,15 @@ class GroupedExperts(nn.Module):
                     w[e - start].copy_(one_expert)
 
     def forward(
-        self, x_ND: torch.Tensor, counts_L: torch.Tensor, weights_N: torch.Tensor | None = None
+        self,
+        x_ND: torch.Tensor,
+        counts_L: torch.Tensor,
+        weights_N: torch.Tensor | None = None,
+        expert_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``expert_weights``: ``(w13, w2)`` to compute with instead of this module's (shadow
+        experts: its own followed by replicas; ``counts_L`` has one entry per expert in them)."""
+        w13, w2 = expert_weights or (self.w13, self.w2)
         if weights_N is not None:
             weights_N = weights_N.to(x_ND.dtype)
         if not self.use_grouped_mm:
@@ -173,25 +180,34 @@ class GroupedExperts(nn.Module):
         elif x_ND.shape[0] == 0:
             why = "no tokens"
         else:
-            why = grouped_mm_refusal_for(x_ND, self.w13, self.w2)
+            why = grouped_mm_refusal_for(x_ND, w13, w2)
             if why is None:
                 self.path = "grouped_mm"
-                return self._forward_grouped(x_ND, counts_L, weights_N)
+                return self._forward_grouped(x_ND, counts_L, weights_N, w13, w2)
             if x_ND.is_cuda:
                 warnings.warn(f"moetrain experts run one GEMM per expert: {why}", stacklevel=2)
         self.path = f"loop: {why}"
-        return self._forward_loop(x_ND, counts_L, weights_N)
+        return self._forward_loop(x_ND, counts_L, weights_N, w13, w2)
 
     def _forward_grouped(
-        self, x_ND: torch.Tensor, counts_L: torch.Tensor, weights_N: torch.Tensor | None
+        self,
+        x_ND: torch.Tensor,
+        counts_L: torch.Tensor,
+        weights_N: torch.Tensor | None,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
     ) -> torch.Tensor:
         offs_L = torch.cumsum(counts_L, 0, dtype=torch.int32)
-        h_N2F = _gmm(x_ND, self.w13.to(x_ND.dtype), offs_L)
-        w2 = self.w2.to(x_ND.dtype)
-        return _swiglu_down(h_N2F, weights_N, w2, offs_L, self.recompute_act)
+        h_N2F = _gmm(x_ND, w13.to(x_ND.dtype), offs_L)
+        return _swiglu_down(h_N2F, weights_N, w2.to(x_ND.dtype), offs_L, self.recompute_act)
 
     def _forward_loop(
-        self, x_ND: torch.Tensor, counts_L: torch.Tensor, weights_N: torch.Tensor | None
+        self,
+        x_ND: torch.Tensor,
+        counts_L: torch.Tensor,
+        weights_N: torch.Tensor | None,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
     ) -> torch.Tensor:
         # no rows: every count is 0, known without reading them (a host sync on CUDA)
         splits = counts_L.tolist() if x_ND.shape[0] else [0] * counts_L.shape[0]
@@ -199,7 +215,6 @@ class GroupedExperts(nn.Module):
         ws = [None] * len(xs) if weights_N is None else torch.split(weights_N, splits)
         outs = []
         for i, (x_nD, w_n) in enumerate(zip(xs, ws, strict=True)):
-            h_n2F = x_nD @ self.w13[i].to(x_nD.dtype)
-            w2 = self.w2[i].to(x_nD.dtype)
-            outs.append(_swiglu_down(h_n2F, w_n, w2, None, self.recompute_act))
+            h_n2F = x_nD @ w13[i].to(x_nD.dtype)
+            outs.append(_swiglu_down(h_n2F, w_n, w2[i].to(x_nD.dtype), None, self.recompute_act))
         return torch.cat(outs, 0)

@@ -115,7 +115,7 @@ class MoELayer(nn.Module):
         x_ND, w_N, counts_L, ctx = self.dispatcher.dispatch(
             x_TD, routes, overlap=shared.up if overlap else None
         )
-        y_ND = self.experts(x_ND, counts_L, w_N)
+        y_ND = self.experts(x_ND, counts_L, w_N, getattr(ctx, "expert_weights", None))
         y_TD = self.dispatcher.combine(y_ND, ctx, overlap=shared.down if overlap else None)
         if shared is not None:
             y_TD = y_TD + shared.output()
