@@ -40,7 +40,12 @@ from moetrain.parallel.all_to_all import (
     finish_all_to_all_v,
     start_all_to_all_v,
 )
-from moetrain.parallel.shadow_experts import gather_counts, plan_shadows, replicate, virtual_ids
+from moetrain.parallel.shadow_experts import (
+    gather_counts,
+    plan_shadows,
+    start_replication,
+    virtual_ids,
+)
 
 
 def true_indices(mask: Tensor, count: int) -> Tensor:
@@ -61,7 +66,8 @@ class _Context:
     num_tokens: int
     top_k: int
     dropped: Tensor  # copies this rank's experts dropped (int64, 0-dim)
-    expert_weights: tuple[Tensor, Tensor] | None = None  # with shadows: this rank's + replicas
+    # with shadow experts: (w13, w2, rows) groups to compute with (this rank's, the replicas)
+    expert_weights: list[tuple[Tensor, Tensor, int]] | None = None
 
 
 class AllToAllDispatcher:
@@ -75,7 +81,8 @@ class AllToAllDispatcher:
     experts are replicated from ``experts`` (the layer's
     :class:`~moetrain.model.moe.experts.GroupedExperts`) onto every EP rank
     (:mod:`moetrain.parallel.shadow_experts`); counts_L then also counts the replicas' copies,
-    after the L local experts, and ``ctx.expert_weights`` holds the weights to compute with.
+    after the L local experts, and ``ctx.expert_weights`` holds the weights to compute with
+    (this rank's, then the replicas', each group with its rows of x_ND).
     """
 
     def __init__(
@@ -106,6 +113,11 @@ class AllToAllDispatcher:
         P, L, E = self.ep_size, self.num_local, self.num_experts
         J, dev = min(K, P), ids_TK.device
         shadows = self._plan_shadows(ids_TK, routes)
+        replication = None
+        if self._shadowing(routes):  # broadcasts in flight during the exchanges
+            replication = start_replication(
+                self.experts.w13, self.experts.w2, shadows, self.num_local, self.group, self.traffic
+            )
         if shadows:  # the same exchange over L + S slots per rank
             ids_TK = virtual_ids(ids_TK, shadows, L, P, self.ep_rank)
             L, E = L + len(shadows), P * (L + len(shadows))
@@ -168,10 +180,9 @@ class AllToAllDispatcher:
             K,
             torch.full((), dropped, dtype=torch.int64, device=dev),
         )
-        if self._shadowing(routes):
-            ctx.expert_weights = replicate(
-                self.experts.w13, self.experts.w2, shadows, self.num_local, self.group, self.traffic
-            )
+        if replication is not None:
+            own_rows = sum(sizes[3 * P : 3 * P + self.num_local])
+            ctx.expert_weights = replication.finish(own_rows, num_copies)
         return x_ND, w_N, counts_L, ctx
 
     def _shadowing(self, routes: Routes) -> bool:

@@ -80,8 +80,10 @@ def virtual_ids(ids_TK: Tensor, shadows: list[int], num_local: int, ep_size: int
 
 
 class _Replicate(torch.autograd.Function):
-    """``(w13_L, w2_L) -> (w13, w2)`` with the ``shadows``' weights appended after this rank's
-    own (broadcast by their owners); backward reduces each replica's gradient to its owner.
+    """``(w13_L, w2_L) -> (w13_L, w2_L, w13_S, w2_S)``: this rank's weights passed through, and
+    the ``shadows``' weights, whose broadcasts from their owners are launched here and waited
+    for by :meth:`Replication.finish`; backward reduces each replica's gradient to its owner
+    and adds it to the owner's.
 
     It runs even when a plan is empty, so the expert weights' gradients come from the same
     autograd node in every EP group: DeepSpeed's ZeRO-2 hooks fill their reduce buckets in the
@@ -89,34 +91,31 @@ class _Replicate(torch.autograd.Function):
     (EP groups plan their shadows apart)."""
 
     @staticmethod
-    def forward(ctx, w13_L, w2_L, shadows, num_local, group, meter):  # noqa: ANN001, ANN205
+    def forward(ctx, w13_L, w2_L, shadows, num_local, group, meter, works):  # noqa: ANN001, ANN205
         me, size = dist.get_rank(group), dist.get_world_size(group)
         ctx.shadows, ctx.num_local, ctx.group, ctx.meter = shadows, num_local, group, meter
-        if not shadows:
-            return w13_L.view_as(w13_L), w2_L.view_as(w2_L)
-        outs = []
+        replicas = []
         for w in (w13_L, w2_L):
-            out = w.new_empty((num_local + len(shadows), *w.shape[1:]))
-            out[:num_local] = w
+            out = w.new_empty((len(shadows), *w.shape[1:]))
             for s, e in enumerate(shadows):
                 owner, local = divmod(e, num_local)
                 if owner == me:
-                    out[num_local + s] = w[local]
+                    out[s] = w[local]
                     if meter is not None:
                         meter.add_bytes([1] * size, w[local].numel() * w.element_size())
-                dist.broadcast(out[num_local + s], group=group, group_src=owner)
-            outs.append(out)
-        return tuple(outs)
+                works.append(dist.broadcast(out[s], group=group, group_src=owner, async_op=True))
+            replicas.append(out)
+        return w13_L.view_as(w13_L), w2_L.view_as(w2_L), *replicas
 
     @staticmethod
-    def backward(ctx, g13, g2):  # noqa: ANN001, ANN205
+    def backward(ctx, g13, g2, g13_S, g2_S):  # noqa: ANN001, ANN205
         me, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        L, grads = ctx.num_local, []
-        for g in (g13, g2):
-            own, owns_copy = g[:L], False
+        grads = []
+        for own, g_S in ((g13, g13_S), (g2, g2_S)):
+            owns_copy = False
             for s, e in enumerate(ctx.shadows):
-                owner, local = divmod(e, L)
-                part = g[L + s].contiguous()
+                owner, local = divmod(e, ctx.num_local)
+                part = g_S[s].contiguous()
                 if owner != me and ctx.meter is not None:
                     ctx.meter.add_bytes(
                         [int(r == owner) for r in range(size)], part.numel() * part.element_size()
@@ -127,18 +126,39 @@ class _Replicate(torch.autograd.Function):
                         own, owns_copy = own.clone(), True
                     own[local] += part
             grads.append(own)
-        return grads[0], grads[1], None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None
 
 
-def replicate(
+class Replication:
+    """The replication of one forward's shadows, started by :func:`start_replication`."""
+
+    def __init__(self, outputs: tuple[Tensor, ...], works: list[Any]) -> None:
+        self.outputs, self.works = outputs, works
+
+    def finish(self, own_rows: int, rows: int) -> list[tuple[Tensor, Tensor, int]]:
+        """Wait for the broadcasts -> the expert groups to compute with, each with its number
+        of the ``rows`` rows: ``[(w13_L, w2_L, own_rows), (w13_S, w2_S, rows - own_rows)]``
+        (the replicas' group left out when there are none)."""
+        for work in self.works:
+            work.wait()
+        w13, w2, w13_S, w2_S = self.outputs
+        groups = [(w13, w2, own_rows)]
+        if w13_S.shape[0]:
+            groups.append((w13_S, w2_S, rows - own_rows))
+        return groups
+
+
+def start_replication(
     w13_L: Tensor,
     w2_L: Tensor,
     shadows: list[int],
     num_local: int,
     group: Any,
     meter: TrafficMeter | None = None,
-) -> tuple[Tensor, Tensor]:
-    """This rank's stacked expert weights followed by the replicas of ``shadows`` (global
-    expert ids): ``(L + S, D, 2F)`` and ``(L + S, F, D)``; differentiable into every owner's
-    weights. ``meter`` counts the bytes each rank sends for them."""
-    return _Replicate.apply(w13_L, w2_L, shadows, num_local, group, meter)
+) -> Replication:
+    """Launch the broadcasts of ``shadows``' weights (global expert ids) from their owners;
+    differentiable into every owner's weights. ``meter`` counts the bytes each rank sends for
+    them, forward and backward."""
+    works: list[Any] = []
+    outputs = _Replicate.apply(w13_L, w2_L, shadows, num_local, group, meter, works)
+    return Replication(outputs, works)

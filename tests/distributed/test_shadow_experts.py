@@ -95,7 +95,7 @@ def test_shadows_match_local_dispatcher(results: list[dict], case: str) -> None:
 
 
 def test_hot_expert_is_computed_where_its_copies_come_from(results: list[dict]) -> None:
-    for rank, res in enumerate(results):
+    for res in results:
         off, on = res["off"], res["grouped"]
         assert len(off["counts"]) == E // 2
         assert len(on["counts"]) > E // 2  # this rank's experts, then the replicas

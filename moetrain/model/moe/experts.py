@@ -168,11 +168,29 @@ class GroupedExperts(nn.Module):
         x_ND: torch.Tensor,
         counts_L: torch.Tensor,
         weights_N: torch.Tensor | None = None,
-        expert_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+        expert_weights: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None,
     ) -> torch.Tensor:
-        """``expert_weights``: ``(w13, w2)`` to compute with instead of this module's (shadow
-        experts: its own followed by replicas; ``counts_L`` has one entry per expert in them)."""
-        w13, w2 = expert_weights or (self.w13, self.w2)
+        """``expert_weights``: ``[(w13, w2, rows), ...]``, stacked weights to compute with
+        instead of this module's, in groups (shadow experts: this rank's own, then replicas);
+        each group's experts take the next entries of ``counts_L`` and the next ``rows`` rows."""
+        if expert_weights is None:
+            return self._compute(x_ND, counts_L, weights_N, self.w13, self.w2)
+        outs, row, col = [], 0, 0
+        for w13, w2, rows in expert_weights:
+            n, part = w13.shape[0], slice(row, row + rows)
+            w_n = None if weights_N is None else weights_N[part]
+            outs.append(self._compute(x_ND[part], counts_L[col : col + n], w_n, w13, w2))
+            row, col = row + rows, col + n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _compute(
+        self,
+        x_ND: torch.Tensor,
+        counts_L: torch.Tensor,
+        weights_N: torch.Tensor | None,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> torch.Tensor:
         if weights_N is not None:
             weights_N = weights_N.to(x_ND.dtype)
         if not self.use_grouped_mm:
@@ -185,7 +203,7 @@ class GroupedExperts(nn.Module):
                 self.path = "grouped_mm"
                 return self._forward_grouped(x_ND, counts_L, weights_N, w13, w2)
             if x_ND.is_cuda:
-                warnings.warn(f"moetrain experts run one GEMM per expert: {why}", stacklevel=2)
+                warnings.warn(f"moetrain experts run one GEMM per expert: {why}", stacklevel=3)
         self.path = f"loop: {why}"
         return self._forward_loop(x_ND, counts_L, weights_N, w13, w2)
 
