@@ -36,12 +36,15 @@ def _biases(trainer: Any) -> list[torch.Tensor]:
 # ----------------------------------------------------------------------------- layout parity
 
 
-def bf16_run(rank: int, world: int, ep: int, stage: int, steps: int = STEPS) -> dict[str, Any]:
-    """``steps`` bf16 steps of the parity model at (world, ep, stage); losses, norms, the first
-    step's reduced gradients (fp32, full), biases and a record of the numerics that ran."""
+def bf16_run(
+    rank: int, world: int, ep: int, stage: int, steps: int = STEPS, **extra: Any
+) -> dict[str, Any]:
+    """``steps`` bf16 steps of the parity model at (world, ep, stage) (``extra``: more dotted
+    settings); losses, norms, the first step's reduced gradients (fp32, full), biases and a
+    record of the numerics that ran."""
     from deepspeed.utils import safe_get_full_grad
 
-    cfg = parity_config(world, ep, stage, **BF16)
+    cfg = parity_config(world, ep, stage, **BF16, **extra)
     trainer = _trainer(cfg)
     grads: dict[str, torch.Tensor] = {}
     outs: list[Any] = []
@@ -60,14 +63,16 @@ def bf16_run(rank: int, world: int, ep: int, stage: int, steps: int = STEPS) -> 
         return out
 
     trainer.forward = forward_and_keep
-    losses, norms = [], []
+    losses, norms, replicas = [], [], 0.0
     for step in range(steps):
         micro = [rank_slice(b, rank, world) for b in global_batches(step)]
         rec = trainer.train_step(micro, before_step=capture if step == 0 else None)
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
+        replicas += rec.get("comm/a2a_replicas", 0.0)
     out = outs[0]
     result = {
+        "replicas": replicas,
         "losses": losses,
         "norms": norms,
         "grads": grads,
@@ -88,21 +93,32 @@ def bf16_run(rank: int, world: int, ep: int, stage: int, steps: int = STEPS) -> 
 
 
 def bf16_layouts_job(
-    rank: int, world: int, layouts: list[tuple[int, int]], repeat: bool = False
+    rank: int, world: int, layouts: list[tuple], repeat: bool = False
 ) -> dict[str, Any]:
-    """:func:`bf16_run` for every ``(ep, stage)`` in ``layouts`` on this process group; with
+    """:func:`bf16_run` for every ``(ep, stage[, "shadow"])`` in ``layouts`` on this process
+    group (``"shadow"``: up to 2 shadow experts per layer), keyed by :func:`bf16_key`; with
     ``repeat`` the last layout twice (a repeat must give identical losses)."""
     out: dict[str, Any] = {}
-    for ep, stage in layouts:
-        out[f"ep{ep}_zero{stage}"] = bf16_run(rank, world, ep, stage)
+    for layout in layouts:
+        out[bf16_key(layout)] = _bf16_layout_run(rank, world, layout)
     if repeat:
-        ep, stage = layouts[-1]
-        out["repeat"] = bf16_run(rank, world, ep, stage)
+        out["repeat"] = _bf16_layout_run(rank, world, layouts[-1])
     if world == 1:
         from tests.distributed.parity_jobs import reference_run
 
         out["fp32_reference"] = reference_run()
     return out
+
+
+def bf16_key(layout: tuple) -> str:
+    """``(ep, stage[, "shadow"])`` -> ``ep2_zero1`` or ``ep2_zero2_shadow``."""
+    return "_".join([f"ep{layout[0]}", f"zero{layout[1]}", *layout[2:]])
+
+
+def _bf16_layout_run(rank: int, world: int, layout: tuple) -> dict[str, Any]:
+    ep, stage, *variant = layout
+    extra = {"parallel.shadow_experts": 2} if "shadow" in variant else {}
+    return bf16_run(rank, world, ep, stage, **extra)
 
 
 # ----------------------------------------------------------------------------- skipped steps

@@ -1,8 +1,9 @@
 """bf16 proven like fp32, through the real DeepSpeed engine on gloo ranks (parity model and
 synthetic global batches of tests/distributed/parity_jobs.py: accumulation 2, clipping active).
 
-Layout parity in bf16 (world 1 vs dp2 vs ep2 vs dp2 x ep2, ZeRO-1 and ZeRO-2; stage 0 refuses
-bf16, tests/unit/test_topology.py): the reference is the world-1 ZeRO-1 bf16 run. What must be
+Layout parity in bf16 (world 1 vs dp2 vs ep2 vs dp2 x ep2, ZeRO-1 and ZeRO-2, and ep2 ZeRO-2 with
+shadow experts; stage 0 refuses bf16, tests/unit/test_topology.py): the reference is the
+world-1 ZeRO-1 bf16 run. What must be
 exact is exact: the first step's loss (every layout computes each token's forward from the
 same bf16 weights; only the fp32 sum over tokens changes order), the aux-loss-free bias on every
 rank (bit for bit), a repeated run (bit for bit). What bf16 rounds is held to a bound argued
@@ -37,6 +38,7 @@ from tests.distributed.parity_jobs import STEPS
 from tests.distributed.precision_jobs import (
     CURVE_STEPS,
     accumulation_job,
+    bf16_key,
     bf16_layouts_job,
     curve_job,
     loss_scale_job,
@@ -48,9 +50,13 @@ from tests.helpers.distributed import run_distributed_concurrently
 pytestmark = pytest.mark.slow
 
 U = 2.0**-8  # bf16 unit roundoff
-JOBS = {1: [(1, 1), (1, 2)], 2: [(1, 1), (1, 2), (2, 1), (2, 2)], 4: [(2, 1), (2, 2)]}
+JOBS = {
+    1: [(1, 1), (1, 2)],
+    2: [(1, 1), (1, 2), (2, 1), (2, 2), (2, 2, "shadow")],
+    4: [(2, 1), (2, 2), (2, 2, "shadow")],
+}
 # the default suite's share (the rest, and the 60-step curve, with -m long)
-QUICK_JOBS = {1: [(1, 1)], 2: [(2, 1), (2, 2)]}
+QUICK_JOBS = {1: [(1, 1)], 2: [(2, 1), (2, 2), (2, 2, "shadow")]}
 LAYOUTS = [
     pytest.param(w, lay, marks=() if lay in QUICK_JOBS.get(w, []) else pytest.mark.long)
     for w, lays in JOBS.items()
@@ -62,8 +68,8 @@ ACCUM_CASES = [(1, "fp32"), (2, "fp32"), (2, "bf16")]  # the last: the control
 LIMIT = 5
 
 
-def _key(layout: tuple[int, int]) -> str:
-    return f"ep{layout[0]}_zero{layout[1]}"
+def _key(layout: tuple) -> str:
+    return bf16_key(layout)
 
 
 def _rel(a: list[float], b: list[float]) -> torch.Tensor:
@@ -135,6 +141,7 @@ def test_bf16_really_ran_with_the_policy(runs, reference, fp32_gap) -> None:
 def test_bf16_layout_matches_world_one(runs, reference, fp32_gap, world, layout) -> None:
     for rank, res in enumerate(runs["layouts"][world]):
         run = res[_key(layout)]
+        assert (run["replicas"] > 0) == ("shadow" in layout), run["replicas"]
         losses = _rel(run["losses"], reference["losses"])
         assert losses[0] < 1e-6, (rank, float(losses[0]))  # same bf16 weights, same tokens
         assert float(losses.max()) <= 2 * fp32_gap["losses"], (rank, run["losses"])
