@@ -66,7 +66,9 @@ def gather_counts(counts_E: Tensor, group: Any) -> list[list[int]]:
     return out.view(size, -1).tolist()
 
 
-def virtual_ids(ids_TK: Tensor, shadows: list[int], num_local: int, ep_size: int, me: int) -> Tensor:
+def virtual_ids(
+    ids_TK: Tensor, shadows: list[int], num_local: int, ep_size: int, me: int
+) -> Tensor:
     """Expert ids in the layout with shadows: each rank holds ``num_local + len(shadows)`` slots,
     its experts then the replicas; a copy of a shadowed expert goes to replica ``s`` on its own
     rank (``me``), any other to its owner's slot."""
@@ -74,8 +76,10 @@ def virtual_ids(ids_TK: Tensor, shadows: list[int], num_local: int, ep_size: int
     table = [(e // num_local) * slots + e % num_local for e in range(num_local * ep_size)]
     for s, e in enumerate(shadows):
         table[e] = me * slots + num_local + s
-    return torch.tensor(table, device=ids_TK.device).index_select(0, ids_TK.reshape(-1)).view_as(
-        ids_TK
+    return (
+        torch.tensor(table, device=ids_TK.device)
+        .index_select(0, ids_TK.reshape(-1))
+        .view_as(ids_TK)
     )
 
 
