@@ -173,16 +173,22 @@ def activation_bytes(cfg: Config, tokens: int, checkpointing: bool, act_bytes: i
 
     Without checkpointing: every layer's saved tensors + the head + the loss's transient. With
     checkpointing of every block: each block keeps only its input ``aD``; the peak is those plus
-    the larger of (head + loss transient) and one block's recomputed set.
+    the larger of (head + loss transient) and one block's recomputed set. Shadow experts
+    (``parallel.shadow_experts`` under expert parallelism) add, per MoE layer whose saved set is
+    alive, the most replicas' weights its experts keep for backward (``3aDF`` each).
     """
-    n = cfg.model.n_layers
+    m, e, n = cfg.model, cfg.moe, cfg.model.n_layers
     layers = [activation_bytes_per_token(cfg, i, act_bytes) for i in range(n)]
     head = tokens * head_bytes_per_token(cfg, act_bytes)
     head += loss_transient_bytes(cfg, tokens, act_bytes)
+    replicas = 0
+    if cfg.parallel.ep_size > 1:
+        replicas = cfg.parallel.shadow_experts * 3 * act_bytes * m.d_model * e.expert_hidden
+    moe_layers = len(e.moe_layers(n))
     if not checkpointing:
-        return tokens * sum(layers) + head
-    kept = n * act_bytes * cfg.model.d_model
-    return tokens * kept + max(head, tokens * max(layers, default=0))
+        return tokens * sum(layers) + head + moe_layers * replicas
+    kept = n * act_bytes * m.d_model
+    return tokens * kept + max(head, tokens * max(layers, default=0) + replicas)
 
 
 @dataclass

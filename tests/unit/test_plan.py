@@ -95,6 +95,18 @@ def test_fp32_world_one_and_offload() -> None:
     assert off.optimizer_cpu_bytes == pytest.approx(12 * d2, abs=2)
 
 
+def test_shadow_experts_add_their_replicas_to_activations() -> None:
+    """Each MoE layer keeps up to ``parallel.shadow_experts`` replicas' weights (3 D F values)
+    for backward under expert parallelism; one layer's worth with checkpointing; none at EP 1."""
+    base = {"parallel__ep_size": 2, "train__precision": "bf16"}
+    off, on = (plan(_small(**base, parallel__shadow_experts=s), 4, "h200") for s in (0, 2))
+    replicas = 2 * 3 * 2 * 64 * 96  # shadows x (w1, w3, w2) x bf16 bytes x D x F
+    assert on.activations_no_ckpt_bytes - off.activations_no_ckpt_bytes == 2 * replicas
+    assert on.activations_ckpt_bytes - off.activations_ckpt_bytes in (0, replicas)
+    one = _small(parallel__shadow_experts=2)  # EP 1: nothing is replicated
+    assert plan(one, 4, "h200").activations_bytes == plan(_small(), 4, "h200").activations_bytes
+
+
 def test_speed_follows_peak_mfu_and_flops() -> None:
     cfg = _small(train__precision="bf16", train__grad_accum_steps=4)
     pl = plan(cfg, gpus=4, gpu="h200", mfu=0.5)
