@@ -130,15 +130,21 @@ TILE_ROWS = 128
 """Rows of each expert GEMM call: oneDNN builds (JIT-compiles) a kernel per GEMM shape and
 keeps it, while an expert's row count changes every step. Calls of exactly this many rows
 (the last of a group reads past the group's end, or back into it, and drops the extra rows;
-weight gradients sum zero-padded pieces) keep the shapes few and the kernels reused."""
+fewer rows than a tile in all are padded with zeros to one; weight gradients sum zero-padded
+pieces) keep the shapes few and the kernels reused."""
 
 
 def _rows_by_tiles(
     a_NK: torch.Tensor, w_OK: torch.Tensor, out_NO: torch.Tensor, s: int, e: int
 ) -> None:
-    """``out_NO[s:e] = a_NK[s:e] @ w_OK.T`` in calls of ``TILE_ROWS`` rows of ``a_NK``."""
+    """``out_NO[s:e] = a_NK[s:e] @ w_OK.T`` in calls of ``TILE_ROWS`` rows of ``a_NK`` (zero
+    rows appended when it has fewer)."""
     n_all = a_NK.shape[0]
-    tile = min(TILE_ROWS, n_all)
+    if n_all < TILE_ROWS:
+        padded = a_NK.new_zeros(TILE_ROWS, a_NK.shape[1])
+        padded[:n_all] = a_NK
+        a_NK, n_all = padded, TILE_ROWS
+    tile = TILE_ROWS
     p = s
     while p < e:
         window = min(p, n_all - tile)
