@@ -140,12 +140,12 @@ def _bare_step(phases: Phases, steps: int, overrides: list[str]) -> None:
     from moetrain.config import load_config
     from moetrain.data.loader import build_loader
     from moetrain.parallel.topology import init_distributed, shutdown
-    from moetrain.train.host_allocator import tune_host_allocator
+    from moetrain.train.loop import set_up_process
     from moetrain.train.trainer import Trainer
 
     phases.mark("imports")
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", overrides)
-    tune_host_allocator(cfg.train.host_allocator)  # the process setting the command makes
+    set_up_process(cfg)  # what the command sets for its process
     topo = init_distributed(cfg)
     phases.mark("process groups")
     loader = build_loader(

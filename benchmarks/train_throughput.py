@@ -84,9 +84,11 @@ def _batches(rank: int, world: int, n: int, shape: dict = SHAPE):
 
 
 def moetrain_trainer(ep: int, overrides: list[str], shape: dict = SHAPE):
-    """moetrain's Trainer at ``shape`` (call inside an initialised process group)."""
+    """moetrain's Trainer at ``shape`` (call inside an initialised process group), in a process
+    set up as ``moetrain train`` sets up its own (CPU matmul kernel, glibc's allocator)."""
     from moetrain.config import load_config
     from moetrain.parallel.topology import init_distributed
+    from moetrain.train.loop import set_up_process
     from moetrain.train.trainer import Trainer
 
     s = shape
@@ -118,6 +120,7 @@ def moetrain_trainer(ep: int, overrides: list[str], shape: dict = SHAPE):
             *overrides,
         ],
     )
+    set_up_process(cfg)
     return Trainer(cfg, init_distributed(cfg))
 
 

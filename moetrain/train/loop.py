@@ -55,6 +55,18 @@ def _write_run_files(cfg: Config, trainer: Trainer) -> None:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(redact(cfg.to_dict()), sort_keys=False))
 
 
+def set_up_process(cfg: Config) -> str | None:
+    """What ``moetrain train`` sets for its process before anything else: threads per rank, the
+    CPU matmul kernel and, on a CPU-only machine, glibc's allocator (before any process group
+    starts its threads). -> the allocator's note for the console, if any."""
+    if cfg.train.threads_per_rank:
+        torch.set_num_threads(cfg.train.threads_per_rank)
+    use_cpu_matmul(cfg.train.cpu_matmul)
+    if torch.cuda.is_available():
+        return None
+    return tune_host_allocator(cfg.train.host_allocator)
+
+
 def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     """Train ``cfg``; returns a summary dict.
 
@@ -64,12 +76,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     """
     from moetrain.data.loader import build_loader
 
-    if cfg.train.threads_per_rank:
-        torch.set_num_threads(cfg.train.threads_per_rank)
-    use_cpu_matmul(cfg.train.cpu_matmul)
-    allocator_note = None
-    if not torch.cuda.is_available():  # before any process group starts its threads
-        allocator_note = tune_host_allocator(cfg.train.host_allocator)
+    allocator_note = set_up_process(cfg)
     topo: Topology | None = None
     monitor: RunMonitor | None = None
     stop = StopSignal().install()

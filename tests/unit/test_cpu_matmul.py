@@ -210,3 +210,17 @@ def test_a_model_trains_the_same_on_both_kernels(kernel) -> None:
     assert grads_o.keys() == grads_t.keys()
     for name in grads_t:
         torch.testing.assert_close(grads_o[name], grads_t[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_process_set_up_applies_the_configured_kernel(kernel):
+    """What ``moetrain train`` sets for its process (and the in-process benchmarks reuse):
+    ``train.cpu_matmul`` reaches the kernel choice."""
+    from moetrain.config import load_config
+    from moetrain.model.cpu_matmul import cpu_matmul_choice
+    from moetrain.train.loop import set_up_process
+
+    for choice in ("torch", "onednn"):
+        set_up_process(
+            load_config(None, [f"train.cpu_matmul={choice}", "train.host_allocator=system"])
+        )
+        assert cpu_matmul_choice() == choice
