@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/train_throughput.py --cases moetrain --set model.loss_chunk_tokens=0
     .venv/bin/python benchmarks/train_throughput.py --shape vocab32k   # another shape (below)
     .venv/bin/python benchmarks/train_throughput.py --shape shared --cases moetrain hf-qwen2-moe
+    .venv/bin/python benchmarks/train_throughput.py --world 1 --cases moetrain-ep1 hf-mixtral
 
 Same shape for every case. ``--shape bench`` (the default, the targets'
 shape): vocab 8192, d 256, 4 layers, 4 heads, 2 kv heads, 8 experts, top-2, expert hidden
@@ -32,6 +33,10 @@ HF-peer ratio with their median (the peer: hf-mixtral, or hf-qwen2-moe with ``--
 shared``). Memory: peak resident set size of each rank (``ru_maxrss``) and its growth over the
 RSS measured just before the model is built (the part the training state accounts for; imports
 excluded), max over ranks.
+
+``--world 1`` runs each case in one process with the same micro-batch: its step with nothing to
+exchange and no other rank to wait for, the compute a rank of the 2-rank run cannot go below
+(its ratios pair moetrain-ep1 with the peer).
 """
 
 from __future__ import annotations
@@ -252,6 +257,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", nargs="*", default=CASES, choices=CASES + PEER_CASES)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
+    ap.add_argument(
+        "--world",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="ranks; 1 times each case's step with no other rank to exchange with or wait for "
+        "(its compute alone; not the moetrain case, whose EP=2 needs 2 ranks)",
+    )
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument(
         "--set",
@@ -266,11 +279,14 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     from tests.helpers.distributed import run_distributed
 
-    world = 2
+    world = args.world
+    if world == 1 and "moetrain" in args.cases:
+        ap.error("--world 1: the moetrain case runs EP=2, which needs 2 ranks (use moetrain-ep1)")
     tokens_per_step = world * MICRO * SHAPES[args.shape]["seq"]
     best: dict[str, dict] = {}
     peer_case = "hf-qwen2-moe" if "shared_hidden" in SHAPES[args.shape] else "hf-mixtral"
-    paired: list[float] = []  # per round: moetrain / peer tokens/s
+    ours = "moetrain" if "moetrain" in args.cases else "moetrain-ep1"
+    paired: list[float] = []  # per round: moetrain (or moetrain-ep1) / peer tokens/s
     for rnd in range(args.rounds):
         this_round: dict[str, float] = {}
         for case in args.cases:
@@ -293,10 +309,12 @@ def main() -> None:
             this_round[case] = res["tokens_per_s"]
             if case not in best or res["tokens_per_s"] > best[case]["tokens_per_s"]:
                 best[case] = res
-        if "moetrain" in this_round and peer_case in this_round:
-            paired.append(this_round["moetrain"] / this_round[peer_case])
+        if ours in this_round and peer_case in this_round:
+            paired.append(this_round[ours] / this_round[peer_case])
     peer = best.get(peer_case)
-    print("\n| case | tokens/s (2 ranks) | peak RSS / rank (MiB) | RSS growth / rank (MiB) |")
+    print(
+        f"\n| case | tokens/s ({world} ranks) | peak RSS / rank (MiB) | RSS growth / rank (MiB) |"
+    )
     print("|---|---:|---:|---:|")
     for case, r in best.items():
         print(
@@ -315,7 +333,7 @@ def main() -> None:
     if paired:
         rounds = ", ".join(f"{r:.2f}x" for r in paired)
         print(
-            f"moetrain vs {peer_case} per round: {rounds} (median {statistics.median(paired):.2f}x)"
+            f"{ours} vs {peer_case} per round: {rounds} (median {statistics.median(paired):.2f}x)"
         )
     if args.json:
         args.json.write_text(json.dumps(best, indent=2) + "\n")
