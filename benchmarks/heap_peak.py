@@ -17,8 +17,8 @@ heap: every CPU tensor and buffer torch, oneDNN and DeepSpeed allocate with mall
 
 The variants (``--variants``, config overrides, ``""`` for none) alternate for ``--rounds``
 rounds; per variant and figure the median over rounds of the maximum over ranks (the holes:
-each rank's heap size minus its own live peak). The sampling thread takes
-some CPU from the step, so this reports memory only.
+each rank's heap size minus its own live peak). The sampling thread takes some CPU from the
+step, so this reports memory only.
 """
 
 from __future__ import annotations
