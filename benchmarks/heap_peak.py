@@ -9,7 +9,7 @@ thread each, its process set up as ``moetrain train``'s: one glibc arena that ne
 half millisecond and keeps the highest count of bytes handed out and not yet freed (the live
 heap: every CPU tensor and buffer torch, oneDNN and DeepSpeed allocate with malloc). At the end:
 
-- peak RSS (``VmHWM``), what the throughput benchmarks report;
+- peak RSS (``ru_maxrss``, as ``train_throughput.py`` reports it);
 - peak live heap, the most the step had in use at once;
 - heap size (``mallinfo2.arena``): with the heap never trimmed (``train.host_allocator=keep``,
   the default), its high-water mark; minus the peak live heap it is what the allocator's
@@ -59,16 +59,9 @@ def _mallinfo2() -> _MallInfo2:
     return fn()
 
 
-def _peak_rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def heap_job(rank: int, world: int, shape: str, steps: int, overrides: list[str]) -> dict:
     import torch
-    from train_throughput import SHAPES, _batches, moetrain_trainer
+    from train_throughput import SHAPES, _batches, _peak_rss_mib, moetrain_trainer
 
     torch.set_num_threads(1)
     trainer = moetrain_trainer(2, overrides, SHAPES[shape])
