@@ -54,7 +54,7 @@ def batch(cfg, g: torch.Generator) -> list[dict[str, torch.Tensor]]:
 def measure(name: str, overrides: list[str], root: Path) -> dict[str, float]:
     from moetrain.checkpoint.save import Checkpointer
     from moetrain.config import load_config
-    from moetrain.numbers import model_numbers
+    from moetrain.model_numbers import model_numbers
     from moetrain.parallel.topology import init_distributed
     from moetrain.train.trainer import Trainer
 

@@ -5,7 +5,7 @@
 
 One process, fp32, CPU. A small MoE Transformer (moetrain's model, grouped experts) trains with
 torch.optim.AdamW: forward + backward + optimizer step + zero_grad. Model FLOPs per token come
-from ``moetrain.numbers.model_numbers`` (6 x active matmul params + attention; the optimizer's
+from ``moetrain.model_numbers.model_numbers`` (6 x active matmul params + attention; the optimizer's
 element-wise work is not counted). The denominator is the fp32 matmul rate, through the kernel
 the model uses (``moetrain.model.cpu_matmul``, ``--cpu-matmul``: oneDNN by default), measured in
 the same run: first at the GEMM sizes training uses (projections, experts, LM head) and one
@@ -25,7 +25,7 @@ import torch
 
 from moetrain.config import Config, apply_overrides, config_from_dict
 from moetrain.model import Transformer, cpu_matmul
-from moetrain.numbers import model_numbers
+from moetrain.model_numbers import model_numbers
 
 SHAPE = {
     "model.vocab_size": 8192,

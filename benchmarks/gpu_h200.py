@@ -74,7 +74,7 @@ from moetrain.config import Config, apply_overrides, config_from_dict  # noqa: E
 from moetrain.model import GroupedExperts, Transformer  # noqa: E402
 from moetrain.model.cpu_matmul import use_cpu_matmul  # noqa: E402
 from moetrain.model.moe.gemm_guard import grouped_mm_refusal  # noqa: E402
-from moetrain.numbers import model_numbers  # noqa: E402
+from moetrain.model_numbers import model_numbers  # noqa: E402
 
 TINY = {
     "model.vocab_size": 512,

@@ -34,7 +34,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_print_config(args: argparse.Namespace) -> int:
-    from moetrain.numbers import human, model_numbers
+    from moetrain.model_numbers import human, model_numbers
 
     cfg = load_config(args.config, args.overrides)
     print(cfg.to_yaml(), end="")

@@ -27,7 +27,7 @@ Expert all-to-all: :mod:`moetrain.plan_traffic` (fan-out per token and bytes per
 Speed: ``tokens/s = gpus * peak * mfu / flops_per_token``, the peak from
 :data:`moetrain.monitor.mfu.PEAK_TFLOPS` for ``train.precision`` (or ``logging.peak_tflops``),
 FLOPs from
-:func:`moetrain.numbers.model_numbers` (model FLOPs: the recompute of activation checkpointing
+:func:`moetrain.model_numbers.model_numbers` (model FLOPs: the recompute of activation checkpointing
 is not counted, so the same MFU is harder to reach with it on).
 """
 
@@ -36,9 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moetrain.config import Config, ConfigError
+from moetrain.config.layout import check_layout
+from moetrain.model_numbers import ModelNumbers, human, model_numbers
 from moetrain.monitor.mfu import lookup_peak_tflops, math_type
-from moetrain.numbers import ModelNumbers, human, model_numbers
-from moetrain.parallel.layout import check_layout
 from moetrain.plan_traffic import Traffic, expert_traffic, format_traffic
 
 GiB = 1024**3

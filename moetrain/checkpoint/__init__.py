@@ -2,7 +2,7 @@
 
 - :mod:`~moetrain.checkpoint.format`: file names, DeepSpeed key patterns, the trainer-state
   schema, the commit manifest (the only place they are spelled).
-- :mod:`~moetrain.checkpoint.io`: atomic writes and fsync (used by data/ and convert/ too).
+- :mod:`~moetrain.fileio`: atomic writes and fsync (used by data/ and convert/ too).
 - :mod:`~moetrain.checkpoint.catalog`: the checkpoints of a run directory, retention.
 - :mod:`~moetrain.checkpoint.save`: save / resume during training, on every rank.
 - :mod:`~moetrain.checkpoint.read`: a checkpoint into a single-device model; Hugging Face

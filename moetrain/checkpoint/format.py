@@ -31,7 +31,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from moetrain.checkpoint.io import file_crc32
+from moetrain.fileio import file_crc32
 
 CHECKPOINTS_DIR = "checkpoints"
 COMMIT_FILE = "COMMITTED.json"
@@ -260,3 +260,27 @@ def verify_manifest(ckpt: Path, names: list[str] | None = None) -> None:
                 f"{f}: contents changed since the commit (CRC-32 {file_crc32(f):08x} != "
                 f"{crcs[name]:08x} recorded in {COMMIT_FILE})"
             )
+
+
+def safe_torch_load(path: str | Path) -> Any:
+    """``torch.load(weights_only=True)`` with errors that name the file.
+
+    Refuses pickles that would run code (anything beyond tensors and plain containers), and
+    reports truncated or corrupt files instead of a deep torch traceback.
+    """
+    import pickle
+
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: checkpoint file is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path}: refused to load: it holds objects other than tensors and plain "
+            f"containers (weights_only=True): {str(e).splitlines()[0]}"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated checkpoint file: {e}") from None

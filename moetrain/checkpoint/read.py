@@ -22,10 +22,10 @@ from moetrain.checkpoint.format import (
     TrainerState,
     expert_file,
     read_commit,
+    safe_torch_load,
     stacked_expert_key,
     verify_manifest,
 )
-from moetrain.checkpoint.io import safe_torch_load
 from moetrain.config import Config, config_from_dict
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 

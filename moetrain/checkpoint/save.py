@@ -41,16 +41,17 @@ from moetrain.checkpoint.format import (
     manifest_from,
     manifest_names,
     rank_file,
+    safe_torch_load,
     step_of,
     tag_for_step,
     verify_manifest,
 )
-from moetrain.checkpoint.io import atomic_file, safe_torch_load, write_json_atomic
 from moetrain.checkpoint.reshard import SavedOptimizer, optimizer_param_names, restore_optimizer
 from moetrain.checkpoint.writes import RankWrites
 from moetrain.faults import fault_point
+from moetrain.fileio import atomic_file, write_json_atomic
 from moetrain.monitor.console import Printer, console
-from moetrain.secrets import redact
+from moetrain.redact import redact
 
 if TYPE_CHECKING:
     from moetrain.config import Config

@@ -25,8 +25,8 @@ from moetrain.checkpoint.format import (
     stacked_expert_key,
     tokenizer_path,
 )
-from moetrain.checkpoint.io import building_dir, file_sha256, write_json_atomic
 from moetrain.config import Config
+from moetrain.fileio import building_dir, file_sha256, write_json_atomic
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 
 

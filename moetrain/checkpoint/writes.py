@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.checkpoint.format import FileEntry, file_entry
-from moetrain.checkpoint.io import fsync_dir, fsync_file
 from moetrain.faults import fault_point
+from moetrain.fileio import fsync_dir, fsync_file
 
 
 class RankWrites:

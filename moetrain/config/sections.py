@@ -2,7 +2,7 @@
 
 Every error names the dotted key (``moe.top_k``) and says what is allowed. Rules that involve
 two sections live in :meth:`Config.validate`; the world / expert-parallel / ZeRO layout rules
-belong to :mod:`moetrain.parallel.layout`, which it calls.
+belong to :mod:`moetrain.config.layout`, which it calls.
 """
 
 from __future__ import annotations
@@ -258,8 +258,8 @@ class Config:
 
     def validate(self) -> None:
         """Every section's own checks, the rules between sections, and the layout rules that
-        need no world size (:func:`moetrain.parallel.layout.check_layout`)."""
-        from moetrain.parallel.layout import check_layout
+        need no world size (:func:`moetrain.config.layout.check_layout`)."""
+        from moetrain.config.layout import check_layout
 
         for section in (self.model, self.moe, self.data, self.parallel, self.optim, self.train):
             section.validate()

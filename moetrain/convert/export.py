@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from moetrain.checkpoint.format import CheckpointError, tokenizer_path, verify_manifest
-from moetrain.checkpoint.io import building_dir
 from moetrain.checkpoint.read import (
     HF_INDEX_FILE,
     HF_SINGLE_FILE,
@@ -32,6 +31,7 @@ from moetrain.config import Config
 from moetrain.convert.formats import ARCHITECTURES, choose_format, hf_config
 from moetrain.convert.hf import dense_key_map, expert_key, to_hf_state_dict
 from moetrain.convert.tokenizer_export import export_tokenizer
+from moetrain.fileio import building_dir
 from moetrain.model.transformer import Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -6,7 +6,7 @@ then ``plan.json`` there (which shard sets to build, and each one's chunks); the
 for the plan, then every rank tokenizes its chunks (:mod:`moetrain.data.chunks`) into the build
 directory of each shard set. Rank 0 packs each shard set from the chunks in document order into a
 fresh temporary directory, writes its ``index.json`` and installs it with one rename
-(:func:`moetrain.checkpoint.io.building_dir`); only then is the build directory removed. Until
+(:func:`moetrain.fileio.building_dir`); only then is the build directory removed. Until
 that rename nothing looks like a finished shard set, and a rerun finds the plan, the tokenizer
 and every finished chunk where the killed run left them.
 """
@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from moetrain.checkpoint.io import building_dir, file_sha256, write_json_atomic
 from moetrain.config import Config, DataConfig
 from moetrain.data.chunks import (
     SPLIT_RULE,
@@ -51,6 +50,7 @@ from moetrain.data.tokenizer import (
     load_tokenizer,
     prepared_tokenizer_file,
 )
+from moetrain.fileio import building_dir, file_sha256, write_json_atomic
 
 PLAN_FILE = "plan.json"
 _PLAN_FORMAT = "moetrain-prepare-plan-2"

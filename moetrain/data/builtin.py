@@ -18,7 +18,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from moetrain.checkpoint.io import atomic_file
+from moetrain.fileio import atomic_file
 
 BUILTIN_STDLIB = "builtin:stdlib"
 _VERSION = 1  # bump when the document layout changes

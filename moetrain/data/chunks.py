@@ -38,10 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrain.checkpoint.io import atomic_file
 from moetrain.data.errors import DataError
 from moetrain.data.sources import Corpus, Documents
 from moetrain.data.tokenizer import Tokenizer, load_tokenizer
+from moetrain.fileio import atomic_file
 
 SPLIT_RULE = "val iff blake2b(str(doc_index), digest 8, key 'moetrain-split') / 2**64 < val_fraction, or doc_index == 0"
 SMALLEST_CHUNK = 32  # the smallest chunk of a plan: 1/32 of a worker's share of the source

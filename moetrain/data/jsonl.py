@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrain.checkpoint.io import atomic_file
 from moetrain.data.errors import DataError
+from moetrain.fileio import atomic_file
 
 _BOM = b"\xef\xbb\xbf"
 _SCAN_BLOCK = 64 << 20  # bytes searched for newlines at a time

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from moetrain.checkpoint.io import file_sha256
 from moetrain.config import DataConfig
 from moetrain.data.errors import DataError
 from moetrain.data.permutation import Permutation
 from moetrain.data.shards import INDEX_FILE, read_index, verify_split
 from moetrain.data.tokenizer import MODEL_FILE, tokenizer_file, tokenizer_files
+from moetrain.fileio import file_sha256
 
 if TYPE_CHECKING:
     from moetrain.data.blend import BlendedLoader

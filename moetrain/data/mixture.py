@@ -23,11 +23,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from moetrain.checkpoint.io import write_json_atomic
 from moetrain.config import DataConfig
 from moetrain.data.errors import DataError
 from moetrain.data.shards import VERSION, is_complete, read_index
 from moetrain.data.sources import SourceSpec
+from moetrain.fileio import write_json_atomic
 
 MIXTURE_FILE = "mixture.json"
 FORMAT = "moetrain-mixture"

@@ -34,9 +34,6 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrain.checkpoint.io import (
-    remove_stale_temp_dirs,
-)
 from moetrain.config import Config, DataConfig
 from moetrain.data.build import (
     PLAN_FILE,
@@ -70,6 +67,9 @@ from moetrain.data.tokenizer import (
     copy_tokenizer,
     load_tokenizer,
     train_tokenizer,
+)
+from moetrain.fileio import (
+    remove_stale_temp_dirs,
 )
 
 __all__ = ["SPLIT_RULE", "is_val_doc", "prepare"]

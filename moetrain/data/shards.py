@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrain.checkpoint.io import write_json_atomic
 from moetrain.data.errors import DataError
+from moetrain.fileio import write_json_atomic
 
 INDEX_FILE = "index.json"
 FORMAT = "moetrain-shards"
@@ -48,7 +48,7 @@ class ShardWriter:
 
     Documents never straddle two shards; a shard is closed once it reaches ``shard_tokens``.
     The files are written into a directory that is fsynced as a whole when it is installed
-    (:func:`moetrain.checkpoint.io.install_dir`).
+    (:func:`moetrain.fileio.install_dir`).
     """
 
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):

@@ -37,12 +37,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from moetrain.checkpoint.io import file_sha256
 from moetrain.config import DataConfig
 from moetrain.config.mixture import default_source_name
 from moetrain.data.builtin import BUILTIN_STDLIB, ensure_builtin_corpus
 from moetrain.data.errors import DataError
 from moetrain.data.jsonl import JsonLines, is_json_lines
+from moetrain.fileio import file_sha256
 
 _EXT_FORMAT = {
     ".txt": "text",

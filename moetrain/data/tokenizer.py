@@ -36,8 +36,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from moetrain.checkpoint.io import file_sha256
 from moetrain.data.errors import DataError
+from moetrain.fileio import file_sha256
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 NUM_SPECIAL = 4

@@ -1,7 +1,7 @@
 """Throughput in TFLOP/s per device and model FLOPs utilisation (MFU).
 
 MFU = achieved model FLOP/s per device / the device's peak FLOP/s, where achieved model FLOP/s =
-tokens/s per device x ``moetrain.numbers.model_numbers(cfg).flops_per_token`` (6 x active matmul
+tokens/s per device x ``moetrain.model_numbers.model_numbers(cfg).flops_per_token`` (6 x active matmul
 params + attention, forward + backward; activation recomputation is not counted).
 
 The peak comes from, in order: ``logging.peak_tflops`` (override), the table below matched on

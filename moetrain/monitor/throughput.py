@@ -7,7 +7,7 @@ import time
 import torch
 
 from moetrain.config import Config
-from moetrain.numbers import model_numbers
+from moetrain.model_numbers import model_numbers
 
 
 class Throughput:

@@ -36,7 +36,7 @@ from typing import Any
 
 from moetrain.config import WandbConfig
 from moetrain.monitor.console import Printer, console
-from moetrain.secrets import REDACTED, is_secret_key, redact, secret_env_values  # noqa: F401
+from moetrain.redact import REDACTED, is_secret_key, redact, secret_env_values  # noqa: F401
 
 _ENV_MODES = {
     "online": "online",

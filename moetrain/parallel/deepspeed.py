@@ -17,7 +17,7 @@ No correction is needed; tests/distributed/test_parity.py checks it against one 
 Clipping: ZeRO-1/2 compute the global norm correctly. Stage 0 does not (DeepSpeed issue #8475:
 it averages per-rank norms over ranks that hold different experts), so at stage 0 DeepSpeed's
 clipping is switched off and the trainer calls :func:`clip_grad_norm_global` before each step.
-ZeRO-3 is refused (parallel/layout.py).
+ZeRO-3 is refused (config/layout.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moetrain.checkpoint.format import deepspeed_expert_key
-from moetrain.checkpoint.io import write_json_atomic
 from moetrain.config import Config, ConfigError
+from moetrain.fileio import write_json_atomic
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.parallel.expert_parallel import moe_layers
 from moetrain.parallel.fp32_partitions import share_fp32_partitions
@@ -82,7 +82,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         },
         # the numerics policy (README "Mixed precision"): accumulate gradients over micro-batches
         # and reduce them over ranks in train.grad_dtype (fp32 by default; ZeRO-1/2 only, which
-        # parallel/layout.py enforces for bf16/fp16)
+        # config/layout.py enforces for bf16/fp16)
         "data_types": {"grad_accum_dtype": t.grad_dtype},
         "communication_data_type": t.grad_dtype,
         "steps_per_print": 10**9,

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moetrain.config.layout import check_experts_divisible
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.parallel.ep_dispatcher import AllToAllDispatcher
-from moetrain.parallel.layout import check_experts_divisible
 from moetrain.parallel.topology import Topology
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.config import Config
-from moetrain.parallel.layout import check_layout
+from moetrain.config.layout import check_layout
 from moetrain.parallel.rendezvous import agent_store, agent_store_in_use, fresh_namespace
 from moetrain.parallel.watchdog import CollectiveFailure, RankWatch
 

@@ -28,7 +28,7 @@ from moetrain.monitor.run_monitor import RunMonitor
 from moetrain.parallel.deepspeed import check_precision_supported, dump_deepspeed_config
 from moetrain.parallel.topology import Topology, init_distributed, shutdown
 from moetrain.parallel.watchdog import CollectiveFailure, is_collective_failure
-from moetrain.secrets import redact
+from moetrain.redact import redact
 from moetrain.train.cadence import Clock, Periodic
 from moetrain.train.host_allocator import tune_host_allocator
 from moetrain.train.launcher_env import launcher_disagreements

@@ -20,7 +20,7 @@ import re
 import pytest
 import torch
 
-from moetrain.checkpoint.io import safe_torch_load
+from moetrain.checkpoint.format import safe_torch_load
 from moetrain.checkpoint.read import checkpoint_config, load_model
 from tests.distributed.checkpoint_jobs import (
     GROUP_TIMEOUT_MIN,

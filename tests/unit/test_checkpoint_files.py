@@ -12,8 +12,14 @@ from moetrain.checkpoint.catalog import (
     latest_complete,
     remove_incomplete,
 )
-from moetrain.checkpoint.format import COMMIT_FILE, CheckpointError, read_commit, tag_for_step
-from moetrain.checkpoint.io import safe_torch_load, write_json_atomic
+from moetrain.checkpoint.format import (
+    COMMIT_FILE,
+    CheckpointError,
+    read_commit,
+    safe_torch_load,
+    tag_for_step,
+)
+from moetrain.fileio import write_json_atomic
 
 
 def _make(root, step, complete=True):

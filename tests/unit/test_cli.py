@@ -6,7 +6,7 @@ from pathlib import Path
 
 from moetrain.cli import main
 from moetrain.config import load_config
-from moetrain.numbers import model_numbers
+from moetrain.model_numbers import model_numbers
 from tests.unit.test_data_prepare import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from moetrain.config import Config, ConfigError, config_from_dict, load_config
-from moetrain.parallel.layout import check_layout
+from moetrain.config.layout import check_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

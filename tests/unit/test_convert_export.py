@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from moetrain.checkpoint.format import CheckpointError
-from moetrain.checkpoint.io import file_crc32
 from moetrain.checkpoint.read import load_model
 from moetrain.config import ConfigError
 from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.data.tokenizer import train_tokenizer
+from moetrain.fileio import file_crc32
 from tests.helpers.hf_models import MOE_FAMILIES, hf_config, save_hf_model
 
 transformers = pytest.importorskip("transformers")

@@ -17,12 +17,12 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from moetrain.checkpoint.io import remove_stale_temp_dirs
 from moetrain.config import load_config
 from moetrain.data import DataError, build_loader, load_tokenizer, read_index
 from moetrain.data.prepare import is_val_doc, prepare
 from moetrain.data.shards import verify_split
 from moetrain.data.tokenizer import train_tokenizer
+from moetrain.fileio import remove_stale_temp_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = [

@@ -3,6 +3,7 @@
 import pytest
 
 from moetrain.config import Config
+from moetrain.model_numbers import model_numbers
 from moetrain.monitor.mfu import (
     CPU_MFU_METRIC,
     GPU_MFU_METRIC,
@@ -15,7 +16,6 @@ from moetrain.monitor.mfu import (
     resolve_peak,
     tflops_per_device,
 )
-from moetrain.numbers import model_numbers
 from tests.helpers.configs import tiny_config
 
 

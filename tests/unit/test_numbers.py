@@ -4,7 +4,7 @@ import pytest
 
 from moetrain.config import load_config
 from moetrain.model.transformer import Transformer
-from moetrain.numbers import model_numbers
+from moetrain.model_numbers import model_numbers
 from tests.helpers.configs import tiny_config
 
 

@@ -50,7 +50,7 @@ def _cfg(base: dict[str, object], **extra: object) -> Config:
 
 
 def _dense_and_expert_params(cfg: Config) -> tuple[int, int]:
-    """Counted on the built model, independently of moetrain.numbers."""
+    """Counted on the built model, independently of moetrain.model_numbers."""
     model = Transformer(cfg.model, cfg.moe)
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     return sum(p.numel() for p in model.parameters()) - expert, expert

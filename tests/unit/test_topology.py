@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moetrain.config import ConfigError, load_config
+from moetrain.config.layout import check_layout
 from moetrain.config.sections import CPU_BUCKET_ELEMENTS, GPU_BUCKET_ELEMENTS
 from moetrain.parallel.deepspeed import deepspeed_config, dump_deepspeed_config
-from moetrain.parallel.layout import check_layout
 from moetrain.parallel.topology import Topology
 from tests.helpers.configs import tiny_config
 

@@ -14,7 +14,7 @@ from moetrain.model import Transformer
 from moetrain.model.attention import Attention, rope_tables
 from moetrain.model.layers import SwiGLU
 from moetrain.model.moe.layer import MoELayer
-from moetrain.numbers import model_numbers
+from moetrain.model_numbers import model_numbers
 from tests.helpers.configs import tiny_config
 
 

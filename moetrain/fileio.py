@@ -158,29 +158,3 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def safe_torch_load(path: str | Path) -> Any:
-    """``torch.load(weights_only=True)`` with errors that name the file.
-
-    Refuses pickles that would run code (anything beyond tensors and plain containers), and
-    reports truncated or corrupt files instead of a deep torch traceback.
-    """
-    import pickle
-
-    import torch
-
-    from moetrain.checkpoint.format import CheckpointError
-
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: checkpoint file is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"{path}: refused to load: it holds objects other than tensors and plain "
-            f"containers (weights_only=True): {str(e).splitlines()[0]}"
-        ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: corrupt or truncated checkpoint file: {e}") from None
