@@ -156,6 +156,10 @@ class HFTokenizer(_Identified):
             self.tk = RustTokenizer.from_file(str(path))
         except Exception as e:  # the Rust library raises a bare Exception
             raise DataError(f"{path}: not a Hugging Face tokenizer file ({e})") from None
+        # a file saved with truncation or padding on would cut documents to its length and pad
+        # short ones, depending on how they are batched: documents are tokenized whole
+        self.tk.no_truncation()
+        self.tk.no_padding()
         vocab = self.tk.get_vocab(with_added_tokens=True)
         self._vocab_size = max(vocab.values()) + 1 if vocab else 0
         named: dict = {}

@@ -164,3 +164,26 @@ def test_split_special_tokens_as_transformers_reads_it(tok_dir, tmp_path) -> Non
     ids = HFTokenizer(split).encode(text)
     assert eos not in ids
     assert transformers.AutoTokenizer.from_pretrained(split)(text)["input_ids"] == ids
+
+
+def test_truncation_and_padding_in_the_file_are_ignored(tok_dir, tmp_path) -> None:
+    """A tokenizer.json saved with truncation and padding on: documents are still tokenized
+    whole, and a batch gives what each document gives alone."""
+    raw = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    saved = tmp_path / "tokenizer"
+    saved.mkdir()
+    for f in tok_dir.iterdir():
+        (saved / f.name).write_bytes(f.read_bytes())
+    configured = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    configured.enable_truncation(max_length=4)
+    configured.enable_padding(pad_id=0, pad_token=EOS_TOKEN, length=64)
+    configured.save(str(saved / "tokenizer.json"))
+    assert json.loads((saved / "tokenizer.json").read_text())["truncation"] is not None
+    docs = [TEXT, "x = 1", "def f(x):\n    return x * 2\n"]
+    whole = [raw.encode(d).ids for d in docs]
+    tok = HFTokenizer(saved)
+    assert [tok.encode(d) for d in docs] == whole
+    assert tok.encode_batch(docs) == whole
+    out = prepared(tmp_path, saved, docs)
+    eos = raw.token_to_id(EOS_TOKEN)
+    assert read_docs(out, "train") == [ids + [eos] for ids in whole]
