@@ -42,8 +42,8 @@ fails, with the error):
    drops), and the logged gradient norm is unscaled (it matches the fp32 run's to 2%).
 8. ``nccl``: all_reduce on one rank (value check and a 256 MiB timing).
 
-Results go to ``$OUT/gpu_h200.json`` (``--out`` overrides; default ./gpu_h200_out) and a
-summary is printed last.
+Results go to ``<--out>/gpu_h200.json`` (``--out DIR`` is required) and a summary is printed
+last.
 """
 
 from __future__ import annotations
@@ -666,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU")
     ap.add_argument("--steps", type=int, default=None, help="timed training steps")
-    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_h200_out"))
+    ap.add_argument("--out", required=True, help="directory for gpu_h200.json (created)")
     args = ap.parse_args(argv)
     dry = args.dry_run
     out = Path(args.out)

@@ -64,3 +64,18 @@ def test_a_missing_piece_stops_the_run_loudly(
     assert "MISSING" in err and "torch.nn.functional.grouped_mm" in err
     res = json.loads((tmp_path / "gpu_h200.json").read_text())
     assert res["missing"] and "correctness" not in res
+
+
+def test_out_is_explicit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """No output directory is taken from the environment: without ``--out`` the script stops
+    before measuring anything, whatever ``OUT`` holds."""
+    spec = importlib.util.spec_from_file_location("gpu_h200", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--dry-run"])
+    assert stop.value.code == 2 and "--out" in capsys.readouterr().err
+    assert not (tmp_path / "gpu_h200.json").exists()
