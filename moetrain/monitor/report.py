@@ -16,7 +16,8 @@ The JSONL file has one JSON object per line; every row has an integer ``step``. 
     val/loss/<name>                   validation loss on source <name> (eval rows)
 
 A step logged twice (a run resumed from an earlier checkpoint logs those steps again) keeps the
-later line. Malformed lines (e.g. a half-written last line after a crash) are skipped and
+later line. The summary record a run writes when it ends (``{"summary": {...}}``) is not a
+step row. Malformed lines (e.g. a half-written last line after a crash) are skipped and
 counted. Output goes to ``RUN_DIR/report/``: ``loss.png``, ``lr.png``, ``tokens_per_s.png``,
 ``expert_load.png`` (one panel per layer, time x experts, load / mean per row), for a mixture
 ``data_tokens.png`` (tokens per source) and ``val_loss_sources.png`` (validation loss per
@@ -41,7 +42,8 @@ _SOURCE_KEYS = ("data/tokens/", "data/epochs/", "val/loss/")
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """Rows of a metrics JSONL file (objects with an int ``step``) and the count skipped."""
+    """Rows of a metrics JSONL file (objects with an int ``step``) and the count of malformed
+    lines skipped (the run summary record, ``{"summary": {...}}``, is neither)."""
     rows, bad = [], 0
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -54,8 +56,8 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
                 continue
             if isinstance(row, dict) and isinstance(row.get("step"), int):
                 rows.append(row)
-            else:
-                bad += 1
+            elif not (isinstance(row, dict) and isinstance(row.get("summary"), dict)):
+                bad += 1  # (the run's closing summary record has no step and is not counted)
     return rows, bad
 
 

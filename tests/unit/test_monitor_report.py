@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
+from moetrain.monitor.jsonl import MetricsWriter
 from moetrain.monitor.report import make_report, read_metrics
 
 
@@ -79,6 +80,19 @@ def test_read_metrics_skips_rows_without_step(tmp_path):
     path.write_text('{"step": 1, "loss": 2}\n[1, 2]\n{"loss": 3}\n\n{"step": 2}\n')
     rows, bad = read_metrics(path)
     assert [r["step"] for r in rows] == [1, 2] and bad == 2
+
+
+def test_the_run_summary_record_is_not_a_malformed_line(tmp_path):
+    """What a finished run writes (step records, then its summary) reads without a skip."""
+    writer = MetricsWriter(tmp_path, enabled=True)
+    for s in range(1, 4):
+        writer.write({"step": s, "loss": 3.0 - s / 10})
+    writer.write({"summary": {"steps": 3, "final_loss": 2.7}})
+    writer.close()
+    rows, bad = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and bad == 0
+    make_report(tmp_path)
+    assert "(0 malformed lines skipped)" in (tmp_path / "report" / "report.txt").read_text()
 
 
 def test_report_of_a_mixture_plots_each_source(tmp_path):
