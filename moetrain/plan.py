@@ -21,6 +21,8 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
   parameter's fresh gradient (before accumulation).
 - framework: a fixed allowance (CUDA context, allocator slack, NCCL) plus DeepSpeed's reduce and
   all-gather buckets under ZeRO-1/2.
+- checkpoint save, host memory (bf16/fp16): the fp32 masters of the weights a rank writes
+  (:mod:`moetrain.parallel.master_weights`), at most rank 0's: ``4 * (P_d + P_e / ep)``.
 
 Expert all-to-all: :mod:`moetrain.plan_traffic` (fan-out per token and bytes per step).
 
@@ -217,6 +219,7 @@ class Plan:
     activations_ckpt_bytes: int
     param_grad_transient_bytes: int  # the largest parameter's fresh gradient in backward
     framework_bytes: int
+    save_host_bytes: int  # host memory of a checkpoint save on rank 0 (the largest)
     mfu: float
     peak_tflops: float
     traffic: Traffic
@@ -339,6 +342,7 @@ def plan(
         activations_ckpt_bytes=act_ck,
         param_grad_transient_bytes=_largest_param(cfg, ep) * wb,
         framework_bytes=framework,
+        save_host_bytes=0 if t.precision == "fp32" else 4 * (dense + expert),
         mfu=mfu,
         peak_tflops=peak,
         traffic=expert_traffic(cfg, tokens * t.grad_accum_steps, gpus_per_node, wb, recompute=ckpt),
@@ -395,6 +399,13 @@ def format_plan(pl: Plan) -> str:
         f"  framework/buffers  {_gib(pl.framework_bytes)}",
         f"  total              {_gib(pl.total_bytes)}  of {pl.gpu.memory_mib * MiB / GiB:.1f} "
         f"GiB -> {'fits' if pl.fits else 'DOES NOT FIT'}",
+        "host memory of a checkpoint save: "
+        + (
+            f"{pl.save_host_bytes / GiB:.2f} GiB on rank 0 (the fp32 masters of the weights it "
+            "writes; other ranks: those of their own experts, or none)"
+            if pl.save_host_bytes
+            else "none beyond the weights (fp32)"
+        ),
         f"FLOPs per token (training): {n.flops_per_token:.4g}",
         f"at MFU {pl.mfu:.0%} of {pl.peak_tflops:g} TFLOP/s per GPU: "
         f"{pl.tokens_per_s:,.0f} tokens/s ({pl.tokens_per_s / pl.gpus:,.0f} per GPU), "

@@ -271,6 +271,7 @@ def _save_after_three_steps(rank: int, world: int, run_dir: str, stage: int) -> 
     from deepspeed.utils import safe_get_full_fp32_param
 
     from moetrain.checkpoint.save import Checkpointer
+    from moetrain.parallel.master_weights import fp32_masters_in_module
     from tests.distributed.checkpoint_jobs import StreamPosition
 
     cfg = parity_config(world, 2, stage, **BF16, run_dir=str(Path(run_dir) / f"zero{stage}"))
@@ -283,6 +284,8 @@ def _save_after_three_steps(rank: int, world: int, run_dir: str, stage: int) -> 
     params = dict(trainer.model.named_parameters())
     masters = {n: safe_get_full_fp32_param(p).clone() for n, p in params.items()}
     module = {n: p.detach().clone() for n, p in params.items()}
+    with fp32_masters_in_module(trainer.model) as swapped:  # what a save holds in host memory
+        held_fp32 = sorted(n for n, p in params.items() if p.dtype == torch.float32)
     path = ckpt.save(trainer, pos)
     unchanged = all(torch.equal(module[n], p.detach()) for n, p in params.items())
     losses = [
@@ -294,6 +297,8 @@ def _save_after_three_steps(rank: int, world: int, run_dir: str, stage: int) -> 
         "masters": masters,
         "module": module,
         "module_unchanged_by_save": unchanged,
+        "held_fp32_in_save": held_fp32,
+        "swapped_in_save": swapped,
         "experts": trainer.topo.local_experts(cfg.moe.num_experts),
         "losses_after_save": losses,
     }

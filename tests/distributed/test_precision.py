@@ -319,6 +319,18 @@ def test_checkpoint_model_files_hold_the_fp32_masters(runs, stage) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+def test_a_save_holds_only_the_masters_a_rank_writes(runs, stage) -> None:
+    """During a save a rank holds in host memory the fp32 masters of what it writes: rank 0
+    (data-parallel rank 0) the dense weights and its experts, rank 1 (expert-data-parallel rank
+    0 of its EP group at ep=2) only its experts."""
+    held = [res[stage]["held_fp32_in_save"] for res in runs["masters"]]
+    names = list(runs["masters"][0][stage]["masters"])
+    assert held[0] == sorted(names)
+    assert held[1] == sorted(n for n in names if ".experts." in n) and held[1]
+    assert [res[stage]["swapped_in_save"] for res in runs["masters"]] == [len(h) for h in held]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
 def test_bf16_resume_is_bit_exact(runs, stage) -> None:
     """A fresh Trainer loading the checkpoint takes the same next two steps, bit for bit."""
     for res in runs["masters"]:

@@ -79,6 +79,9 @@ def test_zero_and_ep_partitioning_by_hand(zero: int, grad_dtype: str) -> None:
     # fp32 master copy + two fp32 Adam moments, partitioned
     opt = 12 * (dense / 8 + expert / 4 / 2)
     assert pl.optimizer_bytes == pytest.approx(opt, abs=2)
+    # a save: rank 0 holds the fp32 masters of what it writes (dense + its 2 experts)
+    assert pl.save_host_bytes == 4 * (dense + expert // 4)
+    assert "host memory of a checkpoint save" in format_plan(pl)
 
 
 def test_fp32_world_one_and_offload() -> None:
@@ -89,6 +92,7 @@ def test_fp32_world_one_and_offload() -> None:
     # ZeRO's fp32 partition shares the fp32 weights' storage: AdamW's moments only, as stage 0
     assert pl.optimizer_bytes == 8 * (dense + expert)
     assert plan(_small(parallel__zero_stage=0), 1).optimizer_bytes == 8 * (dense + expert)
+    assert pl.save_host_bytes == 0  # fp32: the module already holds the masters
     off = plan(_small(parallel__offload_optimizer=True, parallel__ep_size=2), 4, "a100")
     d2, e2 = dense / 4 + expert / 2 / 2, 0
     assert off.optimizer_bytes == e2  # offloaded: the fp32 masters are a copy in host memory
