@@ -15,9 +15,13 @@ from bf16's precision, u = 2^-8 (8 significant bits, round to nearest):
   the largest entry. Allowed: 4u = 2^-6 (measured about 5e-3).
 - losses and gradient norms over 10 steps: those roundings then move the weights apart. Two bf16
   runs are two perturbations of the same fp32 trajectory by rounding noise of the same size, so
-  they differ by at most about twice the distance of either from fp32: the tolerance is twice the
-  measured distance between the world-1 bf16 run and the plain-torch fp32 reference (about 1e-3
-  for losses, 3e-2 for the norms of this tiny, quickly changing model).
+  they differ by at most about twice the distance of either from fp32. That distance, measured
+  between the world-1 bf16 run and the plain-torch fp32 reference on this model and these
+  batches, is 9.8e-4 for losses and 3.5e-2 for gradient norms (this tiny model changes quickly)
+  at worst over the 10 steps; the layouts measured 3.3e-4 and 9.6e-3 from world 1. The bounds are
+  fixed at twice the distance, LOSS_BOUND = 2e-3 and NORM_BOUND = 7e-2, and the distance itself
+  is checked to stay within half of them, so bf16 drifting further from fp32 fails here rather
+  than loosening the bound.
 
 Also: bf16 against fp32 over 60 steps of learnable data (loss 4.6 -> 0.9) within a stated
 band; fp32 gradient accumulation and reduction proven by a test that fails when they run in bf16;
@@ -50,6 +54,7 @@ from tests.helpers.distributed import run_distributed_concurrently
 pytestmark = pytest.mark.slow
 
 U = 2.0**-8  # bf16 unit roundoff
+LOSS_BOUND, NORM_BOUND = 2e-3, 7e-2  # two bf16 layouts over 10 steps (module docstring)
 JOBS = {
     1: [(1, 1), (1, 2)],
     2: [(1, 1), (1, 2), (2, 1), (2, 2), (2, 2, "shadow")],
@@ -62,7 +67,7 @@ LAYOUTS = [
     for w, lays in JOBS.items()
     for lay in lays
 ]
-SKIPS = [("bf16", 1), ("bf16", 2), ("fp32", 0), ("fp32", 1)]
+SKIPS = [("bf16", 1), ("bf16", 2), ("fp32", 0), ("fp32", 1), ("fp32", 2)]
 ACCUM = 16
 ACCUM_CASES = [(1, "fp32"), (2, "fp32"), (2, "bf16")]  # the last: the control
 LIMIT = 5
@@ -131,22 +136,22 @@ def test_bf16_really_ran_with_the_policy(runs, reference, fp32_gap) -> None:
             }, (world, key)
             zero1 = key.endswith("zero1") or (key == "repeat" and runs["jobs"][world][-1][1] == 1)
             assert run["optimizer"] == ("BF16_Optimizer" if zero1 else "DeepSpeedZeroOptimizer")
-    assert 1e-6 < fp32_gap["losses"] < 1e-2, fp32_gap
-    assert 1e-6 < fp32_gap["norms"] < 1e-1, fp32_gap
+    assert 1e-6 < fp32_gap["losses"] <= LOSS_BOUND / 2, fp32_gap
+    assert 1e-6 < fp32_gap["norms"] <= NORM_BOUND / 2, fp32_gap
 
 
 @pytest.mark.parametrize(
     "world,layout", LAYOUTS, ids=[f"w{p.values[0]}-{_key(p.values[1])}" for p in LAYOUTS]
 )
-def test_bf16_layout_matches_world_one(runs, reference, fp32_gap, world, layout) -> None:
+def test_bf16_layout_matches_world_one(runs, reference, world, layout) -> None:
     for rank, res in enumerate(runs["layouts"][world]):
         run = res[_key(layout)]
         assert (run["replicas"] > 0) == ("shadow" in layout), run["replicas"]
         losses = _rel(run["losses"], reference["losses"])
         assert losses[0] < 1e-6, (rank, float(losses[0]))  # same bf16 weights, same tokens
-        assert float(losses.max()) <= 2 * fp32_gap["losses"], (rank, run["losses"])
+        assert float(losses.max()) <= LOSS_BOUND, (rank, run["losses"])
         norms = _rel(run["norms"], reference["norms"])
-        assert float(norms.max()) <= 2 * fp32_gap["norms"], (rank, run["norms"])
+        assert float(norms.max()) <= NORM_BOUND, (rank, run["norms"])
         assert len(run["losses"]) == STEPS
         lo, hi = run["experts"]
         assert set(run["grads"]) == set(reference["grads"]) and len(reference["grads"]) >= 8
