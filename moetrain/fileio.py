@@ -78,15 +78,22 @@ def new_temp_dir(final: str | Path) -> Path:
     return tmp
 
 
+def fsync_tree(root: Path) -> None:
+    """fsync every file below ``root`` and every directory, ``root`` last (a directory after
+    its entries): after it returns, the whole tree survives a power loss."""
+    for parent, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_file(Path(parent) / name)
+        fsync_dir(Path(parent))
+
+
 def install_dir(tmp: Path, final: str | Path, replace: bool = False) -> None:
-    """Make the finished directory ``tmp`` appear as ``final``: its files and itself fsynced,
-    then one rename. An existing ``final`` is an error unless ``replace``; then it is moved
-    aside first and removed after the rename."""
+    """Make the finished directory ``tmp`` appear as ``final``: everything in it (subdirectories
+    too) and itself fsynced, then one rename, then the parent fsynced. An existing ``final`` is
+    an error unless ``replace``; then it is moved aside first and removed after the rename (the
+    removal fsynced too)."""
     final = Path(final)
-    for p in tmp.iterdir():
-        if p.is_file():
-            fsync_file(p)
-    fsync_dir(tmp)
+    fsync_tree(tmp)
     old = None
     if final.exists():
         if not replace:
@@ -97,6 +104,7 @@ def install_dir(tmp: Path, final: str | Path, replace: bool = False) -> None:
     fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(final.parent)
 
 
 @contextmanager
