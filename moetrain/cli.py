@@ -197,15 +197,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="PNG plots and a text summary of a run directory")
     p.add_argument("run_dir", help="the run's run_dir (holds metrics.jsonl)")
     p.set_defaults(func=_cmd_report)
+    parser.set_defaults(commands=sub.choices)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command's arguments; ``key=value`` overrides may come before or after its options
+    (``moetrain plan CONFIG --gpus 8 moe.top_k=1``)."""
     parser = build_parser()
+    commands = parser.get_default("commands")
+    if not argv or argv[0] not in commands:
+        return parser.parse_args(argv)  # --help, or an unknown command's error
+    args = commands[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # DeepSpeed's launcher appends --local_rank=N; the rank also arrives in LOCAL_RANK.
     argv = [a for a in argv if not a.startswith("--local_rank")]
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     from moetrain.checkpoint.format import CheckpointError
     from moetrain.data.errors import DataError

@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moetrain.cli import main
+from moetrain.cli import main, parse_args
 from moetrain.config import load_config
 from moetrain.model_numbers import model_numbers
 from tests.unit.test_data_prepare import write_jsonl
@@ -65,6 +65,17 @@ def test_plan_prints_memory_and_refuses_bad_layouts(capsys):
     assert "memory per GPU" in out and "fits" in out
     assert main(["plan", TINY, "--gpus", "3"]) == 2
     assert "parallel.ep_size" in capsys.readouterr().err
+
+
+def test_overrides_come_before_or_after_the_options(capsys):
+    assert main(["plan", TINY, "--gpus", "8", "moe.top_k=1", "--gpu", "h200"]) == 0
+    after = capsys.readouterr().out
+    assert main(["plan", TINY, "moe.top_k=1", "--gpus", "8", "--gpu", "h200"]) == 0
+    assert capsys.readouterr().out == after
+    assert main(["plan", TINY, "--gpus", "8", "--gpu", "h200"]) == 0
+    assert capsys.readouterr().out != after  # top_k=1 changed the active parameters
+    args = parse_args(["train", TINY, "--reset-optimizer", "train.max_steps=3"])
+    assert args.reset_optimizer and args.overrides == ["train.max_steps=3"]
 
 
 def test_report_on_a_missing_run_dir_is_a_clear_error(tmp_path, capsys):
