@@ -1,13 +1,18 @@
 """The checkpoints of a run directory: which exist, which are complete, which to keep.
 
-A checkpoint counts only once its commit marker exists. Nothing here talks to
-torch.distributed: the caller orders the steps across ranks.
+A checkpoint counts only once its commit marker exists. The live timeline is the ``step_*``
+directories directly under the checkpoint root; a rollback (resuming a checkpoint older than
+the newest) moves the newer ones under :data:`ABANDONED_DIR`, where neither retention nor
+``checkpoint.resume=auto`` looks. Nothing here talks to torch.distributed: the caller orders
+the steps across ranks.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+
+from moetrain.fileio import fsync_dir
 
 from moetrain.checkpoint.format import (
     COMMIT_FILE,
@@ -16,6 +21,8 @@ from moetrain.checkpoint.format import (
     is_complete,
     step_of,
 )
+
+ABANDONED_DIR = "abandoned"
 
 
 def checkpoint_dirs(root: Path) -> list[Path]:
@@ -74,4 +81,31 @@ def apply_retention(root: Path, keep_last: int) -> tuple[list[Path], list[str]]:
             deleted.append(p)
         except OSError as e:
             errors.append(f"{p}: {e}")
+    if deleted:
+        fsync_dir(root)
     return deleted, errors
+
+
+def set_aside_newer(root: Path, step: int) -> Path | None:
+    """Start a new timeline at ``step``: move every ``step_*`` directory newer than ``step``
+    (complete or not) into ``<root>/abandoned/after_step_<step>[.<n>]``, keeping each intact.
+
+    Returns the directory they went to, or None when nothing was newer. Both directories are
+    fsynced, so after a power loss a moved checkpoint is in one place or the other, never lost.
+    """
+    root = Path(root)
+    newer = [p for p in checkpoint_dirs(root) if (step_of(p) or 0) > step]
+    if not newer:
+        return None
+    base = root / ABANDONED_DIR / f"after_step_{step}"
+    dest, n = base, 0
+    while dest.exists():
+        n += 1
+        dest = base.with_name(f"{base.name}.{n}")
+    dest.mkdir(parents=True)
+    fsync_dir(dest.parent)
+    for p in newer:
+        p.rename(dest / p.name)
+    fsync_dir(dest)
+    fsync_dir(root)
+    return dest

@@ -28,7 +28,12 @@ import torch
 import torch.distributed as dist
 
 import moetrain
-from moetrain.checkpoint.catalog import apply_retention, latest_complete, remove_incomplete
+from moetrain.checkpoint.catalog import (
+    apply_retention,
+    latest_complete,
+    remove_incomplete,
+    set_aside_newer,
+)
 from moetrain.checkpoint.format import (
     COMMIT_FILE,
     STATE_FILE,
@@ -49,7 +54,7 @@ from moetrain.checkpoint.format import (
 from moetrain.checkpoint.reshard import SavedOptimizer, optimizer_param_names, restore_optimizer
 from moetrain.checkpoint.writes import RankWrites
 from moetrain.faults import fault_point
-from moetrain.fileio import atomic_file, write_json_atomic
+from moetrain.fileio import atomic_file, fsync_dir, write_json_atomic
 from moetrain.monitor.console import Printer, console
 from moetrain.redact import redact
 
@@ -194,6 +199,7 @@ class Checkpointer:
                 f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
                 f.flush()
                 fault_point("save.commit", topo.rank, step)
+            fsync_dir(self.root)  # the new step directory's entry is durable before deletions
             _, errors = apply_retention(self.root, self.cfg.checkpoint.keep_last)
             for err in errors:
                 self.log(f"warning: could not delete old checkpoint: {err}")
@@ -329,4 +335,19 @@ class Checkpointer:
         loader.load_state_dict(state.loader)
         if saved["world_size"] == now["world_size"]:
             _set_rng_state(safe_torch_load(path / rank_file(topo.rank)))
+        if topo.is_main:
+            self._start_timeline(state.step)
         return state
+
+    def _start_timeline(self, step: int) -> None:
+        """After a successful load: checkpoints newer than ``step`` belong to an abandoned
+        timeline (a rollback); they are moved aside, never deleted, and retention and
+        ``resume=auto`` see only the new timeline."""
+        moved_to = set_aside_newer(self.root, step)
+        if moved_to is not None:
+            names = ", ".join(sorted(p.name for p in moved_to.iterdir()))
+            self.log(
+                f"rollback to step {step}: the newer checkpoints ({names}) were moved to "
+                f"{moved_to}; they are kept, and neither checkpoint.keep_last nor "
+                "checkpoint.resume=auto considers them"
+            )

@@ -11,6 +11,7 @@ from moetrain.checkpoint.catalog import (
     complete_checkpoints,
     latest_complete,
     remove_incomplete,
+    set_aside_newer,
 )
 from moetrain.checkpoint.format import (
     COMMIT_FILE,
@@ -85,6 +86,45 @@ def test_retention_failure_is_reported_not_raised(tmp_path, monkeypatch):
     assert deleted == [] and "read-only" in errors[0]
     # the uncommitted leftover no longer counts as a checkpoint
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002"]
+
+
+def test_rollback_sets_the_newer_timeline_aside_and_retention_keeps_the_new_one(tmp_path):
+    for s in (100, 200, 300):
+        _make(tmp_path, s)
+    _make(tmp_path, 400, complete=False)
+    moved = set_aside_newer(tmp_path, 100)  # resumed step 100: 200, 300 and 400 are abandoned
+    assert moved == tmp_path / "abandoned" / "after_step_100"
+    assert sorted(p.name for p in moved.iterdir()) == [
+        "step_00000200",
+        "step_00000300",
+        "step_00000400",
+    ]
+    assert (moved / "step_00000300" / COMMIT_FILE).is_file()  # kept intact, still complete
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000100"]
+    _make(tmp_path, 150)  # the new timeline's first save
+    deleted, _ = apply_retention(tmp_path, keep_last=2)
+    assert deleted == []  # retention saw step_100 and step_150 only: both stay
+    assert latest_complete(tmp_path).name == "step_00000150"  # resume=auto: the new timeline
+    assert set_aside_newer(tmp_path, 150) is None  # nothing newer: nothing moves
+    # a second rollback to the same step gets its own directory
+    _make(tmp_path, 200)
+    assert set_aside_newer(tmp_path, 100).name == "after_step_100.1"
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000100"]
+
+
+def test_rollback_and_retention_fsync_the_checkpoint_root(tmp_path, monkeypatch):
+    import moetrain.checkpoint.catalog as cf
+
+    synced = []
+    monkeypatch.setattr(cf, "fsync_dir", lambda p: synced.append(p))
+    for s in (1, 2, 3):
+        _make(tmp_path, s)
+    dest = set_aside_newer(tmp_path, 1)
+    assert synced[-2:] == [dest, tmp_path]  # the new home, then the root the entries left
+    synced.clear()
+    _make(tmp_path, 4)
+    apply_retention(tmp_path, keep_last=1)
+    assert synced == [tmp_path]  # the deletions are made durable
 
 
 class _Payload:

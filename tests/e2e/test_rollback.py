@@ -1,0 +1,85 @@
+"""A rollback through the real CLI (one process): ``checkpoint.resume=PATH`` to an older
+checkpoint of the same run starts a new timeline.
+
+Run A saves steps 2, 4 and 6 (the last 2 kept: 4 and 6). Run B rolls back to step 4, saves
+every step and is killed at the start of step 7 (``MOETRAIN_FAULT``). Run C resumes
+automatically. The abandoned step 6 must survive untouched outside the live timeline, B's own
+checkpoints must survive retention, and C must continue B's timeline, reproducing the losses
+an uninterrupted rollback run logs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from moetrain.checkpoint.format import COMMIT_FILE, verify_manifest
+from tests.helpers.launch import CONFIG, PY, ROOT, env_for, losses
+
+pytestmark = pytest.mark.slow
+
+
+def _train(run_dir: Path, data: list[str], *extra: str, **env: str) -> subprocess.CompletedProcess:
+    cmd = [PY, "-m", "moetrain", "train", CONFIG, *data, f"run_dir={run_dir}"]
+    cmd += ["parallel.ep_size=1", "train.micro_batch_size=2", "checkpoint.keep_last=2", *extra]
+    return subprocess.run(
+        cmd, env=env_for(**env), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def _ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout + r.stderr
+
+
+def test_rollback_keeps_the_abandoned_timeline_and_resume_continues_the_new_one(
+    tiny_data, tmp_path
+):
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    _ok(_train(run, tiny_data, "train.max_steps=6", "checkpoint.save_every_steps=2"))
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000004", "step_00000006"]
+    abandoned_manifest = (ckpts / "step_00000006" / COMMIT_FILE).read_bytes()
+    abandoned_loss_6 = losses(run)[6]
+
+    # the new timeline trains differently (another learning rate), so the timelines differ
+    rollback = [f"checkpoint.resume={ckpts / 'step_00000004'}", "optim.lr=1e-3"]
+    rollback.append("checkpoint.save_every_steps=1")
+    killed = _train(
+        run,
+        tiny_data,
+        "train.max_steps=8",
+        *rollback,
+        MOETRAIN_FAULT="train.step:0:7",
+    )
+    assert killed.returncode != 0  # SIGKILL at the start of step 7
+    out = killed.stdout + killed.stderr
+    moved = ckpts / "abandoned" / "after_step_4"
+    assert f"moved to {moved}" in out
+    # the abandoned step 6 is intact and complete, outside the live timeline
+    assert (moved / "step_00000006" / COMMIT_FILE).read_bytes() == abandoned_manifest
+    verify_manifest(moved / "step_00000006")
+    # the new timeline's checkpoints survived retention (keep_last=2)
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000005", "step_00000006"]
+    assert (ckpts / "step_00000006" / COMMIT_FILE).read_bytes() != abandoned_manifest
+
+    out = _ok(
+        _train(
+            run, tiny_data, "train.max_steps=8", "optim.lr=1e-3", "checkpoint.save_every_steps=1"
+        )
+    )
+    assert f"resumed from {ckpts / 'step_00000006'}" in out
+    assert "rollback to step" not in out  # resume=auto took the newest: nothing newer to set aside
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000007", "step_00000008"]
+    assert (moved / "step_00000006" / COMMIT_FILE).read_bytes() == abandoned_manifest
+
+    # the same rollback uninterrupted: C continued B's timeline exactly
+    reference = tmp_path / "reference"
+    _ok(_train(reference, tiny_data, "train.max_steps=6", "checkpoint.save_every_steps=2"))
+    rollback = [f"checkpoint.resume={reference / 'checkpoints' / 'step_00000004'}", "optim.lr=1e-3"]
+    _ok(_train(reference, tiny_data, "train.max_steps=8", *rollback))
+    got, want = losses(run), losses(reference)
+    assert [got[s] for s in (5, 6, 7, 8)] == [want[s] for s in (5, 6, 7, 8)]
+    assert got[6] != abandoned_loss_6  # and it is not the abandoned timeline's
