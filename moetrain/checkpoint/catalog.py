@@ -12,8 +12,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from moetrain.fileio import fsync_dir
-
 from moetrain.checkpoint.format import (
     COMMIT_FILE,
     CheckpointError,
@@ -21,6 +19,7 @@ from moetrain.checkpoint.format import (
     is_complete,
     step_of,
 )
+from moetrain.fileio import fsync_dir
 
 ABANDONED_DIR = "abandoned"
 
