@@ -11,8 +11,3 @@ def require(cond: bool, key: str, msg: str) -> None:
     """Raise ``ConfigError("<key>: <msg>")`` unless ``cond``."""
     if not cond:
         raise ConfigError(f"{key}: {msg}")
-
-
-def require_positive(section: object, prefix: str, *keys: str) -> None:
-    for key in keys:
-        require(getattr(section, key) > 0, f"{prefix}.{key}", "must be a positive integer")

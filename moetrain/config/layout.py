@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from moetrain.config.checks import ConfigError
+from moetrain.config.ranges import check_ranges
 
 if TYPE_CHECKING:
     from moetrain.config import Config
-
-ZERO_STAGES = (0, 1, 2)
 
 
 def check_experts_divisible(num_experts: int, ep_size: int) -> None:
@@ -33,14 +32,11 @@ def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
     the data-parallel world is the whole world. ZeRO-3 is refused: it would partition each
     expert's weights across ranks that hold different experts. Stage 0 runs fp32 only: the
     bf16/fp16 numerics policy (fp32 gradient accumulation and reduction, exact skipped steps)
-    needs DeepSpeed's ZeRO-1/2 optimizers.
+    needs DeepSpeed's ZeRO-1/2 optimizers (the stage's range is declared on the field, and
+    checked here again for a config changed after loading).
     """
     p, t = cfg.parallel, cfg.train
-    if p.zero_stage not in ZERO_STAGES:
-        raise ConfigError(
-            f"parallel.zero_stage: must be 0, 1 or 2; got {p.zero_stage} (ZeRO-3 would "
-            "partition each expert's weights across ranks that hold different experts)"
-        )
+    check_ranges(p, "parallel")
     check_experts_divisible(cfg.moe.num_experts, p.ep_size)
     if p.shadow_experts and cfg.moe.capacity_factor > 0:
         raise ConfigError(

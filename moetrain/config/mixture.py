@@ -16,13 +16,15 @@ they name the source in metrics (``data/tokens/<name>``, ``val/loss/<name>``) an
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePath
+from typing import Literal
+
+from moetrain.config.ranges import above, at_least, check_ranges
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-SOURCE_FORMATS = ("text", "json", "parquet", "csv")
+SourceFormat = Literal["text", "json", "parquet", "csv"]
 
 
 @dataclass
@@ -30,12 +32,12 @@ class SourceConfig:
     """One source of a mixture (``data.sources[i]``)."""
 
     source: str = ""  # anything data.source accepts: builtin:NAME, a path or glob, hf:NAME[:CONFIG]
-    weight: float = 1.0  # relative share of the training samples (> 0)
+    weight: float = field(default=1.0, metadata=above(0))  # relative share of the samples
     name: str | None = None  # metric and directory name; default from the source
     text_field: str | None = None  # default data.text_field
-    source_format: str | None = None  # default data.source_format
+    source_format: SourceFormat | None = None  # default data.source_format
     split: str | None = None  # default data.split (Hub datasets)
-    max_docs: int | None = None  # default data.max_docs
+    max_docs: int | None = field(default=None, metadata=at_least(1))  # default data.max_docs
 
 
 def default_source_name(source: str) -> str:
@@ -76,17 +78,15 @@ def validate_sources(sources: list[SourceConfig], single_source: str, default_so
         if not isinstance(s.source, str) or not s.source.strip():
             raise ConfigError(f"{key}.source: missing; every entry needs a source")
         label = f"(source {s.source!r})"
-        if not (isinstance(s.weight, float) and math.isfinite(s.weight) and s.weight > 0):
-            raise ConfigError(f"{key}.weight: must be a finite number > 0 {label}; got {s.weight}")
+        try:
+            check_ranges(s, key)
+        except ConfigError as e:
+            raise ConfigError(f"{e} {label}") from None
         if s.name is not None and not _NAME.match(s.name):
             raise ConfigError(
                 f"{key}.name: {s.name!r} {label}: use letters, digits, '_', '-' and '.', "
                 "starting with a letter or digit"
             )
-        if s.source_format is not None and s.source_format not in SOURCE_FORMATS:
-            raise ConfigError(f"{key}.source_format: must be one of {SOURCE_FORMATS} {label}")
-        if s.max_docs is not None and s.max_docs <= 0:
-            raise ConfigError(f"{key}.max_docs: must be > 0 or null {label}")
         name = s.name or default_source_name(s.source)
         if name in names:
             raise ConfigError(

@@ -2,36 +2,41 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from moetrain.config.checks import require, require_positive
+from moetrain.config.checks import require
+from moetrain.config.ranges import above, at_least, between
+
+_POSITIVE = above(0, "a positive integer")
 
 
 @dataclass
 class ModelConfig:
     """Dense transformer shape."""
 
-    vocab_size: int = 8192
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int | None = None  # default d_model // n_heads
-    dense_hidden: int = 1024  # SwiGLU hidden size of dense (non-MoE) FFN layers
-    max_seq_len: int = 2048  # RoPE table size and HF max_position_embeddings
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    vocab_size: int = field(default=8192, metadata=_POSITIVE)
+    d_model: int = field(default=256, metadata=_POSITIVE)
+    n_layers: int = field(default=4, metadata=_POSITIVE)
+    n_heads: int = field(default=4, metadata=_POSITIVE)
+    n_kv_heads: int = field(default=2, metadata=_POSITIVE)
+    head_dim: int | None = field(default=None, metadata=_POSITIVE)  # default d_model // n_heads
+    # SwiGLU hidden size of dense (non-MoE) FFN layers
+    dense_hidden: int = field(default=1024, metadata=_POSITIVE)
+    # RoPE table size and HF max_position_embeddings
+    max_seq_len: int = field(default=2048, metadata=_POSITIVE)
+    rope_theta: float = field(default=10000.0, metadata=above(0))
+    norm_eps: float = field(default=1e-5, metadata=above(0))
     qk_norm: bool = False  # RMSNorm on queries and keys (Qwen3-MoE, GLM-4-MoE, OLMoE)
     # what that norm normalises: "head" (each head's vector; Qwen3-MoE, GLM-4-MoE) or
     # "projection" (the whole query / key projection, all heads together; OLMoE)
     qk_norm_scope: Literal["head", "projection"] = "head"
     qkv_bias: bool = False  # biases on the query / key / value projections (Qwen2, Qwen2-MoE)
     tie_embeddings: bool = False
-    init_std: float = 0.02
+    init_std: float = field(default=0.02, metadata=above(0))
     # training loss: cross-entropy over chunks of this many tokens, never the full fp32 logits;
     # 0 = plain full-logits cross-entropy
-    loss_chunk_tokens: int = 1024
+    loss_chunk_tokens: int = field(default=1024, metadata=at_least(0, "0 = full logits"))
 
     @property
     def attention_head_dim(self) -> int:
@@ -39,10 +44,6 @@ class ModelConfig:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
     def validate(self) -> None:
-        require_positive(
-            self, "model", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"
-        )
-        require_positive(self, "model", "max_seq_len", "dense_hidden")
         if self.head_dim is None:
             require(
                 self.d_model % self.n_heads == 0,
@@ -50,8 +51,6 @@ class ModelConfig:
                 f"must divide model.d_model={self.d_model} (or set model.head_dim); "
                 f"got {self.n_heads}",
             )
-        else:
-            require(self.head_dim > 0, "model.head_dim", "must be a positive integer")
         require(
             self.attention_head_dim % 2 == 0,
             "model.head_dim",
@@ -62,33 +61,32 @@ class ModelConfig:
             "model.n_kv_heads",
             f"must divide model.n_heads={self.n_heads}; got {self.n_kv_heads}",
         )
-        require(self.rope_theta > 0, "model.rope_theta", "must be > 0")
-        require(self.norm_eps > 0, "model.norm_eps", "must be > 0")
-        require(self.init_std > 0, "model.init_std", "must be > 0")
-        require(
-            self.loss_chunk_tokens >= 0,
-            "model.loss_chunk_tokens",
-            f"must be >= 0 (0 = full logits); got {self.loss_chunk_tokens}",
-        )
 
 
 @dataclass
 class MoEConfig:
     """Mixture-of-Experts FFN: routing, balancing, capacity, placement."""
 
-    num_experts: int = 8
-    top_k: int = 2
-    expert_hidden: int = 512
-    moe_every: int = 1  # every n-th layer (after first_k_dense) is MoE
-    first_k_dense: int = 0  # the first k layers use a dense FFN
+    num_experts: int = field(default=8, metadata=at_least(1))
+    top_k: int = field(default=2, metadata=at_least(1))  # at most num_experts
+    expert_hidden: int = field(default=512, metadata=_POSITIVE)
+    # every n-th layer (after first_k_dense) is MoE
+    moe_every: int = field(default=1, metadata=at_least(1))
+    # the first k layers use a dense FFN (at most model.n_layers)
+    first_k_dense: int = field(default=0, metadata=at_least(0))
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     topk_before_score: bool = False  # True: top-k on logits, then softmax over the k
     renormalize: bool = True  # renormalise the top-k weights to sum to 1
-    route_scale: float = 1.0  # multiply combine weights (DeepSeek-V3 style)
-    jitter: float = 0.0  # multiplicative uniform noise on router input, training only
-    aux_loss_coef: float = 0.01  # Switch/GShard load-balancing loss; 0 disables
-    z_loss_coef: float = 0.001  # ST-MoE router z-loss; 0 disables
-    bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing; 0 disables
+    # multiply combine weights (DeepSeek-V3 style)
+    route_scale: float = field(default=1.0, metadata=above(0))
+    # multiplicative uniform noise on router input, training only
+    jitter: float = field(default=0.0, metadata=between(0, 1, high_open=True))
+    # Switch/GShard load-balancing loss; 0 disables
+    aux_loss_coef: float = field(default=0.01, metadata=at_least(0, "0 disables"))
+    # ST-MoE router z-loss; 0 disables
+    z_loss_coef: float = field(default=0.001, metadata=at_least(0, "0 disables"))
+    # DeepSeek-V3 aux-loss-free balancing; 0 disables
+    bias_update_rate: float = field(default=0.0, metadata=at_least(0, "0 disables"))
     # which tokens the load-balancing loss's expert fractions come from: micro_batch (this
     # rank's micro-batch), global_micro_batch (every rank's micro-batch of this micro-step),
     # sequence (each sequence on its own, DeepSeek-V3), global_batch (every rank's micro-batches
@@ -98,14 +96,15 @@ class MoEConfig:
     )
     # 0 = dropless; else each expert keeps at most ceil(cf * T * k / E) of the copies routed to
     # it, T = the tokens of its expert-parallel group's micro-batches, lowest weight dropped first
-    capacity_factor: float = 0.0
+    capacity_factor: float = field(default=0.0, metadata=at_least(0, "0 = dropless"))
     # group-limited routing (DeepSeek-V3 / GLM-4.5 n_group, topk_group): experts in n_group
     # equal groups; each token picks its topk_group best groups (sum of each group's two best
     # scores), then its top_k experts inside them. 1 = off
-    n_group: int = 1
-    topk_group: int = 1
-    num_shared_experts: int = 0
-    shared_expert_hidden: int | None = None  # default num_shared_experts * expert_hidden
+    n_group: int = field(default=1, metadata=at_least(1))
+    topk_group: int = field(default=1, metadata=at_least(1))  # at most n_group
+    num_shared_experts: int = field(default=0, metadata=at_least(0))
+    # default num_shared_experts * expert_hidden
+    shared_expert_hidden: int | None = field(default=None, metadata=_POSITIVE)
     shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE style)
     # compute the shared expert while the expert-parallel all-to-alls are in flight (its
     # projections during the dispatch, its down projection during the combine; same values)
@@ -153,25 +152,12 @@ class MoEConfig:
         )
 
     def validate(self) -> None:
-        require(self.num_experts >= 1, "moe.num_experts", "must be >= 1")
         require(
             1 <= self.top_k <= self.num_experts,
             "moe.top_k",
             f"must be between 1 and moe.num_experts={self.num_experts}; got {self.top_k}",
         )
-        require(self.expert_hidden > 0, "moe.expert_hidden", "must be a positive integer")
-        require(self.moe_every >= 1, "moe.moe_every", "must be >= 1")
-        require(self.first_k_dense >= 0, "moe.first_k_dense", "must be >= 0")
-        require(self.aux_loss_coef >= 0, "moe.aux_loss_coef", "must be >= 0")
-        require(self.z_loss_coef >= 0, "moe.z_loss_coef", "must be >= 0")
-        require(self.bias_update_rate >= 0, "moe.bias_update_rate", "must be >= 0")
-        require(0 <= self.jitter < 1, "moe.jitter", "must be in [0, 1)")
-        require(self.route_scale > 0, "moe.route_scale", "must be > 0")
-        require(self.capacity_factor >= 0, "moe.capacity_factor", "must be 0 (dropless) or > 0")
         self._validate_groups()
-        require(self.num_shared_experts >= 0, "moe.num_shared_experts", "must be >= 0")
-        if self.shared_expert_hidden is not None:
-            require(self.shared_expert_hidden > 0, "moe.shared_expert_hidden", "must be > 0")
         require(
             not (self.topk_before_score and self.score_func == "sigmoid"),
             "moe.topk_before_score",

@@ -190,8 +190,8 @@ def test_bad_sources_name_the_source(mixed, tmp_path):
         prepare(mixture_config(tmp_path, [sources[0], {"source": str(blank), "weight": 1}]))
     assert not list(tmp_path.glob(".out.*"))  # nothing half-written left behind
     for weight, pattern in (
-        (0, r"data.sources\[0\].weight: must be a finite number > 0 \(source '.*web.jsonl'\)"),
-        (-1.5, r"data.sources\[0\].weight: must be a finite number > 0"),
+        (0, r"data.sources\[0\].weight: must be > 0; got 0.0 \(source '.*web.jsonl'\)"),
+        (-1.5, r"data.sources\[0\].weight: must be > 0; got -1.5"),
         ("lots", r"data.sources\[0\].weight: expected float, got 'lots' \(in '.*web.jsonl'\)"),
     ):
         with pytest.raises(ConfigError, match=pattern):
