@@ -3,8 +3,10 @@ Hugging Face's MixtralSparseMoeBlock and DeepSpeed's deepspeed.moe.layer.MoE, sa
 
     .venv/bin/python benchmarks/moe_layer.py                 # T in {4096, 16384}, d256 F512 E8 k2
     .venv/bin/python benchmarks/moe_layer.py --tokens 4096 --repeats 3
+    .venv/bin/python benchmarks/moe_layer.py --tokens 4096 --cases dense moetrain-bf16 moetrain-bf16-combine
 
-One thread, fp32, CPU. Time: for each T one subprocess builds every case, warms each up once,
+One thread, fp32 (the ``-bf16`` cases: the block in bf16, combining in fp32 as moetrain does,
+and with the routing weights and the K-copy sums rounded to bf16 instead), CPU. Time: for each T one subprocess builds every case, warms each up once,
 then runs ``--repeats`` rounds of one fwd+bwd pass per case, interleaved so that load from other
 processes hits all cases alike; the timing process runs with the default allocator, as training
 does. Reported: the median and the minimum CPU time of the process per pass (robust on a
@@ -21,6 +23,7 @@ parameter gradients of that pass.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,6 +42,7 @@ CASES = [
     "hf-mixtral-grouped",
     "deepspeed",
 ]
+BF16_CASES = ["moetrain-bf16", "moetrain-bf16-combine"]
 DESCRIPTION = {
     "moetrain": "moetrain MoELayer (sort dispatch + F.grouped_mm)",
     "moetrain-loop": "moetrain MoELayer, per-expert loop (moe.grouped_mm=false)",
@@ -47,6 +51,8 @@ DESCRIPTION = {
     "hf-mixtral": "HF MixtralSparseMoeBlock (default eager experts)",
     "hf-mixtral-grouped": "HF MixtralSparseMoeBlock, experts_implementation=grouped_mm",
     "deepspeed": "deepspeed.moe.layer.MoE (k=2, drop_tokens=False)",
+    "moetrain-bf16": "moetrain MoELayer in bf16 (combine in fp32)",
+    "moetrain-bf16-combine": "moetrain MoELayer in bf16, combine in bf16 (weights, K-copy sums)",
 }
 
 
@@ -87,8 +93,44 @@ def plain_swiglu(d: int, hidden: int):
     return PlainSwiGLU()
 
 
+@contextlib.contextmanager
+def bf16_combine(layer):  # noqa: ANN001, ANN201
+    """While open: ``layer`` combines in bf16, as before moetrain combined in fp32 (routing
+    weights rounded to the activations' dtype before the weighted product, the sums over a
+    token's copies accumulated in it)."""
+    from moetrain.model.moe import dispatch
+
+    keep_acc, keep_forward = dispatch._accumulation_dtype, layer.experts.forward
+
+    def forward(x, counts, w=None, *rest):  # noqa: ANN001, ANN002, ANN202
+        return keep_forward(x, counts, None if w is None else w.to(x.dtype), *rest)
+
+    dispatch._accumulation_dtype, layer.experts.forward = (lambda t: t.dtype), forward
+    try:
+        yield
+    finally:
+        dispatch._accumulation_dtype, layer.experts.forward = keep_acc, keep_forward
+
+
 def build(case: str):
-    """Return ``fn(x_TD) -> y_TD`` and its module, all MoE variants with identical weights."""
+    """Return ``fn(x_TD) -> y_TD``, its module and a context each pass runs in; all MoE variants
+    with identical weights."""
+    import torch
+
+    if case in BF16_CASES:
+        fn, layer, _ = build("moetrain")
+        layer.to(torch.bfloat16)
+        context = (lambda: bf16_combine(layer)) if case.endswith("combine") else _no_context
+        return (lambda x: layer(x.to(torch.bfloat16)[None])[0][0].float()), layer, context
+    fn, module = _build(case)
+    return fn, module, _no_context
+
+
+def _no_context():  # noqa: ANN202
+    return contextlib.nullcontext()
+
+
+def _build(case: str):
     import torch
 
     w = _expert_weights()
@@ -169,7 +211,7 @@ def _prepare(case: str, tokens: int):
     import torch
 
     torch.manual_seed(0)
-    fn, module = build(case)
+    fn, module, context = build(case)
     params = list(module.parameters())
     x = torch.randn(tokens, D, requires_grad=True)
     gy = torch.randn(tokens, D)
@@ -178,7 +220,8 @@ def _prepare(case: str, tokens: int):
         for p in params:
             p.grad = None
         x.grad = None
-        fn(x).backward(gy)
+        with context():
+            fn(x).backward(gy)
 
     def clear() -> None:
         for p in params:
@@ -232,7 +275,7 @@ def _child(argv: list[str], env: dict[str, str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES + BF16_CASES)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--child-time", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--child-mem", nargs=2, metavar=("CASE", "T"), help=argparse.SUPPRESS)
@@ -269,7 +312,7 @@ def main() -> None:
             print(f"  {case:20s} T={t:6d} {cpu:9.1f} cpu-ms {mib:7.1f} MiB", file=sys.stderr)
 
     print(
-        f"\nd={D}, expert hidden={F_HIDDEN}, E={E}, k={K}, fp32, 1 thread, fwd+bwd, "
+        f"\nd={D}, expert hidden={F_HIDDEN}, E={E}, k={K}, 1 thread, fwd+bwd, "
         f"{args.repeats} interleaved rounds\n"
     )
     print(

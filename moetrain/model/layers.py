@@ -102,27 +102,38 @@ class _SiluMulPacked(torch.autograd.Function):
     """``silu(h[..., :F]) * h[..., F:]`` of a packed ``[gate | up]`` tensor, times a per-row
     weight ``w`` (h's shape without the last dim) when given; the gradient wrt h is written into
     one packed buffer (no per-half gradients to stitch back together). Saves h and w: the
-    weight's gradient recomputes the unweighted product."""
+    weight's gradient recomputes the unweighted product.
+
+    A weight in a wider dtype than h (fp32 routing weights, bf16 activations) makes the weighted
+    product's math run in the weight's dtype, rounded to h's dtype once; the weight's gradient
+    stays in its dtype."""
 
     @staticmethod
     def forward(ctx, h, w):  # noqa: ANN001, ANN205
         ctx.save_for_backward(h, w)
-        a, b = h.chunk(2, dim=-1)
+        a, b = _chunks(h, w)
         out = F.silu(a).mul_(b)
-        return out if w is None else out.mul_(w.unsqueeze(-1))
+        return out if w is None else out.mul_(w.unsqueeze(-1)).to(h.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         h, w = ctx.saved_tensors
-        a, b = h.chunk(2, -1)
-        grad, grad_w = grad.contiguous(), None
-        grad_h = torch.empty_like(h)
+        a, b = _chunks(h, w)
+        grad, grad_w = grad.contiguous().to(a.dtype), None
+        grad_h = torch.empty_like(h, dtype=a.dtype)
         if w is None:
             _silu_mul_backward(grad, a, b, *grad_h.chunk(2, -1))
         else:
             need_w = ctx.needs_input_grad[1]
             grad_w = _weighted_silu_mul_backward(grad, a, b, w, *grad_h.chunk(2, -1), need_w)
-        return grad_h, grad_w
+        return grad_h.to(h.dtype), grad_w
+
+
+def _chunks(h: torch.Tensor, w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of ``h``, in the wider of h's and w's dtypes."""
+    if w is not None and w.dtype != h.dtype:
+        h = h.to(torch.promote_types(h.dtype, w.dtype))
+    return h.chunk(2, dim=-1)
 
 
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -131,8 +142,8 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU activation of ``h = [a | b]`` (last dim 2F) -> ``silu(a) * b`` (last dim F), each
-    row scaled by ``w`` (h.shape[:-1], h's dtype) when given."""
+    """SwiGLU activation of ``h = [a | b]`` (last dim 2F) -> ``silu(a) * b`` (last dim F, h's
+    dtype), each row scaled by ``w`` (h.shape[:-1]; h's dtype or wider) when given."""
     return _SiluMulPacked.apply(h, w)
 
 

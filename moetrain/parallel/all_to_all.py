@@ -29,6 +29,11 @@ class TrafficMeter:
     other nodes (shadow experts' weights and gradients included), and the shadow experts'
     replicas this rank received. ``me``: this rank's index in its group; ``nodes``: the node of
     each group rank.
+
+    Rows and replicas are per dispatch: activation checkpointing runs a micro-batch's forward
+    again in backward, so they are held as the last forward's (:meth:`add_rows` and
+    :meth:`add_replicas` replace them) and counted once by :meth:`end_micro_batch`. Bytes are
+    what goes over the wire: a recomputed forward's exchanges are sent again and count again.
     """
 
     FIELDS = (
@@ -39,10 +44,12 @@ class TrafficMeter:
         "bytes_off_node",
         "replicas",
     )
+    PER_DISPATCH = ("rows", "rows_off_rank", "rows_off_node", "replicas")
 
     def __init__(self, me: int, nodes: list[int]) -> None:
         self.me, self.nodes = me, list(nodes)
         self.totals = dict.fromkeys(self.FIELDS, 0)
+        self.last_forward = dict.fromkeys(self.PER_DISPATCH, 0)
 
     def _split(self, per_peer: list[int]) -> tuple[int, int]:
         here = self.nodes[self.me]
@@ -51,11 +58,10 @@ class TrafficMeter:
         return off_rank, off_node
 
     def add_rows(self, per_peer: list[int]) -> None:
-        """Rows dispatched: ``per_peer[r]`` to group rank ``r``."""
+        """This forward's rows dispatched: ``per_peer[r]`` to group rank ``r``."""
         off_rank, off_node = self._split(per_peer)
-        self.totals["rows"] += sum(per_peer)
-        self.totals["rows_off_rank"] += off_rank
-        self.totals["rows_off_node"] += off_node
+        self.last_forward.update(rows=sum(per_peer), rows_off_rank=off_rank)
+        self.last_forward["rows_off_node"] = off_node
 
     def add_bytes(self, per_peer: list[int], row_bytes: int) -> None:
         """An exchange sending ``per_peer[r]`` rows of ``row_bytes`` bytes to group rank ``r``."""
@@ -64,11 +70,19 @@ class TrafficMeter:
         self.totals["bytes_off_node"] += off_node * row_bytes
 
     def add_replicas(self, count: int) -> None:
-        """``count`` shadow experts' weights received from their owners."""
-        self.totals["replicas"] += count
+        """This forward's shadow experts: ``count`` weights received from their owners."""
+        self.last_forward["replicas"] = count
+
+    def end_micro_batch(self) -> None:
+        """After a micro-batch's backward: count its forward's rows and replicas once."""
+        for key, n in self.last_forward.items():
+            self.totals[key] += n
+        self.last_forward = dict.fromkeys(self.PER_DISPATCH, 0)
 
     def take(self) -> list[int]:
-        """The totals in :attr:`FIELDS` order since the last call; resets them."""
+        """The totals in :attr:`FIELDS` order since the last call (a forward not yet ended by
+        :meth:`end_micro_batch` included); resets them."""
+        self.end_micro_batch()
         out = [self.totals[k] for k in self.FIELDS]
         self.totals = dict.fromkeys(self.FIELDS, 0)
         return out

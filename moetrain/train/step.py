@@ -144,6 +144,8 @@ def run_step(
         engine.backward(out.loss)
         for router in trainer.routers:
             router.end_micro_batch()
+        for meter in trainer.traffic_meters:
+            meter.end_micro_batch()
         stats.add(out, batch["input_ids"].numel() * cfg.moe.top_k)
         timer.lap("fwd_bwd")
         if n == accum:

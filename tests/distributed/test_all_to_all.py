@@ -94,6 +94,18 @@ def _job(rank: int, world: int) -> dict:
             "traffic": ad.traffic.take(),
             "routes": ids,
         }
+        if name == "dropless":  # the same under activation checkpointing: forward runs twice
+            from torch.utils.checkpoint import checkpoint
+
+            def block(x_TD, w_TK, ad=ad, local=local, ids=ids, cf=cf):  # noqa: ANN001, ANN202
+                x_md, w_m, counts_l, actx = ad.dispatch(x_TD, Routes(ids, w_TK, cf))
+                return ad.combine(local(x_md, counts_l, w_m), actx)
+
+            xc, wc = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+            local.zero_grad()
+            checkpoint(block, xc, wc, use_reentrant=False).pow(2).sum().backward()
+            ad.traffic.end_micro_batch()
+            out["checkpointed"] = {"dx": (xc.grad, xe.grad), "traffic": ad.traffic.take()}
     return out
 
 
@@ -112,6 +124,23 @@ def test_matches_local_dispatcher(results: list[dict], case: str) -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{case} {key}")
         if r["dweights_dropped"] is not None:
             assert not r["dweights_dropped"].any(), (rank, case)
+
+
+def test_activation_checkpointing_counts_each_dispatch_once(results: list[dict]) -> None:
+    """The recomputed forward sends its exchanges again (bytes count twice over the forward's
+    part), but its rows and replicas are the same dispatch: counted once."""
+    from moetrain.parallel.all_to_all import TrafficMeter
+
+    fields = TrafficMeter.FIELDS
+    for res in results:
+        got, want = res["checkpointed"]["dx"]
+        torch.testing.assert_close(got, want)
+        ckpt = dict(zip(fields, res["checkpointed"]["traffic"], strict=True))
+        plain = dict(zip(fields, res["dropless"]["traffic"], strict=True))
+        for key in TrafficMeter.PER_DISPATCH:
+            assert ckpt[key] == plain[key], key
+        assert plain["rows_off_rank"] > 0
+        assert plain["bytes_off_rank"] < ckpt["bytes_off_rank"] < 2 * plain["bytes_off_rank"]
 
 
 def test_counts_drops_and_traffic(results: list[dict]) -> None:

@@ -125,3 +125,39 @@ def test_fp16_refused_before_any_process_group(tmp_path) -> None:
         run_training(cfg)
     assert not dist.is_initialized()
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_routed_outputs_combine_in_fp32_rounded_once() -> None:
+    """bf16 experts with fp32 routing weights: the weighted SwiGLU product and the sum over a
+    token's K copies are computed in fp32 and rounded to bf16 once, and the weights' gradient
+    stays fp32. The reference is that math written out; rounding the weight or a partial sum
+    to bf16 first gives other bits."""
+    from moetrain.model.moe.dispatch import sum_copies
+    from moetrain.model.moe.experts import GroupedExperts
+
+    torch.manual_seed(3)
+    experts = GroupedExperts(4, 32, 48, grouped_mm=False)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.2)
+    experts.to(torch.bfloat16)
+    counts_L = torch.tensor([40, 30, 20, 38])
+    x_ND = torch.randn(128, 32).to(torch.bfloat16)
+    w_N = torch.rand(128, requires_grad=True)
+    y_ND = experts(x_ND, counts_L, w_N)
+    want, row = [], 0
+    for i, n in enumerate(counts_L.tolist()):
+        h = x_ND[row : row + n] @ experts.w13[i]
+        a, b = h.float().chunk(2, -1)
+        act = (F.silu(a) * b * w_N[row : row + n, None]).to(torch.bfloat16)
+        want.append(act @ experts.w2[i])
+        row += n
+    assert torch.equal(y_ND, torch.cat(want))
+    y_ND.float().sum().backward()
+    assert w_N.grad is not None and w_N.grad.dtype == torch.float32
+
+    k, t = 4, 32  # every token's 4 copies, summed
+    token_N = torch.arange(t).repeat_interleave(k)
+    inverse_N = torch.arange(t * k)
+    y_TD = sum_copies(y_ND, token_N, inverse_N, t, k)
+    exact = y_ND.float().view(t, k, -1).sum(1).to(torch.bfloat16)
+    assert y_TD.dtype == torch.bfloat16 and torch.equal(y_TD, exact)

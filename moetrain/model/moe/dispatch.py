@@ -85,10 +85,17 @@ def _sum_copies(
     ``index_add_`` uses atomics, when every token has its K rows (``inverse_N`` given: row of
     each flat slot t * K + k): a gather by the inverse permutation and a sum over K.
     """
+    acc = _accumulation_dtype(src_ND)
     if src_ND.is_cuda and inverse_N is not None:
-        return src_ND.index_select(0, inverse_N).view(num_tokens, k, -1).sum(1)
-    out = src_ND.new_zeros(num_tokens, src_ND.shape[-1])
-    return out.index_add_(0, token_N, src_ND)
+        rows = src_ND.index_select(0, inverse_N).view(num_tokens, k, -1)
+        return rows.sum(1, dtype=acc).to(src_ND.dtype)
+    out = src_ND.new_zeros(num_tokens, src_ND.shape[-1], dtype=acc)
+    return out.index_add_(0, token_N, src_ND.to(acc)).to(src_ND.dtype)
+
+
+def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """Sums over a token's copies run in fp32 (or wider), rounded to ``x``'s dtype once."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 class _GatherCopies(torch.autograd.Function):
@@ -137,11 +144,13 @@ class _PermuteRows(torch.autograd.Function):
 
 
 def _sum_slots(src_ND: torch.Tensor, slot_N: torch.Tensor, num_groups: int, width: int) -> Tensor:
+    acc = _accumulation_dtype(src_ND)
     if src_ND.is_cuda:  # no atomics: one slot per row (slots are unique), then a sum
         buf = src_ND.new_zeros(num_groups * width, src_ND.shape[-1]).index_copy_(0, slot_N, src_ND)
-        return buf.view(num_groups, width, -1).sum(1)
+        return buf.view(num_groups, width, -1).sum(1, dtype=acc).to(src_ND.dtype)
     group_N = torch.div(slot_N, width, rounding_mode="floor")
-    return src_ND.new_zeros(num_groups, src_ND.shape[-1]).index_add_(0, group_N, src_ND)
+    out = src_ND.new_zeros(num_groups, src_ND.shape[-1], dtype=acc)
+    return out.index_add_(0, group_N, src_ND.to(acc)).to(src_ND.dtype)
 
 
 class _SumSlots(torch.autograd.Function):

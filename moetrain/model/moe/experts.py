@@ -191,8 +191,6 @@ class GroupedExperts(nn.Module):
         w13: torch.Tensor,
         w2: torch.Tensor,
     ) -> torch.Tensor:
-        if weights_N is not None:
-            weights_N = weights_N.to(x_ND.dtype)
         if not self.use_grouped_mm:
             why = "grouped_mm=False"
         elif x_ND.shape[0] == 0:
