@@ -36,6 +36,7 @@ class RankWrites:
             return
         path = Path(path)
         try:
+            fault_point("save.write", self.rank, self.step)
             writer(path)
             fsync_file(path)
             self.entries[path.name] = file_entry(path)
@@ -52,13 +53,27 @@ class RankWrites:
 
     @contextmanager
     def through(self, engine: Any) -> Iterator[None]:
-        """While active, every file ``engine`` (DeepSpeed) saves is written by :meth:`write`."""
+        """While active, every file ``engine`` (DeepSpeed) saves is written by :meth:`write`, and
+        a failure to copy DeepSpeed's recovery scripts (rank 0) is kept like a write error."""
         inner = engine.checkpoint_engine
         engine.checkpoint_engine = _Recorder(inner, self)
+        copy_scripts = engine._copy_recovery_script  # DeepSpeed 0.19's, outside the engine
+
+        def copy_scripts_kept(save_path: str) -> None:
+            if self.error is not None:
+                return
+            try:
+                fault_point("save.recovery_scripts", self.rank, self.step)
+                copy_scripts(save_path)
+            except OSError as e:
+                self.error = f"rank {self.rank}: copying DeepSpeed's zero_to_fp32.py: {e}"
+
+        engine._copy_recovery_script = copy_scripts_kept
         try:
             yield
         finally:
             engine.checkpoint_engine = inner
+            del engine._copy_recovery_script  # the class's method again
 
 
 class _Recorder:
