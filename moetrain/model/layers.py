@@ -105,35 +105,56 @@ class _SiluMulPacked(torch.autograd.Function):
     weight's gradient recomputes the unweighted product.
 
     A weight in a wider dtype than h (fp32 routing weights, bf16 activations) makes the weighted
-    product's math run in the weight's dtype, rounded to h's dtype once; the weight's gradient
-    stays in its dtype."""
+    product's math run in the weight's dtype, rounded to h's dtype once, and the weight's
+    gradient stays in its dtype. That math runs a block of rows at a time, so its wider
+    temporaries stay a few MiB whatever the number of rows."""
 
     @staticmethod
     def forward(ctx, h, w):  # noqa: ANN001, ANN205
         ctx.save_for_backward(h, w)
-        a, b = _chunks(h, w)
+        if w is not None and w.dtype != h.dtype:
+            out = h.new_empty(*h.shape[:-1], h.shape[-1] // 2)
+            for rows in _row_blocks(h):
+                a, b = h[rows].to(w.dtype).chunk(2, -1)
+                out[rows] = F.silu(a).mul_(b).mul_(w[rows].unsqueeze(-1))
+            return out
+        a, b = h.chunk(2, dim=-1)
         out = F.silu(a).mul_(b)
-        return out if w is None else out.mul_(w.unsqueeze(-1)).to(h.dtype)
+        return out if w is None else out.mul_(w.unsqueeze(-1))
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         h, w = ctx.saved_tensors
-        a, b = _chunks(h, w)
-        grad, grad_w = grad.contiguous().to(a.dtype), None
-        grad_h = torch.empty_like(h, dtype=a.dtype)
+        grad, grad_w = grad.contiguous(), None
+        grad_h = torch.empty_like(h)
         if w is None:
-            _silu_mul_backward(grad, a, b, *grad_h.chunk(2, -1))
-        else:
-            need_w = ctx.needs_input_grad[1]
+            _silu_mul_backward(grad, *h.chunk(2, -1), *grad_h.chunk(2, -1))
+            return grad_h, None
+        need_w = ctx.needs_input_grad[1]
+        if w.dtype == h.dtype:
+            a, b = h.chunk(2, -1)
             grad_w = _weighted_silu_mul_backward(grad, a, b, w, *grad_h.chunk(2, -1), need_w)
-        return grad_h.to(h.dtype), grad_w
+            return grad_h, grad_w
+        grad_w = torch.empty_like(w) if need_w else None
+        for rows in _row_blocks(h):
+            a, b = h[rows].to(w.dtype).chunk(2, -1)
+            block = torch.empty_like(h[rows], dtype=w.dtype)
+            g = grad[rows].to(w.dtype)
+            gw = _weighted_silu_mul_backward(g, a, b, w[rows], *block.chunk(2, -1), need_w)
+            grad_h[rows] = block
+            if need_w:
+                grad_w[rows] = gw
+        return grad_h, grad_w
 
 
-def _chunks(h: torch.Tensor, w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up halves of ``h``, in the wider of h's and w's dtypes."""
-    if w is not None and w.dtype != h.dtype:
-        h = h.to(torch.promote_types(h.dtype, w.dtype))
-    return h.chunk(2, dim=-1)
+BLOCK_ELEMENTS = 1 << 21  # 8 MiB of fp32 per wide temporary of the weighted SwiGLU
+
+
+def _row_blocks(h: torch.Tensor) -> list[slice]:
+    """Slices of h's rows (dim 0) of about :data:`BLOCK_ELEMENTS` elements each."""
+    per_row = max(1, h[0].numel()) if h.shape[0] else 1
+    step = max(1, BLOCK_ELEMENTS // per_row)
+    return [slice(i, i + step) for i in range(0, h.shape[0], step)]
 
 
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

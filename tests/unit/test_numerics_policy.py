@@ -161,3 +161,23 @@ def test_routed_outputs_combine_in_fp32_rounded_once() -> None:
     y_TD = sum_copies(y_ND, token_N, inverse_N, t, k)
     exact = y_ND.float().view(t, k, -1).sum(1).to(torch.bfloat16)
     assert y_TD.dtype == torch.bfloat16 and torch.equal(y_TD, exact)
+
+
+def test_the_weighted_product_is_the_same_in_blocks_of_rows(monkeypatch) -> None:
+    """The fp32 weighted SwiGLU runs a block of rows at a time (bounded temporaries): ragged
+    blocks give the same bits, forward and backward, as one block."""
+    from moetrain.model import layers
+
+    torch.manual_seed(0)
+    h = torch.randn(500, 64).to(torch.bfloat16).requires_grad_(True)
+    w = torch.rand(500, requires_grad=True)
+    g = torch.randn(500, 32).to(torch.bfloat16)
+    runs = []
+    for elements in (64 * 7, 1 << 30):  # 72 blocks, the last ragged; one block
+        monkeypatch.setattr(layers, "BLOCK_ELEMENTS", elements)
+        h.grad = w.grad = None
+        y = layers.silu_mul_packed(h, w)
+        y.backward(g)
+        runs.append((y.detach(), h.grad, w.grad))
+    for blocked, whole in zip(*runs, strict=True):
+        assert torch.equal(blocked, whole)
