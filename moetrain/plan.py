@@ -268,6 +268,18 @@ def _largest_param(cfg: Config, ep: int) -> int:
     return max(sizes)
 
 
+def _save_copies(cfg: Config, ep: int) -> int:
+    """fp32 bytes DeepSpeed 0.19 copies while rank 0 writes a save (``engine._save_checkpoint``,
+    ``_save_moe_checkpoint``): the dense state dict once (``clone_tensors_for_torch_save``), one
+    MoE layer's local experts at a time, and the one expert being written once more."""
+    nums = model_numbers(cfg)
+    dense = nums.total_params - nums.expert_params
+    layers = max(1, nums.num_moe_layers)
+    layer_experts = nums.expert_params // layers // ep
+    one_expert = nums.expert_params // layers // max(1, cfg.moe.num_experts)
+    return 4 * (dense + layer_experts + one_expert) if nums.expert_params else 4 * dense
+
+
 def plan(
     cfg: Config,
     gpus: int,
@@ -342,7 +354,9 @@ def plan(
         activations_ckpt_bytes=act_ck,
         param_grad_transient_bytes=_largest_param(cfg, ep) * wb,
         framework_bytes=framework,
-        save_host_bytes=0 if t.precision == "fp32" else 4 * (dense + expert),
+        save_host_bytes=0
+        if t.precision == "fp32"
+        else 4 * (dense + expert) + _save_copies(cfg, ep),
         mfu=mfu,
         peak_tflops=peak,
         traffic=expert_traffic(cfg, tokens * t.grad_accum_steps, gpus_per_node, wb, recompute=ckpt),
@@ -402,7 +416,8 @@ def format_plan(pl: Plan) -> str:
         "host memory of a checkpoint save: "
         + (
             f"{pl.save_host_bytes / GiB:.2f} GiB on rank 0 (the fp32 masters of the weights it "
-            "writes; other ranks: those of their own experts, or none)"
+            "writes and DeepSpeed's copies of them while writing; other ranks: those of their "
+            "own experts, or none)"
             if pl.save_host_bytes
             else "none beyond the weights (fp32)"
         ),
