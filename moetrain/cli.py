@@ -15,14 +15,19 @@ from moetrain.config import Config, ConfigError, read_config_data
 
 def load_config(path: str, overrides: list[str]) -> Config:
     """The command's config; with ``checkpoint.init_from`` the model shape comes from that
-    source (a setting that contradicts it is refused, naming the key and both values)."""
+    source (a setting that contradicts it is refused, naming the key and both values), or,
+    when run_dir has a checkpoint to resume, from that checkpoint."""
+    from moetrain.config import config_from_dict
+
     data = read_config_data(path, overrides)
     if not (data.get("checkpoint") or {}).get("init_from"):
-        from moetrain.config import config_from_dict
-
         return config_from_dict(data)
-    from moetrain.convert.init_source import resolve_config_data
+    from moetrain.convert.init_source import resolve_config_data, resolve_resumed_config_data
+    from moetrain.train.start import resume_candidate
 
+    resumed = resume_candidate(config_from_dict(data, validate=False))
+    if resumed is not None:  # the source is not opened: it may be gone
+        return resolve_resumed_config_data(data, resumed)
     return resolve_config_data(data)[0]
 
 

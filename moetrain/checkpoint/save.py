@@ -125,6 +125,20 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((py["version"], tuple(int(x) for x in py["state"]), state["python_gauss"]))
 
 
+def verify_on_every_rank(topo: Topology, path: Path) -> None:
+    """Check every file of ``path``'s commit manifest (size and CRC-32), each file read by one
+    rank; every rank raises the same CheckpointError if any file fails."""
+    names = manifest_names(path)
+    error = None
+    try:
+        verify_manifest(path, names[topo.rank :: topo.world_size])
+    except CheckpointError as e:
+        error = str(e)
+    errors = [e for e in _gather(topo, error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+
+
 class Checkpointer:
     """Saves and restores one run's checkpoints; every method is called on every rank.
 
@@ -266,16 +280,7 @@ class Checkpointer:
         """Check every file of the commit manifest (size and CRC-32; the ranks share the
         reading, every rank gets the same answer) before anything is unpickled; return the
         trainer state."""
-        topo = self.topo
-        names = manifest_names(path)
-        error = None
-        try:
-            verify_manifest(path, names[topo.rank :: topo.world_size])
-        except CheckpointError as e:
-            error = str(e)
-        errors = [e for e in _gather(topo, error) if e]
-        if errors:
-            raise CheckpointError(errors[0])
+        verify_on_every_rank(self.topo, path)
         state = TrainerState.read(path)
         if step_of(path) != state.step:
             raise CheckpointError(f"{path}: directory name and trainer state disagree on the step")

@@ -5,7 +5,8 @@ A source is a Hugging Face model directory (``config.json`` + safetensors) of an
 upcycled into the configured MoE), a committed moetrain checkpoint, or a run directory (its
 newest complete checkpoint). Opening a source checks everything that can be checked without
 reading a tensor: the path exists, the architecture is supported, every weight file is present
-and as long as its header says, and the checkpoint's manifest holds.
+and as long as its header (or the checkpoint's manifest) says. A checkpoint's CRC-32s are
+checked once per start, each file by one rank (:func:`moetrain.train.start.open_start`).
 
 The model shape comes from the source: :func:`resolve_config_data` fills the ``model`` keys
 (and for an MoE source the ``moe`` keys that define the function) from it, and refuses a
@@ -113,7 +114,7 @@ def _hf_source(spec: str, path: Path) -> InitSource:
 
 
 def _checkpoint_source(spec: str, path: Path) -> InitSource:
-    verify_manifest(path)  # complete, nothing missing or truncated
+    verify_manifest(path, crc=False)  # complete, nothing missing or truncated
     cfg = checkpoint_config(path)
     expert_files(path, cfg)  # every expert of every MoE layer present
     step = TrainerState.read(path).step
@@ -203,6 +204,24 @@ def resolve_config_data(data: dict[str, Any]) -> tuple[Config, InitSource | None
     check_config_fits(cfg, source)
     cfg.validate()
     return cfg, source
+
+
+def resolve_resumed_config_data(data: dict[str, Any], ckpt: Path) -> Config:
+    """The Config of a run that will resume ``ckpt`` although it names a
+    ``checkpoint.init_from``: the model keys the config leaves out come from the checkpoint's
+    own resolved config (what the source gave the first start), so the source is not opened."""
+    saved = checkpoint_config(ckpt)
+    given = _given(data)
+    cfg = config_from_dict(data, validate=False)
+    keys = [f"model.{k}" for k in (*MODEL_KEYS, *MODEL_DEFAULTS)] + [f"moe.{k}" for k in MOE_KEYS]
+    for key in keys:
+        if key not in given:
+            section, name = key.split(".")
+            _set(cfg, key, getattr(getattr(saved, section), name))
+    if "data.seq_len" not in given:
+        cfg.data.seq_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
+    cfg.validate()
+    return cfg
 
 
 def check_config_fits(cfg: Config, source: InitSource) -> None:

@@ -85,7 +85,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
         check_precision_supported(cfg.train.precision)  # before any process group starts
         check_fresh_start(cfg)
         topo = init_distributed(cfg)
-        source = open_start(cfg)  # a bad checkpoint.init_from fails before anything is written
+        source = open_start(cfg, topo)  # a bad init_from fails before anything is written
         t, c = cfg.train, cfg.checkpoint
 
         def loader(split: str) -> Any:

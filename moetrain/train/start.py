@@ -16,19 +16,28 @@ from pathlib import Path
 
 from moetrain.checkpoint.catalog import latest_complete
 from moetrain.checkpoint.format import checkpoint_root
-from moetrain.checkpoint.save import Checkpointer
+from moetrain.checkpoint.save import Checkpointer, verify_on_every_rank
 from moetrain.config import Config, ConfigError
 from moetrain.convert.init_source import InitSource, check_config_fits, open_init_source
 from moetrain.convert.upcycle import inexact_reasons
 from moetrain.monitor.console import Printer, console
+from moetrain.parallel.topology import Topology
+
+
+def resume_candidate(cfg: Config) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` will load, None for a fresh start (read-only:
+    nothing is removed; the path is checked when it is loaded)."""
+    mode = cfg.checkpoint.resume
+    if mode == "none":
+        return None
+    if mode == "auto":
+        return latest_complete(checkpoint_root(cfg.run_dir))
+    return Path(mode)
 
 
 def will_resume(cfg: Config) -> bool:
-    """Whether ``checkpoint.resume`` will load a checkpoint (read-only: nothing is removed)."""
-    mode = cfg.checkpoint.resume
-    if mode == "none":
-        return False
-    return mode != "auto" or latest_complete(checkpoint_root(cfg.run_dir)) is not None
+    """Whether ``checkpoint.resume`` will load a checkpoint."""
+    return resume_candidate(cfg) is not None
 
 
 def check_fresh_start(cfg: Config) -> None:
@@ -44,13 +53,16 @@ def check_fresh_start(cfg: Config) -> None:
         )
 
 
-def open_start(cfg: Config) -> InitSource | None:
-    """The opened and checked ``checkpoint.init_from`` when the run will load it, else None.
-    Call before anything is written to run_dir: bad sources fail here."""
+def open_start(cfg: Config, topo: Topology) -> InitSource | None:
+    """The opened and checked ``checkpoint.init_from`` when the run will load it, else None;
+    a moetrain checkpoint's files are CRC-checked once, each by one rank, every rank getting
+    the same answer. Call before anything is written to run_dir: bad sources fail here."""
     if not cfg.checkpoint.init_from or will_resume(cfg):
         return None
     source = open_init_source(cfg.checkpoint.init_from)
     check_config_fits(cfg, source)
+    if source.kind == "checkpoint":
+        verify_on_every_rank(topo, source.path)
     return source
 
 

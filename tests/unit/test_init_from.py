@@ -10,16 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.checkpoint.format import CheckpointError, TrainerState
+from moetrain.checkpoint.format import COMMIT_FILE, CheckpointError, TrainerState
 from moetrain.config import ConfigError, read_config_data
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.convert.init_source import open_init_source, resolve_config_data
 from moetrain.convert.init_weights import build_model
+from moetrain.parallel.topology import Topology
 from moetrain.train.start import check_fresh_start, open_start, will_resume
 from tests.helpers.configs import tiny_args
 from tests.helpers.hf_models import MOE_FAMILIES, save_hf_model
 
 transformers = pytest.importorskip("transformers")
+SOLO = Topology(
+    rank=0, world_size=1, local_rank=0, ep_size=1, backend="gloo", device=torch.device("cpu")
+)
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +165,9 @@ def test_run_dir_checkpoint_wins_and_bad_init_from_writes_nothing(hf_dirs, tmp_p
 
     run_dir = tmp_path / "run"
     cfg, _ = resolved(f"checkpoint.init_from={hf_dirs['mixtral']}", f"run_dir={run_dir}")
-    assert not will_resume(cfg) and open_start(cfg) is not None
+    assert not will_resume(cfg) and open_start(cfg, SOLO) is not None
     import_hf_checkpoint(hf_dirs["mixtral"], run_dir / "checkpoints" / "step_00000003", step=3)
-    assert will_resume(cfg) and open_start(cfg) is None  # resume wins; the source is not opened
+    assert will_resume(cfg) and open_start(cfg, SOLO) is None  # resume wins: not opened
     for bad in (tmp_path / "gone", hf_dirs["llama"]):
         data = read_config_data(None, tiny_args(run_dir=str(tmp_path / "fresh")))
         data["checkpoint"] = {"init_from": str(bad)}
@@ -202,3 +206,50 @@ def test_a_fresh_start_over_an_earlier_runs_checkpoints_is_refused(hf_dirs, tmp_
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
     cfg, _ = resolved("checkpoint.resume=none", f"run_dir={tmp_path / 'other'}")
     check_fresh_start(cfg)  # an empty run_dir starts fresh
+
+
+def test_a_resuming_run_does_not_open_its_init_from(hf_dirs, tmp_path) -> None:
+    """A restarted job whose source has gone resumes: the config comes from the checkpoint it
+    resumes (the shape the source gave the first start), and nothing opens the source."""
+    import shutil
+
+    from moetrain.cli import load_config
+
+    source = tmp_path / "source"
+    shutil.copytree(hf_dirs["qwen3_moe"], source)
+    run_dir = tmp_path / "run"
+    args = [f"run_dir={run_dir}", f"checkpoint.init_from={source}"]
+    first = load_config(None, args)
+    assert first.model.d_model == 32 and first.moe.num_experts == 4  # the source's shape
+    import_hf_checkpoint(source, run_dir / "checkpoints" / "step_00000002", step=2)
+    shutil.rmtree(source)
+    again = load_config(None, args)
+    assert again.model == first.model and again.moe == first.moe
+    assert open_start(again, SOLO) is None
+
+
+def test_a_checkpoint_source_is_crc_checked_once_per_start(hf_dirs, tmp_path, monkeypatch) -> None:
+    """Resolving the config reads headers and sizes only; the start reads every file once (each
+    by one rank) and refuses a changed byte, naming the file."""
+    import moetrain.checkpoint.format as fmt
+    from moetrain.cli import load_config
+
+    ckpt = import_hf_checkpoint(
+        hf_dirs["olmoe"], tmp_path / "src" / "checkpoints" / "step_00000004", step=4
+    )
+    read = []
+    real = fmt.file_crc32
+    monkeypatch.setattr(fmt, "file_crc32", lambda p: read.append(Path(p).name) or real(p))
+    args = [f"run_dir={tmp_path / 'run'}", f"checkpoint.init_from={ckpt}"]
+    cfg = load_config(None, args)
+    assert read == []  # the config's resolution read no file's bytes
+    assert open_start(cfg, SOLO) is not None
+    files = sorted(json.loads((ckpt / COMMIT_FILE).read_text())["crc32"])
+    assert sorted(read) == files  # each file once
+    victim = ckpt / files[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    cfg = load_config(None, args)  # sizes still agree: resolving does not notice
+    with pytest.raises(CheckpointError, match=f"{victim}: contents changed since the commit"):
+        open_start(cfg, SOLO)
