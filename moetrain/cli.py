@@ -82,18 +82,26 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         fmt=args.format,
         overwrite=args.overwrite,
+        tokenizer=args.tokenizer,
     )
     print(f"moetrain: wrote {out}")
     return 0
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
+    from moetrain.checkpoint.format import tokenizer_path
     from moetrain.convert.importer import import_hf_checkpoint
 
     out = import_hf_checkpoint(
-        args.hf_dir, args.checkpoint, step=args.step, overrides=args.overrides
+        args.hf_dir, args.checkpoint, args.step, args.overrides, tokenizer=args.tokenizer
     )
     print(f"moetrain: wrote {out}")
+    if tokenizer_path(out) is None:
+        print(
+            f"moetrain: warning: {args.hf_dir} has no tokenizer (tokenizer.json or "
+            "tokenizer.model), so neither has the checkpoint: moetrain convert of it needs "
+            "--tokenizer PATH (or import again with --tokenizer)"
+        )
     return 0
 
 
@@ -161,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Hugging Face architecture (auto: the one that computes the same function)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.add_argument("--tokenizer", help="the tokenizer to export when the checkpoint carries none")
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser(
@@ -175,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="config settings, e.g. moe.num_experts=8 moe.top_k=2 to upcycle a dense model",
     )
     p.add_argument("--step", type=int, default=0, help="step number recorded in the checkpoint")
+    p.add_argument(
+        "--tokenizer", help="the tokenizer the checkpoint carries (default: HF_DIR's own)"
+    )
     p.set_defaults(func=_cmd_import)
 
     p = sub.add_parser("generate", help="sample a completion with a KV cache")

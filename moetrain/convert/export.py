@@ -31,6 +31,7 @@ from moetrain.config import Config
 from moetrain.convert.formats import ARCHITECTURES, choose_format, hf_config
 from moetrain.convert.hf import dense_key_map, expert_key, to_hf_state_dict
 from moetrain.convert.tokenizer_export import export_tokenizer
+from moetrain.data.tokenizer import tokenizer_file
 from moetrain.fileio import building_dir
 from moetrain.model.transformer import Transformer
 
@@ -188,8 +189,13 @@ def convert_checkpoint(
     fmt: str = "auto",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    tokenizer: str | Path | None = None,
 ) -> Path:
     """Write a Hugging Face model directory for a committed checkpoint; return ``out_dir``.
+
+    ``tokenizer``: the tokenizer to export with it (a Hugging Face tokenizer directory or
+    ``tokenizer.json``, or a SentencePiece ``.model``) when the checkpoint carries none (one
+    imported from a model directory without tokenizer files); default the checkpoint's own.
 
     ``fmt``: auto | mixtral | qwen2_moe | qwen3_moe | olmoe | glm4_moe (ConfigError naming the
     setting when the format cannot represent the model). Raises CheckpointError for a
@@ -205,10 +211,16 @@ def convert_checkpoint(
     verify_manifest(ckpt)  # truncated or missing files, before anything is written
     expert_files(ckpt, cfg)  # every expert of every MoE layer present
     fmt = choose_format(cfg, fmt)
-    tokenizer = tokenizer_path(ckpt)
+    if tokenizer is not None:
+        tokenizer = tokenizer_file(tokenizer)
+        if not tokenizer.is_file():
+            raise CheckpointError(f"--tokenizer: {tokenizer} is not a tokenizer file")
+    else:
+        tokenizer = tokenizer_path(ckpt)
     if tokenizer is None:
         raise CheckpointError(
-            f"{ckpt}: no tokenizer.model or tokenizer.json (the checkpoint carries its tokenizer)"
+            f"{ckpt}: carries no tokenizer (tokenizer.model or tokenizer.json; a checkpoint "
+            "imported from a model directory without one): pass --tokenizer PATH"
         )
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out}: already exists and is not empty (pass overwrite=True)")

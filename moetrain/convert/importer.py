@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from moetrain.checkpoint.format import CheckpointError
 from moetrain.checkpoint.write import write_checkpoint
 from moetrain.config import Config, read_config_data
 from moetrain.convert.init_source import open_init_source, resolve_config_data
@@ -31,23 +32,34 @@ def load_hf_state_dict(hf_dir: str | Path) -> tuple[dict[str, torch.Tensor], Con
 
 
 def import_hf_checkpoint(
-    hf_dir: str | Path, ckpt_dir: str | Path, step: int = 0, overrides: list[str] | None = None
+    hf_dir: str | Path,
+    ckpt_dir: str | Path,
+    step: int = 0,
+    overrides: list[str] | None = None,
+    tokenizer: str | Path | None = None,
 ) -> Path:
     """Write a committed moetrain checkpoint at ``ckpt_dir`` (must not exist) from a Hugging
     Face model directory; returns ``ckpt_dir``. ``overrides``: ``key=value`` settings of the
     checkpoint's config (for a dense model, the MoE to upcycle it into, e.g.
-    ``moe.num_experts=8``); a setting that contradicts the model's shape is refused. Every
-    check runs before anything is written; reads one expert layer at a time."""
+    ``moe.num_experts=8``); a setting that contradicts the model's shape is refused.
+    ``tokenizer``: the tokenizer the checkpoint carries (a Hugging Face tokenizer directory or
+    ``tokenizer.json``, or a SentencePiece ``.model``), default the model directory's own; a
+    model directory without one gives a checkpoint without one, which ``moetrain convert``
+    then needs ``--tokenizer`` for. Every check runs before anything is written; reads one
+    expert layer at a time."""
     data = read_config_data(None, overrides)
     data.setdefault("checkpoint", {})["init_from"] = str(hf_dir)
     cfg, source = resolve_config_data(data)
     assert source is not None
     check_source_tensors(source)
+    files = tokenizer_files(tokenizer if tokenizer is not None else hf_dir)
+    if tokenizer is not None and not files:
+        raise CheckpointError(f"--tokenizer {tokenizer}: no tokenizer.json or .model there")
     return write_checkpoint(
         ckpt_dir,
         cfg,
         source_parts(source, cfg),
-        tokenizer_files(hf_dir),
+        files,
         step,
         {"imported_from": str(hf_dir)},
         init_record(source, cfg),

@@ -140,3 +140,29 @@ def test_refusals_leave_existing_output_alone(tmp_path, ckpt) -> None:
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     convert_checkpoint(ckpt, out, overwrite=True)
     assert (out / "model.safetensors").is_file() and not (out / "keep.txt").exists()
+
+
+def test_a_tokenizer_less_model_imports_and_converts_with_tokenizer(
+    tmp_path, sp_model, capsys
+) -> None:
+    """import of a model directory without tokenizer files says the checkpoint carries none;
+    convert of it is refused naming --tokenizer, and with --tokenizer exports it (the command
+    line's own entry point; nothing written by the refusal)."""
+    from moetrain.cli import main
+
+    src = save_hf_model("mixtral", tmp_path / "hf")  # weights and config only
+    ckpt, out = tmp_path / "ckpt" / "step_00000000", tmp_path / "out"
+    assert main(["import", str(src), str(ckpt)]) == 0
+    said = capsys.readouterr()
+    assert "has no tokenizer" in said.out and "needs --tokenizer" in said.out
+    assert main(["convert", str(ckpt), str(out)]) != 0
+    said = capsys.readouterr()
+    assert "carries no tokenizer" in said.err + said.out and "--tokenizer PATH" in said.err
+    assert not out.exists()
+    assert main(["convert", str(ckpt), str(out), "--tokenizer", str(sp_model)]) == 0
+    assert (out / "tokenizer.model").is_file() and (out / "tokenizer.json").is_file()
+    with_tok = tmp_path / "ckpt2" / "step_00000000"
+    capsys.readouterr()
+    assert main(["import", str(src), str(with_tok), "--tokenizer", str(sp_model)]) == 0
+    assert "has no tokenizer" not in capsys.readouterr().out
+    assert (with_tok / "tokenizer.model").read_bytes() == sp_model.read_bytes()
