@@ -73,6 +73,8 @@ def inexact_reasons(cfg: Config) -> list[str]:
     moe, out = cfg.moe, []
     if not (moe.renormalize or (moe.topk_before_score and moe.score_func == "softmax")):
         out.append("moe.renormalize=false (the top-k weights do not sum to 1)")
+    if moe.route_scale != 1:
+        out.append(f"moe.route_scale={moe.route_scale} (the top-k weights sum to it, not to 1)")
     if moe.capacity_factor > 0:
         out.append("moe.capacity_factor > 0 (tokens over capacity are dropped)")
     if moe.jitter > 0:

@@ -149,3 +149,23 @@ def test_import_upcycles_and_transformers_agrees(dense, tmp_path, family, overri
     text = "def f(x):\n    return x + 1  # ü"
     raw = Tokenizer.from_file(str(dense[family] / "tokenizer.json")).encode(text).ids
     assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == raw
+
+
+def test_inexact_reasons_name_exactly_the_settings_that_break_step_0() -> None:
+    """Weights that sum to 1 keep the upcycled model the dense one: renormalised top-k, or a
+    softmax over the k chosen logits (top-k before the score); anything else is named."""
+    from moetrain.convert.upcycle import inexact_reasons
+    from tests.helpers.configs import tiny_config
+
+    assert inexact_reasons(tiny_config()) == []
+    assert inexact_reasons(tiny_config(moe__renormalize=False, moe__topk_before_score=True)) == []
+    (why,) = inexact_reasons(tiny_config(moe__renormalize=False))
+    assert why.startswith("moe.renormalize=false")
+    (why,) = inexact_reasons(tiny_config(moe__route_scale=2.5))
+    assert why.startswith("moe.route_scale=2.5")
+    cfg = tiny_config(moe__capacity_factor=1.0, moe__jitter=0.1, checkpoint__upcycle_noise=0.1)
+    assert [w.split(" ")[0] for w in inexact_reasons(cfg)] == [
+        "moe.capacity_factor",
+        "moe.jitter",
+        "checkpoint.upcycle_noise",
+    ]
