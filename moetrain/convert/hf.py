@@ -34,6 +34,12 @@ def _moe_prefix(fmt: str) -> str:
     return "block_sparse_moe" if fmt == "mixtral" else "mlp"
 
 
+def in_memory_name(fmt: str, key: str) -> str:
+    """transformers v5's in-memory name of the HF key ``key`` (files saved with fused experts
+    use it): Mixtral's ``block_sparse_moe`` is ``mlp`` there."""
+    return key.replace(".block_sparse_moe.", ".mlp.") if fmt == "mixtral" else key
+
+
 def expert_key(fmt: str, layer: int, expert: int, name: str) -> str:
     """HF per-expert key of moetrain's ``w1``/``w3``/``w2`` of one expert."""
     hf_name = name if fmt == "mixtral" else _MLP[name]
@@ -134,7 +140,7 @@ def from_hf_state_dict(
     """
     check_format(fmt, cfg.model, cfg.moe)
     sd, moe = hf_state_dict, cfg.moe
-    if fmt == "mixtral":  # v5 renames Mixtral's block_sparse_moe to mlp in memory
+    if fmt == "mixtral":  # the router under its v5 in-memory name (in_memory_name)
         sd = {k.replace(".mlp.gate.", ".block_sparse_moe.gate."): v for k, v in sd.items()}
 
     def get(key: str) -> torch.Tensor:

@@ -24,7 +24,7 @@ from moetrain.checkpoint.format import CheckpointError
 from moetrain.checkpoint.read import HFWeights, dense_state, expert_files, stacked_experts
 from moetrain.config import Config
 from moetrain.convert.dense import dense_hf_names, ffn_names
-from moetrain.convert.hf import dense_key_map, expert_key, from_hf_state_dict
+from moetrain.convert.hf import dense_key_map, expert_key, from_hf_state_dict, in_memory_name
 from moetrain.convert.init_source import InitSource
 from moetrain.convert.upcycle import inexact_reasons, upcycled_dense_part, upcycled_experts
 from moetrain.model.moe.experts import pack_w13
@@ -55,6 +55,9 @@ def expected_hf_shapes(source: InitSource) -> dict[str, tuple[int, ...]]:
     if source.upcycle:
         return out
     weights_names = set(HFWeights(source.path).names())
+    for hf in list(out):  # a file in transformers v5's in-memory names (fused experts)
+        if hf not in weights_names and (v5 := in_memory_name(fam, hf)) in weights_names:
+            out[v5] = out.pop(hf)
     d, f, e = src.model.d_model, src.moe.expert_hidden, src.moe.num_experts
     for layer in src.moe.moe_layers(src.model.n_layers):
         if _fused(layer) + "gate_up_proj" in weights_names:

@@ -253,3 +253,50 @@ def test_a_checkpoint_source_is_crc_checked_once_per_start(hf_dirs, tmp_path, mo
     cfg = load_config(None, args)  # sizes still agree: resolving does not notice
     with pytest.raises(CheckpointError, match=f"{victim}: contents changed since the commit"):
         open_start(cfg, SOLO)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_source_saved_in_the_fused_expert_layout(hf_dirs, tmp_path, family) -> None:
+    """transformers v5 holds experts fused (``mlp.experts.gate_up_proj`` (E, 2F, D),
+    ``down_proj`` (E, D, F)) and some files are saved that way: the same model from such a
+    file gives the same logits, and an expert-parallel rank reads only its rows."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    src = hf_dirs[family]
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    (fused / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    names = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up"}
+    names["down_proj"] = "down"
+    per_expert = re.compile(
+        r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+    )
+    experts: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for name, t in tensors.items():
+        m = per_expert.match(name)
+        if m is None:
+            out[name.replace("block_sparse_moe.gate.", "mlp.gate.")] = t
+            continue
+        layer, e, w = int(m.group(1)), int(m.group(2)), names[m.group(3)]
+        experts.setdefault(layer, {}).setdefault(w, {})[e] = t
+    assert experts, "the source has per-expert tensors to fuse"
+    for layer, ws in experts.items():
+        n = len(ws["gate"])
+        gate_up = [torch.cat([ws["gate"][e], ws["up"][e]], 0) for e in range(n)]
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(
+            [ws["down"][e] for e in range(n)]
+        )
+    save_file(out, fused / "model.safetensors")
+    ids = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(1))
+    cfg, source = resolved(f"checkpoint.init_from={fused}")
+    with torch.no_grad():
+        got = build_model(cfg, source).eval()(ids).logits
+    torch.testing.assert_close(got, hf_logits(src, ids), atol=1e-5, rtol=1e-5)
+    whole = build_model(cfg, source).state_dict()
+    for name, t in build_model(cfg, source, local_experts=(2, 4)).state_dict().items():
+        assert torch.equal(t, whole[name][2:4] if ".experts." in name else whole[name]), name
