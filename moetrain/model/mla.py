@@ -13,7 +13,8 @@ key are ``[nope_N | rope_R]``; the softmax scale is ``(N + R) ** -0.5`` times Ya
 ``model.norm_eps`` is, as DeepSeek's reference code and transformers do.
 
 Training attends through ``F.scaled_dot_product_attention`` like grouped-query attention, with
-the same document mask, so masks, the chunked loss, activation checkpointing (a whole block is
+the same document mask (unequal q/k and v head dims are zero-padded to equal ones where torch
+would otherwise fall back to its math kernel, as on CPU), so masks, the chunked loss, activation checkpointing (a whole block is
 recomputed), bf16 and expert parallelism (the FFN's business) are unchanged. Generation caches
 the normalised latent and the rotated rope key (:class:`LatentCache`, ``C + R`` values per token
 and layer) and expands the cached latent through ``wkv_b`` on every call.
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig
-from moetrain.model.attention import cache_causal_mask, record_kernel
+from moetrain.model.attention import cache_causal_mask, record_kernel, sdpa_kernel_name
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import RMSNorm
 from moetrain.model.rope import apply_rope, softmax_mscale
@@ -133,9 +134,11 @@ class MLAttention(nn.Module):
         appended to layer ``layer`` of the cache and the queries attend to every cached position.
         """
         b, s, _ = x_BSD.shape
-        q_BHSK = self.queries(x_BSD).view(b, s, self.n_heads, -1).transpose(1, 2)
-        q_nope_BHSN, q_rope_BHSR = q_BHSK.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rope_BHSR = apply_rope(q_rope_BHSR, cos_SR, sin_SR, self.rope_interleave)
+        # q and k are assembled (B, S, H, .) in memory, seen as (B, H, S, .): SDPA's output
+        # takes q's layout, so wo's input below is a view, not a copy (as grouped-query)
+        q_BSHK = self.queries(x_BSD).view(b, s, self.n_heads, -1)
+        q_nope_BSHN, q_rope_BSHR = q_BSHK.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope_BHSR = apply_rope(q_rope_BSHR.transpose(1, 2), cos_SR, sin_SR, self.rope_interleave)
         latent_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_rank, self.rope_dim], dim=-1)
         latent_BSC = self.kv_norm(latent_BSC)
         k_rope_BSR = apply_rope(k_rope_BSR[:, None], cos_SR, sin_SR, self.rope_interleave)[:, 0]
@@ -144,17 +147,42 @@ class MLAttention(nn.Module):
             latent_BSC, k_rope_BSR = cache.append(layer, latent_BSC, k_rope_BSR)
             mask_B1SS, causal = cache.causal_mask(s), False
         t = latent_BSC.shape[1]  # key positions (cached + new)
-        kv_BHTX = self.wkv_b(latent_BSC).view(b, t, self.n_heads, -1).transpose(1, 2)
-        k_nope_BHTN, v_BHTV = kv_BHTX.split([self.nope_dim, self.v_dim], dim=-1)
-        k_rope_BHTR = k_rope_BSR[:, None].expand(b, self.n_heads, t, self.rope_dim)
-        q_BHSK = torch.cat((q_nope_BHSN, q_rope_BHSR), dim=-1)
-        k_BHTK = torch.cat((k_nope_BHTN, k_rope_BHTR), dim=-1)
-        if self.sdpa_kernel is None:
-            note = "causal" if causal else "mask"
-            self.sdpa_kernel = record_kernel(
-                q_BHSK, k_BHTK, v_BHTV, mask_B1SS, causal, False, f"MLA, {note}", self.scale
-            )
-        out_BHSV = F.scaled_dot_product_attention(
-            q_BHSK, k_BHTK, v_BHTV, attn_mask=mask_B1SS, is_causal=causal, scale=self.scale
-        )
+        kv_BTHX = self.wkv_b(latent_BSC).view(b, t, self.n_heads, -1)
+        k_nope_BTHN, v_BTHV = kv_BTHX.split([self.nope_dim, self.v_dim], dim=-1)
+        k_rope_BTHR = k_rope_BSR[:, :, None].expand(b, t, self.n_heads, self.rope_dim)
+        q_BHSK = torch.cat((q_nope_BSHN, q_rope_BHSR.transpose(1, 2)), dim=-1).transpose(1, 2)
+        k_BHTK = torch.cat((k_nope_BTHN, k_rope_BTHR), dim=-1).transpose(1, 2)
+        v_BHTV = v_BTHV.transpose(1, 2)
+        out_BHSV = self._attend(q_BHSK, k_BHTK, v_BHTV, mask_B1SS, causal)
         return self.wo(out_BHSV.transpose(1, 2).reshape(b, s, -1))
+
+    def _attend(
+        self,
+        q_BHSK: torch.Tensor,
+        k_BHTK: torch.Tensor,
+        v_BHTV: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """SDPA; where torch would run its math kernel for the unequal q/k and v head dims
+        (which keeps (B, H, S, T) probabilities; CPU flash attention wants equal dims), the
+        smaller side is zero-padded to the larger (same scores with the explicit scale, the
+        value's padding sliced off)."""
+        note = "causal" if causal else "mask"
+        qk, vd = q_BHSK.shape[-1], v_BHTV.shape[-1]
+        if qk != vd:
+            kernel = sdpa_kernel_name(q_BHSK, k_BHTK, v_BHTV, mask, causal, False, self.scale)
+            if kernel in ("math", "unknown"):
+                if vd < qk:
+                    v_BHTV = F.pad(v_BHTV, (0, qk - vd))
+                else:
+                    q_BHSK, k_BHTK = F.pad(q_BHSK, (0, vd - qk)), F.pad(k_BHTK, (0, vd - qk))
+                note += f", head dims padded to {max(qk, vd)}"
+        if self.sdpa_kernel is None:
+            self.sdpa_kernel = record_kernel(
+                q_BHSK, k_BHTK, v_BHTV, mask, causal, False, f"MLA, {note}", self.scale
+            )
+        out = F.scaled_dot_product_attention(
+            q_BHSK, k_BHTK, v_BHTV, attn_mask=mask, is_causal=causal, scale=self.scale
+        )
+        return out[..., :vd] if out.shape[-1] != vd else out
