@@ -2,14 +2,15 @@
 
 FLOPs follow the usual convention (Kaplan et al., PaLM appendix B): 6 FLOPs per active matmul
 parameter per token for forward + backward, plus attention scores and values,
-12 x n_layers x n_heads x head_dim x seq_len per token (the causal mask is not discounted).
+6 x n_layers x n_heads x (qk_head_dim + v_head_dim) x seq_len per token (12 x ... x head_dim
+for grouped-query attention; the causal mask is not discounted).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moetrain.config import Config
+from moetrain.config import Config, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -25,15 +26,49 @@ class ModelNumbers:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+def attention_matrices(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Every weight matrix of one layer's attention, ``name -> (in, out)``."""
+    d, h = m.d_model, m.n_heads
+    if m.attention == "mla":
+        qk, c = m.attention_head_dim, m.kv_lora_rank
+        q = (
+            {"wq": (d, h * qk)}
+            if m.q_lora_rank is None
+            else {"wq_a": (d, m.q_lora_rank), "wq_b": (m.q_lora_rank, h * qk)}
+        )
+        return {
+            **q,
+            "wkv_a": (d, c + m.qk_rope_head_dim),
+            "wkv_b": (c, h * (m.qk_nope_head_dim + m.v_head_dim)),
+            "wo": (h * m.v_head_dim, d),
+        }
+    hd, g = m.attention_head_dim, m.n_kv_heads
+    return {"wq": (d, h * hd), "wk": (d, g * hd), "wv": (d, g * hd), "wo": (h * hd, d)}
+
+
+def _attention_vectors(m: ModelConfig) -> int:
+    """One layer's attention parameters outside its matrices: biases and norms."""
+    if m.attention == "mla":  # the latent norms
+        return m.kv_lora_rank + (m.q_lora_rank or 0)
+    hd = m.attention_head_dim
+    qkv_bias = (m.n_heads + 2 * m.n_kv_heads) * hd if m.qkv_bias else 0
+    qk_norms = 2 * hd if m.qk_norm_scope == "head" else (m.n_heads + m.n_kv_heads) * hd
+    return qkv_bias + (qk_norms if m.qk_norm else 0)
+
+
+def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs of the scores and values of every layer, per token."""
+    v_dim = m.v_head_dim if m.attention == "mla" else m.attention_head_dim
+    return 6 * m.n_layers * m.n_heads * (m.attention_head_dim + v_dim) * seq_len
+
+
 def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     """Count parameters exactly as moetrain's Transformer builds them."""
     m, e = cfg.model, cfg.moe
-    d, hd = m.d_model, m.attention_head_dim
+    d = m.d_model
     seq_len = seq_len or cfg.data.seq_len
-    attn = d * m.n_heads * hd * 2 + d * m.n_kv_heads * hd * 2
-    qkv_bias = (m.n_heads + 2 * m.n_kv_heads) * hd if m.qkv_bias else 0
-    qk_norms = 2 * hd if m.qk_norm_scope == "head" else (m.n_heads + m.n_kv_heads) * hd
-    norms = 2 * d + (qk_norms if m.qk_norm else 0)
+    attn = sum(i * o for i, o in attention_matrices(m).values())
+    vectors = 2 * d + _attention_vectors(m)  # the block's two norms, attention biases and norms
     dense_ffn = 3 * d * m.dense_hidden
     expert = 3 * d * e.expert_hidden
     shared = 3 * d * e.shared_hidden if e.num_shared_experts else 0
@@ -43,8 +78,8 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     total = active = matmul_active = 0
     n_moe = 0
     for layer in range(m.n_layers):
-        total += attn + qkv_bias + norms
-        active += attn + qkv_bias + norms
+        total += attn + vectors
+        active += attn + vectors
         matmul_active += attn
         if e.is_moe_layer(layer):
             n_moe += 1
@@ -62,7 +97,7 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     total += embed + head + d  # + final norm
     active += embed + head + d
     matmul_active += m.vocab_size * d  # LM head matmul (tied or not)
-    attn_flops = 12 * m.n_layers * m.n_heads * hd * seq_len
+    attn_flops = attention_flops_per_token(m, seq_len)
     return ModelNumbers(
         total_params=total,
         active_params=active,

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moetrain.config import Config, ConfigError
+from moetrain.config import Config, ConfigError, ModelConfig
 from moetrain.config.layout import check_layout
-from moetrain.model_numbers import ModelNumbers, human, model_numbers
+from moetrain.model_numbers import ModelNumbers, attention_matrices, human, model_numbers
 from moetrain.monitor.mfu import lookup_peak_tflops, math_type
 from moetrain.plan_traffic import Traffic, expert_traffic, format_traffic
 
@@ -99,6 +99,34 @@ def _rmsnorm_bytes(d: int, a: int) -> int:
     return a * d + 4
 
 
+def attention_bytes_per_token(m: ModelConfig, a: int) -> int:
+    """Bytes one layer's attention (and its input norm) saves for backward per token
+    (a = activation bytes). Grouped-query: see :func:`activation_bytes_per_token`.
+
+    Multi-head latent attention: the RMSNorm ``aD + 4``, the projection input ``aD``, with
+    ``q_lora_rank`` Q the query latent ``aQ + 4`` and its norm's output ``aQ``; the ``wkv_a``
+    output ``a(C + R) + 4`` (its latent normalised), the normalised latent ``aC``, the ``wkv_b``
+    output ``aH(N + Vd)`` (the values are a view of it), the assembled q and k ``2aH(N + R)``,
+    the SDPA output ``aHVd`` and logsumexp ``4H``. That is the memory-efficient kernel's
+    (a GPU's); where torch's kernels want equal q/k and v head dims (CPU flash attention) the
+    smaller side is zero-padded, which saves somewhat more."""
+    d, h = m.d_model, m.n_heads
+    norm_in = _rmsnorm_bytes(d, a) + a * d
+    if m.attention == "mla":
+        qk, c = m.attention_head_dim, m.kv_lora_rank
+        q_latent = 2 * a * m.q_lora_rank + 4 if m.q_lora_rank else 0
+        latent = a * (c + m.qk_rope_head_dim) + 4 + a * c
+        kv = a * h * (m.qk_nope_head_dim + m.v_head_dim) + 2 * a * h * qk
+        return norm_in + q_latent + latent + kv + a * h * m.v_head_dim + 4 * h
+    hd = m.attention_head_dim
+    hq, hkv = h * hd, m.n_kv_heads * hd
+    attn = norm_in + 2 * a * hq + 2 * a * hkv + 4 * h
+    if m.qk_norm:  # RMSNorm of q and k: their input and an rsqrt per head (or per projection)
+        rows = h + m.n_kv_heads if m.qk_norm_scope == "head" else 2
+        attn += a * (hq + hkv) + 4 * rows
+    return attn
+
+
 def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
     """Bytes saved for backward per token by layer ``layer`` (a = ``act_bytes``, 4 or 2).
 
@@ -120,12 +148,7 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
     """
     m, e = cfg.model, cfg.moe
     a, d = act_bytes, m.d_model
-    hd = m.attention_head_dim
-    hq, hkv = m.n_heads * hd, m.n_kv_heads * hd
-    attn = _rmsnorm_bytes(d, a) + a * d + 2 * a * hq + 2 * a * hkv + 4 * m.n_heads
-    if m.qk_norm:  # RMSNorm of q and k: their input and an rsqrt per head (or per projection)
-        rows = m.n_heads + m.n_kv_heads if m.qk_norm_scope == "head" else 2
-        attn += a * (hq + hkv) + 4 * rows
+    attn = attention_bytes_per_token(m, a)
     if not e.is_moe_layer(layer):
         return attn + _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
     k = e.top_k
@@ -261,8 +284,8 @@ class Plan:
 
 def _largest_param(cfg: Config, ep: int) -> int:
     m, e = cfg.model, cfg.moe
-    hd = m.attention_head_dim
-    sizes = [m.vocab_size * m.d_model, m.d_model * m.n_heads * hd, m.d_model * m.dense_hidden]
+    sizes = [m.vocab_size * m.d_model, m.d_model * m.dense_hidden]
+    sizes += [i * o for i, o in attention_matrices(m).values()]
     if e.moe_layers(m.n_layers):
         sizes.append(e.num_experts // ep * m.d_model * e.expert_hidden)
     return max(sizes)

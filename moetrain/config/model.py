@@ -9,6 +9,7 @@ from moetrain.config.checks import require
 from moetrain.config.ranges import above, at_least, between
 
 _POSITIVE = above(0, "a positive integer")
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # YaRN's ramp where model.rope_beta_* are unset
 
 
 @dataclass
@@ -37,13 +38,65 @@ class ModelConfig:
     # training loss: cross-entropy over chunks of this many tokens, never the full fp32 logits;
     # 0 = plain full-logits cross-entropy
     loss_chunk_tokens: int = field(default=1024, metadata=at_least(0, "0 = full logits"))
+    # attention kind: "gqa" (grouped-query attention) or "mla" (DeepSeek's multi-head latent
+    # attention: keys and values from a compressed latent, a head-shared rotary key)
+    attention: Literal["gqa", "mla"] = "gqa"
+    # MLA only (required with attention=mla except q_lora_rank, refused otherwise):
+    # rank of the low-rank query path (q = up(norm(down(x)))); None = one full query projection
+    q_lora_rank: int | None = field(default=None, metadata=_POSITIVE)
+    kv_lora_rank: int | None = field(default=None, metadata=_POSITIVE)  # the KV latent's size
+    qk_nope_head_dim: int | None = field(default=None, metadata=_POSITIVE)  # per-head, no RoPE
+    # the rotary part of each query head and of the one key shared by all heads (even)
+    qk_rope_head_dim: int | None = field(default=None, metadata=_POSITIVE)
+    v_head_dim: int | None = field(default=None, metadata=_POSITIVE)
+    # RoPE dims come in adjacent pairs (transformers' rope_interleave; DeepSeek's weights)
+    # instead of first half / second half; any attention kind
+    rope_interleave: bool = False
+    # RoPE scaling, any attention kind: "none" or "yarn" (the rope_* keys below: yarn only)
+    rope_scaling: Literal["none", "yarn"] = "none"
+    # YaRN: context extension factor (required), the pretraining context it extends (required)
+    rope_factor: float | None = field(default=None, metadata=at_least(1))
+    rope_original_max_seq_len: int | None = field(default=None, metadata=_POSITIVE)
+    # YaRN's ramp: dims rotating more than beta_fast times in the original context keep their
+    # frequency, fewer than beta_slow times are interpolated (unset: 32 and 1)
+    rope_beta_fast: float | None = field(default=None, metadata=above(0))
+    rope_beta_slow: float | None = field(default=None, metadata=above(0))
+    # YaRN's mscale / mscale_all_dim (unset: as transformers without the key; rope.py)
+    rope_mscale: float | None = field(default=None, metadata=above(0))
+    rope_mscale_all_dim: float | None = field(default=None, metadata=above(0))
 
     @property
     def attention_head_dim(self) -> int:
-        """``head_dim``, or ``d_model // n_heads`` when it is not set."""
+        """Grouped-query attention's ``head_dim``, or ``d_model // n_heads`` when it is not set;
+        with MLA, a query / key head's dims (``qk_nope_head_dim + qk_rope_head_dim``)."""
+        if self.attention == "mla":
+            return (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
+    @property
+    def rope_dim(self) -> int:
+        """How many dims of a query / key head RoPE rotates."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim or 0
+        return self.attention_head_dim
+
+    @property
+    def yarn_betas(self) -> tuple[float, float]:
+        """YaRN's ``(beta_fast, beta_slow)``, 32 and 1 where unset."""
+        fast, slow = self.rope_beta_fast, self.rope_beta_slow
+        return (YARN_BETA_FAST if fast is None else fast, YARN_BETA_SLOW if slow is None else slow)
+
     def validate(self) -> None:
+        self._validate_rope_scaling()
+        if self.attention == "mla":
+            self._validate_mla()
+            return
+        for key in _MLA_KEYS:
+            require(
+                getattr(self, key) is None,
+                f"model.{key}",
+                "only applies with model.attention=mla",
+            )
         if self.head_dim is None:
             require(
                 self.d_model % self.n_heads == 0,
@@ -61,6 +114,62 @@ class ModelConfig:
             "model.n_kv_heads",
             f"must divide model.n_heads={self.n_heads}; got {self.n_kv_heads}",
         )
+
+    def _validate_mla(self) -> None:
+        for key in _MLA_KEYS[1:]:
+            require(
+                getattr(self, key) is not None,
+                f"model.{key}",
+                "must be set with model.attention=mla",
+            )
+        require(
+            self.qk_rope_head_dim % 2 == 0,
+            "model.qk_rope_head_dim",
+            f"must be even for rotary embeddings; got {self.qk_rope_head_dim}",
+        )
+        require(
+            self.n_kv_heads == self.n_heads,
+            "model.n_kv_heads",
+            f"must equal model.n_heads={self.n_heads} with model.attention=mla (every head has "
+            f"its own keys and values, from the shared latent); got {self.n_kv_heads}",
+        )
+        unused = {"head_dim": self.head_dim is not None, "qk_norm": self.qk_norm}
+        unused["qkv_bias"] = self.qkv_bias
+        for key, is_set in unused.items():
+            require(not is_set, f"model.{key}", "does not apply with model.attention=mla")
+
+    def _validate_rope_scaling(self) -> None:
+        if self.rope_scaling != "yarn":
+            for key in _YARN_KEYS:
+                require(
+                    getattr(self, key) is None,
+                    f"model.{key}",
+                    "only applies with model.rope_scaling=yarn",
+                )
+            return
+        for key in _YARN_KEYS[:2]:
+            require(
+                getattr(self, key) is not None,
+                f"model.{key}",
+                "must be set with model.rope_scaling=yarn",
+            )
+        fast, slow = self.yarn_betas
+        require(
+            fast > slow,
+            "model.rope_beta_fast",
+            f"must be greater than model.rope_beta_slow={slow:g} (unset: 32 and 1); got {fast:g}",
+        )
+
+
+_MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_YARN_KEYS = (
+    "rope_factor",
+    "rope_original_max_seq_len",
+    "rope_beta_fast",
+    "rope_beta_slow",
+    "rope_mscale",
+    "rope_mscale_all_dim",
+)
 
 
 @dataclass

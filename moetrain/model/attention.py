@@ -1,8 +1,9 @@
 """Grouped-query attention with rotary position embeddings (RoPE).
 
 Shape legend: B batch, S sequence, D d_model, H query heads, G key/value heads, Hd head dim.
-RoPE uses the "rotate half" layout (first half / second half of each head), as Llama and
-Mixtral in Hugging Face transformers do, so q/k projection weights map across unchanged.
+RoPE (``model/rope.py``) uses the "rotate half" layout (first half / second half of each head),
+as Llama and Mixtral in Hugging Face transformers do, so q/k projection weights map across
+unchanged; ``model.rope_interleave`` takes adjacent pairs instead.
 
 Kernels: causal attention without a mask passes grouped K/V (``enable_gqa``), which flash
 attention takes. A mask (document masking, or several new tokens against a KV cache) rules out
@@ -14,7 +15,7 @@ K/V with a mask, so CPU runs are unchanged. The document mask is built once per 
 additive mask in the activations' dtype (what SDPA would convert a boolean one to in every
 layer), so all layers share, and save for backward, one tensor. Each :class:`Attention` records
 the kernel torch picked on its first call (``sdpa_kernel``); :func:`attention_report`
-summarises them for the log.
+summarises them for the log (multi-head latent attention, ``model/mla.py``, records its own).
 """
 
 from __future__ import annotations
@@ -28,26 +29,9 @@ from torch import nn
 from moetrain.config import ModelConfig
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import RMSNorm
+from moetrain.model.rope import apply_rope, rope_tables
 
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Precompute ``(cos_SHd, sin_SHd)`` in fp32 for positions ``0 .. max_seq_len - 1``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x_BHSHd: torch.Tensor, cos_SHd: torch.Tensor, sin_SHd: torch.Tensor) -> torch.Tensor:
-    """Rotate queries or keys laid out (B, heads, S, Hd) by the first S rows of the tables."""
-    s = x_BHSHd.shape[-2]
-    cos, sin = cos_SHd[:s].to(x_BHSHd.dtype), sin_SHd[:s].to(x_BHSHd.dtype)
-    return x_BHSHd * cos + _rotate_half(x_BHSHd) * sin
+__all__ = ["Attention", "KVCache", "apply_rope", "attention_report", "document_mask", "rope_tables"]
 
 
 def document_mask(doc_ids_BS: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
@@ -77,6 +61,7 @@ def sdpa_kernel_name(
     attn_mask: torch.Tensor | None,
     is_causal: bool,
     enable_gqa: bool,
+    scale: float | None = None,
 ) -> str:
     """The kernel ``F.scaled_dot_product_attention`` picks for these arguments on their device
     (``flash_attention``, ``efficient_attention``, ``cudnn_attention``, ``math``, ...), asked
@@ -88,7 +73,14 @@ def sdpa_kernel_name(
         from torch.nn.attention import SDPBackend
 
         index = choose(
-            q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, enable_gqa=enable_gqa
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=0.0,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
         )
         return SDPBackend(index).name.lower()
     except (TypeError, ValueError, RuntimeError, ImportError):
@@ -98,7 +90,7 @@ def sdpa_kernel_name(
 def attention_report(model: nn.Module) -> str | None:
     """One line on the attention kernels the model's layers used on their first call (None
     before any call), e.g. ``efficient_attention (mask, K/V expanded to 16 heads)``."""
-    seen = [m.sdpa_kernel for m in model.modules() if isinstance(m, Attention) and m.sdpa_kernel]
+    seen = [k for m in model.modules() if (k := getattr(m, "sdpa_kernel", None))]
     return ", ".join(dict.fromkeys(seen)) if seen else None
 
 
@@ -138,13 +130,25 @@ class KVCache:
         self.v[layer, :, :, self.pos : end] = v_BGsHd
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes, all layers: keys and values of every K/V head."""
+        n_layers, _, g, _, hd = self.k.shape
+        return 2 * n_layers * g * hd * self.k.element_size()
+
     def causal_mask(self, s: int) -> torch.Tensor | None:
         """(1, 1, s, pos + s) boolean mask for ``s`` new queries (None when s == 1)."""
-        if s == 1:
-            return None
-        q = torch.arange(self.pos, self.pos + s, device=self.k.device)
-        kv = torch.arange(self.pos + s, device=self.k.device)
-        return (kv[None, :] <= q[:, None])[None, None]
+        return cache_causal_mask(self.pos, s, self.k.device)
+
+
+def cache_causal_mask(pos: int, s: int, device: torch.device) -> torch.Tensor | None:
+    """(1, 1, s, pos + s) boolean mask for ``s`` new queries after ``pos`` cached positions
+    (None when s == 1: one query may attend to every position)."""
+    if s == 1:
+        return None
+    q = torch.arange(pos, pos + s, device=device)
+    kv = torch.arange(pos + s, device=device)
+    return (kv[None, :] <= q[:, None])[None, None]
 
 
 class Attention(nn.Module):
@@ -168,6 +172,7 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(q_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.rope_interleave = cfg.rope_interleave
         self.sdpa_kernel: str | None = None  # what the first call ran (see module docstring)
 
     def forward(
@@ -194,8 +199,8 @@ class Attention(nn.Module):
         v = self.wv(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
         if norm and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q_BHSHd = apply_rope(q.transpose(1, 2), cos_SHd, sin_SHd)
-        k_BGSHd = apply_rope(k.transpose(1, 2), cos_SHd, sin_SHd)
+        q_BHSHd = apply_rope(q.transpose(1, 2), cos_SHd, sin_SHd, self.rope_interleave)
+        k_BGSHd = apply_rope(k.transpose(1, 2), cos_SHd, sin_SHd, self.rope_interleave)
         v_BGSHd = v.transpose(1, 2)
         causal = mask_B1SS is None
         if cache is not None:
@@ -210,28 +215,33 @@ class Attention(nn.Module):
                 v_BGSHd = v_BGSHd.repeat_interleave(rep, dim=1)
                 gqa, note = False, f"mask, K/V expanded to {self.n_heads} heads"
         if self.sdpa_kernel is None:
-            self._record_kernel(q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, causal, gqa, note)
+            self.sdpa_kernel = record_kernel(
+                q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, causal, gqa, note
+            )
         out_BHSHd = F.scaled_dot_product_attention(
             q_BHSHd, k_BGSHd, v_BGSHd, attn_mask=mask_B1SS, is_causal=causal, enable_gqa=gqa
         )
         return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))
 
-    def _record_kernel(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
-        causal: bool,
-        gqa: bool,
-        note: str,
-    ) -> None:
-        name = sdpa_kernel_name(q, k, v, mask, causal, gqa)
-        self.sdpa_kernel = f"{name} ({note})"
-        if name == "math" and q.is_cuda:
-            warnings.warn(
-                f"attention runs torch's math kernel on {q.device} ({note}, {q.dtype}, head dim "
-                f"{q.shape[-1]}): it keeps (B, H, S, S) scores; check the dtype (bf16/fp16) and "
-                "the head dim (a multiple of 8, at most 256)",
-                stacklevel=3,
-            )
+
+def record_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    gqa: bool,
+    note: str,
+    scale: float | None = None,
+) -> str:
+    """``"<kernel> (<note>)"`` for an attention module's ``sdpa_kernel`` record; warns when a
+    GPU call runs the math kernel."""
+    name = sdpa_kernel_name(q, k, v, mask, causal, gqa, scale)
+    if name == "math" and q.is_cuda:
+        warnings.warn(
+            f"attention runs torch's math kernel on {q.device} ({note}, {q.dtype}, head dim "
+            f"{q.shape[-1]}): it keeps (B, H, S, S) scores; check the dtype (bf16/fp16) and "
+            "the head dim (a multiple of 8, at most 256)",
+            stacklevel=3,
+        )
+    return f"{name} ({note})"

@@ -13,12 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.model.attention import Attention, KVCache, document_mask, rope_tables
+from moetrain.model.attention import Attention, KVCache, document_mask
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import RMSNorm, SwiGLU
 from moetrain.model.loss import chunked_cross_entropy
+from moetrain.model.mla import LatentCache, MLAttention
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
+from moetrain.model.rope import model_rope_tables
 
 
 @dataclass
@@ -46,7 +48,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn: nn.Module = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.is_moe = moe_cfg.is_moe_layer(layer)
         self.ffn: nn.Module = (
@@ -61,7 +63,7 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask_B1SS: torch.Tensor | None,
-        cache: KVCache | None = None,
+        cache: KVCache | LatentCache | None = None,
     ) -> tuple[torch.Tensor, MoEOutput | None]:
         h_BSD = self.attn_norm(x_BSD)
         x_BSD = x_BSD + self.attn(h_BSD, cos, sin, mask_B1SS, cache=cache, layer=self.layer)
@@ -95,8 +97,7 @@ class Transformer(nn.Module):
         self.lm_head = Linear(model_cfg.d_model, model_cfg.vocab_size, bias=False)
         if model_cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        head_dim = model_cfg.attention_head_dim
-        cos, sin = rope_tables(head_dim, model_cfg.max_seq_len, model_cfg.rope_theta)
+        cos, sin = model_rope_tables(model_cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if self.embed.weight.device.type != "meta":  # (a meta model is filled by loading)
@@ -106,8 +107,7 @@ class Transformer(nn.Module):
     def reset_rope(self) -> None:
         """Recompute the RoPE tables in place (a model built on the meta device and moved with
         ``to_empty`` has uninitialised buffers; every other tensor is a loaded weight)."""
-        c = self.cfg
-        cos, sin = rope_tables(c.attention_head_dim, c.max_seq_len, c.rope_theta)
+        cos, sin = model_rope_tables(self.cfg)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -138,7 +138,7 @@ class Transformer(nn.Module):
         input_ids_BS: torch.Tensor,
         doc_ids_BS: torch.Tensor | None = None,
         labels_BS: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | LatentCache | None = None,
         return_logits: bool = True,
     ) -> TransformerOutput:
         """Logits for every position; with labels also the loss (labels of -100 are ignored;
@@ -202,14 +202,15 @@ class Transformer(nn.Module):
         out.loss = out.ce_loss + moe_loss
         return out
 
-    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
-        """An empty KV cache for ``batch`` sequences of up to ``max_len`` tokens."""
-        c = self.cfg
-        head_dim = c.attention_head_dim
-        w = self.embed.weight
-        return KVCache(
-            c.n_layers, batch, c.n_kv_heads, head_dim, max_len or c.max_seq_len, w.dtype, w.device
-        )
+    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache | LatentCache:
+        """An empty generation cache for ``batch`` sequences of up to ``max_len`` tokens: keys
+        and values (grouped-query attention), or latents and rope keys (MLA)."""
+        c, w = self.cfg, self.embed.weight
+        n = max_len or c.max_seq_len
+        if c.attention == "mla":
+            rank, rope = c.kv_lora_rank, c.qk_rope_head_dim
+            return LatentCache(c.n_layers, batch, rank, rope, n, w.dtype, w.device)
+        return KVCache(c.n_layers, batch, c.n_kv_heads, c.attention_head_dim, n, w.dtype, w.device)
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE FFNs in layer order."""

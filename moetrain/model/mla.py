@@ -1,0 +1,188 @@
+"""Multi-head latent attention (MLA; DeepSeek-V2, arXiv 2405.04434; DeepSeek-V3).
+
+Shape legend: B batch, S sequence (new tokens), T key positions (cached + new), D d_model,
+H heads, Q q_lora_rank, C kv_lora_rank (the KV latent), N qk_nope_head_dim, R qk_rope_head_dim,
+Vd v_head_dim.
+
+Per token: ``wkv_a`` maps x to ``[latent_C | k_rope_R]``; the latent is RMS-normalised
+(``kv_norm``) and ``wkv_b`` expands it into every head's non-rotary key ``N`` and value ``Vd``;
+``k_rope`` is one rotary key shared by all heads. Queries come from ``wq`` (D -> H(N+R)), or,
+with ``model.q_lora_rank``, from the low-rank path ``wq_b(q_norm(wq_a(x)))``. A head's query and
+key are ``[nope_N | rope_R]``; the softmax scale is ``(N + R) ** -0.5`` times YaRN's
+``softmax_mscale`` (``model/rope.py``). The latent norms use eps 1e-6 whatever
+``model.norm_eps`` is, as DeepSeek's reference code and transformers do.
+
+Training attends through ``F.scaled_dot_product_attention`` like grouped-query attention, with
+the same document mask (unequal q/k and v head dims are zero-padded to equal ones where torch
+would otherwise fall back to its math kernel, as on CPU), so masks, the chunked loss, activation checkpointing (a whole block is
+recomputed), bf16 and expert parallelism (the FFN's business) are unchanged. Generation caches
+the normalised latent and the rotated rope key (:class:`LatentCache`, ``C + R`` values per token
+and layer) and expands the cached latent through ``wkv_b`` on every call.
+
+Parameter names follow DeepSeek's reference code: ``wq`` or ``wq_a``/``q_norm``/``wq_b``,
+``wkv_a``, ``kv_norm``, ``wkv_b``, ``wo``; transformers calls them ``q_proj`` or
+``q_a_proj``/``q_a_layernorm``/``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+``kv_b_proj``, ``o_proj`` (same shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.config import ModelConfig
+from moetrain.model.attention import cache_causal_mask, record_kernel, sdpa_kernel_name
+from moetrain.model.cpu_matmul import Linear
+from moetrain.model.layers import RMSNorm
+from moetrain.model.rope import apply_rope, softmax_mscale
+
+LATENT_NORM_EPS = 1e-6
+
+
+class LatentCache:
+    """MLA's generation cache: every layer's normalised KV latent and rotated rope key.
+
+    ``latent``: (n_layers, B, max_len, C); ``k_rope``: (n_layers, B, max_len, R); ``pos``: tokens
+    cached so far. Same protocol as :class:`moetrain.model.attention.KVCache` (``pos``,
+    ``max_len``, ``causal_mask``, ``bytes_per_token``).
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.latent = torch.zeros(
+            n_layers, batch, max_len, kv_lora_rank, dtype=dtype, device=device
+        )
+        self.k_rope = torch.zeros(n_layers, batch, max_len, rope_dim, dtype=dtype, device=device)
+        self.pos = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.latent.shape[2]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes, all layers: ``n_layers * (C + R)`` values."""
+        n_layers, _, _, c = self.latent.shape
+        return n_layers * (c + self.k_rope.shape[3]) * self.latent.element_size()
+
+    def append(
+        self, layer: int, latent_BsC: torch.Tensor, k_rope_BsR: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``s`` new positions at ``pos`` for ``layer``; return all of them so far."""
+        end = self.pos + latent_BsC.shape[1]
+        self.latent[layer, :, self.pos : end] = latent_BsC
+        self.k_rope[layer, :, self.pos : end] = k_rope_BsR
+        return self.latent[layer, :, :end], self.k_rope[layer, :, :end]
+
+    def causal_mask(self, s: int) -> torch.Tensor | None:
+        """(1, 1, s, pos + s) boolean mask for ``s`` new queries (None when s == 1)."""
+        return cache_causal_mask(self.pos, s, self.latent.device)
+
+
+class MLAttention(nn.Module):
+    """Causal multi-head latent attention (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, h = cfg.d_model, cfg.n_heads
+        self.n_heads = h
+        self.nope_dim, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_dim, self.kv_rank = cfg.v_head_dim, cfg.kv_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        self.q_lora_rank = cfg.q_lora_rank
+        if cfg.q_lora_rank is None:
+            self.wq = Linear(d, h * qk_dim, bias=False)
+        else:
+            self.wq_a = Linear(d, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.wq_b = Linear(cfg.q_lora_rank, h * qk_dim, bias=False)
+        self.wkv_a = Linear(d, self.kv_rank + self.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
+        self.wkv_b = Linear(self.kv_rank, h * (self.nope_dim + self.v_dim), bias=False)
+        self.wo = Linear(h * self.v_dim, d, bias=False)
+        self.scale = qk_dim**-0.5 * softmax_mscale(cfg)
+        self.rope_interleave = cfg.rope_interleave
+        self.sdpa_kernel: str | None = None  # what the first call ran (as ``Attention``)
+
+    def queries(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        """Every head's query (B, S, H(N+R)), before RoPE."""
+        if self.q_lora_rank is None:
+            return self.wq(x_BSD)
+        return self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos_SR: torch.Tensor,
+        sin_SR: torch.Tensor,
+        mask_B1SS: torch.Tensor | None = None,
+        cache: LatentCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """Attend causally, or within ``mask_B1SS`` (boolean or additive) when given.
+
+        With ``cache``, ``cos``/``sin`` start at ``cache.pos``; the latent and rope key are
+        appended to layer ``layer`` of the cache and the queries attend to every cached position.
+        """
+        b, s, _ = x_BSD.shape
+        # q and k are assembled (B, S, H, .) in memory, seen as (B, H, S, .): SDPA's output
+        # takes q's layout, so wo's input below is a view, not a copy (as grouped-query)
+        q_BSHK = self.queries(x_BSD).view(b, s, self.n_heads, -1)
+        q_nope_BSHN, q_rope_BSHR = q_BSHK.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope_BHSR = apply_rope(q_rope_BSHR.transpose(1, 2), cos_SR, sin_SR, self.rope_interleave)
+        latent_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_rank, self.rope_dim], dim=-1)
+        latent_BSC = self.kv_norm(latent_BSC)
+        k_rope_BSR = apply_rope(k_rope_BSR[:, None], cos_SR, sin_SR, self.rope_interleave)[:, 0]
+        causal = mask_B1SS is None
+        if cache is not None:
+            latent_BSC, k_rope_BSR = cache.append(layer, latent_BSC, k_rope_BSR)
+            mask_B1SS, causal = cache.causal_mask(s), False
+        t = latent_BSC.shape[1]  # key positions (cached + new)
+        kv_BTHX = self.wkv_b(latent_BSC).view(b, t, self.n_heads, -1)
+        k_nope_BTHN, v_BTHV = kv_BTHX.split([self.nope_dim, self.v_dim], dim=-1)
+        k_rope_BTHR = k_rope_BSR[:, :, None].expand(b, t, self.n_heads, self.rope_dim)
+        q_BHSK = torch.cat((q_nope_BSHN, q_rope_BHSR.transpose(1, 2)), dim=-1).transpose(1, 2)
+        k_BHTK = torch.cat((k_nope_BTHN, k_rope_BTHR), dim=-1).transpose(1, 2)
+        v_BHTV = v_BTHV.transpose(1, 2)
+        out_BHSV = self._attend(q_BHSK, k_BHTK, v_BHTV, mask_B1SS, causal)
+        return self.wo(out_BHSV.transpose(1, 2).reshape(b, s, -1))
+
+    def _attend(
+        self,
+        q_BHSK: torch.Tensor,
+        k_BHTK: torch.Tensor,
+        v_BHTV: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """SDPA; where torch would run its math kernel for the unequal q/k and v head dims
+        (which keeps (B, H, S, T) probabilities; CPU flash attention wants equal dims), the
+        smaller side is zero-padded to the larger (same scores with the explicit scale, the
+        value's padding sliced off)."""
+        note = "causal" if causal else "mask"
+        qk, vd = q_BHSK.shape[-1], v_BHTV.shape[-1]
+        if qk != vd:
+            kernel = sdpa_kernel_name(q_BHSK, k_BHTK, v_BHTV, mask, causal, False, self.scale)
+            if kernel in ("math", "unknown"):
+                if vd < qk:
+                    v_BHTV = F.pad(v_BHTV, (0, qk - vd))
+                else:
+                    q_BHSK, k_BHTK = F.pad(q_BHSK, (0, vd - qk)), F.pad(k_BHTK, (0, vd - qk))
+                note += f", head dims padded to {max(qk, vd)}"
+        if self.sdpa_kernel is None:
+            self.sdpa_kernel = record_kernel(
+                q_BHSK, k_BHTK, v_BHTV, mask, causal, False, f"MLA, {note}", self.scale
+            )
+        out = F.scaled_dot_product_attention(
+            q_BHSK, k_BHTK, v_BHTV, attn_mask=mask, is_causal=causal, scale=self.scale
+        )
+        return out[..., :vd] if out.shape[-1] != vd else out

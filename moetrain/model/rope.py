@@ -1,0 +1,126 @@
+"""Rotary position embeddings (RoPE): the frequency tables, YaRN scaling, and the rotation.
+
+Shape legend: S sequence, R rotary dims (a head's dims that are rotated), B batch, H heads.
+
+Tables are ``cos_SR``/``sin_SR`` with ``cat(freqs, freqs)`` columns, in fp32. The rotation uses
+the "rotate half" layout (first half / second half of the rotary dims), as Llama in Hugging
+Face transformers does. ``interleaved=True`` takes transformers' ``rope_interleave`` convention
+(DeepSeek's released weights): the rotary dims come in adjacent pairs ``(x0, x1), (x2, x3), ...``;
+they are gathered into ``[x0, x2, ... | x1, x3, ...]`` and rotated as above, which is what
+transformers computes (its result is laid out the same way).
+
+YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"), as transformers 5.25's
+``_compute_yarn_parameters`` computes it: each frequency is blended between the original one
+(extrapolation) and the one divided by ``factor`` (interpolation) by a linear ramp over the dims
+between the correction dims of ``beta_fast`` and ``beta_slow`` rotations within the original
+context (floored / ceiled), and cos/sin are multiplied by the attention factor
+``m(factor, mscale) / m(factor, mscale_all_dim)`` when both are set, else ``m(factor, 1)``,
+with ``m(s, a) = 0.1 * a * ln(s) + 1`` (1 for ``s <= 1``). Multi-head latent attention also
+multiplies its softmax scale by ``m(factor, mscale_all_dim) ** 2`` (:func:`softmax_mscale`),
+as DeepSeek's models do; grouped-query attention does not, as transformers' Llama does not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moetrain.config import ModelConfig
+from moetrain.config.model import YARN_BETA_FAST, YARN_BETA_SLOW
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 * mscale * ln(scale) + 1`` (1 when ``scale <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _correction_dim(rotations: float, dim: int, theta: float, original_len: int) -> float:
+    """The rotary dim whose wavelength fits ``rotations`` times into ``original_len``."""
+    return dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def yarn_inv_freq(
+    dim: int,
+    theta: float,
+    factor: float,
+    original_len: int,
+    beta_fast: float = YARN_BETA_FAST,
+    beta_slow: float = YARN_BETA_SLOW,
+) -> torch.Tensor:
+    """YaRN's ``(dim // 2,)`` inverse frequencies (fp32)."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    low = max(math.floor(_correction_dim(beta_fast, dim, theta, original_len)), 0)
+    high = min(math.ceil(_correction_dim(beta_slow, dim, theta, original_len)), dim - 1)
+    if low == high:
+        high += 0.001  # (a single-dim ramp, as transformers avoids the division by zero)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 = original frequency (high-frequency dims), 0 = interpolated
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_tables(
+    dim: int, max_seq_len: int, theta: float, cfg: ModelConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos_SR, sin_SR)`` in fp32 for positions ``0 .. max_seq_len - 1`` of ``dim`` rotary
+    dims; with ``cfg`` and ``cfg.rope_scaling == "yarn"``, YaRN's frequencies and attention
+    factor (``cfg``'s other keys are not read)."""
+    factor = 1.0
+    if cfg is not None and cfg.rope_scaling == "yarn":
+        inv_freq = yarn_inv_freq(
+            dim,
+            theta,
+            cfg.rope_factor,
+            cfg.rope_original_max_seq_len,
+            *cfg.yarn_betas,
+        )
+        factor = yarn_attention_factor(cfg)
+    else:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    if factor == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * factor, emb.sin() * factor
+
+
+def model_rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's RoPE tables: ``cfg.rope_dim`` dims, ``cfg.max_seq_len`` positions, scaled as
+    ``cfg.rope_scaling`` says."""
+    return rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg)
+
+
+def yarn_attention_factor(cfg: ModelConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (1 without YaRN)."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    f, m, m_all = cfg.rope_factor, cfg.rope_mscale, cfg.rope_mscale_all_dim
+    if m and m_all:
+        return yarn_mscale(f, m) / yarn_mscale(f, m_all)
+    return yarn_mscale(f)
+
+
+def softmax_mscale(cfg: ModelConfig) -> float:
+    """What multi-head latent attention multiplies its softmax scale by: YaRN's
+    ``m(factor, mscale_all_dim) ** 2`` with ``rope_mscale_all_dim`` set, else 1."""
+    if cfg.rope_scaling != "yarn" or not cfg.rope_mscale_all_dim:
+        return 1.0
+    return yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(
+    x_BHSR: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotate queries or keys laid out (B, heads, S, R) by the first S rows of the tables;
+    ``interleaved``: the rotary dims come in adjacent pairs (see the module docstring)."""
+    s = x_BHSR.shape[-2]
+    cos, sin = cos_SR[:s].to(x_BHSR.dtype), sin_SR[:s].to(x_BHSR.dtype)
+    if interleaved:
+        x_BHSR = torch.cat((x_BHSR[..., 0::2], x_BHSR[..., 1::2]), dim=-1)
+    return x_BHSR * cos + _rotate_half(x_BHSR) * sin

@@ -1,0 +1,140 @@
+"""RoPE variants (``model/rope.py``): YaRN's tables equal transformers 5.25's, YaRN's keys are
+refused by key when out of range, and both variants (YaRN, interleaved pairs) work for
+grouped-query attention too."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from moetrain.config import ConfigError, ModelConfig
+from moetrain.model import Transformer
+from moetrain.model.rope import model_rope_tables, rope_tables, softmax_mscale, yarn_mscale
+from tests.helpers.configs import tiny_config
+
+
+def _yarn_cfg(dim: int, **keys: object) -> ModelConfig:
+    cfg = ModelConfig(
+        d_model=4 * dim, n_heads=4, n_kv_heads=4, max_seq_len=300, rope_scaling="yarn", **keys
+    )
+    cfg.validate()
+    return cfg
+
+
+def _hf_tables(cfg: ModelConfig, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    hc = LlamaConfig(
+        hidden_size=cfg.d_model,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_parameters={"rope_theta": cfg.rope_theta, "rope_type": "yarn", **rope},
+    )
+    x = torch.zeros(1)
+    cos, sin = LlamaRotaryEmbedding(hc)(x, torch.arange(cfg.max_seq_len)[None])
+    return cos[0], sin[0]
+
+
+CASES = [  # head dim, the YaRN keys (moetrain's rope_<key>; transformers' names but one)
+    (16, dict(factor=4.0, original_max_seq_len=1024)),
+    (64, dict(factor=40.0, original_max_seq_len=4096, mscale=1.0, mscale_all_dim=1.0)),
+    (128, dict(factor=16.0, original_max_seq_len=256, mscale=0.707, mscale_all_dim=0.707)),
+    (32, dict(factor=8.0, original_max_seq_len=2048, mscale=1.0, mscale_all_dim=0.5)),
+    (32, dict(factor=2.0, original_max_seq_len=64, beta_fast=24.0, beta_slow=2.0)),
+    (64, dict(factor=4.0, original_max_seq_len=32768, mscale=0.8)),  # mscale alone
+    (16, dict(factor=1.0, original_max_seq_len=64)),
+]
+
+
+@pytest.mark.parametrize(("dim", "keys"), CASES)
+def test_yarn_tables_equal_transformers(dim: int, keys: dict) -> None:
+    cfg = _yarn_cfg(dim, rope_theta=50000.0, **{f"rope_{k}": v for k, v in keys.items()})
+    rope = {
+        k.replace("original_max_seq_len", "original_max_position_embeddings"): v
+        for k, v in keys.items()
+    }
+    want_cos, want_sin = _hf_tables(cfg, rope)
+    cos, sin = model_rope_tables(cfg)
+    torch.testing.assert_close(cos, want_cos, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin, want_sin, rtol=1e-6, atol=1e-6)
+
+
+def test_yarn_factor_one_is_plain_rope_and_mscale_needs_mscale_all_dim() -> None:
+    cfg = _yarn_cfg(32, rope_factor=1.0, rope_original_max_seq_len=64, rope_mscale_all_dim=1.0)
+    for got, want in zip(model_rope_tables(cfg), rope_tables(32, 300, cfg.rope_theta), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # (fp32 angles, rounded)
+    assert softmax_mscale(cfg) == 1.0
+    cfg = _yarn_cfg(32, rope_factor=40.0, rope_original_max_seq_len=64, rope_mscale_all_dim=0.5)
+    assert softmax_mscale(cfg) == pytest.approx(yarn_mscale(40.0, 0.5) ** 2)
+    assert softmax_mscale(dataclasses.replace(cfg, rope_mscale_all_dim=None)) == 1.0
+
+
+def test_grouped_query_attention_uses_yarn_tables() -> None:
+    cfg = tiny_config(
+        {"model.rope_scaling": "yarn", "model.rope_factor": 8.0},
+        {"model.rope_original_max_seq_len": 16, "model.rope_mscale": 0.9},
+    )
+    model = Transformer(cfg.model, cfg.moe)
+    cos, sin = model_rope_tables(cfg.model)
+    plain_cos, _ = rope_tables(cfg.model.attention_head_dim, 64, cfg.model.rope_theta)
+    assert not torch.allclose(cos, plain_cos)  # the case is not trivial
+    torch.testing.assert_close(model.rope_cos, cos, rtol=0, atol=0)
+    model.rope_cos.zero_()
+    model.rope_sin.zero_()
+    model.reset_rope()  # (after a meta-device build) recomputes YaRN's tables
+    torch.testing.assert_close(model.rope_sin, sin, rtol=0, atol=0)
+
+
+def test_interleaved_pairs_are_the_half_layout_with_permuted_rows() -> None:
+    """Grouped-query attention with ``model.rope_interleave``: the same logits as the half
+    layout, once each q/k head's rows are reordered to adjacent pairs."""
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    half = Transformer(cfg.model, cfg.moe).eval()
+    pairs = Transformer(dataclasses.replace(cfg.model, rope_interleave=True), cfg.moe).eval()
+    hd = cfg.model.attention_head_dim
+    order = torch.stack((torch.arange(hd // 2), torch.arange(hd // 2, hd)), dim=1).flatten()
+    state = half.state_dict()
+    for key, w in list(state.items()):
+        if key.endswith(("attn.wq.weight", "attn.wk.weight")):
+            state[key] = w.view(-1, hd, w.shape[-1])[:, order].reshape(w.shape)
+    pairs.load_state_dict(state)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 20))
+    with torch.no_grad():
+        want = half(ids).logits
+        torch.testing.assert_close(pairs(ids).logits, want, rtol=1e-5, atol=1e-6)
+        unpermuted = Transformer(pairs.cfg, cfg.moe).eval()
+        unpermuted.load_state_dict(half.state_dict())
+        assert not torch.allclose(unpermuted(ids).logits, want, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"model.rope_factor": 0.5}, "model.rope_factor"),
+        ({"model.rope_factor": None}, "model.rope_factor"),
+        ({"model.rope_original_max_seq_len": None}, "model.rope_original_max_seq_len"),
+        ({"model.rope_original_max_seq_len": 0}, "model.rope_original_max_seq_len"),
+        ({"model.rope_beta_fast": 1.0}, "model.rope_beta_fast"),  # not above beta_slow (1)
+        ({"model.rope_beta_fast": 4.0, "model.rope_beta_slow": 4.0}, "model.rope_beta_fast"),
+        ({"model.rope_beta_slow": 0.0}, "model.rope_beta_slow"),
+        ({"model.rope_mscale": 0.0}, "model.rope_mscale"),
+        ({"model.rope_mscale_all_dim": -1.0}, "model.rope_mscale_all_dim"),
+        ({"model.rope_factor": float("inf")}, "model.rope_factor"),
+        ({"model.rope_scaling": "linear"}, "model.rope_scaling"),
+        ({"model.rope_scaling": "none"}, "model.rope_factor"),  # a YaRN key without YaRN
+    ],
+)
+def test_yarn_keys_out_of_range_are_refused_by_key(overrides: dict, key: str) -> None:
+    yarn = {"model.rope_scaling": "yarn", "model.rope_factor": 4.0}
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        tiny_config(yarn, {"model.rope_original_max_seq_len": 16}, overrides)
+
+
+def test_a_yarn_key_without_yarn_is_refused_whichever_it_is() -> None:
+    for key in ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim"):
+        with pytest.raises(ConfigError, match=rf"model\.{key}: only applies"):
+            ModelConfig(**{key: 2.0}).validate()
