@@ -61,7 +61,7 @@ class Phases:
 def _wrap(phases: Phases, steps: int) -> None:
     """Mark the phases of moetrain's run loop (the names the loop imports are replaced)."""
     import moetrain.checkpoint.checkpointer as save
-    import moetrain.data.loader as loader
+    import moetrain.data.splits as loader
     import moetrain.parallel.topology as topology
     import moetrain.train.loop as loop
 
@@ -138,7 +138,7 @@ def _bare_step(phases: Phases, steps: int, overrides: list[str]) -> None:
     import itertools
 
     from moetrain.config import load_config
-    from moetrain.data.loader import build_loader
+    from moetrain.data.splits import build_loader
     from moetrain.parallel.topology import init_distributed, shutdown
     from moetrain.train.loop import set_up_process
     from moetrain.train.trainer import Trainer

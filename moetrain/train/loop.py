@@ -74,7 +74,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     ``reset_optimizer`` loads weights, schedule and data position but not the optimizer state
     (needed to resume with another world size or EP size).
     """
-    from moetrain.data.loader import build_loader
+    from moetrain.data.splits import build_loader
 
     allocator_note = set_up_process(cfg)
     topo: Topology | None = None
