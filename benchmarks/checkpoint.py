@@ -52,7 +52,7 @@ def batch(cfg, g: torch.Generator) -> list[dict[str, torch.Tensor]]:
 
 
 def measure(name: str, overrides: list[str], root: Path) -> dict[str, float]:
-    from moetrain.checkpoint.save import Checkpointer
+    from moetrain.checkpoint.checkpointer import Checkpointer
     from moetrain.config import load_config
     from moetrain.model_numbers import model_numbers
     from moetrain.parallel.topology import init_distributed
@@ -73,14 +73,14 @@ def measure(name: str, overrides: list[str], root: Path) -> dict[str, float]:
     plain_step = time.perf_counter() - t0
     t0 = time.perf_counter()
     trainer.train_step(batch(cfg, g))
-    path = ckpt.save(trainer, Position())
+    path = ckpt.save(trainer.run_state(Position()))
     step_with_save = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ckpt.save(trainer, Position())  # same step again: replaces the directory
+    ckpt.save(trainer.run_state(Position()))  # same step again: replaces the directory
     save_s = time.perf_counter() - t0
     size = sum(f.stat().st_size for f in path.iterdir())
     t0 = time.perf_counter()
-    ckpt.load(path, trainer, Position())
+    ckpt.load(path, trainer.run_state(Position()))
     load_s = time.perf_counter() - t0
     out = {
         "params_M": model_numbers(cfg).total_params / 1e6,

@@ -60,8 +60,8 @@ class Phases:
 
 def _wrap(phases: Phases, steps: int) -> None:
     """Mark the phases of moetrain's run loop (the names the loop imports are replaced)."""
-    import moetrain.checkpoint.save as save
-    import moetrain.data.loader as loader
+    import moetrain.checkpoint.checkpointer as save
+    import moetrain.data.splits as loader
     import moetrain.parallel.topology as topology
     import moetrain.train.loop as loop
 
@@ -104,8 +104,8 @@ def _trainer_class(cls: type, phases: Phases, steps: int) -> type:
     class Marked(_after_init(cls, phases, "model + engine")):  # type: ignore[misc]
         def train_step(self, *a, **k):  # noqa: ANN002, ANN003, ANN202
             rec = super().train_step(*a, **k)
-            if self.step in (1, steps):
-                phases.mark("first step" if self.step == 1 else f"steps 2-{steps}")
+            if self.progress.step in (1, steps):
+                phases.mark("first step" if self.progress.step == 1 else f"steps 2-{steps}")
             return rec
 
         def evaluate(self, *a, **k) -> float:  # noqa: ANN002, ANN003
@@ -138,7 +138,7 @@ def _bare_step(phases: Phases, steps: int, overrides: list[str]) -> None:
     import itertools
 
     from moetrain.config import load_config
-    from moetrain.data.loader import build_loader
+    from moetrain.data.splits import build_loader
     from moetrain.parallel.topology import init_distributed, shutdown
     from moetrain.train.loop import set_up_process
     from moetrain.train.trainer import Trainer

@@ -610,7 +610,7 @@ def precision(device: torch.device, dry: bool) -> dict[str, Any]:
         "state_unchanged": unchanged,
         "grad_norm_fp16": norms["fp16"],
         "grad_norm_fp32": norms["fp32"],
-        "scaler_state": tr.loss_scaler_state(),
+        "scaler_state": tr.loss_scaler.state_dict(),
     }
     f["ok"] = (
         all(x["skipped"] for x in forced)

@@ -37,7 +37,7 @@ def main() -> None:
     from train_throughput import LR, MICRO, SHAPES, _hf_model, peer_ds_config
 
     from moetrain.config import DataConfig
-    from moetrain.data.loader import build_loader
+    from moetrain.data.splits import build_loader
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)

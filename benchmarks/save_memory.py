@@ -65,7 +65,7 @@ class _Position:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from moetrain.checkpoint.save import Checkpointer
+    from moetrain.checkpoint.checkpointer import Checkpointer
     from moetrain.config import load_config
     from moetrain.parallel.master_weights import writes_to_checkpoint
     from moetrain.parallel.topology import init_distributed
@@ -82,7 +82,7 @@ def worker(args: argparse.Namespace) -> None:
     held = sum(4 * p.numel() for p in params)
     before = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    Checkpointer(cfg, topo).save(trainer, _Position())
+    Checkpointer(cfg, topo).save(trainer.run_state(_Position()))
     grew = (_status_kib("VmHWM") - before) * 1024
     row = {"rank": topo.rank, "save_growth_mib": grew / MiB, "writes_fp32_mib": writes / MiB}
     row["holds_fp32_mib"] = held / MiB

@@ -53,6 +53,8 @@ EXPERT_KEY_RE = re.compile(
 )
 _TAG_RE = re.compile(r"^step_(\d{8})$")
 FORMAT_VERSION = 1
+# the fields of TrainerState that hold a run's progress (moetrain.train.progress.Progress)
+PROGRESS_FIELDS = ("step", "tokens_seen", "skipped_steps", "loss_scale_overflows", "init")
 
 
 class CheckpointError(RuntimeError):
@@ -131,6 +133,7 @@ class TrainerState:
     ``skipped_steps`` counts non-finite steps, ``loss_scale_overflows`` fp16 loss-scale
     calibration skips; ``loss_scaler`` is the fp16 dynamic loss scaler's state (``cur_scale``,
     ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``), None in bf16/fp32.
+    :data:`PROGRESS_FIELDS` are the run's progress (a training ``Progress``'s state dict).
     """
 
     step: int
@@ -153,6 +156,10 @@ class TrainerState:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def progress(self) -> dict[str, Any]:
+        """The progress fields, the state dict of the run's ``Progress``."""
+        return {name: getattr(self, name) for name in PROGRESS_FIELDS}
 
     @classmethod
     def read(cls, ckpt: str | Path) -> TrainerState:

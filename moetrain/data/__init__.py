@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING
 from moetrain.data.errors import DataError
 
 if TYPE_CHECKING:
-    from moetrain.data.loader import PackedLoader, build_loader
+    from moetrain.data.loader import PackedLoader
     from moetrain.data.shards import read_index
+    from moetrain.data.splits import build_loader
     from moetrain.data.tokenizer import Tokenizer, load_tokenizer
 
 _LAZY = {
     "PackedLoader": "loader",
-    "build_loader": "loader",
+    "build_loader": "splits",
     "read_index": "shards",
     "Tokenizer": "tokenizer",
     "load_tokenizer": "tokenizer",

@@ -229,7 +229,7 @@ def build_blended_loader(
 ) -> BlendedLoader:
     """The blend of every ``data.sources`` entry's shards of ``split``, prepared in
     ``data.output_dir``; ``open_split(directory, index, stream_key)`` opens one source's
-    (:func:`moetrain.data.loader.build_loader`). A source's validation split without a sample is
+    (:func:`moetrain.data.splits.build_loader`). A source's validation split without a sample is
     left out of evaluation (its loader is None), a training split without one is an error."""
     out = Path(data_cfg.output_dir)
     index = read_mixture_index(out)

@@ -26,7 +26,6 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,12 +33,9 @@ import torch
 from moetrain.config import DataConfig
 from moetrain.data.errors import DataError
 from moetrain.data.permutation import Permutation
-from moetrain.data.shards import INDEX_FILE, read_index, verify_split
+from moetrain.data.shards import INDEX_FILE, verify_split
 from moetrain.data.tokenizer import MODEL_FILE, tokenizer_file, tokenizer_files
 from moetrain.fileio import file_sha256
-
-if TYPE_CHECKING:
-    from moetrain.data.blend import BlendedLoader
 
 _SPLIT_KEY = {"train": 0, "val": 1}
 STATE_VERSION = 1
@@ -282,47 +278,3 @@ def check_tokenizer(
             f"model.vocab_size={vocab_size}"
         )
     return tokenizer_files(copy)
-
-
-def build_loader(
-    data_cfg: DataConfig,
-    split: str,
-    micro_batch_size: int,
-    dp_rank: int,
-    dp_world: int,
-    seed: int,
-    *,
-    vocab_size: int | None = None,
-) -> PackedLoader | BlendedLoader:
-    """Open the prepared shards of ``split`` ("train" or "val") in ``data_cfg.output_dir``: one
-    source's, or with ``data.sources`` the blend of every source's (:mod:`moetrain.data.blend`).
-
-    Checks that the shards exist and match their index and were built with the configured
-    tokenizer (:func:`check_tokenizer`). The loader's ``tokenizer_files`` are the tokenizer
-    copy's files (checkpoints carry them).
-    """
-
-    def open_split(directory: Path, index: dict, stream_key: tuple[int, ...] = ()) -> PackedLoader:
-        return PackedLoader(
-            directory,
-            index,
-            split,
-            data_cfg.seq_len,
-            micro_batch_size,
-            dp_rank,
-            dp_world,
-            seed,
-            data_cfg.document_mask,
-            stream_key,
-        )
-
-    if data_cfg.sources:
-        from moetrain.data.blend import build_blended_loader
-
-        return build_blended_loader(data_cfg, split, open_split, vocab_size=vocab_size)
-    out = Path(data_cfg.output_dir)
-    index = read_index(out)
-    files = check_tokenizer(data_cfg, out / INDEX_FILE, index["tokenizer"], vocab_size)
-    loader = open_split(out, index)
-    loader.tokenizer_files = files
-    return loader

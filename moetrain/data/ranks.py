@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moetrain.data.errors import DataError
+from moetrain.rank_env import RankEnvError, read_rank_env
 
 HEARTBEAT_DIR = "heartbeat"
 _BEAT_S = 2.0
@@ -30,14 +31,6 @@ _BEAT_S = 2.0
 # is usually a moment away: the plan, the next chunk), after at most _POLL_LONG_S once it has
 # lasted _YOUNG_S (light on a shared filesystem's metadata server when many ranks wait long)
 _POLL_S, _POLL_LONG_S, _YOUNG_S = 0.02, 0.25, 5.0
-
-
-def _env_int(env: Mapping[str, str], name: str, default: str) -> int:
-    value = env.get(name, default)
-    try:
-        return int(value)
-    except ValueError:
-        raise DataError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 @dataclass(frozen=True)
@@ -55,23 +48,13 @@ class Ranks:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Ranks:
-        """The rank and world size the launcher announces (one rank without a launcher)."""
-        env = os.environ if env is None else env
-        if "RANK" in env or "WORLD_SIZE" in env:
-            rank, world = _env_int(env, "RANK", "0"), _env_int(env, "WORLD_SIZE", "1")
-            # torchrun: LOCAL_WORLD_SIZE; the deepspeed launcher: LOCAL_SIZE
-            local = _env_int(env, "LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", "1"))
-            names = "RANK / WORLD_SIZE"
-        elif "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-            rank = _env_int(env, "SLURM_PROCID", "0")
-            world = _env_int(env, "SLURM_STEP_NUM_TASKS", "1")
-            local = 1  # srun gives each task its own cores (the affinity mask counts them)
-            names = "SLURM_PROCID / SLURM_STEP_NUM_TASKS"
-        else:
-            return cls()
-        if world < 1 or not 0 <= rank < world:
-            raise DataError(f"{names}: rank {rank} is not in [0, {world})")
-        return cls(rank, world, max(1, local))
+        """The rank and world size the launcher (or an ``srun`` step) announces
+        (:mod:`moetrain.rank_env`; one rank without either)."""
+        try:
+            found = read_rank_env(env, srun=True)
+        except RankEnvError as e:
+            raise DataError(str(e)) from None
+        return cls(found.rank, found.world_size, found.local_world_size)
 
 
 def cores() -> int:

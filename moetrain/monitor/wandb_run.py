@@ -36,6 +36,7 @@ from typing import Any
 
 from moetrain.config import WandbConfig
 from moetrain.monitor.console import Printer, console
+from moetrain.rank_env import read_rank_env
 from moetrain.redact import REDACTED, is_secret_key, redact, secret_env_values  # noqa: F401
 
 _ENV_MODES = {
@@ -91,7 +92,7 @@ class WandbSink:
         resume_id: str | None = None,
         printer: Printer = console,
     ) -> None:
-        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.rank = read_rank_env().rank if rank is None else rank
         self.run_dir = Path(run_dir)
         self.printer = printer
         self.mode = "disabled"

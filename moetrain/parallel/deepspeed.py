@@ -191,7 +191,10 @@ def mark_experts_for_deepspeed(model: nn.Module, topology: Topology) -> int:
     return count
 
 
-def is_expert_param(param: Tensor) -> bool:
+def is_ep_sharded(param: Tensor) -> bool:
+    """A parameter DeepSpeed keeps per expert-parallel rank (marked ``allreduce = False`` by
+    :func:`mark_experts_for_deepspeed`; reduced over its expert-data-parallel group only). The name
+    rule for expert weights in a checkpoint is ``checkpoint.reshard.is_expert_param``."""
     return getattr(param, "allreduce", True) is False
 
 
@@ -211,7 +214,7 @@ def global_grad_norm(model: nn.Module, topology: Topology) -> Tensor:
         if p.grad is None:
             continue
         sq = p.grad.detach().double().pow(2).sum()
-        if is_expert_param(p):
+        if is_ep_sharded(p):
             expert += sq
         else:
             dense += sq

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from moetrain.model.moe.capacity import capacity_keep, expert_capacity
-from moetrain.model.moe.dispatch import Overlap, Routes, gather_slots, sum_slots
+from moetrain.model.moe.dispatch import Dispatched, Overlap, Routes, gather_slots, sum_slots
 from moetrain.model.moe.router import count_experts
 from moetrain.parallel.all_to_all import (
     TrafficMeter,
@@ -65,24 +65,21 @@ class _Context:
     recv_splits: list[int]
     num_tokens: int
     top_k: int
-    dropped: Tensor  # copies this rank's experts dropped (int64, 0-dim)
-    # with shadow experts: (w13, w2, rows) groups to compute with (this rank's, the replicas)
-    expert_weights: list[tuple[Tensor, Tensor, int]] | None = None
 
 
 class AllToAllDispatcher:
     """Sends each token's row to the EP ranks holding its experts; see the module docstring.
 
-    ``dispatch(x_TD, routes) -> (x_ND, weights_N, counts_L, ctx)``: the copies this rank's
-    experts compute, grouped by local expert; ``combine(y_ND, ctx) -> y_TD``. ``nodes``: the
+    ``dispatch(x_TD, routes) -> Dispatched``: the copies this rank's experts compute, grouped
+    by local expert; ``combine(y_ND, dispatched) -> y_TD``. ``nodes``: the
     node of each EP rank (default: one node), for :attr:`traffic`, a
     :class:`~moetrain.parallel.all_to_all.TrafficMeter` of what this rank sends.
     ``max_shadows`` > 0 (dropless routing only): up to that many of each forward's most loaded
     experts are replicated from ``experts`` (the layer's
     :class:`~moetrain.model.moe.experts.GroupedExperts`) onto every EP rank
     (:mod:`moetrain.parallel.shadow_experts`); counts_L then also counts the replicas' copies,
-    after the L local experts, and ``ctx.expert_weights`` holds the weights to compute with
-    (this rank's, then the replicas', each group with its rows of x_ND).
+    after the L local experts, and the result's ``w13`` / ``w2`` stack the weights of all of
+    them (this rank's, then the replicas'): the experts compute with what they are handed.
     """
 
     def __init__(
@@ -107,7 +104,7 @@ class AllToAllDispatcher:
 
     def dispatch(
         self, x_TD: Tensor, routes: Routes, overlap: Overlap = None
-    ) -> tuple[Tensor, Tensor, Tensor, _Context]:
+    ) -> Dispatched[_Context]:
         ids_TK, weights_TK = routes.ids_TK, routes.weights_TK
         T, K = ids_TK.shape
         P, L, E = self.ep_size, self.num_local, self.num_experts
@@ -171,19 +168,16 @@ class AllToAllDispatcher:
             counts_L, dropped = copies_L.clamp(max=capacity), num_copies - kept
         x_ND = gather_slots(x_SD, copy_N, K)
         w_N = w_flat.index_select(0, copy_N)
-        ctx = _Context(
-            slot_R,
-            copy_N,
-            send_splits,
-            recv_splits,
-            T,
-            K,
+        out = Dispatched(
+            x_ND,
+            w_N,
+            counts_L,
             torch.full((), dropped, dtype=torch.int64, device=dev),
+            _Context(slot_R, copy_N, send_splits, recv_splits, T, K),
         )
         if replication is not None:
-            own_rows = sum(sizes[3 * P : 3 * P + self.num_local])
-            ctx.expert_weights = replication.finish(own_rows, num_copies)
-        return x_ND, w_N, counts_L, ctx
+            out.w13, out.w2 = replication.finish()
+        return out
 
     def _shadowing(self, routes: Routes) -> bool:
         return self.max_shadows > 0 and routes.capacity_factor <= 0
@@ -198,7 +192,10 @@ class AllToAllDispatcher:
         self.traffic.add_replicas(sum(e // self.num_local != self.ep_rank for e in shadows))
         return shadows
 
-    def combine(self, y_ND: Tensor, ctx: _Context, overlap: Overlap = None) -> Tensor:
+    def combine(
+        self, y_ND: Tensor, dispatched: Dispatched[_Context], overlap: Overlap = None
+    ) -> Tensor:
+        ctx = dispatched.back
         rows_in = sum(ctx.recv_splits)
         y_SD = sum_slots(y_ND, ctx.copy_N, rows_in, ctx.top_k)
         y_sent = start_all_to_all_v(

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from moetrain.parallel.deepspeed import is_expert_param
+from moetrain.parallel.deepspeed import is_ep_sharded
 
 
 def writes_to_checkpoint(param: nn.Parameter) -> bool:
@@ -36,7 +36,7 @@ def writes_to_checkpoint(param: nn.Parameter) -> bool:
     of an expert's group its file). Needs DeepSpeed's process groups (an initialised engine)."""
     from deepspeed.utils import groups
 
-    if is_expert_param(param):
+    if is_ep_sharded(param):
         return groups._get_expert_data_parallel_rank(param.group_name) == 0
     return groups._get_sequence_data_parallel_rank() == 0
 

@@ -25,6 +25,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from moetrain.rank_env import read_rank_env
+
 _ROOT = "moetrain/launch"
 _POLL_S = 0.02
 
@@ -41,7 +43,7 @@ def agent_store(timeout: timedelta) -> dist.Store:
     return dist.TCPStore(
         host_name=os.environ["MASTER_ADDR"],
         port=int(os.environ["MASTER_PORT"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
+        world_size=read_rank_env().world_size,
         is_master=False,
         timeout=timeout,
     )

@@ -139,17 +139,16 @@ class Replication:
     def __init__(self, outputs: tuple[Tensor, ...], works: list[Any]) -> None:
         self.outputs, self.works = outputs, works
 
-    def finish(self, own_rows: int, rows: int) -> list[tuple[Tensor, Tensor, int]]:
-        """Wait for the broadcasts -> the expert groups to compute with, each with its number
-        of the ``rows`` rows: ``[(w13_L, w2_L, own_rows), (w13_S, w2_S, rows - own_rows)]``
-        (the replicas' group left out when there are none)."""
+    def finish(self) -> tuple[Tensor, Tensor]:
+        """Wait for the broadcasts -> the stacked weights to compute with, ``(w13, w2)`` of
+        (L + S) experts: this rank's L, then the S replicas (this rank's own weights when there
+        are none)."""
         for work in self.works:
             work.wait()
         w13, w2, w13_S, w2_S = self.outputs
-        groups = [(w13, w2, own_rows)]
-        if w13_S.shape[0]:
-            groups.append((w13_S, w2_S, rows - own_rows))
-        return groups
+        if not w13_S.shape[0]:
+            return w13, w2
+        return torch.cat([w13, w13_S]), torch.cat([w2, w2_S])
 
 
 def start_replication(

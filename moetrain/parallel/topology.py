@@ -38,6 +38,7 @@ from moetrain.config import Config
 from moetrain.config.layout import check_layout
 from moetrain.parallel.rendezvous import agent_store, agent_store_in_use, fresh_namespace
 from moetrain.parallel.watchdog import CollectiveFailure, RankWatch
+from moetrain.rank_env import read_rank_env
 
 
 @dataclass
@@ -126,7 +127,8 @@ def _start_process_group(backend: str, timeout: timedelta, device: torch.device 
     if not agent_store_in_use():
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device)
         return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    env = read_rank_env()
+    rank, world = env.rank, env.world_size
     base = agent_store(timeout)
     namespace = fresh_namespace(base, rank, world, timeout)
     dist.init_process_group(
@@ -144,16 +146,11 @@ def node_map() -> tuple[int, ...]:
     when they run on the same host under the same launcher agent (torchrun's ``GROUP_RANK``,
     so two torchrun agents on one machine count as two nodes). A collective: every rank calls it.
     """
-    key = f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '')}"
+    key = f"{socket.gethostname()}/{read_rank_env().agent}"
     keys: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(keys, key)
     first: dict[str, int] = {}
     return tuple(first.setdefault(k, len(first)) for k in keys)
-
-
-def world_size_from_env() -> int:
-    """World size announced by the launcher (1 for a plain process)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def init_distributed(cfg: Config) -> Topology:
@@ -162,7 +159,7 @@ def init_distributed(cfg: Config) -> Topology:
     Works under torchrun, ``deepspeed``, ``accelerate launch`` and as a plain single process
     (a one-rank group on a free local port). Backend: NCCL on CUDA, gloo otherwise.
     """
-    world = dist.get_world_size() if dist.is_initialized() else world_size_from_env()
+    world = dist.get_world_size() if dist.is_initialized() else read_rank_env().world_size
     check_layout(cfg, world)
 
     created = False
@@ -181,7 +178,7 @@ def init_distributed(cfg: Config) -> Topology:
                     "WORLD_SIZE > 1 but MASTER_PORT is not set: start with a launcher"
                 )
             os.environ["MASTER_PORT"] = str(_free_port())
-        local_rank = int(os.environ["LOCAL_RANK"])
+        local_rank = read_rank_env().local_rank
         if use_cuda:
             torch.cuda.set_device(local_rank)
         _start_process_group(
@@ -190,7 +187,7 @@ def init_distributed(cfg: Config) -> Topology:
         created = True
     else:
         backend = dist.get_backend()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = read_rank_env().local_rank
     device = torch.device("cpu")
     if use_cuda and backend == "nccl":
         device = torch.device("cuda", local_rank)

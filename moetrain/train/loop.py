@@ -2,7 +2,7 @@
 
 Each step: take ``train.grad_accum_steps`` micro-batches, run the step, then ask small objects
 whether to log, evaluate and save; ranks agree on a stop signal and on the time-based save in
-one all-reduce. Checkpoints (:mod:`moetrain.checkpoint.save`) are saved every
+one all-reduce. Checkpoints (:mod:`moetrain.checkpoint.checkpointer`) are saved every
 ``checkpoint.save_every_steps`` steps and/or ``save_every_minutes`` minutes, at the end, and
 when any rank receives SIGTERM/SIGINT; a run resumes from the newest complete checkpoint of its
 run_dir, else starts from ``checkpoint.init_from`` when set (:mod:`moetrain.train.start`).
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import yaml
 
-from moetrain.checkpoint.save import Checkpointer
+from moetrain.checkpoint.checkpointer import Checkpointer
 from moetrain.config import Config
 from moetrain.faults import fault_point
 from moetrain.model.attention import attention_report
@@ -74,7 +74,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     ``reset_optimizer`` loads weights, schedule and data position but not the optimizer state
     (needed to resume with another world size or EP size).
     """
-    from moetrain.data.loader import build_loader
+    from moetrain.data.splits import build_loader
 
     allocator_note = set_up_process(cfg)
     topo: Topology | None = None
@@ -105,16 +105,17 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
         trainer = Trainer(cfg, topo, init=None if resume_path else source)
         resumed_wandb_id = None
         if resume_path is not None:
-            state = ckpt.load(resume_path, trainer, train_loader, reset_optimizer)
+            state = ckpt.load(resume_path, trainer.run_state(train_loader), reset_optimizer)
             resumed_wandb_id = state.extra.get("wandb_run_id")
-        total, start_step = trainer.total_steps, trainer.step
+        progress = trainer.progress
+        total, start_step = trainer.total_steps, progress.step
         monitor = RunMonitor(
             cfg, topo, trainer.tokens_per_step, total, start_step, resumed_wandb_id
         )
         for msg in launcher_disagreements(cfg, dict(os.environ)):
             monitor.say(f"warning: {msg}")
         if resume_path is not None:
-            monitor.say(f"resumed from {resume_path} (step {trainer.step})")
+            monitor.say(f"resumed from {resume_path} (step {progress.step})")
         if allocator_note is not None:
             monitor.say(allocator_note)
         if topo.is_main:
@@ -131,45 +132,46 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
         start = time.perf_counter()
         first_loss = last_loss = eval_loss = None
         stopped_by: str | None = None
-        while trainer.step < total:
-            topo.phase(f"training step {trainer.step + 1}")
-            fault_point("train.step", topo.rank, trainer.step + 1)
+        while progress.step < total:
+            topo.phase(f"training step {progress.step + 1}")
+            fault_point("train.step", topo.rank, progress.step + 1)
             t0 = time.perf_counter()
             micro = _take(it, t.grad_accum_steps)
             data_s = time.perf_counter() - t0
             rec = trainer.train_step(micro)
-            if trainer.step == start_step + 1:
+            if progress.step == start_step + 1:
                 monitor.say(f"attention: {attention_report(trainer.model)}")
             first_loss = rec["loss"] if first_loss is None else first_loss
             last_loss = rec["loss"]
             sources = train_loader.source_progress()
-            monitor.step_done(rec, data_s, log=log.due(trainer.step), sources=sources)
-            if evaluate.due(trainer.step):
-                topo.phase(f"evaluation at step {trainer.step}")
+            monitor.step_done(rec, data_s, log=log.due(progress.step), sources=sources)
+            if evaluate.due(progress.step):
+                topo.phase(f"evaluation at step {progress.step}")
                 eval_loss, by_source = loader("val").evaluate(t.eval_steps, trainer.evaluate)
-                monitor.eval_done(trainer.step, eval_loss, by_source)
-            topo.phase(f"agreeing on stop / save after step {trainer.step}")
+                monitor.eval_done(progress.step, eval_loss, by_source)
+            topo.phase(f"agreeing on stop / save after step {progress.step}")
             signalled, time_due = agree_any(topo, [stop.received is not None, save_clock.due()])
-            if signalled or time_due or save.due(trainer.step):
-                path = ckpt.save(
-                    trainer, train_loader, extra={"wandb_run_id": monitor.wandb_run_id}
-                )
+            if signalled or time_due or save.due(progress.step):
+                extra = {"wandb_run_id": monitor.wandb_run_id}
+                path = ckpt.save(trainer.run_state(train_loader), extra)
                 save_clock.reset()
                 monitor.say(f"saved {path}")
             if signalled:
                 stopped_by = "signal"
-                monitor.say(f"stopping at step {trainer.step} on a signal (checkpoint saved)")
+                monitor.say(f"stopping at step {progress.step} on a signal (checkpoint saved)")
                 break
         wall = time.perf_counter() - start
         summary = {
-            "steps": trainer.step,
+            "steps": progress.step,
             "first_loss": first_loss,
             "final_loss": last_loss,
             "eval_loss": eval_loss,
-            "tokens": trainer.tokens_seen,
-            "skipped_steps": trainer.skipped_steps,
+            "tokens": progress.tokens_seen,
+            "skipped_steps": progress.skipped_steps,
             "wall_s": wall,
-            "tokens_per_s": (trainer.step - start_step) * trainer.tokens_per_step / max(wall, 1e-9),
+            "tokens_per_s": (progress.step - start_step)
+            * trainer.tokens_per_step
+            / max(wall, 1e-9),
             "run_dir": str(cfg.run_dir),
             "resumed_from": str(resume_path) if resume_path else None,
             "stopped_by": stopped_by,
@@ -177,7 +179,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
         monitor.summary(summary)
         if first_loss is not None:
             monitor.say(
-                f"done: step {trainer.step}, loss {first_loss:.4f} -> {last_loss:.4f}, "
+                f"done: step {progress.step}, loss {first_loss:.4f} -> {last_loss:.4f}, "
                 f"{summary['tokens_per_s']:,.0f} tok/s"
             )
         finished = True

@@ -76,6 +76,20 @@ def load_loss_scaler_state(optimizer: Any, state: dict[str, float] | None) -> No
         setattr(scaler, name, type(getattr(scaler, name))(state[name]))
 
 
+class LossScalerState:
+    """The dynamic loss scaler of an engine's optimizer as an object a checkpoint saves and
+    restores (its state is None without one)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, float] | None:
+        return loss_scaler_state(self.optimizer)
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        load_loss_scaler_state(self.optimizer, state)
+
+
 class SkipCounter:
     """Accounts for skipped steps; raises after ``limit`` non-finite steps in a row.
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from moetrain.checkpoint.catalog import latest_complete
+from moetrain.checkpoint.checkpointer import Checkpointer, verify_on_every_rank
 from moetrain.checkpoint.format import checkpoint_root
-from moetrain.checkpoint.save import Checkpointer, verify_on_every_rank
 from moetrain.config import Config, ConfigError
 from moetrain.convert.init_source import InitSource, check_config_fits, open_init_source
 from moetrain.convert.upcycle import inexact_reasons

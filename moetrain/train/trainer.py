@@ -4,19 +4,23 @@ Every rank builds the same model with the same seed (or from ``checkpoint.init_f
 only its own experts; parallelism
 is applied (:func:`moetrain.parallel.apply.apply_parallelism`); the optimizer and the
 learning-rate schedule are built here (:mod:`moetrain.train.optim`) and handed to the engine.
-One optimizer step is :func:`moetrain.train.step.run_step`.
+One optimizer step is :class:`moetrain.train.step.OptimizerStep`; the run's progress is a
+:class:`~moetrain.train.progress.Progress`, and :meth:`Trainer.run_state` hands a checkpointer
+the stateful objects it saves and restores.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetrain.checkpoint.checkpointer import RunState
 from moetrain.config import Config
 from moetrain.convert.init_source import InitSource
 from moetrain.convert.init_weights import build_model, init_record
@@ -24,9 +28,10 @@ from moetrain.parallel.apply import apply_parallelism
 from moetrain.parallel.deepspeed import deepspeed_config, initialize_engine
 from moetrain.parallel.master_weights import fp32_masters_in_module
 from moetrain.parallel.topology import Topology
-from moetrain.train.nonfinite import SkipCounter, load_loss_scaler_state, loss_scaler_state
+from moetrain.train.nonfinite import LossScalerState, SkipCounter
 from moetrain.train.optim import LRSchedule, build_optimizer
-from moetrain.train.step import Batch, run_step
+from moetrain.train.progress import Progress
+from moetrain.train.step import Batch, OptimizerStep, forward_loss
 
 
 def tokens_per_step(cfg: Config, world_size: int) -> int:
@@ -44,9 +49,8 @@ def total_steps(cfg: Config, world_size: int) -> int:
 class Trainer:
     """Model + engine for one run; :meth:`train_step` runs one optimizer step.
 
-    ``step`` counts optimizer steps taken (skipped ones included: they consume data);
-    ``skipped_steps`` the non-finite ones, ``loss_scale_overflows`` the fp16 loss-scale
-    calibration skips (:mod:`moetrain.train.nonfinite`).
+    ``progress`` (:class:`~moetrain.train.progress.Progress`): steps taken, tokens seen, skipped
+    steps, fp16 loss-scale overflows, and what the first weights were loaded from.
     """
 
     def __init__(self, cfg: Config, topology: Topology, init: InitSource | None = None) -> None:
@@ -58,11 +62,10 @@ class Trainer:
         # Same seed everywhere: every rank builds the same model, holding only its experts.
         torch.manual_seed(cfg.seed)
         local = topology.local_experts(cfg.moe.num_experts) if topology.ep_size > 1 else None
-        # what the weights were initialised from (checkpoint.init_from), kept in checkpoints
-        self.init_record: dict[str, Any] | None = None
+        self.progress = Progress()
         if init is not None:  # before the engine: ZeRO's fp32 partitions start from these
             model = build_model(cfg, init, local)
-            self.init_record = init_record(init, cfg)
+            self.progress.init = init_record(init, cfg)
         else:
             model = Transformer(cfg.model, cfg.moe, local_experts=local)
         apply_parallelism(model, cfg.parallel, topology)
@@ -73,18 +76,17 @@ class Trainer:
             model, optimizer, self._make_schedule, self.ds_config
         )
         self.model: nn.Module = self.engine.module
-        moe = self.model.moe_layers()
-        self.routers = [layer.router for layer in moe]
-        # the expert all-to-alls' traffic counters (dispatchers that communicate have one)
-        self.traffic_meters = [
-            layer.dispatcher.traffic for layer in moe if hasattr(layer.dispatcher, "traffic")
-        ]
-        self.moe_layer_ids = [layer.layer for layer in moe]
-        self.step = 0
-        self.tokens_seen = 0
-        self.skipped_steps = 0
-        self.loss_scale_overflows = 0
-        self.skips = SkipCounter(cfg.train.max_nonfinite_in_a_row)
+        self._step = OptimizerStep(
+            cfg,
+            topology,
+            self.engine,
+            self.schedule,
+            self.progress,
+            SkipCounter(cfg.train.max_nonfinite_in_a_row),
+            self.tokens_per_step,
+        )
+        self.routers = self._step.routers
+        self.loss_scaler = LossScalerState(self.engine.optimizer)
         # torch.manual_seed differs per rank from here on (jitter, dropout-free otherwise)
         torch.manual_seed(cfg.seed + 1000 * topology.rank + 1)
 
@@ -92,30 +94,39 @@ class Trainer:
         return LRSchedule(optimizer, self.cfg.optim, self.total_steps, self.tokens_per_step)
 
     def forward(self, batch: Batch) -> Any:
-        """The loss only: with model.loss_chunk_tokens > 0 the full logits are never built."""
-        return self.engine(
-            batch["input_ids"], batch.get("doc_ids"), batch["labels"], return_logits=False
-        )
+        """The loss only (:func:`moetrain.train.step.forward_loss`)."""
+        return forward_loss(self.engine, batch)
 
     def train_step(
         self,
         micro_batches: Iterable[Batch],
         before_step: Callable[[Trainer], None] | None = None,
     ) -> dict[str, Any]:
-        """One optimizer step (:func:`moetrain.train.step.run_step`); returns its record."""
-        return run_step(self, micro_batches, before_step)
+        """One optimizer step (:class:`moetrain.train.step.OptimizerStep`); returns its record.
+        ``before_step(trainer)`` runs after the last backward (gradients reduced, not yet
+        clipped) and before the optimizer step (tests read or poison gradients there)."""
+        hook = None if before_step is None else lambda: before_step(self)
+        return self._step(micro_batches, hook)
 
     def checkpoint_weights(self) -> AbstractContextManager[int]:
         """Around ``engine.save_checkpoint``: the module holds the fp32 master weights, so the
         checkpoint's model files do (:mod:`moetrain.parallel.master_weights`). Collective."""
         return fp32_masters_in_module(self.model)
 
-    def loss_scaler_state(self) -> dict[str, float] | None:
-        """The fp16 dynamic loss scaler's state (None without one), for the checkpoint."""
-        return loss_scaler_state(self.engine.optimizer)
-
-    def load_loss_scaler_state(self, state: dict[str, float] | None) -> None:
-        load_loss_scaler_state(self.engine.optimizer, state)
+    def run_state(self, data: Any) -> RunState:
+        """What a checkpoint of this run saves and restores, with ``data`` the training data
+        position (a loader; its tokenizer identity and files travel with the checkpoint)."""
+        files = getattr(data, "tokenizer_files", None) or ()
+        return RunState(
+            engine=self.engine,
+            progress=self.progress,
+            schedule=self.schedule,
+            loss_scaler=self.loss_scaler,
+            data=data,
+            fp32_weights=self.checkpoint_weights,
+            tokenizer_sha256=getattr(data, "tokenizer_sha256", None),
+            tokenizer_files=tuple(Path(f) for f in files),
+        )
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> float:

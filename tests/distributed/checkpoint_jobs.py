@@ -37,7 +37,7 @@ def fixed_batch() -> torch.Tensor:
 
 
 def _setup(world: int, ep: int, stage: int, run_dir: Path, **extra: Any):
-    from moetrain.checkpoint.save import Checkpointer
+    from moetrain.checkpoint.checkpointer import Checkpointer
     from moetrain.parallel.topology import init_distributed
     from moetrain.train.trainer import Trainer
 
@@ -71,7 +71,7 @@ def save_job(rank: int, world: int, run_dir: str) -> dict[str, Any]:
         cfg, topo, trainer, ckpt = _setup(world, ep, 2, d)
         pos = StreamPosition()
         _train(trainer, rank, world, range(2), pos)
-        path = ckpt.save(trainer, pos)
+        path = ckpt.save(trainer.run_state(pos))
         params = dict(trainer.model.named_parameters())
         experts = {n: p.detach().clone() for n, p in params.items() if ".experts." in n}
         out[f"ep{ep}"] = {
@@ -90,7 +90,7 @@ def reshard_job(rank: int, world: int, ckpt_path: str, run_dir: str) -> dict[str
     ep = min(world, 2)
     cfg, topo, trainer, ckpt = _setup(world, ep, 2, Path(run_dir))
     pos = StreamPosition()
-    state = ckpt.load(Path(ckpt_path), trainer, pos)
+    state = ckpt.load(Path(ckpt_path), trainer.run_state(pos))
     logits = _logits(trainer)
     losses = _train(trainer, rank, world, range(state.step, state.step + 2), pos)
     return {
@@ -161,7 +161,7 @@ def timeout_job(rank: int, world: int, done_marker: str) -> str | None:
 
     Rank 1 stays alive (and away from the barrier) until rank 0 has its answer and leaves
     ``done_marker``, so rank 0 sees a timeout, not a peer that went away."""
-    from moetrain.checkpoint.save import barrier
+    from moetrain.checkpoint.checkpointer import barrier
     from moetrain.parallel.topology import Topology
 
     topo = Topology(rank, world, rank, 1, "gloo", torch.device("cpu"))
@@ -210,7 +210,7 @@ def resume_job(
     """For each ``(ep, stage)``: the uninterrupted run of ``steps`` steps, and the same run
     stopped after ``stop`` steps (checkpoint saved, a fresh Trainer built and resumed from it)
     -> per layout ``{"uninterrupted", "resumed", "checkpoint"}`` step records."""
-    from moetrain.checkpoint.save import Checkpointer
+    from moetrain.checkpoint.checkpointer import Checkpointer
     from moetrain.parallel.topology import init_distributed
     from moetrain.train.trainer import Trainer
 
@@ -224,11 +224,11 @@ def resume_job(
         del trainer
         trainer, pos = Trainer(cfg, topo), StreamPosition()
         first = _run_steps(trainer, rank, world, range(stop), pos)
-        path = Checkpointer(cfg, topo).save(trainer, pos)
+        path = Checkpointer(cfg, topo).save(trainer.run_state(pos))
         del trainer
         trainer, pos = Trainer(cfg, topo), StreamPosition()
-        Checkpointer(cfg, topo).load(path, trainer, pos)
-        assert trainer.step == stop and pos.consumed == stop
+        Checkpointer(cfg, topo).load(path, trainer.run_state(pos))
+        assert trainer.progress.step == stop and pos.consumed == stop
         rest = _run_steps(trainer, rank, world, range(stop, steps), pos)
         out[f"ep{ep}_zero{stage}"] = {"uninterrupted": whole, "resumed": first + rest}
         del trainer
@@ -243,7 +243,7 @@ def reshard_source_job(
     cfg, topo, trainer, ckpt = _setup(world, ep, stage, Path(run_dir), **RESHARD_SETTINGS)
     pos = StreamPosition()
     records = _run_steps(trainer, rank, world, range(stop), pos)
-    path = ckpt.save(trainer, pos)
+    path = ckpt.save(trainer.run_state(pos))
     records += _run_steps(trainer, rank, world, range(stop, steps), pos)
     return {"records": records, "checkpoint": str(path)}
 
@@ -253,7 +253,7 @@ def reshard_target_job(
 ) -> list[dict[str, Any]]:
     """For each ``(ep, stage, checkpoint, reset_optimizer)``: resume on layout ``world`` x
     ``ep`` x ``stage`` and train to ``steps`` -> the step records after the resume."""
-    from moetrain.checkpoint.save import Checkpointer
+    from moetrain.checkpoint.checkpointer import Checkpointer
     from moetrain.parallel.topology import init_distributed
     from moetrain.train.trainer import Trainer
 
@@ -262,7 +262,9 @@ def reshard_target_job(
         cfg = parity_config(world, ep, stage, run_dir=f"{run_dir}/t{i}", **RESHARD_SETTINGS)
         topo = init_distributed(cfg)
         trainer, pos = Trainer(cfg, topo), StreamPosition()
-        state = Checkpointer(cfg, topo).load(Path(path), trainer, pos, reset_optimizer=reset)
+        state = Checkpointer(cfg, topo).load(
+            Path(path), trainer.run_state(pos), reset_optimizer=reset
+        )
         records = _run_steps(trainer, rank, world, range(state.step, steps), pos)
         out.append({"records": records, "step": state.step, "consumed": pos.consumed})
         del trainer

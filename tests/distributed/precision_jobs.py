@@ -54,15 +54,11 @@ def bf16_run(
         for name in (n for n in GRAD_NAMES if n in params):  # this model's of the parity names
             grads[name] = safe_get_full_grad(params[name]).detach().clone().float()
 
-    forward = trainer.forward
-
-    def forward_and_keep(batch: dict[str, torch.Tensor]) -> Any:  # the dtypes of what ran
-        out = forward(batch)
+    def keep_output(module: Any, args: Any, out: Any) -> None:  # the dtypes of what ran
         if not outs:
             outs.append(out)
-        return out
 
-    trainer.forward = forward_and_keep
+    trainer.model.register_forward_hook(keep_output)
     losses, norms, replicas = [], [], 0.0
     for step in range(steps):
         micro = [rank_slice(b, rank, world) for b in global_batches(step)]
@@ -194,7 +190,7 @@ def skip_job(rank: int, world: int, precision: str, stage: int, poison_step: int
         "changed_by_next": changed_by_next,
         "schedule": trainer.schedule.state_dict(),
         "optimizer": type(trainer.engine.optimizer).__name__,
-        "skipped_in_trainer": trainer.skipped_steps,
+        "skipped_in_trainer": trainer.progress.skipped_steps,
     }
 
 
@@ -270,7 +266,7 @@ def accumulation_job(rank: int, world: int, cases: list[tuple[int, str]], accum:
 def _save_after_three_steps(rank: int, world: int, run_dir: str, stage: int) -> dict[str, Any]:
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from moetrain.checkpoint.save import Checkpointer
+    from moetrain.checkpoint.checkpointer import Checkpointer
     from moetrain.parallel.master_weights import fp32_masters_in_module
     from tests.distributed.checkpoint_jobs import StreamPosition
 
@@ -286,7 +282,7 @@ def _save_after_three_steps(rank: int, world: int, run_dir: str, stage: int) -> 
     module = {n: p.detach().clone() for n, p in params.items()}
     with fp32_masters_in_module(trainer.model) as swapped:  # what a save holds in host memory
         held_fp32 = sorted(n for n, p in params.items() if p.dtype == torch.float32)
-    path = ckpt.save(trainer, pos)
+    path = ckpt.save(trainer.run_state(pos))
     unchanged = all(torch.equal(module[n], p.detach()) for n, p in params.items())
     losses = [
         trainer.train_step([rank_slice(b, rank, world) for b in global_batches(s)])["loss"]
@@ -311,7 +307,7 @@ def masters_job(rank: int, world: int, run_dir: str, stages: list[int]) -> dict[
     Trainer loads the checkpoint and runs the same two steps. Returns the fp32 masters at the
     save (full; experts: this rank's own), the module's bf16 weights, whether the save left the
     module alone, the checkpoint, and both runs' losses after it."""
-    from moetrain.checkpoint.save import Checkpointer
+    from moetrain.checkpoint.checkpointer import Checkpointer
     from tests.distributed.checkpoint_jobs import StreamPosition
 
     out = {}
@@ -320,7 +316,7 @@ def masters_job(rank: int, world: int, run_dir: str, stages: list[int]) -> dict[
         cfg = parity_config(world, 2, stage, **BF16, run_dir=str(Path(run_dir) / f"resume{stage}"))
         trainer = _trainer(cfg)
         path = Path(out[stage]["path"])
-        state = Checkpointer(cfg, trainer.topo).load(path, trainer, StreamPosition())
+        state = Checkpointer(cfg, trainer.topo).load(path, trainer.run_state(StreamPosition()))
         out[stage]["losses_resumed"] = [
             trainer.train_step([rank_slice(b, rank, world) for b in global_batches(s)])["loss"]
             for s in range(state.step, state.step + 2)

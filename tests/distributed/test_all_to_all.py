@@ -66,8 +66,8 @@ def _job(rank: int, world: int) -> dict:
         wr = torch.cat([p[2] for p in parts]).requires_grad_(True)
         ids_all = torch.cat([p[1] for p in parts])
         ld = LocalDispatcher(E)
-        x_nd, w_n, counts, ctx = ld.dispatch(xr, Routes(ids_all, wr, cf))
-        y_ref = ld.combine(full(x_nd, counts, w_n), ctx)
+        d = ld.dispatch(xr, Routes(ids_all, wr, cf))
+        y_ref = ld.combine(full(d.x_ND, d.counts_L, d.weights_N), d)
         y_ref.pow(2).sum().backward()
         mine = slice(rank * T, (rank + 1) * T)
 
@@ -76,8 +76,8 @@ def _job(rank: int, world: int) -> dict:
         xe = x.clone().requires_grad_(True)
         we = weights.clone().requires_grad_(True)
         ad = AllToAllDispatcher(E, world, rank, dist.group.WORLD, nodes=list(range(world)))
-        x_md, w_m, counts_l, actx = ad.dispatch(xe, Routes(ids, we, cf))
-        y_ep = ad.combine(local(x_md, counts_l, w_m), actx)
+        a = ad.dispatch(xe, Routes(ids, we, cf))
+        y_ep = ad.combine(local(a.x_ND, a.counts_L, a.weights_N), a)
         y_ep.pow(2).sum().backward()
 
         keep = ld.capacity_keep(Routes(ids_all, wr, cf))[mine] if cf else None
@@ -88,8 +88,8 @@ def _job(rank: int, world: int) -> dict:
             "dweights_dropped": None if keep is None else we.grad[~keep],
             "dw13": (local.w13.grad, full.w13.grad[lo:hi]),
             "dw2": (local.w2.grad, full.w2.grad[lo:hi]),
-            "counts": counts_l.tolist(),
-            "dropped": (int(actx.dropped), int(ctx.dropped)),
+            "counts": a.counts_L.tolist(),
+            "dropped": (int(a.dropped), int(d.dropped)),
             "kept_of_mine": None if keep is None else int(keep.sum()),
             "traffic": ad.traffic.take(),
             "routes": ids,
@@ -98,8 +98,8 @@ def _job(rank: int, world: int) -> dict:
             from torch.utils.checkpoint import checkpoint
 
             def block(x_TD, w_TK, ad=ad, local=local, ids=ids, cf=cf):  # noqa: ANN001, ANN202
-                x_md, w_m, counts_l, actx = ad.dispatch(x_TD, Routes(ids, w_TK, cf))
-                return ad.combine(local(x_md, counts_l, w_m), actx)
+                a = ad.dispatch(x_TD, Routes(ids, w_TK, cf))
+                return ad.combine(local(a.x_ND, a.counts_L, a.weights_N), a)
 
             xc, wc = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
             local.zero_grad()

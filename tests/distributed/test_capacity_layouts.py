@@ -43,15 +43,15 @@ def _job(rank: int, world: int) -> dict:
 
     x, ids, weights = _tokens()
     out: dict = {}
-    x_ND, _, counts, ctx = LocalDispatcher(E).dispatch(x, Routes(ids, weights, CF))
-    out["ep1"] = (_kept(x_ND, counts, 0), int(ctx.dropped))
+    d = LocalDispatcher(E).dispatch(x, Routes(ids, weights, CF))
+    out["ep1"] = (_kept(d.x_ND, d.counts_L, 0), int(d.dropped))
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
     for ep, group, ep_rank in [(4, dist.group.WORLD, rank), (2, pairs[rank // 2], rank % 2)]:
         n = T_ALL // ep
         mine = slice(ep_rank * n, (ep_rank + 1) * n)
         dispatcher = AllToAllDispatcher(E, ep, ep_rank, group)
-        x_ND, _, counts, ctx = dispatcher.dispatch(x[mine], Routes(ids[mine], weights[mine], CF))
-        out[f"ep{ep}"] = (_kept(x_ND, counts, ep_rank * (E // ep)), int(ctx.dropped))
+        d = dispatcher.dispatch(x[mine], Routes(ids[mine], weights[mine], CF))
+        out[f"ep{ep}"] = (_kept(d.x_ND, d.counts_L, ep_rank * (E // ep)), int(d.dropped))
     return out
 
 

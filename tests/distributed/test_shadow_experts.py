@@ -51,8 +51,8 @@ def _job(rank: int, world: int) -> dict:
         xr = torch.cat([p[0] for p in parts]).requires_grad_(True)
         wr = torch.cat([p[2] for p in parts]).requires_grad_(True)
         ld = LocalDispatcher(E)
-        x_nd, w_n, counts, ctx = ld.dispatch(xr, Routes(torch.cat([p[1] for p in parts]), wr))
-        y_ref = ld.combine(full(x_nd, counts, w_n), ctx)
+        d = ld.dispatch(xr, Routes(torch.cat([p[1] for p in parts]), wr))
+        y_ref = ld.combine(full(d.x_ND, d.counts_L, d.weights_N), d)
         y_ref.pow(2).sum().backward()
         mine = slice(rank * T, (rank + 1) * T)
 
@@ -61,8 +61,8 @@ def _job(rank: int, world: int) -> dict:
         ad = AllToAllDispatcher(
             E, world, rank, dist.group.WORLD, experts=local, max_shadows=shadows
         )
-        x_md, w_m, counts_l, actx = ad.dispatch(xe, Routes(ids, we))
-        y_ep = ad.combine(local(x_md, counts_l, w_m, actx.expert_weights), actx)
+        a = ad.dispatch(xe, Routes(ids, we))
+        y_ep = ad.combine(local(a.x_ND, a.counts_L, a.weights_N, a.w13, a.w2), a)
         y_ep.pow(2).sum().backward()
         out[name] = {
             "y": (y_ep.detach(), y_ref.detach()[mine]),
@@ -70,7 +70,7 @@ def _job(rank: int, world: int) -> dict:
             "dweights": (we.grad, wr.grad[mine]),
             "dw13": (local.w13.grad, full.w13.grad[lo:hi]),
             "dw2": (local.w2.grad, full.w2.grad[lo:hi]),
-            "counts": counts_l.tolist(),
+            "counts": a.counts_L.tolist(),
             "path": local.path,
             "traffic": dict(zip(ad.traffic.FIELDS, ad.traffic.take(), strict=True)),
         }

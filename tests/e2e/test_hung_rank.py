@@ -69,7 +69,9 @@ def test_sigstopped_rank_ends_the_job_naming_it(tiny_data, tmp_path):
     # torchrun's report: rank 0 exited with 1 on its own
     assert re.search(r"rank\s*: 0 \(local_rank: 0\)\n\s*exitcode\s*: 1 ", text), text[-3000:]
     (msg,) = [line for line in text.splitlines() if "moetrain: error: rank 0: collective" in line]
-    assert re.search(r"collective \w+ called from moetrain/checkpoint/save\.py:\d+", msg), msg
+    assert re.search(r"collective \w+ called from moetrain/checkpoint/checkpointer\.py:\d+", msg), (
+        msg
+    )
     assert "failed during 'checkpoint step_00000002: gather the ranks' file lists'" in msg, msg
     assert "rank 1 stopped responding (no heartbeat; last in '" in msg, msg
     assert "parallel.timeout_minutes=0.1" in msg

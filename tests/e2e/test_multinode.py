@@ -205,7 +205,7 @@ def test_rank_shards_are_disjoint_and_form_the_global_batch(data_overrides):
     rank, dp_world = 4, the run's seed) read disjoint samples that together are the global batch
     one process reading 4 x micro_batch_size would see."""
     from moetrain.config import load_config
-    from moetrain.data.loader import build_loader
+    from moetrain.data.splits import build_loader
 
     cfg = load_config(CONFIG, data_overrides)
     world = 4

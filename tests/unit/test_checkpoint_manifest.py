@@ -19,7 +19,7 @@ from moetrain.checkpoint.format import (
     manifest_names,
     verify_manifest,
 )
-from moetrain.checkpoint.writes import RankWrites
+from moetrain.checkpoint.rank_files import RankFiles
 
 
 def _committed(tmp_path):
@@ -94,7 +94,7 @@ def test_manifest_without_checksums_still_checks_sizes(tmp_path):
 
 
 def test_a_write_error_is_kept_and_stops_further_writes(tmp_path):
-    writes = RankWrites(tmp_path, rank=1, step=3)
+    writes = RankFiles(tmp_path, rank=1, step=3)
     writes.write(tmp_path / "a.pt", lambda p: torch.save({"x": torch.ones(3)}, p))
 
     def disk_full(path):

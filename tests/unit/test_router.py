@@ -138,9 +138,9 @@ def test_capacity_drops_lowest_score_first() -> None:
     dispatcher = LocalDispatcher(2)
     routes = Routes(out.ids_TK, out.weights_TK, capacity_factor=1.0)
     assert dispatcher.capacity_keep(routes).flatten().tolist() == [False, True, False, True]
-    x_ND, _, counts, ctx = dispatcher.dispatch(x, routes)
-    assert counts.tolist() == [2, 0] and int(ctx.dropped) == 2
-    assert torch.equal(x_ND, x[[1, 3]])
+    d = dispatcher.dispatch(x, routes)
+    assert d.counts_L.tolist() == [2, 0] and int(d.dropped) == 2
+    assert torch.equal(d.x_ND, x[[1, 3]])
 
 
 def test_capacity_groups_decide_each_part_on_its_own() -> None:

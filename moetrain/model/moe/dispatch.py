@@ -3,14 +3,17 @@
 Shape legend: T tokens, D d_model, K top_k, E global experts, L local experts, N kept copies.
 
 Contract (``Dispatcher`` protocol):
-- ``dispatch(x_TD, routes) -> (x_ND, weights_N, counts_L, ctx)``, :class:`Routes` holding
-  ``ids_TK``, ``weights_TK`` and ``capacity_factor``: x_ND grouped contiguously by local expert
+- ``dispatch(x_TD, routes) -> Dispatched``, :class:`Routes` holding ``ids_TK``, ``weights_TK``
+  and ``capacity_factor``; :class:`Dispatched` holds x_ND grouped contiguously by local expert
   in expert order, weights_N each row's routing weight (the experts apply it inside their
-  activation), counts_L int64 copies per local expert. ``ctx.dropped`` (int64 0-dim tensor) is
-  the number of copies this rank's experts dropped. With a capacity factor, the drops follow
+  activation), counts_L int64 copies per local expert, ``dropped`` (int64 0-dim tensor) the
+  number of copies this rank's experts dropped, and ``w13`` / ``w2``: the stacked expert
+  weights to compute with, None for the experts' own (a dispatcher that replicates experts
+  hands them the weights of every slot of counts_L). With a capacity factor, the drops follow
   :mod:`moetrain.model.moe.capacity`, decided where the expert lives over every copy sent to it.
-- ``combine(y_ND, ctx) -> y_TD``: the sum of each token's kept (already weighted) rows, zero
-  for tokens whose copies were all dropped.
+- ``combine(y_ND, dispatched) -> y_TD``: the sum of each token's kept (already weighted) rows,
+  zero for tokens whose copies were all dropped; ``dispatched.back`` is what the dispatcher
+  itself keeps for the way back.
 - Both take ``overlap``, an optional zero-argument callable: independent work (the shared
   expert) that a communicating dispatcher runs while its exchange is in flight; the local one
   just calls it.
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -48,14 +51,33 @@ class Routes:
     capacity_factor: float = 0.0
 
 
+Back = TypeVar("Back")
+
+
+@dataclass
+class Dispatched(Generic[Back]):
+    """What a dispatcher hands the experts (see the module docstring) and, in ``back``, what
+    its own ``combine`` needs to send the outputs back."""
+
+    x_ND: Tensor
+    weights_N: Tensor
+    counts_L: Tensor
+    dropped: Tensor
+    back: Back
+    w13: Tensor | None = None
+    w2: Tensor | None = None
+
+
 class Dispatcher(Protocol):
     """Moves token copies to experts and back; see the module docstring for the contract."""
 
     def dispatch(
         self, x_TD: Tensor, routes: Routes, overlap: Overlap = None
-    ) -> tuple[Tensor, Tensor, Tensor, Any]: ...
+    ) -> Dispatched[Any]: ...
 
-    def combine(self, y_ND: Tensor, ctx: Any, overlap: Overlap = None) -> Tensor: ...
+    def combine(
+        self, y_ND: Tensor, dispatched: Dispatched[Any], overlap: Overlap = None
+    ) -> Tensor: ...
 
 
 @dataclass
@@ -69,7 +91,6 @@ class PermuteContext:
     top_k: int
     token_N: torch.Tensor
     inverse_N: torch.Tensor | None = None
-    dropped: torch.Tensor | None = None  # set by LocalDispatcher: copies dropped by capacity
 
 
 def _sum_copies(
@@ -297,7 +318,7 @@ class LocalDispatcher:
 
     def dispatch(
         self, x_TD: Tensor, routes: Routes, overlap: Overlap = None
-    ) -> tuple[Tensor, Tensor, Tensor, PermuteContext]:
+    ) -> Dispatched[PermuteContext]:
         """:meth:`Dispatcher.dispatch` (``overlap`` runs first: there is no exchange)."""
         if overlap is not None:
             overlap()
@@ -305,10 +326,10 @@ class LocalDispatcher:
         keep_TK = None if r.capacity_factor <= 0 else self.capacity_keep(r)
         x_ND, w_N, counts_E, ctx = permute(x_TD, r.ids_TK, keep_TK, r.weights_TK, self.num_experts)
         if keep_TK is None:
-            ctx.dropped = torch.zeros((), dtype=torch.int64, device=x_TD.device)
+            dropped = torch.zeros((), dtype=torch.int64, device=x_TD.device)
         else:
-            ctx.dropped = (~keep_TK).sum()
-        return x_ND, w_N, counts_E, ctx
+            dropped = (~keep_TK).sum()
+        return Dispatched(x_ND, w_N, counts_E, dropped, ctx)
 
     def capacity_keep(self, routes: Routes) -> Tensor:
         """``keep_TK``: False for the copies over capacity (:mod:`moetrain.model.moe.capacity`),
@@ -324,8 +345,10 @@ class LocalDispatcher:
             ids_TK = ids_TK + part_T.unsqueeze(1) * e
         return capacity_keep(ids_TK, routes.weights_TK.detach(), g * e, capacity)
 
-    def combine(self, y_ND: Tensor, ctx: PermuteContext, overlap: Overlap = None) -> Tensor:
+    def combine(
+        self, y_ND: Tensor, dispatched: Dispatched[PermuteContext], overlap: Overlap = None
+    ) -> Tensor:
         """:meth:`Dispatcher.combine`."""
         if overlap is not None:
             overlap()
-        return unpermute(y_ND, ctx)
+        return unpermute(y_ND, dispatched.back)

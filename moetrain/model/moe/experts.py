@@ -168,20 +168,16 @@ class GroupedExperts(nn.Module):
         x_ND: torch.Tensor,
         counts_L: torch.Tensor,
         weights_N: torch.Tensor | None = None,
-        expert_weights: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None,
+        w13: torch.Tensor | None = None,
+        w2: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``expert_weights``: ``[(w13, w2, rows), ...]``, stacked weights to compute with
-        instead of this module's, in groups (shadow experts: this rank's own, then replicas);
-        each group's experts take the next entries of ``counts_L`` and the next ``rows`` rows."""
-        if expert_weights is None:
-            return self._compute(x_ND, counts_L, weights_N, self.w13, self.w2)
-        outs, row, col = [], 0, 0
-        for w13, w2, rows in expert_weights:
-            n, part = w13.shape[0], slice(row, row + rows)
-            w_n = None if weights_N is None else weights_N[part]
-            outs.append(self._compute(x_ND[part], counts_L[col : col + n], w_n, w13, w2))
-            row, col = row + rows, col + n
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        """``w13`` (L', D, 2F), ``w2`` (L', F, D): stacked weights to compute with instead of
+        this module's (both or neither), one per entry of ``counts_L``."""
+        if (w13 is None) != (w2 is None):
+            raise ValueError("GroupedExperts: give both w13 and w2, or neither")
+        if w13 is None:
+            w13, w2 = self.w13, self.w2
+        return self._compute(x_ND, counts_L, weights_N, w13, w2)
 
     def _compute(
         self,

@@ -112,11 +112,9 @@ class MoELayer(nn.Module):
             shared = _SharedExpertStages(self.shared_expert, self.shared_gate, x_TD)
         overlap = shared is not None and self.cfg.shared_expert_overlap
         routes = Routes(r.ids_TK, r.weights_TK, self.cfg.capacity_factor)
-        x_ND, w_N, counts_L, ctx = self.dispatcher.dispatch(
-            x_TD, routes, overlap=shared.up if overlap else None
-        )
-        y_ND = self.experts(x_ND, counts_L, w_N, getattr(ctx, "expert_weights", None))
-        y_TD = self.dispatcher.combine(y_ND, ctx, overlap=shared.down if overlap else None)
+        sent = self.dispatcher.dispatch(x_TD, routes, overlap=shared.up if overlap else None)
+        y_ND = self.experts(sent.x_ND, sent.counts_L, sent.weights_N, sent.w13, sent.w2)
+        y_TD = self.dispatcher.combine(y_ND, sent, overlap=shared.down if overlap else None)
         if shared is not None:
             y_TD = y_TD + shared.output()
         load_E = r.tokens_per_expert_E
@@ -124,8 +122,8 @@ class MoELayer(nn.Module):
             aux_loss=r.aux_loss,
             z_loss=r.z_loss,
             tokens_per_expert_E=load_E.detach(),
-            dropped=ctx.dropped,
-            dropped_fraction=ctx.dropped.float() / max(r.ids_TK.numel(), 1),
+            dropped=sent.dropped,
+            dropped_fraction=sent.dropped.float() / max(r.ids_TK.numel(), 1),
             entropy=r.entropy,
             load_max_over_mean=(load_E.max() / load_E.mean().clamp_min(1e-9)).detach(),
         )

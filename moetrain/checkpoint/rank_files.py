@@ -20,7 +20,7 @@ from moetrain.faults import fault_point
 from moetrain.fileio import fsync_dir, fsync_file
 
 
-class RankWrites:
+class RankFiles:
     """The files this rank wrote into one checkpoint directory (``entries``: name -> size and
     CRC-32) and the first error (``error``, None if every write succeeded)."""
 
@@ -77,9 +77,9 @@ class RankWrites:
 
 
 class _Recorder:
-    """DeepSpeed's checkpoint engine with ``save`` going through :meth:`RankWrites.write`."""
+    """DeepSpeed's checkpoint engine with ``save`` going through :meth:`RankFiles.write`."""
 
-    def __init__(self, inner: Any, writes: RankWrites) -> None:
+    def __init__(self, inner: Any, writes: RankFiles) -> None:
         self._inner, self._writes = inner, writes
 
     def save(self, state_dict: Any, path: str) -> None:

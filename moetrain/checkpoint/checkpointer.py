@@ -1,5 +1,9 @@
 """Saving and resuming during training: every method runs on every rank.
 
+The checkpointer saves and restores a run's stateful objects (:class:`RunState`: the DeepSpeed
+engine, the run's progress, the learning-rate schedule, the loss scaler, the data position) and
+the process's RNG states; it knows nothing of the trainer that holds them.
+
 A save writes DeepSpeed's files (``engine.save_checkpoint``, never its ``latest`` file), each
 rank's RNG states, and on rank 0 the trainer state and the tokenizer. Every rank fsyncs and
 measures (size, CRC-32) the files it wrote itself; the ranks exchange these lists, and rank 0
@@ -20,9 +24,12 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,8 +58,8 @@ from moetrain.checkpoint.format import (
     tag_for_step,
     verify_manifest,
 )
+from moetrain.checkpoint.rank_files import RankFiles
 from moetrain.checkpoint.reshard import SavedOptimizer, optimizer_param_names, restore_optimizer
-from moetrain.checkpoint.writes import RankWrites
 from moetrain.faults import fault_point
 from moetrain.fileio import atomic_file, fsync_dir, write_json_atomic
 from moetrain.monitor.console import Printer, console
@@ -61,6 +68,38 @@ from moetrain.redact import redact
 if TYPE_CHECKING:
     from moetrain.config import Config
     from moetrain.parallel.topology import Topology
+
+
+class Stateful(Protocol):
+    """An object whose state a checkpoint holds."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The stateful objects of a run that a checkpoint saves and restores.
+
+    ``engine``: the DeepSpeed engine (model weights, optimizer state); ``progress``: its state
+    dict holds the :data:`~moetrain.checkpoint.format.PROGRESS_FIELDS` of ``trainer_state.json``;
+    ``schedule``: the learning-rate schedule; ``loss_scaler``: the fp16 dynamic loss scaler
+    (state None without one); ``data``: the training data position (small, JSON); ``fp32_weights``
+    a context in which the engine's module holds the fp32 master weights (around DeepSpeed's
+    save, so the model files hold them; collective). ``tokenizer_sha256`` is checked on resume
+    and ``tokenizer_files`` are copied into every checkpoint (default: the data directory's
+    ``tokenizer.model``).
+    """
+
+    engine: Any
+    progress: Stateful
+    schedule: Stateful
+    loss_scaler: Stateful
+    data: Stateful
+    fp32_weights: Callable[[], AbstractContextManager[Any]]
+    tokenizer_sha256: str | None = None
+    tokenizer_files: tuple[Path, ...] = ()
 
 
 def barrier(topo: Topology, what: str, timeout_minutes: float) -> None:
@@ -140,15 +179,8 @@ def verify_on_every_rank(topo: Topology, path: Path) -> None:
 
 
 class Checkpointer:
-    """Saves and restores one run's checkpoints; every method is called on every rank.
-
-    ``trainer`` arguments need ``engine``, ``schedule``, ``step``, ``tokens_seen``,
-    ``skipped_steps``, ``loss_scale_overflows``, ``checkpoint_weights()`` (a context for the
-    save: the module holds the fp32 weights) and ``loss_scaler_state()`` /
-    ``load_loss_scaler_state(state)``; ``loader`` arguments ``state_dict``/``load_state_dict``
-    and ``tokenizer_sha256`` (and optionally ``tokenizer_files``: the tokenizer's files, copied
-    into every checkpoint). ``printer`` gets the messages (rank 0 only).
-    """
+    """Saves and restores one run's checkpoints (a :class:`RunState` each time); every method is
+    called on every rank. ``printer`` gets the messages (rank 0 only)."""
 
     def __init__(self, cfg: Config, topo: Topology, printer: Printer = console) -> None:
         self.cfg, self.topo, self.log = cfg, topo, printer
@@ -159,16 +191,17 @@ class Checkpointer:
         barrier(self.topo, what, self.cfg.parallel.timeout_minutes)
 
     # ------------------------------------------------------------------ save
-    def save(self, trainer: Any, loader: Any, extra: dict[str, Any] | None = None) -> Path:
-        """Write a complete, committed checkpoint of ``trainer`` at its current step.
+    def save(self, run: RunState, extra: dict[str, Any] | None = None) -> Path:
+        """Write a complete, committed checkpoint of ``run`` at its progress's step.
 
-        Each rank writes, fsyncs and measures its own files (:class:`RankWrites`); the ranks
+        Each rank writes, fsyncs and measures its own files (:class:`RankFiles`); the ranks
         then exchange their lists and errors in one gather. If any rank failed (a full disk),
         every rank raises the same :class:`CheckpointError` and rank 0 removes the partial
         directory: the previous checkpoint stays the newest complete one. Otherwise rank 0
         writes the manifest of every rank's files as the commit marker.
         """
-        topo, step = self.topo, trainer.step
+        topo, progress = self.topo, run.progress.state_dict()
+        step = progress["step"]
         tag = tag_for_step(step)
         path = self.root / tag
         topo.phase(f"checkpoint {tag}: save")
@@ -180,17 +213,17 @@ class Checkpointer:
                 shutil.rmtree(path)
         self._barrier(f"checkpoint {tag}: prepare directory")
         fault_point("save.before_shards", topo.rank, step)
-        writes = RankWrites(path, topo.rank, step)
+        writes = RankFiles(path, topo.rank, step)
         # model files get the fp32 master weights
-        with writes.through(trainer.engine), trainer.checkpoint_weights():
-            trainer.engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
+        with writes.through(run.engine), run.fp32_weights():
+            run.engine.save_checkpoint(str(self.root), tag=tag, save_latest=False)
         writes.write(path / rank_file(topo.rank), lambda p: torch.save(_rng_state(), p))
         if topo.is_main:
-            state = self._trainer_state(trainer, loader, extra).to_json()
+            state = self._trainer_state(run, progress, extra).to_json()
             writes.write(path / STATE_FILE, lambda p: write_json_atomic(p, state))
             # the checkpoint converts without the data directory
-            default = [Path(self.cfg.data.output_dir) / TOKENIZER_FILE]
-            for f in getattr(loader, "tokenizer_files", None) or default:
+            default = (Path(self.cfg.data.output_dir) / TOKENIZER_FILE,)
+            for f in run.tokenizer_files or default:
                 if f.is_file() and f.name in TOKENIZER_FILES:
                     writes.write(path / f.name, lambda p, f=f: shutil.copyfile(f, p))
         writes.finish()
@@ -221,22 +254,18 @@ class Checkpointer:
         return path
 
     def _trainer_state(
-        self, trainer: Any, loader: Any, extra: dict[str, Any] | None
+        self, run: RunState, progress: dict[str, Any], extra: dict[str, Any] | None
     ) -> TrainerState:
         return TrainerState(
-            step=trainer.step,
-            tokens_seen=trainer.tokens_seen,
-            skipped_steps=trainer.skipped_steps,
-            loss_scale_overflows=trainer.loss_scale_overflows,
-            loss_scaler=trainer.loss_scaler_state(),
-            loader=loader.state_dict(),
-            schedule=trainer.schedule.state_dict(),
+            **progress,
+            loss_scaler=run.loss_scaler.state_dict(),
+            loader=run.data.state_dict(),
+            schedule=run.schedule.state_dict(),
             layout=self.layout(),
             config=redact(self.cfg.to_dict()),
-            tokenizer_sha256=getattr(loader, "tokenizer_sha256", None),
+            tokenizer_sha256=run.tokenizer_sha256,
             extra=redact(extra or {}),
-            optimizer_params=optimizer_param_names(trainer.engine),
-            init=getattr(trainer, "init_record", None),
+            optimizer_params=optimizer_param_names(run.engine),
             moetrain_version=moetrain.__version__,
         )
 
@@ -286,10 +315,8 @@ class Checkpointer:
             raise CheckpointError(f"{path}: directory name and trainer state disagree on the step")
         return state
 
-    def load(
-        self, path: Path, trainer: Any, loader: Any, reset_optimizer: bool = False
-    ) -> TrainerState:
-        """Restore ``trainer`` and ``loader`` from ``path``; returns the saved trainer state.
+    def load(self, path: Path, run: RunState, reset_optimizer: bool = False) -> TrainerState:
+        """Restore ``run`` from ``path``; returns the saved trainer state.
 
         On the layout that wrote it, DeepSpeed loads everything. On another world size, EP size
         or ZeRO stage the model weights come from the per-expert files and the optimizer state
@@ -302,10 +329,10 @@ class Checkpointer:
         saved, now = state.layout, self.layout()
         same_layout = saved == now
         sha = state.tokenizer_sha256
-        if sha and getattr(loader, "tokenizer_sha256", sha) != sha:
+        if sha and run.tokenizer_sha256 and run.tokenizer_sha256 != sha:
             raise CheckpointError(
                 f"{path} was trained with tokenizer sha256 {sha}, but the data in "
-                f"{self.cfg.data.output_dir} uses {loader.tokenizer_sha256}"
+                f"{self.cfg.data.output_dir} uses {run.tokenizer_sha256}"
             )
         saved_optimizer = None
         if not same_layout and not reset_optimizer:
@@ -320,7 +347,7 @@ class Checkpointer:
                     f"world_size={now['world_size']}, ep_size={now['ep_size']}, "
                     f"zero_stage={now['zero_stage']} (optimizer state re-partitioned)"
                 )
-        trainer.engine.load_checkpoint(
+        run.engine.load_checkpoint(
             str(path.parent),
             tag=path.name,
             load_optimizer_states=same_layout and not reset_optimizer,
@@ -329,15 +356,11 @@ class Checkpointer:
         )
         if saved_optimizer is not None:
             experts = topo.local_experts(self.cfg.moe.num_experts)
-            restore_optimizer(trainer.engine, saved_optimizer, experts)
-        trainer.step = state.step
-        trainer.tokens_seen = state.tokens_seen
-        trainer.skipped_steps = state.skipped_steps
-        trainer.init_record = state.init
-        trainer.loss_scale_overflows = state.loss_scale_overflows
-        trainer.load_loss_scaler_state(state.loss_scaler)  # also after --reset-optimizer
-        trainer.schedule.load_state_dict(state.schedule)
-        loader.load_state_dict(state.loader)
+            restore_optimizer(run.engine, saved_optimizer, experts)
+        run.progress.load_state_dict(state.progress())
+        run.loss_scaler.load_state_dict(state.loss_scaler)  # also after --reset-optimizer
+        run.schedule.load_state_dict(state.schedule)
+        run.data.load_state_dict(state.loader)
         if saved["world_size"] == now["world_size"]:
             _set_rng_state(safe_torch_load(path / rank_file(topo.rank)))
         if topo.is_main:

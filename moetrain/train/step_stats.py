@@ -1,0 +1,84 @@
+"""One optimizer step's statistics: summed over its micro-batches on this rank, then over every
+rank in one all-reduce (the losses, whether each rank skipped the step, the expert all-to-alls'
+traffic, and per MoE layer the expert loads and routing statistics)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.monitor.step_record import StepTotals
+from moetrain.parallel.all_to_all import TrafficMeter
+
+
+class StepStats:
+    """Sums over the micro-batches of one step on this rank: loss / CE / MoE loss, whether this
+    rank skipped the optimizer step (:meth:`mark_skipped`, so the reduction counts the ranks that
+    did), the expert all-to-alls' traffic (:attr:`TrafficMeter.FIELDS`, counted only when
+    ``traffic`` is on), and per MoE layer the expert loads and (dropped, entropy, aux, z, routed
+    copies)."""
+
+    def __init__(self, n_layers: int, device: torch.device, traffic: bool = False) -> None:
+        self.n_layers, self.device, self.count_traffic = n_layers, device, traffic
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+        self.traffic = [0] * len(TrafficMeter.FIELDS)
+        self.layer_sums = torch.zeros(5, n_layers, dtype=torch.float64, device=device)
+        self.loads: torch.Tensor | None = None
+
+    def add(self, out: Any, routed: int) -> None:
+        """One micro-batch's model output (``TransformerOutput``); ``routed`` = its tokens x
+        top_k."""
+        self.sums[:3] += torch.stack(
+            [out.loss.detach(), out.ce_loss.detach(), out.moe_loss.detach()]
+        )
+        if not out.moe:
+            return
+        step_loads = torch.stack([m.tokens_per_expert_E for m in out.moe]).double()
+        self.loads = step_loads if self.loads is None else self.loads + step_loads
+        self.layer_sums += torch.stack(
+            [
+                torch.stack([m.dropped.double() for m in out.moe]),
+                torch.stack([m.entropy.detach().double() for m in out.moe]),
+                torch.stack([m.aux_loss.detach().double() for m in out.moe]),
+                torch.stack([m.z_loss.detach().double() for m in out.moe]),
+                torch.full(
+                    (self.n_layers,), float(routed), dtype=torch.float64, device=self.device
+                ),
+            ]
+        )
+
+    def add_traffic(self, meters: list[TrafficMeter]) -> None:
+        """What the dispatchers' meters counted since they were last read (host integers)."""
+        for meter in meters:
+            self.traffic = [a + b for a, b in zip(self.traffic, meter.take(), strict=True)]
+
+    def mark_skipped(self, skipped: bool) -> None:
+        self.sums[3] = float(skipped)
+
+    def all_reduce(self, world_size: int, micro_batches: int) -> StepTotals:
+        """Sum over every rank in one all-reduce; ``micro_batches``: how many every rank's sums
+        are over together (the losses' and statistics' denominators)."""
+        traffic = torch.tensor(self.traffic, dtype=torch.float64, device=self.device)
+        parts = [self.layer_sums.reshape(-1), self.sums, traffic]
+        if self.loads is not None:
+            parts.insert(0, self.loads.reshape(-1))
+        flat = torch.cat(parts)
+        if world_size > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        n_loads = 0 if self.loads is None else self.loads.numel()
+        loads = None if self.loads is None else flat[:n_loads].view_as(self.loads)
+        layers = flat[n_loads : n_loads + self.layer_sums.numel()].view_as(self.layer_sums)
+        sums = flat[n_loads + self.layer_sums.numel() :].tolist()  # the host sync
+        traffic_sums = dict(zip(TrafficMeter.FIELDS, sums[4:], strict=True))
+        return StepTotals(
+            loss=sums[0] / micro_batches,
+            ce_loss=sums[1] / micro_batches,
+            moe_loss=sums[2] / micro_batches,
+            ranks_skipped=int(sums[3]),
+            micro_batches=micro_batches,
+            traffic=traffic_sums if self.count_traffic else {},
+            loads=loads,
+            layer_sums=layers,
+        )
