@@ -23,10 +23,10 @@ from moetrain.checkpoint.format import (
     expert_file,
     read_commit,
     safe_torch_load,
-    stacked_expert_key,
     verify_manifest,
 )
 from moetrain.config import Config, config_from_dict
+from moetrain.model import param_names
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 
 
@@ -74,22 +74,23 @@ def stacked_experts(files: list[Path], layer: int, first: int = 0) -> dict[str, 
     """Load one layer's per-expert files (global experts ``first``, ``first + 1``, ...) into
     stacked ``w13 (E,D,2F)``, ``w2 (E,F,D)``."""
     parts: dict[str, list[torch.Tensor]] = {name: [] for name in EXPERT_WEIGHTS}
+    prefix = param_names.experts_prefix(layer)
     for e, f in enumerate(files, start=first):
         sd = safe_torch_load(f)
         found = {}
         for key, tensor in sd.items():
             m = EXPERT_KEY_RE.match(key)
-            if not m or int(m.group(2)) != layer or int(m.group(3)) != e:
+            if not m or m.group(1) != prefix or int(m.group(2)) != e:
                 raise CheckpointError(
                     f"{f}: unexpected key {key} (expected layer {layer}, expert {e})"
                 )
-            found[m.group(4)] = tensor
+            found[m.group(3)] = tensor
         if set(found) != set(parts):
             old = " (separate w1/w3: written before the packed w13 layout)" if "w1" in found else ""
             raise CheckpointError(f"{f}: has {sorted(found)}, expected {sorted(parts)}{old}")
         for name, tensor in found.items():
             parts[name].append(tensor)
-    return {stacked_expert_key(layer, name): torch.stack(ts) for name, ts in parts.items()}
+    return {prefix + name: torch.stack(ts) for name, ts in parts.items()}
 
 
 def iter_layer_states(ckpt: Path, cfg: Config) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
