@@ -5,8 +5,7 @@
 - :mod:`~moetrain.fileio`: atomic writes and fsync (used by data/ and convert/ too).
 - :mod:`~moetrain.checkpoint.catalog`: the checkpoints of a run directory, retention.
 - :mod:`~moetrain.checkpoint.save`: save / resume during training, on every rank.
-- :mod:`~moetrain.checkpoint.read`: a checkpoint into a single-device model; Hugging Face
-  safetensors directories.
+- :mod:`~moetrain.checkpoint.read`: a checkpoint into a single-device model.
 - :mod:`~moetrain.checkpoint.write`: a checkpoint from streamed weights (import, upcycling).
 
 Modules are imported on demand; importing this package costs nothing.
