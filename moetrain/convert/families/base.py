@@ -112,6 +112,12 @@ def softmax_router(moe: MoEConfig, name: str) -> list[Check]:
     ]
 
 
+def dropless_softmax(model: ModelConfig, moe: MoEConfig, name: str) -> list[Check]:
+    """Dropless softmax routing (:func:`softmax_router`) and no q/k/v biases: where Mixtral,
+    Qwen3-MoE and OLMoE start."""
+    return [dropless(moe, name), no_qkv_bias(model, name), *softmax_router(moe, name)]
+
+
 def hf_common(cfg: Config) -> dict[str, Any]:
     """The transformers config fields every MoE family shares (Llama's, plus top-k)."""
     model, moe = cfg.model, cfg.moe

@@ -15,8 +15,7 @@ NAME = "MixtralForCausalLM"
 
 def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
     return base.found(
-        [base.dropless(moe, NAME), base.no_qkv_bias(model, NAME)]
-        + base.softmax_router(moe, NAME)
+        base.dropless_softmax(model, moe, NAME)
         + [base.no_qk_norm(model, NAME)]
         + base.every_layer_moe(moe, NAME)
         + [

@@ -16,8 +16,7 @@ NAME = "OlmoeForCausalLM"
 
 def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
     return base.found(
-        [base.dropless(moe, NAME), base.no_qkv_bias(model, NAME)]
-        + base.softmax_router(moe, NAME)
+        base.dropless_softmax(model, moe, NAME)
         + [
             (
                 not model.qk_norm or model.qk_norm_scope != "projection",

@@ -15,8 +15,7 @@ NAME = "Qwen3MoeForCausalLM"
 
 def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
     return base.found(
-        [base.dropless(moe, NAME), base.no_qkv_bias(model, NAME)]
-        + base.softmax_router(moe, NAME)
+        base.dropless_softmax(model, moe, NAME)
         + [
             (not model.qk_norm, "model.qk_norm", f"{NAME} always has per-head q/k norm"),
             base.per_head_norm(model, NAME),
