@@ -31,6 +31,7 @@ def make_checkpoint(work: Path) -> Path:
     from moetrain.checkpoint.write import write_checkpoint
     from moetrain.config import Config, ModelConfig, MoEConfig
     from moetrain.data.tokenizer import train_tokenizer
+    from moetrain.model import param_names
     from moetrain.model.transformer import Transformer
 
     ckpt = work / "checkpoints" / "step_00000000"
@@ -44,7 +45,10 @@ def make_checkpoint(work: Path) -> Path:
     torch.manual_seed(0)
     sd = Transformer(cfg.model, cfg.moe).state_dict()
     experts = [
-        (f"layers.{i}", {k: v for k, v in sd.items() if k.startswith(f"layers.{i}.ffn.experts.")})
+        (
+            f"layers.{i}",
+            {k: v for k, v in sd.items() if k.startswith(param_names.experts_prefix(i))},
+        )
         for i in range(cfg.model.n_layers)
     ]
     write_checkpoint(ckpt, cfg, [("dense", sd), *experts], tok.path)

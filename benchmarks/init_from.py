@@ -11,7 +11,7 @@ the end unless ``--keep``. Cases, each in fresh processes, interleaved round by 
 
 - ``moetrain``: 2 gloo ranks with the trainer's topology (EP=2); each rank builds the run's model
   from the directory as the Trainer does before ``deepspeed.initialize``
-  (:func:`moetrain.convert.init_weights.build_model` with its own experts): fp32 parameters (the
+  (:func:`moetrain.init_from.weights.build_model` with its own experts): fp32 parameters (the
   trainer's), the dense weights and half of the experts.
 - ``hf-bf16``: ``from_pretrained(dir)`` (the directory's dtype), one process, all cores.
 - ``hf-fp32``: ``from_pretrained(dir, dtype=torch.float32)``: the trainer's dtype.
@@ -145,8 +145,8 @@ def _measured(load) -> dict[str, float]:  # noqa: ANN001
 def moetrain_rank(rank: int, world: int, hf_dir: str) -> dict[str, float]:
     """One rank: the Trainer's model from ``hf_dir`` with this rank's experts (EP=2)."""
     from moetrain.config import read_config_data
-    from moetrain.convert.init_source import resolve_config_data
-    from moetrain.convert.init_weights import build_model
+    from moetrain.init_from.source import resolve_config_data
+    from moetrain.init_from.weights import build_model
     from moetrain.parallel.topology import init_distributed
 
     overrides = [f"checkpoint.init_from={hf_dir}", "parallel.ep_size=2", "data.seq_len=256"]

@@ -22,7 +22,7 @@ def load_config(path: str, overrides: list[str]) -> Config:
     data = read_config_data(path, overrides)
     if not (data.get("checkpoint") or {}).get("init_from"):
         return config_from_dict(data)
-    from moetrain.convert.init_source import resolve_config_data, resolve_resumed_config_data
+    from moetrain.init_from.source import resolve_config_data, resolve_resumed_config_data
     from moetrain.train.start import resume_candidate
 
     resumed = resume_candidate(config_from_dict(data, validate=False))
@@ -134,6 +134,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moetrain.convert.families import FORMATS  # the registry (no torch, no transformers)
+
     parser = argparse.ArgumentParser(
         prog="moetrain", description="Pretrain decoder-only Mixture-of-Experts language models."
     )
@@ -165,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--format",
         default="auto",
-        choices=["auto", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"],
+        choices=["auto", *FORMATS],
         help="Hugging Face architecture (auto: the one that computes the same function)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")

@@ -9,8 +9,7 @@
 - :mod:`~moetrain.checkpoint.rank_files`: the files one rank writes in a save (fsynced,
   measured, errors kept).
 - :mod:`~moetrain.checkpoint.reshard`: optimizer state re-partitioned for another layout.
-- :mod:`~moetrain.checkpoint.read`: a checkpoint into a single-device model; Hugging Face
-  safetensors directories.
+- :mod:`~moetrain.checkpoint.read`: a checkpoint into a single-device model.
 - :mod:`~moetrain.checkpoint.write`: a checkpoint from streamed weights (import, upcycling).
 
 Modules are imported on demand; importing this package costs nothing.

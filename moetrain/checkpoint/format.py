@@ -48,9 +48,8 @@ TOKENIZER_FILES = (
 DENSE_FILE = "mp_rank_00_model_states.pt"
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
 DS_EXPERT_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
-EXPERT_KEY_RE = re.compile(
-    r"^(layers\.(\d+)\.ffn\.experts)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(\w+)$"
-)
+# DeepSpeed's per-expert key: groups module prefix (``...ffn.experts.``), local expert, weight
+EXPERT_KEY_RE = re.compile(r"^(.+\.)deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(\w+)$")
 _TAG_RE = re.compile(r"^step_(\d{8})$")
 FORMAT_VERSION = 1
 # the fields of TrainerState that hold a run's progress (moetrain.train.progress.Progress)
@@ -105,11 +104,6 @@ def stage0_optimizer_file(ckpt: Path, ep_rank: int) -> Path:
 def expert_file(moe_index: int, expert: int) -> str:
     """DeepSpeed's file of global expert ``expert`` of the ``moe_index``-th MoE layer."""
     return f"layer_{moe_index}_expert_{expert}_mp_rank_00_model_states.pt"
-
-
-def stacked_expert_key(layer: int, weight: str) -> str:
-    """The model's key of a stacked expert weight (``w13`` (E, D, 2F), ``w2`` (E, F, D))."""
-    return f"layers.{layer}.ffn.experts.{weight}"
 
 
 def deepspeed_expert_key(module_prefix: str, local_expert: int, weight: str) -> str:

@@ -24,7 +24,6 @@ DeepSpeed classes allowed: the slice map, the loss scaler and the stage enum).
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +36,15 @@ from moetrain.checkpoint.format import (
     stage0_optimizer_file,
     zero_optimizer_file,
 )
+from moetrain.model import param_names
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 MASTER = "fp32"
-_EXPERT_PARAM_RE = re.compile(r"^layers\.\d+\.ffn\.experts\.\w+$")
 
 
 def is_expert_param(name: str) -> bool:
     """A stacked expert weight (``layers.<i>.ffn.experts.<w>``): partitioned per EP rank."""
-    return bool(_EXPERT_PARAM_RE.match(name))
+    return param_names.parse_experts(name) is not None
 
 
 def optimizer_param_names(engine: Any) -> list[list[str]] | None:

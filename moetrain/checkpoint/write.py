@@ -22,11 +22,11 @@ from moetrain.checkpoint.format import (
     dense_file_content,
     expert_file,
     manifest_of,
-    stacked_expert_key,
     tokenizer_path,
 )
 from moetrain.config import Config
 from moetrain.fileio import building_dir, file_sha256, write_json_atomic
+from moetrain.model import param_names
 from moetrain.model.moe.experts import EXPERT_WEIGHTS
 
 
@@ -52,11 +52,11 @@ def write_checkpoint(
     with building_dir(ckpt) as tmp:
         for where, part in parts:
             if where == "dense":
-                module = {k: v for k, v in part.items() if ".ffn.experts." not in k}
+                module = {k: v for k, v in part.items() if not param_names.parse_experts(k)}
                 torch.save(dense_file_content(module), tmp / DENSE_FILE)
                 continue
             layer = int(where.split(".")[1])
-            prefix = stacked_expert_key(layer, "")
+            prefix = param_names.experts_prefix(layer)
             for e in range(cfg.moe.num_experts):
                 sd = {
                     deepspeed_expert_key(prefix, e, n): part[prefix + n][e].clone()

@@ -10,60 +10,70 @@ from moetrain.config.ranges import above, at_least, between
 
 _POSITIVE = above(0, "a positive integer")
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # YaRN's ramp where model.rope_beta_* are unset
+# Field metadata: the field defines the function the model computes (a checkpoint.init_from
+# source decides it, a config may not contradict it).
+FUNCTION = {"function": True}
 
 
 @dataclass
 class ModelConfig:
     """Dense transformer shape."""
 
-    vocab_size: int = field(default=8192, metadata=_POSITIVE)
-    d_model: int = field(default=256, metadata=_POSITIVE)
-    n_layers: int = field(default=4, metadata=_POSITIVE)
-    n_heads: int = field(default=4, metadata=_POSITIVE)
-    n_kv_heads: int = field(default=2, metadata=_POSITIVE)
-    head_dim: int | None = field(default=None, metadata=_POSITIVE)  # default d_model // n_heads
+    vocab_size: int = field(default=8192, metadata=_POSITIVE | FUNCTION)
+    d_model: int = field(default=256, metadata=_POSITIVE | FUNCTION)
+    n_layers: int = field(default=4, metadata=_POSITIVE | FUNCTION)
+    n_heads: int = field(default=4, metadata=_POSITIVE | FUNCTION)
+    n_kv_heads: int = field(default=2, metadata=_POSITIVE | FUNCTION)
+    # default d_model // n_heads
+    head_dim: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
     # SwiGLU hidden size of dense (non-MoE) FFN layers
-    dense_hidden: int = field(default=1024, metadata=_POSITIVE)
+    dense_hidden: int = field(default=1024, metadata=_POSITIVE | FUNCTION)
     # RoPE table size and HF max_position_embeddings
     max_seq_len: int = field(default=2048, metadata=_POSITIVE)
-    rope_theta: float = field(default=10000.0, metadata=above(0))
-    norm_eps: float = field(default=1e-5, metadata=above(0))
-    qk_norm: bool = False  # RMSNorm on queries and keys (Qwen3-MoE, GLM-4-MoE, OLMoE)
+    rope_theta: float = field(default=10000.0, metadata=above(0) | FUNCTION)
+    norm_eps: float = field(default=1e-5, metadata=above(0) | FUNCTION)
+    # RMSNorm on queries and keys (Qwen3-MoE, GLM-4-MoE, OLMoE)
+    qk_norm: bool = field(default=False, metadata=FUNCTION)
     # what that norm normalises: "head" (each head's vector; Qwen3-MoE, GLM-4-MoE) or
     # "projection" (the whole query / key projection, all heads together; OLMoE)
-    qk_norm_scope: Literal["head", "projection"] = "head"
-    qkv_bias: bool = False  # biases on the query / key / value projections (Qwen2, Qwen2-MoE)
-    tie_embeddings: bool = False
+    qk_norm_scope: Literal["head", "projection"] = field(default="head", metadata=FUNCTION)
+    # biases on the query / key / value projections (Qwen2, Qwen2-MoE)
+    qkv_bias: bool = field(default=False, metadata=FUNCTION)
+    tie_embeddings: bool = field(default=False, metadata=FUNCTION)
     init_std: float = field(default=0.02, metadata=above(0))
     # training loss: cross-entropy over chunks of this many tokens, never the full fp32 logits;
     # 0 = plain full-logits cross-entropy
     loss_chunk_tokens: int = field(default=1024, metadata=at_least(0, "0 = full logits"))
     # attention kind: "gqa" (grouped-query attention) or "mla" (DeepSeek's multi-head latent
     # attention: keys and values from a compressed latent, a head-shared rotary key)
-    attention: Literal["gqa", "mla"] = "gqa"
+    attention: Literal["gqa", "mla"] = field(default="gqa", metadata=FUNCTION)
     # MLA only (required with attention=mla except q_lora_rank, refused otherwise):
     # rank of the low-rank query path (q = up(norm(down(x)))); None = one full query projection
-    q_lora_rank: int | None = field(default=None, metadata=_POSITIVE)
-    kv_lora_rank: int | None = field(default=None, metadata=_POSITIVE)  # the KV latent's size
-    qk_nope_head_dim: int | None = field(default=None, metadata=_POSITIVE)  # per-head, no RoPE
+    q_lora_rank: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    kv_lora_rank: int | None = field(
+        default=None, metadata=_POSITIVE | FUNCTION
+    )  # the KV latent's size
+    qk_nope_head_dim: int | None = field(
+        default=None, metadata=_POSITIVE | FUNCTION
+    )  # per-head, no RoPE
     # the rotary part of each query head and of the one key shared by all heads (even)
-    qk_rope_head_dim: int | None = field(default=None, metadata=_POSITIVE)
-    v_head_dim: int | None = field(default=None, metadata=_POSITIVE)
+    qk_rope_head_dim: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    v_head_dim: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
     # RoPE dims come in adjacent pairs (transformers' rope_interleave; DeepSeek's weights)
     # instead of first half / second half; any attention kind
-    rope_interleave: bool = False
+    rope_interleave: bool = field(default=False, metadata=FUNCTION)
     # RoPE scaling, any attention kind: "none" or "yarn" (the rope_* keys below: yarn only)
-    rope_scaling: Literal["none", "yarn"] = "none"
+    rope_scaling: Literal["none", "yarn"] = field(default="none", metadata=FUNCTION)
     # YaRN: context extension factor (required), the pretraining context it extends (required)
-    rope_factor: float | None = field(default=None, metadata=at_least(1))
-    rope_original_max_seq_len: int | None = field(default=None, metadata=_POSITIVE)
+    rope_factor: float | None = field(default=None, metadata=at_least(1) | FUNCTION)
+    rope_original_max_seq_len: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
     # YaRN's ramp: dims rotating more than beta_fast times in the original context keep their
     # frequency, fewer than beta_slow times are interpolated (unset: 32 and 1)
-    rope_beta_fast: float | None = field(default=None, metadata=above(0))
-    rope_beta_slow: float | None = field(default=None, metadata=above(0))
+    rope_beta_fast: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    rope_beta_slow: float | None = field(default=None, metadata=above(0) | FUNCTION)
     # YaRN's mscale / mscale_all_dim (unset: as transformers without the key; rope.py)
-    rope_mscale: float | None = field(default=None, metadata=above(0))
-    rope_mscale_all_dim: float | None = field(default=None, metadata=above(0))
+    rope_mscale: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    rope_mscale_all_dim: float | None = field(default=None, metadata=above(0) | FUNCTION)
 
     @property
     def attention_head_dim(self) -> int:
@@ -176,18 +186,20 @@ _YARN_KEYS = (
 class MoEConfig:
     """Mixture-of-Experts FFN: routing, balancing, capacity, placement."""
 
-    num_experts: int = field(default=8, metadata=at_least(1))
-    top_k: int = field(default=2, metadata=at_least(1))  # at most num_experts
-    expert_hidden: int = field(default=512, metadata=_POSITIVE)
+    num_experts: int = field(default=8, metadata=at_least(1) | FUNCTION)
+    top_k: int = field(default=2, metadata=at_least(1) | FUNCTION)  # at most num_experts
+    expert_hidden: int = field(default=512, metadata=_POSITIVE | FUNCTION)
     # every n-th layer (after first_k_dense) is MoE
-    moe_every: int = field(default=1, metadata=at_least(1))
+    moe_every: int = field(default=1, metadata=at_least(1) | FUNCTION)
     # the first k layers use a dense FFN (at most model.n_layers)
-    first_k_dense: int = field(default=0, metadata=at_least(0))
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    topk_before_score: bool = False  # True: top-k on logits, then softmax over the k
-    renormalize: bool = True  # renormalise the top-k weights to sum to 1
+    first_k_dense: int = field(default=0, metadata=at_least(0) | FUNCTION)
+    score_func: Literal["softmax", "sigmoid"] = field(default="softmax", metadata=FUNCTION)
+    # True: top-k on logits, then softmax over the k
+    topk_before_score: bool = field(default=False, metadata=FUNCTION)
+    # renormalise the top-k weights to sum to 1
+    renormalize: bool = field(default=True, metadata=FUNCTION)
     # multiply combine weights (DeepSeek-V3 style)
-    route_scale: float = field(default=1.0, metadata=above(0))
+    route_scale: float = field(default=1.0, metadata=above(0) | FUNCTION)
     # multiplicative uniform noise on router input, training only
     jitter: float = field(default=0.0, metadata=between(0, 1, high_open=True))
     # Switch/GShard load-balancing loss; 0 disables
@@ -209,12 +221,13 @@ class MoEConfig:
     # group-limited routing (DeepSeek-V3 / GLM-4.5 n_group, topk_group): experts in n_group
     # equal groups; each token picks its topk_group best groups (sum of each group's two best
     # scores), then its top_k experts inside them. 1 = off
-    n_group: int = field(default=1, metadata=at_least(1))
-    topk_group: int = field(default=1, metadata=at_least(1))  # at most n_group
-    num_shared_experts: int = field(default=0, metadata=at_least(0))
+    n_group: int = field(default=1, metadata=at_least(1) | FUNCTION)
+    topk_group: int = field(default=1, metadata=at_least(1) | FUNCTION)  # at most n_group
+    num_shared_experts: int = field(default=0, metadata=at_least(0) | FUNCTION)
     # default num_shared_experts * expert_hidden
-    shared_expert_hidden: int | None = field(default=None, metadata=_POSITIVE)
-    shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE style)
+    shared_expert_hidden: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    # sigmoid gate on the shared expert (Qwen2-MoE style)
+    shared_expert_gate: bool = field(default=False, metadata=FUNCTION)
     # compute the shared expert while the expert-parallel all-to-alls are in flight (its
     # projections during the dispatch, its down projection during the combine; same values)
     shared_expert_overlap: bool = True

@@ -20,16 +20,12 @@ from pathlib import Path
 import torch
 
 from moetrain.checkpoint.format import CheckpointError, tokenizer_path, verify_manifest
-from moetrain.checkpoint.read import (
-    HF_INDEX_FILE,
-    HF_SINGLE_FILE,
-    checkpoint_config,
-    expert_files,
-    iter_layer_states,
-)
+from moetrain.checkpoint.read import checkpoint_config, expert_files, iter_layer_states
 from moetrain.config import Config
-from moetrain.convert.formats import ARCHITECTURES, choose_format, hf_config
-from moetrain.convert.hf import dense_key_map, expert_key, to_hf_state_dict
+from moetrain.convert.families import family
+from moetrain.convert.formats import choose_format, hf_config
+from moetrain.convert.hf import dense_key_map, expert_shapes, to_hf_state_dict, zero_qkv_biases
+from moetrain.convert.hf_files import HF_INDEX_FILE, HF_SINGLE_FILE
 from moetrain.convert.tokenizer_export import export_tokenizer
 from moetrain.data.tokenizer import tokenizer_file
 from moetrain.fileio import building_dir
@@ -51,27 +47,16 @@ def _plan(cfg: Config, fmt: str, dtype: torch.dtype) -> list[list[tuple[str, tup
             k: tuple(v.shape) for k, v in Transformer(cfg.model, cfg.moe).state_dict().items()
         }
     m = cfg.model
-    head_dim = m.attention_head_dim
 
     def entry(name: str, shape: tuple) -> tuple[str, tuple, torch.dtype]:
         return name, shape, torch.float32 if name.endswith(_KEEP_FP32) else dtype
 
     dense = [entry(hf, shapes[ours]) for ours, hf in dense_key_map(cfg, fmt).items()]
-    if fmt == "qwen2_moe" and not m.qkv_bias:  # zeros, written beside the projections
-        for i in range(m.n_layers):
-            for p, heads in (("q", m.n_heads), ("k", m.n_kv_heads), ("v", m.n_kv_heads)):
-                dense.append(
-                    entry(f"model.layers.{i}.self_attn.{p}_proj.bias", (heads * head_dim,))
-                )
+    for hf, n in zero_qkv_biases(cfg, fmt).values():  # zeros, written beside the projections
+        dense.append(entry(hf, (n,)))
     parts = [sorted(dense)]
-    d, f = m.d_model, cfg.moe.expert_hidden
-    for i in range(m.n_layers):
-        if cfg.moe.is_moe_layer(i):
-            layer = []
-            for e in range(cfg.moe.num_experts):
-                for name, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
-                    layer.append(entry(expert_key(fmt, i, e, name), shape))
-            parts.append(sorted(layer))
+    for i in cfg.moe.moe_layers(m.n_layers):
+        parts.append(sorted(entry(k, s) for k, s in expert_shapes(cfg, fmt, i).items()))
     return parts
 
 
@@ -176,7 +161,7 @@ def _write_configs(cfg: Config, fmt: str, out: Path, dtype: str, tokenizer: Path
     special = load_tokenizer(tokenizer).special
     ids = dict(bos_token_id=special.bos, eos_token_id=special.eos, pad_token_id=special.pad)
     hf = hf_config(cfg, fmt, **ids)
-    hf.architectures = [ARCHITECTURES[fmt]]
+    hf.architectures = [family(fmt).architecture]
     hf.dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
     hf.save_pretrained(out)
     GenerationConfig(**ids).save_pretrained(out)
@@ -197,8 +182,8 @@ def convert_checkpoint(
     ``tokenizer.json``, or a SentencePiece ``.model``) when the checkpoint carries none (one
     imported from a model directory without tokenizer files); default the checkpoint's own.
 
-    ``fmt``: auto | mixtral | qwen2_moe | qwen3_moe | olmoe | glm4_moe (ConfigError naming the
-    setting when the format cannot represent the model). Raises CheckpointError for a
+    ``fmt``: auto, or one of :data:`~moetrain.convert.families.FORMATS` (ConfigError naming
+    the setting when the format cannot represent the model). Raises CheckpointError for a
     missing, truncated or incomplete checkpoint, FileExistsError when ``out_dir`` is a
     non-empty directory and ``overwrite`` is false.
     """

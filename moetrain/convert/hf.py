@@ -1,13 +1,14 @@
-"""Weight and config mapping between moetrain's Transformer and Hugging Face MoE models.
+"""Weight mapping between moetrain's Transformer and Hugging Face models of any registered
+family (:mod:`moetrain.convert.families`; each says how its names differ from Llama's in its
+:class:`~moetrain.convert.families.WeightNames`).
 
-Formats and the settings each one needs: :mod:`moetrain.convert.formats`. The Hugging Face side
-uses each family's per-expert key layout (Mixtral ``block_sparse_moe.experts.M.w1.weight``; the
-others ``mlp.experts.M.gate_proj.weight``), which transformers v4 loads as is and v5 fuses at load
-time. :func:`from_hf_state_dict` also accepts v5's fused in-memory layout
-(``mlp.experts.gate_up_proj`` (E, 2F, D) / ``down_proj`` (E, D, F), ``mlp.gate.weight``).
-Expert weights: moetrain ``w13`` (E, D, 2F) = ``[w1 | w3]`` and ``w2`` (E, F, D); HF stores
-``w1`` (gate), ``w3`` (up) and ``w2`` (down) per expert, transposed (``nn.Linear`` layout
-(out, in)).
+The Hugging Face side uses each family's per-expert key layout (Mixtral
+``block_sparse_moe.experts.M.w1.weight``; the others ``mlp.experts.M.gate_proj.weight``), which
+transformers v4 loads as is and v5 fuses at load time. :func:`from_hf_state_dict` also accepts
+v5's fused in-memory layout (``mlp.experts.gate_up_proj`` (E, 2F, D) / ``down_proj`` (E, D, F),
+``mlp.gate.weight``). Expert weights: moetrain ``w13`` (E, D, 2F) = ``[w1 | w3]`` and ``w2``
+(E, F, D); HF stores ``w1`` (gate), ``w3`` (up) and ``w2`` (down) per expert, transposed
+(``nn.Linear`` layout (out, in)).
 
 Mapping works on any part of a state dict (the converter streams the dense weights, then one
 layer of experts at a time).
@@ -17,78 +18,108 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
-from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.formats import check_format, hf_config
+from moetrain.config import Config, ConfigError
+from moetrain.convert.families import family
+from moetrain.convert.families.base import SWIGLU
+from moetrain.convert.formats import check_format
+from moetrain.model import param_names as pn
 from moetrain.model.moe.experts import pack_w13, unpack_w13
 
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
-_MLP = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_EXPERTS = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(w13|w2)$")
+_V5_BLOCK = "mlp"  # transformers v5's in-memory name of every family's MoE block
 
 
-def _moe_prefix(fmt: str) -> str:
-    return "block_sparse_moe" if fmt == "mixtral" else "mlp"
+def _layer(layer: int) -> str:
+    return f"model.layers.{layer}."
+
+
+def fused_experts(layer: int) -> str:
+    """The prefix of transformers v5's fused expert tensors of a layer (``gate_up_proj``
+    (E, 2F, D), ``down_proj`` (E, D, F)); some files are saved that way."""
+    return f"{_layer(layer)}{_V5_BLOCK}.experts."
 
 
 def in_memory_name(fmt: str, key: str) -> str:
     """transformers v5's in-memory name of the HF key ``key`` (files saved with fused experts
-    use it): Mixtral's ``block_sparse_moe`` is ``mlp`` there."""
-    return key.replace(".block_sparse_moe.", ".mlp.") if fmt == "mixtral" else key
+    use it): the MoE block is ``mlp`` there (Mixtral's ``block_sparse_moe``)."""
+    return key.replace(f".{family(fmt).names.moe_block}.", f".{_V5_BLOCK}.")
 
 
 def expert_key(fmt: str, layer: int, expert: int, name: str) -> str:
     """HF per-expert key of moetrain's ``w1``/``w3``/``w2`` of one expert."""
-    hf_name = name if fmt == "mixtral" else _MLP[name]
-    return f"model.layers.{layer}.{_moe_prefix(fmt)}.experts.{expert}.{hf_name}.weight"
+    names = family(fmt).names
+    return f"{_layer(layer)}{names.moe_block}.experts.{expert}.{names.expert[name]}.weight"
+
+
+def expert_shapes(cfg: Config, fmt: str, layer: int) -> dict[str, tuple[int, int]]:
+    """HF per-expert key -> shape of every expert weight of MoE layer ``layer``."""
+    d, f = cfg.model.d_model, cfg.moe.expert_hidden
+    return {
+        expert_key(fmt, layer, e, w): shape
+        for e in range(cfg.moe.num_experts)
+        for w, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f)))
+    }
+
+
+def is_expert_tensor(fmt: str, key: str) -> bool:
+    """Whether the HF key ``key`` of ``fmt`` holds expert weights (per expert, or fused)."""
+    blocks = {family(fmt).names.moe_block, _V5_BLOCK}
+    pattern = rf"model\.layers\.\d+\.({'|'.join(map(re.escape, blocks))})\.experts\."
+    return re.match(pattern, key) is not None
+
+
+def ffn_key_map(layer: int) -> dict[str, str]:
+    """The dense SwiGLU of ``layer``: moetrain key -> HF key (gate and up (F, D), down (D, F))."""
+    return {pn.dense_ffn(layer, w): f"{_layer(layer)}mlp.{p}.weight" for w, p in SWIGLU.items()}
 
 
 def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
-    """moetrain key -> HF key for every non-expert weight (and the GLM expert bias)."""
-    model, moe = cfg.model, cfg.moe
-    out = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    """moetrain key -> HF key for every non-expert weight (and a family's expert bias)."""
+    model, moe, names = cfg.model, cfg.moe, family(fmt).names
+    out = {pn.EMBED: "model.embed_tokens.weight", pn.FINAL_NORM: "model.norm.weight"}
     if not model.tie_embeddings:
-        out["lm_head.weight"] = "lm_head.weight"
+        out[pn.LM_HEAD] = "lm_head.weight"
     for i in range(model.n_layers):
-        src, dst = f"layers.{i}.", f"model.layers.{i}."
-        out[src + "attn_norm.weight"] = dst + "input_layernorm.weight"
-        out[src + "ffn_norm.weight"] = dst + "post_attention_layernorm.weight"
+        dst = _layer(i)
+        out[pn.attn_norm(i)] = dst + "input_layernorm.weight"
+        out[pn.ffn_norm(i)] = dst + "post_attention_layernorm.weight"
         for ours, theirs in _ATTN.items():
-            out[f"{src}attn.{ours}.weight"] = f"{dst}self_attn.{theirs}.weight"
+            out[pn.attn(i, ours)] = f"{dst}self_attn.{theirs}.weight"
             if model.qkv_bias and ours != "wo":
-                out[f"{src}attn.{ours}.bias"] = f"{dst}self_attn.{theirs}.bias"
+                out[pn.attn(i, ours, "bias")] = f"{dst}self_attn.{theirs}.bias"
         if model.qk_norm:
-            out[src + "attn.q_norm.weight"] = dst + "self_attn.q_norm.weight"
-            out[src + "attn.k_norm.weight"] = dst + "self_attn.k_norm.weight"
+            out[pn.qk_norm(i, "q")] = dst + "self_attn.q_norm.weight"
+            out[pn.qk_norm(i, "k")] = dst + "self_attn.k_norm.weight"
         if not moe.is_moe_layer(i):
-            for ours, theirs in _MLP.items():
-                out[f"{src}ffn.{ours}.weight"] = f"{dst}mlp.{theirs}.weight"
+            out |= ffn_key_map(i)
             continue
-        moe_dst = f"{dst}{_moe_prefix(fmt)}."
-        out[src + "ffn.router.gate.weight"] = moe_dst + "gate.weight"
-        if fmt == "glm4_moe":
-            out[src + "ffn.router.expert_bias"] = moe_dst + "gate.e_score_correction_bias"
-        shared = "shared_experts" if fmt == "glm4_moe" else "shared_expert"
+        block = f"{dst}{names.moe_block}."
+        out[pn.router_gate(i)] = block + "gate.weight"
+        if names.expert_bias:
+            out[pn.expert_bias(i)] = block + names.expert_bias
         if moe.num_shared_experts > 0:
-            for ours, theirs in _MLP.items():
-                out[f"{src}ffn.shared_expert.{ours}.weight"] = f"{moe_dst}{shared}.{theirs}.weight"
+            for w, p in SWIGLU.items():
+                out[pn.shared_expert(i, w)] = f"{block}{names.shared_expert}.{p}.weight"
         if moe.shared_expert_gate:
-            out[src + "ffn.shared_gate.weight"] = moe_dst + "shared_expert_gate.weight"
+            out[pn.shared_gate(i)] = f"{block}{names.shared_gate}.weight"
     return out
 
 
-def _zero_attention_biases(cfg: Config, fmt: str, key: str) -> dict[str, torch.Tensor]:
-    """Qwen2-MoE's q/k/v biases, written as zeros next to their projection weights."""
-    m = re.match(r"^layers\.(\d+)\.attn\.(w[qkv])\.weight$", key)
-    if fmt != "qwen2_moe" or cfg.model.qkv_bias or not m:
+def zero_qkv_biases(cfg: Config, fmt: str) -> dict[str, tuple[str, int]]:
+    """For a family whose q/k/v projections always have biases (Qwen2-MoE) and a model
+    without them: moetrain projection key -> (HF bias key, length), written as zeros."""
+    m = cfg.model
+    if not family(fmt).names.qkv_bias_always or m.qkv_bias:
         return {}
-    head_dim = cfg.model.attention_head_dim
-    heads = cfg.model.n_heads if m.group(2) == "wq" else cfg.model.n_kv_heads
-    hf = f"model.layers.{m.group(1)}.self_attn.{_ATTN[m.group(2)]}.bias"
-    return {hf: torch.zeros(heads * head_dim)}
+    heads = {"wq": m.n_heads, "wk": m.n_kv_heads, "wv": m.n_kv_heads}
+    return {
+        pn.attn(i, ours): (f"{_layer(i)}self_attn.{_ATTN[ours]}.bias", n * m.attention_head_dim)
+        for i in range(m.n_layers)
+        for ours, n in heads.items()
+    }
 
 
 def to_hf_state_dict(
@@ -99,13 +130,12 @@ def to_hf_state_dict(
     Raises ConfigError for a setting or a tensor (non-zero expert bias) ``fmt`` cannot hold.
     """
     check_format(fmt, cfg.model, cfg.moe)
-    keys = dense_key_map(cfg, fmt)
+    keys, zeros = dense_key_map(cfg, fmt), zero_qkv_biases(cfg, fmt)
     out: dict[str, torch.Tensor] = {}
     for key, t in state_dict.items():
-        m = _EXPERTS.match(key)
-        if m:
-            layer = int(m.group(1))
-            if m.group(2) == "w13":
+        if expert := pn.parse_experts(key):
+            layer, weight = expert
+            if weight == "w13":
                 parts = dict(zip(("w1", "w3"), unpack_w13(t), strict=True))
             else:
                 parts = {"w2": t}
@@ -114,14 +144,15 @@ def to_hf_state_dict(
                     out[expert_key(fmt, layer, e, name)] = w[e].t()
         elif key in keys:
             out[keys[key]] = t
-            out.update(_zero_attention_biases(cfg, fmt, key))
-        elif key.endswith("ffn.router.expert_bias"):
+            if key in zeros:
+                out[zeros[key][0]] = torch.zeros(zeros[key][1])
+        elif pn.is_expert_bias(key):
             if bool(t.ne(0).any()):
                 raise ConfigError(
                     f"{key}: non-zero expert bias cannot be represented in {fmt} (it changes "
                     "which experts are selected)"
                 )
-        elif not (cfg.model.tie_embeddings and key == "lm_head.weight"):
+        elif not (cfg.model.tie_embeddings and key == pn.LM_HEAD):
             raise ConfigError(f"{key}: no {fmt} equivalent for this tensor")
     return {k: v.detach().contiguous() for k, v in out.items()}
 
@@ -139,9 +170,9 @@ def from_hf_state_dict(
     map the non-expert weights. Streaming readers pass one layer at a time.
     """
     check_format(fmt, cfg.model, cfg.moe)
-    sd, moe = hf_state_dict, cfg.moe
-    if fmt == "mixtral":  # the router under its v5 in-memory name (in_memory_name)
-        sd = {k.replace(".mlp.gate.", ".block_sparse_moe.gate."): v for k, v in sd.items()}
+    sd, moe, block = hf_state_dict, cfg.moe, family(fmt).names.moe_block
+    if block != _V5_BLOCK:  # the router under its v5 in-memory name (in_memory_name)
+        sd = {k.replace(f".{_V5_BLOCK}.gate.", f".{block}.gate."): v for k, v in sd.items()}
 
     def get(key: str) -> torch.Tensor:
         if key not in sd:
@@ -150,59 +181,32 @@ def from_hf_state_dict(
 
     out: dict[str, torch.Tensor] = {}
     if dense:
-        out = {ours: get(theirs) for ours, theirs in dense_key_map(cfg, fmt).items()}
+        names = dense_key_map(cfg, fmt)
+        out = {ours: get(theirs) for ours, theirs in names.items()}
         if cfg.model.tie_embeddings:
-            out["lm_head.weight"] = out["embed.weight"]
-        mapped = set(dense_key_map(cfg, fmt).values())
+            out[pn.LM_HEAD] = out[pn.EMBED]
+        mapped = set(names.values())
         for key, t in sd.items():
             bias = re.search(r"self_attn\.[qkvo]_proj\.bias$", key)
             if bias and key not in mapped and bool(t.ne(0).any()):
                 raise ConfigError(f"{key}: non-zero attention bias; moetrain attention has none")
-        for i in range(cfg.model.n_layers):
-            if moe.is_moe_layer(i):
-                bias = f"layers.{i}.ffn.router.expert_bias"
-                out[bias] = out[bias].float() if bias in out else torch.zeros(moe.num_experts)
+        for i in moe.moe_layers(cfg.model.n_layers):
+            bias = pn.expert_bias(i)
+            out[bias] = out[bias].float() if bias in out else torch.zeros(moe.num_experts)
     layers = range(cfg.model.n_layers) if expert_layers is None else expert_layers
     for i in layers:
         if not moe.is_moe_layer(i):
             continue
-        dst, fused = f"layers.{i}.ffn.experts.", f"model.layers.{i}.mlp.experts."
+        fused = fused_experts(i)
         if fused + "gate_up_proj" in sd:  # transformers v5 fused layout
             f = moe.expert_hidden
             gate_up = get(fused + "gate_up_proj")  # (E, 2F, D)
-            out[dst + "w13"] = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
-            out[dst + "w2"] = get(fused + "down_proj").transpose(1, 2)
+            out[pn.experts(i, "w13")] = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
+            out[pn.experts(i, "w2")] = get(fused + "down_proj").transpose(1, 2)
         else:
             w1, w3, w2 = (
                 torch.stack([get(expert_key(fmt, i, e, n)).t() for e in range(moe.num_experts)])
                 for n in ("w1", "w3", "w2")
             )
-            out[dst + "w13"], out[dst + "w2"] = pack_w13(w1, w3), w2
+            out[pn.experts(i, "w13")], out[pn.experts(i, "w2")] = pack_w13(w1, w3), w2
     return {k: v.detach().contiguous() for k, v in out.items()}
-
-
-# ----------------------------------------------------------------------------- Mixtral API
-
-
-def check_mixtral_compatible(model: ModelConfig, moe: MoEConfig) -> None:
-    """Raise ConfigError naming the first setting Mixtral cannot represent."""
-    check_format("mixtral", model, moe)
-
-
-def mixtral_config(cfg: Config, **extra: Any):  # noqa: ANN201
-    """The ``transformers.MixtralConfig`` equivalent to moetrain's model."""
-    return hf_config(cfg, "mixtral", **extra)
-
-
-def to_mixtral_state_dict(
-    state_dict: dict[str, torch.Tensor], cfg: Config
-) -> dict[str, torch.Tensor]:
-    """moetrain state dict -> Mixtral per-expert keys (contiguous tensors, safetensors-ready)."""
-    return to_hf_state_dict(state_dict, cfg, "mixtral")
-
-
-def from_mixtral_state_dict(
-    hf_state_dict: dict[str, torch.Tensor], cfg: Config
-) -> dict[str, torch.Tensor]:
-    """Mixtral state dict (per-expert or v5 fused layout) -> moetrain state dict."""
-    return from_hf_state_dict(hf_state_dict, cfg, "mixtral")

@@ -1,8 +1,8 @@
 """Hugging Face model directory -> moetrain checkpoint (continue pretraining, upcycling).
 
-The directory is opened as a ``checkpoint.init_from`` source (:mod:`moetrain.convert.init_source`:
+The directory is opened as a ``checkpoint.init_from`` source (:mod:`moetrain.init_from.source`:
 an MoE family, or a dense family upcycled with the ``moe`` settings given as overrides), its
-weights streamed one expert layer at a time (:mod:`moetrain.convert.init_weights`) into the
+weights streamed one expert layer at a time (:mod:`moetrain.init_from.weights`) into the
 layout the trainer writes (:func:`moetrain.checkpoint.write.write_checkpoint`), with the
 directory's tokenizer (a Hugging Face ``tokenizer.json`` and the files that configure it, or a
 SentencePiece ``tokenizer.model``).
@@ -17,9 +17,9 @@ import torch
 from moetrain.checkpoint.format import CheckpointError
 from moetrain.checkpoint.write import write_checkpoint
 from moetrain.config import Config, read_config_data
-from moetrain.convert.init_source import open_init_source, resolve_config_data
-from moetrain.convert.init_weights import check_source_tensors, init_record, source_parts
 from moetrain.data.tokenizer import tokenizer_files
+from moetrain.init_from.source import open_init_source, resolve_config_data
+from moetrain.init_from.weights import check_source_tensors, init_record, source_parts
 
 
 def load_hf_state_dict(hf_dir: str | Path) -> tuple[dict[str, torch.Tensor], Config]:

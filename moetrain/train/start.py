@@ -4,7 +4,7 @@ The rule, printed at start: a checkpoint to resume (``checkpoint.resume``: the n
 one of run_dir for ``auto``, or the given path) wins, so a restarted job continues where it
 stopped; otherwise ``checkpoint.init_from`` is loaded (weights only: a fresh optimizer, schedule
 and data position); otherwise the weights are random. The source is opened and checked against
-the config (:mod:`moetrain.convert.init_source`) before anything is written to run_dir.
+the config (:mod:`moetrain.init_from.source`) before anything is written to run_dir.
 ``checkpoint.resume=none`` in a run_dir that already holds a complete checkpoint is refused:
 the fresh run's saves would mix with the earlier run's, and ``checkpoint.keep_last`` would
 delete whichever have the lowest steps (the fresh run's own first ones).
@@ -18,8 +18,8 @@ from moetrain.checkpoint.catalog import latest_complete
 from moetrain.checkpoint.checkpointer import Checkpointer, verify_on_every_rank
 from moetrain.checkpoint.format import checkpoint_root
 from moetrain.config import Config, ConfigError
-from moetrain.convert.init_source import InitSource, check_config_fits, open_init_source
-from moetrain.convert.upcycle import inexact_reasons
+from moetrain.init_from.source import InitSource, check_config_fits, open_init_source
+from moetrain.init_from.upcycle import inexact_reasons
 from moetrain.monitor.console import Printer, console
 from moetrain.parallel.topology import Topology
 

@@ -22,8 +22,8 @@ from torch import nn
 
 from moetrain.checkpoint.checkpointer import RunState
 from moetrain.config import Config
-from moetrain.convert.init_source import InitSource
-from moetrain.convert.init_weights import build_model, init_record
+from moetrain.init_from.source import InitSource
+from moetrain.init_from.weights import build_model, init_record
 from moetrain.parallel.apply import apply_parallelism
 from moetrain.parallel.deepspeed import deepspeed_config, initialize_engine
 from moetrain.parallel.master_weights import fp32_masters_in_module

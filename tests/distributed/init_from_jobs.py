@@ -11,7 +11,7 @@ def train_runs(rank: int, world: int, runs: list[list[str]]) -> list[dict[str, A
     """``run_training`` of each run's config (resolved as ``moetrain train`` resolves it, the
     model shape from ``checkpoint.init_from``); -> each run's summary."""
     from moetrain.config import read_config_data
-    from moetrain.convert.init_source import resolve_config_data
+    from moetrain.init_from.source import resolve_config_data
     from moetrain.train.loop import run_training
 
     out = []

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from moetrain.checkpoint.read import load_model
 from moetrain.config import read_config_data
 from moetrain.convert.export import convert_checkpoint
-from moetrain.convert.init_source import resolve_config_data
 from moetrain.data import build_loader
 from moetrain.data.prepare import prepare
 from moetrain.generate import generate_ids
+from moetrain.init_from.source import resolve_config_data
 from tests.distributed.init_from_jobs import train_runs
 from tests.helpers.corpus import write_stdlib_corpus
 from tests.helpers.distributed import run_distributed

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from moetrain.convert.families import DENSE, FORMATS
+
 SMALL: dict[str, Any] = dict(
     vocab_size=320,
     hidden_size=32,
@@ -84,15 +86,20 @@ def _dense_configs(transformers: Any) -> dict[str, Any]:
     }
 
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FAMILIES = FORMATS  # every registered family has a tiny model (tests/unit/test_families.py)
+DENSE_FAMILIES = DENSE
+
+
+def tiny_configs() -> dict[str, Any]:
+    """Family -> a function making its tiny model's transformers config object."""
+    import transformers
+
+    return {**_moe_configs(transformers), **_dense_configs(transformers)}
 
 
 def hf_config(family: str) -> Any:
     """The transformers config object of ``family``'s tiny model."""
-    import transformers
-
-    return {**_moe_configs(transformers), **_dense_configs(transformers)}[family]()
+    return tiny_configs()[family]()
 
 
 def save_hf_model(

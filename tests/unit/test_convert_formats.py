@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.formats import ARCHITECTURES, choose_format, config_from_hf, hf_config
+from moetrain.convert.families import FORMATS, family
+from moetrain.convert.formats import choose_format, config_from_hf, hf_config
 from moetrain.convert.hf import from_hf_state_dict, to_hf_state_dict
 from moetrain.model import Transformer
 from tests.helpers.configs import tiny_config
@@ -92,13 +93,17 @@ def load_hf(cfg: Config, model: Transformer, fmt: str, path):
     return hf.eval()
 
 
-@pytest.mark.parametrize("fmt", list(CASES))
+def test_every_registered_format_has_a_case() -> None:
+    assert set(CASES) == set(FORMATS)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     cfg = tiny_cfg(fmt)
     assert choose_format(cfg) == fmt
     model = model_for(cfg)
     hf = load_hf(cfg, model, fmt, tmp_path)
-    assert type(hf).__name__ == ARCHITECTURES[fmt]
+    assert type(hf).__name__ == family(fmt).architecture
     ids = torch.randint(0, 96, (2, 19))
     with torch.no_grad():
         ref, got = hf(input_ids=ids).logits, model(ids).logits

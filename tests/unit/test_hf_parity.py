@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from moetrain.config import Config, ConfigError
-from moetrain.convert.hf import from_mixtral_state_dict, mixtral_config, to_mixtral_state_dict
+from moetrain.convert.formats import hf_config
+from moetrain.convert.hf import from_hf_state_dict, to_hf_state_dict
 from moetrain.model import Transformer
 from tests.helpers.configs import tiny_config
 
@@ -43,9 +44,11 @@ def ours(cfg: Config) -> Transformer:
 
 def load_hf(cfg: Config, model: Transformer, tmp_path, attn: str):
     """Write config.json + model.safetensors in Mixtral's per-expert layout, then from_pretrained."""
-    hf_cfg = mixtral_config(cfg)
+    hf_cfg = hf_config(cfg, "mixtral")
     hf_cfg.save_pretrained(tmp_path)
-    save_file(to_mixtral_state_dict(model.state_dict(), cfg), str(tmp_path / "model.safetensors"))
+    save_file(
+        to_hf_state_dict(model.state_dict(), cfg, "mixtral"), str(tmp_path / "model.safetensors")
+    )
     hf, info = transformers.MixtralForCausalLM.from_pretrained(
         tmp_path, dtype=torch.float32, attn_implementation=attn, output_loading_info=True
     )
@@ -85,10 +88,10 @@ def test_round_trip_through_both_hf_layouts(tmp_path) -> None:
     cfg = tiny_cfg()
     model = ours(cfg)
     sd = model.state_dict()
-    per_expert = to_mixtral_state_dict(sd, cfg)
+    per_expert = to_hf_state_dict(sd, cfg, "mixtral")
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in per_expert
     for layout in (per_expert, load_hf(cfg, model, tmp_path, "eager").state_dict()):
-        back = from_mixtral_state_dict(layout, cfg)
+        back = from_hf_state_dict(layout, cfg, "mixtral")
         assert set(back) == set(sd)
         for k in sd:
             torch.testing.assert_close(back[k], sd[k], atol=0, rtol=0, msg=k)
@@ -110,16 +113,16 @@ def test_round_trip_through_both_hf_layouts(tmp_path) -> None:
 )
 def test_settings_mixtral_cannot_represent_are_refused(override: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
-        mixtral_config(tiny_cfg(**override))
+        hf_config(tiny_cfg(**override), "mixtral")
 
 
 def test_qk_norm_and_nonzero_bias_are_refused() -> None:
     cfg = tiny_cfg()
     cfg.model.qk_norm = True
     with pytest.raises(ConfigError, match="model.qk_norm"):
-        mixtral_config(cfg)
+        hf_config(cfg, "mixtral")
     cfg = tiny_cfg()
     sd = ours(cfg).state_dict()
     sd["layers.0.ffn.router.expert_bias"] = torch.ones(4)
     with pytest.raises(ConfigError, match="expert_bias"):
-        to_mixtral_state_dict(sd, cfg)
+        to_hf_state_dict(sd, cfg, "mixtral")

@@ -13,8 +13,8 @@ import torch
 from moetrain.checkpoint.format import COMMIT_FILE, CheckpointError, TrainerState
 from moetrain.config import ConfigError, read_config_data
 from moetrain.convert.importer import import_hf_checkpoint
-from moetrain.convert.init_source import open_init_source, resolve_config_data
-from moetrain.convert.init_weights import build_model
+from moetrain.init_from.source import open_init_source, resolve_config_data
+from moetrain.init_from.weights import build_model
 from moetrain.parallel.topology import Topology
 from moetrain.train.start import check_fresh_start, open_start, will_resume
 from tests.helpers.configs import tiny_args

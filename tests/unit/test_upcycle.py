@@ -1,5 +1,5 @@
 """Sparse upcycling of dense Hugging Face models: at step 0 the MoE computes the dense model
-(<= 1e-5) wherever the module docstring of moetrain.convert.upcycle says it does, in moetrain
+(<= 1e-5) wherever the module docstring of moetrain.init_from.upcycle says it does, in moetrain
 and, after `moetrain import` + `moetrain convert`, in transformers."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from moetrain.checkpoint.read import load_model
 from moetrain.cli import main
 from moetrain.config import ConfigError, read_config_data
 from moetrain.convert.export import convert_checkpoint
-from moetrain.convert.init_source import resolve_config_data
-from moetrain.convert.init_weights import build_model, init_record
+from moetrain.init_from.source import resolve_config_data
+from moetrain.init_from.weights import build_model, init_record
 from tests.helpers.hf_models import DENSE_FAMILIES, save_hf_model, save_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -154,7 +154,7 @@ def test_import_upcycles_and_transformers_agrees(dense, tmp_path, family, overri
 def test_inexact_reasons_name_exactly_the_settings_that_break_step_0() -> None:
     """Weights that sum to 1 keep the upcycled model the dense one: renormalised top-k, or a
     softmax over the k chosen logits (top-k before the score); anything else is named."""
-    from moetrain.convert.upcycle import inexact_reasons
+    from moetrain.init_from.upcycle import inexact_reasons
     from tests.helpers.configs import tiny_config
 
     assert inexact_reasons(tiny_config()) == []

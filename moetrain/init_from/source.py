@@ -1,20 +1,22 @@
 """``checkpoint.init_from``: where a run's first weights come from, and the config they imply.
 
-A source is a Hugging Face model directory (``config.json`` + safetensors) of an MoE family
-(:mod:`moetrain.convert.formats`) or of a dense family (:mod:`moetrain.convert.dense`, which is
-upcycled into the configured MoE), a committed moetrain checkpoint, or a run directory (its
-newest complete checkpoint). Opening a source checks everything that can be checked without
-reading a tensor: the path exists, the architecture is supported, every weight file is present
-and as long as its header (or the checkpoint's manifest) says. A checkpoint's CRC-32s are
-checked once per start, each file by one rank (:func:`moetrain.train.start.open_start`).
+A source is a Hugging Face model directory (``config.json`` + safetensors) of a registered
+family (:mod:`moetrain.convert.families`: an MoE family, or a dense one, which is upcycled into
+the configured MoE), a committed moetrain checkpoint, or a run directory (its newest complete
+checkpoint). Opening a source checks everything that can be checked without reading a tensor:
+the path exists, the architecture is supported, every weight file is present and as long as its
+header (or the checkpoint's manifest) says. A checkpoint's CRC-32s are checked once per start,
+each file by one rank (:func:`moetrain.train.start.open_start`).
 
 The model shape comes from the source: :func:`resolve_config_data` fills the ``model`` keys
-(and for an MoE source the ``moe`` keys that define the function) from it, and refuses a
-config that sets one of them to something else, naming the key and both values.
+(and for an MoE source the ``moe`` keys) that define the function (the config fields marked
+``function`` in their metadata) from it, and refuses a config that sets one of them to something
+else, naming the key and both values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,44 +31,22 @@ from moetrain.checkpoint.format import (
     is_complete,
     verify_manifest,
 )
-from moetrain.checkpoint.read import HFWeights, checkpoint_config, expert_files
-from moetrain.config import Config, ConfigError, config_from_dict
-from moetrain.convert.dense import DENSE_ARCHITECTURES, dense_config_from_hf, dense_family
-from moetrain.convert.formats import ARCHITECTURES, MODEL_TYPES, config_from_hf
-from moetrain.convert.upcycle import check_upcycle
+from moetrain.checkpoint.read import checkpoint_config, expert_files
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig, config_from_dict
+from moetrain.convert.families import of_hf_config
+from moetrain.convert.formats import config_from_hf, not_supported
+from moetrain.convert.hf_files import HFWeights
+from moetrain.init_from.upcycle import check_upcycle
 
-# The keys that define the function the source computes: taken from it, never contradicted.
-MODEL_KEYS = (
-    "vocab_size",
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "head_dim",
-    "dense_hidden",
-    "rope_theta",
-    "norm_eps",
-    "qk_norm",
-    "qk_norm_scope",
-    "qkv_bias",
-    "tie_embeddings",
-)
-MOE_KEYS = (
-    "num_experts",
-    "top_k",
-    "expert_hidden",
-    "moe_every",
-    "first_k_dense",
-    "score_func",
-    "topk_before_score",
-    "renormalize",
-    "route_scale",
-    "n_group",
-    "topk_group",
-    "num_shared_experts",
-    "shared_expert_hidden",
-    "shared_expert_gate",
-)
+
+def function_keys(section: type) -> tuple[str, ...]:
+    """The fields of a config section that define the function the model computes (marked
+    ``function`` in their metadata): taken from a source, never contradicted."""
+    return tuple(f.name for f in dataclasses.fields(section) if f.metadata.get("function"))
+
+
+MODEL_KEYS = function_keys(ModelConfig)
+MOE_KEYS = function_keys(MoEConfig)
 # Taken from the source unless the config sets them (the RoPE table size, the init scale).
 MODEL_DEFAULTS = ("max_seq_len", "init_std")
 HF_CONFIG = "config.json"
@@ -80,7 +60,7 @@ class InitSource:
     path: Path
     kind: str  # "huggingface" | "checkpoint"
     config: Config
-    family: str | None = None  # Hugging Face format or dense family
+    family: str | None = None  # a registered Hugging Face family
     architecture: str | None = None
     upcycle: bool = False  # a dense model, upcycled into the configured MoE
     step: int | None = None  # a checkpoint's step
@@ -97,20 +77,12 @@ def _hf_source(spec: str, path: Path) -> InitSource:
         hf = json.loads((path / HF_CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path / HF_CONFIG}: unreadable ({e})") from None
-    arch = (hf.get("architectures") or [None])[0]
-    dense = dense_family(hf)
-    fmt = MODEL_TYPES.get(arch) or hf.get("model_type")
-    if dense is None and fmt not in ARCHITECTURES:
-        raise ConfigError(
-            f"checkpoint.init_from={spec}: architecture {arch!r} (model_type "
-            f"{hf.get('model_type')!r}) is not supported; MoE: {list(ARCHITECTURES.values())}, "
-            f"dense (upcycled): {list(DENSE_ARCHITECTURES.values())}"
-        )
-    cfg = dense_config_from_hf(hf) if dense else config_from_hf(hf)
+    fam = of_hf_config(hf)
+    if fam is None:
+        raise ConfigError(f"checkpoint.init_from={spec}: {not_supported(hf)}")
+    cfg = config_from_hf(hf)
     HFWeights(path)  # every weight file present, none truncated
-    family = dense or fmt
-    arch = arch or (DENSE_ARCHITECTURES.get(family) or ARCHITECTURES[family])
-    return InitSource(spec, path, "huggingface", cfg, family, arch, upcycle=dense is not None)
+    return InitSource(spec, path, "huggingface", cfg, fam.name, fam.architecture, fam.dense)
 
 
 def _checkpoint_source(spec: str, path: Path) -> InitSource:

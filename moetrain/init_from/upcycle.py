@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from moetrain.config import Config, ConfigError
+from moetrain.model import param_names as pn
 
 _SEED_STRIDE = 1_000_003
 
@@ -125,8 +126,7 @@ def upcycled_experts(
             down = down * (1 + noise * torch.randn(down.shape, generator=gen))
         w13s.append(w13)
         w2s.append(down)
-    prefix = f"layers.{layer}.ffn.experts."
-    return {prefix + "w13": torch.stack(w13s), prefix + "w2": torch.stack(w2s)}
+    return {pn.experts(layer, "w13"): torch.stack(w13s), pn.experts(layer, "w2"): torch.stack(w2s)}
 
 
 def upcycled_dense_part(
@@ -134,16 +134,16 @@ def upcycled_dense_part(
 ) -> dict[str, torch.Tensor]:
     """The non-expert weights of upcycled MoE layer ``layer``: router, its (zero) selection
     bias, and the shared expert and its gate when the config has them."""
-    moe, p = cfg.moe, f"layers.{layer}.ffn."
+    moe = cfg.moe
     out = {
-        p + "router.gate.weight": upcycled_router(cfg, layer),
-        p + "router.expert_bias": torch.zeros(moe.num_experts),
+        pn.router_gate(layer): upcycled_router(cfg, layer),
+        pn.expert_bias(layer): torch.zeros(moe.num_experts),
     }
     if moe.num_shared_experts:
         half = 1.0 if moe.shared_expert_gate else 0.5
-        out[p + "shared_expert.w1.weight"] = w1.float()
-        out[p + "shared_expert.w3.weight"] = w3.float()
-        out[p + "shared_expert.w2.weight"] = w2.float() * half
+        out[pn.shared_expert(layer, "w1")] = w1.float()
+        out[pn.shared_expert(layer, "w3")] = w3.float()
+        out[pn.shared_expert(layer, "w2")] = w2.float() * half
         if moe.shared_expert_gate:
-            out[p + "shared_gate.weight"] = torch.zeros(1, cfg.model.d_model)
+            out[pn.shared_gate(layer)] = torch.zeros(1, cfg.model.d_model)
     return out

@@ -5,7 +5,7 @@ checkpoint (``("dense", non-expert state)``, then ``("layers.<i>", stacked exper
 layer), for any source, reading only the experts ``[start, stop)`` that are asked for: an
 expert-parallel rank reads its own experts from the safetensors files, nothing else, and holds
 at most the dense weights plus one layer of experts besides the model. A dense source is
-upcycled on the fly (:mod:`moetrain.convert.upcycle`).
+upcycled on the fly (:mod:`moetrain.init_from.upcycle`).
 
 :func:`build_model` builds the run's model on the meta device (no random init), allocates it
 and fills every parameter and buffer from the source; :func:`check_source_tensors` checks every
@@ -14,30 +14,33 @@ tensor's name and shape against the model before anything is read.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from moetrain.checkpoint.format import CheckpointError
-from moetrain.checkpoint.read import HFWeights, dense_state, expert_files, stacked_experts
-from moetrain.config import Config
-from moetrain.convert.dense import dense_hf_names, ffn_names
-from moetrain.convert.hf import dense_key_map, expert_key, from_hf_state_dict, in_memory_name
-from moetrain.convert.init_source import InitSource
-from moetrain.convert.upcycle import inexact_reasons, upcycled_dense_part, upcycled_experts
+from moetrain.checkpoint.read import dense_state, expert_files, stacked_experts
+from moetrain.config import Config, MoEConfig
+from moetrain.convert.hf import (
+    dense_key_map,
+    expert_key,
+    expert_shapes,
+    ffn_key_map,
+    from_hf_state_dict,
+    fused_experts,
+    in_memory_name,
+    is_expert_tensor,
+)
+from moetrain.convert.hf_files import HFWeights
+from moetrain.init_from.source import InitSource
+from moetrain.init_from.upcycle import inexact_reasons, upcycled_dense_part, upcycled_experts
+from moetrain.model import param_names as pn
 from moetrain.model.moe.experts import pack_w13
 from moetrain.model.transformer import Transformer
 
 Part = tuple[str, dict[str, torch.Tensor]]
 _W = ("w1", "w3", "w2")
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.")
-
-
-def _fused(layer: int) -> str:
-    """transformers v5's in-memory fused expert tensors (some files are saved that way)."""
-    return f"model.layers.{layer}.mlp.experts."
 
 
 def _meta_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
@@ -60,13 +63,12 @@ def expected_hf_shapes(source: InitSource) -> dict[str, tuple[int, ...]]:
             out[v5] = out.pop(hf)
     d, f, e = src.model.d_model, src.moe.expert_hidden, src.moe.num_experts
     for layer in src.moe.moe_layers(src.model.n_layers):
-        if _fused(layer) + "gate_up_proj" in weights_names:
-            out[_fused(layer) + "gate_up_proj"] = (e, 2 * f, d)
-            out[_fused(layer) + "down_proj"] = (e, d, f)
-            continue
-        for x in range(e):
-            for w, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
-                out[expert_key(fam, layer, x, w)] = shape
+        fused = fused_experts(layer)
+        if fused + "gate_up_proj" in weights_names:
+            out[fused + "gate_up_proj"] = (e, 2 * f, d)
+            out[fused + "down_proj"] = (e, d, f)
+        else:
+            out |= expert_shapes(src, fam, layer)
     return out
 
 
@@ -98,11 +100,11 @@ def _hf_experts(
     given (a model's parameters: no stacked copy in between), else new ones in the files'
     dtype."""
     (start, stop), fam, f = experts, source.family, source.config.moe.expert_hidden
-    p = f"layers.{layer}.ffn.experts."
-    if _fused(layer) + "gate_up_proj" in weights.weight_map:
-        gate_up = weights.load_rows(_fused(layer) + "gate_up_proj", start, stop)  # (L, 2F, D)
+    p, fused = pn.experts_prefix(layer), fused_experts(layer)
+    if fused + "gate_up_proj" in weights.weight_map:
+        gate_up = weights.load_rows(fused + "gate_up_proj", start, stop)  # (L, 2F, D)
         w13 = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
-        w2 = weights.load_rows(_fused(layer) + "down_proj", start, stop).transpose(1, 2)
+        w2 = weights.load_rows(fused + "down_proj", start, stop).transpose(1, 2)
         return {p + "w13": w13.contiguous(), p + "w2": w2.contiguous()}
     keys = {(e, w): expert_key(fam, layer, e, w) for e in range(start, stop) for w in _W}
     t = weights.load(list(keys.values()))
@@ -122,7 +124,7 @@ def _moe_hf_parts(
     source: InitSource, experts: tuple[int, int], into: dict[str, torch.Tensor] | None
 ) -> Iterator[Part]:
     cfg, weights = source.config, HFWeights(source.path)
-    dense_names = [n for n in weights.names() if not _EXPERT.match(n)]
+    dense_names = [n for n in weights.names() if not is_expert_tensor(source.family, n)]
     state = from_hf_state_dict(weights.load(dense_names), cfg, source.family, expert_layers=[])
     yield "dense", state
     del state
@@ -130,20 +132,32 @@ def _moe_hf_parts(
         yield f"layers.{layer}", _hf_experts(weights, source, layer, experts, into)
 
 
+def _dense_names(cfg: Config, family: str) -> dict[str, str]:
+    """moetrain key -> Hugging Face key of every weight a dense source gives the run's model
+    as is: all but the FFNs of the layers ``cfg`` makes MoE (those are upcycled)."""
+    dense = Config(model=cfg.model, moe=MoEConfig(first_k_dense=cfg.model.n_layers))
+    names = dense_key_map(dense, family)
+    for layer in cfg.moe.moe_layers(cfg.model.n_layers):
+        for key in ffn_key_map(layer):
+            del names[key]
+    return names
+
+
 def _upcycled_parts(source: InitSource, cfg: Config, experts: tuple[int, int]) -> Iterator[Part]:
     weights, fam = HFWeights(source.path), source.family
-    names = dense_hf_names(cfg, fam)
+    names = _dense_names(cfg, fam)
     loaded = weights.load(list(names.values()))
     state = {ours: loaded[theirs] for ours, theirs in names.items()}
     del loaded
     if cfg.model.tie_embeddings:
-        state["lm_head.weight"] = state["embed.weight"]
+        state[pn.LM_HEAD] = state[pn.EMBED]
     moe_layers = cfg.moe.moe_layers(cfg.model.n_layers)
 
     def ffn(layer: int) -> list[torch.Tensor]:
-        hf = ffn_names(layer)
+        """The dense FFN's gate, up and down weights (HF layout)."""
+        hf = ffn_key_map(layer)
         t = weights.load(list(hf.values()))
-        return [t[hf[w]] for w in ("w1", "w3", "w2")]
+        return [t[hf[pn.dense_ffn(layer, w)]] for w in _W]
 
     for layer in moe_layers:
         state |= upcycled_dense_part(*ffn(layer), cfg, layer)

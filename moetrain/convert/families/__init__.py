@@ -1,0 +1,62 @@
+"""The Hugging Face model families moetrain converts to and from: one adapter module each, and
+this registry, which ``moetrain convert`` / ``import``, ``checkpoint.init_from``, the command
+line's ``--format`` choices and the tests read.
+
+A format is accepted only when its transformers class computes the same function as moetrain's
+``Transformer`` (checked against transformers' modeling code); otherwise conversion is refused
+with a ConfigError naming the moetrain setting that has no equivalent (each module's
+``problems``). MoE families convert both ways; dense families are sources that are upcycled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetrain.config import ConfigError
+from moetrain.convert.families import (
+    glm4_moe,
+    llama,
+    mistral,
+    mixtral,
+    olmoe,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
+from moetrain.convert.families.base import Family, WeightNames
+
+# MoE families in the order ``--format auto`` tries them, then the dense sources
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        mixtral.FAMILY,
+        qwen3_moe.FAMILY,
+        qwen2_moe.FAMILY,
+        glm4_moe.FAMILY,
+        olmoe.FAMILY,
+        llama.FAMILY,
+        mistral.FAMILY,
+        qwen2.FAMILY,
+        qwen3.FAMILY,
+    )
+}
+FORMATS = tuple(name for name, f in FAMILIES.items() if not f.dense)  # export targets
+DENSE = tuple(name for name, f in FAMILIES.items() if f.dense)
+
+__all__ = ["DENSE", "FAMILIES", "FORMATS", "Family", "WeightNames", "family", "of_hf_config"]
+
+
+def family(name: str) -> Family:
+    """The registered family ``name`` (ConfigError naming the choices otherwise)."""
+    if name not in FAMILIES:
+        raise ConfigError(f"--format: unknown format {name!r}; choose auto or one of {FORMATS}")
+    return FAMILIES[name]
+
+
+def of_hf_config(hf_dict: dict[str, Any]) -> Family | None:
+    """The family of a ``config.json`` dict (by ``architectures``, else ``model_type``), None
+    when none is registered."""
+    arch = (hf_dict.get("architectures") or [None])[0]
+    by_arch = {f.architecture: f for f in FAMILIES.values()}
+    return by_arch.get(arch) or FAMILIES.get(hf_dict.get("model_type"))

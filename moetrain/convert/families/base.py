@@ -1,0 +1,231 @@
+"""What a model family is, and the pieces its adapter module is made of.
+
+A :class:`Family` (one module per family in this package, listed in its registry) says what
+the family cannot represent (``problems``: the moetrain settings its transformers class has no
+equivalent for), how a moetrain config becomes its transformers config (``to_hf``) and back
+(``from_hf``), and how its weights are named (:class:`WeightNames`). The helpers below are the
+rules several families share; they import neither torch nor transformers, so the registry is
+cheap to read (the command line builds ``--format`` from it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+
+Check = tuple[bool, str, str]  # (the setting is unrepresentable, dotted setting, why)
+SWIGLU = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # moetrain -> Llama
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """The Hugging Face names in which families differ; everything else is Llama's
+    (``model.embed_tokens``, ``model.layers.<i>.self_attn.{q,k,v,o}_proj``, its
+    ``input_layernorm`` / ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``,
+    ``model.norm``, ``lm_head``)."""
+
+    moe_block: str = "mlp"  # the MoE block of a decoder layer (transformers v5 names it mlp)
+    expert: Mapping[str, str] = field(default_factory=lambda: dict(SWIGLU))  # an expert's
+    shared_expert: str = "shared_expert"
+    shared_gate: str = "shared_expert_gate"
+    expert_bias: str | None = None  # the router's selection bias, under the MoE block
+    qkv_bias_always: bool = False  # q/k/v biases always present (zeros when the model has none)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face model family. ``problems`` and ``to_hf`` are None for a dense family
+    (a source that is upcycled, never an export target)."""
+
+    name: str  # transformers' model_type, and the --format name
+    architecture: str  # the transformers class (config.json's ``architectures``)
+    from_hf: Callable[[Any], Config]  # a transformers config object -> moetrain Config
+    problems: Callable[[ModelConfig, MoEConfig], list[tuple[str, str]]] | None = None
+    to_hf: Callable[[Config], dict[str, Any]] | None = None  # -> transformers config kwargs
+    names: WeightNames = WeightNames()
+
+    @property
+    def dense(self) -> bool:
+        """A dense family: imported and upcycled, not exported."""
+        return self.problems is None
+
+
+def found(checks: list[Check]) -> list[tuple[str, str]]:
+    """The ``(setting, why)`` of every failed check, in order."""
+    return [(key, why) for bad, key, why in checks if bad]
+
+
+def dropless(moe: MoEConfig, name: str) -> Check:
+    return (
+        moe.capacity_factor != 0.0,
+        "moe.capacity_factor",
+        f"{name} is dropless; must be 0 (tokens over capacity would be dropped only here)",
+    )
+
+
+def no_qkv_bias(model: ModelConfig, name: str) -> Check:
+    return (model.qkv_bias, "model.qkv_bias", f"{name} has no q/k/v biases")
+
+
+def no_qk_norm(model: ModelConfig, name: str) -> Check:
+    return (model.qk_norm, "model.qk_norm", f"{name} has no query/key norm; must be false")
+
+
+def per_head_norm(model: ModelConfig, name: str) -> Check:
+    return (
+        model.qk_norm and model.qk_norm_scope != "head",
+        "model.qk_norm_scope",
+        f"{name} normalises each head's query/key; must be head",
+    )
+
+
+def every_layer_moe(moe: MoEConfig, name: str) -> list[Check]:
+    return [
+        (moe.first_k_dense != 0, "moe.first_k_dense", f"{name} has MoE in every layer"),
+        (moe.moe_every != 1, "moe.moe_every", f"{name} has MoE in every layer; must be 1"),
+    ]
+
+
+def no_shared_experts(moe: MoEConfig, name: str) -> Check:
+    return (moe.num_shared_experts != 0, "moe.num_shared_experts", f"{name} has none")
+
+
+def softmax_router(moe: MoEConfig, name: str) -> list[Check]:
+    """Softmax over all experts, then top-k; no route scale, expert bias or expert groups."""
+    return [
+        (moe.score_func != "softmax", "moe.score_func", f"{name} routes with softmax"),
+        (
+            moe.topk_before_score,
+            "moe.topk_before_score",
+            f"{name} takes softmax over all experts, then top-k; must be false",
+        ),
+        (moe.route_scale != 1.0, "moe.route_scale", f"{name} has no route scale; must be 1.0"),
+        (
+            moe.bias_update_rate != 0.0,
+            "moe.bias_update_rate",
+            f"{name} has no expert bias (aux-loss-free balancing); must be 0",
+        ),
+        (moe.n_group != 1, "moe.n_group", f"{name} routes without expert groups; must be 1"),
+    ]
+
+
+def dropless_softmax(model: ModelConfig, moe: MoEConfig, name: str) -> list[Check]:
+    """Dropless softmax routing (:func:`softmax_router`) and no q/k/v biases: where Mixtral,
+    Qwen3-MoE and OLMoE start."""
+    return [dropless(moe, name), no_qkv_bias(model, name), *softmax_router(moe, name)]
+
+
+def hf_common(cfg: Config) -> dict[str, Any]:
+    """The transformers config fields every MoE family shares (Llama's, plus top-k)."""
+    model, moe = cfg.model, cfg.moe
+    return dict(
+        vocab_size=model.vocab_size,
+        hidden_size=model.d_model,
+        num_hidden_layers=model.n_layers,
+        num_attention_heads=model.n_heads,
+        num_key_value_heads=model.n_kv_heads,
+        head_dim=model.attention_head_dim,
+        max_position_embeddings=model.max_seq_len,
+        rms_norm_eps=model.norm_eps,
+        tie_word_embeddings=model.tie_embeddings,
+        num_experts_per_tok=moe.top_k,
+        router_aux_loss_coef=moe.aux_loss_coef,
+        initializer_range=model.init_std,
+        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
+    )
+
+
+def dense_layers(cfg: Config) -> list[int]:
+    """The layers ``cfg`` makes dense (Qwen-MoE's ``mlp_only_layers``)."""
+    return [i for i in range(cfg.model.n_layers) if not cfg.moe.is_moe_layer(i)]
+
+
+def model_from_hf(hf: Any) -> ModelConfig:
+    """The transformer shape of a transformers config object (any Llama-like family); raises
+    ConfigError naming the field moetrain cannot represent."""
+
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(hf, name, default)
+
+    rope = get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"rope_parameters: only plain RoPE imports; got {rope}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("rope_parameters.partial_rotary_factor: moetrain rotates full heads")
+    if get("hidden_act", "silu") != "silu":
+        raise ConfigError(
+            f"hidden_act: moetrain experts are SwiGLU (silu); got {get('hidden_act')}"
+        )
+    heads = hf.num_attention_heads
+    return ModelConfig(
+        vocab_size=hf.vocab_size,
+        d_model=hf.hidden_size,
+        n_layers=hf.num_hidden_layers,
+        n_heads=heads,
+        n_kv_heads=get("num_key_value_heads") or heads,
+        head_dim=get("head_dim") or hf.hidden_size // heads,
+        max_seq_len=hf.max_position_embeddings,
+        rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
+        norm_eps=float(hf.rms_norm_eps),
+        tie_embeddings=bool(get("tie_word_embeddings", False)),
+        init_std=float(get("initializer_range", 0.02)),
+        dense_hidden=hf.intermediate_size,
+    )
+
+
+def moe_from_hf(hf: Any) -> MoEConfig:
+    """The MoE section an imported model starts from: its top-k, no balancing losses."""
+    return MoEConfig(top_k=hf.num_experts_per_tok, aux_loss_coef=0.0, z_loss_coef=0.0)
+
+
+def refuse_attention_bias(hf: Any) -> None:
+    if getattr(hf, "attention_bias", False):
+        raise ConfigError("attention_bias: moetrain attention has no biases")
+
+
+def finish(model: ModelConfig, moe: MoEConfig) -> Config:
+    """The validated Config of an imported model (``data.seq_len`` capped at its context)."""
+    cfg = Config(model=model, moe=moe)
+    cfg.data.seq_len = min(cfg.data.seq_len, model.max_seq_len)
+    cfg.validate()
+    return cfg
+
+
+def placement(moe_layers: list[int], n_layers: int) -> tuple[int, int]:
+    """``(first_k_dense, moe_every)`` reproducing exactly ``moe_layers``, or ConfigError."""
+    for first in range(n_layers + 1):
+        for every in range(1, n_layers + 1):
+            moe = MoEConfig(first_k_dense=first, moe_every=every)
+            if moe.moe_layers(n_layers) == moe_layers:
+                return first, every
+    raise ConfigError(
+        f"mlp_only_layers/decoder_sparse_step: MoE layers {moe_layers} are not expressible as "
+        "moe.first_k_dense + moe.moe_every"
+    )
+
+
+def dense_from_hf(
+    hf: Any, *, qkv_bias: bool = False, qk_norm: bool = False, windowed: bool = False
+) -> Config:
+    """The moetrain config of a dense family's model: every layer dense, its FFN the SwiGLU of
+    ``intermediate_size``. ``qkv_bias`` / ``qk_norm``: what the family always has;
+    ``windowed``: whether its sliding window applies unless ``use_sliding_window`` says not.
+    Plain RoPE only, no MLP or attention-output biases, no window shorter than the context."""
+    model = model_from_hf(hf)
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(hf, flag, False):
+            raise ConfigError(f"{flag}: moetrain attention and FFNs have no such biases")
+    window = getattr(hf, "sliding_window", None)
+    applies = getattr(hf, "use_sliding_window", windowed) and window is not None
+    if applies and window < model.max_seq_len:
+        raise ConfigError(
+            f"sliding_window: {window} < max_position_embeddings={model.max_seq_len}; "
+            "moetrain attends to the whole context"
+        )
+    model.qkv_bias, model.qk_norm = qkv_bias, qk_norm
+    return finish(
+        model, MoEConfig(first_k_dense=model.n_layers, aux_loss_coef=0.0, z_loss_coef=0.0)
+    )

@@ -1,0 +1,8 @@
+"""Llama (LlamaForCausalLM), a dense source of upcycling: plain RoPE only (Llama 3's
+``rope_type: llama3`` scaling is refused), no attention or MLP biases."""
+
+from __future__ import annotations
+
+from moetrain.convert.families.base import Family, dense_from_hf
+
+FAMILY = Family(name="llama", architecture="LlamaForCausalLM", from_hf=dense_from_hf)

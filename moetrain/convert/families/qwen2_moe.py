@@ -1,0 +1,85 @@
+"""Qwen2-MoE (Qwen2MoeForCausalLM): softmax top-k (``norm_topk_prob`` = renormalise), one
+shared expert behind a sigmoid gate, any dense/MoE placement (``mlp_only_layers``), no q/k norm.
+Its q/k/v projections carry biases (``model.qkv_bias``; written as zeros without it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.convert.families import base
+from moetrain.convert.families.base import Family, WeightNames
+
+NAME = "Qwen2MoeForCausalLM"
+
+
+def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
+    return base.found(
+        [base.dropless(moe, NAME)]
+        + base.softmax_router(moe, NAME)
+        + [
+            base.no_qk_norm(model, NAME),
+            (
+                moe.num_shared_experts == 0,
+                "moe.num_shared_experts",
+                f"{NAME} always has a gated shared expert; must be >= 1",
+            ),
+            (
+                moe.num_shared_experts > 0 and not moe.shared_expert_gate,
+                "moe.shared_expert_gate",
+                f"{NAME} gates its shared expert with a sigmoid; must be true",
+            ),
+        ]
+    )
+
+
+def qwen_moe_hf(cfg: Config) -> dict[str, Any]:
+    """The fields Qwen2-MoE and Qwen3-MoE share."""
+    return dict(
+        base.hf_common(cfg),
+        intermediate_size=cfg.model.dense_hidden,
+        moe_intermediate_size=cfg.moe.expert_hidden,
+        num_experts=cfg.moe.num_experts,
+        norm_topk_prob=cfg.moe.renormalize,
+        decoder_sparse_step=1,
+        mlp_only_layers=base.dense_layers(cfg),
+        use_sliding_window=False,
+    )
+
+
+def qwen_moe_from_hf(hf: Any) -> tuple[ModelConfig, MoEConfig]:
+    """The model and MoE sections Qwen2-MoE and Qwen3-MoE share (their placement included)."""
+    if getattr(hf, "use_sliding_window", False):
+        raise ConfigError("use_sliding_window: moetrain attends to the whole context")
+    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
+    moe.num_experts, moe.expert_hidden = hf.num_experts, hf.moe_intermediate_size
+    moe.renormalize = bool(getattr(hf, "norm_topk_prob", False))
+    dense, step = getattr(hf, "mlp_only_layers", None) or [], getattr(hf, "decoder_sparse_step", 1)
+    n = model.n_layers
+    moe_layers = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    moe.first_k_dense, moe.moe_every = base.placement(moe_layers, n)
+    return model, moe
+
+
+def to_hf(cfg: Config) -> dict[str, Any]:
+    return dict(
+        qwen_moe_hf(cfg), shared_expert_intermediate_size=cfg.moe.shared_hidden, qkv_bias=True
+    )
+
+
+def from_hf(hf: Any) -> Config:
+    model, moe = qwen_moe_from_hf(hf)
+    model.qkv_bias = True
+    moe.num_shared_experts, moe.shared_expert_gate = 1, True
+    moe.shared_expert_hidden = hf.shared_expert_intermediate_size
+    return base.finish(model, moe)
+
+
+FAMILY = Family(
+    name="qwen2_moe",
+    architecture=NAME,
+    from_hf=from_hf,
+    problems=problems,
+    to_hf=to_hf,
+    names=WeightNames(qkv_bias_always=True),
+)

@@ -1,0 +1,84 @@
+"""The names of the ``Transformer``'s parameters and buffers (its state-dict keys), spelled here
+and nowhere else: converters, checkpoint readers and writers call these.
+
+Layer ``i`` holds ``layers.<i>.attn_norm`` / ``attn.{wq,wk,wv,wo}`` (biases on wq/wk/wv with
+``model.qkv_bias``; ``attn.q_norm`` / ``attn.k_norm`` with ``model.qk_norm``) / ``ffn_norm``,
+then either a dense SwiGLU ``ffn.{w1,w3,w2}`` or an MoE block: ``ffn.router.gate`` (E, D), the
+selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.experts.w13``
+(E, D, 2F) and ``ffn.experts.w2`` (E, F, D), and optionally ``ffn.shared_expert.{w1,w3,w2}`` and
+``ffn.shared_gate``.
+"""
+
+from __future__ import annotations
+
+import re
+
+EMBED = "embed.weight"
+FINAL_NORM = "norm.weight"
+LM_HEAD = "lm_head.weight"
+ATTN_PROJECTIONS = ("wq", "wk", "wv", "wo")
+SWIGLU_WEIGHTS = ("w1", "w3", "w2")  # gate (F, D), up (F, D), down (D, F)
+# a stacked expert weight, as a regular expression: group 1 the layer, group 2 the weight
+EXPERTS_PATTERN = r"layers\.(\d+)\.ffn\.experts"
+_EXPERTS_RE = re.compile(rf"^{EXPERTS_PATTERN}\.(\w+)$")
+
+
+def attn_norm(layer: int) -> str:
+    return f"layers.{layer}.attn_norm.weight"
+
+
+def ffn_norm(layer: int) -> str:
+    return f"layers.{layer}.ffn_norm.weight"
+
+
+def attn(layer: int, projection: str, kind: str = "weight") -> str:
+    """``projection``: wq | wk | wv | wo; ``kind``: weight | bias."""
+    return f"layers.{layer}.attn.{projection}.{kind}"
+
+
+def qk_norm(layer: int, which: str) -> str:
+    """``which``: q | k."""
+    return f"layers.{layer}.attn.{which}_norm.weight"
+
+
+def dense_ffn(layer: int, weight: str) -> str:
+    """A dense layer's SwiGLU weight (``weight``: w1 | w3 | w2)."""
+    return f"layers.{layer}.ffn.{weight}.weight"
+
+
+def router_gate(layer: int) -> str:
+    return f"layers.{layer}.ffn.router.gate.weight"
+
+
+def expert_bias(layer: int) -> str:
+    """The router's selection bias buffer (aux-loss-free balancing)."""
+    return f"layers.{layer}.ffn.router.expert_bias"
+
+
+def shared_expert(layer: int, weight: str) -> str:
+    return f"layers.{layer}.ffn.shared_expert.{weight}.weight"
+
+
+def shared_gate(layer: int) -> str:
+    return f"layers.{layer}.ffn.shared_gate.weight"
+
+
+def experts_prefix(layer: int) -> str:
+    """The prefix of an MoE layer's stacked expert weights (``...ffn.experts.``)."""
+    return f"layers.{layer}.ffn.experts."
+
+
+def experts(layer: int, weight: str) -> str:
+    """A stacked expert weight (``weight``: w13 (E, D, 2F) | w2 (E, F, D))."""
+    return experts_prefix(layer) + weight
+
+
+def parse_experts(name: str) -> tuple[int, str] | None:
+    """``(layer, weight)`` of a stacked expert weight's name, None for any other name."""
+    m = _EXPERTS_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def is_expert_bias(name: str) -> bool:
+    """Whether ``name`` is some layer's router selection bias."""
+    return re.fullmatch(r"layers\.\d+\.ffn\.router\.expert_bias", name) is not None
