@@ -1,5 +1,5 @@
 """The ``global_batch`` aux-loss scope's relation between gradient accumulation and data
-parallelism (README, "Load balancing"), with real ranks: two micro-batches accumulated on one
+parallelism (docs/MOE.md), with real ranks: two micro-batches accumulated on one
 rank against the same two micro-batches on two gloo ranks, one micro-step, through the router's
 real all-reduce of expert counts. The gradients differ by exactly the first micro-step's term
 with its partial fractions, computed by hand; a per-sequence scope gives the same gradient both

@@ -1,4 +1,4 @@
-"""The bf16 numerics policy (README, "Mixed precision") where one process can check it: which
+"""The bf16 numerics policy (docs/NUMERICS.md) where one process can check it: which
 dtype each part of the model computes in, what moetrain asks DeepSpeed for, and what it refuses.
 
 The engine side (fp32 accumulation and reduction, masters, exact skips) is proven on real gloo
