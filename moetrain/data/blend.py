@@ -42,7 +42,12 @@ from moetrain.data.loader import (
     check_tokenizer,
     rows_batch,
 )
-from moetrain.data.mixture import MIXTURE_FILE, match_sources, open_source_set, read_mixture_index
+from moetrain.data.source_sets import (
+    MIXTURE_FILE,
+    match_sources,
+    open_source_set,
+    read_mixture_index,
+)
 from moetrain.data.sources import source_specs
 
 

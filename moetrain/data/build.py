@@ -32,7 +32,6 @@ from moetrain.data.chunks import (
     tokenize_chunks,
 )
 from moetrain.data.errors import DataError
-from moetrain.data.mixture import relative_dir, write_mixture_index
 from moetrain.data.ranks import Ranks, Watch, default_num_proc
 from moetrain.data.shards import (
     FORMAT,
@@ -42,6 +41,7 @@ from moetrain.data.shards import (
     token_dtype,
     write_index,
 )
+from moetrain.data.source_sets import relative_dir, write_mixture_index
 from moetrain.data.sources import Corpus, SourceRef, open_source
 from moetrain.data.tokenizer import (
     HF_DIR,

@@ -5,7 +5,7 @@ One source (``data.source``): ``data.output_dir`` receives the tokenizer and the
 mixture (``data.sources``): one tokenizer for all sources (given, or trained on a sample in which
 each source has its weight's share of the text), one shard set per source, cached by
 fingerprint in ``data.sources_dir`` and reused by every mixture that shares the source and the
-tokenizer, and ``mixture.json`` in ``data.output_dir`` (:mod:`moetrain.data.mixture`).
+tokenizer, and ``mixture.json`` in ``data.output_dir`` (:mod:`moetrain.data.source_sets`).
 
 Any number of ranks (``torchrun``, ``deepspeed``, ``srun`` or plain processes; see
 :mod:`moetrain.data.ranks`) share the work: rank 0 reads the sources, makes the tokenizer and
@@ -51,14 +51,14 @@ from moetrain.data.chunks import (
     plan_chunks,
 )
 from moetrain.data.errors import DataError
-from moetrain.data.mixture import (
+from moetrain.data.ranks import Heartbeat, Ranks, RankStopped, Watch, default_num_proc
+from moetrain.data.shards import VERSION, is_complete
+from moetrain.data.source_sets import (
     mixture_up_to_date,
     source_set_dir,
     source_set_key,
     sources_dir,
 )
-from moetrain.data.ranks import Heartbeat, Ranks, RankStopped, Watch, default_num_proc
-from moetrain.data.shards import VERSION, is_complete
 from moetrain.data.sources import Corpus, SourceRef, resolve_source, source_specs
 from moetrain.data.tokenizer import (
     META_FILE,

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from moetrain.monitor.jsonl import METRICS_FILE
+from moetrain.monitor.metrics_file import METRICS_FILE
 from moetrain.monitor.plots import new_figure, relative_load
 
 _LOAD_KEY = re.compile(r"^moe/layer(\d+)/tokens_per_expert$")

@@ -12,7 +12,7 @@ from typing import Any
 
 from moetrain.config import Config
 from moetrain.monitor.console import console
-from moetrain.monitor.jsonl import MetricsWriter, set_aside
+from moetrain.monitor.metrics_file import MetricsWriter, set_aside
 from moetrain.monitor.mfu import resolve_peak
 from moetrain.monitor.moe_health import DeadExpertWatch, load_matrix
 from moetrain.monitor.records import (

@@ -17,8 +17,8 @@ import pytest
 
 from moetrain.config import ConfigError, load_config
 from moetrain.data import DataError, build_loader, read_index
-from moetrain.data.mixture import read_mixture_index
 from moetrain.data.prepare import prepare
+from moetrain.data.source_sets import read_mixture_index
 from tests.unit.test_data_prepare import make_docs, write_jsonl
 
 WEIGHTS = {"web": 0.6, "code": 0.3, "math": 0.1}

@@ -14,8 +14,8 @@ from moetrain.config import load_config
 from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.data import DataError, build_loader, read_index
-from moetrain.data.mixture import read_mixture_index
 from moetrain.data.prepare import prepare
+from moetrain.data.source_sets import read_mixture_index
 from moetrain.data.tokenizer import HFTokenizer, load_tokenizer
 from tests.helpers.hf_models import EOS_TOKEN, save_hf_model, save_hf_tokenizer
 from tests.unit.test_data_prepare import read_docs, write_jsonl

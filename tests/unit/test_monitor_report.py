@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from moetrain.monitor.jsonl import MetricsWriter
+from moetrain.monitor.metrics_file import MetricsWriter
 from moetrain.monitor.report import make_report, read_metrics
 
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from moetrain.config import load_config
-from moetrain.monitor.jsonl import METRICS_FILE, set_aside
+from moetrain.monitor.metrics_file import METRICS_FILE, set_aside
 from moetrain.monitor.run_monitor import RunMonitor
 
 
