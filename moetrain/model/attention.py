@@ -11,9 +11,9 @@ flash attention, and memory-efficient attention takes grouped K/V only on recent
 So on a GPU, when torch's own selector would run the math kernel for the grouped masked call
 (whose (B, H, S, S) scores do not fit at training sizes), K/V are expanded to the H query heads
 first (same values), which memory-efficient attention takes everywhere. CPU kernels take grouped
-K/V with a mask, so CPU runs are unchanged. The document mask is built once per forward as an
-additive mask in the activations' dtype (what SDPA would convert a boolean one to in every
-layer), so all layers share, and save for backward, one tensor. Each :class:`Attention` records
+K/V with a mask, so CPU runs are unchanged. Packed documents never build a mask: every
+document is attended causally on its own (:mod:`moetrain.model.doc_attention`); the dense
+:func:`document_mask` stays as the definition that path is tested against. Each :class:`Attention` records
 the kernel torch picked on its first call (``sdpa_kernel``); :func:`attention_report`
 summarises them for the log (multi-head latent attention, ``model/mla.py``, records its own).
 """
@@ -28,6 +28,7 @@ from torch import nn
 
 from moetrain.config import ModelConfig
 from moetrain.model.cpu_matmul import Linear
+from moetrain.model.doc_attention import Documents, document_attention
 from moetrain.model.layers import RMSNorm
 from moetrain.model.rope import apply_rope, rope_tables
 
@@ -202,11 +203,19 @@ class Attention(nn.Module):
         q_BHSHd = apply_rope(q.transpose(1, 2), cos_SHd, sin_SHd, self.rope_interleave)
         k_BGSHd = apply_rope(k.transpose(1, 2), cos_SHd, sin_SHd, self.rope_interleave)
         v_BGSHd = v.transpose(1, 2)
+        gqa = self.n_kv_heads != self.n_heads
+        if isinstance(mask_B1SS, Documents):  # packed documents: causal within each one
+            if self.sdpa_kernel is None:
+                self.sdpa_kernel = record_kernel(
+                    q_BHSHd, k_BGSHd, v_BGSHd, None, True, gqa, "documents, no S x S mask"
+                )
+            out_BHSHd = document_attention(q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, gqa)
+            return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))
         causal = mask_B1SS is None
         if cache is not None:
             k_BGSHd, v_BGSHd = cache.append(layer, k_BGSHd, v_BGSHd)
             mask_B1SS, causal = cache.causal_mask(s), False
-        gqa, note = self.n_kv_heads != self.n_heads, "causal" if causal else "mask"
+        note = "causal" if causal else "mask"
         if gqa and mask_B1SS is not None:
             grouped = sdpa_kernel_name(q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, causal, True)
             if expand_kv_for_mask(q_BHSHd.device.type, grouped):  # off the math kernel

@@ -79,10 +79,12 @@ def document_attention(
     v_BGSHd: torch.Tensor,
     docs: Documents,
     enable_gqa: bool = False,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention within each document of ``docs``: (B, H, S, Hd), equal to
+    """Causal attention within each document of ``docs``: (B, H, S, value head dim), equal to
     ``scaled_dot_product_attention`` with the block-causal (B, 1, S, S) document mask."""
-    b, h, s, hd = q_BHSHd.shape
+    b, h, s, _ = q_BHSHd.shape
+    vd = v_BGSHd.shape[-1]
     q, k, v = (_flat_with_zero_row(t) for t in (q_BHSHd, k_BGSHd, v_BGSHd))
     outs, where = [], []
     for index_NL, real_NL in docs.buckets:
@@ -90,13 +92,13 @@ def document_attention(
         flat = index_NL.reshape(-1)
 
         def cut(x: torch.Tensor, flat: torch.Tensor = flat, n: int = n) -> torch.Tensor:
-            return x.index_select(0, flat).view(n, -1, x.shape[1], hd).transpose(1, 2)
+            return x.index_select(0, flat).view(n, -1, x.shape[1], x.shape[2]).transpose(1, 2)
 
-        out_NHLHd = F.scaled_dot_product_attention(
-            cut(q), cut(k), cut(v), is_causal=True, enable_gqa=enable_gqa
+        out_NHLV = F.scaled_dot_product_attention(
+            cut(q), cut(k), cut(v), is_causal=True, enable_gqa=enable_gqa, scale=scale
         )
         real = real_NL.reshape(-1)
-        outs.append(out_NHLHd.transpose(1, 2).reshape(n * length, h, hd)[real])
+        outs.append(out_NHLV.transpose(1, 2).reshape(n * length, h, vd)[real])
         where.append(flat[real])
-    out = q.new_zeros(b * s, h, hd).index_copy(0, torch.cat(where), torch.cat(outs))
-    return out.view(b, s, h, hd).transpose(1, 2)
+    out = v.new_zeros(b * s, h, vd).index_copy(0, torch.cat(where), torch.cat(outs))
+    return out.view(b, s, h, vd).transpose(1, 2)

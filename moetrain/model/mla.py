@@ -34,6 +34,7 @@ from torch import nn
 from moetrain.config import ModelConfig
 from moetrain.model.attention import cache_causal_mask, record_kernel, sdpa_kernel_name
 from moetrain.model.cpu_matmul import Linear
+from moetrain.model.doc_attention import Documents, document_attention
 from moetrain.model.layers import RMSNorm
 from moetrain.model.rope import apply_rope, softmax_mscale
 
@@ -168,7 +169,10 @@ class MLAttention(nn.Module):
         (which keeps (B, H, S, T) probabilities; CPU flash attention wants equal dims), the
         smaller side is zero-padded to the larger (same scores with the explicit scale, the
         value's padding sliced off)."""
-        note = "causal" if causal else "mask"
+        docs = mask if isinstance(mask, Documents) else None
+        if docs is not None:
+            mask, causal = None, True  # causal within each document (doc_attention.py)
+        note = "documents, no S x S mask" if docs is not None else "causal" if causal else "mask"
         qk, vd = q_BHSK.shape[-1], v_BHTV.shape[-1]
         if qk != vd:
             kernel = sdpa_kernel_name(q_BHSK, k_BHTK, v_BHTV, mask, causal, False, self.scale)
@@ -182,7 +186,10 @@ class MLAttention(nn.Module):
             self.sdpa_kernel = record_kernel(
                 q_BHSK, k_BHTK, v_BHTV, mask, causal, False, f"MLA, {note}", self.scale
             )
-        out = F.scaled_dot_product_attention(
-            q_BHSK, k_BHTK, v_BHTV, attn_mask=mask, is_causal=causal, scale=self.scale
-        )
+        if docs is not None:
+            out = document_attention(q_BHSK, k_BHTK, v_BHTV, docs, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(
+                q_BHSK, k_BHTK, v_BHTV, attn_mask=mask, is_causal=causal, scale=self.scale
+            )
         return out[..., :vd] if out.shape[-1] != vd else out

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.model.attention import Attention, KVCache, document_mask
+from moetrain.model.attention import Attention, KVCache
 from moetrain.model.cpu_matmul import Linear
+from moetrain.model.doc_attention import Documents
 from moetrain.model.layers import RMSNorm, SwiGLU
 from moetrain.model.loss import chunked_cross_entropy
 from moetrain.model.mla import LatentCache, MLAttention
@@ -62,7 +63,7 @@ class Block(nn.Module):
         x_BSD: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask_B1SS: torch.Tensor | None,
+        mask_B1SS: torch.Tensor | Documents | None,
         cache: KVCache | LatentCache | None = None,
     ) -> tuple[torch.Tensor, MoEOutput | None]:
         h_BSD = self.attn_norm(x_BSD)
@@ -160,8 +161,10 @@ class Transformer(nn.Module):
             raise ValueError("cache: no document mask, and at most cache.max_len positions")
         cos, sin = self.rope_cos[start : start + s], self.rope_sin[start : start + s]
         x_BSD = self.embed(input_ids_BS)
-        # additive, in the activations' dtype: one tensor for every layer (see attention.py)
-        mask = None if doc_ids_BS is None else document_mask(doc_ids_BS, x_BSD.dtype)
+        # the packed documents' layout, one for every layer: no S x S mask (doc_attention.py)
+        mask = None
+        if doc_ids_BS is not None:
+            mask = Documents.from_ids(doc_ids_BS).to(x_BSD.device)
         moe_outs: list[MoEOutput] = []
         for block in self.layers:
             x_BSD, stats = block(x_BSD, cos, sin, mask, cache)

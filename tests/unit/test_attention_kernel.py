@@ -111,7 +111,7 @@ def test_only_a_masked_call_consults_the_policy(monkeypatch: pytest.MonkeyPatch)
     real = F.scaled_dot_product_attention
 
     def spy(q, k, v, **kw):  # noqa: ANN001, ANN202
-        calls.append((k.shape[1], v.shape[1], kw["attn_mask"] is not None, kw["enable_gqa"]))
+        calls.append((k.shape[1], v.shape[1], kw.get("attn_mask") is not None, kw["enable_gqa"]))
         return real(q, k, v, **kw)
 
     def policy(device: str, kernel: str) -> bool:
@@ -124,13 +124,13 @@ def test_only_a_masked_call_consults_the_policy(monkeypatch: pytest.MonkeyPatch)
     model = Transformer(_cfg(n_layers=1), MoEConfig(num_experts=4, top_k=2, expert_hidden=16))
     ids = torch.randint(0, 50, (1, 6))
     model(ids)  # causal: grouped K/V, flash attention takes them
-    model(ids, doc_ids_BS=torch.tensor([[0, 0, 0, 1, 1, 1]]))
+    model(ids, doc_ids_BS=torch.tensor([[0, 0, 0, 1, 1, 1]]))  # documents: causal, no mask
     cache = model.new_cache(1, 16)
     model(ids, cache=cache)  # prefill against the cache: a mask
     model(ids[:, :1], cache=cache)  # one new token: no mask
     grouped, expanded = (2, 2, False, True), (4, 4, True, False)
-    assert calls == [grouped, expanded, expanded, grouped]
-    assert asked == [("cpu", sdpa_kernel_name(*_grouped_masked_call()))] * 2
+    assert calls == [grouped, grouped, expanded, grouped]
+    assert asked == [("cpu", sdpa_kernel_name(*_grouped_masked_call()))]
 
 
 def _grouped_masked_call() -> tuple:
@@ -146,7 +146,7 @@ def test_kernel_recorded_on_the_first_call_and_reported() -> None:
     first = model.layers[0].attn.sdpa_kernel
     name, _, note = first.partition(" ")
     assert name in {n.lower() for n in SDPBackend.__members__} - {"error", "math"}
-    assert note == "(mask)"  # CPU kernels take grouped K/V with a mask
+    assert note == "(documents, no S x S mask)"  # packed documents: causal calls, no mask
     model(torch.randint(0, 50, (1, 6)))  # a later call (causal) does not change the record
     assert attention_report(model) == first
 
