@@ -8,6 +8,7 @@ from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.families import DENSE, FAMILIES, FORMATS, family, of_hf_config
+from moetrain.convert.families.base import found, plain_attention
 
 
 def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
@@ -15,7 +16,7 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
     fam = family(fmt)
     if fam.problems is None:
         raise ConfigError(f"--format: {fmt} is a dense family; choose auto or one of {FORMATS}")
-    return fam.problems(model, moe)
+    return found(plain_attention(model, fam.architecture)) + fam.problems(model, moe)
 
 
 def check_format(fmt: str, model: ModelConfig, moe: MoEConfig) -> None:

@@ -233,3 +233,27 @@ def test_softmax_with_nonzero_bias_tensor_is_refused() -> None:
     sd["layers.1.ffn.router.expert_bias"] = torch.full((4,), 0.5)
     with pytest.raises(ConfigError, match=r"layers\.1\.ffn\.router\.expert_bias"):
         to_hf_state_dict(sd, cfg, "mixtral")
+
+
+@pytest.mark.parametrize(
+    "setting, value",
+    [("model__attention", "mla"), ("model__rope_interleave", True)],
+)
+def test_attention_no_family_has_yet_is_refused_by_key(setting: str, value: object) -> None:
+    """An MLA or interleaved-RoPE model has no registered family: every --format names the
+    setting (moetrain convert stopped on a bare KeyError before)."""
+    from moetrain.convert.formats import problems
+    from tests.helpers.configs import tiny_config
+
+    extra = {}
+    if value == "mla":
+        extra = dict(
+            model__n_kv_heads=4,
+            model__kv_lora_rank=16,
+            model__qk_nope_head_dim=8,
+            model__qk_rope_head_dim=8,
+            model__v_head_dim=8,
+        )
+    cfg = tiny_config(**{setting: value}, **extra)
+    for fmt in FORMATS:
+        assert setting.replace("__", ".") in [k for k, _ in problems(fmt, cfg.model, cfg.moe)]

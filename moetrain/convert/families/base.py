@@ -82,6 +82,16 @@ def per_head_norm(model: ModelConfig, name: str) -> Check:
     )
 
 
+def plain_attention(model: ModelConfig, name: str) -> list[Check]:
+    """Grouped-query attention with plain rotary embeddings (the first half / second half
+    layout): every family registered today."""
+    return [
+        (model.attention != "gqa", "model.attention", f"{name} has grouped-query attention"),
+        (model.rope_scaling != "none", "model.rope_scaling", f"{name} has unscaled RoPE"),
+        (model.rope_interleave, "model.rope_interleave", f"{name} rotates half-split heads"),
+    ]
+
+
 def every_layer_moe(moe: MoEConfig, name: str) -> list[Check]:
     return [
         (moe.first_k_dense != 0, "moe.first_k_dense", f"{name} has MoE in every layer"),
