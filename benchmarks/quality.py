@@ -1,0 +1,192 @@
+"""Loss against tokens: moetrain's MoE, the same model dense at equal active FFN size, and
+Hugging Face Mixtral trained with the same math (``benchmarks/quality_peer.py``).
+
+    .venv/bin/python benchmarks/quality.py run --out DIR [--steps 5000] [--seeds 1234 1235]
+    .venv/bin/python benchmarks/quality.py report --out DIR     # table (markdown) + quality.png
+
+Every run is ``configs/tiny-cpu.yaml`` on its own corpus (``moetrain prepare`` first) with the
+same seed, token stream, optimizer, schedule and clipping, through the command a user runs:
+- ``moe``: ``torchrun -m moetrain train`` as configured (8 experts, top-2, expert hidden 256);
+- ``dense``: the same with every layer dense at hidden 512 = top_k x expert_hidden, the MoE's
+  active FFN size (``moe.first_k_dense=n_layers``);
+- ``hf``: ``MixtralForCausalLM`` + DeepSpeed ZeRO from the ``moe`` run's first weights.
+``--world`` ranks (default 1 rank with 2 threads and the quickstart's global batch of 16
+sequences: the layouts compute the same, see the parity tests, and one rank is faster here).
+Runs go seed by seed; a finished run (its last validation loss written) is skipped, so the
+command can be repeated to add seeds. Extra ``key=value`` arguments after ``--`` go to every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
+KINDS = ("moe", "dense", "hf")
+DENSE = ["moe.first_k_dense=4", "model.dense_hidden=512", "parallel.ep_size=1"]
+
+
+def common(steps: int, seed: int, world: int) -> list[str]:
+    """Overrides every run of one seed shares (global batch 16 x 128 tokens at any world)."""
+    return [
+        f"seed={seed}",
+        f"train.max_steps={steps}",
+        f"train.micro_batch_size={16 // world}",
+        f"train.threads_per_rank={2 // world}",
+        f"parallel.ep_size={world}",
+        "train.eval_every=250",
+        "train.eval_steps=18",  # 288 sequences: the whole validation split
+        "train.log_every=50",
+        "checkpoint.save_every_steps=1000",
+    ]
+
+
+def command(kind: str, out: Path, overrides: list[str], world: int) -> list[str]:
+    torchrun = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--standalone",
+        f"--nproc_per_node={world}",
+    ]
+    if kind == "hf":
+        return [
+            *torchrun,
+            str(ROOT / "benchmarks" / "quality_peer.py"),
+            "--out",
+            str(out),
+            str(CONFIG),
+            *overrides,
+        ]
+    extra = DENSE if kind == "dense" else []
+    return [*torchrun, "-m", "moetrain", "train", str(CONFIG), f"run_dir={out}", *overrides, *extra]
+
+
+def read_metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def finished(run: Path, steps: int) -> bool:
+    return any(r.get("step") == steps and "val_loss" in r for r in read_metrics(run))
+
+
+def run(args: argparse.Namespace) -> None:
+    subprocess.run([sys.executable, "-m", "moetrain", "prepare", str(CONFIG)], cwd=ROOT, check=True)
+    for seed in args.seeds:
+        for kind in args.kinds:
+            out = args.out / f"{kind}-seed{seed}"
+            if finished(out, args.steps):
+                continue
+            overrides = common(args.steps, seed, args.world) + args.overrides
+            log = args.out / f"{kind}-seed{seed}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            print(f"{kind} seed {seed}: {log}", flush=True)
+            env = dict(os.environ, OMP_NUM_THREADS=str(2 // args.world))
+            with open(log, "a") as f:
+                subprocess.run(
+                    command(kind, out, overrides, args.world),
+                    cwd=ROOT,
+                    env=env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    check=True,
+                )
+
+
+def val_curves(out: Path) -> dict[str, dict[int, dict[int, float]]]:
+    """kind -> seed -> {step: val_loss}."""
+    curves: dict[str, dict[int, dict[int, float]]] = {k: {} for k in KINDS}
+    for run_dir in sorted(p for p in out.iterdir() if p.is_dir()):
+        kind, _, seed = run_dir.name.partition("-seed")
+        if kind in curves and seed.isdigit():
+            vals = {r["step"]: r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r}
+            if vals:
+                curves[kind][int(seed)] = vals
+    return curves
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def paired(curves: dict, a: str, b: str, step: int) -> list[float]:
+    """``a - b`` val loss at ``step`` for every seed both have."""
+    seeds = [
+        s for s in curves[a] if s in curves[b] and step in curves[a][s] and step in curves[b][s]
+    ]
+    return [curves[a][s][step] - curves[b][s][step] for s in seeds]
+
+
+def report(args: argparse.Namespace) -> None:
+    curves = val_curves(args.out)
+    steps = sorted({s for kind in curves.values() for vals in kind.values() for s in vals})
+    shown = [s for s in steps if s in (250, 500, 1000, 2000, 3000, 4000) or s == steps[-1]]
+    tokens_per_step = 16 * 128
+    seeds = {k: sorted(v) for k, v in curves.items()}
+    print(f"seeds: {seeds}")
+    print("| step | tokens | moe | dense | hf | moe - dense | moe - hf |")
+    print("|---|---|---|---|---|---|---|")
+    for s in shown:
+        cells = [spread([v[s] for v in curves[k].values() if s in v]) for k in KINDS]
+        diffs = [spread(paired(curves, "moe", b, s)) for b in ("dense", "hf")]
+        print(f"| {s} | {s * tokens_per_step / 1e6:.2f}M | " + " | ".join(cells + diffs) + " |")
+    plot(curves, tokens_per_step, args.out / "quality.png")
+
+
+def plot(curves: dict, tokens_per_step: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind, color in zip(KINDS, ("tab:blue", "tab:orange", "tab:green"), strict=True):
+        for i, (_, vals) in enumerate(sorted(curves[kind].items())):
+            xs = [s * tokens_per_step / 1e6 for s in sorted(vals)]
+            ax.plot(
+                xs,
+                [vals[s] for s in sorted(vals)],
+                color=color,
+                alpha=0.8,
+                label=kind if i == 0 else None,
+                linewidth=1,
+            )
+    ax.set_xlabel("tokens (M)")
+    ax.set_ylabel("validation loss")
+    ax.set_ylim(top=5.5)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--steps", type=int, default=5000)
+    r.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235])
+    r.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    r.add_argument("--world", type=int, choices=(1, 2), default=1)
+    r.add_argument("overrides", nargs="*")
+    p = sub.add_parser("report")
+    p.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    (run if args.cmd == "run" else report)(args)
+
+
+if __name__ == "__main__":
+    main()
