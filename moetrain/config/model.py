@@ -218,11 +218,14 @@ class MoEConfig:
     # 0 = dropless; else each expert keeps at most ceil(cf * T * k / E) of the copies routed to
     # it, T = the tokens of its expert-parallel group's micro-batches, lowest weight dropped first
     capacity_factor: float = field(default=0.0, metadata=at_least(0, "0 = dropless"))
-    # group-limited routing (DeepSeek-V3 / GLM-4.5 n_group, topk_group): experts in n_group
-    # equal groups; each token picks its topk_group best groups (sum of each group's two best
-    # scores), then its top_k experts inside them. 1 = off
+    # group-limited routing (DeepSeek-V2/V3, GLM-4.5 n_group, topk_group): experts in n_group
+    # equal groups; each token picks its topk_group best groups, then its top_k experts inside
+    # them. 1 = off
     n_group: int = field(default=1, metadata=at_least(1) | FUNCTION)
     topk_group: int = field(default=1, metadata=at_least(1) | FUNCTION)  # at most n_group
+    # a group's score: the sum of its two best selection scores (DeepSeek-V3, GLM-4.5) or its
+    # best one (DeepSeek-V2's group_limited_greedy)
+    group_score: Literal["top2_sum", "max"] = field(default="top2_sum", metadata=FUNCTION)
     num_shared_experts: int = field(default=0, metadata=at_least(0) | FUNCTION)
     # default num_shared_experts * expert_hidden
     shared_expert_hidden: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)

@@ -266,3 +266,63 @@ def test_group_limited_experts_lie_in_topk_groups(kw: dict) -> None:
     assert all(len(set(row.tolist())) == kw["top_k"] for row in ids)  # K distinct experts
     if kw["topk_group"] > 1:
         assert max(groups_per_token) > 1
+
+
+def test_group_scored_by_its_best_expert() -> None:
+    # softmax-free check on sigmoid scores [0.9, 0.1, 0.8, 0.7]: top2_sum picks group {2, 3}
+    # (1.5 > 1.0), max picks group {0, 1} (0.9 > 0.8)
+    x = torch.tensor([[_logit(0.9), _logit(0.1), _logit(0.8), _logit(0.7)]])
+    kw = dict(score_func="sigmoid", renormalize=False, n_group=2, topk_group=1)
+    assert sorted(make_router(**kw)(x).ids_TK[0].tolist()) == [2, 3]
+    assert sorted(make_router(group_score="max", **kw)(x).ids_TK[0].tolist()) == [0, 1]
+
+
+def _hf_router(family: str, moe: MoEConfig, d_model: int):
+    """transformers' DeepSeek-V2 / V3 router with the routing settings of ``moe``."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        hidden_size=d_model,
+        n_routed_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        n_group=moe.n_group,
+        topk_group=moe.topk_group,
+        routed_scaling_factor=moe.route_scale,
+        norm_topk_prob=moe.renormalize,
+    )
+    if family == "v2":
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+        cfg = transformers.DeepseekV2Config(topk_method="group_limited_greedy", **common)
+        return DeepseekV2TopkRouter(cfg)
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    return DeepseekV3TopkRouter(transformers.DeepseekV3Config(**common))
+
+
+@pytest.mark.parametrize(
+    "family, kw",
+    [
+        ("v2", dict(group_score="max", renormalize=False, route_scale=16.0)),
+        ("v3", dict(score_func="sigmoid", renormalize=True, route_scale=2.5)),
+    ],
+)
+def test_group_limited_routing_matches_transformers(family: str, kw: dict) -> None:
+    moe = MoEConfig(num_experts=16, top_k=4, n_group=4, topk_group=2, **kw)
+    d = 32
+    ours = Router(moe, d_model=d).eval()
+    theirs = _hf_router(family, moe, d)
+    with torch.no_grad():
+        ours.gate.weight.normal_(0, 1, generator=torch.Generator().manual_seed(0))
+        theirs.weight.copy_(ours.gate.weight)
+        if family == "v3":  # the selection bias shifts choice (and group scores), not weights
+            bias = torch.randn(16, generator=torch.Generator().manual_seed(1)) * 0.3
+            ours.expert_bias.copy_(bias)
+            theirs.e_score_correction_bias.copy_(bias)
+    x = torch.randn(512, d, generator=torch.Generator().manual_seed(2))
+    got = ours(x)
+    _, ref_w, ref_ids = theirs(x)
+    order_ours, order_ref = got.ids_TK.sort(-1), ref_ids.sort(-1)
+    assert torch.equal(order_ours.values, order_ref.values)
+    torch.testing.assert_close(
+        got.weights_TK.gather(1, order_ours.indices), ref_w.gather(1, order_ref.indices)
+    )

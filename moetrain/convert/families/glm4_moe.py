@@ -36,6 +36,11 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
                 f"{NAME} scores a group by its two best experts: groups need >= 2 experts",
             ),
             (
+                moe.n_group > 1 and moe.group_score != "top2_sum",
+                "moe.group_score",
+                f"{NAME} scores a group by the sum of its two best experts; must be top2_sum",
+            ),
+            (
                 moe.num_shared_experts == 0,
                 "moe.num_shared_experts",
                 f"{NAME} always has shared experts; must be >= 1",

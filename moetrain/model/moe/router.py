@@ -10,8 +10,9 @@ over every rank (an all-reduce of ``MoEOutput.tokens_per_expert_E`` over the who
 bias stays identical on every rank and is never part of the autograd graph.
 
 Group-limited routing (``moe.n_group`` > 1): each token keeps only its ``moe.topk_group`` best
-groups of experts (a group's score is the sum of its two best selection scores, DeepSeek-V3 and
-GLM-4.5's rule) and picks its top-k experts inside them.
+groups of experts (``moe.group_score``: a group's score is the sum of its two best selection
+scores, DeepSeek-V3 and GLM-4.5's rule, or its best one, DeepSeek-V2's) and picks its top-k
+experts inside them.
 
 The load-balancing loss is ``E * sum_e f_e * P_e`` with P_e the mean routing probability of the
 micro-batch's tokens (with gradient) and f_e a detached fraction of expert selections taken over
@@ -63,13 +64,15 @@ def count_experts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
     return out.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
-def limit_to_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+def limit_to_groups(
+    choice_TE: torch.Tensor, n_group: int, topk_group: int, group_score: str = "top2_sum"
+) -> torch.Tensor:
     """``choice_TE`` with -inf outside each token's ``topk_group`` best of ``n_group`` equal
-    groups of experts; a group's score is the sum of its two best values (its best one when a
-    group holds a single expert)."""
+    groups of experts; a group's score is the sum of its two best values (``top2_sum``; its best
+    one when a group holds a single expert) or its best value (``max``)."""
     t, e = choice_TE.shape
     grouped_TGX = choice_TE.view(t, n_group, e // n_group)
-    best = min(2, e // n_group)
+    best = 1 if group_score == "max" else min(2, e // n_group)
     group_scores_TG = grouped_TGX.topk(best, dim=-1).values.sum(-1)
     chosen = group_scores_TG.topk(topk_group, dim=-1).indices
     allowed_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, chosen, True)
@@ -115,7 +118,7 @@ class Router(nn.Module):
 
         choice_TE = (logits_TE if cfg.topk_before_score else scores_TE) + bias_E
         if cfg.n_group > 1:
-            choice_TE = limit_to_groups(choice_TE, cfg.n_group, cfg.topk_group)
+            choice_TE = limit_to_groups(choice_TE, cfg.n_group, cfg.topk_group, cfg.group_score)
         ids_TK = torch.topk(choice_TE, k, dim=-1).indices
         if cfg.topk_before_score:
             weights_TK = torch.softmax(logits_TE.gather(1, ids_TK), dim=-1)
