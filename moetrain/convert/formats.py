@@ -16,7 +16,8 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
     fam = family(fmt)
     if fam.problems is None:
         raise ConfigError(f"--format: {fmt} is a dense family; choose auto or one of {FORMATS}")
-    return found(plain_attention(model, fam.architecture)) + fam.problems(model, moe)
+    common = plain_attention(model, fam.architecture) if fam.attention == "gqa" else []
+    return found(common) + fam.problems(model, moe)
 
 
 def check_format(fmt: str, model: ModelConfig, moe: MoEConfig) -> None:
@@ -78,4 +79,10 @@ def config_from_hf(hf_dict: dict[str, Any]) -> Config:
     fam = of_hf_config(hf_dict)
     if fam is None:
         raise ConfigError(f"architectures: {not_supported(hf_dict)}")
+    if hf_dict.get("quantization_config"):  # e.g. DeepSeek-V3's released block-wise fp8
+        method = hf_dict["quantization_config"].get("quant_method", "?")
+        raise ConfigError(
+            f"quantization_config: quantized weights ({method}) are not read; dequantize the "
+            "model to bf16 or fp32 first"
+        )
     return fam.from_hf(transformers_config(hf_dict, fam.name))

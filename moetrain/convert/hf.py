@@ -29,6 +29,9 @@ from moetrain.model import param_names as pn
 from moetrain.model.moe.experts import pack_w13, unpack_w13
 
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+# multi-head latent attention (DeepSeek's names); a query LoRA replaces wq with wq_a, q_norm, wq_b
+_MLA = {"wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj"}
+_MLA_QUERY_LORA = {"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj"}
 _V5_BLOCK = "mlp"  # transformers v5's in-memory name of every family's MoE block
 
 
@@ -76,6 +79,14 @@ def ffn_key_map(layer: int) -> dict[str, str]:
     return {pn.dense_ffn(layer, w): f"{_layer(layer)}mlp.{p}.weight" for w, p in SWIGLU.items()}
 
 
+def attention_names(cfg: Config) -> dict[str, str]:
+    """moetrain -> HF name of each attention weight's module (grouped-query or latent)."""
+    if cfg.model.attention != "mla":
+        return _ATTN
+    query = _MLA_QUERY_LORA if cfg.model.q_lora_rank is not None else {"wq": "q_proj"}
+    return {**query, **_MLA, "wo": "o_proj"}
+
+
 def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
     """moetrain key -> HF key for every non-expert weight (and a family's expert bias)."""
     model, moe, names = cfg.model, cfg.moe, family(fmt).names
@@ -86,7 +97,7 @@ def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
         dst = _layer(i)
         out[pn.attn_norm(i)] = dst + "input_layernorm.weight"
         out[pn.ffn_norm(i)] = dst + "post_attention_layernorm.weight"
-        for ours, theirs in _ATTN.items():
+        for ours, theirs in attention_names(cfg).items():
             out[pn.attn(i, ours)] = f"{dst}self_attn.{theirs}.weight"
             if model.qkv_bias and ours != "wo":
                 out[pn.attn(i, ours, "bias")] = f"{dst}self_attn.{theirs}.bias"

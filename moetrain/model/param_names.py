@@ -32,7 +32,8 @@ def ffn_norm(layer: int) -> str:
 
 
 def attn(layer: int, projection: str, kind: str = "weight") -> str:
-    """``projection``: wq | wk | wv | wo; ``kind``: weight | bias."""
+    """``projection``: wq | wk | wv | wo, or with latent attention wq (or wq_a, q_norm, wq_b),
+    wkv_a, kv_norm, wkv_b, wo; ``kind``: weight | bias."""
     return f"layers.{layer}.attn.{projection}.{kind}"
 
 

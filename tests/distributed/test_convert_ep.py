@@ -56,6 +56,29 @@ FORMATS = {
         "moe.bias_update_rate=0.05",
         "moe.route_scale=2.0",
     ],
+    "deepseek_v3": [
+        "model.attention=mla",
+        "model.n_kv_heads=4",
+        "model.q_lora_rank=16",
+        "model.kv_lora_rank=16",
+        "model.qk_nope_head_dim=8",
+        "model.qk_rope_head_dim=8",
+        "model.v_head_dim=8",
+        "model.rope_interleave=true",
+        "model.rope_scaling=yarn",
+        "model.rope_factor=2.0",
+        "model.rope_original_max_seq_len=32",
+        "moe.num_experts=8",
+        "moe.n_group=4",
+        "moe.topk_group=2",
+        "moe.score_func=sigmoid",
+        "moe.num_shared_experts=1",
+        "moe.first_k_dense=1",
+        "moe.bias_update_rate=0.05",
+        "moe.route_scale=2.5",
+        "train.max_steps=3",  # two steps move this bias there and back to zero
+        "checkpoint.save_every_steps=3",
+    ],
     "mixtral_bf16": ["train.precision=bf16"],
 }
 ARCH = {
@@ -64,6 +87,7 @@ ARCH = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -107,7 +131,8 @@ def trained(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         log.close()
         text = (work / f"{fmt}.log").read_text()
         assert rc == 0, text[-4000:]
-        out[fmt] = (run_dir / "checkpoints" / "step_00000002", corpus)
+        (ckpt,) = (run_dir / "checkpoints").glob("step_*")
+        out[fmt] = (ckpt, corpus)
     return out
 
 
@@ -118,7 +143,7 @@ def test_trained_ep2_checkpoint_converts_exactly(tmp_path, trained, fmt: str) ->
     assert state["layout"]["world_size"] == 2 and state["layout"]["ep_size"] == 2
     model, cfg = load_model(ckpt)
     model.eval()
-    if fmt == "glm4_moe":  # the aux-loss-free bias moved, so the HF selection bias is exercised
+    if fmt in ("glm4_moe", "deepseek_v3"):  # the bias moved: HF's selection bias is exercised
         assert any(m.router.expert_bias.abs().sum() > 0 for m in model.moe_layers())
     out = convert_checkpoint(ckpt, tmp_path / "hf", fmt="auto")
     assert json.loads((out / "config.json").read_text())["architectures"] == [ARCH[fmt]]

@@ -72,7 +72,48 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             topk_group=1,
             num_mtp_layers=0,
         ),
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            **_deepseek(moe, yarn=True),
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            q_lora_rank=12,
+            rope_interleave=True,
+            num_mtp_layers=0,
+        ),
+        "deepseek_v2": lambda: transformers.DeepseekV2Config(
+            **_deepseek(moe, yarn=False),
+            n_routed_experts=8,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+            q_lora_rank=None,
+        ),
     }
+
+
+def _deepseek(moe: dict[str, Any], yarn: bool) -> dict[str, Any]:
+    """The tiny shape in DeepSeek's latent attention (every head its own keys and values)."""
+    fields = {k: v for k, v in moe.items() if k != "head_dim"}
+    fields.update(num_key_value_heads=moe["num_attention_heads"], first_k_dense_replace=1)
+    fields.update(intermediate_size=40, moe_intermediate_size=24, kv_lora_rank=16)
+    fields.update(qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
+    if yarn:
+        fields["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": 5000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 24.0,
+            "beta_slow": 2.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+        }
+    return fields
 
 
 def _dense_configs(transformers: Any) -> dict[str, Any]:

@@ -19,6 +19,16 @@ from tests.helpers.configs import tiny_config
 
 transformers = pytest.importorskip("transformers")
 
+# multi-head latent attention at the tiny shape (every head its own keys and values)
+MLA_SHAPE = dict(
+    attention="mla",
+    head_dim=None,
+    n_kv_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+)
 # moetrain settings that each format represents exactly (and that auto picks).
 CASES = {
     "mixtral": dict(model={}, moe={}),
@@ -47,6 +57,41 @@ CASES = {
     "olmoe": dict(
         model=dict(qk_norm=True, qk_norm_scope="projection", head_dim=None),
         moe=dict(renormalize=False),
+    ),
+    "deepseek_v3": dict(
+        model=dict(
+            **MLA_SHAPE,
+            q_lora_rank=12,
+            rope_interleave=True,
+            rope_scaling="yarn",
+            rope_factor=4.0,
+            rope_original_max_seq_len=16,
+            rope_mscale=1.0,
+            rope_mscale_all_dim=0.8,
+        ),
+        moe=dict(
+            num_experts=8,
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
+    "deepseek_v2": dict(
+        model=dict(**MLA_SHAPE, rope_interleave=True),
+        moe=dict(
+            num_experts=8,
+            first_k_dense=1,
+            num_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            group_score="max",
+            renormalize=False,
+            route_scale=1.5,
+        ),
     ),
 }
 
@@ -224,7 +269,7 @@ def test_auto_refuses_a_model_no_format_represents() -> None:
         choose_format(cfg)
     assert "moe.num_shared_experts" in str(e.value) and "moe.score_func" in str(e.value)
     with pytest.raises(ConfigError, match="unknown format"):
-        choose_format(cfg, "deepseek_v3")
+        choose_format(cfg, "llama4")
 
 
 def test_softmax_with_nonzero_bias_tensor_is_refused() -> None:
@@ -239,21 +284,108 @@ def test_softmax_with_nonzero_bias_tensor_is_refused() -> None:
     "setting, value",
     [("model__attention", "mla"), ("model__rope_interleave", True)],
 )
-def test_attention_no_family_has_yet_is_refused_by_key(setting: str, value: object) -> None:
-    """An MLA or interleaved-RoPE model has no registered family: every --format names the
-    setting (moetrain convert stopped on a bare KeyError before)."""
+def test_grouped_query_families_refuse_latent_attention_by_key(setting: str, value: object) -> None:
+    """An MLA or interleaved-RoPE model: every grouped-query family names the setting (moetrain
+    convert stopped on a bare KeyError once)."""
     from moetrain.convert.formats import problems
     from tests.helpers.configs import tiny_config
 
     extra = {}
     if value == "mla":
-        extra = dict(
-            model__n_kv_heads=4,
-            model__kv_lora_rank=16,
-            model__qk_nope_head_dim=8,
-            model__qk_rope_head_dim=8,
-            model__v_head_dim=8,
-        )
+        extra = {f"model__{k}": v for k, v in MLA_SHAPE.items() if k != "attention"}
     cfg = tiny_config(**{setting: value}, **extra)
     for fmt in FORMATS:
-        assert setting.replace("__", ".") in [k for k, _ in problems(fmt, cfg.model, cfg.moe)]
+        if family(fmt).attention == "gqa":
+            assert setting.replace("__", ".") in [k for k, _ in problems(fmt, cfg.model, cfg.moe)]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "model_kw", "moe_kw", "key"),
+    [
+        ("deepseek_v3", {}, {}, "model.attention"),
+        ("deepseek_v3", "mla", dict(num_shared_experts=1), "moe.score_func"),
+        (
+            "deepseek_v3",
+            "mla",
+            dict(score_func="sigmoid", num_shared_experts=1, n_group=2, group_score="max"),
+            "moe.group_score",
+        ),
+        ("deepseek_v3", "mla", dict(score_func="sigmoid"), "moe.num_shared_experts"),
+        ("deepseek_v2", "mla", dict(num_shared_experts=1), "model.rope_interleave"),
+        ("deepseek_v2", "mla+interleave", dict(num_shared_experts=1), "moe.renormalize"),
+        (
+            "deepseek_v2",
+            "mla+interleave",
+            dict(num_shared_experts=1, renormalize=False, n_group=2),
+            "moe.group_score",
+        ),
+        (
+            "deepseek_v2",
+            "mla+interleave",
+            dict(num_shared_experts=1, renormalize=False, bias_update_rate=0.1),
+            "moe.bias_update_rate",
+        ),
+    ],
+)
+def test_deepseek_formats_refuse_naming_the_setting(fmt, model_kw, moe_kw, key) -> None:
+    from tests.helpers.configs import tiny_config
+
+    model = {}
+    if model_kw:
+        model = {f"model.{k}": v for k, v in MLA_SHAPE.items()}
+        model["model.rope_interleave"] = model_kw == "mla+interleave"
+    cfg = tiny_config(model, {"moe.num_experts": 8}, {f"moe.{k}": v for k, v in moe_kw.items()})
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(cfg, fmt)
+
+
+def _deepseek_dict(family_name: str, **changes) -> dict:
+    from tests.helpers.hf_models import hf_config as tiny_hf_config
+
+    d = tiny_hf_config(family_name).to_dict()
+    d["architectures"] = [family(family_name).architecture]
+    return {**d, **changes}
+
+
+def test_deepseek_v3_config_imports_mla_yarn_and_routing() -> None:
+    cfg = config_from_hf(_deepseek_dict("deepseek_v3"))
+    m, moe = cfg.model, cfg.moe
+    assert (m.attention, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == ("mla", 12, 16, 12)
+    assert (m.qk_nope_head_dim, m.qk_rope_head_dim, m.rope_interleave) == (8, 8, True)
+    assert (m.rope_scaling, m.rope_factor, m.rope_original_max_seq_len) == ("yarn", 4.0, 16)
+    assert (m.rope_beta_fast, m.rope_beta_slow, m.rope_mscale_all_dim) == (24.0, 2.0, 0.8)
+    assert (moe.score_func, moe.n_group, moe.topk_group, moe.group_score) == (
+        "sigmoid",
+        4,
+        2,
+        "top2_sum",
+    )
+    assert (moe.route_scale, moe.num_shared_experts, moe.first_k_dense) == (2.5, 1, 1)
+    v2 = config_from_hf(_deepseek_dict("deepseek_v2")).moe
+    assert (v2.score_func, v2.renormalize, v2.group_score, v2.n_group) == (
+        "softmax",
+        False,
+        "max",
+        4,
+    )
+    greedy = config_from_hf(_deepseek_dict("deepseek_v2", topk_method="greedy")).moe
+    assert (greedy.n_group, greedy.topk_group) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "family_name, changes, key",
+    [
+        ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
+        ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
+        ("deepseek_v3", {"yarn_attention_factor": 2.0}, "rope_parameters.attention_factor"),
+        ("deepseek_v3", {"yarn_truncate": False}, "rope_parameters.truncate"),
+    ],
+)
+def test_deepseek_configs_moetrain_cannot_compute_are_refused(family_name, changes, key) -> None:
+    d = _deepseek_dict(family_name)
+    for name in ("attention_factor", "truncate"):
+        if f"yarn_{name}" in changes:
+            d["rope_parameters"] = {**d["rope_parameters"], name: changes.pop(f"yarn_{name}")}
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_hf({**d, **changes})

@@ -14,6 +14,8 @@ from typing import Any
 
 from moetrain.config import ConfigError
 from moetrain.convert.families import (
+    deepseek_v2,
+    deepseek_v3,
     glm4_moe,
     llama,
     mistral,
@@ -35,6 +37,8 @@ FAMILIES: dict[str, Family] = {
         qwen2_moe.FAMILY,
         glm4_moe.FAMILY,
         olmoe.FAMILY,
+        deepseek_v3.FAMILY,
+        deepseek_v2.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         qwen2.FAMILY,

@@ -46,6 +46,7 @@ class Family:
     problems: Callable[[ModelConfig, MoEConfig], list[tuple[str, str]]] | None = None
     to_hf: Callable[[Config], dict[str, Any]] | None = None  # -> transformers config kwargs
     names: WeightNames = WeightNames()
+    attention: str = "gqa"  # moetrain's model.attention of the family ("gqa" or "mla")
 
     @property
     def dense(self) -> bool:
@@ -144,7 +145,7 @@ def hf_common(cfg: Config) -> dict[str, Any]:
         num_experts_per_tok=moe.top_k,
         router_aux_loss_coef=moe.aux_loss_coef,
         initializer_range=model.init_std,
-        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
+        rope_parameters=rope_parameters(model),
     )
 
 
@@ -153,15 +154,17 @@ def dense_layers(cfg: Config) -> list[int]:
     return [i for i in range(cfg.model.n_layers) if not cfg.moe.is_moe_layer(i)]
 
 
-def model_from_hf(hf: Any) -> ModelConfig:
+def model_from_hf(hf: Any, yarn: bool = False) -> ModelConfig:
     """The transformer shape of a transformers config object (any Llama-like family); raises
-    ConfigError naming the field moetrain cannot represent."""
+    ConfigError naming the field moetrain cannot represent. ``yarn``: the family may scale its
+    RoPE with YaRN (:func:`rope_scaling_from_hf`)."""
 
     def get(name: str, default: Any = None) -> Any:
         return getattr(hf, name, default)
 
     rope = get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
+    scaling = rope_scaling_from_hf(rope, hf.max_position_embeddings) if yarn else {}
+    if not scaling and rope.get("rope_type", "default") != "default":
         raise ConfigError(f"rope_parameters: only plain RoPE imports; got {rope}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError("rope_parameters.partial_rotary_factor: moetrain rotates full heads")
@@ -183,7 +186,47 @@ def model_from_hf(hf: Any) -> ModelConfig:
         tie_embeddings=bool(get("tie_word_embeddings", False)),
         init_std=float(get("initializer_range", 0.02)),
         dense_hidden=hf.intermediate_size,
+        **scaling,
     )
+
+
+# moetrain's YaRN keys -> transformers' rope_parameters keys
+_YARN = {
+    "rope_factor": "factor",
+    "rope_original_max_seq_len": "original_max_position_embeddings",
+    "rope_beta_fast": "beta_fast",
+    "rope_beta_slow": "beta_slow",
+    "rope_mscale": "mscale",
+    "rope_mscale_all_dim": "mscale_all_dim",
+}
+
+
+def rope_scaling_from_hf(rope: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """The ModelConfig fields of a YaRN ``rope_parameters`` dict ({} for plain RoPE); raises
+    ConfigError for a YaRN setting moetrain does not compute."""
+    if rope.get("rope_type", "default") != "yarn":
+        return {}
+    if rope.get("attention_factor") is not None:
+        raise ConfigError("rope_parameters.attention_factor: moetrain derives it from mscale")
+    if not rope.get("truncate", True):
+        raise ConfigError("rope_parameters.truncate: moetrain truncates YaRN's correction range")
+    if rope.get("original_max_position_embeddings") is None:
+        raise ConfigError("rope_parameters.original_max_position_embeddings: YaRN needs it")
+    fields = {ours: rope.get(theirs) for ours, theirs in _YARN.items()}
+    if fields["rope_factor"] is None:  # transformers' rule: the ratio of the two contexts
+        fields["rope_factor"] = max_positions / fields["rope_original_max_seq_len"]
+    return {"rope_scaling": "yarn", **fields}
+
+
+def rope_parameters(model: ModelConfig) -> dict[str, Any]:
+    """transformers' ``rope_parameters`` of ``model`` (plain or YaRN)."""
+    if model.rope_scaling != "yarn":
+        return {"rope_type": "default", "rope_theta": model.rope_theta}
+    out = {"rope_type": "yarn", "rope_theta": model.rope_theta}
+    for ours, theirs in _YARN.items():
+        if getattr(model, ours) is not None:
+            out[theirs] = getattr(model, ours)
+    return out
 
 
 def moe_from_hf(hf: Any) -> MoEConfig:

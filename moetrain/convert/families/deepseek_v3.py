@@ -1,0 +1,148 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM; also DeepSeek-R1 / V3.1, Kimi K2, Moonlight): multi-head
+latent attention (``model.attention=mla``: the optional query LoRA, the compressed KV latent,
+the head-shared rotary key, ``rope_interleave``), plain or YaRN RoPE, sigmoid scores with the
+selection bias ``e_score_correction_bias`` (moetrain's aux-loss-free ``expert_bias``),
+group-limited routing scored by each group's two best experts, optional renormalisation,
+``routed_scaling_factor`` = ``moe.route_scale``, ungated shared experts, the first
+``first_k_dense_replace`` layers dense. The multi-token-prediction layers of a released
+checkpoint (``num_nextn_predict_layers``) are not part of transformers' model and are not
+imported; exports declare none."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.convert.families import base
+from moetrain.convert.families.base import Check, Family, WeightNames
+
+NAME = "DeepseekV3ForCausalLM"
+
+
+def latent_attention(model: ModelConfig, name: str) -> list[Check]:
+    """Multi-head latent attention, the rule of both DeepSeek families."""
+    return [
+        (model.attention != "mla", "model.attention", f"{name} has latent attention; must be mla")
+    ]
+
+
+def shared_experts(moe: MoEConfig, name: str) -> list[Check]:
+    """Ungated shared experts sized n_shared_experts x moe_intermediate_size (both families)."""
+    return [
+        (
+            moe.num_shared_experts == 0,
+            "moe.num_shared_experts",
+            f"{name} always has shared experts; must be >= 1",
+        ),
+        (moe.shared_expert_gate, "moe.shared_expert_gate", f"{name} does not gate them"),
+        (
+            moe.shared_hidden != moe.num_shared_experts * moe.expert_hidden,
+            "moe.shared_expert_hidden",
+            f"{name} sizes shared experts as n_shared_experts x moe_intermediate_size; "
+            "must be null or num_shared_experts * expert_hidden",
+        ),
+        (
+            moe.moe_every != 1,
+            "moe.moe_every",
+            f"{name} has MoE in every layer after first_k_dense_replace; must be 1",
+        ),
+    ]
+
+
+def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
+    return base.found(
+        [
+            base.dropless(moe, NAME),
+            *latent_attention(model, NAME),
+            (moe.score_func != "sigmoid", "moe.score_func", f"{NAME} routes with sigmoid"),
+            (
+                moe.topk_before_score,
+                "moe.topk_before_score",
+                f"{NAME} picks top-k on the scores; must be false",
+            ),
+            (
+                moe.n_group > 1 and moe.num_experts // moe.n_group < 2,
+                "moe.n_group",
+                f"{NAME} scores a group by its two best experts: groups need >= 2 experts",
+            ),
+            (
+                moe.n_group > 1 and moe.group_score != "top2_sum",
+                "moe.group_score",
+                f"{NAME} scores a group by the sum of its two best experts; must be top2_sum",
+            ),
+            *shared_experts(moe, NAME),
+        ]
+    )
+
+
+def mla_hf(cfg: Config) -> dict[str, Any]:
+    """The transformers fields both DeepSeek families share (attention, RoPE, MoE shape)."""
+    model, moe = cfg.model, cfg.moe
+    fields = {k: v for k, v in base.hf_common(cfg).items() if k != "head_dim"}
+    return dict(
+        fields,
+        intermediate_size=model.dense_hidden,
+        moe_intermediate_size=moe.expert_hidden,
+        n_routed_experts=moe.num_experts,
+        n_shared_experts=moe.num_shared_experts,
+        routed_scaling_factor=moe.route_scale,
+        n_group=moe.n_group,
+        topk_group=moe.topk_group,
+        first_k_dense_replace=moe.first_k_dense,
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_nope_head_dim=model.qk_nope_head_dim,
+        qk_rope_head_dim=model.qk_rope_head_dim,
+        v_head_dim=model.v_head_dim,
+        attention_bias=False,
+    )
+
+
+def to_hf(cfg: Config) -> dict[str, Any]:
+    return dict(
+        mla_hf(cfg),
+        norm_topk_prob=cfg.moe.renormalize,
+        rope_interleave=cfg.model.rope_interleave,
+        num_mtp_layers=0,
+    )
+
+
+def mla_from_hf(hf: Any) -> tuple[ModelConfig, MoEConfig]:
+    """The model and MoE sections both DeepSeek families share."""
+
+    def get(name: str, default: Any) -> Any:
+        return getattr(hf, name, default)
+
+    base.refuse_attention_bias(hf)
+    model, moe = base.model_from_hf(hf, yarn=True), base.moe_from_hf(hf)
+    model.attention, model.head_dim, model.n_kv_heads = "mla", None, model.n_heads
+    model.q_lora_rank, model.kv_lora_rank = get("q_lora_rank", None), hf.kv_lora_rank
+    model.qk_nope_head_dim, model.qk_rope_head_dim = hf.qk_nope_head_dim, hf.qk_rope_head_dim
+    model.v_head_dim = hf.v_head_dim
+    n_group = get("n_group", None) or 1
+    moe.n_group, moe.topk_group = int(n_group), int(get("topk_group", None) or 1)
+    moe.num_experts, moe.expert_hidden = hf.n_routed_experts, hf.moe_intermediate_size
+    moe.route_scale = float(get("routed_scaling_factor", 1.0))
+    moe.num_shared_experts = hf.n_shared_experts or 0
+    moe.first_k_dense = min(int(get("first_k_dense_replace", 0)), model.n_layers)
+    return model, moe
+
+
+def from_hf(hf: Any) -> Config:
+    model, moe = mla_from_hf(hf)
+    if getattr(hf, "scoring_func", "sigmoid") not in (None, "sigmoid"):
+        raise ConfigError(f"scoring_func: {NAME} routes with sigmoid; got {hf.scoring_func}")
+    model.rope_interleave = bool(getattr(hf, "rope_interleave", True))
+    moe.score_func, moe.renormalize = "sigmoid", bool(getattr(hf, "norm_topk_prob", True))
+    return base.finish(model, moe)
+
+
+FAMILY = Family(
+    name="deepseek_v3",
+    architecture=NAME,
+    from_hf=from_hf,
+    problems=problems,
+    to_hf=to_hf,
+    names=WeightNames(shared_expert="shared_experts", expert_bias="gate.e_score_correction_bias"),
+    attention="mla",
+)
