@@ -160,6 +160,8 @@ def _write_configs(cfg: Config, fmt: str, out: Path, dtype: str, tokenizer: Path
 
     special = load_tokenizer(tokenizer).special
     ids = dict(bos_token_id=special.bos, eos_token_id=special.eos, pad_token_id=special.pad)
+    # a tokenizer without one: null, not -1 (which transformers refuses) or the family's default
+    ids = {k: v if v >= 0 else None for k, v in ids.items()}
     hf = hf_config(cfg, fmt, **ids)
     hf.architectures = [family(fmt).architecture]
     hf.dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]

@@ -148,6 +148,25 @@ def test_convert_exports_the_same_tokenizer(tok_dir, tmp_path) -> None:
     assert gen["eos_token_id"] == auto.convert_tokens_to_ids(EOS_TOKEN)
 
 
+def test_a_tokenizer_without_pad_or_bos_converts(tok_dir, tmp_path) -> None:
+    """Mixtral's, Mistral's and Llama 3's tokenizers have no pad token: the exported configs
+    leave it unset (transformers refuses -1) and transformers loads the model."""
+    no_pad = tmp_path / "no_pad"
+    no_pad.mkdir()
+    (no_pad / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    del config["pad_token"]
+    (no_pad / "tokenizer_config.json").write_text(json.dumps(config))
+    hf_dir = save_hf_model("mixtral", tmp_path / "hf", tokenizer=no_pad)
+    out = convert_checkpoint(import_hf_checkpoint(hf_dir, tmp_path / "ckpt"), tmp_path / "out")
+    for name in ("config.json", "generation_config.json"):
+        saved = json.loads((out / name).read_text())
+        assert saved.get("pad_token_id") is None and saved.get("bos_token_id") is None, name
+        assert saved["eos_token_id"] == HFTokenizer(no_pad).eos_id, name
+    transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert transformers.AutoTokenizer.from_pretrained(out).pad_token is None
+
+
 def test_split_special_tokens_as_transformers_reads_it(tok_dir, tmp_path) -> None:
     """Special-token strings inside the text: read as the special token by default, kept as
     text with tokenizer_config.json's split_special_tokens (as AutoTokenizer does)."""
