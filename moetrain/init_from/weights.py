@@ -14,6 +14,8 @@ tensor's name and shape against the model before anything is read.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +35,7 @@ from moetrain.convert.hf import (
     is_expert_tensor,
 )
 from moetrain.convert.hf_files import HFWeights
-from moetrain.init_from.source import InitSource
+from moetrain.init_from.source import HF_CONFIG, InitSource
 from moetrain.init_from.upcycle import inexact_reasons, upcycled_dense_part, upcycled_experts
 from moetrain.model import param_names as pn
 from moetrain.model.moe.experts import pack_w13
@@ -41,6 +43,12 @@ from moetrain.model.transformer import Transformer
 
 Part = tuple[str, dict[str, torch.Tensor]]
 _W = ("w1", "w3", "w2")
+# tensors a file may hold that the model does not read: rotary tables, and attention biases
+# (from_hf_state_dict refuses non-zero ones)
+_NOT_READ = re.compile(r"(rotary_emb\.inv_freq|self_attn\.[qkvo]_proj\.bias)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# config.json's count of multi-token-prediction layers stored after the decoder layers
+_MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
 
 
 def _meta_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
@@ -72,13 +80,40 @@ def expected_hf_shapes(source: InitSource) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
+    """The tensors of a Hugging Face source that the model would not read, apart from the
+    tolerated ones (``_NOT_READ``, a tied head, and the multi-token-prediction layers after the
+    last decoder layer when config.json declares them, which transformers ignores too)."""
+    hf = json.loads((source.path / HF_CONFIG).read_text())
+    mtp = any(hf.get(key) for key in _MTP_KEYS)
+    n_layers, tied = source.config.model.n_layers, source.config.model.tie_embeddings
+    out = []
+    for name in HFWeights(source.path).names():
+        layer = _LAYER.match(name)
+        if name in expected or _NOT_READ.search(name) or (tied and name == "lm_head.weight"):
+            continue
+        if mtp and layer is not None and int(layer.group(1)) >= n_layers:
+            continue
+        out.append(name)
+    return out
+
+
 def check_source_tensors(source: InitSource) -> None:
-    """Every tensor the model needs is in the source with the right shape (reads headers
-    only); CheckpointError naming the tensor (and both shapes)."""
+    """Every tensor the model needs is in the source with the right shape, and every tensor
+    of the source is read (:func:`unread_tensors`); reads headers only. CheckpointError naming
+    the tensor (and both shapes)."""
     if source.kind != "huggingface":
         return  # a checkpoint's files are checked by its manifest and against its own config
     weights = HFWeights(source.path)
-    for name, shape in expected_hf_shapes(source).items():
+    expected = expected_hf_shapes(source)
+    unread = unread_tensors(source, set(expected))
+    if unread:
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise CheckpointError(
+            f"{source.path}: tensor {unread[0]}{more} is not part of the model its config.json "
+            f"describes ({source.describe()}); moetrain would drop it"
+        )
+    for name, shape in expected.items():
         if name not in weights.shapes:
             raise CheckpointError(f"{source.path}: tensor {name} is missing")
         if weights.shapes[name] != shape:

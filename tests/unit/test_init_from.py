@@ -157,6 +157,40 @@ def test_bad_sources_are_refused_by_name(hf_dirs, tmp_path) -> None:
         build_model(cfg, source)
 
 
+def test_tensors_the_model_would_drop_are_refused(hf_dirs, tmp_path) -> None:
+    """A tensor the config does not describe is refused by name (it would be dropped); the
+    multi-token-prediction layers of a DeepSeek-V3 checkpoint, after its last decoder layer,
+    are not read when config.json declares them, as transformers does."""
+    from safetensors.torch import load_file, save_file
+
+    def with_extra(family: str, extra: dict, **config) -> Path:
+        out = tmp_path / f"{family}-{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        hf = json.loads((hf_dirs[family] / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**hf, **config}))
+        tensors = load_file(hf_dirs[family] / "model.safetensors")
+        save_file({**tensors, **extra}, out / "model.safetensors")
+        return out
+
+    stray = {"model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)}
+    src = with_extra("mixtral", stray)
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.mlp\.extra_proj"):
+        import_hf_checkpoint(src, tmp_path / "ckpt-stray")
+    mtp = {
+        "model.layers.3.eh_proj.weight": torch.zeros(32, 64),
+        "model.layers.3.enorm.weight": torch.ones(32),
+    }
+    undeclared = with_extra("deepseek_v3", mtp)
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.3\.eh_proj.*1 more"):
+        import_hf_checkpoint(undeclared, tmp_path / "ckpt-undeclared")
+    declared = with_extra("deepseek_v3", mtp, num_nextn_predict_layers=1)
+    ids = torch.randint(0, 320, (1, 9))
+    cfg, source = resolved(f"checkpoint.init_from={declared}")
+    with torch.no_grad():
+        got = build_model(cfg, source).eval()(ids).logits
+    torch.testing.assert_close(got, hf_logits(hf_dirs["deepseek_v3"], ids), atol=1e-5, rtol=1e-5)
+
+
 def test_run_dir_checkpoint_wins_and_bad_init_from_writes_nothing(hf_dirs, tmp_path) -> None:
     """Precedence is read without touching run_dir; a bad source fails in run_training before
     run_dir exists."""
