@@ -62,9 +62,11 @@ class ModelConfig:
     # RoPE dims come in adjacent pairs (transformers' rope_interleave; DeepSeek's weights)
     # instead of first half / second half; any attention kind
     rope_interleave: bool = field(default=False, metadata=FUNCTION)
-    # RoPE scaling, any attention kind: "none" or "yarn" (the rope_* keys below: yarn only)
-    rope_scaling: Literal["none", "yarn"] = field(default="none", metadata=FUNCTION)
-    # YaRN: context extension factor (required), the pretraining context it extends (required)
+    # RoPE scaling, any attention kind: "none", "yarn" or "llama3" (Llama 3.1's; the rope_*
+    # keys below apply to the scaling they name)
+    rope_scaling: Literal["none", "yarn", "llama3"] = field(default="none", metadata=FUNCTION)
+    # YaRN and llama3: context extension factor and the pretraining context it extends (both
+    # required)
     rope_factor: float | None = field(default=None, metadata=at_least(1) | FUNCTION)
     rope_original_max_seq_len: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
     # YaRN's ramp: dims rotating more than beta_fast times in the original context keep their
@@ -74,6 +76,10 @@ class ModelConfig:
     # YaRN's mscale / mscale_all_dim (unset: as transformers without the key; rope.py)
     rope_mscale: float | None = field(default=None, metadata=above(0) | FUNCTION)
     rope_mscale_all_dim: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # llama3: wavelengths longer than original / low_freq_factor are divided by the factor,
+    # shorter than original / high_freq_factor kept, blended between (both required)
+    rope_low_freq_factor: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    rope_high_freq_factor: float | None = field(default=None, metadata=above(0) | FUNCTION)
 
     @property
     def attention_head_dim(self) -> int:
@@ -149,20 +155,28 @@ class ModelConfig:
             require(not is_set, f"model.{key}", "does not apply with model.attention=mla")
 
     def _validate_rope_scaling(self) -> None:
-        if self.rope_scaling != "yarn":
-            for key in _YARN_KEYS:
-                require(
-                    getattr(self, key) is None,
-                    f"model.{key}",
-                    "only applies with model.rope_scaling=yarn",
-                )
-            return
-        for key in _YARN_KEYS[:2]:
+        scaling = self.rope_scaling
+        for key, applies in _SCALING_KEYS.items():
+            require(
+                scaling in applies or getattr(self, key) is None,
+                f"model.{key}",
+                f"only applies with model.rope_scaling={' or '.join(applies)}",
+            )
+        for key in _REQUIRED_KEYS.get(scaling, ()):
             require(
                 getattr(self, key) is not None,
                 f"model.{key}",
-                "must be set with model.rope_scaling=yarn",
+                f"must be set with model.rope_scaling={scaling}",
             )
+        if scaling == "llama3":
+            low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+            require(
+                high > low,
+                "model.rope_high_freq_factor",
+                f"must be greater than model.rope_low_freq_factor={low:g}; got {high:g}",
+            )
+        if scaling != "yarn":
+            return
         fast, slow = self.yarn_betas
         require(
             fast > slow,
@@ -172,14 +186,26 @@ class ModelConfig:
 
 
 _MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-_YARN_KEYS = (
-    "rope_factor",
-    "rope_original_max_seq_len",
-    "rope_beta_fast",
-    "rope_beta_slow",
-    "rope_mscale",
-    "rope_mscale_all_dim",
-)
+# each RoPE-scaling key -> the scalings it applies to; the keys each scaling requires
+_SCALING_KEYS = {
+    "rope_factor": ("yarn", "llama3"),
+    "rope_original_max_seq_len": ("yarn", "llama3"),
+    "rope_beta_fast": ("yarn",),
+    "rope_beta_slow": ("yarn",),
+    "rope_mscale": ("yarn",),
+    "rope_mscale_all_dim": ("yarn",),
+    "rope_low_freq_factor": ("llama3",),
+    "rope_high_freq_factor": ("llama3",),
+}
+_REQUIRED_KEYS = {
+    "yarn": ("rope_factor", "rope_original_max_seq_len"),
+    "llama3": (
+        "rope_factor",
+        "rope_original_max_seq_len",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+    ),
+}
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE): the frequency tables, YaRN scaling, and the rotation.
+"""Rotary position embeddings (RoPE): the frequency tables, YaRN and llama3 scaling, and the
+rotation.
 
 Shape legend: S sequence, R rotary dims (a head's dims that are rotated), B batch, H heads.
 
@@ -18,6 +19,11 @@ context (floored / ceiled), and cos/sin are multiplied by the attention factor
 with ``m(s, a) = 0.1 * a * ln(s) + 1`` (1 for ``s <= 1``). Multi-head latent attention also
 multiplies its softmax scale by ``m(factor, mscale_all_dim) ** 2`` (:func:`softmax_mscale`),
 as DeepSeek's models do; grouped-query attention does not, as transformers' Llama does not.
+
+Llama 3.1's scaling (``rope_scaling: llama3``, transformers' ``_compute_llama3_parameters``):
+frequencies whose wavelength exceeds ``original / low_freq_factor`` are divided by ``factor``,
+those shorter than ``original / high_freq_factor`` kept, and those between blended linearly in
+``original / wavelength``; cos and sin are not rescaled.
 """
 
 from __future__ import annotations
@@ -60,14 +66,35 @@ def yarn_inv_freq(
     return interpolation * (1 - keep) + extrapolation * keep
 
 
+def llama3_inv_freq(
+    dim: int, theta: float, factor: float, original_len: int, low: float, high: float
+) -> torch.Tensor:
+    """Llama 3.1's ``(dim // 2,)`` inverse frequencies (fp32): wavelengths longer than
+    ``original_len / low`` divided by ``factor``, shorter than ``original_len / high`` kept,
+    and in between blended by ``(original_len / wavelength - low) / (high - low)``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((original_len / wavelen - low) / (high - low)).clamp(0, 1)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
 def rope_tables(
     dim: int, max_seq_len: int, theta: float, cfg: ModelConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos_SR, sin_SR)`` in fp32 for positions ``0 .. max_seq_len - 1`` of ``dim`` rotary
-    dims; with ``cfg`` and ``cfg.rope_scaling == "yarn"``, YaRN's frequencies and attention
-    factor (``cfg``'s other keys are not read)."""
+    dims; with ``cfg``, the frequencies (and YaRN's attention factor) of
+    ``cfg.rope_scaling`` (``cfg``'s other keys are not read)."""
     factor = 1.0
-    if cfg is not None and cfg.rope_scaling == "yarn":
+    if cfg is not None and cfg.rope_scaling == "llama3":
+        inv_freq = llama3_inv_freq(
+            dim,
+            theta,
+            cfg.rope_factor,
+            cfg.rope_original_max_seq_len,
+            cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor,
+        )
+    elif cfg is not None and cfg.rope_scaling == "yarn":
         inv_freq = yarn_inv_freq(
             dim,
             theta,

@@ -389,3 +389,57 @@ def test_deepseek_configs_moetrain_cannot_compute_are_refused(family_name, chang
             d["rope_parameters"] = {**d["rope_parameters"], name: changes.pop(f"yarn_{name}")}
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_from_hf({**d, **changes})
+
+
+SCALED_ROPE = {
+    "yarn": {
+        "model.rope_scaling": "yarn",
+        "model.rope_factor": 4.0,
+        "model.rope_original_max_seq_len": 16,
+        "model.rope_beta_fast": 24.0,
+    },
+    "llama3": {
+        "model.rope_scaling": "llama3",
+        "model.rope_factor": 8.0,
+        "model.rope_original_max_seq_len": 16,
+        "model.rope_low_freq_factor": 1.0,
+        "model.rope_high_freq_factor": 4.0,
+    },
+}
+
+
+@pytest.mark.parametrize("scaling", list(SCALED_ROPE))
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if family(f).attention == "gqa"])
+def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, scaling) -> None:
+    """YaRN and Llama 3.1's RoPE scaling in every grouped-query family: transformers' logits
+    (the scaling changes them), and the rope_parameters come back as they went."""
+    cfg = tiny_cfg(fmt, SCALED_ROPE[scaling])
+    model = model_for(cfg)
+    hf = load_hf(cfg, model, fmt, tmp_path)
+    assert hf.config.rope_parameters["rope_type"] == scaling
+    ids = torch.randint(0, 96, (2, 60), generator=torch.Generator().manual_seed(0))
+    plain = Transformer(dataclasses.replace(tiny_cfg(fmt).model), cfg.moe).eval()
+    plain.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        ref, got = hf(input_ids=ids).logits, model(ids).logits
+        assert (plain(ids).logits - got).abs().max() > 1e-4  # well above the tolerance below
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    back = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert back.model == cfg.model or fmt in ("mixtral", "olmoe")  # (no dense FFN to carry)
+    for key in SCALED_ROPE[scaling]:
+        name = key.removeprefix("model.")
+        assert getattr(back.model, name) == getattr(cfg.model, name), key
+
+
+def test_unknown_rope_type_is_refused_by_name() -> None:
+    d = hf_config(tiny_cfg("mixtral"), "mixtral").to_dict()
+    d["architectures"] = ["MixtralForCausalLM"]
+    d["rope_parameters"] = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 16,
+    }
+    with pytest.raises(ConfigError, match=r"rope_parameters\.rope_type: .*'longrope'"):
+        config_from_hf(d)

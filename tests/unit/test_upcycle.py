@@ -76,6 +76,36 @@ def test_upcycled_copies_compute_the_dense_model(dense, family) -> None:
     assert init_record(source, cfg)["upcycled"]["dense_function_at_step_0"]
 
 
+def test_llama_3_2_style_source_upcycles_exactly(tmp_path) -> None:
+    """Llama 3.2's flags (llama3 RoPE scaling, tied embeddings): the upcycled MoE computes the
+    dense model at step 0, in moetrain and, after import and convert, in transformers."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 5000.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 16,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }
+    tok = save_hf_tokenizer(["def f(x):\n    return x + 1"] * 20, 300, tmp_path / "tok")
+    overrides = {"rope_parameters": rope, "tie_word_embeddings": True}
+    src = save_hf_model("llama", tmp_path / "llama32", tokenizer=tok, overrides=overrides)
+    got, cfg, _, _ = upcycled(src, *EXACT["copies"])
+    assert (cfg.model.rope_scaling, cfg.model.rope_factor, cfg.model.tie_embeddings) == (
+        "llama3",
+        32.0,
+        True,
+    )
+    ref = dense_logits(src)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert main(["import", str(src), str(tmp_path / "ckpt"), *EXACT["copies"]]) == 0
+    out = convert_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert hf.config.rope_parameters["rope_type"] == "llama3"
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=IDS).logits, ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("case", list(EXACT)[1:])
 def test_upcycled_variants_compute_the_dense_model(dense, case) -> None:
     got, cfg, _, model = upcycled(dense["qwen2"], *EXACT[case])

@@ -84,11 +84,10 @@ def per_head_norm(model: ModelConfig, name: str) -> Check:
 
 
 def plain_attention(model: ModelConfig, name: str) -> list[Check]:
-    """Grouped-query attention with plain rotary embeddings (the first half / second half
-    layout): every family registered today."""
+    """Grouped-query attention with rotary embeddings in the first half / second half layout
+    (plain or scaled: transformers computes every rope_type for every family)."""
     return [
         (model.attention != "gqa", "model.attention", f"{name} has grouped-query attention"),
-        (model.rope_scaling != "none", "model.rope_scaling", f"{name} has unscaled RoPE"),
         (model.rope_interleave, "model.rope_interleave", f"{name} rotates half-split heads"),
     ]
 
@@ -154,18 +153,16 @@ def dense_layers(cfg: Config) -> list[int]:
     return [i for i in range(cfg.model.n_layers) if not cfg.moe.is_moe_layer(i)]
 
 
-def model_from_hf(hf: Any, yarn: bool = False) -> ModelConfig:
-    """The transformer shape of a transformers config object (any Llama-like family); raises
-    ConfigError naming the field moetrain cannot represent. ``yarn``: the family may scale its
-    RoPE with YaRN (:func:`rope_scaling_from_hf`)."""
+def model_from_hf(hf: Any) -> ModelConfig:
+    """The transformer shape of a transformers config object (any Llama-like family), its RoPE
+    scaling included (:func:`rope_scaling_from_hf`); raises ConfigError naming the field
+    moetrain cannot represent."""
 
     def get(name: str, default: Any = None) -> Any:
         return getattr(hf, name, default)
 
     rope = get("rope_parameters") or {}
-    scaling = rope_scaling_from_hf(rope, hf.max_position_embeddings) if yarn else {}
-    if not scaling and rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"rope_parameters: only plain RoPE imports; got {rope}")
+    scaling = rope_scaling_from_hf(rope, hf.max_position_embeddings)
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError("rope_parameters.partial_rotary_factor: moetrain rotates full heads")
     if get("hidden_act", "silu") != "silu":
@@ -190,40 +187,55 @@ def model_from_hf(hf: Any, yarn: bool = False) -> ModelConfig:
     )
 
 
-# moetrain's YaRN keys -> transformers' rope_parameters keys
-_YARN = {
-    "rope_factor": "factor",
-    "rope_original_max_seq_len": "original_max_position_embeddings",
-    "rope_beta_fast": "beta_fast",
-    "rope_beta_slow": "beta_slow",
-    "rope_mscale": "mscale",
-    "rope_mscale_all_dim": "mscale_all_dim",
+# moetrain's RoPE-scaling keys -> transformers' rope_parameters keys, per rope_type
+_SCALING = {
+    "yarn": {
+        "rope_factor": "factor",
+        "rope_original_max_seq_len": "original_max_position_embeddings",
+        "rope_beta_fast": "beta_fast",
+        "rope_beta_slow": "beta_slow",
+        "rope_mscale": "mscale",
+        "rope_mscale_all_dim": "mscale_all_dim",
+    },
+    "llama3": {
+        "rope_factor": "factor",
+        "rope_original_max_seq_len": "original_max_position_embeddings",
+        "rope_low_freq_factor": "low_freq_factor",
+        "rope_high_freq_factor": "high_freq_factor",
+    },
 }
 
 
 def rope_scaling_from_hf(rope: dict[str, Any], max_positions: int) -> dict[str, Any]:
-    """The ModelConfig fields of a YaRN ``rope_parameters`` dict ({} for plain RoPE); raises
-    ConfigError for a YaRN setting moetrain does not compute."""
-    if rope.get("rope_type", "default") != "yarn":
+    """The ModelConfig fields of a ``rope_parameters`` dict: {} for plain RoPE, YaRN's or
+    llama3's keys; raises ConfigError for a rope_type or a setting moetrain does not compute."""
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
         return {}
+    if kind not in _SCALING:
+        raise ConfigError(
+            f"rope_parameters.rope_type: moetrain computes default, yarn and llama3; got {kind!r}"
+        )
+    if kind == "llama3":
+        return {"rope_scaling": "llama3", **{k: rope.get(v) for k, v in _SCALING[kind].items()}}
     if rope.get("attention_factor") is not None:
         raise ConfigError("rope_parameters.attention_factor: moetrain derives it from mscale")
     if not rope.get("truncate", True):
         raise ConfigError("rope_parameters.truncate: moetrain truncates YaRN's correction range")
     if rope.get("original_max_position_embeddings") is None:
         raise ConfigError("rope_parameters.original_max_position_embeddings: YaRN needs it")
-    fields = {ours: rope.get(theirs) for ours, theirs in _YARN.items()}
+    fields = {ours: rope.get(theirs) for ours, theirs in _SCALING["yarn"].items()}
     if fields["rope_factor"] is None:  # transformers' rule: the ratio of the two contexts
         fields["rope_factor"] = max_positions / fields["rope_original_max_seq_len"]
     return {"rope_scaling": "yarn", **fields}
 
 
 def rope_parameters(model: ModelConfig) -> dict[str, Any]:
-    """transformers' ``rope_parameters`` of ``model`` (plain or YaRN)."""
-    if model.rope_scaling != "yarn":
+    """transformers' ``rope_parameters`` of ``model`` (plain, YaRN or llama3)."""
+    if model.rope_scaling == "none":
         return {"rope_type": "default", "rope_theta": model.rope_theta}
-    out = {"rope_type": "yarn", "rope_theta": model.rope_theta}
-    for ours, theirs in _YARN.items():
+    out = {"rope_type": model.rope_scaling, "rope_theta": model.rope_theta}
+    for ours, theirs in _SCALING[model.rope_scaling].items():
         if getattr(model, ours) is not None:
             out[theirs] = getattr(model, ours)
     return out

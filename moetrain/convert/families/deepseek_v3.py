@@ -114,7 +114,7 @@ def mla_from_hf(hf: Any) -> tuple[ModelConfig, MoEConfig]:
         return getattr(hf, name, default)
 
     base.refuse_attention_bias(hf)
-    model, moe = base.model_from_hf(hf, yarn=True), base.moe_from_hf(hf)
+    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
     model.attention, model.head_dim, model.n_kv_heads = "mla", None, model.n_heads
     model.q_lora_rank, model.kv_lora_rank = get("q_lora_rank", None), hf.kv_lora_rank
     model.qk_nope_head_dim, model.qk_rope_head_dim = hf.qk_nope_head_dim, hf.qk_rope_head_dim
