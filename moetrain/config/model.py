@@ -59,6 +59,11 @@ class ModelConfig:
     # the rotary part of each query head and of the one key shared by all heads (even)
     qk_rope_head_dim: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
     v_head_dim: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    # grouped-query attention: the fraction of each head's dims RoPE rotates (its first
+    # head_dim * factor dims, even; GLM-4.5's 0.5); the others carry no position
+    partial_rotary_factor: float = field(
+        default=1.0, metadata=between(0, 1, low_open=True) | FUNCTION
+    )
     # RoPE dims come in adjacent pairs (transformers' rope_interleave; DeepSeek's weights)
     # instead of first half / second half; any attention kind
     rope_interleave: bool = field(default=False, metadata=FUNCTION)
@@ -94,7 +99,7 @@ class ModelConfig:
         """How many dims of a query / key head RoPE rotates."""
         if self.attention == "mla":
             return self.qk_rope_head_dim or 0
-        return self.attention_head_dim
+        return int(self.attention_head_dim * self.partial_rotary_factor)
 
     @property
     def yarn_betas(self) -> tuple[float, float]:
@@ -126,6 +131,12 @@ class ModelConfig:
             f"must be even for rotary embeddings; got {self.attention_head_dim}",
         )
         require(
+            self.rope_dim > 0 and self.rope_dim % 2 == 0,
+            "model.partial_rotary_factor",
+            f"must rotate an even number of dims, at least 2, of the {self.attention_head_dim} "
+            f"of a head; {self.partial_rotary_factor:g} rotates {self.rope_dim}",
+        )
+        require(
             self.n_heads % self.n_kv_heads == 0,
             "model.n_kv_heads",
             f"must divide model.n_heads={self.n_heads}; got {self.n_kv_heads}",
@@ -150,6 +161,7 @@ class ModelConfig:
             f"its own keys and values, from the shared latent); got {self.n_kv_heads}",
         )
         unused = {"head_dim": self.head_dim is not None, "qk_norm": self.qk_norm}
+        unused["partial_rotary_factor"] = self.partial_rotary_factor != 1.0
         unused["qkv_bias"] = self.qkv_bias
         for key, is_set in unused.items():
             require(not is_set, f"model.{key}", "does not apply with model.attention=mla")

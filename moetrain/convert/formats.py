@@ -16,7 +16,8 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
     fam = family(fmt)
     if fam.problems is None:
         raise ConfigError(f"--format: {fmt} is a dense family; choose auto or one of {FORMATS}")
-    common = plain_attention(model, fam.architecture) if fam.attention == "gqa" else []
+    gqa = fam.attention == "gqa"
+    common = plain_attention(model, fam.architecture, fam.partial_rotary) if gqa else []
     return found(common) + fam.problems(model, moe)
 
 

@@ -144,9 +144,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(
     x_BHSR: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor, interleaved: bool = False
 ) -> torch.Tensor:
-    """Rotate queries or keys laid out (B, heads, S, R) by the first S rows of the tables;
+    """Rotate queries or keys laid out (B, heads, S, Hd) by the first S rows of the tables;
+    with tables narrower than the head (``model.partial_rotary_factor``), only its first R dims;
     ``interleaved``: the rotary dims come in adjacent pairs (see the module docstring)."""
-    s = x_BHSR.shape[-2]
+    s, r = x_BHSR.shape[-2], cos_SR.shape[-1]
+    if r < x_BHSR.shape[-1]:  # partial rotary: the first r dims turn, the others pass
+        turned = apply_rope(x_BHSR[..., :r], cos_SR, sin_SR, interleaved)
+        return torch.cat((turned, x_BHSR[..., r:]), dim=-1)
     cos, sin = cos_SR[:s].to(x_BHSR.dtype), sin_SR[:s].to(x_BHSR.dtype)
     if interleaved:
         x_BHSR = torch.cat((x_BHSR[..., 0::2], x_BHSR[..., 1::2]), dim=-1)

@@ -56,18 +56,19 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             decoder_sparse_step=2,
         ),
         "olmoe": lambda: transformers.OlmoeConfig(**moe, intermediate_size=24, num_experts=4),
-        "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        "glm4_moe": lambda: transformers.Glm4MoeConfig(  # GLM-4.5's flags
             **{
                 **moe,
-                "rope_parameters": {**SMALL["rope_parameters"], "partial_rotary_factor": 1.0},
+                "rope_parameters": {**SMALL["rope_parameters"], "partial_rotary_factor": 0.5},
             },
+            attention_bias=True,
             intermediate_size=40,
             moe_intermediate_size=24,
             n_routed_experts=4,
             n_shared_experts=1,
             first_k_dense_replace=1,
             routed_scaling_factor=1.5,
-            use_qk_norm=True,
+            use_qk_norm=False,
             n_group=1,
             topk_group=1,
             num_mtp_layers=0,

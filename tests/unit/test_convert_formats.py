@@ -45,7 +45,7 @@ CASES = {
     ),
     "qwen3_moe": dict(model=dict(qk_norm=True), moe=dict(first_k_dense=1)),
     "glm4_moe": dict(
-        model=dict(qk_norm=True),
+        model=dict(qk_norm=True, qkv_bias=True, partial_rotary_factor=0.5),
         moe=dict(
             score_func="sigmoid",
             first_k_dense=1,
@@ -201,6 +201,7 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
         ),
         ("qwen3_moe", dict(qk_norm=True, qk_norm_scope="projection"), {}, "model.qk_norm_scope"),
         ("mixtral", dict(qkv_bias=True), {}, "model.qkv_bias"),
+        ("mixtral", dict(partial_rotary_factor=0.5), {}, "model.partial_rotary_factor"),
         ("qwen2_moe", {}, dict(num_shared_experts=1), "moe.shared_expert_gate"),
         ("qwen2_moe", {}, {}, "moe.num_shared_experts"),
         ("qwen3_moe", {}, {}, "model.qk_norm"),

@@ -16,7 +16,8 @@ from tests.helpers.configs import tiny_config
 transformers = pytest.importorskip("transformers")
 
 
-def test_kv_cache_logits_equal_full_recompute() -> None:
+@pytest.mark.parametrize("partial_rotary", [1.0, 0.5])
+def test_kv_cache_logits_equal_full_recompute(partial_rotary: float) -> None:
     torch.manual_seed(0)
     cfg = tiny_config(
         {
@@ -25,6 +26,7 @@ def test_kv_cache_logits_equal_full_recompute() -> None:
             "model.max_seq_len": 40,
             "model.qk_norm": True,
             "model.init_std": 0.1,
+            "model.partial_rotary_factor": partial_rotary,
             "moe.first_k_dense": 1,
             "moe.num_shared_experts": 1,
         }

@@ -47,6 +47,7 @@ class Family:
     to_hf: Callable[[Config], dict[str, Any]] | None = None  # -> transformers config kwargs
     names: WeightNames = WeightNames()
     attention: str = "gqa"  # moetrain's model.attention of the family ("gqa" or "mla")
+    partial_rotary: bool = False  # its attention can rotate part of each head (GLM)
 
     @property
     def dense(self) -> bool:
@@ -83,12 +84,18 @@ def per_head_norm(model: ModelConfig, name: str) -> Check:
     )
 
 
-def plain_attention(model: ModelConfig, name: str) -> list[Check]:
+def plain_attention(model: ModelConfig, name: str, partial: bool = False) -> list[Check]:
     """Grouped-query attention with rotary embeddings in the first half / second half layout
-    (plain or scaled: transformers computes every rope_type for every family)."""
+    (plain or scaled: transformers computes every rope_type for every family), over whole heads
+    unless ``partial``."""
     return [
         (model.attention != "gqa", "model.attention", f"{name} has grouped-query attention"),
         (model.rope_interleave, "model.rope_interleave", f"{name} rotates half-split heads"),
+        (
+            not partial and model.partial_rotary_factor != 1.0,
+            "model.partial_rotary_factor",
+            f"{name} rotates whole heads; must be 1",
+        ),
     ]
 
 
@@ -163,8 +170,7 @@ def model_from_hf(hf: Any) -> ModelConfig:
 
     rope = get("rope_parameters") or {}
     scaling = rope_scaling_from_hf(rope, hf.max_position_embeddings)
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError("rope_parameters.partial_rotary_factor: moetrain rotates full heads")
+    partial = float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0)))
     if get("hidden_act", "silu") != "silu":
         raise ConfigError(
             f"hidden_act: moetrain experts are SwiGLU (silu); got {get('hidden_act')}"
@@ -183,6 +189,7 @@ def model_from_hf(hf: Any) -> ModelConfig:
         tie_embeddings=bool(get("tie_word_embeddings", False)),
         init_std=float(get("initializer_range", 0.02)),
         dense_hidden=hf.intermediate_size,
+        partial_rotary_factor=partial,
         **scaling,
     )
 
@@ -232,10 +239,11 @@ def rope_scaling_from_hf(rope: dict[str, Any], max_positions: int) -> dict[str, 
 
 def rope_parameters(model: ModelConfig) -> dict[str, Any]:
     """transformers' ``rope_parameters`` of ``model`` (plain, YaRN or llama3)."""
-    if model.rope_scaling == "none":
-        return {"rope_type": "default", "rope_theta": model.rope_theta}
-    out = {"rope_type": model.rope_scaling, "rope_theta": model.rope_theta}
-    for ours, theirs in _SCALING[model.rope_scaling].items():
+    kind = "default" if model.rope_scaling == "none" else model.rope_scaling
+    out = {"rope_type": kind, "rope_theta": model.rope_theta}
+    if model.partial_rotary_factor != 1.0:
+        out["partial_rotary_factor"] = model.partial_rotary_factor
+    for ours, theirs in _SCALING.get(model.rope_scaling, {}).items():
         if getattr(model, ours) is not None:
             out[theirs] = getattr(model, ours)
     return out

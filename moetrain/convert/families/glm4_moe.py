@@ -3,8 +3,11 @@
 scores, optional renormalisation, ``routed_scaling_factor`` = ``moe.route_scale``, ungated shared
 experts, the first ``first_k_dense_replace`` layers dense, group-limited routing ``n_group`` /
 ``topk_group`` = ``moe.n_group`` / ``moe.topk_group`` (a group scored by its two best biased
-scores, the other groups' experts excluded), full rotary (``partial_rotary_factor = 1``), no
-attention bias."""
+scores, the other groups' experts excluded), rotary over the first ``partial_rotary_factor`` of
+each head (``model.partial_rotary_factor``; GLM-4.5's 0.5), q/k/v biases with
+``attention_bias`` (``model.qkv_bias``; the output projection has none). The
+multi-token-prediction layers of a released GLM-4.5 (``num_nextn_predict_layers``) are not
+imported."""
 
 from __future__ import annotations
 
@@ -21,7 +24,6 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
     return base.found(
         [
             base.dropless(moe, NAME),
-            base.no_qkv_bias(model, NAME),
             (moe.score_func != "sigmoid", "moe.score_func", f"{NAME} routes with sigmoid"),
             base.per_head_norm(model, NAME),
             (
@@ -59,7 +61,9 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
 
 def to_hf(cfg: Config) -> dict[str, Any]:
     model, moe, fields = cfg.model, cfg.moe, base.hf_common(cfg)
-    fields["rope_parameters"] = dict(fields["rope_parameters"], partial_rotary_factor=1.0)
+    fields["rope_parameters"] = dict(
+        fields["rope_parameters"], partial_rotary_factor=model.partial_rotary_factor
+    )
     return dict(
         fields,
         intermediate_size=model.dense_hidden,
@@ -72,7 +76,7 @@ def to_hf(cfg: Config) -> dict[str, Any]:
         first_k_dense_replace=moe.first_k_dense,
         norm_topk_prob=moe.renormalize,
         use_qk_norm=model.qk_norm,
-        attention_bias=False,
+        attention_bias=model.qkv_bias,
         num_mtp_layers=0,
     )
 
@@ -83,7 +87,7 @@ def from_hf(hf: Any) -> Config:
 
     model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
     moe.n_group, moe.topk_group = int(get("n_group", 1)), int(get("topk_group", 1))
-    base.refuse_attention_bias(hf)
+    model.qkv_bias = bool(get("attention_bias", False))
     moe.num_experts, moe.expert_hidden = hf.n_routed_experts, hf.moe_intermediate_size
     moe.score_func, moe.renormalize = "sigmoid", bool(get("norm_topk_prob", True))
     moe.route_scale = float(get("routed_scaling_factor", 1.0))
@@ -100,4 +104,5 @@ FAMILY = Family(
     problems=problems,
     to_hf=to_hf,
     names=WeightNames(shared_expert="shared_experts", expert_bias="gate.e_score_correction_bias"),
+    partial_rotary=True,
 )
