@@ -12,6 +12,7 @@ same seed, token stream, optimizer, schedule and clipping, through the command a
 - ``hf``: ``MixtralForCausalLM`` + DeepSpeed ZeRO from the ``moe`` run's first weights.
 ``--world`` ranks (default 1 rank with 2 threads and the quickstart's global batch of 16
 sequences: the layouts compute the same, see the parity tests, and one rank is faster here).
+``--threads 1`` lets the kinds run side by side (one command per ``--kinds``; ``prepare`` first).
 Runs go seed by seed; a finished run (its last validation loss written) is skipped, so the
 command can be repeated to add seeds. Extra ``key=value`` arguments after ``--`` go to every run.
 """
@@ -32,13 +33,13 @@ KINDS = ("moe", "dense", "hf")
 DENSE = ["moe.first_k_dense=4", "model.dense_hidden=512", "parallel.ep_size=1"]
 
 
-def common(steps: int, seed: int, world: int) -> list[str]:
+def common(steps: int, seed: int, world: int, threads: int) -> list[str]:
     """Overrides every run of one seed shares (global batch 16 x 128 tokens at any world)."""
     return [
         f"seed={seed}",
         f"train.max_steps={steps}",
         f"train.micro_batch_size={16 // world}",
-        f"train.threads_per_rank={2 // world}",
+        f"train.threads_per_rank={threads}",
         f"parallel.ep_size={world}",
         "train.eval_every=250",
         "train.eval_steps=18",  # 288 sequences: the whole validation split
@@ -84,11 +85,12 @@ def run(args: argparse.Namespace) -> None:
             out = args.out / f"{kind}-seed{seed}"
             if finished(out, args.steps):
                 continue
-            overrides = common(args.steps, seed, args.world) + args.overrides
+            threads = args.threads or 2 // args.world
+            overrides = common(args.steps, seed, args.world, threads) + args.overrides
             log = args.out / f"{kind}-seed{seed}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             print(f"{kind} seed {seed}: {log}", flush=True)
-            env = dict(os.environ, OMP_NUM_THREADS=str(2 // args.world))
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads))
             with open(log, "a") as f:
                 subprocess.run(
                     command(kind, out, overrides, args.world),
@@ -181,6 +183,7 @@ def main() -> None:
     r.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235])
     r.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     r.add_argument("--world", type=int, choices=(1, 2), default=1)
+    r.add_argument("--threads", type=int, help="threads per rank (default 2 / world)")
     r.add_argument("overrides", nargs="*")
     p = sub.add_parser("report")
     p.add_argument("--out", type=Path, required=True)
