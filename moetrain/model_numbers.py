@@ -3,7 +3,9 @@
 FLOPs follow the usual convention (Kaplan et al., PaLM appendix B): 6 FLOPs per active matmul
 parameter per token for forward + backward, plus attention scores and values,
 6 x n_layers x n_heads x (qk_head_dim + v_head_dim) x seq_len per token (12 x ... x head_dim
-for grouped-query attention; the causal mask is not discounted).
+for grouped-query attention; the causal mask is not discounted). Multi-token-prediction
+modules count as the blocks they are, plus their norms, ``eh_proj`` and one more LM-head
+matmul each (their parameters are in the totals; the training FLOPs include them).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class ModelNumbers:
     expert_params: int  # routed-expert weights, all layers
     num_moe_layers: int
     flops_per_token: float  # training (forward + backward) FLOPs per token
+    mtp_params: int = 0  # the multi-token-prediction modules (in total and active params)
 
     def as_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -59,7 +62,7 @@ def _attention_vectors(m: ModelConfig) -> int:
 def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:
     """Training FLOPs of the scores and values of every layer, per token."""
     v_dim = m.v_head_dim if m.attention == "mla" else m.attention_head_dim
-    return 6 * m.n_layers * m.n_heads * (m.attention_head_dim + v_dim) * seq_len
+    return 6 * m.n_blocks * m.n_heads * (m.attention_head_dim + v_dim) * seq_len
 
 
 def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
@@ -75,9 +78,11 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     shared_gate = d if (e.num_shared_experts and e.shared_expert_gate) else 0
     router = d * e.num_experts
 
-    total = active = matmul_active = 0
+    total = active = matmul_active = mtp = 0
     n_moe = 0
-    for layer in range(m.n_layers):
+    for layer in range(m.n_blocks):
+        if layer == m.n_layers:
+            mtp = total
         total += attn + vectors
         active += attn + vectors
         matmul_active += attn
@@ -92,6 +97,11 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
             total += dense_ffn
             active += dense_ffn
             matmul_active += dense_ffn
+    if m.mtp_depth:  # each module: its block (above), enorm, hnorm, head_norm, eh_proj
+        extra = 3 * d + 2 * d * d
+        total, active = total + m.mtp_depth * extra, active + m.mtp_depth * extra
+        matmul_active += m.mtp_depth * (2 * d * d + m.vocab_size * d)  # + its LM-head matmul
+        mtp = total - mtp
     embed = m.vocab_size * d
     head = 0 if m.tie_embeddings else m.vocab_size * d
     total += embed + head + d  # + final norm
@@ -105,6 +115,7 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
         expert_params=n_moe * e.num_experts * expert,
         num_moe_layers=n_moe,
         flops_per_token=6.0 * matmul_active + attn_flops,
+        mtp_params=mtp,
     )
 
 

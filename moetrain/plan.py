@@ -196,16 +196,25 @@ def loss_transient_bytes(cfg: Config, tokens: int, act_bytes: int) -> int:
 def activation_bytes(cfg: Config, tokens: int, checkpointing: bool, act_bytes: int) -> int:
     """Peak activation bytes of one micro-batch of ``tokens`` tokens.
 
-    Without checkpointing: every layer's saved tensors + the head + the loss's transient. With
+    Without checkpointing: every layer's saved tensors + the head + the loss's transient
+    (multi-token-prediction modules: their blocks are layers, their inputs and heads the head's). With
     checkpointing of every block: each block keeps only its input ``aD``; the peak is those plus
     the larger of (head + loss transient) and one block's recomputed set. Shadow experts
     (``parallel.shadow_experts`` under expert parallelism) add, per MoE layer whose saved set is
     alive, the most replicas' weights its experts keep for backward (``3aDF`` each).
     """
-    m, e, n = cfg.model, cfg.moe, cfg.model.n_layers
+    m, e, n = cfg.model, cfg.moe, cfg.model.n_blocks
     layers = [activation_bytes_per_token(cfg, i, act_bytes) for i in range(n)]
     head = tokens * head_bytes_per_token(cfg, act_bytes)
     head += loss_transient_bytes(cfg, tokens, act_bytes)
+    if m.mtp_depth:
+        # each module: enorm and hnorm (their inputs and rsqrt), [emb | h], head_norm, then
+        # its loss (chunked: the gradient wrt the head's input and an fp32 LM-head weight
+        # gradient; plain: the fp32 log-softmax and the int64 targets)
+        a, d, v = act_bytes, m.d_model, m.vocab_size
+        chunked = m.loss_chunk_tokens > 0
+        per_token = 3 * _rmsnorm_bytes(d, a) + 2 * a * d + (a * d if chunked else 4 * v + 8)
+        head += m.mtp_depth * (tokens * per_token + (4 * v * d if chunked else 0))
     replicas = 0
     if cfg.parallel.ep_size > 1:
         replicas = cfg.parallel.shadow_experts * 3 * act_bytes * m.d_model * e.expert_hidden

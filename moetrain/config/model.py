@@ -85,6 +85,28 @@ class ModelConfig:
     # shorter than original / high_freq_factor kept, blended between (both required)
     rope_low_freq_factor: float | None = field(default=None, metadata=above(0) | FUNCTION)
     rope_high_freq_factor: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # multi-token prediction (DeepSeek-V3): D sequential modules after the last layer, module k
+    # predicting the token k + 1 ahead through one more block (layer n_layers + k - 1) and the
+    # shared embedding and head; 0 = off (an imported model's MTP layers are then not read)
+    mtp_depth: int = field(default=0, metadata=at_least(0, "0 = off"))
+    # the MTP loss weight lambda (the mean over depths is scaled by it), from step 1; and, with
+    # mtp_loss_weight_final_step, the weight from that step on (DeepSeek-V3: 0.3, then 0.1)
+    mtp_loss_weight: float = field(default=0.3, metadata=at_least(0))
+    mtp_loss_weight_final: float | None = field(default=None, metadata=at_least(0))
+    mtp_loss_weight_final_step: int | None = field(default=None, metadata=_POSITIVE)
+
+    @property
+    def n_blocks(self) -> int:
+        """Transformer blocks the model holds: the ``n_layers`` decoder layers, then one per
+        multi-token-prediction module (``layers.<n_layers + k - 1>``)."""
+        return self.n_layers + self.mtp_depth
+
+    def mtp_weight(self, step: int) -> float:
+        """The MTP loss weight of optimizer step ``step`` (1-based)."""
+        final_step = self.mtp_loss_weight_final_step
+        if final_step is not None and step >= final_step:
+            return self.mtp_loss_weight_final
+        return self.mtp_loss_weight
 
     @property
     def attention_head_dim(self) -> int:
@@ -109,6 +131,11 @@ class ModelConfig:
 
     def validate(self) -> None:
         self._validate_rope_scaling()
+        require(
+            (self.mtp_loss_weight_final is None) == (self.mtp_loss_weight_final_step is None),
+            "model.mtp_loss_weight_final",
+            "and model.mtp_loss_weight_final_step are set together (the weight from that step)",
+        )
         if self.attention == "mla":
             self._validate_mla()
             return

@@ -7,6 +7,11 @@ then either a dense SwiGLU ``ffn.{w1,w3,w2}`` or an MoE block: ``ffn.router.gate
 selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.experts.w13``
 (E, D, 2F) and ``ffn.experts.w2`` (E, F, D), and optionally ``ffn.shared_expert.{w1,w3,w2}`` and
 ``ffn.shared_gate``.
+
+A multi-token-prediction module ``k`` (1-based) is block ``layers.<n_layers + k - 1>``, named
+as any block, plus ``enorm`` (the next token's embedding), ``hnorm`` (the previous depth's
+hidden state), ``eh_proj`` (D, 2D) on their concatenation and ``head_norm`` before the shared
+LM head.
 """
 
 from __future__ import annotations
@@ -35,6 +40,19 @@ def attn(layer: int, projection: str, kind: str = "weight") -> str:
     """``projection``: wq | wk | wv | wo, or with latent attention wq (or wq_a, q_norm, wq_b),
     wkv_a, kv_norm, wkv_b, wo; ``kind``: weight | bias."""
     return f"layers.{layer}.attn.{projection}.{kind}"
+
+
+MTP_NORMS = ("enorm", "hnorm", "head_norm")
+
+
+def mtp_norm(layer: int, which: str) -> str:
+    """A multi-token-prediction block's norm (``which``: enorm | hnorm | head_norm)."""
+    return f"layers.{layer}.{which}.weight"
+
+
+def mtp_projection(layer: int) -> str:
+    """A multi-token-prediction block's ``eh_proj`` (D, 2D): [embedding | hidden] -> D."""
+    return f"layers.{layer}.eh_proj.weight"
 
 
 def qk_norm(layer: int, which: str) -> str:

@@ -13,70 +13,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.model.attention import Attention, KVCache
+from moetrain.model.attention import KVCache
+from moetrain.model.block import Block
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents
-from moetrain.model.layers import RMSNorm, SwiGLU
+from moetrain.model.layers import RMSNorm
 from moetrain.model.loss import chunked_cross_entropy
-from moetrain.model.mla import LatentCache, MLAttention
+from moetrain.model.mla import LatentCache
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
+from moetrain.model.mtp import MTPBlock, mtp_targets, shift_left
 from moetrain.model.rope import model_rope_tables
 
 
 @dataclass
 class TransformerOutput:
-    """logits (B, S, V), None when the chunked loss skipped them; loss = ce_loss + moe_loss
-    (only with labels); moe: one per MoE layer."""
+    """logits (B, S, V), None when the chunked loss skipped them; loss = ce_loss + moe_loss +
+    the weighted mtp_loss (only with labels); moe: one per MoE layer (the MTP blocks' last);
+    mtp_losses: each multi-token-prediction depth's cross-entropy, mtp_loss their mean."""
 
     logits: torch.Tensor | None
     loss: torch.Tensor | None = None
     ce_loss: torch.Tensor | None = None
     moe_loss: torch.Tensor | None = None
     moe: list[MoEOutput] = field(default_factory=list)
-
-
-class Block(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``."""
-
-    def __init__(
-        self,
-        layer: int,
-        cfg: ModelConfig,
-        moe_cfg: MoEConfig,
-        local_experts: tuple[int, int] | None = None,
-    ) -> None:
-        super().__init__()
-        self.layer = layer
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn: nn.Module = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.is_moe = moe_cfg.is_moe_layer(layer)
-        self.ffn: nn.Module = (
-            MoELayer(moe_cfg, cfg.d_model, local_experts, layer=layer)
-            if self.is_moe
-            else SwiGLU(cfg.d_model, cfg.dense_hidden)
-        )
-
-    def forward(
-        self,
-        x_BSD: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask_B1SS: torch.Tensor | Documents | None,
-        cache: KVCache | LatentCache | None = None,
-    ) -> tuple[torch.Tensor, MoEOutput | None]:
-        h_BSD = self.attn_norm(x_BSD)
-        x_BSD = x_BSD + self.attn(h_BSD, cos, sin, mask_B1SS, cache=cache, layer=self.layer)
-        h_BSD = self.ffn_norm(x_BSD)
-        if self.is_moe:
-            y_BSD, stats = self.ffn(h_BSD)
-            return x_BSD + y_BSD, stats
-        return x_BSD + self.ffn(h_BSD), None
+    mtp_loss: torch.Tensor | None = None
+    mtp_losses: list[torch.Tensor] = field(default_factory=list)
 
 
 class Transformer(nn.Module):
-    """The language model; parameter names are the stable ones in docs/CONTRACTS.md.
+    """The language model; parameter names are the stable ones in docs/CONTRACTS.md. With
+    ``model.mtp_depth`` its ``layers`` end with the multi-token-prediction blocks
+    (:mod:`moetrain.model.mtp`), which only the training loss runs.
 
     ``local_experts=(start, stop)``: every MoE layer builds only global experts
     ``[start, stop)`` (an expert-parallel rank); the weights equal those of the full model.
@@ -91,8 +59,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.moe_cfg = model_cfg, moe_cfg
         self.embed = nn.Embedding(model_cfg.vocab_size, model_cfg.d_model)
+        n = model_cfg.n_layers
         self.layers = nn.ModuleList(
-            Block(i, model_cfg, moe_cfg, local_experts) for i in range(model_cfg.n_layers)
+            (Block if i < n else MTPBlock)(i, model_cfg, moe_cfg, local_experts)
+            for i in range(model_cfg.n_blocks)
         )
         self.norm = RMSNorm(model_cfg.d_model, model_cfg.norm_eps)
         self.lm_head = Linear(model_cfg.d_model, model_cfg.vocab_size, bias=False)
@@ -141,6 +111,7 @@ class Transformer(nn.Module):
         labels_BS: torch.Tensor | None = None,
         cache: KVCache | LatentCache | None = None,
         return_logits: bool = True,
+        mtp_weight: float | None = None,
     ) -> TransformerOutput:
         """Logits for every position; with labels also the loss (labels of -100 are ignored;
         the cross-entropy is 0 when every label is).
@@ -150,6 +121,8 @@ class Transformer(nn.Module):
         and values are added to the cache, which then advances. ``return_logits=False`` with
         labels and ``model.loss_chunk_tokens`` > 0: the cross-entropy is computed in chunks of
         tokens without the full logits, and ``logits`` is None (what the trainer does).
+        With labels and ``model.mtp_depth``, the multi-token-prediction loss is added, weighted
+        by ``mtp_weight`` (default ``model.mtp_loss_weight``).
         """
         s = input_ids_BS.shape[1]
         start = cache.pos if cache is not None else 0
@@ -166,7 +139,8 @@ class Transformer(nn.Module):
         if doc_ids_BS is not None:
             mask = Documents.from_ids(doc_ids_BS).to(x_BSD.device)
         moe_outs: list[MoEOutput] = []
-        for block in self.layers:
+        embed_BSD = x_BSD
+        for block in self.layers[: self.cfg.n_layers]:
             x_BSD, stats = block(x_BSD, cos, sin, mask, cache)
             if stats is not None:
                 moe_outs.append(stats)
@@ -174,36 +148,84 @@ class Transformer(nn.Module):
             cache.pos += s
         h_BSD = self.norm(x_BSD)
 
+        chunk = self.cfg.loss_chunk_tokens
+        chunked = labels_BS is not None and not return_logits and chunk > 0
+        logits_BSV = None if chunked else self.lm_head(h_BSD)
+        out = TransformerOutput(logits=logits_BSV, moe=moe_outs)
+        if labels_BS is None:
+            out.moe_loss = self._moe_loss(moe_outs, h_BSD)
+            return out
+        out.ce_loss = self._cross_entropy(h_BSD, labels_BS, logits_BSV)
+        if self.cfg.mtp_depth:
+            args = (embed_BSD, cos, sin, mask, labels_BS, doc_ids_BS, moe_outs)
+            out.mtp_losses = self._mtp_losses(h_BSD, *args)
+            out.mtp_loss = torch.stack(out.mtp_losses).mean()
+        out.moe_loss = self._moe_loss(moe_outs, h_BSD)
+        out.loss = out.ce_loss + out.moe_loss
+        if out.mtp_loss is not None:
+            weight = self.cfg.mtp_loss_weight if mtp_weight is None else mtp_weight
+            out.loss = out.loss + weight * out.mtp_loss
+        return out
+
+    def _moe_loss(self, moe_outs: list[MoEOutput], like: torch.Tensor) -> torch.Tensor:
+        """The weighted balancing and z-losses of every MoE layer (fp32 scalar)."""
         m = self.moe_cfg
-        moe_loss = h_BSD.new_zeros((), dtype=torch.float32)
+        moe_loss = like.new_zeros((), dtype=torch.float32)
         for stats in moe_outs:
             if m.aux_loss_coef > 0:
                 moe_loss = moe_loss + m.aux_loss_coef * stats.aux_loss
             if m.z_loss_coef > 0:
                 moe_loss = moe_loss + m.z_loss_coef * stats.z_loss
-        chunk = self.cfg.loss_chunk_tokens
-        chunked = labels_BS is not None and not return_logits and chunk > 0
-        logits_BSV = None if chunked else self.lm_head(h_BSD)
-        out = TransformerOutput(logits=logits_BSV, moe_loss=moe_loss, moe=moe_outs)
-        if labels_BS is None:
-            return out
+        return moe_loss
+
+    def _cross_entropy(
+        self, h_BSD: torch.Tensor, labels_BS: torch.Tensor, logits_BSV: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Mean cross-entropy of the head over labelled tokens (chunked without logits); 0, not
+        NaN, when no token is labelled."""
         if logits_BSV is None:
-            out.ce_loss = chunked_cross_entropy(
-                h_BSD.flatten(0, 1), self.lm_head.weight, labels_BS.flatten(), chunk
+            return chunked_cross_entropy(
+                h_BSD.flatten(0, 1),
+                self.lm_head.weight,
+                labels_BS.flatten(),
+                self.cfg.loss_chunk_tokens,
             )
-        else:  # mean over labelled tokens; 0 (not NaN) when none is, as the chunked loss
-            labelled = (labels_BS != -100).sum().clamp_min(1)
-            out.ce_loss = (
-                F.cross_entropy(
-                    logits_BSV.float().flatten(0, 1),
-                    labels_BS.flatten(),
-                    ignore_index=-100,
-                    reduction="sum",
-                )
-                / labelled
+        labelled = (labels_BS != -100).sum().clamp_min(1)
+        return (
+            F.cross_entropy(
+                logits_BSV.float().flatten(0, 1),
+                labels_BS.flatten(),
+                ignore_index=-100,
+                reduction="sum",
             )
-        out.loss = out.ce_loss + moe_loss
-        return out
+            / labelled
+        )
+
+    def _mtp_losses(
+        self,
+        h_BSD: torch.Tensor,
+        embed_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: Documents | None,
+        labels_BS: torch.Tensor,
+        doc_ids_BS: torch.Tensor | None,
+        moe_outs: list[MoEOutput],
+    ) -> list[torch.Tensor]:
+        """Each depth's cross-entropy (:mod:`moetrain.model.mtp`); the MTP blocks' MoE
+        statistics are appended to ``moe_outs``."""
+        losses = []
+        chunked = self.cfg.loss_chunk_tokens > 0
+        for k, block in enumerate(self.layers[self.cfg.n_layers :], start=1):
+            x_BSD = block.block_input(h_BSD, shift_left(embed_BSD, k, 0.0))
+            h_BSD, stats = block(x_BSD, cos, sin, mask)
+            if stats is not None:
+                moe_outs.append(stats)
+            normed_BSD = block.head_norm(h_BSD)
+            logits_BSV = None if chunked else self.lm_head(normed_BSD)
+            targets_BS = mtp_targets(labels_BS, doc_ids_BS, k)
+            losses.append(self._cross_entropy(normed_BSD, targets_BS, logits_BSV))
+        return losses
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache | LatentCache:
         """An empty generation cache for ``batch`` sequences of up to ``max_len`` tokens: keys
@@ -216,5 +238,5 @@ class Transformer(nn.Module):
         return KVCache(c.n_layers, batch, c.n_kv_heads, c.attention_head_dim, n, w.dtype, w.device)
 
     def moe_layers(self) -> list[MoELayer]:
-        """The MoE FFNs in layer order."""
+        """The MoE FFNs in layer order (the multi-token-prediction blocks' last)."""
         return [b.ffn for b in self.layers if isinstance(b.ffn, MoELayer)]

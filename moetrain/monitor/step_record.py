@@ -17,7 +17,8 @@ class StepTotals:
     rank; ``ranks_skipped``: how many ranks skipped the optimizer step; ``traffic``: the expert
     all-to-alls' counters by name (empty without expert parallelism); ``loads`` (MoE layers, E):
     selections per expert; ``layer_sums`` (5, MoE layers): dropped copies, entropy, aux loss,
-    z loss and routed copies summed over the micro-batches (``loads`` None without MoE layers).
+    z loss and routed copies summed over the micro-batches (``loads`` None without MoE layers);
+    ``mtp_losses``: each multi-token-prediction depth's loss, a mean as ``loss`` (empty without).
     """
 
     loss: float
@@ -28,6 +29,7 @@ class StepTotals:
     traffic: dict[str, float]
     loads: Tensor | None
     layer_sums: Tensor
+    mtp_losses: tuple[float, ...] = ()
 
 
 def moe_layer_record(
@@ -69,7 +71,8 @@ def step_record(
     """The step's record: ``step, loss, ce_loss, moe_loss, lr, grad_norm, tokens, skipped,
     skipped_steps, time/fwd_bwd_s, time/optimizer_s``, ``comm/a2a_<counter>`` under expert
     parallelism, ``loss_scale`` and ``loss_scale_overflows`` with a dynamic loss scale (fp16),
-    and ``moe_layers`` (:func:`moe_layer_record`) when the model has MoE layers."""
+    ``mtp_loss`` (the mean over depths, unweighted) and ``mtp_loss/depth<k>`` with
+    multi-token prediction, and ``moe_layers`` (:func:`moe_layer_record`) when the model has MoE layers."""
     rec: dict[str, Any] = {
         "step": step,
         "loss": totals.loss,
@@ -84,6 +87,10 @@ def step_record(
         "time/optimizer_s": times.get("optimizer", 0.0),
     }
     rec.update({f"comm/a2a_{name}": value for name, value in totals.traffic.items()})
+    if totals.mtp_losses:
+        rec["mtp_loss"] = sum(totals.mtp_losses) / len(totals.mtp_losses)
+        for k, value in enumerate(totals.mtp_losses, start=1):
+            rec[f"mtp_loss/depth{k}"] = value
     if loss_scale is not None:
         rec["loss_scale"] = loss_scale
         rec["loss_scale_overflows"] = loss_scale_overflows

@@ -41,10 +41,12 @@ __all__ = ["Batch", "OptimizerStep", "forward_loss"]
 Batch = dict[str, torch.Tensor]
 
 
-def forward_loss(engine: Any, batch: Batch) -> Any:
+def forward_loss(engine: Any, batch: Batch, mtp_weight: float | None = None) -> Any:
     """The model's loss on ``batch`` (a ``TransformerOutput``); with model.loss_chunk_tokens > 0
-    the full logits are never built."""
-    return engine(batch["input_ids"], batch.get("doc_ids"), batch["labels"], return_logits=False)
+    the full logits are never built. ``mtp_weight``: the multi-token-prediction loss's weight
+    (default ``model.mtp_loss_weight``)."""
+    ids, docs, labels = batch["input_ids"], batch.get("doc_ids"), batch["labels"]
+    return engine(ids, docs, labels, return_logits=False, mtp_weight=mtp_weight)
 
 
 def clip_stage0(model: nn.Module, clip: float, topo: Topology) -> tuple[float, bool]:
@@ -129,7 +131,12 @@ class OptimizerStep:
         accum = cfg.train.grad_accum_steps
         engine.train()
         done = _Backward(
-            StepStats(len(self.layer_ids), device, traffic=bool(self.meters)),
+            StepStats(
+                len(self.layer_ids),
+                device,
+                traffic=bool(self.meters),
+                mtp_depth=cfg.model.mtp_depth,
+            ),
             StepTimer(device),
             None,
             False,
@@ -140,11 +147,12 @@ class OptimizerStep:
         for meter in self.meters:
             meter.take()  # drop what evaluation sent since the last step
         n = 0
+        mtp_weight = cfg.model.mtp_weight(self.progress.step + 1)
         for batch in micro_batches:
             n += 1
             done.timer.start()
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            out = forward_loss(engine, batch)
+            out = forward_loss(engine, batch, mtp_weight)
             engine.backward(out.loss)
             for router in self.routers:
                 router.end_micro_batch()

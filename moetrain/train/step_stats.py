@@ -14,15 +14,19 @@ from moetrain.parallel.all_to_all import TrafficMeter
 
 
 class StepStats:
-    """Sums over the micro-batches of one step on this rank: loss / CE / MoE loss, whether this
-    rank skipped the optimizer step (:meth:`mark_skipped`, so the reduction counts the ranks that
+    """Sums over the micro-batches of one step on this rank: loss / CE / MoE loss, each
+    multi-token-prediction depth's loss (``mtp_depth`` of them), whether this rank skipped the
+    optimizer step (:meth:`mark_skipped`, so the reduction counts the ranks that
     did), the expert all-to-alls' traffic (:attr:`TrafficMeter.FIELDS`, counted only when
     ``traffic`` is on), and per MoE layer the expert loads and (dropped, entropy, aux, z, routed
     copies)."""
 
-    def __init__(self, n_layers: int, device: torch.device, traffic: bool = False) -> None:
+    def __init__(
+        self, n_layers: int, device: torch.device, traffic: bool = False, mtp_depth: int = 0
+    ) -> None:
         self.n_layers, self.device, self.count_traffic = n_layers, device, traffic
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+        self.mtp_depth = mtp_depth
+        self.sums = torch.zeros(4 + mtp_depth, dtype=torch.float64, device=device)
         self.traffic = [0] * len(TrafficMeter.FIELDS)
         self.layer_sums = torch.zeros(5, n_layers, dtype=torch.float64, device=device)
         self.loads: torch.Tensor | None = None
@@ -30,9 +34,10 @@ class StepStats:
     def add(self, out: Any, routed: int) -> None:
         """One micro-batch's model output (``TransformerOutput``); ``routed`` = its tokens x
         top_k."""
-        self.sums[:3] += torch.stack(
-            [out.loss.detach(), out.ce_loss.detach(), out.moe_loss.detach()]
-        )
+        losses = [out.loss, out.ce_loss, out.moe_loss, *out.mtp_losses[: self.mtp_depth]]
+        self.sums[:3] += torch.stack([t.detach().double() for t in losses[:3]])
+        if self.mtp_depth:
+            self.sums[4:] += torch.stack([t.detach().double() for t in losses[3:]])
         if not out.moe:
             return
         step_loads = torch.stack([m.tokens_per_expert_E for m in out.moe]).double()
@@ -71,12 +76,14 @@ class StepStats:
         loads = None if self.loads is None else flat[:n_loads].view_as(self.loads)
         layers = flat[n_loads : n_loads + self.layer_sums.numel()].view_as(self.layer_sums)
         sums = flat[n_loads + self.layer_sums.numel() :].tolist()  # the host sync
-        traffic_sums = dict(zip(TrafficMeter.FIELDS, sums[4:], strict=True))
+        d = 4 + self.mtp_depth
+        traffic_sums = dict(zip(TrafficMeter.FIELDS, sums[d:], strict=True))
         return StepTotals(
             loss=sums[0] / micro_batches,
             ce_loss=sums[1] / micro_batches,
             moe_loss=sums[2] / micro_batches,
             ranks_skipped=int(sums[3]),
+            mtp_losses=tuple(x / micro_batches for x in sums[4:d]),
             micro_batches=micro_batches,
             traffic=traffic_sums if self.count_traffic else {},
             loads=loads,

@@ -17,6 +17,7 @@ from moetrain.config import Config, ConfigError, apply_overrides, config_from_di
 from moetrain.model import Transformer
 from moetrain.plan import (
     GiB,
+    activation_bytes,
     activation_bytes_per_token,
     format_plan,
     head_bytes_per_token,
@@ -203,6 +204,21 @@ def test_activation_formula_matches_saved_tensors(
     measured = _saved_bytes_per_token(cfg, dtype, tokens)
     # bf16: the router's fp32 copy of its (E, D) weight is saved too (param-sized, not per token)
     assert measured == pytest.approx(predicted, rel=0.01)
+
+
+@pytest.mark.parametrize("chunk", [0, 128])
+def test_mtp_activations_match_saved_tensors(chunk: int) -> None:
+    """What one multi-token-prediction module adds: its block, inputs and head (compared as the
+    difference to the same model without it, so the loss's transients cancel)."""
+    plain = _small({"model.loss_chunk_tokens": chunk})
+    mtp = _small({"model.loss_chunk_tokens": chunk, "model.mtp_depth": 1})
+    tokens = 512
+    predicted = activation_bytes(mtp, tokens, False, 4) - activation_bytes(plain, tokens, False, 4)
+    measured = tokens * (
+        _saved_bytes_per_token(mtp, torch.float32, tokens)
+        - _saved_bytes_per_token(plain, torch.float32, tokens)
+    )
+    assert measured == pytest.approx(predicted, rel=0.02)
 
 
 MEM_BASE = {  # the probe's plain AdamW is what ZeRO stage 0 runs (no fp32 partition copy)

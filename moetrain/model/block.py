@@ -1,0 +1,55 @@
+"""The transformer block: pre-norm attention (grouped-query or latent) and a dense or MoE FFN.
+
+Shape legend: B batch, S sequence, D d_model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetrain.config import ModelConfig, MoEConfig
+from moetrain.model.attention import Attention, KVCache
+from moetrain.model.doc_attention import Documents
+from moetrain.model.layers import RMSNorm, SwiGLU
+from moetrain.model.mla import LatentCache, MLAttention
+from moetrain.model.moe.layer import MoELayer, MoEOutput
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``."""
+
+    def __init__(
+        self,
+        layer: int,
+        cfg: ModelConfig,
+        moe_cfg: MoEConfig,
+        local_experts: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn: nn.Module = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.is_moe = moe_cfg.is_moe_layer(layer)
+        self.ffn: nn.Module = (
+            MoELayer(moe_cfg, cfg.d_model, local_experts, layer=layer)
+            if self.is_moe
+            else SwiGLU(cfg.d_model, cfg.dense_hidden)
+        )
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask_B1SS: torch.Tensor | Documents | None,
+        cache: KVCache | LatentCache | None = None,
+    ) -> tuple[torch.Tensor, MoEOutput | None]:
+        h_BSD = self.attn_norm(x_BSD)
+        x_BSD = x_BSD + self.attn(h_BSD, cos, sin, mask_B1SS, cache=cache, layer=self.layer)
+        h_BSD = self.ffn_norm(x_BSD)
+        if self.is_moe:
+            y_BSD, stats = self.ffn(h_BSD)
+            return x_BSD + y_BSD, stats
+        return x_BSD + self.ffn(h_BSD), None
