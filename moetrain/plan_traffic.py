@@ -76,7 +76,7 @@ def expert_traffic(
         off_rank += len(ranks) * (1 - 1 / ep)  # the token's own rank: any of the ep
         off_node += len(ranks) * (1 - 1 / ep_nodes)  # a row per rank, also to a remote node
     off_rank, off_node = off_rank / samples, off_node / samples
-    n_moe = len(moe.moe_layers(cfg.model.n_layers))
+    n_moe = len(moe.moe_layers(cfg.model.n_blocks))
     row_bytes = 2 * cfg.model.d_model * act_bytes + 8 * moe.top_k
     passes = 3 if recompute else 2  # forward, backward (and forward again)
     volume = tokens_per_gpu_step * n_moe * off_rank * row_bytes * passes

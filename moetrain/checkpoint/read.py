@@ -46,7 +46,7 @@ def dense_state(ckpt: Path) -> dict[str, torch.Tensor]:
 def expert_files(ckpt: Path, cfg: Config) -> dict[int, list[Path]]:
     """Expert files per transformer layer index, in global expert order; refuses gaps."""
     ckpt = Path(ckpt)
-    moe_ids = cfg.moe.moe_layers(cfg.model.n_layers)
+    moe_ids = cfg.moe.moe_layers(cfg.model.n_blocks)
     out: dict[int, list[Path]] = {}
     for moe_idx, layer in enumerate(moe_ids):
         files = []

@@ -48,7 +48,7 @@ def write_checkpoint(
     ckpt = Path(ckpt_dir)
     if ckpt.exists():
         raise FileExistsError(f"{ckpt}: already exists")
-    moe_index = {layer: n for n, layer in enumerate(cfg.moe.moe_layers(cfg.model.n_layers))}
+    moe_index = {layer: n for n, layer in enumerate(cfg.moe.moe_layers(cfg.model.n_blocks))}
     with building_dir(ckpt) as tmp:
         for where, part in parts:
             if where == "dense":

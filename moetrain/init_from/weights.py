@@ -217,13 +217,30 @@ def source_parts(
 ) -> Iterator[Part]:
     """The run's weights from ``source`` in parts (see the module docstring); ``experts``:
     the global experts to read, default all of them. ``into``: a model's state dict whose
-    expert tensors a Hugging Face MoE source may fill in place (the parts then hold them)."""
+    expert tensors a Hugging Face MoE source may fill in place (the parts then hold them).
+    The source's multi-token-prediction modules beyond ``model.mtp_depth`` are left out; a
+    deeper ``model.mtp_depth`` than the source's is refused."""
     experts = experts or (0, cfg.moe.num_experts)
+    have, want = source.config.model.mtp_depth, cfg.model.mtp_depth
+    if want > have:
+        raise CheckpointError(
+            f"model.mtp_depth={want}: {source.path} has {have} multi-token-prediction "
+            f"module(s); set model.mtp_depth <= {have} (0 leaves them unread)"
+        )
     if source.kind == "checkpoint":
-        return _checkpoint_parts(source, experts)
-    if source.upcycle:
-        return _upcycled_parts(source, cfg, experts)
-    return _moe_hf_parts(source, experts, into)
+        parts = _checkpoint_parts(source, experts)
+    elif source.upcycle:
+        parts = _upcycled_parts(source, cfg, experts)
+    else:
+        parts = _moe_hf_parts(source, experts, into)
+    return parts if want == have else _first_blocks(parts, cfg.model.n_blocks)
+
+
+def _first_blocks(parts: Iterator[Part], n: int) -> Iterator[Part]:
+    """``parts`` without the blocks from ``n`` on (MTP modules the run switched off)."""
+    for where, part in parts:
+        if where == "dense" or _block(where + ".") < n:
+            yield where, {k: v for k, v in part.items() if _block(k) < n}
 
 
 def init_record(source: InitSource, cfg: Config) -> dict[str, Any]:
@@ -236,6 +253,9 @@ def init_record(source: InitSource, cfg: Config) -> dict[str, Any]:
         "step": source.step,
         "upcycled": None,
     }
+    unread = source.config.model.mtp_depth - cfg.model.mtp_depth
+    if unread > 0:
+        record["mtp_modules_not_read"] = unread
     if source.upcycle:
         reasons = inexact_reasons(cfg)
         record["upcycled"] = {
@@ -246,6 +266,12 @@ def init_record(source: InitSource, cfg: Config) -> dict[str, Any]:
             "inexact_because": reasons,
         }
     return record
+
+
+def _block(name: str) -> int:
+    """The block index of a moetrain tensor name (-1 outside ``layers``)."""
+    m = re.match(r"layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
 
 
 def build_model(

@@ -85,6 +85,12 @@ def choose_start(
             f"start: weights from {source.path} ({source.describe()}); fresh optimizer, "
             "schedule and data position"
         )
+        unread = source.config.model.mtp_depth - cfg.model.mtp_depth
+        if unread > 0:
+            printer(
+                f"start: {unread} multi-token-prediction module(s) of the source not read "
+                f"(model.mtp_depth={cfg.model.mtp_depth})"
+            )
         if source.upcycle:
             reasons = inexact_reasons(cfg)
             exact = "exactly" if not reasons else "not exactly (" + "; ".join(reasons) + ")"

@@ -32,6 +32,8 @@ GRAD_NAMES = (
     "layers.1.ffn.shared_gate.weight",
     "layers.0.ffn.w1.weight",  # a dense first layer (moe.first_k_dense)
     "lm_head.weight",
+    "layers.2.eh_proj.weight",  # the multi-token-prediction modules (model.mtp_depth)
+    "layers.3.ffn.experts.w2",
 )
 # Routing variants, each combining several settings on top of the base configuration (softmax
 # top-k, gated shared expert, aux-loss-free bias, global micro-batch balance statistics).
@@ -48,6 +50,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "moe.capacity_factor": 1.0,
         "moe.topk_before_score": True,
         "moe.aux_loss_scope": "global_batch",
+    },
+    "mtp": {  # two multi-token-prediction modules (MoE blocks), the weight's second phase
+        "model.mtp_depth": 2,
+        "model.mtp_loss_weight_final": 0.1,
+        "model.mtp_loss_weight_final_step": 3,
     },
 }
 
@@ -137,7 +144,8 @@ def reference_run(variant: str | None = None, capacity_groups: int = 1) -> dict[
         for router in routers:
             router.begin_step()
         for batch in global_batches(step):
-            out = model(batch["input_ids"], None, batch["labels"])
+            weight = cfg.model.mtp_weight(step + 1)
+            out = model(batch["input_ids"], None, batch["labels"], mtp_weight=weight)
             (out.loss / ACCUM).backward()
             for router in routers:
                 router.end_micro_batch()
@@ -233,6 +241,7 @@ def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
     if world == 1:
         out["reference"] = reference_run()
         out["reference_routing"] = reference_run("routing")
+        out["reference_mtp"] = reference_run("mtp")
         for groups in (1, 2):
             out[f"reference_capacity_g{groups}"] = reference_run("capacity", groups)
     for layout in layouts:

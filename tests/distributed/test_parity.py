@@ -11,7 +11,8 @@ configuration path, not the overlap). Two routing variants (``parity_jobs.VARIAN
 dp=2, ep=2 and dp=2 x ep=2, which between them use ZeRO stages 0, 1 and 2: ``routing`` (sigmoid scores with the aux-loss-free
 bias, group-limited routing across the EP ranks, a dense first layer, per-sequence balance loss)
 and ``capacity`` (capacity factor 1 with drops, top-k before softmax, step-wide balance
-statistics). The base configuration has a gated shared expert. The reference is plain torch in
+statistics); ``mtp`` (two multi-token-prediction modules, MoE blocks, whose loss weight changes
+phase at step 3) runs on dp=2 ZeRO-2, ep=2 ZeRO-0 and dp=2 x ep=2 ZeRO-1. The base configuration has a gated shared expert. The reference is plain torch in
 one process with the per-expert loop (no DeepSpeed, no dispatcher swap); for capacity it decides
 capacity in world / ep_size parts of each global micro-batch, one per EP group, as the layout
 does.
@@ -54,8 +55,18 @@ JOBS = {
         (2, 0, "routing"),
         (1, 0, "capacity"),
         (2, 1, "capacity"),
+        (1, 2, "mtp"),
+        (2, 0, "mtp"),
     ],
-    4: [(2, 0), (2, 1), (2, 2), (2, 2, "routing"), (2, 2, "capacity"), (2, 2, "shadow")],
+    4: [
+        (2, 0),
+        (2, 1),
+        (2, 2),
+        (2, 2, "routing"),
+        (2, 2, "capacity"),
+        (2, 2, "shadow"),
+        (2, 1, "mtp"),
+    ],
 }
 LAYOUTS = [(w, lay) for w, lays in JOBS.items() for lay in lays]
 REL = 1e-5
