@@ -18,7 +18,12 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
         raise ConfigError(f"--format: {fmt} is a dense family; choose auto or one of {FORMATS}")
     gqa = fam.attention == "gqa"
     common = plain_attention(model, fam.architecture, fam.partial_rotary) if gqa else []
-    return found(common) + fam.problems(model, moe)
+    mtp = (
+        model.mtp_depth > 0 and not fam.mtp,
+        "model.mtp_depth",
+        f"{fam.architecture} files hold no multi-token-prediction layers; must be 0",
+    )
+    return found([*common, mtp]) + fam.problems(model, moe)
 
 
 def check_format(fmt: str, model: ModelConfig, moe: MoEConfig) -> None:

@@ -10,6 +10,12 @@ v5's fused in-memory layout (``mlp.experts.gate_up_proj`` (E, 2F, D) / ``down_pr
 (E, F, D); HF stores ``w1`` (gate), ``w3`` (up) and ``w2`` (down) per expert, transposed
 (``nn.Linear`` layout (out, in)).
 
+Multi-token-prediction blocks (``model.mtp_depth``, families with ``Family.mtp``) take the
+layout of DeepSeek-V3's released files: ``model.layers.<n_layers + k - 1>.`` holds the block
+under the usual names plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``, and
+copies of the shared embedding and head (``embed_tokens``, ``shared_head.head``), which
+inference engines read there (:func:`mtp_copies`; an import reads the originals).
+
 Mapping works on any part of a state dict (the converter streams the dense weights, then one
 layer of experts at a time).
 """
@@ -33,6 +39,8 @@ _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 _MLA = {"wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj"}
 _MLA_QUERY_LORA = {"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj"}
 _V5_BLOCK = "mlp"  # transformers v5's in-memory name of every family's MoE block
+# a multi-token-prediction block's own weights: moetrain norm -> HF name in the layer
+_MTP_NORMS = {"enorm": "enorm", "hnorm": "hnorm", "head_norm": "shared_head.norm"}
 
 
 def _layer(layer: int) -> str:
@@ -93,8 +101,12 @@ def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
     out = {pn.EMBED: "model.embed_tokens.weight", pn.FINAL_NORM: "model.norm.weight"}
     if not model.tie_embeddings:
         out[pn.LM_HEAD] = "lm_head.weight"
-    for i in range(model.n_layers):
+    for i in range(model.n_blocks):
         dst = _layer(i)
+        if i >= model.n_layers:
+            out[pn.mtp_projection(i)] = dst + "eh_proj.weight"
+            for ours, theirs in _MTP_NORMS.items():
+                out[pn.mtp_norm(i, ours)] = f"{dst}{theirs}.weight"
         out[pn.attn_norm(i)] = dst + "input_layernorm.weight"
         out[pn.ffn_norm(i)] = dst + "post_attention_layernorm.weight"
         for ours, theirs in attention_names(cfg).items():
@@ -119,6 +131,28 @@ def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
     return out
 
 
+def mtp_copies(cfg: Config) -> dict[str, str]:
+    """HF key -> moetrain key of the shared embedding and head that each multi-token-prediction
+    layer of the file holds a copy of."""
+    m = cfg.model
+    head = pn.EMBED if m.tie_embeddings else pn.LM_HEAD
+    out = {}
+    for i in range(m.n_layers, m.n_blocks):
+        out[_layer(i) + "embed_tokens.weight"] = pn.EMBED
+        out[_layer(i) + "shared_head.head.weight"] = head
+    return out
+
+
+def stored_mtp_depth(names: Iterable[str], n_layers: int, declared: int) -> int:
+    """How many of the ``declared`` multi-token-prediction layers after ``n_layers`` decoder
+    layers the tensor ``names`` hold (transformers' own saves have none)."""
+    have = set(names)
+    depth = 0
+    while depth < declared and f"{_layer(n_layers + depth)}eh_proj.weight" in have:
+        depth += 1
+    return depth
+
+
 def zero_qkv_biases(cfg: Config, fmt: str) -> dict[str, tuple[str, int]]:
     """For a family whose q/k/v projections always have biases (Qwen2-MoE) and a model
     without them: moetrain projection key -> (HF bias key, length), written as zeros."""
@@ -128,7 +162,7 @@ def zero_qkv_biases(cfg: Config, fmt: str) -> dict[str, tuple[str, int]]:
     heads = {"wq": m.n_heads, "wk": m.n_kv_heads, "wv": m.n_kv_heads}
     return {
         pn.attn(i, ours): (f"{_layer(i)}self_attn.{_ATTN[ours]}.bias", n * m.attention_head_dim)
-        for i in range(m.n_layers)
+        for i in range(m.n_blocks)
         for ours, n in heads.items()
     }
 
@@ -143,6 +177,9 @@ def to_hf_state_dict(
     check_format(fmt, cfg.model, cfg.moe)
     keys, zeros = dense_key_map(cfg, fmt), zero_qkv_biases(cfg, fmt)
     out: dict[str, torch.Tensor] = {}
+    for theirs, ours in mtp_copies(cfg).items():
+        if ours in state_dict:
+            out[theirs] = state_dict[ours]
     for key, t in state_dict.items():
         if expert := pn.parse_experts(key):
             layer, weight = expert
@@ -201,10 +238,10 @@ def from_hf_state_dict(
             bias = re.search(r"self_attn\.[qkvo]_proj\.bias$", key)
             if bias and key not in mapped and bool(t.ne(0).any()):
                 raise ConfigError(f"{key}: non-zero attention bias; moetrain attention has none")
-        for i in moe.moe_layers(cfg.model.n_layers):
+        for i in moe.moe_layers(cfg.model.n_blocks):
             bias = pn.expert_bias(i)
             out[bias] = out[bias].float() if bias in out else torch.zeros(moe.num_experts)
-    layers = range(cfg.model.n_layers) if expert_layers is None else expert_layers
+    layers = range(cfg.model.n_blocks) if expert_layers is None else expert_layers
     for i in layers:
         if not moe.is_moe_layer(i):
             continue

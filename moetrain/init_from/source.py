@@ -34,7 +34,9 @@ from moetrain.checkpoint.format import (
 from moetrain.checkpoint.read import checkpoint_config, expert_files
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig, config_from_dict
 from moetrain.convert.families import of_hf_config
+from moetrain.convert.families.base import declared_mtp_layers
 from moetrain.convert.formats import config_from_hf, not_supported
+from moetrain.convert.hf import stored_mtp_depth
 from moetrain.convert.hf_files import HFWeights
 from moetrain.init_from.upcycle import check_upcycle
 
@@ -81,7 +83,10 @@ def _hf_source(spec: str, path: Path) -> InitSource:
     if fam is None:
         raise ConfigError(f"checkpoint.init_from={spec}: {not_supported(hf)}")
     cfg = config_from_hf(hf)
-    HFWeights(path)  # every weight file present, none truncated
+    weights = HFWeights(path)  # every weight file present, none truncated
+    if fam.mtp:  # the MTP modules the files hold (model.mtp_depth chooses how many to read)
+        declared = declared_mtp_layers(hf)
+        cfg.model.mtp_depth = stored_mtp_depth(weights.names(), cfg.model.n_layers, declared)
     return InitSource(spec, path, "huggingface", cfg, fam.name, fam.architecture, fam.dense)
 
 

@@ -24,6 +24,7 @@ import torch
 from moetrain.checkpoint.format import CheckpointError
 from moetrain.checkpoint.read import dense_state, expert_files, stacked_experts
 from moetrain.config import Config, MoEConfig
+from moetrain.convert.families.base import declared_mtp_layers
 from moetrain.convert.hf import (
     dense_key_map,
     expert_key,
@@ -47,8 +48,6 @@ _W = ("w1", "w3", "w2")
 # (from_hf_state_dict refuses non-zero ones)
 _NOT_READ = re.compile(r"(rotary_emb\.inv_freq|self_attn\.[qkvo]_proj\.bias)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-# config.json's count of multi-token-prediction layers stored after the decoder layers
-_MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
 
 
 def _meta_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
@@ -70,7 +69,7 @@ def expected_hf_shapes(source: InitSource) -> dict[str, tuple[int, ...]]:
         if hf not in weights_names and (v5 := in_memory_name(fam, hf)) in weights_names:
             out[v5] = out.pop(hf)
     d, f, e = src.model.d_model, src.moe.expert_hidden, src.moe.num_experts
-    for layer in src.moe.moe_layers(src.model.n_layers):
+    for layer in src.moe.moe_layers(src.model.n_blocks):
         fused = fused_experts(layer)
         if fused + "gate_up_proj" in weights_names:
             out[fused + "gate_up_proj"] = (e, 2 * f, d)
@@ -85,7 +84,7 @@ def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
     tolerated ones (``_NOT_READ``, a tied head, and the multi-token-prediction layers after the
     last decoder layer when config.json declares them, which transformers ignores too)."""
     hf = json.loads((source.path / HF_CONFIG).read_text())
-    mtp = any(hf.get(key) for key in _MTP_KEYS)
+    mtp = declared_mtp_layers(hf) > 0
     n_layers, tied = source.config.model.n_layers, source.config.model.tie_embeddings
     out = []
     for name in HFWeights(source.path).names():
@@ -163,7 +162,7 @@ def _moe_hf_parts(
     state = from_hf_state_dict(weights.load(dense_names), cfg, source.family, expert_layers=[])
     yield "dense", state
     del state
-    for layer in cfg.moe.moe_layers(cfg.model.n_layers):
+    for layer in cfg.moe.moe_layers(cfg.model.n_blocks):
         yield f"layers.{layer}", _hf_experts(weights, source, layer, experts, into)
 
 

@@ -35,6 +35,15 @@ class WeightNames:
     qkv_bias_always: bool = False  # q/k/v biases always present (zeros when the model has none)
 
 
+# config.json's count of the multi-token-prediction layers stored after the decoder layers
+MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
+
+
+def declared_mtp_layers(hf: dict[str, Any]) -> int:
+    """How many multi-token-prediction layers a ``config.json`` says its files hold."""
+    return max(int(hf.get(key) or 0) for key in MTP_CONFIG_KEYS)
+
+
 @dataclass(frozen=True)
 class Family:
     """One Hugging Face model family. ``problems`` and ``to_hf`` are None for a dense family
@@ -48,6 +57,9 @@ class Family:
     names: WeightNames = WeightNames()
     attention: str = "gqa"  # moetrain's model.attention of the family ("gqa" or "mla")
     partial_rotary: bool = False  # its attention can rotate part of each head (GLM)
+    # its files hold multi-token-prediction layers after the decoder layers, counted by
+    # config.json's num_nextn_predict_layers (DeepSeek-V3's layout; transformers ignores them)
+    mtp: bool = False
 
     @property
     def dense(self) -> bool:

@@ -103,7 +103,7 @@ def to_hf(cfg: Config) -> dict[str, Any]:
         mla_hf(cfg),
         norm_topk_prob=cfg.moe.renormalize,
         rope_interleave=cfg.model.rope_interleave,
-        num_mtp_layers=0,
+        num_mtp_layers=cfg.model.mtp_depth,
     )
 
 
@@ -145,4 +145,5 @@ FAMILY = Family(
     to_hf=to_hf,
     names=WeightNames(shared_expert="shared_experts", expert_bias="gate.e_score_correction_bias"),
     attention="mla",
+    mtp=True,
 )

@@ -77,7 +77,7 @@ def to_hf(cfg: Config) -> dict[str, Any]:
         norm_topk_prob=moe.renormalize,
         use_qk_norm=model.qk_norm,
         attention_bias=model.qkv_bias,
-        num_mtp_layers=0,
+        num_mtp_layers=model.mtp_depth,
     )
 
 
@@ -105,4 +105,5 @@ FAMILY = Family(
     to_hf=to_hf,
     names=WeightNames(shared_expert="shared_experts", expert_bias="gate.e_score_correction_bias"),
     partial_rotary=True,
+    mtp=True,
 )
