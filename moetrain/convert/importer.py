@@ -51,7 +51,7 @@ def import_hf_checkpoint(
     data.setdefault("checkpoint", {})["init_from"] = str(hf_dir)
     cfg, source = resolve_config_data(data)
     assert source is not None
-    check_source_tensors(source)
+    check_source_tensors(source, cfg.model.mtp_depth)
     files = tokenizer_files(tokenizer if tokenizer is not None else hf_dir)
     if tokenizer is not None and not files:
         raise CheckpointError(f"--tokenizer {tokenizer}: no tokenizer.json or .model there")

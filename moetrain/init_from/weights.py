@@ -14,6 +14,7 @@ tensor's name and shape against the model before anything is read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -55,10 +56,17 @@ def _meta_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in Transformer(cfg.model, cfg.moe).state_dict().items()}
 
 
-def expected_hf_shapes(source: InitSource) -> dict[str, tuple[int, ...]]:
-    """Every Hugging Face tensor the source must hold -> its shape (experts per expert, or
-    fused where the files hold them fused)."""
-    src, fam = source.config, source.family
+def _read_config(source: InitSource, mtp_depth: int) -> Config:
+    """The source's config with the ``mtp_depth`` multi-token-prediction modules a run reads."""
+    src = source.config
+    return dataclasses.replace(src, model=dataclasses.replace(src.model, mtp_depth=mtp_depth))
+
+
+def expected_hf_shapes(source: InitSource, mtp_depth: int = 0) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor the source must hold for a model with ``mtp_depth``
+    multi-token-prediction modules -> its shape (experts per expert, or fused where the files
+    hold them fused)."""
+    src, fam = _read_config(source, mtp_depth), source.family
     shapes = _meta_shapes(src)
     names = dense_key_map(src, fam)
     out = {hf: shapes[ours] for ours, hf in names.items()}
@@ -97,14 +105,21 @@ def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
     return out
 
 
-def check_source_tensors(source: InitSource) -> None:
-    """Every tensor the model needs is in the source with the right shape, and every tensor
-    of the source is read (:func:`unread_tensors`); reads headers only. CheckpointError naming
-    the tensor (and both shapes)."""
+def check_source_tensors(source: InitSource, mtp_depth: int = 0) -> None:
+    """Every tensor a model with ``mtp_depth`` multi-token-prediction modules needs is in the
+    source with the right shape, and every tensor of the source is read (:func:`unread_tensors`);
+    reads headers only. CheckpointError naming the tensor (and both shapes), or a deeper
+    ``mtp_depth`` than the source has."""
+    have = source.config.model.mtp_depth
+    if mtp_depth > have:
+        raise CheckpointError(
+            f"model.mtp_depth={mtp_depth}: {source.path} has {have} multi-token-prediction "
+            f"module(s); set model.mtp_depth <= {have} (0 leaves them unread)"
+        )
     if source.kind != "huggingface":
         return  # a checkpoint's files are checked by its manifest and against its own config
     weights = HFWeights(source.path)
-    expected = expected_hf_shapes(source)
+    expected = expected_hf_shapes(source, mtp_depth)
     unread = unread_tensors(source, set(expected))
     if unread:
         more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
@@ -155,10 +170,17 @@ def _hf_experts(
 
 
 def _moe_hf_parts(
-    source: InitSource, experts: tuple[int, int], into: dict[str, torch.Tensor] | None
+    source: InitSource,
+    experts: tuple[int, int],
+    into: dict[str, torch.Tensor] | None,
+    mtp_depth: int,
 ) -> Iterator[Part]:
-    cfg, weights = source.config, HFWeights(source.path)
-    dense_names = [n for n in weights.names() if not is_expert_tensor(source.family, n)]
+    cfg, weights = _read_config(source, mtp_depth), HFWeights(source.path)
+    dense_names = [  # (the multi-token-prediction layers not read are skipped)
+        n
+        for n in weights.names()
+        if not is_expert_tensor(source.family, n) and _hf_layer(n) < cfg.model.n_blocks
+    ]
     state = from_hf_state_dict(weights.load(dense_names), cfg, source.family, expert_layers=[])
     yield "dense", state
     del state
@@ -217,21 +239,15 @@ def source_parts(
     """The run's weights from ``source`` in parts (see the module docstring); ``experts``:
     the global experts to read, default all of them. ``into``: a model's state dict whose
     expert tensors a Hugging Face MoE source may fill in place (the parts then hold them).
-    The source's multi-token-prediction modules beyond ``model.mtp_depth`` are left out; a
-    deeper ``model.mtp_depth`` than the source's is refused."""
+    The source's multi-token-prediction modules beyond ``model.mtp_depth`` are left out
+    (:func:`check_source_tensors` refuses a deeper one)."""
     experts = experts or (0, cfg.moe.num_experts)
     have, want = source.config.model.mtp_depth, cfg.model.mtp_depth
-    if want > have:
-        raise CheckpointError(
-            f"model.mtp_depth={want}: {source.path} has {have} multi-token-prediction "
-            f"module(s); set model.mtp_depth <= {have} (0 leaves them unread)"
-        )
-    if source.kind == "checkpoint":
-        parts = _checkpoint_parts(source, experts)
-    elif source.upcycle:
-        parts = _upcycled_parts(source, cfg, experts)
-    else:
-        parts = _moe_hf_parts(source, experts, into)
+    if source.upcycle:
+        return _upcycled_parts(source, cfg, experts)
+    if source.kind == "huggingface":
+        return _moe_hf_parts(source, experts, into, want)
+    parts = _checkpoint_parts(source, experts)
     return parts if want == have else _first_blocks(parts, cfg.model.n_blocks)
 
 
@@ -267,6 +283,12 @@ def init_record(source: InitSource, cfg: Config) -> dict[str, Any]:
     return record
 
 
+def _hf_layer(name: str) -> int:
+    """The decoder-layer index of a Hugging Face tensor name (-1 outside the layers)."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else -1
+
+
 def _block(name: str) -> int:
     """The block index of a moetrain tensor name (-1 outside ``layers``)."""
     m = re.match(r"layers\.(\d+)\.", name)
@@ -280,7 +302,7 @@ def build_model(
     when given), in fp32. No random init: built on the meta device, then every parameter and
     persistent buffer is filled from the source (CheckpointError naming what is missing,
     unexpected or of the wrong shape)."""
-    check_source_tensors(source)
+    check_source_tensors(source, cfg.model.mtp_depth)
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.moe, local_experts=local_experts)
     model.to_empty(device="cpu")
