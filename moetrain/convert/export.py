@@ -24,7 +24,13 @@ from moetrain.checkpoint.read import checkpoint_config, expert_files, iter_layer
 from moetrain.config import Config
 from moetrain.convert.families import family
 from moetrain.convert.formats import choose_format, hf_config
-from moetrain.convert.hf import dense_key_map, expert_shapes, to_hf_state_dict, zero_qkv_biases
+from moetrain.convert.hf import (
+    dense_key_map,
+    expert_shapes,
+    hf_shape,
+    to_hf_state_dict,
+    zero_qkv_biases,
+)
 from moetrain.convert.hf_files import HF_INDEX_FILE, HF_SINGLE_FILE
 from moetrain.convert.tokenizer_export import export_tokenizer
 from moetrain.data.tokenizer import tokenizer_file
@@ -51,7 +57,9 @@ def _plan(cfg: Config, fmt: str, dtype: torch.dtype) -> list[list[tuple[str, tup
     def entry(name: str, shape: tuple) -> tuple[str, tuple, torch.dtype]:
         return name, shape, torch.float32 if name.endswith(_KEEP_FP32) else dtype
 
-    dense = [entry(hf, shapes[ours]) for ours, hf in dense_key_map(cfg, fmt).items()]
+    dense = [
+        entry(hf, hf_shape(fmt, ours, shapes[ours])) for ours, hf in dense_key_map(cfg, fmt).items()
+    ]
     for hf, n in zero_qkv_biases(cfg, fmt).values():  # zeros, written beside the projections
         dense.append(entry(hf, (n,)))
     parts = [sorted(dense)]

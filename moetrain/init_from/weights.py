@@ -31,6 +31,7 @@ from moetrain.convert.hf import (
     ffn_key_map,
     from_hf_state_dict,
     fused_experts,
+    hf_shape,
     in_memory_name,
     is_expert_tensor,
 )
@@ -49,6 +50,9 @@ _NOT_READ = re.compile(r"(rotary_emb\.inv_freq|self_attn\.[qkvo]_proj\.bias)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # config.json's count of multi-token-prediction layers stored after the decoder layers
 _MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
+# the other way released checkpoints store them: ERNIE-4.5's model.mtp_block.<k>.*,
+# model.mtp_emb_norm.<k>, model.mtp_hidden_norm.<k>, model.mtp_linear_proj.<k>
+_MTP_NAME = re.compile(r"^model\.mtp_\w+\.\d+\.")
 
 
 def _meta_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
@@ -62,7 +66,7 @@ def expected_hf_shapes(source: InitSource) -> dict[str, tuple[int, ...]]:
     src, fam = source.config, source.family
     shapes = _meta_shapes(src)
     names = dense_key_map(src, fam)
-    out = {hf: shapes[ours] for ours, hf in names.items()}
+    out = {hf: hf_shape(fam, ours, shapes[ours]) for ours, hf in names.items()}
     if source.upcycle:
         return out
     weights_names = set(HFWeights(source.path).names())
@@ -82,8 +86,9 @@ def expected_hf_shapes(source: InitSource) -> dict[str, tuple[int, ...]]:
 
 def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
     """The tensors of a Hugging Face source that the model would not read, apart from the
-    tolerated ones (``_NOT_READ``, a tied head, and the multi-token-prediction layers after the
-    last decoder layer when config.json declares them, which transformers ignores too)."""
+    tolerated ones (``_NOT_READ``, a tied head, and the multi-token-prediction layers, after
+    the last decoder layer or under ``model.mtp_*`` names, when config.json declares them, which
+    transformers ignores too)."""
     hf = json.loads((source.path / HF_CONFIG).read_text())
     mtp = any(hf.get(key) for key in _MTP_KEYS)
     n_layers, tied = source.config.model.n_layers, source.config.model.tie_embeddings
@@ -93,6 +98,8 @@ def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
         if name in expected or _NOT_READ.search(name) or (tied and name == "lm_head.weight"):
             continue
         if mtp and layer is not None and int(layer.group(1)) >= n_layers:
+            continue
+        if mtp and _MTP_NAME.match(name):
             continue
         out.append(name)
     return out

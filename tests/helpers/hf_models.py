@@ -94,6 +94,21 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             routed_scaling_factor=1.5,
             q_lora_rank=None,
         ),
+        "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(  # ERNIE-4.5-21B-A3B's flags
+            **{k: v for k, v in SMALL.items() if k != "rope_parameters"},
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_num_shared_experts=2,
+            moe_layer_start_index=1,
+            moe_layer_end_index=-1,
+            moe_layer_interval=1,
+            moe_norm_min=1e-12,
+            use_bias=False,
+            tie_word_embeddings=True,
+        ),
     }
 
 
@@ -151,7 +166,7 @@ def save_hf_model(
     tokenizer: Path | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """A random ``family`` model saved at ``out`` (norms, biases and GLM's selection bias made
+    """A random ``family`` model saved at ``out`` (norms, biases and selection biases made
     non-trivial, so a swapped or dropped tensor shows); ``tokenizer``: a directory whose files
     are copied in; ``overrides``: config attributes changed from the family's tiny config.
     Returns ``out``."""
@@ -167,6 +182,8 @@ def save_hf_model(
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
+                p.uniform_(-0.2, 0.2)
+            elif name.endswith("e_score_correction_bias"):  # (a parameter in ERNIE)
                 p.uniform_(-0.2, 0.2)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

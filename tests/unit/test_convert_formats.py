@@ -93,6 +93,15 @@ CASES = {
             route_scale=1.5,
         ),
     ),
+    "ernie4_5_moe": dict(  # ERNIE-4.5-21B-A3B's flags
+        model=dict(rope_interleave=True, tie_embeddings=True),
+        moe=dict(
+            first_k_dense=1,
+            num_shared_experts=2,
+            bias_update_rate=1e-3,
+            renormalize_min=1e-12,
+        ),
+    ),
 }
 
 
@@ -226,6 +235,56 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
             "moe.shared_expert_hidden",
         ),
         ("mixtral", {}, dict(capacity_factor=1.0), "moe.capacity_factor"),
+        ("mixtral", {}, dict(renormalize_min=1e-12), "moe.renormalize_min"),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, renormalize_min=1e-12),
+            "moe.renormalize_min",
+        ),
+        ("ernie4_5_moe", {}, {}, "model.rope_interleave"),
+        ("ernie4_5_moe", dict(rope_interleave=True, qkv_bias=True), {}, "model.qkv_bias"),
+        ("ernie4_5_moe", dict(rope_interleave=True, qk_norm=True), {}, "model.qk_norm"),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True, partial_rotary_factor=0.5),
+            {},
+            "model.partial_rotary_factor",
+        ),
+        ("ernie4_5_moe", dict(rope_interleave=True), dict(capacity_factor=1.0), "moe.capacity_factor"),
+        ("ernie4_5_moe", dict(rope_interleave=True), dict(score_func="sigmoid"), "moe.score_func"),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(topk_before_score=True),
+            "moe.topk_before_score",
+        ),
+        ("ernie4_5_moe", dict(rope_interleave=True), dict(renormalize=False), "moe.renormalize"),
+        ("ernie4_5_moe", dict(rope_interleave=True), dict(route_scale=2.0), "moe.route_scale"),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(n_group=2, topk_group=1),
+            "moe.n_group",
+        ),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(num_shared_experts=1, shared_expert_gate=True),
+            "moe.shared_expert_gate",
+        ),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(num_shared_experts=1, shared_expert_hidden=7),
+            "moe.shared_expert_hidden",
+        ),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(first_k_dense=1, moe_every=2),
+            "moe.moe_every",
+        ),
         ("mixtral", {}, dict(n_group=2), "moe.n_group"),
         ("qwen2_moe", {}, dict(n_group=4, topk_group=2), "moe.n_group"),
         (
@@ -296,6 +355,8 @@ def test_grouped_query_families_refuse_latent_attention_by_key(setting: str, val
         extra = {f"model__{k}": v for k, v in MLA_SHAPE.items() if k != "attention"}
     cfg = tiny_config(**{setting: value}, **extra)
     for fmt in FORMATS:
+        if setting == "model__rope_interleave" and family(fmt).rope_interleave:
+            continue  # (ERNIE rotates adjacent pairs: it refuses false instead)
         if family(fmt).attention == "gqa":
             assert setting.replace("__", ".") in [k for k, _ in problems(fmt, cfg.model, cfg.moe)]
 
