@@ -1,4 +1,4 @@
-"""ERNIE-4.5-MoE (Ernie4_5_MoeForCausalLM; ERNIE-4.5-21B-A3B, 300B-A47B): softmax scores over
+"""ERNIE-4.5-MoE (Ernie4_5_MoeForCausalLM; ERNIE-4.5-21B-A3B): softmax scores over
 all experts, selection shifted by ``moe_statics.e_score_correction_bias`` (moetrain's
 ``expert_bias``, stored as one row (1, E)), weights from the unbiased scores, always
 renormalised by max(sum, ``moe_norm_min``) (``moe.renormalize_min``), ungated shared experts
@@ -115,9 +115,7 @@ def from_hf(hf: Any) -> Config:
     n = model.n_layers
     end = n - 1 if end == -1 else end  # (transformers' rule for -1)
     try:
-        moe.first_k_dense, moe.moe_every = base.placement(
-            moe_layers(n, start, end, interval), n
-        )
+        moe.first_k_dense, moe.moe_every = base.placement(moe_layers(n, start, end, interval), n)
     except ConfigError:
         raise ConfigError(
             f"{_PLACEMENT}: MoE layers {moe_layers(n, start, end, interval)} of {n} are not "
