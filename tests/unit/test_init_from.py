@@ -341,11 +341,12 @@ def test_a_checkpoint_source_is_crc_checked_once_per_start(hf_dirs, tmp_path, mo
         open_start(cfg, SOLO)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "ernie4_5_moe"])
 def test_a_source_saved_in_the_fused_expert_layout(hf_dirs, tmp_path, family) -> None:
     """transformers v5 holds experts fused (``mlp.experts.gate_up_proj`` (E, 2F, D),
-    ``down_proj`` (E, D, F)) and some files are saved that way: the same model from such a
-    file gives the same logits, and an expert-parallel rank reads only its rows."""
+    ``down_proj`` (E, D, F)) and some files are saved that way, in its in-memory names (ERNIE's
+    selection bias under ``mlp.gate.``): the same model from such a file gives the same
+    logits, and an expert-parallel rank reads only its rows."""
     import re
 
     from safetensors.torch import load_file, save_file
@@ -365,7 +366,8 @@ def test_a_source_saved_in_the_fused_expert_layout(hf_dirs, tmp_path, family) ->
     for name, t in tensors.items():
         m = per_expert.match(name)
         if m is None:
-            out[name.replace("block_sparse_moe.gate.", "mlp.gate.")] = t
+            v5 = name.replace("block_sparse_moe.gate.", "mlp.gate.")
+            out[v5.replace(".mlp.moe_statics.", ".mlp.gate.moe_statics.")] = t
             continue
         layer, e, w = int(m.group(1)), int(m.group(2)), names[m.group(3)]
         experts.setdefault(layer, {}).setdefault(w, {})[e] = t
