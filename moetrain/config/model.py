@@ -303,6 +303,9 @@ class MoEConfig:
     # experts recompute silu(gate) * up in backward instead of saving it (Megatron-Core's
     # moe_act recompute): 2F values kept per routed copy instead of 3F, ~3% more MoE-block time
     recompute_act: bool = False
+    # renormalisation divides the top-k weights by max(their sum, renormalize_min) (ERNIE-4.5's
+    # moe_norm_min); 0 = by the plain sum. Only with renormalize (and not topk_before_score)
+    renormalize_min: float = field(default=0.0, metadata=at_least(0, "0 = plain sum") | FUNCTION)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Placement: after ``first_k_dense`` dense layers, every ``moe_every``-th layer is MoE
@@ -357,4 +360,9 @@ class MoEConfig:
             not (self.shared_expert_gate and self.num_shared_experts == 0),
             "moe.shared_expert_gate",
             "needs moe.num_shared_experts >= 1",
+        )
+        require(
+            self.renormalize_min == 0 or (self.renormalize and not self.topk_before_score),
+            "moe.renormalize_min",
+            "only applies with moe.renormalize=true and moe.topk_before_score=false",
         )

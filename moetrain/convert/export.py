@@ -27,6 +27,7 @@ from moetrain.convert.formats import choose_format, hf_config
 from moetrain.convert.hf import (
     dense_key_map,
     expert_shapes,
+    hf_shape,
     mtp_copies,
     to_hf_state_dict,
     zero_qkv_biases,
@@ -57,7 +58,9 @@ def _plan(cfg: Config, fmt: str, dtype: torch.dtype) -> list[list[tuple[str, tup
     def entry(name: str, shape: tuple) -> tuple[str, tuple, torch.dtype]:
         return name, shape, torch.float32 if name.endswith(_KEEP_FP32) else dtype
 
-    dense = [entry(hf, shapes[ours]) for ours, hf in dense_key_map(cfg, fmt).items()]
+    dense = [
+        entry(hf, hf_shape(fmt, ours, shapes[ours])) for ours, hf in dense_key_map(cfg, fmt).items()
+    ]
     for hf, n in zero_qkv_biases(cfg, fmt).values():  # zeros, written beside the projections
         dense.append(entry(hf, (n,)))
     dense += [entry(hf, shapes[ours]) for hf, ours in mtp_copies(cfg).items()]

@@ -16,14 +16,19 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
     fam = family(fmt)
     if fam.problems is None:
         raise ConfigError(f"--format: {fmt} is a dense family; choose auto or one of {FORMATS}")
-    gqa = fam.attention == "gqa"
-    common = plain_attention(model, fam.architecture, fam.partial_rotary) if gqa else []
+    gqa, name = fam.attention == "gqa", fam.architecture
+    common = plain_attention(model, name, fam.partial_rotary, fam.rope_interleave) if gqa else []
+    clamp = (
+        moe.renormalize_min != 0 and not fam.renormalize_min,
+        "moe.renormalize_min",
+        f"{name} renormalises by the plain sum of the top-k weights; must be 0",
+    )
     mtp = (
         model.mtp_depth > 0 and not fam.mtp,
         "model.mtp_depth",
-        f"{fam.architecture} files hold no multi-token-prediction layers; must be 0",
+        f"{name} files hold no multi-token-prediction layers; must be 0",
     )
-    return found([*common, mtp]) + fam.problems(model, moe)
+    return found([*common, clamp, mtp]) + fam.problems(model, moe)
 
 
 def check_format(fmt: str, model: ModelConfig, moe: MoEConfig) -> None:

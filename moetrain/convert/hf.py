@@ -55,8 +55,21 @@ def fused_experts(layer: int) -> str:
 
 def in_memory_name(fmt: str, key: str) -> str:
     """transformers v5's in-memory name of the HF key ``key`` (files saved with fused experts
-    use it): the MoE block is ``mlp`` there (Mixtral's ``block_sparse_moe``)."""
-    return key.replace(f".{family(fmt).names.moe_block}.", f".{_V5_BLOCK}.")
+    use it): the MoE block is ``mlp`` there (Mixtral's ``block_sparse_moe``), and a family's
+    selection bias may sit elsewhere (ERNIE's ``gate.moe_statics.e_score_correction_bias``)."""
+    names = family(fmt).names
+    key = key.replace(f".{names.moe_block}.", f".{_V5_BLOCK}.")
+    if names.expert_bias_v5 and key.endswith(f".{_V5_BLOCK}.{names.expert_bias}"):
+        key = key.removesuffix(names.expert_bias) + names.expert_bias_v5
+    return key
+
+
+def hf_shape(fmt: str, key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape in ``fmt``'s files of the moetrain tensor ``key`` of shape ``shape`` (a
+    selection bias stored as one row (1, E) where the family does; otherwise ``shape``)."""
+    if family(fmt).names.expert_bias_row and pn.is_expert_bias(key):
+        return (1, *shape)
+    return shape
 
 
 def expert_key(fmt: str, layer: int, expert: int, name: str) -> str:
@@ -191,7 +204,7 @@ def to_hf_state_dict(
                 for e in range(w.shape[0]):
                     out[expert_key(fmt, layer, e, name)] = w[e].t()
         elif key in keys:
-            out[keys[key]] = t
+            out[keys[key]] = t.reshape(hf_shape(fmt, key, tuple(t.shape)))
             if key in zeros:
                 out[zeros[key][0]] = torch.zeros(zeros[key][1])
         elif pn.is_expert_bias(key):
@@ -218,9 +231,16 @@ def from_hf_state_dict(
     map the non-expert weights. Streaming readers pass one layer at a time.
     """
     check_format(fmt, cfg.model, cfg.moe)
-    sd, moe, block = hf_state_dict, cfg.moe, family(fmt).names.moe_block
+    sd, moe, names = hf_state_dict, cfg.moe, family(fmt).names
+    block = names.moe_block
     if block != _V5_BLOCK:  # the router under its v5 in-memory name (in_memory_name)
         sd = {k.replace(f".{_V5_BLOCK}.gate.", f".{block}.gate."): v for k, v in sd.items()}
+    if names.expert_bias_v5:  # the selection bias under its v5 in-memory name
+        v5 = f".{block}.{names.expert_bias_v5}"
+        sd = {
+            (k.removesuffix(v5) + f".{block}.{names.expert_bias}" if k.endswith(v5) else k): v
+            for k, v in sd.items()
+        }
 
     def get(key: str) -> torch.Tensor:
         if key not in sd:
@@ -240,7 +260,10 @@ def from_hf_state_dict(
                 raise ConfigError(f"{key}: non-zero attention bias; moetrain attention has none")
         for i in moe.moe_layers(cfg.model.n_blocks):
             bias = pn.expert_bias(i)
-            out[bias] = out[bias].float() if bias in out else torch.zeros(moe.num_experts)
+            if bias in out:
+                out[bias] = out[bias].float().reshape(moe.num_experts)
+            else:
+                out[bias] = torch.zeros(moe.num_experts)
     layers = range(cfg.model.n_blocks) if expert_layers is None else expert_layers
     for i in layers:
         if not moe.is_moe_layer(i):

@@ -74,6 +74,12 @@ def inexact_reasons(cfg: Config) -> list[str]:
     moe, out = cfg.moe, []
     if not (moe.renormalize or (moe.topk_before_score and moe.score_func == "softmax")):
         out.append("moe.renormalize=false (the top-k weights do not sum to 1)")
+    floor = moe.top_k / moe.num_experts  # the least a softmax's top-k can sum to
+    if moe.renormalize_min > 0 and (moe.score_func == "sigmoid" or moe.renormalize_min > floor):
+        out.append(
+            f"moe.renormalize_min={moe.renormalize_min:g} (top-k weights summing to less are "
+            "not brought to 1)"
+        )
     if moe.route_scale != 1:
         out.append(f"moe.route_scale={moe.route_scale} (the top-k weights sum to it, not to 1)")
     if moe.capacity_factor > 0:

@@ -33,6 +33,7 @@ from moetrain.convert.hf import (
     ffn_key_map,
     from_hf_state_dict,
     fused_experts,
+    hf_shape,
     in_memory_name,
     is_expert_tensor,
 )
@@ -49,6 +50,9 @@ _W = ("w1", "w3", "w2")
 # (from_hf_state_dict refuses non-zero ones)
 _NOT_READ = re.compile(r"(rotary_emb\.inv_freq|self_attn\.[qkvo]_proj\.bias)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# the other way released checkpoints store them: ERNIE-4.5's model.mtp_block.<k>.*,
+# model.mtp_emb_norm.<k>, model.mtp_hidden_norm.<k>, model.mtp_linear_proj.<k>
+_MTP_NAME = re.compile(r"^model\.mtp_\w+\.\d+\.")
 
 
 def _meta_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
@@ -69,7 +73,7 @@ def expected_hf_shapes(source: InitSource, mtp_depth: int = 0) -> dict[str, tupl
     src, fam = _read_config(source, mtp_depth), source.family
     shapes = _meta_shapes(src)
     names = dense_key_map(src, fam)
-    out = {hf: shapes[ours] for ours, hf in names.items()}
+    out = {hf: hf_shape(fam, ours, shapes[ours]) for ours, hf in names.items()}
     if source.upcycle:
         return out
     weights_names = set(HFWeights(source.path).names())
@@ -89,8 +93,9 @@ def expected_hf_shapes(source: InitSource, mtp_depth: int = 0) -> dict[str, tupl
 
 def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
     """The tensors of a Hugging Face source that the model would not read, apart from the
-    tolerated ones (``_NOT_READ``, a tied head, and the multi-token-prediction layers after the
-    last decoder layer when config.json declares them, which transformers ignores too)."""
+    tolerated ones (``_NOT_READ``, a tied head, and the multi-token-prediction layers, after
+    the last decoder layer or under ``model.mtp_*`` names, when config.json declares them, which
+    transformers ignores too)."""
     hf = json.loads((source.path / HF_CONFIG).read_text())
     mtp = declared_mtp_layers(hf) > 0
     n_layers, tied = source.config.model.n_layers, source.config.model.tie_embeddings
@@ -100,6 +105,8 @@ def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
         if name in expected or _NOT_READ.search(name) or (tied and name == "lm_head.weight"):
             continue
         if mtp and layer is not None and int(layer.group(1)) >= n_layers:
+            continue
+        if mtp and _MTP_NAME.match(name):
             continue
         out.append(name)
     return out

@@ -31,6 +31,41 @@ SMALL: dict[str, Any] = dict(
     pad_token_id=0,
 )
 EOS_TOKEN = "<|endoftext|>"
+# ERNIE-4.5-21B-A3B-PT's config.json as released (legacy top-level rope_theta, no
+# moe_layer_end_index, Paddle's moe_* keys transformers does not read, one declared MTP layer),
+# at the tiny ERNIE model's sizes
+ERNIE_RELEASED_CONFIG: dict[str, Any] = {
+    "architectures": ["Ernie4_5_MoeForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "hidden_act": "silu",
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "max_position_embeddings": 64,
+    "model_type": "ernie4_5_moe",
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 3,
+    "rms_norm_eps": 1e-05,
+    "use_cache": False,
+    "vocab_size": 320,
+    "rope_theta": 500000,
+    "use_bias": False,
+    "moe_num_experts": 4,
+    "moe_num_shared_experts": 2,
+    "moe_layer_start_index": 1,
+    "moe_intermediate_size": 24,
+    "moe_capacity": [4, 4, 4],
+    "moe_gate": "topk",
+    "moe_k": 2,
+    "moe_layer_interval": 1,
+    "moe_use_aux_free": True,
+    "dtype": "bfloat16",
+    "num_nextn_predict_layers": 1,
+    "multi_token_pred_lambda": 0.3,
+    "tie_word_embeddings": True,
+}
 
 
 def _moe_configs(transformers: Any) -> dict[str, Any]:
@@ -94,6 +129,21 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             routed_scaling_factor=1.5,
             q_lora_rank=None,
         ),
+        "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(  # ERNIE-4.5-21B-A3B's flags
+            **{k: v for k, v in SMALL.items() if k != "rope_parameters"},
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_num_shared_experts=2,
+            moe_layer_start_index=1,
+            moe_layer_end_index=-1,
+            moe_layer_interval=1,
+            moe_norm_min=1e-12,
+            use_bias=False,
+            tie_word_embeddings=True,
+        ),
     }
 
 
@@ -151,7 +201,7 @@ def save_hf_model(
     tokenizer: Path | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """A random ``family`` model saved at ``out`` (norms, biases and GLM's selection bias made
+    """A random ``family`` model saved at ``out`` (norms, biases and selection biases made
     non-trivial, so a swapped or dropped tensor shows); ``tokenizer``: a directory whose files
     are copied in; ``overrides``: config attributes changed from the family's tiny config.
     Returns ``out``."""
@@ -166,7 +216,7 @@ def save_hf_model(
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "e_score_correction_bias")):  # (ERNIE's: a parameter)
                 p.uniform_(-0.2, 0.2)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

@@ -93,6 +93,15 @@ CASES = {
             route_scale=1.5,
         ),
     ),
+    "ernie4_5_moe": dict(  # ERNIE-4.5-21B-A3B's flags
+        model=dict(rope_interleave=True, tie_embeddings=True),
+        moe=dict(
+            first_k_dense=1,
+            num_shared_experts=2,
+            bias_update_rate=1e-3,
+            renormalize_min=1e-12,
+        ),
+    ),
 }
 
 
@@ -226,6 +235,61 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
             "moe.shared_expert_hidden",
         ),
         ("mixtral", {}, dict(capacity_factor=1.0), "moe.capacity_factor"),
+        ("mixtral", {}, dict(renormalize_min=1e-12), "moe.renormalize_min"),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, renormalize_min=1e-12),
+            "moe.renormalize_min",
+        ),
+        ("ernie4_5_moe", {}, {}, "model.rope_interleave"),
+        ("ernie4_5_moe", dict(rope_interleave=True, qkv_bias=True), {}, "model.qkv_bias"),
+        ("ernie4_5_moe", dict(rope_interleave=True, qk_norm=True), {}, "model.qk_norm"),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True, partial_rotary_factor=0.5),
+            {},
+            "model.partial_rotary_factor",
+        ),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(capacity_factor=1.0),
+            "moe.capacity_factor",
+        ),
+        ("ernie4_5_moe", dict(rope_interleave=True), dict(score_func="sigmoid"), "moe.score_func"),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(topk_before_score=True),
+            "moe.topk_before_score",
+        ),
+        ("ernie4_5_moe", dict(rope_interleave=True), dict(renormalize=False), "moe.renormalize"),
+        ("ernie4_5_moe", dict(rope_interleave=True), dict(route_scale=2.0), "moe.route_scale"),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(n_group=2, topk_group=1),
+            "moe.n_group",
+        ),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(num_shared_experts=1, shared_expert_gate=True),
+            "moe.shared_expert_gate",
+        ),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(num_shared_experts=1, shared_expert_hidden=7),
+            "moe.shared_expert_hidden",
+        ),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(first_k_dense=1, moe_every=2),
+            "moe.moe_every",
+        ),
         ("mixtral", {}, dict(n_group=2), "moe.n_group"),
         ("qwen2_moe", {}, dict(n_group=4, topk_group=2), "moe.n_group"),
         (
@@ -296,6 +360,8 @@ def test_grouped_query_families_refuse_latent_attention_by_key(setting: str, val
         extra = {f"model__{k}": v for k, v in MLA_SHAPE.items() if k != "attention"}
     cfg = tiny_config(**{setting: value}, **extra)
     for fmt in FORMATS:
+        if setting == "model__rope_interleave" and family(fmt).rope_interleave:
+            continue  # (ERNIE rotates adjacent pairs: it refuses false instead)
         if family(fmt).attention == "gqa":
             assert setting.replace("__", ".") in [k for k, _ in problems(fmt, cfg.model, cfg.moe)]
 
@@ -444,3 +510,99 @@ def test_unknown_rope_type_is_refused_by_name() -> None:
     }
     with pytest.raises(ConfigError, match=r"rope_parameters\.rope_type: .*'longrope'"):
         config_from_hf(d)
+
+
+def _ernie(extra: dict, tmp_path) -> tuple[Config, Transformer, torch.Tensor, torch.Tensor]:
+    """The tiny ERNIE model with ``extra``, its logits in moetrain and in transformers."""
+    cfg = tiny_cfg("ernie4_5_moe", extra)
+    assert choose_format(cfg) == "ernie4_5_moe"
+    model = model_for(cfg)
+    hf = load_hf(cfg, model, "ernie4_5_moe", tmp_path)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, ref = model(ids).logits, hf(input_ids=ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    return cfg, model, ids, got
+
+
+def test_ernie_norm_min_where_it_binds_matches_transformers(tmp_path) -> None:
+    """moe.renormalize_min is ERNIE's moe_norm_min: at 0.9, above many tokens' top-2 sums of 4
+    experts, transformers' logits, not those of the plain sum; it round-trips."""
+    cfg, model, ids, got = _ernie({"moe.renormalize_min": 0.9}, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["moe_norm_min"] == 0.9
+    assert config_from_hf(
+        json.loads((tmp_path / "config.json").read_text())
+    ).moe == dataclasses.replace(cfg.moe, aux_loss_coef=0.0, z_loss_coef=0.0, bias_update_rate=0.0)
+    plain = Transformer(cfg.model, dataclasses.replace(cfg.moe, renormalize_min=0.0)).eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (plain(ids).logits - got).abs().max() > 1e-3
+
+
+def test_ernie_moe_layer_interval_matches_transformers(tmp_path) -> None:
+    """Every second layer MoE (moe.moe_every=2 from layer 0: ERNIE's moe_layer_interval=2) and
+    untied embeddings: transformers' logits, and the same layers come back."""
+    extra = {"model.n_layers": 4, "model.tie_embeddings": False, "moe.first_k_dense": 0}
+    cfg, *_ = _ernie({**extra, "moe.moe_every": 2}, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["moe_layer_start_index"], saved["moe_layer_interval"]) == (0, 2)
+    back = config_from_hf(saved)
+    assert back.moe.moe_layers(4) == cfg.moe.moe_layers(4) == [1, 3]
+    assert back.model == cfg.model
+
+
+def test_ernie_released_config_imports() -> None:
+    """ERNIE-4.5-21B-A3B's config.json as released (legacy rope_theta, no end index, keys
+    transformers does not read): its routing, placement, RoPE and head."""
+    from tests.helpers.hf_models import ERNIE_RELEASED_CONFIG
+
+    cfg = config_from_hf(ERNIE_RELEASED_CONFIG)
+    m, moe = cfg.model, cfg.moe
+    assert (m.rope_theta, m.rope_interleave, m.tie_embeddings, m.qkv_bias) == (
+        500000.0,
+        True,
+        True,
+        False,
+    )
+    assert (m.head_dim, m.dense_hidden, m.norm_eps, m.rope_scaling) == (8, 40, 1e-5, "none")
+    assert (moe.score_func, moe.renormalize, moe.renormalize_min) == ("softmax", True, 1e-12)
+    assert (moe.num_experts, moe.top_k, moe.expert_hidden) == (4, 2, 24)
+    assert (moe.num_shared_experts, moe.shared_hidden, moe.shared_expert_gate) == (2, 48, False)
+    assert moe.moe_layers(3) == [1, 2]
+    # start 1, every second layer: ERNIE counts (layer + 1) from 0 -> layers 1 and 3
+    every2 = config_from_hf(
+        {**ERNIE_RELEASED_CONFIG, "num_hidden_layers": 4, "moe_layer_interval": 2}
+    )
+    assert every2.moe.moe_layers(4) == [1, 3]
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"use_bias": True}, "use_bias"),
+        ({"num_hidden_layers": 4, "moe_layer_end_index": 2}, "moe_layer_start_index"),
+        ({"moe_norm_min": None}, "moe_norm_min"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            "partial_rotary_factor",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ],
+)
+def test_ernie_configs_moetrain_cannot_compute_are_refused(changes, key) -> None:
+    from tests.helpers.hf_models import ERNIE_RELEASED_CONFIG
+
+    d = {
+        k: v
+        for k, v in ERNIE_RELEASED_CONFIG.items()
+        if "rope" not in k or "rope_parameters" not in changes
+    }
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_hf({**d, **changes})

@@ -16,8 +16,10 @@ from tests.helpers.configs import tiny_config
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("partial_rotary", [1.0, 0.5])
-def test_kv_cache_logits_equal_full_recompute(partial_rotary: float) -> None:
+@pytest.mark.parametrize(
+    ("partial_rotary", "interleave"), [(1.0, False), (0.5, False), (1.0, True)]
+)
+def test_kv_cache_logits_equal_full_recompute(partial_rotary: float, interleave: bool) -> None:
     torch.manual_seed(0)
     cfg = tiny_config(
         {
@@ -27,6 +29,7 @@ def test_kv_cache_logits_equal_full_recompute(partial_rotary: float) -> None:
             "model.qk_norm": True,
             "model.init_std": 0.1,
             "model.partial_rotary_factor": partial_rotary,
+            "model.rope_interleave": interleave,  # (grouped-query attention: ERNIE-4.5's)
             "moe.first_k_dense": 1,
             "moe.num_shared_experts": 1,
         }

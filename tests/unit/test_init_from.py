@@ -191,6 +191,58 @@ def test_tensors_the_model_would_drop_are_refused(hf_dirs, tmp_path) -> None:
     torch.testing.assert_close(got, hf_logits(hf_dirs["deepseek_v3"], ids), atol=1e-5, rtol=1e-5)
 
 
+def test_an_ernie_directory_as_released(hf_dirs, tmp_path) -> None:
+    """ERNIE-4.5-21B-A3B as released: bf16 weights saved by transformers (the router and the
+    (1, E) selection bias kept fp32), the legacy config.json, and the tensors of the MTP layer
+    it declares (``model.mtp_*``, not read, as transformers does not read them): the model
+    transformers loads from the directory, imported as well; undeclared, the MTP tensors are
+    refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers.hf_models import ERNIE_RELEASED_CONFIG
+
+    src = tmp_path / "released"
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dirs["ernie4_5_moe"], dtype=torch.bfloat16
+    )
+    bf16.save_pretrained(src)
+    (src / "config.json").write_text(json.dumps(ERNIE_RELEASED_CONFIG))
+    tensors = load_file(src / "model.safetensors")
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    bias = tensors["model.layers.1.mlp.moe_statics.e_score_correction_bias"]
+    assert bias.shape == (1, 4) and bias.dtype == torch.float32 and bias.abs().max() > 0
+    g = torch.Generator().manual_seed(3)
+    mtp = {
+        "model.mtp_emb_norm.0.weight": torch.ones(32),
+        "model.mtp_hidden_norm.0.weight": torch.ones(32),
+        "model.mtp_linear_proj.0.weight": torch.randn(32, 64, generator=g),
+        "model.mtp_block.0.input_layernorm.weight": torch.ones(32),
+        "model.mtp_block.0.self_attn.q_proj.weight": torch.randn(32, 32, generator=g),
+        "model.mtp_block.0.mlp.gate.weight": torch.randn(4, 32, generator=g),
+    }
+    mtp = {k: v.to(torch.bfloat16) for k, v in mtp.items()}
+    save_file({**tensors, **mtp}, src / "model.safetensors", metadata={"format": "pt"})
+    cfg, source = resolved(f"checkpoint.init_from={src}")
+    m, moe = cfg.model, cfg.moe
+    assert (m.rope_theta, m.rope_interleave, m.tie_embeddings) == (500000.0, True, True)
+    assert (moe.first_k_dense, moe.num_shared_experts, moe.renormalize_min) == (1, 2, 1e-12)
+    ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(0))
+    ref = hf_logits(src, ids)
+    with torch.no_grad():
+        got = build_model(cfg, source).eval()(ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    ckpt = import_hf_checkpoint(src, tmp_path / "ckpt")
+    resolved_ckpt, ckpt_source = resolved(f"checkpoint.init_from={ckpt}")
+    with torch.no_grad():
+        again = build_model(resolved_ckpt, ckpt_source).eval()(ids).logits
+    torch.testing.assert_close(again, ref, atol=1e-5, rtol=1e-5)
+    undeclared = dict(ERNIE_RELEASED_CONFIG)
+    del undeclared["num_nextn_predict_layers"]
+    (src / "config.json").write_text(json.dumps(undeclared))
+    with pytest.raises(CheckpointError, match=r"tensor model\.mtp_.*5 more"):
+        import_hf_checkpoint(src, tmp_path / "ckpt-undeclared")
+
+
 def test_run_dir_checkpoint_wins_and_bad_init_from_writes_nothing(hf_dirs, tmp_path) -> None:
     """Precedence is read without touching run_dir; a bad source fails in run_training before
     run_dir exists."""
@@ -289,11 +341,12 @@ def test_a_checkpoint_source_is_crc_checked_once_per_start(hf_dirs, tmp_path, mo
         open_start(cfg, SOLO)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "ernie4_5_moe"])
 def test_a_source_saved_in_the_fused_expert_layout(hf_dirs, tmp_path, family) -> None:
     """transformers v5 holds experts fused (``mlp.experts.gate_up_proj`` (E, 2F, D),
-    ``down_proj`` (E, D, F)) and some files are saved that way: the same model from such a
-    file gives the same logits, and an expert-parallel rank reads only its rows."""
+    ``down_proj`` (E, D, F)) and some files are saved that way, in its in-memory names (ERNIE's
+    selection bias under ``mlp.gate.``): the same model from such a file gives the same
+    logits, and an expert-parallel rank reads only its rows."""
     import re
 
     from safetensors.torch import load_file, save_file
@@ -313,7 +366,8 @@ def test_a_source_saved_in_the_fused_expert_layout(hf_dirs, tmp_path, family) ->
     for name, t in tensors.items():
         m = per_expert.match(name)
         if m is None:
-            out[name.replace("block_sparse_moe.gate.", "mlp.gate.")] = t
+            v5 = name.replace("block_sparse_moe.gate.", "mlp.gate.")
+            out[v5.replace(".mlp.moe_statics.", ".mlp.gate.moe_statics.")] = t
             continue
         layer, e, w = int(m.group(1)), int(m.group(2)), names[m.group(3)]
         experts.setdefault(layer, {}).setdefault(w, {})[e] = t

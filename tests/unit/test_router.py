@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from moetrain.config import MoEConfig
+from moetrain.config import ConfigError, MoEConfig
 from moetrain.model.moe.capacity import capacity_keep, expert_capacity
 from moetrain.model.moe.dispatch import LocalDispatcher, Routes
 from moetrain.model.moe.router import Router, limit_to_groups
@@ -109,6 +109,30 @@ def test_bias_changes_selection_not_weights() -> None:
     assert w[0] == pytest.approx(0.2, abs=1e-6) and w[3] == pytest.approx(0.8, abs=1e-6)
     # the bias is a buffer, not a parameter: no gradient path
     assert "expert_bias" in dict(r.named_buffers()) and r.expert_bias.requires_grad is False
+
+
+def test_renormalisation_clamps_the_sum_at_renormalize_min() -> None:
+    """``moe.renormalize_min`` (ERNIE-4.5's moe_norm_min): the chosen weights are divided by
+    max(their sum, the minimum). It matters only where a selection bias picks experts whose
+    scores are all but zero; 0 (the default) divides by the plain sum, bit for bit."""
+    x = torch.tensor([[0.0, -30.0, -31.0, -40.0]])
+    probs = torch.softmax(x, dim=-1)
+    bias = torch.tensor([-10.0, 0.0, 0.0, 0.0])  # excludes expert 0: experts 1 and 2 chosen
+    picked = probs[0, [1, 2]]
+    assert picked.sum() < 1e-12
+    for minimum, divisor in ((1e-12, torch.tensor(1e-12)), (0.0, picked.sum())):
+        r = make_router(renormalize_min=minimum)
+        with torch.no_grad():
+            r.expert_bias.copy_(bias)
+        out = r(x)
+        assert out.ids_TK.tolist() == [[1, 2]]
+        assert torch.equal(out.weights_TK[0], picked / divisor), minimum
+    # where the sum is above the minimum, nothing changes
+    plain, clamped = make_router()(torch.tensor([ROW_A])), make_router(renormalize_min=1e-12)
+    assert torch.equal(clamped(torch.tensor([ROW_A])).weights_TK, plain.weights_TK)
+    for kw in (dict(renormalize=False), dict(topk_before_score=True)):
+        with pytest.raises(ConfigError, match=r"moe\.renormalize_min"):
+            MoEConfig(renormalize_min=1e-12, **kw).validate()
 
 
 def test_update_bias_sign_rule() -> None:

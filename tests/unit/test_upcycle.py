@@ -191,6 +191,12 @@ def test_inexact_reasons_name_exactly_the_settings_that_break_step_0() -> None:
     assert inexact_reasons(tiny_config(moe__renormalize=False, moe__topk_before_score=True)) == []
     (why,) = inexact_reasons(tiny_config(moe__renormalize=False))
     assert why.startswith("moe.renormalize=false")
+    # ERNIE's moe_norm_min: harmless below a softmax's least top-k sum (k / E), not above
+    assert inexact_reasons(tiny_config(moe__renormalize_min=1e-12)) == []
+    (why,) = inexact_reasons(tiny_config(moe__renormalize_min=0.9))
+    assert why.startswith("moe.renormalize_min=0.9")
+    (why,) = inexact_reasons(tiny_config(moe__renormalize_min=1e-12, moe__score_func="sigmoid"))
+    assert why.startswith("moe.renormalize_min=1e-12")
     (why,) = inexact_reasons(tiny_config(moe__route_scale=2.5))
     assert why.startswith("moe.route_scale=2.5")
     cfg = tiny_config(moe__capacity_factor=1.0, moe__jitter=0.1, checkpoint__upcycle_noise=0.1)

@@ -16,6 +16,7 @@ from moetrain.config import ConfigError
 from moetrain.convert.families import (
     deepseek_v2,
     deepseek_v3,
+    ernie4_5_moe,
     glm4_moe,
     llama,
     mistral,
@@ -39,6 +40,7 @@ FAMILIES: dict[str, Family] = {
         olmoe.FAMILY,
         deepseek_v3.FAMILY,
         deepseek_v2.FAMILY,
+        ernie4_5_moe.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         qwen2.FAMILY,

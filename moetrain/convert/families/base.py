@@ -33,6 +33,10 @@ class WeightNames:
     shared_gate: str = "shared_expert_gate"
     expert_bias: str | None = None  # the router's selection bias, under the MoE block
     qkv_bias_always: bool = False  # q/k/v biases always present (zeros when the model has none)
+    # transformers v5's in-memory name of that bias where it differs from the files' (ERNIE's
+    # gate.moe_statics...), and whether it is stored as one row (1, E) instead of (E,)
+    expert_bias_v5: str | None = None
+    expert_bias_row: bool = False
 
 
 # config.json's count of the multi-token-prediction layers stored after the decoder layers
@@ -60,6 +64,10 @@ class Family:
     # its files hold multi-token-prediction layers after the decoder layers, counted by
     # config.json's num_nextn_predict_layers (DeepSeek-V3's layout; transformers ignores them)
     mtp: bool = False
+    rope_interleave: bool = False  # its grouped-query attention rotates adjacent pairs (ERNIE)
+    # its renormalisation divides by max(sum, a minimum) (ERNIE's moe_norm_min =
+    # moe.renormalize_min); the others divide by the plain sum (moe.renormalize_min must be 0)
+    renormalize_min: bool = False
 
     @property
     def dense(self) -> bool:
@@ -96,13 +104,20 @@ def per_head_norm(model: ModelConfig, name: str) -> Check:
     )
 
 
-def plain_attention(model: ModelConfig, name: str, partial: bool = False) -> list[Check]:
-    """Grouped-query attention with rotary embeddings in the first half / second half layout
-    (plain or scaled: transformers computes every rope_type for every family), over whole heads
-    unless ``partial``."""
+def plain_attention(
+    model: ModelConfig, name: str, partial: bool = False, interleave: bool = False
+) -> list[Check]:
+    """Grouped-query attention with rotary embeddings in the first half / second half layout,
+    or in adjacent pairs where ``interleave`` (plain or scaled: transformers computes every
+    rope_type for every family), over whole heads unless ``partial``."""
+    pairs = (
+        f"{name} rotates adjacent pairs; must be true"
+        if interleave
+        else f"{name} rotates half-split heads"
+    )
     return [
         (model.attention != "gqa", "model.attention", f"{name} has grouped-query attention"),
-        (model.rope_interleave, "model.rope_interleave", f"{name} rotates half-split heads"),
+        (model.rope_interleave != interleave, "model.rope_interleave", pairs),
         (
             not partial and model.partial_rotary_factor != 1.0,
             "model.partial_rotary_factor",

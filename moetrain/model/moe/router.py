@@ -4,7 +4,10 @@ Shape legend: T tokens, D d_model, E experts, K top_k, G expert groups (``moe.n_
 X experts per group, B sequences, S tokens per sequence.
 
 Scores are computed in fp32. Selection may be shifted by the aux-loss-free ``expert_bias``
-(DeepSeek-V3); combine weights never include it. Where the bias is updated: NOT in forward.
+(DeepSeek-V3; with softmax scores too, ERNIE-4.5); combine weights never include it. With
+``moe.renormalize`` the chosen weights are divided by their sum, or by ``moe.renormalize_min``
+where the sum is smaller (ERNIE-4.5's ``moe_norm_min``: a selection bias can pick experts whose
+scores are all but zero). Where the bias is updated: NOT in forward.
 The trainer calls :meth:`Router.update_bias` once per optimizer step with the expert load summed
 over every rank (an all-reduce of ``MoEOutput.tokens_per_expert_E`` over the whole world), so the
 bias stays identical on every rank and is never part of the autograd graph.
@@ -125,7 +128,10 @@ class Router(nn.Module):
         else:
             weights_TK = scores_TE.gather(1, ids_TK)
             if cfg.renormalize:
-                weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+                total_T1 = weights_TK.sum(-1, keepdim=True)
+                if cfg.renormalize_min > 0:  # (0: the plain sum, bit for bit)
+                    total_T1 = total_T1.clamp_min(cfg.renormalize_min)
+                weights_TK = weights_TK / total_T1
 
         counts_E = count_experts(ids_TK, e)
         t = max(x_TD.shape[0], 1)  # T = 0 (an empty micro-batch) gives zero losses, not NaN

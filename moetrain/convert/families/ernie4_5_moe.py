@@ -1,0 +1,148 @@
+"""ERNIE-4.5-MoE (Ernie4_5_MoeForCausalLM; ERNIE-4.5-21B-A3B): softmax scores over
+all experts, selection shifted by ``moe_statics.e_score_correction_bias`` (moetrain's
+``expert_bias``, stored as one row (1, E)), weights from the unbiased scores, always
+renormalised by max(sum, ``moe_norm_min``) (``moe.renormalize_min``), ungated shared experts
+sized ``moe_num_shared_experts`` x ``moe_intermediate_size``, rotary embeddings on adjacent
+pairs (``model.rope_interleave``: transformers rotates them in place, moetrain gathers each
+head's pairs first; queries and keys are permuted alike, so attention is the same), and the
+MoE layers ``moe_layer_start_index`` .. ``moe_layer_end_index`` whose ``layer + 1`` is a
+multiple of ``moe_layer_interval`` (moetrain's ``first_k_dense`` / ``moe_every`` where they
+give the same layers). ``use_bias`` puts biases on every projection and the head, which
+moetrain has not: refused. The multi-token-prediction layer of a released checkpoint
+(``num_nextn_predict_layers``, ``model.mtp_*`` tensors) is not part of transformers' model and
+is not imported; exports declare none."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.convert.families import base
+from moetrain.convert.families.base import Family, WeightNames
+
+NAME = "Ernie4_5_MoeForCausalLM"
+_PLACEMENT = "moe_layer_start_index/moe_layer_end_index/moe_layer_interval"
+
+
+def moe_layers(n_layers: int, start: int, end: int, interval: int) -> list[int]:
+    """The MoE layers transformers' ERNIE builds (its decoder layer's rule)."""
+    return [i for i in range(n_layers) if (i + 1) % interval == 0 and start <= i <= end]
+
+
+def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
+    n, every = model.n_layers, moe.moe_every
+    placed = moe_layers(n, moe.first_k_dense, n - 1, every)
+    return base.found(
+        [
+            base.dropless(moe, NAME),
+            (
+                model.qkv_bias,
+                "model.qkv_bias",
+                f"{NAME}'s use_bias puts biases on every projection (attention output, FFNs, "
+                "head too); moetrain has q/k/v biases only: must be false",
+            ),
+            base.no_qk_norm(model, NAME),
+            (moe.score_func != "softmax", "moe.score_func", f"{NAME} routes with softmax"),
+            (
+                moe.topk_before_score,
+                "moe.topk_before_score",
+                f"{NAME} takes softmax over all experts, then top-k; must be false",
+            ),
+            (
+                not moe.renormalize,
+                "moe.renormalize",
+                f"{NAME} always renormalises the top-k weights; must be true",
+            ),
+            (moe.route_scale != 1.0, "moe.route_scale", f"{NAME} has no route scale; must be 1.0"),
+            (moe.n_group != 1, "moe.n_group", f"{NAME} routes without expert groups; must be 1"),
+            (moe.shared_expert_gate, "moe.shared_expert_gate", f"{NAME} does not gate them"),
+            (
+                moe.num_shared_experts > 0
+                and moe.shared_hidden != moe.num_shared_experts * moe.expert_hidden,
+                "moe.shared_expert_hidden",
+                f"{NAME} sizes shared experts as moe_num_shared_experts x "
+                "moe_intermediate_size; must be null or num_shared_experts * expert_hidden",
+            ),
+            (
+                placed != moe.moe_layers(n),
+                "moe.moe_every",
+                f"{NAME} places MoE in the layers whose index + 1 is a multiple of "
+                f"moe_layer_interval; moe.first_k_dense must be a multiple of moe.moe_every",
+            ),
+        ]
+    )
+
+
+def to_hf(cfg: Config) -> dict[str, Any]:
+    model, moe = cfg.model, cfg.moe
+    fields = base.hf_common(cfg)
+    del fields["num_experts_per_tok"]  # (its own name below)
+    return dict(
+        fields,
+        intermediate_size=model.dense_hidden,
+        moe_intermediate_size=moe.expert_hidden,
+        moe_num_experts=moe.num_experts,
+        moe_k=moe.top_k,
+        moe_num_shared_experts=moe.num_shared_experts,
+        moe_layer_start_index=moe.first_k_dense,
+        moe_layer_end_index=model.n_layers - 1,
+        moe_layer_interval=moe.moe_every,
+        moe_norm_min=moe.renormalize_min,
+        use_bias=False,
+    )
+
+
+def from_hf(hf: Any) -> Config:
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(hf, name, default)
+
+    if get("use_bias", False):
+        raise ConfigError(
+            "use_bias: biases on every projection and the head; moetrain has q/k/v biases only"
+        )
+    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
+    if model.partial_rotary_factor != 1.0:
+        raise ConfigError(
+            f"rope_parameters.partial_rotary_factor: {NAME} rotates whole heads; got "
+            f"{model.partial_rotary_factor:g}"
+        )
+    model.rope_interleave = True
+    placement = {k: get(k) for k in _PLACEMENT.split("/")}
+    for key, value in placement.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{key}: {NAME} needs an integer; got {value!r}")
+    start, end, interval = placement.values()
+    n = model.n_layers
+    end = n - 1 if end == -1 else end  # (transformers' rule for -1)
+    try:
+        moe.first_k_dense, moe.moe_every = base.placement(moe_layers(n, start, end, interval), n)
+    except ConfigError:
+        raise ConfigError(
+            f"{_PLACEMENT}: MoE layers {moe_layers(n, start, end, interval)} of {n} are not "
+            "expressible as moe.first_k_dense + moe.moe_every"
+        ) from None
+    norm_min = get("moe_norm_min")
+    if not isinstance(norm_min, int | float) or norm_min < 0:
+        raise ConfigError(f"moe_norm_min: {NAME} needs a number >= 0; got {norm_min!r}")
+    moe.num_experts, moe.expert_hidden = hf.moe_num_experts, hf.moe_intermediate_size
+    moe.score_func, moe.renormalize = "softmax", True
+    moe.renormalize_min = float(norm_min)
+    moe.num_shared_experts = int(get("moe_num_shared_experts") or 0)
+    return base.finish(model, moe)
+
+
+FAMILY = Family(
+    name="ernie4_5_moe",
+    architecture=NAME,
+    from_hf=from_hf,
+    problems=problems,
+    to_hf=to_hf,
+    names=WeightNames(
+        shared_expert="shared_experts",
+        expert_bias="moe_statics.e_score_correction_bias",
+        expert_bias_v5="gate.moe_statics.e_score_correction_bias",
+        expert_bias_row=True,
+    ),
+    rope_interleave=True,
+    renormalize_min=True,
+)
