@@ -192,7 +192,10 @@ RESHARD_SETTINGS = {"moe.bias_update_rate": 0.01}
 
 def _record(trainer: Any, rec: dict) -> dict[str, Any]:
     biases = [layer["expert_bias"] for _, layer in sorted((rec.get("moe_layers") or {}).items())]
-    return {"loss": rec["loss"], "lr": rec["lr"], "bias": biases}
+    out = {"loss": rec["loss"], "lr": rec["lr"], "bias": biases}
+    if "mtp_loss" in rec:
+        out["mtp_loss"] = rec["mtp_loss"]
+    return out
 
 
 def _run_steps(trainer: Any, rank: int, world: int, steps: range, pos: StreamPosition) -> list:
@@ -205,11 +208,18 @@ def _run_steps(trainer: Any, rank: int, world: int, steps: range, pos: StreamPos
 
 
 def resume_job(
-    rank: int, world: int, layouts: list[tuple[int, int]], run_dir: str, steps: int, stop: int
+    rank: int,
+    world: int,
+    layouts: list[tuple[int, int]],
+    run_dir: str,
+    steps: int,
+    stop: int,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """For each ``(ep, stage)``: the uninterrupted run of ``steps`` steps, and the same run
     stopped after ``stop`` steps (checkpoint saved, a fresh Trainer built and resumed from it)
-    -> per layout ``{"uninterrupted", "resumed", "checkpoint"}`` step records."""
+    -> per layout ``{"uninterrupted", "resumed", "checkpoint"}`` step records. ``extra``: more
+    settings on top of :data:`RESUME_SETTINGS`."""
     from moetrain.checkpoint.checkpointer import Checkpointer
     from moetrain.parallel.topology import init_distributed
     from moetrain.train.trainer import Trainer
@@ -217,7 +227,7 @@ def resume_job(
     out: dict[str, Any] = {}
     for ep, stage in layouts:
         d = Path(run_dir) / f"ep{ep}_zero{stage}"
-        cfg = parity_config(world, ep, stage, run_dir=str(d), **RESUME_SETTINGS)
+        cfg = parity_config(world, ep, stage, run_dir=str(d), **RESUME_SETTINGS, **(extra or {}))
         topo = init_distributed(cfg)
         trainer = Trainer(cfg, topo)
         whole = _run_steps(trainer, rank, world, range(steps), StreamPosition())

@@ -11,6 +11,8 @@ non-finite steps, barrier timeouts.
   on; too many in a row stops every rank with the same error (no hang).
 - Every process group, DeepSpeed's included, has parallel.timeout_minutes as its timeout.
 - A barrier that times out names what it waited for and which rank did not arrive.
+- Multi-token prediction (two MoE modules) at ep=2, ZeRO-2: a run stopped, saved and resumed
+  logs the uninterrupted run's losses, MTP losses, learning rates and biases bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tests.distributed.checkpoint_jobs import (
     fixed_batch,
     nan_jobs,
     reshard_job,
+    resume_job,
     save_job,
     timeout_job,
 )
@@ -159,3 +162,14 @@ def test_barrier_timeout_names_what_it_waited_for(tmp_path):
     msg = run_distributed(timeout_job, 2, str(tmp_path / "rank0-done"))[0]
     assert "checkpoint step_00000007: write shards" in msg, msg
     assert "1" in msg.split("write shards", 1)[1]  # gloo's monitored barrier names rank 1
+
+
+def test_resume_with_mtp_is_bit_exact(tmp_path):
+    mtp = {"model.mtp_depth": 2, "model.mtp_loss_weight_final": 0.1}
+    mtp["model.mtp_loss_weight_final_step"] = 3  # the weight changes phase after the resume
+    results = run_distributed(resume_job, 2, [(2, 2)], str(tmp_path), 4, 2, mtp)
+    for rank, res in enumerate(results):
+        run = res["ep2_zero2"]
+        assert run["resumed"] == run["uninterrupted"], f"rank {rank}"
+        assert all("mtp_loss" in r for r in run["resumed"])
+        assert len(run["resumed"][0]["bias"]) == 4  # the MTP modules' MoE layers are balanced

@@ -1,6 +1,7 @@
 """Proof for every supported format: a tiny model trained by the real trainer with EP=2 on two
 ranks (torchrun, gloo), converted; transformers loads it, its logits equal moetrain's to 1e-4
-(fp32) on a batch of text, and greedy generation gives the same tokens. One Mixtral run trains
+(fp32) on a batch of text, and greedy generation gives the same tokens. The DeepSeek-V3 run
+trains a multi-token-prediction module, exported after the decoder layers. One Mixtral run trains
 in bf16: its checkpoint holds the fp32 master weights, which the conversion exports (or rounds
 to the requested ``--dtype``)."""
 
@@ -17,6 +18,7 @@ import torch
 
 from moetrain.checkpoint.read import load_model
 from moetrain.convert.export import convert_checkpoint
+from moetrain.convert.hf_files import HFWeights
 from moetrain.generate import generate_ids, generate_text
 from tests.helpers.corpus import prepare_stdlib_config
 
@@ -76,6 +78,7 @@ FORMATS = {
         "moe.first_k_dense=1",
         "moe.bias_update_rate=0.05",
         "moe.route_scale=2.5",
+        "model.mtp_depth=1",  # trained with an MTP module, exported in the released layout
         "train.max_steps=3",  # two steps move this bias there and back to zero
         "checkpoint.save_every_steps=3",
     ],
@@ -147,6 +150,10 @@ def test_trained_ep2_checkpoint_converts_exactly(tmp_path, trained, fmt: str) ->
         assert any(m.router.expert_bias.abs().sum() > 0 for m in model.moe_layers())
     out = convert_checkpoint(ckpt, tmp_path / "hf", fmt="auto")
     assert json.loads((out / "config.json").read_text())["architectures"] == [ARCH[fmt]]
+    if cfg.model.mtp_depth:  # trained with its loss; transformers skips the layer on load
+        metrics = (ckpt.parents[1] / "metrics.jsonl").read_text()
+        assert '"mtp_loss/depth1"' in metrics
+        assert "model.layers.3.eh_proj.weight" in HFWeights(out).names()
     tok = transformers.AutoTokenizer.from_pretrained(out)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     text = corpus.read_text()
