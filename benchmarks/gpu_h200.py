@@ -33,6 +33,9 @@ fails, with the error):
    build) against ``moetrain.plan``; the step timer's split against synchronized wall time;
    ``torch.cuda.synchronize`` calls during the steps by caller (none from moetrain); the
    attention kernel and the experts' path the trainer ran.
+   ``train_mla_mtp``: the same at the DeepSeek-V3 architecture (``MLA_MTP``: latent attention,
+   grouped sigmoid routing, a shared expert, a dense first layer, one multi-token-prediction
+   module), against its own plan.
 7. ``precision``: the bf16/fp16 numerics policy on the device, through ``Trainer.train_step``
    on the tiny model. bf16 at ZeRO-1 and ZeRO-2: bf16 weights, fp32 losses and aux-loss-free
    bias, fp32 gradient buffers (no bf16 gradient left alive), and a NaN gradient that skips the
@@ -107,6 +110,36 @@ TRAIN_SHAPE = {
     "optim.warmup_steps": 2,
 }
 DRY_TRAIN_SHAPE = {**TINY, "train.precision": "fp32", "parallel.zero_stage": 1}
+# The DeepSeek-V3 architecture at TRAIN_SHAPE's width: latent attention with a query LoRA,
+# sigmoid routing in groups with the aux-loss-free bias, a shared expert, a dense first layer,
+# one multi-token-prediction module.
+MLA_MTP = {
+    "model.attention": "mla",
+    "model.q_lora_rank": 512,
+    "model.kv_lora_rank": 256,
+    "model.qk_nope_head_dim": 128,
+    "model.qk_rope_head_dim": 64,
+    "model.v_head_dim": 128,
+    "model.rope_interleave": "true",
+    "model.mtp_depth": 1,
+    "moe.score_func": "sigmoid",
+    "moe.n_group": 4,
+    "moe.topk_group": 2,
+    "moe.num_shared_experts": 1,
+    "moe.first_k_dense": 1,
+    "moe.bias_update_rate": 0.001,
+}
+MLA_MTP_TRAIN_SHAPE = {**TRAIN_SHAPE, **MLA_MTP, "model.n_kv_heads": 16}
+DRY_MLA_MTP = {
+    **MLA_MTP,
+    "model.q_lora_rank": 32,
+    "model.kv_lora_rank": 32,
+    "model.qk_nope_head_dim": 16,
+    "model.qk_rope_head_dim": 8,
+    "model.v_head_dim": 16,
+    "model.n_kv_heads": 4,
+}
+DRY_MLA_MTP_TRAIN_SHAPE = {**DRY_TRAIN_SHAPE, **DRY_MLA_MTP}
 LOGITS_RTOL_BF16 = 3e-2  # bf16 operands through 2 layers; near-tie routing may flip a few tokens
 LOSS_ATOL_BF16 = 2e-2
 LOGITS_RTOL_FP32 = 1e-4
@@ -419,16 +452,21 @@ class SyncCalls:
         torch.cuda.synchronize = self._real
 
 
-def train(device: torch.device, dry: bool, steps: int, peak_tflops: float | None) -> dict[str, Any]:
+def train(
+    device: torch.device,
+    dry: bool,
+    steps: int,
+    peak_tflops: float | None,
+    shapes: tuple[dict[str, Any], dict[str, Any]] = (TRAIN_SHAPE, DRY_TRAIN_SHAPE),
+) -> dict[str, Any]:
+    """``shapes``: the run's settings on the GPU and in the dry run."""
     from moetrain.model.attention import attention_report
     from moetrain.parallel.topology import init_distributed
     from moetrain.plan import plan
     from moetrain.train.trainer import Trainer
 
     warmup = 2
-    cfg = make_config(
-        (DRY_TRAIN_SHAPE if dry else TRAIN_SHAPE) | {"train.max_steps": steps + warmup + 1}
-    )
+    cfg = make_config((shapes[1] if dry else shapes[0]) | {"train.max_steps": steps + warmup + 1})
     nums = model_numbers(cfg)
     trainer = Trainer(cfg, init_distributed(cfg))  # DeepSpeed engine, as `moetrain train` builds
     sync(device)
@@ -691,6 +729,16 @@ def main(argv: list[str] | None = None) -> int:
         ("attention", lambda: attention(device, low, dry)),
         ("host_syncs", lambda: host_syncs(device, low, dry)),
         ("train", lambda: train(device, dry, steps, info.get("peak_bf16_tflops"))),
+        (
+            "train_mla_mtp",
+            lambda: train(
+                device,
+                dry,
+                steps,
+                info.get("peak_bf16_tflops"),
+                (MLA_MTP_TRAIN_SHAPE, DRY_MLA_MTP_TRAIN_SHAPE),
+            ),
+        ),
         ("precision", lambda: precision(device, dry)),
         ("nccl", lambda: nccl(device)),
     ]
@@ -702,9 +750,9 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()}
         results[name]["seconds"] = time.perf_counter() - t0
         print(f"[{name}] {time.perf_counter() - t0:.1f}s ok={results[name].get('ok')}", flush=True)
-    tr = results.get("train", {})
-    if "model_tflops" in tr and "tflops" in results.get("matmul", {}):
-        tr["mfu_vs_measured_matmul"] = tr["model_tflops"] / results["matmul"]["tflops"]
+    for tr in (results.get("train", {}), results.get("train_mla_mtp", {})):
+        if "model_tflops" in tr and "tflops" in results.get("matmul", {}):
+            tr["mfu_vs_measured_matmul"] = tr["model_tflops"] / results["matmul"]["tflops"]
     (out / "gpu_h200.json").write_text(json.dumps(results, indent=2, default=str))
     print(summary(results))
     return 0 if all(results[n].get("ok") for n, _ in sections) else 1
@@ -752,27 +800,28 @@ def summary(r: dict[str, Any]) -> str:
                 f"host syncs, one MoE layer fwd+bwd {key}: ops {h[key]['ops']}, "
                 f"CUDA sync calls {h[key].get('cuda_syncs', 'n/a')} ({h[key]['experts_path']})"
             )
-    t = r["train"]
-    if "tokens_per_s" in t:
-        mfu = t.get("mfu_vs_table_peak")
-        lines.append(
-            f"train [{t['step']}] {t['total_params'] / 1e9:.2f}B total / "
-            f"{t['active_params'] / 1e9:.2f}B active, {t['precision']} ZeRO-{t['zero_stage']}: "
-            f"{t['tokens_per_s']:,.0f} tokens/s, {t['model_tflops']:.1f} TFLOP/s"
-            + (f", MFU {mfu:.1%} of {t['peak_tflops']}" if mfu is not None else "")
-            + f" ({t.get('mfu_vs_measured_matmul', float('nan')):.1%} of measured matmul)"
-        )
-        lines.append(
-            f"  timer {t['timer_step_s'] * 1e3:.1f} ms vs wall {t['step_wall_s'] * 1e3:.1f} ms "
-            f"({t['timer_vs_wall']:.2f}), synchronize calls {t['synchronize_calls']}, "
-            f"attention {t['attention_kernel']}, experts {t['experts_path']}"
-        )
-        if "max_memory_allocated" in t:
+    for section in ("train", "train_mla_mtp"):
+        t = r.get(section, {})
+        if "tokens_per_s" in t:
+            mfu = t.get("mfu_vs_table_peak")
             lines.append(
-                f"  memory: after build {_gib(t['memory_after_build'])}, peak of the steps "
-                f"{_gib(t['max_memory_allocated'])}, plan {_gib(t['plan_predicted_bytes'])} "
-                f"(plan / measured {t['plan_over_measured']:.2f})"
+                f"{section} [{t['step']}] {t['total_params'] / 1e9:.2f}B total / "
+                f"{t['active_params'] / 1e9:.2f}B active, {t['precision']} ZeRO-{t['zero_stage']}: "
+                f"{t['tokens_per_s']:,.0f} tokens/s, {t['model_tflops']:.1f} TFLOP/s"
+                + (f", MFU {mfu:.1%} of {t['peak_tflops']}" if mfu is not None else "")
+                + f" ({t.get('mfu_vs_measured_matmul', float('nan')):.1%} of measured matmul)"
             )
+            lines.append(
+                f"  timer {t['timer_step_s'] * 1e3:.1f} ms vs wall {t['step_wall_s'] * 1e3:.1f} ms "
+                f"({t['timer_vs_wall']:.2f}), synchronize calls {t['synchronize_calls']}, "
+                f"attention {t['attention_kernel']}, experts {t['experts_path']}"
+            )
+            if "max_memory_allocated" in t:
+                lines.append(
+                    f"  memory: after build {_gib(t['memory_after_build'])}, peak of the steps "
+                    f"{_gib(t['max_memory_allocated'])}, plan {_gib(t['plan_predicted_bytes'])} "
+                    f"(plan / measured {t['plan_over_measured']:.2f})"
+                )
     pr = r["precision"]
     for key in ("bf16_zero1", "bf16_zero2"):
         if key in pr:

@@ -35,6 +35,7 @@ def test_gpu_script_dry_run(tmp_path: Path) -> None:
     assert res["attention"]["kernel"].endswith("(mask)")
     assert res["host_syncs"]["dropless"]["ops"] == {}
     assert res["host_syncs"]["capacity_1.25"]["ops"] == {"_local_scalar_dense": 1}
+    assert res["train_mla_mtp"]["ok"], res["train_mla_mtp"]
     train = res["train"]
     assert train["step"] == "moetrain.train.trainer.Trainer.train_step"
     assert train["tokens_per_s"] > 0 and len(train["losses"]) >= 2
