@@ -1,5 +1,5 @@
-"""The peer of ``benchmarks/train_command.py``: Hugging Face MixtralForCausalLM (or Qwen2-MoE for
-the ``shared`` shape) trained through DeepSpeed ZeRO-2 on moetrain's prepared token shards, as one
+"""The peer of ``benchmarks/train_command.py``: Hugging Face MixtralForCausalLM (Qwen2-MoE for
+the ``shared`` shape, DeepseekV3ForCausalLM for ``deepseek_v3``) trained through DeepSpeed ZeRO-2 on moetrain's prepared token shards, as one
 training script started by a launcher (one process per rank, as ``moetrain train`` is).
 
     deepspeed --num_gpus 2 benchmarks/peer_train.py --data DIR --steps 20 [--shape bench]
@@ -44,6 +44,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = SHAPES[args.shape]
     family = "qwen2-moe" if "shared_hidden" in shape else "mixtral"
+    if "mla" in shape:
+        family = "deepseek-v3"
     torch.manual_seed(0)
     model = _hf_model(family, False, shape)
     opt = torch.optim.AdamW(

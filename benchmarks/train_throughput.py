@@ -58,6 +58,20 @@ SHAPES = {
     "vocab32k": {**SHAPE, "vocab": 32000},
     "fine": {**SHAPE, "experts": 64, "top_k": 8, "hidden": 128},
     "shared": {**SHAPE, "shared_hidden": 512},
+    # DeepSeek-V3's architecture at this size: latent attention with a query LoRA, sigmoid
+    # routing in 4 groups (2 per token), an ungated shared expert, the first layer dense
+    "deepseek_v3": {
+        **SHAPE,
+        "kv_heads": SHAPE["heads"],
+        "mla": dict(
+            q_lora_rank=128,
+            kv_lora_rank=128,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+        ),
+        "groups": (4, 2),
+    },
 }
 MICRO = 4
 LR = 3e-4  # AdamW's learning rate on every side (moetrain's default), constant, no warm-up
@@ -130,6 +144,25 @@ def moetrain_trainer(ep: int, overrides: list[str], shape: dict = SHAPE):
 
 
 def _shared_expert_overrides(shape: dict) -> list[str]:
+    """The shape's shared expert and, for the DeepSeek-V3 shape, its attention and routing
+    (no balancing loss, as transformers' DeepseekV3 has none; the selection bias moves)."""
+    if "mla" in shape:
+        n_group, topk_group = shape["groups"]
+        mla = [f"model.{k}={v}" for k, v in shape["mla"].items()]
+        return [
+            "model.attention=mla",
+            *mla,
+            "model.rope_interleave=true",
+            "moe.score_func=sigmoid",
+            f"moe.n_group={n_group}",
+            f"moe.topk_group={topk_group}",
+            "moe.num_shared_experts=1",
+            "moe.first_k_dense=1",
+            "moe.route_scale=2.5",
+            "moe.bias_update_rate=0.001",
+            "moe.aux_loss_coef=0",
+            "moe.z_loss_coef=0",
+        ]
     if "shared_hidden" not in shape:
         return []
     return [
@@ -181,6 +214,24 @@ def _hf_model(family: str, grouped: bool, shape: dict):
     )
     if grouped:
         common["experts_implementation"] = "grouped_mm"
+    if family == "deepseek-v3":
+        common.pop("router_aux_loss_coef"), common.pop("output_router_logits")
+        n_group, topk_group = s["groups"]
+        config = transformers.DeepseekV3Config(
+            **common,
+            **s["mla"],
+            intermediate_size=4 * s["d"],
+            moe_intermediate_size=s["hidden"],
+            n_routed_experts=s["experts"],
+            n_shared_experts=1,
+            n_group=n_group,
+            topk_group=topk_group,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            rope_interleave=True,
+            num_mtp_layers=0,
+        )
+        return transformers.DeepseekV3ForCausalLM(config)
     if family == "qwen2-moe":
         config = transformers.Qwen2MoeConfig(
             **common,
