@@ -157,7 +157,7 @@ class Transformer(nn.Module):
             return out
         out.ce_loss = self._cross_entropy(h_BSD, labels_BS, logits_BSV)
         if self.cfg.mtp_depth:
-            args = (embed_BSD, cos, sin, mask, labels_BS, doc_ids_BS, moe_outs)
+            args = (embed_BSD, cos, sin, mask, labels_BS, doc_ids_BS, moe_outs, chunked)
             out.mtp_losses = self._mtp_losses(h_BSD, *args)
             out.mtp_loss = torch.stack(out.mtp_losses).mean()
         out.moe_loss = self._moe_loss(moe_outs, h_BSD)
@@ -211,11 +211,12 @@ class Transformer(nn.Module):
         labels_BS: torch.Tensor,
         doc_ids_BS: torch.Tensor | None,
         moe_outs: list[MoEOutput],
+        chunked: bool,
     ) -> list[torch.Tensor]:
-        """Each depth's cross-entropy (:mod:`moetrain.model.mtp`); the MTP blocks' MoE
-        statistics are appended to ``moe_outs``."""
+        """Each depth's cross-entropy (:mod:`moetrain.model.mtp`; ``chunked``: without its
+        logits, as the main loss); the MTP blocks' MoE statistics are appended to
+        ``moe_outs``."""
         losses = []
-        chunked = self.cfg.loss_chunk_tokens > 0
         for k, block in enumerate(self.layers[self.cfg.n_layers :], start=1):
             x_BSD = block.block_input(h_BSD, shift_left(embed_BSD, k, 0.0))
             h_BSD, stats = block(x_BSD, cos, sin, mask)
