@@ -169,11 +169,40 @@ def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
         out[pn.router_gate(i)] = f"{block}{names.router}.weight"
         if names.expert_bias:
             out[pn.expert_bias(i)] = block + names.expert_bias
-        if moe.num_shared_experts > 0:
+        if moe.num_shared_experts > 0 and names.shared_fused is not None:
+            out[pn.shared_expert(i, "w2")] = f"{dst}{names.shared_fused[1]}.weight"
+        elif moe.num_shared_experts > 0:  # (fused: w1 and w3 are joined_key_map's)
             for w, p in SWIGLU.items():
                 out[pn.shared_expert(i, w)] = f"{block}{names.shared_expert}.{p}.weight"
         if moe.shared_expert_gate:
             out[pn.shared_gate(i)] = f"{block}{names.shared_gate}.weight"
+    return out
+
+
+def joined_key_map(cfg: Config, fmt: str) -> dict[str, tuple[str, ...]]:
+    """HF key -> the moetrain keys its tensor joins along dim 0, in order: the shared expert's
+    gate and up (w1, w3) of a family that stores them as one (``WeightNames.shared_fused``)."""
+    names, moe = family(fmt).names, cfg.moe
+    if names.shared_fused is None or moe.num_shared_experts == 0:
+        return {}
+    return {
+        f"{_layer(i)}{names.shared_fused[0]}.weight": (
+            pn.shared_expert(i, "w1"),
+            pn.shared_expert(i, "w3"),
+        )
+        for i in moe.moe_layers(cfg.model.n_blocks)
+    }
+
+
+def joined_shapes(
+    cfg: Config, fmt: str, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
+    """HF key -> shape of each joined tensor (:func:`joined_key_map`), from the moetrain
+    tensors' ``shapes``."""
+    out = {}
+    for theirs, ours in joined_key_map(cfg, fmt).items():
+        first = shapes[ours[0]]
+        out[theirs] = (sum(shapes[k][0] for k in ours), *first[1:])
     return out
 
 
@@ -222,8 +251,13 @@ def to_hf_state_dict(
     """
     check_format(fmt, cfg.model, cfg.moe)
     keys, zeros = dense_key_map(cfg, fmt), zero_qkv_biases(cfg, fmt)
+    joined = joined_key_map(cfg, fmt)
+    joined_part = {k for ours in joined.values() for k in ours}
     fused_files = family(fmt).names.fused_experts is not None
     out: dict[str, torch.Tensor] = {}
+    for theirs, ours in joined.items():
+        if any(k in state_dict for k in ours):
+            out[theirs] = torch.cat([state_dict[k] for k in ours], dim=0)
     for theirs, ours in mtp_copies(cfg).items():
         if ours in state_dict:
             out[theirs] = state_dict[ours]
@@ -245,6 +279,8 @@ def to_hf_state_dict(
             out[keys[key]] = t.reshape(hf_shape(fmt, key, tuple(t.shape)))
             if key in zeros:
                 out[zeros[key][0]] = torch.zeros(zeros[key][1])
+        elif key in joined_part:
+            continue  # (joined above)
         elif pn.is_expert_bias(key):
             if bool(t.ne(0).any()):
                 raise ConfigError(
@@ -294,6 +330,8 @@ def from_hf_state_dict(
     if dense:
         names = dense_key_map(cfg, fmt)
         out = {ours: get(theirs) for ours, theirs in names.items()}
+        for theirs, ours in joined_key_map(cfg, fmt).items():
+            out |= dict(zip(ours, get(theirs).chunk(len(ours), dim=0), strict=True))
         if cfg.model.tie_embeddings:
             out[pn.LM_HEAD] = out[pn.EMBED]
         mapped = set(names.values())

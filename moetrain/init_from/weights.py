@@ -36,6 +36,7 @@ from moetrain.convert.hf import (
     hf_shape,
     in_memory_name,
     is_expert_tensor,
+    joined_shapes,
 )
 from moetrain.convert.hf_files import HFWeights
 from moetrain.init_from.source import HF_CONFIG, InitSource
@@ -74,6 +75,7 @@ def expected_hf_shapes(source: InitSource, mtp_depth: int = 0) -> dict[str, tupl
     shapes = _meta_shapes(src)
     names = dense_key_map(src, fam)
     out = {hf: hf_shape(fam, ours, shapes[ours]) for ours, hf in names.items()}
+    out |= joined_shapes(src, fam, shapes)
     if source.upcycle:
         return out
     weights_names = set(HFWeights(source.path).names())

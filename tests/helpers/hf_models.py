@@ -198,6 +198,14 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
         "granitemoe": lambda: transformers.GraniteMoeConfig(  # granite-3.0-1b-a400m's flags
             **moe, intermediate_size=24, num_local_experts=4, **GRANITE_FLAGS
         ),
+        # granite's flags with a shared expert (GraniteMoeShared adds only that to GraniteMoe)
+        "granitemoeshared": lambda: transformers.GraniteMoeSharedConfig(
+            **moe,
+            intermediate_size=24,
+            num_local_experts=4,
+            shared_intermediate_size=40,
+            **GRANITE_FLAGS,
+        ),
     }
 
 

@@ -112,6 +112,16 @@ CASES = {
         ),
         moe=dict(topk_before_score=True),
     ),
+    "granitemoeshared": dict(  # the same, with one ungated shared expert
+        model=dict(
+            tie_embeddings=True,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_scale=0.015625,
+            logits_scaling=6.0,
+        ),
+        moe=dict(topk_before_score=True, num_shared_experts=1, shared_expert_hidden=40),
+    ),
 }
 # moetrain settings of the muP-style scalars, at a non-default value (only Granite has them)
 MULTIPLIERS = {
@@ -182,7 +192,7 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     assert ref.abs().max() > 1e-2
     # HF config -> moetrain config, and both HF layouts (per-expert file, v5 fused) -> moetrain
     back_cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
-    no_dense = fmt in ("mixtral", "olmoe", "granitemoe")
+    no_dense = fmt in ("mixtral", "olmoe", "granitemoe", "granitemoeshared")
     unused = {"dense_hidden": back_cfg.model.dense_hidden} if no_dense else {}
     assert back_cfg.model == dataclasses.replace(cfg.model, **unused)  # no dense FFN layer
     for key in (
@@ -346,6 +356,13 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
             "moe.bias_update_rate",
         ),
         ("granitemoe", dict(mtp_depth=1), dict(topk_before_score=True), "model.mtp_depth"),
+        (
+            "granitemoeshared",
+            {},
+            dict(topk_before_score=True, num_shared_experts=1, shared_expert_gate=True),
+            "moe.shared_expert_gate",
+        ),
+        ("granitemoeshared", {}, {}, "moe.topk_before_score"),
         ("mixtral", dict(embedding_multiplier=12.0), {}, "model.embedding_multiplier"),
         ("qwen3_moe", dict(residual_multiplier=0.22), {}, "model.residual_multiplier"),
         ("olmoe", dict(attention_scale=0.015625), {}, "model.attention_scale"),
@@ -505,6 +522,42 @@ def test_granite_multipliers_change_the_logits_and_match_transformers(tmp_path) 
         other, model=dataclasses.replace(other.model, attention_scale=None)
     )
     assert hf_config(default, "granitemoe").attention_multiplier == 16**-0.5
+
+
+def test_granite_shared_expert_matches_transformers_and_round_trips(tmp_path) -> None:
+    """GraniteMoeShared: the shared expert (two of moetrain's merged, 2 x 24) is its
+    shared_mlp, read back as one of 48; without one it is GraniteMoe's model, which auto
+    picks."""
+    cfg = tiny_cfg(
+        "granitemoeshared", {"moe.shared_expert_hidden": None, "moe.num_shared_experts": 2}
+    )
+    assert choose_format(cfg) == "granitemoeshared"
+    model = model_for(cfg)
+    with torch.no_grad():  # a shared expert that shows in the logits of the tiny model
+        for name, p in model.named_parameters():
+            if ".shared_expert." in name:
+                p.mul_(4.0)
+    hf = load_hf(cfg, model, "granitemoeshared", tmp_path)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(ids).logits
+        torch.testing.assert_close(got, hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        plain = Transformer(cfg.model, dataclasses.replace(cfg.moe, num_shared_experts=0)).eval()
+        plain.load_state_dict(model.state_dict(), strict=False)
+        assert (plain(ids).logits - got).abs().max() > 1e-4
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["shared_intermediate_size"] == 48
+    back = config_from_hf(saved).moe
+    assert (back.num_shared_experts, back.shared_hidden, back.shared_expert_gate) == (1, 48, False)
+    none = tiny_cfg(
+        "granitemoeshared", {"moe.num_shared_experts": 0, "moe.shared_expert_hidden": None}
+    )
+    assert choose_format(none) == "granitemoe"
+    assert hf_config(none, "granitemoeshared").shared_intermediate_size == 0
+    with pytest.raises(ConfigError, match="shared_intermediate_size"):
+        config_from_hf(
+            {**saved, "architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe"}
+        )
 
 
 def test_granite_released_config_imports() -> None:
@@ -667,7 +720,7 @@ SCALED_ROPE = {
 
 # Granite's released attention scale (1/64) leaves the tiny random model's attention nearly
 # uniform, where positions hardly show: a sharper one, so that the scaling changes the logits
-SHARP_ATTENTION = {"granitemoe": {"model.attention_scale": 16.0}}
+SHARP_ATTENTION = dict.fromkeys(("granitemoe", "granitemoeshared"), {"model.attention_scale": 16.0})
 
 
 @pytest.mark.parametrize("scaling", list(SCALED_ROPE))
@@ -688,7 +741,12 @@ def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, sc
         assert (plain(ids).logits - got).abs().max() > 1e-4  # well above the tolerance below
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     back = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
-    assert back.model == cfg.model or fmt in ("mixtral", "olmoe", "granitemoe")  # (no dense FFN)
+    assert back.model == cfg.model or fmt in (
+        "mixtral",
+        "olmoe",
+        "granitemoe",
+        "granitemoeshared",
+    )  # (no dense FFN)
     for key in SCALED_ROPE[scaling]:
         name = key.removeprefix("model.")
         assert getattr(back.model, name) == getattr(cfg.model, name), key

@@ -43,6 +43,7 @@ FAMILIES: dict[str, Family] = {
         deepseek_v2.FAMILY,
         ernie4_5_moe.FAMILY,
         granitemoe.FAMILY,
+        granitemoe.SHARED_FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         qwen2.FAMILY,

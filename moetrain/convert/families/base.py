@@ -46,6 +46,10 @@ class WeightNames:
     # weights, gate_up (E, 2F, D) = [gate; up] and down (E, D, F) (Granite's input_linear,
     # output_linear); None: one tensor per expert and projection
     fused_experts: tuple[str, str] | None = None
+    # the shared expert as two modules of the decoder layer (not the MoE block), gate_up
+    # (2S, D) = [gate; up] and down (D, S) (Granite-MoE-Shared's shared_mlp.input_linear,
+    # shared_mlp.output_linear); None: its gate_proj / up_proj / down_proj under the MoE block
+    shared_fused: tuple[str, str] | None = None
 
 
 # config.json's count of the multi-token-prediction layers stored after the decoder layers

@@ -8,10 +8,16 @@ block's attention and MoE outputs times ``residual_multiplier``, attention's sof
 ``block_sparse_moe.input_linear.weight`` (E, 2F, D) = [gate; up],
 ``block_sparse_moe.output_linear.weight`` (E, D, F) and the router
 ``block_sparse_moe.router.layer.weight`` (transformers v5 renames them in memory to
-``block_sparse_moe.experts.gate_up_proj`` / ``down_proj`` and ``block_sparse_moe.router``)."""
+``block_sparse_moe.experts.gate_up_proj`` / ``down_proj`` and ``block_sparse_moe.router``).
+
+Granite-MoE-Shared (GraniteMoeSharedForCausalLM) is the same model with one ungated shared
+expert of ``shared_intermediate_size`` added to the MoE output (moetrain's shared experts,
+merged: ``moe.shared_hidden``), stored beside the MoE block as ``shared_mlp.input_linear``
+(2S, D) = [gate; up] and ``shared_mlp.output_linear`` (D, S)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
@@ -19,36 +25,43 @@ from moetrain.convert.families import base
 from moetrain.convert.families.base import Family, WeightNames
 
 NAME = "GraniteMoeForCausalLM"
+SHARED_NAME = "GraniteMoeSharedForCausalLM"
 
 
 def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    return base.found(
-        [
-            base.dropless(moe, NAME),
-            (
-                model.qkv_bias,
-                "model.qkv_bias",
-                f"{NAME}'s attention_bias puts biases on every attention projection (the "
-                "output too); moetrain has q/k/v biases only: must be false",
-            ),
-            base.no_qk_norm(model, NAME),
-            (moe.score_func != "softmax", "moe.score_func", f"{NAME} routes with softmax"),
-            (
-                not moe.topk_before_score,
-                "moe.topk_before_score",
-                f"{NAME} takes top-k on the router logits, then softmax over the k; must be true",
-            ),
-            (moe.route_scale != 1.0, "moe.route_scale", f"{NAME} has no route scale; must be 1.0"),
-            (
-                moe.bias_update_rate != 0.0,
-                "moe.bias_update_rate",
-                f"{NAME} has no expert bias (aux-loss-free balancing); must be 0",
-            ),
-            (moe.n_group != 1, "moe.n_group", f"{NAME} routes without expert groups; must be 1"),
-        ]
-        + base.every_layer_moe(moe, NAME)
-        + [base.no_shared_experts(moe, NAME)]
-    )
+    return base.found(_checks(model, moe, NAME) + [base.no_shared_experts(moe, NAME)])
+
+
+def shared_problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
+    gate = (moe.shared_expert_gate, "moe.shared_expert_gate", f"{SHARED_NAME} does not gate it")
+    return base.found(_checks(model, moe, SHARED_NAME) + [gate])
+
+
+def _checks(model: ModelConfig, moe: MoEConfig, name: str) -> list[base.Check]:
+    """What both Granite classes compute (all but the shared expert)."""
+    return [
+        base.dropless(moe, name),
+        (
+            model.qkv_bias,
+            "model.qkv_bias",
+            f"{name}'s attention_bias puts biases on every attention projection (the "
+            "output too); moetrain has q/k/v biases only: must be false",
+        ),
+        base.no_qk_norm(model, name),
+        (moe.score_func != "softmax", "moe.score_func", f"{name} routes with softmax"),
+        (
+            not moe.topk_before_score,
+            "moe.topk_before_score",
+            f"{name} takes top-k on the router logits, then softmax over the k; must be true",
+        ),
+        (moe.route_scale != 1.0, "moe.route_scale", f"{name} has no route scale; must be 1.0"),
+        (
+            moe.bias_update_rate != 0.0,
+            "moe.bias_update_rate",
+            f"{name} has no expert bias (aux-loss-free balancing); must be 0",
+        ),
+        (moe.n_group != 1, "moe.n_group", f"{name} routes without expert groups; must be 1"),
+    ] + base.every_layer_moe(moe, name)
 
 
 def attention_multiplier(model: ModelConfig) -> float:
@@ -73,6 +86,13 @@ def to_hf(cfg: Config) -> dict[str, Any]:
     )
 
 
+def shared_to_hf(cfg: Config) -> dict[str, Any]:
+    moe = cfg.moe
+    return dict(
+        to_hf(cfg), shared_intermediate_size=moe.shared_hidden if moe.num_shared_experts else 0
+    )
+
+
 def _positive(hf: Any, key: str) -> float:
     value = getattr(hf, key, 1.0)
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -81,17 +101,31 @@ def _positive(hf: Any, key: str) -> float:
 
 
 def from_hf(hf: Any) -> Config:
+    if getattr(hf, "shared_intermediate_size", 0):
+        raise ConfigError(
+            f"shared_intermediate_size: a shared expert is {SHARED_NAME}'s; {NAME} has none"
+        )
+    return _from_hf(hf)
+
+
+def shared_from_hf(hf: Any) -> Config:
+    shared = getattr(hf, "shared_intermediate_size", 0)
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise ConfigError(f"shared_intermediate_size: {SHARED_NAME} needs an integer >= 0")
+    cfg = _from_hf(hf)
+    if shared:
+        cfg.moe.num_shared_experts, cfg.moe.shared_expert_hidden = 1, shared
+    cfg.validate()
+    return cfg
+
+
+def _from_hf(hf: Any) -> Config:
     base.refuse_attention_bias(hf)
     model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
     if model.partial_rotary_factor != 1.0:
         raise ConfigError(
             f"rope_parameters.partial_rotary_factor: {NAME} rotates whole heads; got "
             f"{model.partial_rotary_factor:g}"
-        )
-    if getattr(hf, "shared_intermediate_size", 0):
-        raise ConfigError(
-            f"shared_intermediate_size: a shared expert is GraniteMoeSharedForCausalLM's; "
-            f"{NAME} has none"
         )
     model.embedding_multiplier = _positive(hf, "embedding_multiplier")
     model.residual_multiplier = _positive(hf, "residual_multiplier")
@@ -117,5 +151,17 @@ FAMILY = Family(
     problems=problems,
     to_hf=to_hf,
     names=NAMES,
+    multipliers=True,
+)
+
+SHARED_FAMILY = Family(
+    name="granitemoeshared",
+    architecture=SHARED_NAME,
+    from_hf=shared_from_hf,
+    problems=shared_problems,
+    to_hf=shared_to_hf,
+    names=dataclasses.replace(
+        NAMES, shared_fused=("shared_mlp.input_linear", "shared_mlp.output_linear")
+    ),
     multipliers=True,
 )
