@@ -6,8 +6,10 @@ The Hugging Face side uses each family's per-expert key layout (Mixtral
 ``block_sparse_moe.experts.M.w1.weight``; the others ``mlp.experts.M.gate_proj.weight``), which
 transformers v4 loads as is and v5 fuses at load time, or the fused layout of the families
 whose files hold experts fused (Granite-MoE's ``block_sparse_moe.input_linear.weight``
-(E, 2F, D) = [gate; up] and ``output_linear.weight`` (E, D, F): ``WeightNames.fused_experts``). :func:`from_hf_state_dict` also accepts
-v5's fused in-memory layout (``mlp.experts.gate_up_proj`` (E, 2F, D) / ``down_proj`` (E, D, F),
+(E, 2F, D) = [gate; up] and ``output_linear.weight`` (E, D, F): ``WeightNames.fused_experts``;
+its shared expert's gate and up are one tensor too, ``WeightNames.shared_fused``, joined and
+split by :func:`joined_key_map`). :func:`from_hf_state_dict` also accepts v5's fused
+in-memory layout (``mlp.experts.gate_up_proj`` (E, 2F, D) / ``down_proj`` (E, D, F),
 ``mlp.gate.weight``). Expert weights: moetrain ``w13`` (E, D, 2F) = ``[w1 | w3]`` and ``w2``
 (E, F, D); HF stores ``w1`` (gate), ``w3`` (up) and ``w2`` (down) per expert, transposed
 (``nn.Linear`` layout (out, in)).
@@ -71,8 +73,10 @@ def fused_expert_names(fmt: str, layer: int, have: Container[str]) -> tuple[str,
 
 def in_memory_name(fmt: str, key: str) -> str:
     """transformers v5's in-memory name of the HF key ``key`` (files saved with fused experts
-    use it): the MoE block is ``mlp`` there (Mixtral's ``block_sparse_moe``), and a family's
-    selection bias may sit elsewhere (ERNIE's ``gate.moe_statics.e_score_correction_bias``)."""
+    use it): the MoE block is ``mlp`` there (Mixtral's ``block_sparse_moe``; Granite keeps
+    its name), a family's selection bias may sit elsewhere (ERNIE's
+    ``gate.moe_statics.e_score_correction_bias``), and its router may be named otherwise
+    (Granite's ``router.layer`` is ``router`` there)."""
     names = family(fmt).names
     key = key.replace(f".{names.moe_block}.", f".{names.v5_block}.")
     if names.expert_bias_v5 and key.endswith(f".{names.v5_block}.{names.expert_bias}"):
