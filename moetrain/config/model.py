@@ -94,6 +94,16 @@ class ModelConfig:
     mtp_loss_weight: float = field(default=0.3, metadata=at_least(0))
     mtp_loss_weight_final: float | None = field(default=None, metadata=at_least(0))
     mtp_loss_weight_final_step: int | None = field(default=None, metadata=_POSITIVE)
+    # muP-style scalars (Granite-MoE's embedding_multiplier, residual_multiplier,
+    # attention_multiplier, logits_scaling; 1.0 / None compute exactly the plain model):
+    # the token embeddings are multiplied by embedding_multiplier; each block's attention and
+    # FFN outputs by residual_multiplier before their residual add
+    embedding_multiplier: float = field(default=1.0, metadata=above(0) | FUNCTION)
+    residual_multiplier: float = field(default=1.0, metadata=above(0) | FUNCTION)
+    # grouped-query attention's softmax scale; None = 1 / sqrt(head_dim)
+    attention_scale: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # the logits are the head's output divided by logits_scaling (the loss's too)
+    logits_scaling: float = field(default=1.0, metadata=above(0) | FUNCTION)
 
     @property
     def n_blocks(self) -> int:
@@ -190,6 +200,7 @@ class ModelConfig:
         unused = {"head_dim": self.head_dim is not None, "qk_norm": self.qk_norm}
         unused["partial_rotary_factor"] = self.partial_rotary_factor != 1.0
         unused["qkv_bias"] = self.qkv_bias
+        unused["attention_scale"] = self.attention_scale is not None  # (MLA's own scale)
         for key, is_set in unused.items():
             require(not is_set, f"model.{key}", "does not apply with model.attention=mla")
 

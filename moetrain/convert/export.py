@@ -28,6 +28,7 @@ from moetrain.convert.hf import (
     dense_key_map,
     expert_shapes,
     hf_shape,
+    joined_shapes,
     mtp_copies,
     to_hf_state_dict,
     zero_qkv_biases,
@@ -61,6 +62,7 @@ def _plan(cfg: Config, fmt: str, dtype: torch.dtype) -> list[list[tuple[str, tup
     dense = [
         entry(hf, hf_shape(fmt, ours, shapes[ours])) for ours, hf in dense_key_map(cfg, fmt).items()
     ]
+    dense += [entry(hf, shape) for hf, shape in joined_shapes(cfg, fmt, shapes).items()]
     for hf, n in zero_qkv_biases(cfg, fmt).values():  # zeros, written beside the projections
         dense.append(entry(hf, (n,)))
     dense += [entry(hf, shapes[ours]) for hf, ours in mtp_copies(cfg).items()]

@@ -4,8 +4,12 @@ family (:mod:`moetrain.convert.families`; each says how its names differ from Ll
 
 The Hugging Face side uses each family's per-expert key layout (Mixtral
 ``block_sparse_moe.experts.M.w1.weight``; the others ``mlp.experts.M.gate_proj.weight``), which
-transformers v4 loads as is and v5 fuses at load time. :func:`from_hf_state_dict` also accepts
-v5's fused in-memory layout (``mlp.experts.gate_up_proj`` (E, 2F, D) / ``down_proj`` (E, D, F),
+transformers v4 loads as is and v5 fuses at load time, or the fused layout of the families
+whose files hold experts fused (Granite-MoE's ``block_sparse_moe.input_linear.weight``
+(E, 2F, D) = [gate; up] and ``output_linear.weight`` (E, D, F): ``WeightNames.fused_experts``;
+its shared expert's gate and up are one tensor too, ``WeightNames.shared_fused``, joined and
+split by :func:`joined_key_map`). :func:`from_hf_state_dict` also accepts v5's fused
+in-memory layout (``mlp.experts.gate_up_proj`` (E, 2F, D) / ``down_proj`` (E, D, F),
 ``mlp.gate.weight``). Expert weights: moetrain ``w13`` (E, D, 2F) = ``[w1 | w3]`` and ``w2``
 (E, F, D); HF stores ``w1`` (gate), ``w3`` (up) and ``w2`` (down) per expert, transposed
 (``nn.Linear`` layout (out, in)).
@@ -23,7 +27,7 @@ layer of experts at a time).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import torch
 
@@ -38,7 +42,6 @@ _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 # multi-head latent attention (DeepSeek's names); a query LoRA replaces wq with wq_a, q_norm, wq_b
 _MLA = {"wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj"}
 _MLA_QUERY_LORA = {"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj"}
-_V5_BLOCK = "mlp"  # transformers v5's in-memory name of every family's MoE block
 # a multi-token-prediction block's own weights: moetrain norm -> HF name in the layer
 _MTP_NORMS = {"enorm": "enorm", "hnorm": "hnorm", "head_norm": "shared_head.norm"}
 
@@ -47,20 +50,40 @@ def _layer(layer: int) -> str:
     return f"model.layers.{layer}."
 
 
-def fused_experts(layer: int) -> str:
+def fused_experts(fmt: str, layer: int) -> str:
     """The prefix of transformers v5's fused expert tensors of a layer (``gate_up_proj``
     (E, 2F, D), ``down_proj`` (E, D, F)); some files are saved that way."""
-    return f"{_layer(layer)}{_V5_BLOCK}.experts."
+    return f"{_layer(layer)}{family(fmt).names.v5_block}.experts."
+
+
+def fused_expert_names(fmt: str, layer: int, have: Container[str]) -> tuple[str, str] | None:
+    """The names of a layer's fused expert tensors, gate_up (E, 2F, D) and down (E, D, F),
+    among ``have``: transformers v5's in-memory ones where ``have`` holds them, else the
+    family's own where its files hold experts fused; None: one tensor per expert."""
+    v5 = fused_experts(fmt, layer)
+    if v5 + "gate_up_proj" in have:
+        return v5 + "gate_up_proj", v5 + "down_proj"
+    names = family(fmt).names
+    if names.fused_experts is None:
+        return None
+    block = f"{_layer(layer)}{names.moe_block}."
+    gate_up, down = names.fused_experts
+    return f"{block}{gate_up}.weight", f"{block}{down}.weight"
 
 
 def in_memory_name(fmt: str, key: str) -> str:
     """transformers v5's in-memory name of the HF key ``key`` (files saved with fused experts
-    use it): the MoE block is ``mlp`` there (Mixtral's ``block_sparse_moe``), and a family's
-    selection bias may sit elsewhere (ERNIE's ``gate.moe_statics.e_score_correction_bias``)."""
+    use it): the MoE block is ``mlp`` there (Mixtral's ``block_sparse_moe``; Granite keeps
+    its name), a family's selection bias may sit elsewhere (ERNIE's
+    ``gate.moe_statics.e_score_correction_bias``), and its router may be named otherwise
+    (Granite's ``router.layer`` is ``router`` there)."""
     names = family(fmt).names
-    key = key.replace(f".{names.moe_block}.", f".{_V5_BLOCK}.")
-    if names.expert_bias_v5 and key.endswith(f".{_V5_BLOCK}.{names.expert_bias}"):
+    key = key.replace(f".{names.moe_block}.", f".{names.v5_block}.")
+    if names.expert_bias_v5 and key.endswith(f".{names.v5_block}.{names.expert_bias}"):
         key = key.removesuffix(names.expert_bias) + names.expert_bias_v5
+    router = f".{names.v5_block}.{names.router}.weight"
+    if key.endswith(router):
+        key = key.removesuffix(router) + f".{names.v5_block}.{names.v5_router}.weight"
     return key
 
 
@@ -78,9 +101,13 @@ def expert_key(fmt: str, layer: int, expert: int, name: str) -> str:
     return f"{_layer(layer)}{names.moe_block}.experts.{expert}.{names.expert[name]}.weight"
 
 
-def expert_shapes(cfg: Config, fmt: str, layer: int) -> dict[str, tuple[int, int]]:
-    """HF per-expert key -> shape of every expert weight of MoE layer ``layer``."""
-    d, f = cfg.model.d_model, cfg.moe.expert_hidden
+def expert_shapes(cfg: Config, fmt: str, layer: int) -> dict[str, tuple[int, ...]]:
+    """HF per-expert key -> shape of every expert weight of MoE layer ``layer`` (the two
+    fused tensors where ``fmt``'s files hold experts fused)."""
+    d, f, e = cfg.model.d_model, cfg.moe.expert_hidden, cfg.moe.num_experts
+    if family(fmt).names.fused_experts is not None:
+        gate_up, down = fused_expert_names(fmt, layer, ())
+        return {gate_up: (e, 2 * f, d), down: (e, d, f)}
     return {
         expert_key(fmt, layer, e, w): shape
         for e in range(cfg.moe.num_experts)
@@ -90,8 +117,12 @@ def expert_shapes(cfg: Config, fmt: str, layer: int) -> dict[str, tuple[int, int
 
 def is_expert_tensor(fmt: str, key: str) -> bool:
     """Whether the HF key ``key`` of ``fmt`` holds expert weights (per expert, or fused)."""
-    blocks = {family(fmt).names.moe_block, _V5_BLOCK}
-    pattern = rf"model\.layers\.\d+\.({'|'.join(map(re.escape, blocks))})\.experts\."
+    names = family(fmt).names
+    blocks = "|".join(map(re.escape, {names.moe_block, names.v5_block}))
+    tensors = [r"experts\."]
+    if names.fused_experts is not None:
+        tensors += [rf"{re.escape(n)}\.weight$" for n in names.fused_experts]
+    pattern = rf"model\.layers\.\d+\.({blocks})\.({'|'.join(tensors)})"
     return re.match(pattern, key) is not None
 
 
@@ -106,6 +137,12 @@ def attention_names(cfg: Config) -> dict[str, str]:
         return _ATTN
     query = _MLA_QUERY_LORA if cfg.model.q_lora_rank is not None else {"wq": "q_proj"}
     return {**query, **_MLA, "wo": "o_proj"}
+
+
+def cat_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """moetrain's ``w13`` (E, D, 2F) -> the fused gate_up (E, 2F, D) = [gate; up]."""
+    w1, w3 = unpack_w13(w13)
+    return torch.cat([w1.mT, w3.mT], dim=1)
 
 
 def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
@@ -133,14 +170,43 @@ def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
             out |= ffn_key_map(i)
             continue
         block = f"{dst}{names.moe_block}."
-        out[pn.router_gate(i)] = block + "gate.weight"
+        out[pn.router_gate(i)] = f"{block}{names.router}.weight"
         if names.expert_bias:
             out[pn.expert_bias(i)] = block + names.expert_bias
-        if moe.num_shared_experts > 0:
+        if moe.num_shared_experts > 0 and names.shared_fused is not None:
+            out[pn.shared_expert(i, "w2")] = f"{dst}{names.shared_fused[1]}.weight"
+        elif moe.num_shared_experts > 0:  # (fused: w1 and w3 are joined_key_map's)
             for w, p in SWIGLU.items():
                 out[pn.shared_expert(i, w)] = f"{block}{names.shared_expert}.{p}.weight"
         if moe.shared_expert_gate:
             out[pn.shared_gate(i)] = f"{block}{names.shared_gate}.weight"
+    return out
+
+
+def joined_key_map(cfg: Config, fmt: str) -> dict[str, tuple[str, ...]]:
+    """HF key -> the moetrain keys its tensor joins along dim 0, in order: the shared expert's
+    gate and up (w1, w3) of a family that stores them as one (``WeightNames.shared_fused``)."""
+    names, moe = family(fmt).names, cfg.moe
+    if names.shared_fused is None or moe.num_shared_experts == 0:
+        return {}
+    return {
+        f"{_layer(i)}{names.shared_fused[0]}.weight": (
+            pn.shared_expert(i, "w1"),
+            pn.shared_expert(i, "w3"),
+        )
+        for i in moe.moe_layers(cfg.model.n_blocks)
+    }
+
+
+def joined_shapes(
+    cfg: Config, fmt: str, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
+    """HF key -> shape of each joined tensor (:func:`joined_key_map`), from the moetrain
+    tensors' ``shapes``."""
+    out = {}
+    for theirs, ours in joined_key_map(cfg, fmt).items():
+        first = shapes[ours[0]]
+        out[theirs] = (sum(shapes[k][0] for k in ours), *first[1:])
     return out
 
 
@@ -189,13 +255,23 @@ def to_hf_state_dict(
     """
     check_format(fmt, cfg.model, cfg.moe)
     keys, zeros = dense_key_map(cfg, fmt), zero_qkv_biases(cfg, fmt)
+    joined = joined_key_map(cfg, fmt)
+    joined_part = {k for ours in joined.values() for k in ours}
+    fused_files = family(fmt).names.fused_experts is not None
     out: dict[str, torch.Tensor] = {}
+    for theirs, ours in joined.items():
+        if any(k in state_dict for k in ours):
+            out[theirs] = torch.cat([state_dict[k] for k in ours], dim=0)
     for theirs, ours in mtp_copies(cfg).items():
         if ours in state_dict:
             out[theirs] = state_dict[ours]
     for key, t in state_dict.items():
         if expert := pn.parse_experts(key):
             layer, weight = expert
+            fused = fused_expert_names(fmt, layer, ()) if fused_files else None
+            if fused is not None:  # gate_up (E, 2F, D) = [gate; up], down (E, D, F)
+                out[fused[weight == "w2"]] = t.mT if weight == "w2" else cat_gate_up(t)
+                continue
             if weight == "w13":
                 parts = dict(zip(("w1", "w3"), unpack_w13(t), strict=True))
             else:
@@ -207,6 +283,8 @@ def to_hf_state_dict(
             out[keys[key]] = t.reshape(hf_shape(fmt, key, tuple(t.shape)))
             if key in zeros:
                 out[zeros[key][0]] = torch.zeros(zeros[key][1])
+        elif key in joined_part:
+            continue  # (joined above)
         elif pn.is_expert_bias(key):
             if bool(t.ne(0).any()):
                 raise ConfigError(
@@ -233,8 +311,13 @@ def from_hf_state_dict(
     check_format(fmt, cfg.model, cfg.moe)
     sd, moe, names = hf_state_dict, cfg.moe, family(fmt).names
     block = names.moe_block
-    if block != _V5_BLOCK:  # the router under its v5 in-memory name (in_memory_name)
-        sd = {k.replace(f".{_V5_BLOCK}.gate.", f".{block}.gate."): v for k, v in sd.items()}
+    v5_router = f".{names.v5_block}.{names.v5_router}.weight"
+    router = f".{block}.{names.router}.weight"
+    if v5_router != router:  # the router under its v5 in-memory name (in_memory_name)
+        sd = {
+            (k.removesuffix(v5_router) + router if k.endswith(v5_router) else k): v
+            for k, v in sd.items()
+        }
     if names.expert_bias_v5:  # the selection bias under its v5 in-memory name
         v5 = f".{block}.{names.expert_bias_v5}"
         sd = {
@@ -251,6 +334,8 @@ def from_hf_state_dict(
     if dense:
         names = dense_key_map(cfg, fmt)
         out = {ours: get(theirs) for ours, theirs in names.items()}
+        for theirs, ours in joined_key_map(cfg, fmt).items():
+            out |= dict(zip(ours, get(theirs).chunk(len(ours), dim=0), strict=True))
         if cfg.model.tie_embeddings:
             out[pn.LM_HEAD] = out[pn.EMBED]
         mapped = set(names.values())
@@ -268,12 +353,12 @@ def from_hf_state_dict(
     for i in layers:
         if not moe.is_moe_layer(i):
             continue
-        fused = fused_experts(i)
-        if fused + "gate_up_proj" in sd:  # transformers v5 fused layout
+        fused = fused_expert_names(fmt, i, sd)
+        if fused is not None:  # fused layout (transformers v5's, or the family's files')
             f = moe.expert_hidden
-            gate_up = get(fused + "gate_up_proj")  # (E, 2F, D)
+            gate_up = get(fused[0])  # (E, 2F, D)
             out[pn.experts(i, "w13")] = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
-            out[pn.experts(i, "w2")] = get(fused + "down_proj").transpose(1, 2)
+            out[pn.experts(i, "w2")] = get(fused[1]).transpose(1, 2)
         else:
             w1, w3, w2 = (
                 torch.stack([get(expert_key(fmt, i, e, n)).t() for e in range(moe.num_experts)])

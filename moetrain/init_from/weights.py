@@ -32,10 +32,11 @@ from moetrain.convert.hf import (
     expert_shapes,
     ffn_key_map,
     from_hf_state_dict,
-    fused_experts,
+    fused_expert_names,
     hf_shape,
     in_memory_name,
     is_expert_tensor,
+    joined_shapes,
 )
 from moetrain.convert.hf_files import HFWeights
 from moetrain.init_from.source import HF_CONFIG, InitSource
@@ -74,6 +75,7 @@ def expected_hf_shapes(source: InitSource, mtp_depth: int = 0) -> dict[str, tupl
     shapes = _meta_shapes(src)
     names = dense_key_map(src, fam)
     out = {hf: hf_shape(fam, ours, shapes[ours]) for ours, hf in names.items()}
+    out |= joined_shapes(src, fam, shapes)
     if source.upcycle:
         return out
     weights_names = set(HFWeights(source.path).names())
@@ -82,10 +84,9 @@ def expected_hf_shapes(source: InitSource, mtp_depth: int = 0) -> dict[str, tupl
             out[v5] = out.pop(hf)
     d, f, e = src.model.d_model, src.moe.expert_hidden, src.moe.num_experts
     for layer in src.moe.moe_layers(src.model.n_blocks):
-        fused = fused_experts(layer)
-        if fused + "gate_up_proj" in weights_names:
-            out[fused + "gate_up_proj"] = (e, 2 * f, d)
-            out[fused + "down_proj"] = (e, d, f)
+        fused = fused_expert_names(fam, layer, weights_names)
+        if fused is not None:
+            out[fused[0]], out[fused[1]] = (e, 2 * f, d), (e, d, f)
         else:
             out |= expert_shapes(src, fam, layer)
     return out
@@ -156,11 +157,11 @@ def _hf_experts(
     given (a model's parameters: no stacked copy in between), else new ones in the files'
     dtype."""
     (start, stop), fam, f = experts, source.family, source.config.moe.expert_hidden
-    p, fused = pn.experts_prefix(layer), fused_experts(layer)
-    if fused + "gate_up_proj" in weights.weight_map:
-        gate_up = weights.load_rows(fused + "gate_up_proj", start, stop)  # (L, 2F, D)
+    p, fused = pn.experts_prefix(layer), fused_expert_names(fam, layer, weights.weight_map)
+    if fused is not None:
+        gate_up = weights.load_rows(fused[0], start, stop)  # (L, 2F, D)
         w13 = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
-        w2 = weights.load_rows(fused + "down_proj", start, stop).transpose(1, 2)
+        w2 = weights.load_rows(fused[1], start, stop).transpose(1, 2)
         return {p + "w13": w13.contiguous(), p + "w2": w2.contiguous()}
     keys = {(e, w): expert_key(fam, layer, e, w) for e in range(start, stop) for w in _W}
     t = weights.load(list(keys.values()))

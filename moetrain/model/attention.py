@@ -174,6 +174,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.rope_interleave = cfg.rope_interleave
+        self.scale = cfg.attention_scale  # the softmax scale; None = 1 / sqrt(head_dim)
         self.sdpa_kernel: str | None = None  # what the first call ran (see module docstring)
 
     def forward(
@@ -207,9 +208,18 @@ class Attention(nn.Module):
         if isinstance(mask_B1SS, Documents):  # packed documents: causal within each one
             if self.sdpa_kernel is None:
                 self.sdpa_kernel = record_kernel(
-                    q_BHSHd, k_BGSHd, v_BGSHd, None, True, gqa, "documents, no S x S mask"
+                    q_BHSHd,
+                    k_BGSHd,
+                    v_BGSHd,
+                    None,
+                    True,
+                    gqa,
+                    "documents, no S x S mask",
+                    self.scale,
                 )
-            out_BHSHd = document_attention(q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, gqa)
+            out_BHSHd = document_attention(
+                q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, gqa, scale=self.scale
+            )
             return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))
         causal = mask_B1SS is None
         if cache is not None:
@@ -217,7 +227,9 @@ class Attention(nn.Module):
             mask_B1SS, causal = cache.causal_mask(s), False
         note = "causal" if causal else "mask"
         if gqa and mask_B1SS is not None:
-            grouped = sdpa_kernel_name(q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, causal, True)
+            grouped = sdpa_kernel_name(
+                q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, causal, True, self.scale
+            )
             if expand_kv_for_mask(q_BHSHd.device.type, grouped):  # off the math kernel
                 rep = self.n_heads // self.n_kv_heads
                 k_BGSHd = k_BGSHd.repeat_interleave(rep, dim=1)
@@ -225,10 +237,16 @@ class Attention(nn.Module):
                 gqa, note = False, f"mask, K/V expanded to {self.n_heads} heads"
         if self.sdpa_kernel is None:
             self.sdpa_kernel = record_kernel(
-                q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, causal, gqa, note
+                q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, causal, gqa, note, self.scale
             )
         out_BHSHd = F.scaled_dot_product_attention(
-            q_BHSHd, k_BGSHd, v_BGSHd, attn_mask=mask_B1SS, is_causal=causal, enable_gqa=gqa
+            q_BHSHd,
+            k_BGSHd,
+            v_BGSHd,
+            attn_mask=mask_B1SS,
+            is_causal=causal,
+            enable_gqa=gqa,
+            scale=self.scale,
         )
         return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))
 

@@ -17,7 +17,8 @@ from moetrain.model.moe.layer import MoELayer, MoEOutput
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``; with
+    ``model.residual_multiplier`` m, ``x + m * attn(norm(x))`` and ``x + m * ffn(norm(x))``."""
 
     def __init__(
         self,
@@ -31,6 +32,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn: nn.Module = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.residual_multiplier = cfg.residual_multiplier
         self.is_moe = moe_cfg.is_moe_layer(layer)
         self.ffn: nn.Module = (
             MoELayer(moe_cfg, cfg.d_model, local_experts, layer=layer)
@@ -47,9 +49,15 @@ class Block(nn.Module):
         cache: KVCache | LatentCache | None = None,
     ) -> tuple[torch.Tensor, MoEOutput | None]:
         h_BSD = self.attn_norm(x_BSD)
-        x_BSD = x_BSD + self.attn(h_BSD, cos, sin, mask_B1SS, cache=cache, layer=self.layer)
+        a_BSD = self.attn(h_BSD, cos, sin, mask_B1SS, cache=cache, layer=self.layer)
+        x_BSD = x_BSD + self._scaled(a_BSD)
         h_BSD = self.ffn_norm(x_BSD)
         if self.is_moe:
             y_BSD, stats = self.ffn(h_BSD)
-            return x_BSD + y_BSD, stats
-        return x_BSD + self.ffn(h_BSD), None
+            return x_BSD + self._scaled(y_BSD), stats
+        return x_BSD + self._scaled(self.ffn(h_BSD)), None
+
+    def _scaled(self, y_BSD: torch.Tensor) -> torch.Tensor:
+        """A branch's output times ``model.residual_multiplier`` (untouched at 1.0)."""
+        m = self.residual_multiplier
+        return y_BSD if m == 1.0 else y_BSD * m

@@ -134,6 +134,8 @@ class Transformer(nn.Module):
             raise ValueError("cache: no document mask, and at most cache.max_len positions")
         cos, sin = self.rope_cos[start : start + s], self.rope_sin[start : start + s]
         x_BSD = self.embed(input_ids_BS)
+        if self.cfg.embedding_multiplier != 1.0:
+            x_BSD = x_BSD * self.cfg.embedding_multiplier
         # the packed documents' layout, one for every layer: no S x S mask (doc_attention.py)
         mask = None
         if doc_ids_BS is not None:
@@ -150,7 +152,7 @@ class Transformer(nn.Module):
 
         chunk = self.cfg.loss_chunk_tokens
         chunked = labels_BS is not None and not return_logits and chunk > 0
-        logits_BSV = None if chunked else self.lm_head(h_BSD)
+        logits_BSV = None if chunked else self.head(h_BSD)
         out = TransformerOutput(logits=logits_BSV, moe=moe_outs)
         if labels_BS is None:
             out.moe_loss = self._moe_loss(moe_outs, h_BSD)
@@ -178,12 +180,23 @@ class Transformer(nn.Module):
                 moe_loss = moe_loss + m.z_loss_coef * stats.z_loss
         return moe_loss
 
+    def head(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        """The logits of final hidden states: the LM head's output divided by
+        ``model.logits_scaling`` (untouched at 1.0)."""
+        logits_BSV = self.lm_head(h_BSD)
+        scaling = self.cfg.logits_scaling
+        return logits_BSV if scaling == 1.0 else logits_BSV / scaling
+
     def _cross_entropy(
         self, h_BSD: torch.Tensor, labels_BS: torch.Tensor, logits_BSV: torch.Tensor | None
     ) -> torch.Tensor:
         """Mean cross-entropy of the head over labelled tokens (chunked without logits); 0, not
-        NaN, when no token is labelled."""
+        NaN, when no token is labelled. The chunked loss divides the hidden state by
+        ``model.logits_scaling`` instead of the logits (the same logits, up to rounding)."""
         if logits_BSV is None:
+            scaling = self.cfg.logits_scaling
+            if scaling != 1.0:
+                h_BSD = h_BSD / scaling
             return chunked_cross_entropy(
                 h_BSD.flatten(0, 1),
                 self.lm_head.weight,
@@ -223,7 +236,7 @@ class Transformer(nn.Module):
             if stats is not None:
                 moe_outs.append(stats)
             normed_BSD = block.head_norm(h_BSD)
-            logits_BSV = None if chunked else self.lm_head(normed_BSD)
+            logits_BSV = None if chunked else self.head(normed_BSD)
             targets_BS = mtp_targets(labels_BS, doc_ids_BS, k)
             losses.append(self._cross_entropy(normed_BSD, targets_BS, logits_BSV))
         return losses

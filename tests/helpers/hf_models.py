@@ -67,6 +67,57 @@ ERNIE_RELEASED_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+# The flags of granite-3.0-1b-a400m's config.json as released (from memory of that file, with
+# transformers' GraniteMoeConfig defaults where it has no key; granite-3.1-3b-a800m's are the
+# same but for its sizes): the muP scalars (embedding x 12, residual branches x 0.22, attention
+# scale 1/64 = 1/head_dim at its head_dim 64, logits / 6), tied embeddings, attention dropout
+# 0.1 (training only), legacy top-level rope_theta, bf16; sizes shrunk to the tiny models'
+GRANITE_RELEASED_CONFIG: dict[str, Any] = {
+    "architectures": ["GraniteMoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.1,
+    "attention_multiplier": 0.015625,
+    "bos_token_id": 0,
+    "embedding_multiplier": 12.0,
+    "eos_token_id": 0,
+    "hidden_act": "silu",
+    "hidden_size": 32,
+    "initializer_range": 0.02,
+    "intermediate_size": 24,
+    "logits_scaling": 6.0,
+    "max_position_embeddings": 64,
+    "model_type": "granitemoe",
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "output_router_logits": False,
+    "pad_token_id": 0,
+    "residual_multiplier": 0.22,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000,
+    "router_aux_loss_coef": 0.01,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 320,
+}
+# the flags above as GraniteMoeConfig arguments
+GRANITE_FLAGS: dict[str, Any] = {
+    k: GRANITE_RELEASED_CONFIG[k]
+    for k in (
+        "attention_dropout",
+        "attention_multiplier",
+        "embedding_multiplier",
+        "logits_scaling",
+        "residual_multiplier",
+        "router_aux_loss_coef",
+        "tie_word_embeddings",
+    )
+}
+
 
 def _moe_configs(transformers: Any) -> dict[str, Any]:
     moe = dict(SMALL, num_experts_per_tok=2)
@@ -143,6 +194,17 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             moe_norm_min=1e-12,
             use_bias=False,
             tie_word_embeddings=True,
+        ),
+        "granitemoe": lambda: transformers.GraniteMoeConfig(  # granite-3.0-1b-a400m's flags
+            **moe, intermediate_size=24, num_local_experts=4, **GRANITE_FLAGS
+        ),
+        # granite's flags with a shared expert (GraniteMoeShared adds only that to GraniteMoe)
+        "granitemoeshared": lambda: transformers.GraniteMoeSharedConfig(
+            **moe,
+            intermediate_size=24,
+            num_local_experts=4,
+            shared_intermediate_size=40,
+            **GRANITE_FLAGS,
         ),
     }
 

@@ -102,6 +102,33 @@ CASES = {
             renormalize_min=1e-12,
         ),
     ),
+    "granitemoe": dict(  # granite-3.0-1b-a400m's flags (tests/helpers/hf_models.py)
+        model=dict(
+            tie_embeddings=True,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_scale=0.015625,
+            logits_scaling=6.0,
+        ),
+        moe=dict(topk_before_score=True),
+    ),
+    "granitemoeshared": dict(  # the same, with one ungated shared expert
+        model=dict(
+            tie_embeddings=True,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_scale=0.015625,
+            logits_scaling=6.0,
+        ),
+        moe=dict(topk_before_score=True, num_shared_experts=1, shared_expert_hidden=40),
+    ),
+}
+# moetrain settings of the muP-style scalars, at a non-default value (only Granite has them)
+MULTIPLIERS = {
+    "embedding_multiplier": 12.0,
+    "residual_multiplier": 0.22,
+    "attention_scale": 0.015625,
+    "logits_scaling": 6.0,
 }
 
 
@@ -165,7 +192,7 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     assert ref.abs().max() > 1e-2
     # HF config -> moetrain config, and both HF layouts (per-expert file, v5 fused) -> moetrain
     back_cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
-    no_dense = fmt in ("mixtral", "olmoe")
+    no_dense = fmt in ("mixtral", "olmoe", "granitemoe", "granitemoeshared")
     unused = {"dense_hidden": back_cfg.model.dense_hidden} if no_dense else {}
     assert back_cfg.model == dataclasses.replace(cfg.model, **unused)  # no dense FFN layer
     for key in (
@@ -291,6 +318,60 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
             "moe.moe_every",
         ),
         ("mixtral", {}, dict(n_group=2), "moe.n_group"),
+        ("granitemoe", {}, {}, "moe.topk_before_score"),
+        ("granitemoe", dict(qkv_bias=True), dict(topk_before_score=True), "model.qkv_bias"),
+        ("granitemoe", dict(qk_norm=True), dict(topk_before_score=True), "model.qk_norm"),
+        (
+            "granitemoe",
+            dict(rope_interleave=True),
+            dict(topk_before_score=True),
+            "model.rope_interleave",
+        ),
+        (
+            "granitemoe",
+            dict(partial_rotary_factor=0.5),
+            dict(topk_before_score=True),
+            "model.partial_rotary_factor",
+        ),
+        (
+            "granitemoe",
+            {},
+            dict(topk_before_score=True, num_shared_experts=1),
+            "moe.num_shared_experts",
+        ),
+        ("granitemoe", {}, dict(topk_before_score=True, first_k_dense=1), "moe.first_k_dense"),
+        ("granitemoe", {}, dict(topk_before_score=True, moe_every=2), "moe.moe_every"),
+        (
+            "granitemoe",
+            {},
+            dict(topk_before_score=True, capacity_factor=1.0),
+            "moe.capacity_factor",
+        ),
+        ("granitemoe", {}, dict(topk_before_score=True, route_scale=2.0), "moe.route_scale"),
+        ("granitemoe", {}, dict(topk_before_score=True, n_group=2), "moe.n_group"),
+        (
+            "granitemoe",
+            {},
+            dict(topk_before_score=True, renormalize_min=0.0, bias_update_rate=0.1),
+            "moe.bias_update_rate",
+        ),
+        ("granitemoe", dict(mtp_depth=1), dict(topk_before_score=True), "model.mtp_depth"),
+        (
+            "granitemoeshared",
+            {},
+            dict(topk_before_score=True, num_shared_experts=1, shared_expert_gate=True),
+            "moe.shared_expert_gate",
+        ),
+        ("granitemoeshared", {}, {}, "moe.topk_before_score"),
+        ("mixtral", dict(embedding_multiplier=12.0), {}, "model.embedding_multiplier"),
+        ("qwen3_moe", dict(residual_multiplier=0.22), {}, "model.residual_multiplier"),
+        ("olmoe", dict(attention_scale=0.015625), {}, "model.attention_scale"),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True, logits_scaling=6.0),
+            {},
+            "model.logits_scaling",
+        ),
         ("qwen2_moe", {}, dict(n_group=4, topk_group=2), "moe.n_group"),
         (
             "glm4_moe",
@@ -364,6 +445,169 @@ def test_grouped_query_families_refuse_latent_attention_by_key(setting: str, val
             continue  # (ERNIE rotates adjacent pairs: it refuses false instead)
         if family(fmt).attention == "gqa":
             assert setting.replace("__", ".") in [k for k, _ in problems(fmt, cfg.model, cfg.moe)]
+
+
+@pytest.mark.parametrize("setting", list(MULTIPLIERS))
+def test_families_without_multipliers_refuse_them_by_key(setting: str) -> None:
+    """A muP-style scalar at a non-default value: every family but Granite-MoE names it (MLA
+    families: the embedding, residual and logits scalars; MLA refuses model.attention_scale)."""
+    from moetrain.convert.formats import problems
+
+    for fmt in FORMATS:
+        fam = family(fmt)
+        mla = fam.attention == "mla"
+        if fam.multipliers or (mla and setting == "attention_scale"):
+            continue
+        shape = {f"model.{k}": v for k, v in MLA_SHAPE.items()} if mla else {}
+        cfg = tiny_config(shape, {f"model.{setting}": MULTIPLIERS[setting]})
+        assert f"model.{setting}" in [k for k, _ in problems(fmt, cfg.model, cfg.moe)], fmt
+    # and the Granite case itself has all four, exactly
+    assert not problems("granitemoe", tiny_cfg("granitemoe").model, tiny_cfg("granitemoe").moe)
+
+
+def test_latent_attention_refuses_an_attention_scale() -> None:
+    """MLA has its own softmax scale (1 / sqrt(qk head dim) times YaRN's mscale)."""
+    with pytest.raises(ConfigError, match=r"model\.attention_scale"):
+        tiny_config({f"model.{k}": v for k, v in MLA_SHAPE.items()}, model__attention_scale=0.1)
+
+
+def sharpened(model: Transformer, factor: float = 8.0) -> Transformer:
+    """``model`` with its query and key projections ``factor`` times larger: attention scores
+    that matter (at init they are near zero, and the softmax scale would hardly show)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".wq.weight", ".wk.weight")):
+                p.mul_(factor)
+    return model
+
+
+def test_granite_multipliers_change_the_logits_and_match_transformers(tmp_path) -> None:
+    """Each of Granite's four scalars changes this model's logits (so the parity test above
+    checks them all), and at other values they still match transformers'."""
+    cfg = tiny_cfg("granitemoe")
+    model = sharpened(model_for(cfg))
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(ids).logits
+        for key in MULTIPLIERS:
+            plain = Transformer(
+                dataclasses.replace(cfg.model, **{key: None if key == "attention_scale" else 1.0}),
+                cfg.moe,
+            ).eval()
+            plain.load_state_dict(model.state_dict())
+            assert (plain(ids).logits - got).abs().max() > 1e-4, key
+    other = tiny_cfg(
+        "granitemoe",
+        {
+            "model.embedding_multiplier": 3.0,
+            "model.residual_multiplier": 0.5,
+            "model.attention_scale": 0.3,
+            "model.logits_scaling": 0.5,
+            "model.tie_embeddings": False,
+        },
+    )
+    model = sharpened(model_for(other))
+    hf = load_hf(other, model, "granitemoe", tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(ids).logits, hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+        )
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["attention_multiplier"], saved["logits_scaling"]) == (0.3, 0.5)
+    assert config_from_hf(saved).model == dataclasses.replace(
+        other.model, dense_hidden=config_from_hf(saved).model.dense_hidden
+    )
+    # no attention scale: transformers gets 1 / sqrt(head_dim)
+    default = dataclasses.replace(
+        other, model=dataclasses.replace(other.model, attention_scale=None)
+    )
+    assert hf_config(default, "granitemoe").attention_multiplier == 16**-0.5
+
+
+def test_granite_shared_expert_matches_transformers_and_round_trips(tmp_path) -> None:
+    """GraniteMoeShared: the shared expert (two of moetrain's merged, 2 x 24) is its
+    shared_mlp, read back as one of 48; without one it is GraniteMoe's model, which auto
+    picks."""
+    cfg = tiny_cfg(
+        "granitemoeshared", {"moe.shared_expert_hidden": None, "moe.num_shared_experts": 2}
+    )
+    assert choose_format(cfg) == "granitemoeshared"
+    model = model_for(cfg)
+    with torch.no_grad():  # a shared expert that shows in the logits of the tiny model
+        for name, p in model.named_parameters():
+            if ".shared_expert." in name:
+                p.mul_(4.0)
+    hf = load_hf(cfg, model, "granitemoeshared", tmp_path)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(ids).logits
+        torch.testing.assert_close(got, hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        plain = Transformer(cfg.model, dataclasses.replace(cfg.moe, num_shared_experts=0)).eval()
+        plain.load_state_dict(model.state_dict(), strict=False)
+        assert (plain(ids).logits - got).abs().max() > 1e-4
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["shared_intermediate_size"] == 48
+    back = config_from_hf(saved).moe
+    assert (back.num_shared_experts, back.shared_hidden, back.shared_expert_gate) == (1, 48, False)
+    none = tiny_cfg(
+        "granitemoeshared", {"moe.num_shared_experts": 0, "moe.shared_expert_hidden": None}
+    )
+    assert choose_format(none) == "granitemoe"
+    assert hf_config(none, "granitemoeshared").shared_intermediate_size == 0
+    with pytest.raises(ConfigError, match="shared_intermediate_size"):
+        config_from_hf(
+            {**saved, "architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe"}
+        )
+
+
+def test_granite_released_config_imports() -> None:
+    """granite-3.0-1b-a400m's config.json as released (legacy rope_theta, dropout, bf16):
+    its routing, scalars and head."""
+    from tests.helpers.hf_models import GRANITE_RELEASED_CONFIG
+
+    cfg = config_from_hf(GRANITE_RELEASED_CONFIG)
+    m, moe = cfg.model, cfg.moe
+    assert (m.embedding_multiplier, m.residual_multiplier) == (12.0, 0.22)
+    assert (m.attention_scale, m.logits_scaling, m.tie_embeddings) == (0.015625, 6.0, True)
+    assert (m.head_dim, m.rope_theta, m.norm_eps, m.qkv_bias) == (8, 10000.0, 1e-6, False)
+    assert (moe.score_func, moe.topk_before_score, moe.num_shared_experts) == ("softmax", True, 0)
+    assert (moe.num_experts, moe.top_k, moe.expert_hidden) == (4, 2, 24)
+    assert moe.moe_layers(3) == [0, 1, 2]
+    assert choose_format(cfg) == "granitemoe"
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"embedding_multiplier": 0.0}, "embedding_multiplier"),
+        ({"logits_scaling": None}, "logits_scaling"),
+        ({"attention_multiplier": -1.0}, "attention_multiplier"),
+        ({"residual_multiplier": None}, "residual_multiplier"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            "partial_rotary_factor",
+        ),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ],
+)
+def test_granite_configs_moetrain_cannot_compute_are_refused(changes, key) -> None:
+    from tests.helpers.hf_models import GRANITE_RELEASED_CONFIG
+
+    d = {
+        k: v
+        for k, v in GRANITE_RELEASED_CONFIG.items()
+        if "rope" not in k or "rope_parameters" not in changes
+    }
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_hf({**d, **changes})
 
 
 @pytest.mark.parametrize(
@@ -474,25 +718,35 @@ SCALED_ROPE = {
     },
 }
 
+# Granite's released attention scale (1/64) leaves the tiny random model's attention nearly
+# uniform, where positions hardly show: a sharper one, so that the scaling changes the logits
+SHARP_ATTENTION = dict.fromkeys(("granitemoe", "granitemoeshared"), {"model.attention_scale": 16.0})
+
 
 @pytest.mark.parametrize("scaling", list(SCALED_ROPE))
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if family(f).attention == "gqa"])
 def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, scaling) -> None:
     """YaRN and Llama 3.1's RoPE scaling in every grouped-query family: transformers' logits
     (the scaling changes them), and the rope_parameters come back as they went."""
-    cfg = tiny_cfg(fmt, SCALED_ROPE[scaling])
+    sharp = SHARP_ATTENTION.get(fmt, {})
+    cfg = tiny_cfg(fmt, {**SCALED_ROPE[scaling], **sharp})
     model = model_for(cfg)
     hf = load_hf(cfg, model, fmt, tmp_path)
     assert hf.config.rope_parameters["rope_type"] == scaling
     ids = torch.randint(0, 96, (2, 60), generator=torch.Generator().manual_seed(0))
-    plain = Transformer(dataclasses.replace(tiny_cfg(fmt).model), cfg.moe).eval()
+    plain = Transformer(dataclasses.replace(tiny_cfg(fmt, sharp).model), cfg.moe).eval()
     plain.load_state_dict(model.state_dict(), strict=False)
     with torch.no_grad():
         ref, got = hf(input_ids=ids).logits, model(ids).logits
         assert (plain(ids).logits - got).abs().max() > 1e-4  # well above the tolerance below
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     back = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
-    assert back.model == cfg.model or fmt in ("mixtral", "olmoe")  # (no dense FFN to carry)
+    assert back.model == cfg.model or fmt in (
+        "mixtral",
+        "olmoe",
+        "granitemoe",
+        "granitemoeshared",
+    )  # (no dense FFN)
     for key in SCALED_ROPE[scaling]:
         name = key.removeprefix("model.")
         assert getattr(back.model, name) == getattr(cfg.model, name), key

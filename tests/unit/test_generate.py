@@ -16,10 +16,23 @@ from tests.helpers.configs import tiny_config
 transformers = pytest.importorskip("transformers")
 
 
+# Granite-MoE's muP-style scalars (and its router: top-k, then softmax over the k)
+GRANITE = {
+    "model.embedding_multiplier": 12.0,
+    "model.residual_multiplier": 0.22,
+    "model.attention_scale": 0.3,
+    "model.logits_scaling": 6.0,
+    "moe.topk_before_score": True,
+}
+
+
 @pytest.mark.parametrize(
-    ("partial_rotary", "interleave"), [(1.0, False), (0.5, False), (1.0, True)]
+    ("partial_rotary", "interleave", "extra"),
+    [(1.0, False, {}), (0.5, False, {}), (1.0, True, {}), (1.0, False, GRANITE)],
 )
-def test_kv_cache_logits_equal_full_recompute(partial_rotary: float, interleave: bool) -> None:
+def test_kv_cache_logits_equal_full_recompute(
+    partial_rotary: float, interleave: bool, extra: dict
+) -> None:
     torch.manual_seed(0)
     cfg = tiny_config(
         {
@@ -32,7 +45,8 @@ def test_kv_cache_logits_equal_full_recompute(partial_rotary: float, interleave:
             "model.rope_interleave": interleave,  # (grouped-query attention: ERNIE-4.5's)
             "moe.first_k_dense": 1,
             "moe.num_shared_experts": 1,
-        }
+        },
+        extra,
     )
     model = Transformer(cfg.model, cfg.moe).eval()
     ids = torch.randint(0, 64, (2, 23))

@@ -243,6 +243,80 @@ def test_an_ernie_directory_as_released(hf_dirs, tmp_path) -> None:
         import_hf_checkpoint(src, tmp_path / "ckpt-undeclared")
 
 
+def test_a_granite_directory_as_released(hf_dirs, tmp_path) -> None:
+    """granite-3.0-1b-a400m as released: bf16 weights saved by transformers (its files' own
+    names: each layer's experts fused as ``block_sparse_moe.input_linear`` / ``output_linear``,
+    the router ``block_sparse_moe.router.layer``; the head tied) and the legacy config.json
+    (top-level rope_theta, rope_scaling null, attention dropout): the model transformers loads
+    from the directory, imported as well, and exported back to the same tensors bit for bit."""
+    from safetensors.torch import load_file
+
+    from moetrain.convert.hf import to_hf_state_dict
+    from moetrain.convert.importer import load_hf_state_dict
+    from tests.helpers.hf_models import GRANITE_RELEASED_CONFIG
+
+    src = tmp_path / "released"
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dirs["granitemoe"], dtype=torch.bfloat16
+    )
+    bf16.save_pretrained(src)
+    (src / "config.json").write_text(json.dumps(GRANITE_RELEASED_CONFIG))
+    tensors = load_file(src / "model.safetensors")
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert "lm_head.weight" not in tensors  # tied
+    layer = "model.layers.1.block_sparse_moe."
+    assert tensors[layer + "input_linear.weight"].shape == (4, 48, 32)  # (E, 2F, D)
+    assert tensors[layer + "output_linear.weight"].shape == (4, 32, 24)  # (E, D, F)
+    assert tensors[layer + "router.layer.weight"].shape == (4, 32)
+    cfg, source = resolved(f"checkpoint.init_from={src}")
+    m, moe = cfg.model, cfg.moe
+    assert (m.embedding_multiplier, m.residual_multiplier) == (12.0, 0.22)
+    assert (m.attention_scale, m.logits_scaling, m.tie_embeddings) == (0.015625, 6.0, True)
+    assert (moe.topk_before_score, moe.num_experts, moe.expert_hidden) == (True, 4, 24)
+    ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(0))
+    ref = hf_logits(src, ids)
+    assert ref.abs().max() > 1e-2
+    with torch.no_grad():
+        got = build_model(cfg, source).eval()(ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # an expert-parallel rank reads its rows of the fused tensors only
+    half = build_model(cfg, source, local_experts=(2, 4)).state_dict()
+    whole = build_model(cfg, source).state_dict()
+    for name, t in half.items():
+        assert torch.equal(t, whole[name][2:4] if ".experts." in name else whole[name]), name
+    ckpt = import_hf_checkpoint(src, tmp_path / "ckpt")
+    resolved_ckpt, ckpt_source = resolved(f"checkpoint.init_from={ckpt}")
+    with torch.no_grad():
+        again = build_model(resolved_ckpt, ckpt_source).eval()(ids).logits
+    torch.testing.assert_close(again, ref, atol=1e-5, rtol=1e-5)
+    state, state_cfg = load_hf_state_dict(src)
+    back = to_hf_state_dict(state, state_cfg, "granitemoe")
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(back[name].to(torch.bfloat16), t), name
+
+
+def test_a_granite_source_in_transformers_in_memory_names(hf_dirs, tmp_path) -> None:
+    """A Granite-MoE file saved from transformers v5's state dict (``block_sparse_moe.experts.
+    gate_up_proj`` / ``down_proj``, ``block_sparse_moe.router.weight``): the same logits."""
+    from safetensors.torch import save_file
+
+    src = hf_dirs["granitemoe"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tensors = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    assert "model.layers.0.block_sparse_moe.router.weight" in tensors
+    assert "model.layers.0.block_sparse_moe.experts.gate_up_proj" in tensors
+    v5 = tmp_path / "v5"
+    v5.mkdir()
+    (v5 / "config.json").write_text((src / "config.json").read_text())
+    save_file(tensors, v5 / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(1))
+    cfg, source = resolved(f"checkpoint.init_from={v5}")
+    with torch.no_grad():
+        got = build_model(cfg, source).eval()(ids).logits
+    torch.testing.assert_close(got, hf_logits(src, ids), atol=1e-5, rtol=1e-5)
+
+
 def test_run_dir_checkpoint_wins_and_bad_init_from_writes_nothing(hf_dirs, tmp_path) -> None:
     """Precedence is read without touching run_dir; a bad source fails in run_training before
     run_dir exists."""

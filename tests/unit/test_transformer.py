@@ -14,6 +14,7 @@ from moetrain.model import Transformer
 from moetrain.model.attention import Attention, rope_tables
 from moetrain.model.layers import SwiGLU
 from moetrain.model.moe.layer import MoELayer
+from moetrain.model.rope import apply_rope
 from moetrain.model_numbers import model_numbers
 from tests.helpers.configs import tiny_config
 
@@ -201,3 +202,101 @@ def test_bf16_forward_backward_runs_with_fp32_routing() -> None:
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     router = model.layers[0].ffn.router
     assert router(torch.randn(4, 32, dtype=torch.bfloat16)).weights_TK.dtype == torch.float32
+
+
+def test_multipliers_equal_a_hand_written_forward() -> None:
+    """Granite's muP-style scalars (model.embedding_multiplier, residual_multiplier,
+    attention_scale, logits_scaling): the model equals the plain forward written out with
+    them (the embeddings scaled, each branch scaled before its residual add, the softmax scale
+    given, the head's output divided)."""
+    scalars = dict(
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_scale=0.3,
+        logits_scaling=6.0,
+        init_std=0.1,
+    )
+    model = build(**scalars, num_shared_experts=1, first_k_dense=1)
+    plain = build(init_std=0.1, num_shared_experts=1, first_k_dense=1)
+    plain.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        got = model(ids).logits
+        x = plain.embed(ids) * 12.0
+        cos, sin = plain.rope_cos[:7], plain.rope_sin[:7]
+        for block in plain.layers:
+            attn = block.attn
+            h = block.attn_norm(x)
+            b, s, _ = h.shape
+            q = attn.wq(h).view(b, s, attn.n_heads, -1).transpose(1, 2)
+            k = attn.wk(h).view(b, s, attn.n_kv_heads, -1).transpose(1, 2)
+            v = attn.wv(h).view(b, s, attn.n_kv_heads, -1).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            rep = attn.n_heads // attn.n_kv_heads
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            scores = (q @ k.transpose(-1, -2)) * 0.3  # not 1 / sqrt(head_dim)
+            causal = torch.ones(s, s, dtype=torch.bool).tril()
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+            a = attn.wo((probs @ v).transpose(1, 2).reshape(b, s, -1))
+            x = x + 0.22 * a
+            y = block.ffn(block.ffn_norm(x))
+            x = x + 0.22 * (y[0] if block.is_moe else y)
+        want = plain.lm_head(plain.norm(x)) / 6.0
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (plain(ids).logits - got).abs().max() > 1e-3
+
+
+def test_default_multipliers_are_the_plain_model_bit_for_bit() -> None:
+    """1.0 and a null attention scale compute exactly today's model (no op is added)."""
+    model = build(init_std=0.1)
+    explicit = build(
+        init_std=0.1, embedding_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0
+    )
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, explicit(ids).logits)
+
+
+@pytest.mark.parametrize("mtp_depth", [0, 1])
+def test_chunked_loss_applies_the_logits_scaling(mtp_depth: int) -> None:
+    """The trainer's chunked cross-entropy (no logits; the hidden state divided by
+    model.logits_scaling) equals the cross-entropy of logits / logits_scaling, loss and
+    gradients (the multi-token-prediction head's too)."""
+    kw = dict(logits_scaling=6.0, embedding_multiplier=3.0, init_std=0.1, mtp_depth=mtp_depth)
+    chunked, full = build(**kw, loss_chunk_tokens=5), build(**kw, loss_chunk_tokens=0)
+    full.load_state_dict(chunked.state_dict())
+    ids = torch.randint(0, 50, (2, 9))
+    labels = ids.clone()
+    labels[0, :2] = -100
+    a = chunked(ids, labels_BS=labels, return_logits=False)
+    b = full(ids, labels_BS=labels)
+    assert a.logits is None
+    logits = full(ids).logits
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    torch.testing.assert_close(b.ce_loss, ce)
+    torch.testing.assert_close(a.ce_loss, b.ce_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(a.loss, b.loss, atol=1e-6, rtol=1e-6)
+    a.loss.backward()
+    b.loss.backward()
+    for (name, p), q in zip(chunked.named_parameters(), full.parameters(), strict=True):
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+    plain = build(**{**kw, "logits_scaling": 1.0}, loss_chunk_tokens=5)
+    plain.load_state_dict(chunked.state_dict())
+    assert (plain(ids, labels_BS=labels, return_logits=False).ce_loss - a.ce_loss).abs() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("embedding_multiplier", 0.0),
+        ("residual_multiplier", -1.0),
+        ("attention_scale", 0.0),
+        ("logits_scaling", 0.0),
+    ],
+)
+def test_multipliers_must_be_positive(key: str, value: float) -> None:
+    from moetrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"model\.{key}"):
+        tiny(**{key: value})

@@ -37,6 +37,19 @@ class WeightNames:
     # gate.moe_statics...), and whether it is stored as one row (1, E) instead of (E,)
     expert_bias_v5: str | None = None
     expert_bias_row: bool = False
+    router: str = "gate"  # the router's module under the MoE block (Granite's router.layer)
+    # transformers v5's in-memory names of the MoE block and its router (Granite keeps
+    # block_sparse_moe and calls the router router)
+    v5_block: str = "mlp"
+    v5_router: str = "gate"
+    # the files hold each layer's experts fused under the MoE block, as these two modules'
+    # weights, gate_up (E, 2F, D) = [gate; up] and down (E, D, F) (Granite's input_linear,
+    # output_linear); None: one tensor per expert and projection
+    fused_experts: tuple[str, str] | None = None
+    # the shared expert as two modules of the decoder layer (not the MoE block), gate_up
+    # (2S, D) = [gate; up] and down (D, S) (Granite-MoE-Shared's shared_mlp.input_linear,
+    # shared_mlp.output_linear); None: its gate_proj / up_proj / down_proj under the MoE block
+    shared_fused: tuple[str, str] | None = None
 
 
 # config.json's count of the multi-token-prediction layers stored after the decoder layers
@@ -68,6 +81,9 @@ class Family:
     # its renormalisation divides by max(sum, a minimum) (ERNIE's moe_norm_min =
     # moe.renormalize_min); the others divide by the plain sum (moe.renormalize_min must be 0)
     renormalize_min: bool = False
+    # its model has Granite's muP-style scalars (model.embedding_multiplier,
+    # residual_multiplier, attention_scale, logits_scaling); the others refuse non-defaults
+    multipliers: bool = False
 
     @property
     def dense(self) -> bool:
@@ -122,6 +138,25 @@ def plain_attention(
             not partial and model.partial_rotary_factor != 1.0,
             "model.partial_rotary_factor",
             f"{name} rotates whole heads; must be 1",
+        ),
+    ]
+
+
+MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def no_multipliers(model: ModelConfig, name: str) -> list[Check]:
+    """No muP-style scalars: the embeddings, the residual branches and the logits unscaled,
+    attention's softmax scale 1 / sqrt(head_dim) (Granite-MoE's are the exception)."""
+    return [
+        *(
+            (getattr(model, key) != 1.0, f"model.{key}", f"{name} has none; must be 1.0")
+            for key in MULTIPLIERS
+        ),
+        (
+            model.attention_scale is not None,
+            "model.attention_scale",
+            f"{name} scales attention by 1 / sqrt(head_dim); must be null",
         ),
     ]
 
