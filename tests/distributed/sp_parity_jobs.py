@@ -18,7 +18,7 @@ from tests.distributed.parity_jobs import parity_config
 
 GLOBAL_MICRO = 4
 ACCUM = 2
-STEPS = 6
+STEPS = 5
 SEQ = 16
 VOCAB = 96
 GRAD_NAMES = (
