@@ -36,6 +36,8 @@ GRAD_NAMES = (
     "lm_head.weight",
 )
 VARIANTS: dict[str, dict[str, Any]] = {
+    # blocks recomputed in backward: the head all-to-alls run again there
+    "ckpt": {"parallel.activation_checkpointing": True},
     "mla": {
         "model.attention": "mla",
         "model.n_kv_heads": 4,

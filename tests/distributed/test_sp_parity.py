@@ -5,7 +5,8 @@ across the ranks' slices, so the document mask crosses them), seed, accumulation
 active every step, fp32, against one plain torch process on the whole batch
 (``sp_parity_jobs.reference_run``; no DeepSpeed, no process group). Layouts:
 
-- world 2: sp=2 (ep 1) at ZeRO-0, sp=2 with ep=2 on the same ranks at ZeRO-2, and multi-head
+- world 2: sp=2 (ep 1) at ZeRO-0, sp=2 with ep=2 on the same ranks at ZeRO-2 and, with
+  activation checkpointing (the exchanges run again in backward), at ZeRO-1, and multi-head
   latent attention at sp=2 (ep 1 ZeRO-1, ep 2 ZeRO-0);
 - world 4: dp=2 x sp=2 with ep=2 at ZeRO-1, and sp=4 x ep=2 at ZeRO-0, where the
   model's 2 key/value heads are repeated to 4 so that each rank gets the one its query head uses.
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.slow
 
 JOBS = {
     1: [],
-    2: [(2, 1, 0), (2, 2, 2), (2, 1, 1, "mla"), (2, 2, 0, "mla")],
+    2: [(2, 1, 0), (2, 2, 2), (2, 2, 1, "ckpt"), (2, 1, 1, "mla"), (2, 2, 0, "mla")],
     4: [(2, 2, 1), (4, 2, 0)],
 }
 LAYOUTS = [(w, lay) for w, lays in JOBS.items() for lay in lays]
