@@ -55,7 +55,11 @@ def exchange_to_heads(
     if rep > 1:
         k_BGsX = k_BGsX.repeat_interleave(rep, dim=1)
         v_BGsX = v_BGsX.repeat_interleave(rep, dim=1)
-    return tuple(ex.to_heads(t.transpose(1, 2)).transpose(1, 2) for t in (q_BHsX, k_BGsX, v_BGsX))
+
+    def whole(x_BHsX: torch.Tensor) -> torch.Tensor:
+        return ex.to_heads(x_BHsX.transpose(1, 2)).transpose(1, 2)
+
+    return whole(q_BHsX), whole(k_BGsX), whole(v_BGsX)
 
 
 def exchange_to_sequence(ex: HeadExchange, out_BhSX: torch.Tensor) -> torch.Tensor:

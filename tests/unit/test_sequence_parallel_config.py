@@ -125,3 +125,48 @@ def test_model_has_no_exchange_by_default() -> None:
     model = Transformer(cfg.model, cfg.moe)
     assert model.head_exchange is None
     assert all(block.attn.head_exchange is None for block in model.layers)
+
+
+class _OneRank:
+    """A head exchange over one rank: both directions are the identity."""
+
+    rank, size = 0, 1
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+MLA = {
+    "model.attention": "mla",
+    "model.n_kv_heads": 4,
+    "model.kv_lora_rank": 16,
+    "model.qk_nope_head_dim": 8,
+    "model.qk_rope_head_dim": 8,
+    "model.v_head_dim": 8,
+}
+
+
+@pytest.mark.parametrize("settings", [{}, MLA], ids=["gqa", "mla"])
+def test_exchange_path_on_one_rank_equals_the_default(settings: dict) -> None:
+    """The exchanged path (q/k/v through the exchange, attention, back) with a one-rank
+    exchange computes what the default path does, with and without documents."""
+    from moetrain.model.transformer import Transformer
+
+    cfg = tiny_config(settings)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.moe)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    docs = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7])
+    want = [model(ids, d, ids).loss for d in (None, docs)]
+    model.set_head_exchange(_OneRank())
+    got = [model(ids, d, ids).loss for d in (None, docs)]
+    model.set_head_exchange(None)
+    assert all(block.attn.head_exchange is None for block in model.layers)
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="whole rows"):
+        model.set_head_exchange(_OneRank())
+        model(ids, docs[:, :8], ids)
