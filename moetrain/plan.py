@@ -334,6 +334,12 @@ def plan(
         raise ConfigError(f"--gpus-per-node: must be >= 1; got {gpus_per_node}")
     spec = gpu_spec(gpu)
     check_layout(cfg, gpus)
+    if cfg.parallel.sp_size > 1:
+        raise ConfigError(
+            f"parallel.sp_size: moetrain plan does not account for sequence parallelism yet "
+            f"(its activations, tokens per step and all-to-alls); got {cfg.parallel.sp_size}. "
+            "Plan with parallel.sp_size=1"
+        )
     p, t = cfg.parallel, cfg.train
     ckpt = (
         p.activation_checkpointing

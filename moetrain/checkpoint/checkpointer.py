@@ -270,11 +270,16 @@ class Checkpointer:
         )
 
     def layout(self) -> dict[str, int]:
-        return {
+        """The layout a checkpoint records (``sp_size`` only when sequence parallel, so that
+        checkpoints without it read as ``sp_size`` 1)."""
+        layout = {
             "world_size": self.topo.world_size,
             "ep_size": self.topo.ep_size,
             "zero_stage": self.cfg.parallel.zero_stage,
         }
+        if self.topo.sp_size > 1:
+            layout["sp_size"] = self.topo.sp_size
+        return layout
 
     # ------------------------------------------------------------------ resume
     def find_resume(self) -> Path | None:
@@ -327,6 +332,12 @@ class Checkpointer:
         topo.phase(f"loading {path.name}")
         state = self.verify(path)
         saved, now = state.layout, self.layout()
+        if saved.get("sp_size", 1) != now.get("sp_size", 1):
+            raise CheckpointError(
+                f"parallel.sp_size: {path} was written at sp_size={saved.get('sp_size', 1)}; "
+                f"resuming at sp_size={now.get('sp_size', 1)} is not supported yet (resume at "
+                "the same sp_size, or start from its weights with checkpoint.init_from)"
+            )
         same_layout = saved == now
         sha = state.tokenizer_sha256
         if sha and run.tokenizer_sha256 and run.tokenizer_sha256 != sha:

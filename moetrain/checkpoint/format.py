@@ -120,7 +120,8 @@ def dense_file_content(module: dict[str, Any]) -> dict[str, Any]:
 class TrainerState:
     """``trainer_state.json``: everything but tensors that a resume or a reader needs.
 
-    ``layout`` is ``{"world_size", "ep_size", "zero_stage"}`` at save time; ``loader`` and
+    ``layout`` is ``{"world_size", "ep_size", "zero_stage"}`` at save time (plus ``sp_size``
+    when it is > 1); ``loader`` and
     ``schedule`` are None in a checkpoint that was not written by training (import).
     ``optimizer_params``: the names of each optimizer param group's parameters, in order, where
     DeepSpeed's files do not name them (ZeRO stage 0), so that the optimizer state reshards.

@@ -1,5 +1,5 @@
 """The layout rules of a run, owned here and nowhere else: world = data-parallel x
-expert-parallel, the ZeRO stage, and the batch they imply.
+expert-parallel, sequence parallelism, the ZeRO stage, and the batch they imply.
 
 Pure Python (no torch), so config validation, `moetrain plan` and the topology all run the same
 checks before anything heavy starts. Every error is a ``ConfigError`` naming the key.
@@ -24,12 +24,52 @@ def check_experts_divisible(num_experts: int, ep_size: int) -> None:
         )
 
 
+def check_sequence_parallel(cfg: Config) -> None:
+    """What sequence parallelism (``parallel.sp_size`` > 1) needs and what it refuses.
+
+    Each rank of a sequence-parallel group holds ``data.seq_len / sp_size`` consecutive tokens
+    of the same sequences and, inside attention, ``model.n_heads / sp_size`` heads of the whole
+    sequences; key/value heads are replicated where ``model.n_kv_heads`` is not a multiple of
+    ``sp_size``. Refused: the per-sequence balance loss (a sequence's tokens are split over
+    ranks) and multi-token prediction (its shifts cross the ranks' slices).
+    """
+    sp = cfg.parallel.sp_size
+    if sp == 1:
+        return
+    m = cfg.model
+    if m.n_heads % sp:
+        raise ConfigError(
+            f"parallel.sp_size: must divide model.n_heads={m.n_heads} (each rank attends over "
+            f"n_heads / sp_size heads); got {sp}"
+        )
+    if cfg.data.seq_len % sp:
+        raise ConfigError(
+            f"parallel.sp_size: must divide data.seq_len={cfg.data.seq_len} (each rank holds "
+            f"seq_len / sp_size tokens of every sequence); got {sp}"
+        )
+    if cfg.moe.aux_loss_scope == "sequence":
+        raise ConfigError(
+            f"moe.aux_loss_scope: sequence is not supported with parallel.sp_size={sp} (a "
+            "sequence's tokens are split over the sequence-parallel ranks); use "
+            "global_micro_batch or global_batch, or parallel.sp_size=1"
+        )
+    if m.mtp_depth > 0:
+        raise ConfigError(
+            f"model.mtp_depth: multi-token prediction is not supported with parallel.sp_size="
+            f"{sp} (its shifted inputs and targets cross the ranks' sequence slices); got "
+            f"{m.mtp_depth}; use model.mtp_depth=0 or parallel.sp_size=1"
+        )
+
+
 def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
     """Check ``cfg``'s layout, and with ``world_size`` also against that world; return the
     data-parallel size (None without a world).
 
-    Every rank reads its own data (expert-parallel peers are data-parallel for dense weights), so
-    the data-parallel world is the whole world. ZeRO-3 is refused: it would partition each
+    Every sequence-parallel group (``parallel.sp_size`` consecutive ranks) reads its own data
+    (expert-parallel peers are data-parallel for dense weights), so the data-parallel size for
+    the batch is ``world / sp_size``; for the gradient reduction every rank counts as a
+    data-parallel rank (each rank's loss is the mean over its own tokens, and the average over
+    every rank is the global mean). ZeRO-3 is refused: it would partition each
     expert's weights across ranks that hold different experts. Stage 0 runs fp32 only: the
     bf16/fp16 numerics policy (fp32 gradient accumulation and reduction, exact skipped steps)
     needs DeepSpeed's ZeRO-1/2 optimizers (the stage's range is declared on the field, and
@@ -38,6 +78,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
     p, t = cfg.parallel, cfg.train
     check_ranges(p, "parallel")
     check_experts_divisible(cfg.moe.num_experts, p.ep_size)
+    check_sequence_parallel(cfg)
     if p.shadow_experts and cfg.moe.capacity_factor > 0:
         raise ConfigError(
             f"parallel.shadow_experts: needs dropless routing (moe.capacity_factor=0); got "
@@ -64,12 +105,16 @@ def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
             f"(choose an ep_size that divides both {world_size} and moe.num_experts="
             f"{cfg.moe.num_experts})"
         )
-    dp = world_size
+    if world_size % p.sp_size:
+        raise ConfigError(
+            f"parallel.sp_size: must divide the world size {world_size}; got {p.sp_size}"
+        )
+    dp = world_size // p.sp_size
     expected = t.micro_batch_size * t.grad_accum_steps * dp
     if t.global_batch_size is not None and t.global_batch_size != expected:
         raise ConfigError(
             f"train.global_batch_size: {t.global_batch_size} != train.micro_batch_size "
             f"({t.micro_batch_size}) x train.grad_accum_steps ({t.grad_accum_steps}) x "
-            f"data-parallel size ({dp}) = {expected}"
+            f"data-parallel size ({dp} = world / parallel.sp_size) = {expected}"
         )
     return dp

@@ -78,6 +78,11 @@ class ParallelConfig:
     """Process layout and DeepSpeed engine settings."""
 
     ep_size: int = field(default=1, metadata=at_least(1))
+    # sequence parallelism (Ulysses): each rank of a group of sp_size consecutive ranks holds
+    # seq_len / sp_size consecutive tokens of the same sequences; attention exchanges heads for
+    # sequence (an all-to-all) so each rank attends over whole sequences for n_heads / sp_size
+    # heads (moetrain/parallel/sequence_parallel.py)
+    sp_size: int = field(default=1, metadata=at_least(1))
     zero_stage: int = field(default=2, metadata=between(0, 2, note=NO_ZERO3))
     activation_checkpointing: bool = False
     offload_optimizer: bool = False

@@ -29,6 +29,7 @@ from torch import nn
 from moetrain.config import ModelConfig
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents, document_attention
+from moetrain.model.head_exchange import HeadExchange, exchange_to_heads, exchange_to_sequence
 from moetrain.model.layers import RMSNorm
 from moetrain.model.rope import apply_rope, rope_tables
 
@@ -176,6 +177,8 @@ class Attention(nn.Module):
         self.rope_interleave = cfg.rope_interleave
         self.scale = cfg.attention_scale  # the softmax scale; None = 1 / sqrt(head_dim)
         self.sdpa_kernel: str | None = None  # what the first call ran (see module docstring)
+        # sequence parallelism: set from outside (model/head_exchange.py); None = one device
+        self.head_exchange: HeadExchange | None = None
 
     def forward(
         self,
@@ -205,6 +208,12 @@ class Attention(nn.Module):
         k_BGSHd = apply_rope(k.transpose(1, 2), cos_SHd, sin_SHd, self.rope_interleave)
         v_BGSHd = v.transpose(1, 2)
         gqa = self.n_kv_heads != self.n_heads
+        ex = self.head_exchange
+        if ex is not None:  # sequence parallel: whole sequences, this rank's heads
+            if cache is not None:
+                raise ValueError("a KV cache runs on one device, without a head exchange")
+            q_BHSHd, k_BGSHd, v_BGSHd = exchange_to_heads(ex, q_BHSHd, k_BGSHd, v_BGSHd)
+            gqa = k_BGSHd.shape[1] != q_BHSHd.shape[1]
         if isinstance(mask_B1SS, Documents):  # packed documents: causal within each one
             if self.sdpa_kernel is None:
                 self.sdpa_kernel = record_kernel(
@@ -220,6 +229,8 @@ class Attention(nn.Module):
             out_BHSHd = document_attention(
                 q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, gqa, scale=self.scale
             )
+            if ex is not None:
+                return self.wo(exchange_to_sequence(ex, out_BHSHd).reshape(b, s, -1))
             return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))
         causal = mask_B1SS is None
         if cache is not None:
@@ -248,6 +259,8 @@ class Attention(nn.Module):
             enable_gqa=gqa,
             scale=self.scale,
         )
+        if ex is not None:
+            return self.wo(exchange_to_sequence(ex, out_BHSHd).reshape(b, s, -1))
         return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))
 
 

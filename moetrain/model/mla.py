@@ -35,6 +35,7 @@ from moetrain.config import ModelConfig
 from moetrain.model.attention import cache_causal_mask, record_kernel, sdpa_kernel_name
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents, document_attention
+from moetrain.model.head_exchange import HeadExchange, exchange_to_heads, exchange_to_sequence
 from moetrain.model.layers import RMSNorm
 from moetrain.model.rope import apply_rope, softmax_mscale
 
@@ -113,6 +114,8 @@ class MLAttention(nn.Module):
         self.scale = qk_dim**-0.5 * softmax_mscale(cfg)
         self.rope_interleave = cfg.rope_interleave
         self.sdpa_kernel: str | None = None  # what the first call ran (as ``Attention``)
+        # sequence parallelism: set from outside (model/head_exchange.py); None = one device
+        self.head_exchange: HeadExchange | None = None
 
     def queries(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """Every head's query (B, S, H(N+R)), before RoPE."""
@@ -154,6 +157,13 @@ class MLAttention(nn.Module):
         q_BHSK = torch.cat((q_nope_BSHN, q_rope_BHSR.transpose(1, 2)), dim=-1).transpose(1, 2)
         k_BHTK = torch.cat((k_nope_BTHN, k_rope_BTHR), dim=-1).transpose(1, 2)
         v_BHTV = v_BTHV.transpose(1, 2)
+        ex = self.head_exchange
+        if ex is not None:  # sequence parallel: whole sequences, this rank's heads
+            if cache is not None:
+                raise ValueError("a latent cache runs on one device, without a head exchange")
+            q_BHSK, k_BHTK, v_BHTV = exchange_to_heads(ex, q_BHSK, k_BHTK, v_BHTV)
+            out_BhSV = self._attend(q_BHSK, k_BHTK, v_BHTV, mask_B1SS, causal)
+            return self.wo(exchange_to_sequence(ex, out_BhSV).reshape(b, s, -1))
         out_BHSV = self._attend(q_BHSK, k_BHTK, v_BHTV, mask_B1SS, causal)
         return self.wo(out_BHSV.transpose(1, 2).reshape(b, s, -1))
 

@@ -17,6 +17,7 @@ from moetrain.model.attention import KVCache
 from moetrain.model.block import Block
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents
+from moetrain.model.head_exchange import HeadExchange
 from moetrain.model.layers import RMSNorm
 from moetrain.model.loss import chunked_cross_entropy
 from moetrain.model.mla import LatentCache
@@ -71,8 +72,19 @@ class Transformer(nn.Module):
         cos, sin = model_rope_tables(model_cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.head_exchange: HeadExchange | None = None  # sequence parallelism (set_head_exchange)
         if self.embed.weight.device.type != "meta":  # (a meta model is filled by loading)
             self.init_weights()
+
+    def set_head_exchange(self, ex: HeadExchange | None) -> None:
+        """Sequence parallelism (:mod:`moetrain.model.head_exchange`): the model's inputs are
+        then this rank's slice ``ex.rank`` of ``ex.size`` equal slices of every sequence (its
+        labels the same slice; ``doc_ids_BS`` the whole rows), RoPE takes the slice's global
+        positions and every attention layer attends over the whole sequences through ``ex``.
+        None: one device again."""
+        self.head_exchange = ex
+        for block in self.layers:
+            block.attn.head_exchange = ex
 
     @torch.no_grad()
     def reset_rope(self) -> None:
@@ -126,6 +138,16 @@ class Transformer(nn.Module):
         """
         s = input_ids_BS.shape[1]
         start = cache.pos if cache is not None else 0
+        ex = self.head_exchange
+        if ex is not None:  # this rank's slice of every sequence, at its global positions
+            if cache is not None or self.cfg.mtp_depth:
+                raise ValueError("sequence parallelism: no cache and no multi-token prediction")
+            if doc_ids_BS is not None and doc_ids_BS.shape[1] != s * ex.size:
+                raise ValueError(
+                    f"sequence parallelism: doc_ids_BS must hold the whole rows ({s} x "
+                    f"{ex.size} positions); got {doc_ids_BS.shape[1]}"
+                )
+            start = ex.rank * s
         if start + s > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence length {start + s} exceeds model.max_seq_len={self.cfg.max_seq_len}"

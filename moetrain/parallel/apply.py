@@ -1,5 +1,5 @@
-"""Parallelism applied to a model built on one device, in one place: expert parallelism, the
-DeepSpeed MoE marking of the experts, and activation checkpointing."""
+"""Parallelism applied to a model built on one device, in one place: expert parallelism,
+sequence parallelism, the DeepSpeed MoE marking of the experts, and activation checkpointing."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import nn
 from moetrain.config import ParallelConfig
 from moetrain.parallel.deepspeed import mark_experts_for_deepspeed
 from moetrain.parallel.expert_parallel import apply_expert_parallel
+from moetrain.parallel.sequence_parallel import apply_sequence_parallel
 from moetrain.parallel.topology import Topology
 
 
@@ -36,6 +37,7 @@ def checkpoint_blocks(model: nn.Module) -> int:
 def apply_parallelism(model: nn.Module, cfg: ParallelConfig, topology: Topology) -> nn.Module:
     """Make ``model`` ready for the DeepSpeed engine on ``topology`` (in place; returned)."""
     apply_expert_parallel(model, topology, cfg.shadow_experts)
+    apply_sequence_parallel(model, topology)
     mark_experts_for_deepspeed(model, topology)
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)

@@ -1,4 +1,5 @@
-"""Process layout: world = data-parallel x expert-parallel; the only place that creates groups.
+"""Process layout: world = data-parallel x expert-parallel (x sequence-parallel); the only place
+that creates groups.
 
 Every rank reads its own data, so all ``world_size`` ranks are data-parallel for the dense
 (non-expert) weights. Expert-parallel groups are blocks of ``ep_size`` consecutive ranks that
@@ -8,6 +9,16 @@ together hold every expert once; each expert is replicated over ``world_size // 
     expert-parallel groups       [0, 1], [2, 3]   (all-to-all of routed tokens)
     expert-data-parallel groups  [0, 2], [1, 3]   (gradient reduction of expert weights)
     data-parallel group          [0, 1, 2, 3]     (gradient reduction of dense weights)
+
+Sequence parallelism (``parallel.sp_size``) groups blocks of ``sp_size`` consecutive ranks that
+hold consecutive slices of the same sequences (:mod:`moetrain.parallel.sequence_parallel`): the
+loader's data-parallel rank is ``rank // sp_size`` of ``world_size // sp_size``
+(:attr:`Topology.data_rank`, :attr:`Topology.data_world`), and every rank still counts as a
+data-parallel rank for the gradient reduction (each rank's loss is the mean over its own
+tokens, so DeepSpeed's average over every rank is the mean over the global batch). SP and EP
+groups are both blocks of consecutive ranks, so with ``sp_size == ep_size`` they are the same
+ranks. Example, world 4, sp 2, ep 2: SP groups and EP groups ``[0, 1], [2, 3]``, the loader's
+data-parallel ranks 0, 0, 1, 1.
 
 The groups are created through ``deepspeed.utils.groups._create_expert_and_data_parallel`` so
 that DeepSpeed's engine and ZeRO optimizer reduce expert gradients over the same groups.
@@ -51,6 +62,8 @@ class Topology:
     ep_size: int
     backend: str
     device: torch.device
+    sp_size: int = 1  # sequence-parallel ranks per group (consecutive ranks)
+    sp_group: Any = field(repr=False, default=None)  # this rank's sequence-parallel group
     ep_group: Any = field(repr=False, default=None)  # ranks holding different experts
     expert_dp_group: Any = field(repr=False, default=None)  # ranks holding the same experts
     created_process_group: bool = False
@@ -61,6 +74,25 @@ class Topology:
     def dp_size(self) -> int:
         """Data-parallel size for dense weights and data sharding (every rank)."""
         return self.world_size
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's index in its sequence-parallel group (its slice of every sequence)."""
+        return self.rank % self.sp_size
+
+    def sp_ranks(self) -> list[int]:
+        base = self.rank - self.sp_rank
+        return list(range(base, base + self.sp_size))
+
+    @property
+    def data_rank(self) -> int:
+        """The loader's data-parallel rank: the sequence-parallel group's index."""
+        return self.rank // self.sp_size
+
+    @property
+    def data_world(self) -> int:
+        """The loader's data-parallel world: the number of sequence-parallel groups."""
+        return self.world_size // self.sp_size
 
     @property
     def ep_rank(self) -> int:
@@ -200,12 +232,19 @@ def init_distributed(cfg: Config) -> Topology:
 
     if not os.environ.get("MOETRAIN_DEEPSPEED_INFO"):
         logger.setLevel(logging.WARNING)  # DeepSpeed's per-rank INFO lines drown the progress
-    ep = cfg.parallel.ep_size
+    ep, sp = cfg.parallel.ep_size, cfg.parallel.sp_size
     name = f"ep_size_{ep}"
+    sp_group = None
     try:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         if name not in groups._get_expert_parallel_group_dict():
             groups._create_expert_and_data_parallel(ep)
+        if sp > 1:  # every rank creates every group, in the same order
+            me = dist.get_rank()
+            for base in range(0, dist.get_world_size(), sp):
+                g = dist.new_group(list(range(base, base + sp)))
+                if base <= me < base + sp:
+                    sp_group = g
     except dist.DistError as e:  # a peer late beyond the timeout, or gone
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CollectiveFailure(
@@ -220,6 +259,8 @@ def init_distributed(cfg: Config) -> Topology:
         ep_size=ep,
         backend=backend,
         device=device,
+        sp_size=sp,
+        sp_group=sp_group,
         ep_group=groups._get_expert_parallel_group(name),
         expert_dp_group=groups._get_expert_data_parallel_group(name),
         created_process_group=created,

@@ -93,8 +93,8 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
                 cfg.data,
                 split,
                 t.micro_batch_size,
-                topo.rank,
-                topo.world_size,
+                topo.data_rank,  # a sequence-parallel group's ranks read the same rows
+                topo.data_world,
                 cfg.seed,
                 vocab_size=cfg.model.vocab_size,
             )
@@ -122,7 +122,8 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
             _write_run_files(cfg, trainer)
         monitor.say(
             f"training {total} steps, {trainer.tokens_per_step} tokens/step, world "
-            f"{topo.world_size} (ep {topo.ep_size}, zero {cfg.parallel.zero_stage}, {topo.backend})"
+            f"{topo.world_size} (ep {topo.ep_size}, sp {topo.sp_size}, zero "
+            f"{cfg.parallel.zero_stage}, {topo.backend})"
         )
         log = Periodic(t.log_every, also=(start_step + 1, total))
         evaluate = Periodic(t.eval_every, also=(total,) if t.eval_every > 0 else ())

@@ -31,6 +31,7 @@ from moetrain.config import Config
 from moetrain.monitor.step_record import StepTotals, moe_layer_record, step_record
 from moetrain.monitor.step_timer import StepTimer
 from moetrain.parallel.deepspeed import clip_grad_norm_global, global_grad_norm
+from moetrain.parallel.sequence_parallel import shard_batch
 from moetrain.parallel.topology import Topology
 from moetrain.train.nonfinite import LossScale, SkipCounter, read_loss_scale
 from moetrain.train.progress import Progress
@@ -152,6 +153,7 @@ class OptimizerStep:
             n += 1
             done.timer.start()
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            batch = shard_batch(batch, self.topo)  # sequence parallel: this rank's slice
             out = forward_loss(engine, batch, mtp_weight)
             engine.backward(out.loss)
             for router in self.routers:

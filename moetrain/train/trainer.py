@@ -27,6 +27,7 @@ from moetrain.init_from.weights import build_model, init_record
 from moetrain.parallel.apply import apply_parallelism
 from moetrain.parallel.deepspeed import deepspeed_config, initialize_engine
 from moetrain.parallel.master_weights import fp32_masters_in_module
+from moetrain.parallel.sequence_parallel import shard_batch
 from moetrain.parallel.topology import Topology
 from moetrain.train.nonfinite import LossScalerState, SkipCounter
 from moetrain.train.optim import LRSchedule, build_optimizer
@@ -35,8 +36,11 @@ from moetrain.train.step import Batch, OptimizerStep, forward_loss
 
 
 def tokens_per_step(cfg: Config, world_size: int) -> int:
+    """Tokens of one optimizer step over every rank, each counted once: a sequence-parallel
+    group of ``parallel.sp_size`` ranks shares its sequences."""
     t = cfg.train
-    return t.micro_batch_size * t.grad_accum_steps * world_size * cfg.data.seq_len
+    data_world = world_size // cfg.parallel.sp_size
+    return t.micro_batch_size * t.grad_accum_steps * data_world * cfg.data.seq_len
 
 
 def total_steps(cfg: Config, world_size: int) -> int:
@@ -135,7 +139,7 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64, device=self.topo.device)
         for batch in batches:
             batch = {k: v.to(self.topo.device, non_blocking=True) for k, v in batch.items()}
-            out = self.forward(batch)
+            out = self.forward(shard_batch(batch, self.topo))
             total += torch.stack([out.ce_loss.double(), torch.ones((), device=total.device)])
         if self.topo.world_size > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM)

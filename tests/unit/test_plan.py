@@ -156,6 +156,8 @@ def test_bad_layouts_raise_config_errors() -> None:
         plan(_small(parallel__ep_size=2), gpus=3)
     with pytest.raises(ConfigError, match="--gpu"):
         plan(_small(), gpus=1, gpu="tpu-v9")
+    with pytest.raises(ConfigError, match=r"parallel\.sp_size: moetrain plan does not account"):
+        plan(_small(parallel__sp_size=2), gpus=2)
 
 
 def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> float:

@@ -1,0 +1,198 @@
+"""Rank functions for the sequence-parallel layout-parity test (importable by spawned ranks).
+
+Every layout sees the same global batch: ``GLOBAL_MICRO`` whole rows per micro-step, packed
+documents (``doc_ids``) whose boundaries fall inside and across the ranks' slices. A
+sequence-parallel group of ``sp`` ranks takes the rows of its data-parallel rank
+``rank // sp`` (``mb = GLOBAL_MICRO / (world / sp)`` rows each); the Trainer keeps each rank's
+slice of the positions (``parallel.sequence_parallel.shard_batch``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moetrain.config import Config
+from tests.distributed.parity_jobs import parity_config
+
+GLOBAL_MICRO = 4
+ACCUM = 2
+STEPS = 5
+SEQ = 16
+VOCAB = 96
+GRAD_NAMES = (
+    "embed.weight",
+    "layers.0.attn.wq.weight",
+    "layers.0.attn.wk.weight",
+    "layers.1.attn.wv.weight",
+    "layers.1.attn.wo.weight",
+    "layers.0.attn.wkv_a.weight",  # MLA
+    "layers.1.attn.wkv_b.weight",
+    "layers.0.ffn.router.gate.weight",
+    "layers.0.ffn.experts.w13",
+    "layers.1.ffn.experts.w2",
+    "layers.1.ffn.shared_expert.w2.weight",
+    "lm_head.weight",
+)
+VARIANTS: dict[str, dict[str, Any]] = {
+    # blocks recomputed in backward: the head all-to-alls run again there
+    "ckpt": {"parallel.activation_checkpointing": True},
+    "mla": {
+        "model.attention": "mla",
+        "model.n_kv_heads": 4,
+        "model.kv_lora_rank": 16,
+        "model.qk_nope_head_dim": 8,
+        "model.qk_rope_head_dim": 8,
+        "model.v_head_dim": 8,
+    },
+}
+
+
+def sp_config(world: int, sp: int, ep: int, stage: int, variant: str | None = None) -> Config:
+    extra = {
+        "parallel.sp_size": sp,
+        "train.micro_batch_size": GLOBAL_MICRO // (world // sp),
+        **VARIANTS.get(variant or "", {}),
+    }
+    return parity_config(world, ep, stage, **extra)
+
+
+def doc_ids_for(rows: int, g: torch.Generator) -> torch.Tensor:
+    """Packed documents: a new one starts at each position with probability 1/4 (never at a
+    slice boundary of an even row, so documents cross it)."""
+    starts = torch.rand(rows, SEQ, generator=g) < 0.25
+    starts[:, 0] = True
+    for cut in (SEQ // 4, SEQ // 2, 3 * SEQ // 4):
+        starts[0::2, cut] = False
+    return starts.long().cumsum(1) - 1
+
+
+def global_batches(step: int) -> list[dict[str, torch.Tensor]]:
+    """The global micro-batches of optimizer step ``step`` (same for every layout)."""
+    g = torch.Generator().manual_seed(2000 + step)
+    out = []
+    for _ in range(ACCUM):
+        seq = torch.randint(0, VOCAB, (GLOBAL_MICRO, SEQ + 1), generator=g)
+        out.append(
+            {
+                "input_ids": seq[:, :-1].contiguous(),
+                "labels": seq[:, 1:].contiguous(),
+                "doc_ids": doc_ids_for(GLOBAL_MICRO, g),
+            }
+        )
+    return out
+
+
+def data_slice(batch: dict[str, torch.Tensor], rank: int, world: int, sp: int):
+    """The whole rows of ``rank``'s data-parallel rank ``rank // sp``."""
+    mb = GLOBAL_MICRO // (world // sp)
+    d = rank // sp
+    return {k: v[d * mb : (d + 1) * mb] for k, v in batch.items()}
+
+
+def _biases(model: torch.nn.Module) -> list[list[float]]:
+    return [b.tolist() for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
+
+
+def reference_run(variant: str | None = None) -> dict[str, Any]:
+    """One process, plain torch (no DeepSpeed, no process group), the whole global batch."""
+    from moetrain.model.moe.dispatch import LocalDispatcher
+    from moetrain.model.transformer import Transformer
+    from moetrain.train.optim import LRSchedule, param_groups
+
+    cfg = sp_config(1, 1, 1, 0, variant)
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg.model, cfg.moe)
+    for layer in model.moe_layers():
+        layer.dispatcher = LocalDispatcher(cfg.moe.num_experts, 1)
+    o = cfg.optim
+    opt = torch.optim.AdamW(
+        param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False
+    )
+    sched = LRSchedule(opt, o, cfg.train.max_steps, 0)
+    routers = [m.router for m in model.moe_layers()]
+    params = dict(model.named_parameters())
+    names = [n for n in GRAD_NAMES if n in params]
+    losses, norms, grads = [], [], {}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        total, loads = 0.0, None
+        for router in routers:
+            router.begin_step()
+        for batch in global_batches(step):
+            out = model(batch["input_ids"], batch["doc_ids"], batch["labels"])
+            (out.loss / ACCUM).backward()
+            for router in routers:
+                router.end_micro_batch()
+            total += float(out.loss.detach()) / ACCUM
+            step_loads = torch.stack([m.tokens_per_expert_E for m in out.moe])
+            loads = step_loads if loads is None else loads + step_loads
+        if step == 0:
+            grads = {n: params[n].grad.clone() for n in names}
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        sched.step()
+        for router, load in zip(routers, loads, strict=True):
+            router.update_bias(load)
+        losses.append(total)
+        norms.append(float(norm))
+    return {"losses": losses, "norms": norms, "grads": grads, "biases": _biases(model)}
+
+
+def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
+    from deepspeed.utils import safe_get_full_grad
+
+    from moetrain.parallel.topology import init_distributed
+    from moetrain.train.trainer import Trainer
+
+    topo = init_distributed(cfg)
+    trainer = Trainer(cfg, topo)
+    grads: dict[str, torch.Tensor] = {}
+
+    def capture(tr: Trainer) -> None:
+        params = dict(tr.model.named_parameters())
+        for name in (n for n in GRAD_NAMES if n in params):
+            grads[name] = safe_get_full_grad(params[name]).detach().clone().float()
+
+    sp = cfg.parallel.sp_size
+    losses, norms = [], []
+    for step in range(STEPS):
+        micro = [data_slice(b, rank, world, sp) for b in global_batches(step)]
+        rec = trainer.train_step(micro, before_step=capture if step == 0 else None)
+        losses.append(rec["loss"])
+        norms.append(rec["grad_norm"])
+    lo, hi = topo.local_experts(cfg.moe.num_experts)
+    result = {
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "biases": _biases(trainer.model),
+        "experts": (lo, hi),
+        "tokens_per_step": trainer.tokens_per_step,
+        "sp_rank": topo.sp_rank,
+        "data_rank": topo.data_rank,
+        "exchange": trainer.model.head_exchange is not None,
+    }
+    del trainer
+    return result
+
+
+def layout_key(layout: tuple) -> str:
+    """``(sp, ep, stage[, variant])`` -> ``sp2_ep1_zero0[_mla]``."""
+    sp, ep, stage, *variant = layout
+    return "_".join([f"sp{sp}", f"ep{ep}", f"zero{stage}", *variant])
+
+
+def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
+    """Run every ``(sp, ep, stage[, variant])`` of ``layouts`` on this group; the world-1 job
+    runs the references (plain torch, one process)."""
+    out: dict[str, Any] = {}
+    if world == 1:
+        out["reference"] = reference_run()
+        out["reference_mla"] = reference_run("mla")
+    for layout in layouts:
+        sp, ep, stage, *variant = layout
+        cfg = sp_config(world, sp, ep, stage, variant[0] if variant else None)
+        out[layout_key(layout)] = _parallel_run(cfg, rank, world)
+    return out
