@@ -314,6 +314,7 @@ def build_model(
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.moe, local_experts=local_experts)
     model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty unties a shared head
     model.reset_rope()
     targets = model.state_dict(keep_vars=True)
     filled: set[str] = set()

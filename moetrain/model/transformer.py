@@ -67,8 +67,7 @@ class Transformer(nn.Module):
         )
         self.norm = RMSNorm(model_cfg.d_model, model_cfg.norm_eps)
         self.lm_head = Linear(model_cfg.d_model, model_cfg.vocab_size, bias=False)
-        if model_cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+        self.tie_weights()
         cos, sin = model_rope_tables(model_cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -85,6 +84,12 @@ class Transformer(nn.Module):
         self.head_exchange = ex
         for block in self.layers:
             block.attn.head_exchange = ex
+
+    def tie_weights(self) -> None:
+        """With ``model.tie_embeddings``, make ``lm_head.weight`` the embedding's Parameter
+        (again: ``to_empty`` from the meta device gives each module a Parameter of its own)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
 
     @torch.no_grad()
     def reset_rope(self) -> None:
@@ -113,8 +118,7 @@ class Transformer(nn.Module):
                 nn.init.ones_(module.weight)
             elif isinstance(module, MoELayer):
                 module.router.expert_bias.zero_()
-        if self.cfg.tie_embeddings:  # lm_head shares embed.weight; keep the embedding init
-            self.lm_head.weight = self.embed.weight
+        self.tie_weights()  # lm_head shares embed.weight; keep the embedding init
 
     def forward(
         self,

@@ -462,3 +462,14 @@ def test_a_source_saved_in_the_fused_expert_layout(hf_dirs, tmp_path, family) ->
     whole = build_model(cfg, source).state_dict()
     for name, t in build_model(cfg, source, local_experts=(2, 4)).state_dict().items():
         assert torch.equal(t, whole[name][2:4] if ".experts." in name else whole[name]), name
+
+
+def test_a_tied_head_stays_one_parameter(hf_dirs) -> None:
+    """A model built from a source with tied embeddings trains one matrix for both (the meta
+    build's ``to_empty`` gives each module its own Parameter; the build ties them again)."""
+    cfg, source = resolved(f"checkpoint.init_from={hf_dirs['granitemoe']}")
+    assert cfg.model.tie_embeddings
+    model = build_model(cfg, source)
+    assert model.lm_head.weight is model.embed.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert "embed.weight" in names and "lm_head.weight" not in names
