@@ -156,6 +156,11 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+def _without_sp(layout: dict[str, int]) -> dict[str, int]:
+    """A recorded layout less its ``sp_size``: what DeepSpeed's files depend on."""
+    return {k: v for k, v in layout.items() if k != "sp_size"}
+
+
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -332,13 +337,16 @@ class Checkpointer:
         topo.phase(f"loading {path.name}")
         state = self.verify(path)
         saved, now = state.layout, self.layout()
-        if saved.get("sp_size", 1) != now.get("sp_size", 1):
-            raise CheckpointError(
-                f"parallel.sp_size: {path} was written at sp_size={saved.get('sp_size', 1)}; "
-                f"resuming at sp_size={now.get('sp_size', 1)} is not supported yet (resume at "
-                "the same sp_size, or start from its weights with checkpoint.init_from)"
+        # ZeRO partitions over every rank whatever the sequence-parallel size (the SP ranks
+        # count as data-parallel ranks for the gradient reduction), and the loader's position
+        # counts whole sequences: a checkpoint resumes at any sp_size, and DeepSpeed loads
+        # everything when world size, EP size and ZeRO stage are those that wrote it
+        same_layout = _without_sp(saved) == _without_sp(now)
+        if topo.is_main and saved.get("sp_size", 1) != now.get("sp_size", 1):
+            self.log(
+                f"{path.name} was written at parallel.sp_size={saved.get('sp_size', 1)}; "
+                f"continuing at sp_size={now.get('sp_size', 1)}"
             )
-        same_layout = saved == now
         sha = state.tokenizer_sha256
         if sha and run.tokenizer_sha256 and run.tokenizer_sha256 != sha:
             raise CheckpointError(

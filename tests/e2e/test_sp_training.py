@@ -2,8 +2,9 @@
 same ranks) on a prepared corpus with packed documents (``data.document_mask``): the loader
 hands both ranks the same rows (its data-parallel rank is ``rank // sp_size``), so the run sees
 the global batch of one plain process at the same micro-batch, and its losses, gradient norms,
-tokens and validation loss equal that process's. Its checkpoint records ``sp_size``; resuming it
-at another ``sp_size`` is refused, naming the key.
+tokens and validation loss equal that process's. Its checkpoint records ``sp_size`` and resumes
+at any: at sp=2 bit for bit the uninterrupted run, at sp=1 (the same 2 ranks, ep=2) the one
+process's run to 1e-5.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-STEPS = 2
+STEPS = 4  # checkpoints at 2 and 4; the resumed runs start at 2
 CONFIG = {
     "seed": 3,
     "model.vocab_size": 384,
@@ -47,7 +48,7 @@ CONFIG = {
     "train.eval_every": STEPS,
     "train.eval_steps": 1,
     "train.log_every": 1,
-    "checkpoint.save_every_steps": STEPS,
+    "checkpoint.save_every_steps": STEPS // 2,
 }
 REL = 1e-5
 
@@ -87,7 +88,22 @@ def _run(cmds: dict[str, list[str]], work: Path) -> dict[str, tuple[int, str]]:
     return out
 
 
-def test_sp_training_matches_one_process_and_refuses_another_sp_on_resume(tmp_path) -> None:
+def _close(one: list[dict], two: list[dict], rel: float) -> None:
+    assert [r.get("step") for r in one] == [r.get("step") for r in two]
+    for a, b in zip(one, two, strict=True):
+        assert a.keys() <= b.keys()  # (the EP run adds its all-to-all's records)
+        for key in ("loss", "grad_norm", "eval_loss", "val_loss"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= rel * abs(a[key]), (key, a[key], b[key])
+        if "tokens" in a:
+            assert a["tokens"] == b["tokens"]  # each token counted once
+
+
+def _steps_after(records: list[dict], step: int) -> list[dict]:
+    return [r for r in records if "step" in r and r["step"] > step]
+
+
+def test_sp_training_matches_one_process_and_resumes_at_any_sp(tmp_path) -> None:
     config = str(prepare_stdlib_config(tmp_path, CONFIG, n_files=10, max_chars=100_000))
     single, sp = tmp_path / "single", tmp_path / "sp2"
     sp_args = ("parallel.sp_size=2", "parallel.ep_size=2")
@@ -102,23 +118,31 @@ def test_sp_training_matches_one_process_and_refuses_another_sp_on_resume(tmp_pa
         assert code == 0, (name, out[-4000:])
     assert "world 2 (ep 2, sp 2, zero 2" in done["sp2"][1]
     one, two = _records(single), _records(sp)
-    assert len(one) == len(two)
-    for a, b in zip(one, two, strict=True):
-        assert a.keys() <= b.keys()  # (the EP run adds its all-to-all's records)
-        for key in ("loss", "grad_norm", "eval_loss", "val_loss"):
-            if key in a:
-                assert abs(a[key] - b[key]) <= REL * abs(a[key]), (key, a[key], b[key])
-        if "tokens" in a:
-            assert a["tokens"] == b["tokens"]  # each token counted once
-    state = sp / "checkpoints" / f"step_{STEPS:08d}" / "trainer_state.json"
-    assert json.loads(state.read_text())["layout"]["sp_size"] == 2
+    _close(one, two, REL)
+    half = sp / "checkpoints" / f"step_{STEPS // 2:08d}"
+    assert json.loads((half / "trainer_state.json").read_text())["layout"]["sp_size"] == 2
 
-    more = f"train.max_steps={STEPS + 1}"
-    code, out = _run(
-        {"resume": _torchrun("train", config, f"run_dir={sp}", "parallel.ep_size=2", more)},
+    resume = f"checkpoint.resume={half}"
+    done = _run(
+        {
+            "again_sp2": _torchrun("train", config, f"run_dir={tmp_path / 'r2'}", resume, *sp_args),
+            "as_sp1": _torchrun(
+                "train",
+                config,
+                f"run_dir={tmp_path / 'r1'}",
+                resume,
+                "parallel.ep_size=2",
+                "train.micro_batch_size=1",  # the same global batch on 2 data-parallel ranks
+            ),
+        },
         tmp_path,
-    )["resume"]
-    assert code != 0
-    assert "parallel.sp_size:" in out and "resuming at sp_size=1 is not supported" in out, out[
-        -4000:
-    ]
+    )
+    for name, (code, out) in done.items():
+        assert code == 0, (name, out[-4000:])
+    assert "continuing at sp_size=1" in done["as_sp1"][1]
+    again = _records(tmp_path / "r2")
+    after = _steps_after(two, STEPS // 2)
+    for a, b in zip(_steps_after(again, STEPS // 2), after, strict=True):
+        for key in ("loss", "grad_norm", "eval_loss", "val_loss"):
+            assert a.get(key) == b.get(key), (key, a.get(key), b.get(key))  # bit for bit
+    _close(_steps_after(one, STEPS // 2), _steps_after(_records(tmp_path / "r1"), STEPS // 2), REL)
