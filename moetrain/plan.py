@@ -24,7 +24,13 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
 - checkpoint save, host memory (bf16/fp16): the fp32 masters of the weights a rank writes
   (:mod:`moetrain.parallel.master_weights`), at most rank 0's: ``4 * (P_d + P_e / ep)``.
 
-Expert all-to-all: :mod:`moetrain.plan_traffic` (fan-out per token and bytes per step).
+Sequence parallelism (``parallel.sp_size`` = n): each GPU holds ``seq_len / n`` tokens of its
+micro-batch's rows, so every per-token term counts those; attention (grouped-query) adds what
+the head exchange keeps (:func:`attention_bytes_per_token`). ZeRO partitions over every GPU as
+without it (the SP ranks count as data-parallel ranks), and a step's tokens are counted once.
+
+Expert all-to-all and the head all-to-alls of sequence parallelism: :mod:`moetrain.plan_traffic`
+(fan-out per token and bytes per step).
 
 Speed: ``tokens/s = gpus * peak * mfu / flops_per_token``, the peak from
 :data:`moetrain.monitor.mfu.PEAK_TFLOPS` for ``train.precision`` (or ``logging.peak_tflops``),
@@ -39,9 +45,17 @@ from dataclasses import dataclass, field
 
 from moetrain.config import Config, ConfigError, ModelConfig
 from moetrain.config.layout import check_layout
+from moetrain.model.head_exchange import kv_repeats
 from moetrain.model_numbers import ModelNumbers, attention_matrices, human, model_numbers
 from moetrain.monitor.mfu import lookup_peak_tflops, math_type
-from moetrain.plan_traffic import Traffic, expert_traffic, format_traffic
+from moetrain.plan_traffic import (
+    HeadTraffic,
+    Traffic,
+    expert_traffic,
+    format_head_traffic,
+    format_traffic,
+    head_traffic,
+)
 
 GiB = 1024**3
 MiB = 1024**2
@@ -99,9 +113,14 @@ def _rmsnorm_bytes(d: int, a: int) -> int:
     return a * d + 4
 
 
-def attention_bytes_per_token(m: ModelConfig, a: int) -> int:
+def attention_bytes_per_token(m: ModelConfig, a: int, sp: int = 1) -> int:
     """Bytes one layer's attention (and its input norm) saves for backward per token
-    (a = activation bytes). Grouped-query: see :func:`activation_bytes_per_token`.
+    (a = activation bytes) of this GPU's slice. Grouped-query: see
+    :func:`activation_bytes_per_token`; under sequence parallelism (``sp`` > 1) also the
+    output exchanged back to sequence order (the output projection's input, ``aHq``), and the
+    extra copies of key/value heads repeated so that they split over ``sp`` ranks
+    (``2aHkv(r - 1)``, r = :func:`moetrain.model.head_exchange.kv_repeats`); both measured with
+    saved-tensor hooks.
 
     Multi-head latent attention: the RMSNorm ``aD + 4``, the projection input ``aD``, with
     ``q_lora_rank`` Q the query latent ``aQ + 4`` and its norm's output ``aQ``; the ``wkv_a``
@@ -109,7 +128,10 @@ def attention_bytes_per_token(m: ModelConfig, a: int) -> int:
     output ``aH(N + Vd)`` (the values are a view of it), the assembled q and k ``2aH(N + R)``,
     the SDPA output ``aHVd`` and logsumexp ``4H``. That is the memory-efficient kernel's
     (a GPU's); where torch's kernels want equal q/k and v head dims (CPU flash attention) the
-    smaller side is zero-padded, which saves somewhat more."""
+    smaller side is zero-padded, which saves somewhat more. Under sequence parallelism the
+    exchanged q, k and v take the places of the ones above, and the values are saved
+    exchanged (``aHVd``) with the output in sequence order (``aHVd``) instead of the ``wkv_b``
+    output: ``aH(Vd - N)`` more."""
     d, h = m.d_model, m.n_heads
     norm_in = _rmsnorm_bytes(d, a) + a * d
     if m.attention == "mla":
@@ -117,10 +139,13 @@ def attention_bytes_per_token(m: ModelConfig, a: int) -> int:
         q_latent = 2 * a * m.q_lora_rank + 4 if m.q_lora_rank else 0
         latent = a * (c + m.qk_rope_head_dim) + 4 + a * c
         kv = a * h * (m.qk_nope_head_dim + m.v_head_dim) + 2 * a * h * qk
-        return norm_in + q_latent + latent + kv + a * h * m.v_head_dim + 4 * h
+        exchanged = a * h * (m.v_head_dim - m.qk_nope_head_dim) if sp > 1 else 0
+        return norm_in + q_latent + latent + kv + a * h * m.v_head_dim + 4 * h + exchanged
     hd = m.attention_head_dim
     hq, hkv = h * hd, m.n_kv_heads * hd
     attn = norm_in + 2 * a * hq + 2 * a * hkv + 4 * h
+    if sp > 1:
+        attn += a * hq + 2 * a * hkv * (kv_repeats(m.n_kv_heads, sp) - 1)
     if m.qk_norm:  # RMSNorm of q and k: their input and an rsqrt per head (or per projection)
         rows = h + m.n_kv_heads if m.qk_norm_scope == "head" else 2
         attn += a * (hq + hkv) + 4 * rows
@@ -148,7 +173,7 @@ def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
     """
     m, e = cfg.model, cfg.moe
     a, d = act_bytes, m.d_model
-    attn = attention_bytes_per_token(m, a)
+    attn = attention_bytes_per_token(m, a, cfg.parallel.sp_size)
     if not e.is_moe_layer(layer):
         return attn + _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
     k = e.top_k
@@ -194,7 +219,8 @@ def loss_transient_bytes(cfg: Config, tokens: int, act_bytes: int) -> int:
 
 
 def activation_bytes(cfg: Config, tokens: int, checkpointing: bool, act_bytes: int) -> int:
-    """Peak activation bytes of one micro-batch of ``tokens`` tokens.
+    """Peak activation bytes of one micro-batch of ``tokens`` tokens on a GPU (its slice of
+    the rows under sequence parallelism).
 
     Without checkpointing: every layer's saved tensors + the head + the loss's transient
     (multi-token-prediction modules: their blocks are layers, their inputs and heads the head's). With
@@ -255,6 +281,8 @@ class Plan:
     mfu: float
     peak_tflops: float
     traffic: Traffic
+    head_traffic: HeadTraffic
+    sp_size: int = 1
     gpus_per_node: int = 8
     warnings: list[str] = field(default_factory=list)
     grad_dtype: str = "fp32"  # gradient accumulation and reduction (train.grad_dtype)
@@ -279,7 +307,9 @@ class Plan:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.micro_batch_size * self.seq_len * self.grad_accum_steps * self.gpus
+        """Each token once: an SP group of ``sp_size`` GPUs shares its rows."""
+        rows = self.micro_batch_size * self.grad_accum_steps * self.gpus // self.sp_size
+        return rows * self.seq_len
 
     @property
     def tokens_per_s(self) -> float:
@@ -334,12 +364,6 @@ def plan(
         raise ConfigError(f"--gpus-per-node: must be >= 1; got {gpus_per_node}")
     spec = gpu_spec(gpu)
     check_layout(cfg, gpus)
-    if cfg.parallel.sp_size > 1:
-        raise ConfigError(
-            f"parallel.sp_size: moetrain plan does not account for sequence parallelism yet "
-            f"(its activations, tokens per step and all-to-alls); got {cfg.parallel.sp_size}. "
-            "Plan with parallel.sp_size=1"
-        )
     p, t = cfg.parallel, cfg.train
     ckpt = (
         p.activation_checkpointing
@@ -364,7 +388,8 @@ def plan(
     opt = split(opt_per_param, z >= 1)
     opt_gpu, opt_cpu = (0, opt) if p.offload_optimizer else (opt, 0)
 
-    tokens = t.micro_batch_size * cfg.data.seq_len
+    sp = p.sp_size
+    tokens = t.micro_batch_size * cfg.data.seq_len // sp  # this GPU's slice of its rows
     act_no = activation_bytes(cfg, tokens, False, wb)
     act_ck = activation_bytes(cfg, tokens, True, wb)
     framework = FRAMEWORK_BYTES + (2 * cfg.parallel.bucket_size(True) * wb if z >= 1 else 0)
@@ -398,6 +423,15 @@ def plan(
         mfu=mfu,
         peak_tflops=peak,
         traffic=expert_traffic(cfg, tokens * t.grad_accum_steps, gpus_per_node, wb, recompute=ckpt),
+        head_traffic=head_traffic(
+            cfg,
+            tokens * t.grad_accum_steps,
+            gpus_per_node,
+            wb,
+            kv_repeats(cfg.model.n_kv_heads, sp),
+            recompute=ckpt,
+        ),
+        sp_size=sp,
         gpus_per_node=gpus_per_node,
         grad_dtype=t.grad_dtype,
     )
@@ -427,13 +461,21 @@ def format_plan(pl: Plan) -> str:
     n = pl.numbers
     ck = "on" if pl.activation_checkpointing else "off"
     lines = [
-        f"layout: {pl.gpus} x {pl.gpu.name}, data-parallel {pl.gpus}, expert-parallel "
+        f"layout: {pl.gpus} x {pl.gpu.name}, data-parallel {pl.gpus}"
+        + (
+            f" (sequence-parallel {pl.sp_size}: {pl.gpus // pl.sp_size} groups)"
+            if pl.sp_size > 1
+            else ""
+        )
+        + ", expert-parallel "
         f"{pl.ep_size} (expert-data-parallel {pl.expert_dp}), ZeRO-{pl.zero_stage}, "
         f"{pl.precision}{', optimizer offload' if pl.offload_optimizer else ''}",
         f"parameters: total {human(n.total_params)} ({n.total_params}), active per token "
         f"{human(n.active_params)}, experts {human(n.expert_params)}, held per GPU "
         f"{human(pl.params_per_gpu)}",
-        f"micro-batch: {pl.micro_batch_size} x {pl.seq_len} tokens; "
+        f"micro-batch: {pl.micro_batch_size} x {pl.seq_len} tokens"
+        + (f" ({pl.seq_len // pl.sp_size} of each row per GPU)" if pl.sp_size > 1 else "")
+        + "; "
         f"{pl.tokens_per_step} tokens per optimizer step",
         "memory per GPU:",
         f"  weights            {_gib(pl.weights_bytes)}",
@@ -464,6 +506,7 @@ def format_plan(pl: Plan) -> str:
         f"{pl.tokens_per_s:,.0f} tokens/s ({pl.tokens_per_s / pl.gpus:,.0f} per GPU), "
         f"{pl.step_time_s:.3f} s per optimizer step",
         format_traffic(pl.traffic, pl.gpus_per_node),
+        format_head_traffic(pl.head_traffic),
     ]
     lines += [f"WARNING: {w}" for w in pl.warnings]
     return "\n".join(lines)

@@ -98,3 +98,57 @@ def format_traffic(t: Traffic, gpus_per_node: int) -> str:
         f"ranks; balanced routing sends {t.rows_off_rank:.2f} rows per token and MoE layer to "
         f"other GPUs{nodes}; {t.bytes_per_gpu_step / 2**30:.2f} GiB sent per GPU per step"
     )
+
+
+@dataclass(frozen=True)
+class HeadTraffic:
+    """Sequence parallelism's head all-to-alls (``parallel.sp_size`` = n): per layer and
+    micro-batch, forward sends q, k and v (key/value heads repeated where n does not divide
+    them) and receives the attention output back in sequence order; backward sends the same
+    again, and activation checkpointing repeats the forward's. Of each exchange ``(n - 1) / n``
+    leaves the GPU; an SP group is n consecutive ranks, so it spans nodes only when n exceeds
+    ``gpus_per_node``."""
+
+    sp_size: int
+    sp_nodes: int  # nodes one SP group spans
+    bytes_per_token_layer: float  # sent off the GPU per local token and layer, forward
+    bytes_per_gpu_step: float
+
+
+def head_traffic(
+    cfg: Config,
+    tokens_per_gpu_step: int,
+    gpus_per_node: int,
+    act_bytes: int,
+    kv_repeats: int,
+    recompute: bool = False,
+) -> HeadTraffic:
+    """:class:`HeadTraffic` of ``cfg`` (``tokens_per_gpu_step``: this GPU's slice of the
+    tokens of one optimizer step; ``kv_repeats``: each key/value head's copies)."""
+    m, n = cfg.model, cfg.parallel.sp_size
+    if m.attention == "mla":
+        qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+        dims = m.n_heads * (2 * qk + 2 * v)  # q, k, v out; the output back
+    else:
+        hd = m.attention_head_dim
+        dims = hd * (2 * m.n_heads + 2 * m.n_kv_heads * kv_repeats)
+    per_token = act_bytes * dims * (n - 1) / n if n > 1 else 0.0
+    passes = 3 if recompute else 2
+    return HeadTraffic(
+        sp_size=n,
+        sp_nodes=-(-n // gpus_per_node),
+        bytes_per_token_layer=per_token,
+        bytes_per_gpu_step=per_token * passes * m.n_blocks * tokens_per_gpu_step,
+    )
+
+
+def format_head_traffic(t: HeadTraffic) -> str:
+    """One line of ``moetrain plan``."""
+    if t.sp_size == 1:
+        return "sequence-parallel all-to-all: none (parallel.sp_size=1)"
+    where = f"across {t.sp_nodes} nodes" if t.sp_nodes > 1 else "within a node"
+    return (
+        f"sequence-parallel all-to-all (heads <-> sequence, {t.sp_size} ranks {where}): "
+        f"{t.bytes_per_token_layer:,.0f} bytes per token and layer leave the GPU in forward; "
+        f"{t.bytes_per_gpu_step / 2**30:.2f} GiB sent per GPU per step"
+    )

@@ -46,6 +46,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.qk_rope_head_dim": 8,
         "model.v_head_dim": 8,
     },
+    "bf16": {"train.precision": "bf16"},
 }
 
 

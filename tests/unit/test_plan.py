@@ -21,6 +21,7 @@ from moetrain.plan import (
     activation_bytes_per_token,
     format_plan,
     head_bytes_per_token,
+    loss_transient_bytes,
     plan,
 )
 from tests.helpers.configs import tiny_config
@@ -156,18 +157,39 @@ def test_bad_layouts_raise_config_errors() -> None:
         plan(_small(parallel__ep_size=2), gpus=3)
     with pytest.raises(ConfigError, match="--gpu"):
         plan(_small(), gpus=1, gpu="tpu-v9")
-    with pytest.raises(ConfigError, match=r"parallel\.sp_size: moetrain plan does not account"):
-        plan(_small(parallel__sp_size=2), gpus=2)
+    with pytest.raises(ConfigError, match=r"parallel\.sp_size: must divide the world size"):
+        plan(_small(parallel__sp_size=2), gpus=3)
+
+
+class _ShapeExchange:
+    """Rank 0 of an ``size``-rank head exchange in one process: the real exchange's shapes and
+    fresh storages, without communication (what autograd saves depends only on those)."""
+
+    rank = 0
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def to_heads(self, x_BsHX: torch.Tensor) -> torch.Tensor:
+        return x_BsHX[:, :, : x_BsHX.shape[2] // self.size].repeat(1, self.size, 1, 1)
+
+    def to_sequence(self, x_BShX: torch.Tensor) -> torch.Tensor:
+        return x_BShX[:, : x_BShX.shape[1] // self.size].repeat(1, 1, self.size, 1)
 
 
 def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> float:
     """Bytes of distinct non-parameter storages autograd saves in one forward, plus the
-    logits the caller holds, per token."""
+    logits the caller holds, per token of this rank's slice (``parallel.sp_size`` > 1: rank 0
+    of a sequence-parallel group, through :class:`_ShapeExchange`)."""
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.moe).to(dtype)
+    sp = cfg.parallel.sp_size
+    if sp > 1:
+        model.set_head_exchange(_ShapeExchange(sp))
     b = tokens // cfg.data.seq_len
-    ids = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len))
-    labels = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len))
+    ids = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len // sp))
+    labels = torch.randint(0, cfg.model.vocab_size, (b, cfg.data.seq_len // sp))
+    tokens //= sp
     with saved_storages([*model.parameters(), *model.buffers()]) as seen:
         out = model(ids, labels_BS=labels, return_logits=False)  # as the trainer calls it
     if out.logits is not None:  # plain loss (model.loss_chunk_tokens=0)
@@ -221,6 +243,53 @@ def test_mtp_activations_match_saved_tensors(chunk: int) -> None:
         - _saved_bytes_per_token(plain, torch.float32, tokens)
     )
     assert measured == pytest.approx(predicted, rel=0.02)
+
+
+MLA = {  # v as wide as q/k: the CPU kernel pads neither (attention_bytes_per_token)
+    "model.attention": "mla",
+    "model.n_kv_heads": 4,
+    "model.kv_lora_rank": 16,
+    "model.qk_nope_head_dim": 8,
+    "model.qk_rope_head_dim": 8,
+    "model.v_head_dim": 16,
+}
+
+
+@pytest.mark.parametrize(
+    "sp,extra",
+    [(2, {}), (4, {}), (2, {"model.n_kv_heads": 1}), (2, MLA), (4, MLA)],
+    ids=["gqa-sp2", "gqa-sp4-kv-repeated", "gqa-sp2-one-kv-head", "mla-sp2", "mla-sp4"],
+)
+def test_sequence_parallel_activations_match_saved_tensors(sp: int, extra: dict) -> None:
+    """A rank's saved tensors under sequence parallelism (its slice of the rows, the heads
+    exchanged) against the formula, the chunked loss's fp32 weight gradient included."""
+    cfg = _small(extra, {"model.loss_chunk_tokens": 128, "parallel.sp_size": sp})
+    tokens = 512
+    predicted = activation_bytes(cfg, tokens // sp, False, 4)
+    predicted -= loss_transient_bytes(cfg, tokens // sp, 4) - 4 * cfg.model.vocab_size * 64
+    measured = tokens // sp * _saved_bytes_per_token(cfg, torch.float32, tokens)
+    assert measured == pytest.approx(predicted, rel=0.01)
+    plain = _small(extra, {"model.loss_chunk_tokens": 128})
+    assert activation_bytes_per_token(cfg, 0, 4) > activation_bytes_per_token(plain, 0, 4)
+
+
+def test_sequence_parallel_plan_by_hand() -> None:
+    """sp=2 on 4 GPUs: each GPU holds half of each row, a step's tokens are counted once, ZeRO
+    partitions as without SP, and the head all-to-alls are q, k, v and the output."""
+    cfg = _small(parallel__sp_size=2, parallel__zero_stage=2)
+    one, two = plan(_small(parallel__zero_stage=2), gpus=4), plan(cfg, gpus=4)
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    assert two.tokens_per_step == one.tokens_per_step // 2
+    assert (two.optimizer_bytes, two.grads_bytes) == (one.optimizer_bytes, one.grads_bytes)
+    assert two.activations_no_ckpt_bytes == activation_bytes(cfg, tokens // 2, False, 4)
+    assert two.activations_no_ckpt_bytes < one.activations_no_ckpt_bytes
+    m = cfg.model
+    dims = m.attention_head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+    assert two.head_traffic.bytes_per_token_layer == 4 * dims / 2
+    assert two.head_traffic.bytes_per_gpu_step == 4 * dims / 2 * 2 * m.n_layers * tokens // 2
+    assert one.head_traffic.bytes_per_gpu_step == 0
+    text = format_plan(two)
+    assert "sequence-parallel 2: 2 groups" in text and "sequence-parallel all-to-all" in text
 
 
 MEM_BASE = {  # the probe's plain AdamW is what ZeRO stage 0 runs (no fp32 partition copy)
