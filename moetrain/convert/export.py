@@ -32,6 +32,7 @@ from moetrain.convert.hf import (
     mtp_copies,
     to_hf_state_dict,
     zero_qkv_biases,
+    zero_shared_expert,
 )
 from moetrain.convert.hf_files import HF_INDEX_FILE, HF_SINGLE_FILE
 from moetrain.convert.tokenizer_export import export_tokenizer
@@ -65,6 +66,8 @@ def _plan(cfg: Config, fmt: str, dtype: torch.dtype) -> list[list[tuple[str, tup
     dense += [entry(hf, shape) for hf, shape in joined_shapes(cfg, fmt, shapes).items()]
     for hf, n in zero_qkv_biases(cfg, fmt).values():  # zeros, written beside the projections
         dense.append(entry(hf, (n,)))
+    for shapes in zero_shared_expert(cfg, fmt).values():  # zeros, beside each router
+        dense += [entry(hf, shape) for hf, shape in shapes.items()]
     dense += [entry(hf, shapes[ours]) for hf, ours in mtp_copies(cfg).items()]
     parts = [sorted(dense)]
     for i in cfg.moe.moe_layers(m.n_blocks):

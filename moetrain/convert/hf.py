@@ -246,6 +246,25 @@ def zero_qkv_biases(cfg: Config, fmt: str) -> dict[str, tuple[str, int]]:
     }
 
 
+def zero_shared_expert(cfg: Config, fmt: str) -> dict[str, dict[str, tuple[int, ...]]]:
+    """For a family whose MoE layers always hold a gated shared expert (Qwen2-MoE) and a model
+    without one: moetrain router key of each MoE layer -> the HF tensors of a shared expert of
+    hidden size 0 (which computes nothing, as ``shared_expert_intermediate_size: 0`` says) and
+    of its gate -> their shapes, written as zeros beside the router."""
+    names, moe, d = family(fmt).names, cfg.moe, cfg.model.d_model
+    if not names.shared_expert_always or moe.num_shared_experts:
+        return {}
+    out = {}
+    for i in moe.moe_layers(cfg.model.n_blocks):
+        block = f"{_layer(i)}{names.moe_block}."
+        shapes = {
+            f"{block}{names.shared_expert}.{p}.weight": (d, 0) if w == "w2" else (0, d)
+            for w, p in SWIGLU.items()
+        }
+        out[pn.router_gate(i)] = shapes | {f"{block}{names.shared_gate}.weight": (1, d)}
+    return out
+
+
 def to_hf_state_dict(
     state_dict: dict[str, torch.Tensor], cfg: Config, fmt: str
 ) -> dict[str, torch.Tensor]:
@@ -255,6 +274,7 @@ def to_hf_state_dict(
     """
     check_format(fmt, cfg.model, cfg.moe)
     keys, zeros = dense_key_map(cfg, fmt), zero_qkv_biases(cfg, fmt)
+    no_shared = zero_shared_expert(cfg, fmt)
     joined = joined_key_map(cfg, fmt)
     joined_part = {k for ours in joined.values() for k in ours}
     fused_files = family(fmt).names.fused_experts is not None
@@ -283,6 +303,8 @@ def to_hf_state_dict(
             out[keys[key]] = t.reshape(hf_shape(fmt, key, tuple(t.shape)))
             if key in zeros:
                 out[zeros[key][0]] = torch.zeros(zeros[key][1])
+            for theirs, shape in no_shared.get(key, {}).items():
+                out[theirs] = torch.zeros(shape)
         elif key in joined_part:
             continue  # (joined above)
         elif pn.is_expert_bias(key):

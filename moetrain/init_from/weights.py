@@ -37,6 +37,7 @@ from moetrain.convert.hf import (
     in_memory_name,
     is_expert_tensor,
     joined_shapes,
+    zero_shared_expert,
 )
 from moetrain.convert.hf_files import HFWeights
 from moetrain.init_from.source import HF_CONFIG, InitSource
@@ -76,6 +77,8 @@ def expected_hf_shapes(source: InitSource, mtp_depth: int = 0) -> dict[str, tupl
     names = dense_key_map(src, fam)
     out = {hf: hf_shape(fam, ours, shapes[ours]) for ours, hf in names.items()}
     out |= joined_shapes(src, fam, shapes)
+    for filler in zero_shared_expert(src, fam).values():  # (not read: they compute nothing)
+        out |= filler
     if source.upcycle:
         return out
     weights_names = set(HFWeights(source.path).names())

@@ -239,7 +239,6 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
         ("mixtral", dict(qkv_bias=True), {}, "model.qkv_bias"),
         ("mixtral", dict(partial_rotary_factor=0.5), {}, "model.partial_rotary_factor"),
         ("qwen2_moe", {}, dict(num_shared_experts=1), "moe.shared_expert_gate"),
-        ("qwen2_moe", {}, {}, "moe.num_shared_experts"),
         ("qwen3_moe", {}, {}, "model.qk_norm"),
         ("qwen3_moe", dict(qk_norm=True), dict(bias_update_rate=0.1), "moe.bias_update_rate"),
         ("glm4_moe", {}, dict(num_shared_experts=1), "moe.score_func"),
@@ -406,6 +405,28 @@ def test_glm4_group_limited_routing_matches_transformers(tmp_path) -> None:
     plain.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert not torch.allclose(plain(ids).logits, got, atol=1e-4)
+
+
+def test_qwen2_moe_without_a_shared_expert_matches_transformers(tmp_path) -> None:
+    """q/k/v biases and no shared expert (an upcycled Qwen2): Qwen2-MoE with a shared expert
+    of hidden size 0 (empty tensors, a zero gate), which transformers loads with nothing
+    missing and computes as none; read back as no shared expert."""
+    no_shared = {"moe.num_shared_experts": 0, "moe.shared_expert_hidden": None}
+    cfg = tiny_cfg("qwen2_moe", {**no_shared, "moe.shared_expert_gate": False})
+    assert choose_format(cfg) == "qwen2_moe"
+    model = model_for(cfg)
+    hf = load_hf(cfg, model, "qwen2_moe", tmp_path)
+    assert hf.config.shared_expert_intermediate_size == 0
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(ids).logits, hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+        )
+    back = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert (back.moe.num_shared_experts, back.moe.shared_expert_gate) == (0, False)
+    sd = model.state_dict()
+    back_sd = from_hf_state_dict(hf.state_dict(), back, "qwen2_moe")
+    assert set(back_sd) == set(sd)
 
 
 def test_auto_refuses_a_model_no_format_represents() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, processors
 
+from moetrain.cli import main
 from moetrain.config import load_config
 from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.importer import import_hf_checkpoint
@@ -149,8 +150,9 @@ def test_convert_exports_the_same_tokenizer(tok_dir, tmp_path) -> None:
 
 
 def test_a_tokenizer_without_pad_or_bos_converts(tok_dir, tmp_path) -> None:
-    """Mixtral's, Mistral's and Llama 3's tokenizers have no pad token: the exported configs
-    leave it unset (transformers refuses -1) and transformers loads the model."""
+    """Mixtral's, Mistral's and Llama 3's tokenizers have no pad token: `moetrain import` then
+    `moetrain convert` leave it unset in the exported configs (transformers refuses -1) and
+    transformers loads the model."""
     no_pad = tmp_path / "no_pad"
     no_pad.mkdir()
     (no_pad / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
@@ -158,7 +160,9 @@ def test_a_tokenizer_without_pad_or_bos_converts(tok_dir, tmp_path) -> None:
     del config["pad_token"]
     (no_pad / "tokenizer_config.json").write_text(json.dumps(config))
     hf_dir = save_hf_model("mixtral", tmp_path / "hf", tokenizer=no_pad)
-    out = convert_checkpoint(import_hf_checkpoint(hf_dir, tmp_path / "ckpt"), tmp_path / "out")
+    out = tmp_path / "out"
+    assert main(["import", str(hf_dir), str(tmp_path / "ckpt")]) == 0
+    assert main(["convert", str(tmp_path / "ckpt"), str(out)]) == 0
     for name in ("config.json", "generation_config.json"):
         saved = json.loads((out / name).read_text())
         assert saved.get("pad_token_id") is None and saved.get("bos_token_id") is None, name

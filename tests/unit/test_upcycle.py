@@ -150,6 +150,7 @@ def test_impossible_upcycling_is_refused_by_name(dense, overrides, key) -> None:
     ("family", "overrides", "arch"),
     [
         ("llama", [], "MixtralForCausalLM"),
+        ("qwen2", [], "Qwen2MoeForCausalLM"),  # q/k/v biases, no shared expert
         (
             "qwen2",
             ["moe.num_shared_experts=1", "moe.shared_expert_gate=true"],
@@ -172,6 +173,11 @@ def test_import_upcycles_and_transformers_agrees(dense, tmp_path, family, overri
     assert type(hf).__name__ == arch
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=IDS).logits, ref, atol=1e-5, rtol=1e-5)
+    assert main(["import", str(out), str(tmp_path / "again")]) == 0  # the export imports back
+    back, back_cfg = load_model(tmp_path / "again")
+    assert back_cfg.moe.num_shared_experts == cfg.moe.num_shared_experts
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(IDS).logits, ref, atol=1e-5, rtol=1e-5)
     # the model's own tokenizer went along: AutoTokenizer on the converted model gives the ids
     # the tokenizers library gives (what `moetrain prepare` trains on)
     from tokenizers import Tokenizer

@@ -33,6 +33,8 @@ class WeightNames:
     shared_gate: str = "shared_expert_gate"
     expert_bias: str | None = None  # the router's selection bias, under the MoE block
     qkv_bias_always: bool = False  # q/k/v biases always present (zeros when the model has none)
+    # a gated shared expert always present (of hidden size 0, zeros, when the model has none)
+    shared_expert_always: bool = False
     # transformers v5's in-memory name of that bias where it differs from the files' (ERNIE's
     # gate.moe_statics...), and whether it is stored as one row (1, E) instead of (E,)
     expert_bias_v5: str | None = None

@@ -1,6 +1,9 @@
 """Qwen2-MoE (Qwen2MoeForCausalLM): softmax top-k (``norm_topk_prob`` = renormalise), one
 shared expert behind a sigmoid gate, any dense/MoE placement (``mlp_only_layers``), no q/k norm.
-Its q/k/v projections carry biases (``model.qkv_bias``; written as zeros without it)."""
+Its q/k/v projections carry biases (``model.qkv_bias``; written as zeros without it). A model
+without a shared expert (an upcycled Qwen2, say) is written with
+``shared_expert_intermediate_size: 0``, a shared expert of hidden size 0 that transformers
+computes as zeros: its tensors empty, its gate zeros (``WeightNames.shared_expert_always``)."""
 
 from __future__ import annotations
 
@@ -19,11 +22,6 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
         + base.softmax_router(moe, NAME)
         + [
             base.no_qk_norm(model, NAME),
-            (
-                moe.num_shared_experts == 0,
-                "moe.num_shared_experts",
-                f"{NAME} always has a gated shared expert; must be >= 1",
-            ),
             (
                 moe.num_shared_experts > 0 and not moe.shared_expert_gate,
                 "moe.shared_expert_gate",
@@ -62,16 +60,16 @@ def qwen_moe_from_hf(hf: Any) -> tuple[ModelConfig, MoEConfig]:
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
-    return dict(
-        qwen_moe_hf(cfg), shared_expert_intermediate_size=cfg.moe.shared_hidden, qkv_bias=True
-    )
+    shared = cfg.moe.shared_hidden if cfg.moe.num_shared_experts else 0
+    return dict(qwen_moe_hf(cfg), shared_expert_intermediate_size=shared, qkv_bias=True)
 
 
 def from_hf(hf: Any) -> Config:
     model, moe = qwen_moe_from_hf(hf)
     model.qkv_bias = True
-    moe.num_shared_experts, moe.shared_expert_gate = 1, True
-    moe.shared_expert_hidden = hf.shared_expert_intermediate_size
+    shared = hf.shared_expert_intermediate_size  # 0: none
+    moe.num_shared_experts, moe.shared_expert_gate = int(shared > 0), shared > 0
+    moe.shared_expert_hidden = shared or None
     return base.finish(model, moe)
 
 
@@ -81,5 +79,5 @@ FAMILY = Family(
     from_hf=from_hf,
     problems=problems,
     to_hf=to_hf,
-    names=WeightNames(qkv_bias_always=True),
+    names=WeightNames(qkv_bias_always=True, shared_expert_always=True),
 )

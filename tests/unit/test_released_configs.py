@@ -1,0 +1,141 @@
+"""Released model configurations (``tests/fixtures/released_configs/<model_type>/``: each
+model's ``config.json`` as released, its flags kept and only its sizes shrunk; where each comes
+from is in ``PROVENANCE.md`` there). Each is built by transformers as the release is stored
+(random weights, bf16 safetensors, the released ``config.json`` with its legacy keys), then:
+
+- a registered MoE family: imported (``moetrain import``) with transformers' logits on the same
+  weights in fp32, and exported (``moetrain convert``) to a directory transformers loads with
+  the same logits;
+- a registered dense family: upcycled on import to 8 experts, top-2, computing the dense model,
+  and exported to an MoE class that computes it too;
+- a family moetrain does not register: refused on import, naming its architecture.
+
+Adding a family means adding its released configs: every registered family has one here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from moetrain.checkpoint.read import load_model
+from moetrain.config import ConfigError
+from moetrain.convert.export import convert_checkpoint
+from moetrain.convert.families import FAMILIES, of_hf_config
+from moetrain.convert.importer import import_hf_checkpoint
+from moetrain.init_from.source import open_init_source
+from tests.helpers.hf_models import save_hf_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+CORPUS = Path(__file__).parents[1] / "fixtures" / "released_configs"
+FILES = sorted(CORPUS.glob("*/*.json"))
+UPCYCLE = ["moe.num_experts=8", "moe.top_k=2"]
+# registered families without a released checkpoint known for certain (tiny configs only)
+NO_RELEASE = {"granitemoeshared": "no released GraniteMoeSharedForCausalLM checkpoint is known"}
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _id(path: Path) -> str:
+    return f"{path.parent.name}/{path.stem}"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tok")
+    return save_hf_tokenizer(["def f(x):\n    return x + 1  # ü"] * 20, 300, out)
+
+
+def _fits(hf: dict[str, Any]) -> dict[str, Any]:
+    """The released config with the special-token ids that fall outside the shrunk vocabulary
+    unset (an embedding's padding index must be one of its rows)."""
+
+    def inside(v: Any) -> bool:
+        return all(i < hf["vocab_size"] for i in (v if isinstance(v, list) else [v]))
+
+    return {k: (v if k not in TOKEN_IDS or v is None or inside(v) else None) for k, v in hf.items()}
+
+
+def save_released(hf: dict[str, Any], out: Path, tokenizer: Path) -> Path:
+    """A random model of the released config ``hf`` saved as the release stores it: bf16
+    safetensors and the released ``config.json`` itself (norms and biases made non-trivial, so
+    a dropped or swapped tensor shows)."""
+    hf = _fits(hf)
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    config = transformers.AutoConfig.for_model(hf["model_type"], **fields)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith((".bias", "e_score_correction_bias")):
+                p.uniform_(-0.2, 0.2)
+            elif p.dim() >= 2:  # logits well above bf16's rounding of the weights
+                p.mul_(4.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.2, 0.2)
+    model.to(torch.bfloat16).save_pretrained(out)
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    for f in tokenizer.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def hf_logits(path: Path, ids: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """transformers' class and fp32 logits for the model directory ``path``."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return type(hf).__name__, hf(input_ids=ids).logits
+
+
+def close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal to 1e-5 of the logits' scale (fp32)."""
+    assert ref.abs().max() > 0.1
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("path", FILES, ids=_id)
+def test_released_config_imports_and_exports_with_transformers_logits(
+    path: Path, tokenizer: Path, tmp_path: Path
+) -> None:
+    hf = json.loads(path.read_text())
+    assert hf["model_type"] == path.parent.name
+    arch = hf["architectures"][0]
+    fam = of_hf_config(hf)
+    if fam is None:  # the family is not registered (yet): refused by name, nothing written
+        (tmp_path / "src").mkdir()
+        (tmp_path / "src" / "config.json").write_text(json.dumps(hf))
+        with pytest.raises(ConfigError, match=f"architecture '{arch}'.*not supported"):
+            open_init_source(str(tmp_path / "src"))
+        return
+    src = save_released(hf, tmp_path / "src", tokenizer)
+    ids = torch.randint(0, hf["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
+    _, ref = hf_logits(src, ids)
+    ckpt = import_hf_checkpoint(src, tmp_path / "ckpt", overrides=UPCYCLE if fam.dense else None)
+    model, cfg = load_model(ckpt)
+    with torch.no_grad():
+        close(model.eval()(ids).logits, ref)
+    if fam.dense:
+        assert len(model.moe_layers()) == cfg.model.n_layers  # every FFN upcycled
+    out = convert_checkpoint(ckpt, tmp_path / "hf")
+    exported, again = hf_logits(out, ids)
+    target = of_hf_config(json.loads((out / "config.json").read_text()))
+    assert exported == target.architecture and not target.dense
+    assert fam.dense or exported == arch
+    close(again, ref)
+
+
+def test_every_registered_family_has_a_released_config() -> None:
+    """Adding a family means adding its released configs (or saying why there is none)."""
+    have = {p.parent.name for p in FILES}
+    assert set(NO_RELEASE) <= set(FAMILIES) and not set(NO_RELEASE) & have
+    assert set(FAMILIES) - set(NO_RELEASE) <= have, set(FAMILIES) - set(NO_RELEASE) - have
+    listed = (CORPUS / "PROVENANCE.md").read_text()
+    for p in FILES:
+        assert f"`{_id(p)}.json`" in listed, f"{_id(p)}.json has no line in PROVENANCE.md"
