@@ -1,5 +1,5 @@
-"""Llama (LlamaForCausalLM), a dense source of upcycling: plain RoPE only (Llama 3's
-``rope_type: llama3`` scaling is refused), no attention or MLP biases."""
+"""Llama (LlamaForCausalLM), a dense source of upcycling: plain RoPE or Llama 3's
+``rope_type: llama3`` scaling, tied embeddings or not, no attention or MLP biases."""
 
 from __future__ import annotations
 
