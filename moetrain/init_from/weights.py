@@ -42,7 +42,7 @@ from moetrain.convert.hf_files import HFWeights
 from moetrain.init_from.source import HF_CONFIG, InitSource
 from moetrain.init_from.upcycle import inexact_reasons, upcycled_dense_part, upcycled_experts
 from moetrain.model import param_names as pn
-from moetrain.model.moe.experts import pack_w13
+from moetrain.model.moe.experts import expert_param_names, pack_w13
 from moetrain.model.transformer import Transformer
 
 Part = tuple[str, dict[str, torch.Tensor]]
@@ -235,7 +235,8 @@ def _checkpoint_parts(source: InitSource, experts: tuple[int, int]) -> Iterator[
     yield "dense", dense_state(source.path)
     start, stop = experts
     for layer, files in expert_files(source.path, source.config).items():
-        yield f"layers.{layer}", stacked_experts(files[start:stop], layer, first=start)
+        names = expert_param_names(source.config.moe.expert_biases)
+        yield f"layers.{layer}", stacked_experts(files[start:stop], layer, start, names)
 
 
 def source_parts(
