@@ -93,6 +93,9 @@ class ModelConfig:
     # YaRN's mscale / mscale_all_dim (unset: as transformers without the key; rope.py)
     rope_mscale: float | None = field(default=None, metadata=above(0) | FUNCTION)
     rope_mscale_all_dim: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # YaRN: whether the ramp's correction dims are floored / ceiled to whole dims (unset: true,
+    # transformers' default; gpt-oss: false)
+    rope_truncate: bool | None = field(default=None, metadata=FUNCTION)
     # llama3: wavelengths longer than original / low_freq_factor are divided by the factor,
     # shorter than original / high_freq_factor kept, blended between (both required)
     rope_low_freq_factor: float | None = field(default=None, metadata=above(0) | FUNCTION)
@@ -301,6 +304,7 @@ _SCALING_KEYS = {
     "rope_beta_slow": ("yarn",),
     "rope_mscale": ("yarn",),
     "rope_mscale_all_dim": ("yarn",),
+    "rope_truncate": ("yarn",),
     "rope_low_freq_factor": ("llama3",),
     "rope_high_freq_factor": ("llama3",),
 }

@@ -278,7 +278,6 @@ class Attention(nn.Module):
             return self.wo(exchange_to_sequence(ex, out_BHSHd).reshape(b, s, -1))
         return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))
 
-
     def _local(
         self,
         q_BHSHd: torch.Tensor,

@@ -105,9 +105,7 @@ def document_attention(
                 cut(q), cut(k), cut(v), is_causal=True, enable_gqa=enable_gqa, scale=scale
             )
         else:
-            out_NHLV = local_attention(
-                cut(q), cut(k), cut(v), window, sinks_H, enable_gqa, scale
-            )
+            out_NHLV = local_attention(cut(q), cut(k), cut(v), window, sinks_H, enable_gqa, scale)
         real = real_NL.reshape(-1)
         outs.append(out_NHLV.transpose(1, 2).reshape(n * length, h, vd)[real])
         where.append(flat[real])

@@ -119,6 +119,26 @@ GRANITE_FLAGS: dict[str, Any] = {
 }
 
 
+# gpt-oss-20b's config.json flags as released (from memory of that file: no hub access here),
+# at the tiny sizes: alternating sliding / full layers (transformers' default layer_types),
+# q/k/v/o biases, YaRN without truncation; the window is shorter than the tests' sequences
+GPT_OSS_FLAGS: dict[str, Any] = {
+    "attention_bias": True,
+    "sliding_window": 6,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": False,
+    },
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+}
+
+
 def _moe_configs(transformers: Any) -> dict[str, Any]:
     moe = dict(SMALL, num_experts_per_tok=2)
     return {
@@ -206,6 +226,9 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             shared_intermediate_size=40,
             **GRANITE_FLAGS,
         ),
+        "gpt_oss": lambda: transformers.GptOssConfig(  # gpt-oss-20b's flags
+            **{**moe, **GPT_OSS_FLAGS}, intermediate_size=24, num_local_experts=4
+        ),
     }
 
 
@@ -280,6 +303,8 @@ def save_hf_model(
                 p.uniform_(0.5, 1.5)
             elif name.endswith((".bias", "e_score_correction_bias")):  # (ERNIE's: a parameter)
                 p.uniform_(-0.2, 0.2)
+            elif name.endswith(("_proj_bias", ".sinks")):  # gpt-oss's expert biases, sinks
+                p.uniform_(-0.5, 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.2, 0.2)

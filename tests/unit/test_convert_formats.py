@@ -122,6 +122,29 @@ CASES = {
         ),
         moe=dict(topk_before_score=True, num_shared_experts=1, shared_expert_hidden=40),
     ),
+    "gpt_oss": dict(  # gpt-oss-20b's flags (tests/helpers/hf_models.py), the window binding
+        model=dict(
+            qkv_bias=True,
+            o_bias=True,
+            attention_sinks=True,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_scaling="yarn",
+            rope_factor=32.0,
+            rope_original_max_seq_len=4096,
+            rope_beta_fast=32.0,
+            rope_beta_slow=1.0,
+            rope_truncate=False,
+        ),
+        moe=dict(
+            topk_before_score=True,
+            router_bias=True,
+            expert_biases=True,
+            activation="clamped_swiglu",
+            swiglu_alpha=1.702,
+            swiglu_limit=7.0,
+        ),
+    ),
 }
 # moetrain settings of the muP-style scalars, at a non-default value (only Granite has them)
 MULTIPLIERS = {
@@ -156,7 +179,7 @@ def model_for(cfg: Config) -> Transformer:
         for name, p in m.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_bias", ".sinks")):
                 p.uniform_(-0.5, 0.5)
         if cfg.moe.bias_update_rate > 0:
             for layer in m.moe_layers():
@@ -192,7 +215,7 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     assert ref.abs().max() > 1e-2
     # HF config -> moetrain config, and both HF layouts (per-expert file, v5 fused) -> moetrain
     back_cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
-    no_dense = fmt in ("mixtral", "olmoe", "granitemoe", "granitemoeshared")
+    no_dense = fmt in ("mixtral", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss")
     unused = {"dense_hidden": back_cfg.model.dense_hidden} if no_dense else {}
     assert back_cfg.model == dataclasses.replace(cfg.model, **unused)  # no dense FFN layer
     for key in (
@@ -690,7 +713,6 @@ def test_deepseek_v3_config_imports_mla_yarn_and_routing() -> None:
         ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
         ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
         ("deepseek_v3", {"yarn_attention_factor": 2.0}, "rope_parameters.attention_factor"),
-        ("deepseek_v3", {"yarn_truncate": False}, "rope_parameters.truncate"),
     ],
 )
 def test_deepseek_configs_moetrain_cannot_compute_are_refused(family_name, changes, key) -> None:
@@ -729,6 +751,9 @@ def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, sc
     """YaRN and Llama 3.1's RoPE scaling in every grouped-query family: transformers' logits
     (the scaling changes them), and the rope_parameters come back as they went."""
     sharp = SHARP_ATTENTION.get(fmt, {})
+    if scaling != "yarn":  # (gpt-oss's own YaRN keys off)
+        yarn_only = ("rope_beta_fast", "rope_beta_slow", "rope_truncate")
+        sharp = {**sharp, **{f"model.{k}": None for k in yarn_only if k in CASES[fmt]["model"]}}
     cfg = tiny_cfg(fmt, {**SCALED_ROPE[scaling], **sharp})
     model = model_for(cfg)
     hf = load_hf(cfg, model, fmt, tmp_path)
@@ -746,6 +771,7 @@ def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, sc
         "olmoe",
         "granitemoe",
         "granitemoeshared",
+        "gpt_oss",
     )  # (no dense FFN)
     for key in SCALED_ROPE[scaling]:
         name = key.removeprefix("model.")

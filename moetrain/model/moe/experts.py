@@ -259,7 +259,9 @@ class GroupedExperts(nn.Module):
             h_N2F, weights_N, w2.to(x_ND.dtype), offs_L, self.recompute_act, self.act_fn
         )
         if expert_N is not None:
-            y_ND = y_ND + _weighted(self.w2_bias.to(x_ND.dtype).index_select(0, expert_N), weights_N)
+            y_ND = y_ND + _weighted(
+                self.w2_bias.to(x_ND.dtype).index_select(0, expert_N), weights_N
+            )
         return y_ND
 
     def _forward_loop(
