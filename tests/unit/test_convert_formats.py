@@ -886,3 +886,108 @@ def test_ernie_configs_moetrain_cannot_compute_are_refused(changes, key) -> None
     }
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_from_hf({**d, **changes})
+
+
+def test_gpt_oss_released_config_imports() -> None:
+    """gpt-oss-20b's config.json as released (legacy rope keys): every piece of its model."""
+    from tests.helpers.hf_models import GPT_OSS_RELEASED_CONFIG
+
+    cfg = config_from_hf(GPT_OSS_RELEASED_CONFIG)
+    m, moe = cfg.model, cfg.moe
+    assert (m.qkv_bias, m.o_bias, m.attention_sinks, m.sliding_window) == (True, True, True, 6)
+    assert [m.attention_window(i) for i in range(3)] == [6, None, 6]
+    assert (m.rope_scaling, m.rope_factor, m.rope_original_max_seq_len) == ("yarn", 32.0, 4096)
+    assert (m.rope_beta_fast, m.rope_beta_slow, m.rope_truncate, m.rope_theta) == (
+        32.0,
+        1.0,
+        False,
+        150000.0,
+    )
+    assert (moe.topk_before_score, moe.router_bias, moe.expert_biases) == (True, True, True)
+    assert (moe.activation, moe.swiglu_alpha, moe.swiglu_limit) == ("clamped_swiglu", 1.702, 7.0)
+    assert (moe.num_experts, moe.top_k, moe.expert_hidden) == (4, 2, 24)
+    assert choose_format(cfg) == "gpt_oss"
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"attention_dropout": 0.1}, "attention_dropout"),
+        (
+            {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+            "layer_types",
+        ),
+        ({"sliding_window": 64}, "model.sliding_window"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+    ],
+)
+def test_gpt_oss_configs_moetrain_cannot_compute_are_refused(changes, key) -> None:
+    from tests.helpers.hf_models import GPT_OSS_RELEASED_CONFIG
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_hf({**GPT_OSS_RELEASED_CONFIG, **changes})
+
+
+GPT_OSS_PIECES = {
+    "model.o_bias": True,
+    "model.attention_sinks": True,
+    "model.sliding_window": 6,
+    "moe.router_bias": True,
+    "moe.expert_biases": True,
+    "moe.activation": "clamped_swiglu",
+}
+
+
+@pytest.mark.parametrize("setting", list(GPT_OSS_PIECES))
+def test_families_without_gpt_oss_pieces_refuse_them_by_key(setting: str) -> None:
+    extra = {setting: GPT_OSS_PIECES[setting]}
+    if setting == "moe.activation":
+        extra |= {"moe.swiglu_alpha": 1.702, "moe.swiglu_limit": 7.0}
+    for fmt in FORMATS:
+        if fmt == "gpt_oss":
+            continue
+        with pytest.raises(ConfigError, match=setting.replace(".", r"\.")):
+            choose_format(tiny_cfg(fmt, extra), fmt)  # (latent attention: refused at validation)
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"model.o_bias": False}, "model.o_bias"),
+        ({"model.attention_sinks": False}, "model.attention_sinks"),
+        ({"moe.router_bias": False}, "moe.router_bias"),
+        ({"moe.expert_biases": False}, "moe.expert_biases"),
+        ({"moe.topk_before_score": False}, "moe.topk_before_score"),
+        (
+            {"moe.activation": "swiglu", "moe.swiglu_alpha": None, "moe.swiglu_limit": None},
+            "moe.activation",
+        ),
+    ],
+)
+def test_gpt_oss_refuses_what_its_class_lacks_by_key(extra, key) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(tiny_cfg("gpt_oss", extra), "gpt_oss")
+
+
+def test_gpt_oss_clamps_and_sinks_where_they_bind_match_transformers(tmp_path) -> None:
+    """A limit the tiny model's activations cross and large sinks: transformers' logits, and
+    both change them (so the parity above is not blind to them)."""
+    cfg = tiny_cfg("gpt_oss", {"moe.swiglu_limit": 0.05, "moe.swiglu_alpha": 3.0})
+    model = model_for(cfg)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.sinks.uniform_(1.0, 3.0)
+    hf = load_hf(cfg, model, "gpt_oss", tmp_path)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, got = hf(input_ids=ids).logits, model(ids).logits
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        loose = dataclasses.replace(cfg.moe, swiglu_limit=100.0)
+        unclamped = Transformer(cfg.model, loose).eval()
+        unclamped.load_state_dict(model.state_dict())
+        assert (unclamped(ids).logits - got).abs().max() > 1e-3
+        no_sinks = dataclasses.replace(cfg.model, attention_sinks=False)
+        plain = Transformer(no_sinks, cfg.moe).eval()
+        plain.load_state_dict(model.state_dict(), strict=False)
+        assert (plain(ids).logits - got).abs().max() > 1e-3
