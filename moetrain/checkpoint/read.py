@@ -26,7 +26,7 @@ from moetrain.checkpoint.format import (
 )
 from moetrain.config import Config, config_from_dict
 from moetrain.model import param_names
-from moetrain.model.moe.experts import EXPERT_WEIGHTS
+from moetrain.model.moe.experts import EXPERT_WEIGHTS, expert_param_names
 
 
 def checkpoint_config(ckpt: Path) -> Config:
@@ -69,10 +69,13 @@ def expert_files(ckpt: Path, cfg: Config) -> dict[int, list[Path]]:
     return out
 
 
-def stacked_experts(files: list[Path], layer: int, first: int = 0) -> dict[str, torch.Tensor]:
+def stacked_experts(
+    files: list[Path], layer: int, first: int = 0, names: tuple[str, ...] = EXPERT_WEIGHTS
+) -> dict[str, torch.Tensor]:
     """Load one layer's per-expert files (global experts ``first``, ``first + 1``, ...) into
-    stacked ``w13 (E,D,2F)``, ``w2 (E,F,D)``."""
-    parts: dict[str, list[torch.Tensor]] = {name: [] for name in EXPERT_WEIGHTS}
+    stacked ``w13 (E,D,2F)``, ``w2 (E,F,D)`` (``names``: those and, with
+    ``moe.expert_biases``, the biases: :func:`expert_param_names`)."""
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     prefix = param_names.experts_prefix(layer)
     for e, f in enumerate(files, start=first):
         sd = safe_torch_load(f)
@@ -99,7 +102,8 @@ def iter_layer_states(ckpt: Path, cfg: Config) -> Iterator[tuple[str, dict[str, 
     """
     yield "dense", dense_state(ckpt)
     for layer, files in expert_files(ckpt, cfg).items():
-        yield f"layers.{layer}", stacked_experts(files, layer)
+        names = expert_param_names(cfg.moe.expert_biases)
+        yield f"layers.{layer}", stacked_experts(files, layer, names=names)
 
 
 def load_model(ckpt: Path, cfg: Config | None = None) -> tuple[torch.nn.Module, Config]:

@@ -27,7 +27,7 @@ from moetrain.checkpoint.format import (
 from moetrain.config import Config
 from moetrain.fileio import building_dir, file_sha256, write_json_atomic
 from moetrain.model import param_names
-from moetrain.model.moe.experts import EXPERT_WEIGHTS
+from moetrain.model.moe.experts import expert_param_names
 
 
 def write_checkpoint(
@@ -60,7 +60,7 @@ def write_checkpoint(
             for e in range(cfg.moe.num_experts):
                 sd = {
                     deepspeed_expert_key(prefix, e, n): part[prefix + n][e].clone()
-                    for n in EXPERT_WEIGHTS
+                    for n in expert_param_names(cfg.moe.expert_biases)
                 }
                 torch.save(sd, tmp / expert_file(moe_index[layer], e))
         files = [tokenizer] if isinstance(tokenizer, (str, Path)) else list(tokenizer or [])

@@ -86,6 +86,11 @@ def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
             "copy an expert receives, and a shadowed expert's copies are computed where they "
             "come from; set parallel.shadow_experts=0 or moe.capacity_factor=0"
         )
+    if p.shadow_experts and cfg.moe.expert_biases:
+        raise ConfigError(
+            "parallel.shadow_experts: not supported with moe.expert_biases (a replica is sent "
+            "its expert's weights, not its biases); set parallel.shadow_experts=0"
+        )
     if p.zero_stage == 0 and t.precision != "fp32":
         raise ConfigError(
             f"parallel.zero_stage: stage 0 supports train.precision=fp32 only; got "

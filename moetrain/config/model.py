@@ -39,6 +39,18 @@ class ModelConfig:
     qk_norm_scope: Literal["head", "projection"] = field(default="head", metadata=FUNCTION)
     # biases on the query / key / value projections (Qwen2, Qwen2-MoE)
     qkv_bias: bool = field(default=False, metadata=FUNCTION)
+    # a bias on attention's output projection (gpt-oss, Phi-3.5-MoE)
+    o_bias: bool = field(default=False, metadata=FUNCTION)
+    # attention sinks (gpt-oss): a learned logit per query head, layers.<i>.attn.sinks (H,),
+    # added to every softmax's denominator (a key column that carries no value)
+    attention_sinks: bool = field(default=False, metadata=FUNCTION)
+    # sliding-window attention: a query of a "sliding_attention" layer sees the last
+    # sliding_window positions, itself included (transformers' rule); less than max_seq_len
+    sliding_window: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    # each decoder layer's attention kind, "full_attention" or "sliding_attention" (n_layers
+    # entries); None = every layer sliding with sliding_window set, else every layer full.
+    # Multi-token-prediction blocks attend to the full context
+    layer_types: list[str] | None = field(default=None, metadata=FUNCTION)
     tie_embeddings: bool = field(default=False, metadata=FUNCTION)
     init_std: float = field(default=0.02, metadata=above(0))
     # training loss: cross-entropy over chunks of this many tokens, never the full fp32 logits;
@@ -81,6 +93,9 @@ class ModelConfig:
     # YaRN's mscale / mscale_all_dim (unset: as transformers without the key; rope.py)
     rope_mscale: float | None = field(default=None, metadata=above(0) | FUNCTION)
     rope_mscale_all_dim: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # YaRN: whether the ramp's correction dims are floored / ceiled to whole dims (unset: true,
+    # transformers' default; gpt-oss: false)
+    rope_truncate: bool | None = field(default=None, metadata=FUNCTION)
     # llama3: wavelengths longer than original / low_freq_factor are divided by the factor,
     # shorter than original / high_freq_factor kept, blended between (both required)
     rope_low_freq_factor: float | None = field(default=None, metadata=above(0) | FUNCTION)
@@ -110,6 +125,14 @@ class ModelConfig:
         """Transformer blocks the model holds: the ``n_layers`` decoder layers, then one per
         multi-token-prediction module (``layers.<n_layers + k - 1>``)."""
         return self.n_layers + self.mtp_depth
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of block ``layer``'s attention, None for full attention."""
+        if self.sliding_window is None or layer >= self.n_layers:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
 
     def mtp_weight(self, step: int) -> float:
         """The MTP loss weight of optimizer step ``step`` (1-based)."""
@@ -146,6 +169,7 @@ class ModelConfig:
             "model.mtp_loss_weight_final",
             "and model.mtp_loss_weight_final_step are set together (the weight from that step)",
         )
+        self._validate_windows()
         if self.attention == "mla":
             self._validate_mla()
             return
@@ -179,6 +203,39 @@ class ModelConfig:
             f"must divide model.n_heads={self.n_heads}; got {self.n_kv_heads}",
         )
 
+    def _validate_windows(self) -> None:
+        types = self.layer_types
+        if types is not None:
+            require(
+                isinstance(types, list) and len(types) == self.n_layers,
+                "model.layer_types",
+                f"must list model.n_layers={self.n_layers} layer kinds; got {types!r}",
+            )
+            unknown = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
+            require(
+                not unknown,
+                "model.layer_types",
+                f"knows {' and '.join(LAYER_TYPES)}; got {unknown}",
+            )
+            require(
+                SLIDING not in types or self.sliding_window is not None,
+                "model.sliding_window",
+                "must be set where model.layer_types has sliding_attention layers",
+            )
+        window = self.sliding_window
+        require(
+            window is None or window < self.max_seq_len,
+            "model.sliding_window",
+            f"must be less than model.max_seq_len={self.max_seq_len} (a window as long as "
+            f"the context is full attention: leave it unset); got {window}",
+        )
+        windowed = window is not None or self.attention_sinks
+        require(
+            not (windowed and self.attention == "mla"),
+            "model.sliding_window" if window is not None else "model.attention_sinks",
+            "only applies with model.attention=gqa",
+        )
+
     def _validate_mla(self) -> None:
         for key in _MLA_KEYS[1:]:
             require(
@@ -200,6 +257,7 @@ class ModelConfig:
         unused = {"head_dim": self.head_dim is not None, "qk_norm": self.qk_norm}
         unused["partial_rotary_factor"] = self.partial_rotary_factor != 1.0
         unused["qkv_bias"] = self.qkv_bias
+        unused["o_bias"] = self.o_bias
         unused["attention_scale"] = self.attention_scale is not None  # (MLA's own scale)
         for key, is_set in unused.items():
             require(not is_set, f"model.{key}", "does not apply with model.attention=mla")
@@ -235,6 +293,8 @@ class ModelConfig:
         )
 
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+LAYER_TYPES = (FULL, SLIDING)  # model.layer_types' entries
 _MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # each RoPE-scaling key -> the scalings it applies to; the keys each scaling requires
 _SCALING_KEYS = {
@@ -244,6 +304,7 @@ _SCALING_KEYS = {
     "rope_beta_slow": ("yarn",),
     "rope_mscale": ("yarn",),
     "rope_mscale_all_dim": ("yarn",),
+    "rope_truncate": ("yarn",),
     "rope_low_freq_factor": ("llama3",),
     "rope_high_freq_factor": ("llama3",),
 }
@@ -317,6 +378,19 @@ class MoEConfig:
     # renormalisation divides the top-k weights by max(their sum, renormalize_min) (ERNIE-4.5's
     # moe_norm_min); 0 = by the plain sum. Only with renormalize (and not topk_before_score)
     renormalize_min: float = field(default=0.0, metadata=at_least(0, "0 = plain sum") | FUNCTION)
+    # a bias on the router's logits, layers.<i>.ffn.router.gate.bias (E,) (gpt-oss); it
+    # shifts the routing scores themselves (unlike the selection bias moe.bias_update_rate moves)
+    router_bias: bool = field(default=False, metadata=FUNCTION)
+    # biases on every routed expert's projections, ffn.experts.w13_bias (E, 2F) = [gate | up]
+    # and ffn.experts.w2_bias (E, D) (gpt-oss); expert parameters like w13 and w2
+    expert_biases: bool = field(default=False, metadata=FUNCTION)
+    # the routed experts' activation of gate a and up b: "swiglu" silu(a) * b, or
+    # "clamped_swiglu" (gpt-oss) (min(b, l).clamp(-l) + 1) * a' * sigmoid(alpha * a'),
+    # a' = min(a, l), with alpha = moe.swiglu_alpha and l = moe.swiglu_limit (both required).
+    # Dense layers and shared experts stay SwiGLU
+    activation: Literal["swiglu", "clamped_swiglu"] = field(default="swiglu", metadata=FUNCTION)
+    swiglu_alpha: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    swiglu_limit: float | None = field(default=None, metadata=above(0) | FUNCTION)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Placement: after ``first_k_dense`` dense layers, every ``moe_every``-th layer is MoE
@@ -372,6 +446,13 @@ class MoEConfig:
             "moe.shared_expert_gate",
             "needs moe.num_shared_experts >= 1",
         )
+        clamped = self.activation == "clamped_swiglu"
+        for key in ("swiglu_alpha", "swiglu_limit"):
+            require(
+                (getattr(self, key) is not None) == clamped,
+                f"moe.{key}",
+                "is set exactly with moe.activation=clamped_swiglu",
+            )
         require(
             self.renormalize_min == 0 or (self.renormalize and not self.topk_before_score),
             "moe.renormalize_min",

@@ -8,7 +8,7 @@ from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.families import DENSE, FAMILIES, FORMATS, family, of_hf_config
-from moetrain.convert.families.base import found, no_multipliers, plain_attention
+from moetrain.convert.families.base import extras, found, no_multipliers, plain_attention
 
 
 def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
@@ -29,7 +29,8 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
         f"{name} files hold no multi-token-prediction layers; must be 0",
     )
     scalars = [] if fam.multipliers else no_multipliers(model, name)
-    return found([*common, clamp, mtp, *scalars]) + fam.problems(model, moe)
+    pieces = extras(fam, model, moe)
+    return found([*common, clamp, mtp, *scalars, *pieces]) + fam.problems(model, moe)
 
 
 def check_format(fmt: str, model: ModelConfig, moe: MoEConfig) -> None:

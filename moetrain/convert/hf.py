@@ -36,7 +36,7 @@ from moetrain.convert.families import family
 from moetrain.convert.families.base import SWIGLU
 from moetrain.convert.formats import check_format
 from moetrain.model import param_names as pn
-from moetrain.model.moe.experts import pack_w13, unpack_w13
+from moetrain.model.moe.experts import expert_param_names, pack_w13, unpack_w13
 
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 # multi-head latent attention (DeepSeek's names); a query LoRA replaces wq with wq_a, q_norm, wq_b
@@ -59,7 +59,10 @@ def fused_experts(fmt: str, layer: int) -> str:
 def fused_expert_names(fmt: str, layer: int, have: Container[str]) -> tuple[str, str] | None:
     """The names of a layer's fused expert tensors, gate_up (E, 2F, D) and down (E, D, F),
     among ``have``: transformers v5's in-memory ones where ``have`` holds them, else the
-    family's own where its files hold experts fused; None: one tensor per expert."""
+    family's own where its files hold experts fused; None: one tensor per expert, or gpt-oss's
+    interleaved layout (:func:`interleaved_expert_names`)."""
+    if family(fmt).names.interleaved_experts:
+        return None
     v5 = fused_experts(fmt, layer)
     if v5 + "gate_up_proj" in have:
         return v5 + "gate_up_proj", v5 + "down_proj"
@@ -69,6 +72,40 @@ def fused_expert_names(fmt: str, layer: int, have: Container[str]) -> tuple[str,
     block = f"{_layer(layer)}{names.moe_block}."
     gate_up, down = names.fused_experts
     return f"{block}{gate_up}.weight", f"{block}{down}.weight"
+
+
+# moetrain's stacked expert tensor -> its gpt-oss name under the MoE block's experts
+_INTERLEAVED = {
+    "w13": "gate_up_proj",
+    "w2": "down_proj",
+    "w13_bias": "gate_up_proj_bias",
+    "w2_bias": "down_proj_bias",
+}
+
+
+def interleaved_expert_names(cfg: Config, fmt: str, layer: int) -> dict[str, str]:
+    """moetrain expert tensor name (``w13``, ``w2``, their biases) -> HF key, for a family
+    whose files hold gpt-oss's interleaved layout (``WeightNames.interleaved_experts``)."""
+    prefix = fused_experts(fmt, layer)
+    return {w: prefix + _INTERLEAVED[w] for w in expert_param_names(cfg.moe.expert_biases)}
+
+
+def interleave(t: torch.Tensor) -> torch.Tensor:
+    """``[gate | up]`` along the last dim (moetrain's w13 and its bias) -> gate and up
+    interleaved (gpt-oss's gate_up_proj: gate the even columns)."""
+    gate, up = t.chunk(2, dim=-1)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
+def deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`interleave`."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+def from_interleaved(weight: str, t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's tensor of moetrain's expert ``weight`` (same orientation: w13 (E, D, 2F),
+    w2 (E, F, D)) -> moetrain's."""
+    return deinterleave(t) if weight.startswith("w13") else t
 
 
 def in_memory_name(fmt: str, key: str) -> str:
@@ -105,6 +142,9 @@ def expert_shapes(cfg: Config, fmt: str, layer: int) -> dict[str, tuple[int, ...
     """HF per-expert key -> shape of every expert weight of MoE layer ``layer`` (the two
     fused tensors where ``fmt``'s files hold experts fused)."""
     d, f, e = cfg.model.d_model, cfg.moe.expert_hidden, cfg.moe.num_experts
+    if family(fmt).names.interleaved_experts:
+        shapes = {"w13": (e, d, 2 * f), "w2": (e, f, d), "w13_bias": (e, 2 * f), "w2_bias": (e, d)}
+        return {hf: shapes[w] for w, hf in interleaved_expert_names(cfg, fmt, layer).items()}
     if family(fmt).names.fused_experts is not None:
         gate_up, down = fused_expert_names(fmt, layer, ())
         return {gate_up: (e, 2 * f, d), down: (e, d, f)}
@@ -161,8 +201,10 @@ def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
         out[pn.ffn_norm(i)] = dst + "post_attention_layernorm.weight"
         for ours, theirs in attention_names(cfg).items():
             out[pn.attn(i, ours)] = f"{dst}self_attn.{theirs}.weight"
-            if model.qkv_bias and ours != "wo":
+            if model.o_bias if ours == "wo" else model.qkv_bias:
                 out[pn.attn(i, ours, "bias")] = f"{dst}self_attn.{theirs}.bias"
+        if model.attention_sinks:
+            out[pn.attn_sinks(i)] = dst + "self_attn.sinks"
         if model.qk_norm:
             out[pn.qk_norm(i, "q")] = dst + "self_attn.q_norm.weight"
             out[pn.qk_norm(i, "k")] = dst + "self_attn.k_norm.weight"
@@ -171,6 +213,8 @@ def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
             continue
         block = f"{dst}{names.moe_block}."
         out[pn.router_gate(i)] = f"{block}{names.router}.weight"
+        if moe.router_bias:
+            out[pn.router_gate(i, "bias")] = f"{block}{names.router}.bias"
         if names.expert_bias:
             out[pn.expert_bias(i)] = block + names.expert_bias
         if moe.num_shared_experts > 0 and names.shared_fused is not None:
@@ -278,6 +322,7 @@ def to_hf_state_dict(
     joined = joined_key_map(cfg, fmt)
     joined_part = {k for ours in joined.values() for k in ours}
     fused_files = family(fmt).names.fused_experts is not None
+    interleaved = family(fmt).names.interleaved_experts
     out: dict[str, torch.Tensor] = {}
     for theirs, ours in joined.items():
         if any(k in state_dict for k in ours):
@@ -288,6 +333,10 @@ def to_hf_state_dict(
     for key, t in state_dict.items():
         if expert := pn.parse_experts(key):
             layer, weight = expert
+            if interleaved:  # gpt-oss: same orientation, gate and up interleaved
+                name = interleaved_expert_names(cfg, fmt, layer)[weight]
+                out[name] = interleave(t) if weight.startswith("w13") else t
+                continue
             fused = fused_expert_names(fmt, layer, ()) if fused_files else None
             if fused is not None:  # gate_up (E, 2F, D) = [gate; up], down (E, D, F)
                 out[fused[weight == "w2"]] = t.mT if weight == "w2" else cat_gate_up(t)
@@ -374,6 +423,10 @@ def from_hf_state_dict(
     layers = range(cfg.model.n_blocks) if expert_layers is None else expert_layers
     for i in layers:
         if not moe.is_moe_layer(i):
+            continue
+        if family(fmt).names.interleaved_experts:
+            for w, theirs in interleaved_expert_names(cfg, fmt, i).items():
+                out[pn.experts(i, w)] = from_interleaved(w, get(theirs))
             continue
         fused = fused_expert_names(fmt, i, sd)
         if fused is not None:  # fused layout (transformers v5's, or the family's files')

@@ -88,6 +88,8 @@ def inexact_reasons(cfg: Config) -> list[str]:
         out.append("moe.jitter > 0 (noisy router input in training)")
     if cfg.checkpoint.upcycle_noise > 0:
         out.append("checkpoint.upcycle_noise > 0 (experts perturbed)")
+    if moe.activation != "swiglu":
+        out.append(f"moe.activation={moe.activation} (the experts' activation is not the FFN's)")
     return out
 
 
@@ -132,7 +134,12 @@ def upcycled_experts(
             down = down * (1 + noise * torch.randn(down.shape, generator=gen))
         w13s.append(w13)
         w2s.append(down)
-    return {pn.experts(layer, "w13"): torch.stack(w13s), pn.experts(layer, "w2"): torch.stack(w2s)}
+    out = {pn.experts(layer, "w13"): torch.stack(w13s), pn.experts(layer, "w2"): torch.stack(w2s)}
+    if moe.expert_biases:  # (zeros: the dense FFN has none)
+        n, d = len(w13s), cfg.model.d_model
+        out[pn.experts(layer, "w13_bias")] = torch.zeros(n, 2 * f)
+        out[pn.experts(layer, "w2_bias")] = torch.zeros(n, d)
+    return out
 
 
 def upcycled_dense_part(
@@ -145,6 +152,8 @@ def upcycled_dense_part(
         pn.router_gate(layer): upcycled_router(cfg, layer),
         pn.expert_bias(layer): torch.zeros(moe.num_experts),
     }
+    if moe.router_bias:
+        out[pn.router_gate(layer, "bias")] = torch.zeros(moe.num_experts)
     if moe.num_shared_experts:
         half = 1.0 if moe.shared_expert_gate else 0.5
         out[pn.shared_expert(layer, "w1")] = w1.float()

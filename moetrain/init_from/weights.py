@@ -25,6 +25,7 @@ import torch
 from moetrain.checkpoint.format import CheckpointError
 from moetrain.checkpoint.read import dense_state, expert_files, stacked_experts
 from moetrain.config import Config, MoEConfig
+from moetrain.convert.families import family
 from moetrain.convert.families.base import declared_mtp_layers
 from moetrain.convert.hf import (
     dense_key_map,
@@ -32,9 +33,11 @@ from moetrain.convert.hf import (
     expert_shapes,
     ffn_key_map,
     from_hf_state_dict,
+    from_interleaved,
     fused_expert_names,
     hf_shape,
     in_memory_name,
+    interleaved_expert_names,
     is_expert_tensor,
     joined_shapes,
     zero_shared_expert,
@@ -43,7 +46,7 @@ from moetrain.convert.hf_files import HFWeights
 from moetrain.init_from.source import HF_CONFIG, InitSource
 from moetrain.init_from.upcycle import inexact_reasons, upcycled_dense_part, upcycled_experts
 from moetrain.model import param_names as pn
-from moetrain.model.moe.experts import pack_w13
+from moetrain.model.moe.experts import expert_param_names, pack_w13
 from moetrain.model.transformer import Transformer
 
 Part = tuple[str, dict[str, torch.Tensor]]
@@ -161,6 +164,12 @@ def _hf_experts(
     dtype."""
     (start, stop), fam, f = experts, source.family, source.config.moe.expert_hidden
     p, fused = pn.experts_prefix(layer), fused_expert_names(fam, layer, weights.weight_map)
+    if family(fam).names.interleaved_experts:  # gpt-oss: this rank's rows of each tensor
+        names = interleaved_expert_names(source.config, fam, layer)
+        return {
+            p + w: from_interleaved(w, weights.load_rows(hf, start, stop)).contiguous()
+            for w, hf in names.items()
+        }
     if fused is not None:
         gate_up = weights.load_rows(fused[0], start, stop)  # (L, 2F, D)
         w13 = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
@@ -238,7 +247,8 @@ def _checkpoint_parts(source: InitSource, experts: tuple[int, int]) -> Iterator[
     yield "dense", dense_state(source.path)
     start, stop = experts
     for layer, files in expert_files(source.path, source.config).items():
-        yield f"layers.{layer}", stacked_experts(files[start:stop], layer, first=start)
+        names = expert_param_names(source.config.moe.expert_biases)
+        yield f"layers.{layer}", stacked_experts(files[start:stop], layer, start, names)
 
 
 def source_parts(

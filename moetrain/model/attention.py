@@ -16,6 +16,11 @@ document is attended causally on its own (:mod:`moetrain.model.doc_attention`); 
 :func:`document_mask` stays as the definition that path is tested against. Each :class:`Attention` records
 the kernel torch picked on its first call (``sdpa_kernel``); :func:`attention_report`
 summarises them for the log (multi-head latent attention, ``model/mla.py``, records its own).
+
+A layer with a sliding window (``model.sliding_window`` / ``model.layer_types``) or attention
+sinks (``model.attention_sinks``) attends through :mod:`moetrain.model.local_attention`
+instead (no S x S tensor either, packed documents and the KV cache included); the others run
+the paths above unchanged.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents, document_attention
 from moetrain.model.head_exchange import HeadExchange, exchange_to_heads, exchange_to_sequence
 from moetrain.model.layers import RMSNorm
+from moetrain.model.local_attention import cached_attention, local_attention
 from moetrain.model.rope import apply_rope, rope_tables
 
 __all__ = ["Attention", "KVCache", "apply_rope", "attention_report", "document_mask", "rope_tables"]
@@ -154,9 +160,10 @@ def cache_causal_mask(pos: int, s: int, device: torch.device) -> torch.Tensor | 
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention through ``F.scaled_dot_product_attention``."""
+    """Causal grouped-query attention through ``F.scaled_dot_product_attention``; block
+    ``layer``'s window is ``cfg.attention_window(layer)``."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
@@ -165,7 +172,10 @@ class Attention(nn.Module):
         self.wq = Linear(d, self.n_heads * hd, bias=cfg.qkv_bias)
         self.wk = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.wv = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.wo = Linear(self.n_heads * hd, d, bias=False)
+        self.wo = Linear(self.n_heads * hd, d, bias=cfg.o_bias)
+        self.window = cfg.attention_window(layer)  # None: full causal attention
+        # the sink logit of each query head (model.attention_sinks); None without sinks
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if cfg.attention_sinks else None
         # per head: normalise each (Hd,) head vector; per projection (OLMoE): the whole
         # (heads * Hd,) projection, before it is split into heads
         self.qk_norm_per_head = cfg.qk_norm_scope == "head"
@@ -214,6 +224,11 @@ class Attention(nn.Module):
                 raise ValueError("a KV cache runs on one device, without a head exchange")
             q_BHSHd, k_BGSHd, v_BGSHd = exchange_to_heads(ex, q_BHSHd, k_BGSHd, v_BGSHd)
             gqa = k_BGSHd.shape[1] != q_BHSHd.shape[1]
+        if self.window is not None or self.sinks is not None:
+            out_BHSHd = self._local(q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, cache, layer, gqa)
+            if ex is not None:
+                return self.wo(exchange_to_sequence(ex, out_BHSHd).reshape(b, s, -1))
+            return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))
         if isinstance(mask_B1SS, Documents):  # packed documents: causal within each one
             if self.sdpa_kernel is None:
                 self.sdpa_kernel = record_kernel(
@@ -262,6 +277,41 @@ class Attention(nn.Module):
         if ex is not None:
             return self.wo(exchange_to_sequence(ex, out_BHSHd).reshape(b, s, -1))
         return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))
+
+    def _local(
+        self,
+        q_BHSHd: torch.Tensor,
+        k_BGSHd: torch.Tensor,
+        v_BGSHd: torch.Tensor,
+        mask: torch.Tensor | Documents | None,
+        cache: KVCache | None,
+        layer: int,
+        gqa: bool,
+    ) -> torch.Tensor:
+        """Attention with this layer's window and / or sinks (:mod:`local_attention`)."""
+        sinks_H = self.sinks
+        ex = self.head_exchange
+        if sinks_H is not None and ex is not None:  # this rank's heads
+            h = q_BHSHd.shape[1]
+            sinks_H = sinks_H[ex.rank * h : (ex.rank + 1) * h]
+        window = self.window
+        note = ", ".join(
+            ([f"window {window}"] if window is not None else [])
+            + (["sinks"] if sinks_H is not None else [])
+        )
+        if self.sdpa_kernel is None:
+            self.sdpa_kernel = record_kernel(
+                q_BHSHd, k_BGSHd, v_BGSHd, None, True, gqa, note, self.scale
+            )
+        args = (window, sinks_H, gqa, self.scale)
+        if isinstance(mask, Documents):
+            return document_attention(q_BHSHd, k_BGSHd, v_BGSHd, mask, gqa, self.scale, *args[:2])
+        if mask is not None:
+            raise ValueError("a layer with a window or sinks takes no explicit mask")
+        if cache is not None:
+            k_BGSHd, v_BGSHd = cache.append(layer, k_BGSHd, v_BGSHd)
+            return cached_attention(q_BHSHd, k_BGSHd, v_BGSHd, *args)
+        return local_attention(q_BHSHd, k_BGSHd, v_BGSHd, *args)
 
 
 def record_kernel(

@@ -30,7 +30,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn: nn.Module = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.attn: nn.Module = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.residual_multiplier = cfg.residual_multiplier
         self.is_moe = moe_cfg.is_moe_layer(layer)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moetrain.model.local_attention import local_attention
+
 MIN_BUCKET = 16  # shorter documents share one bucket of this length
 
 
@@ -80,9 +82,13 @@ def document_attention(
     docs: Documents,
     enable_gqa: bool = False,
     scale: float | None = None,
+    window: int | None = None,
+    sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention within each document of ``docs``: (B, H, S, value head dim), equal to
-    ``scaled_dot_product_attention`` with the block-causal (B, 1, S, S) document mask."""
+    ``scaled_dot_product_attention`` with the block-causal (B, 1, S, S) document mask; with
+    ``window`` / ``sinks_H``, each document is attended with that sliding window and those
+    sinks (:func:`~moetrain.model.local_attention.local_attention`)."""
     b, h, s, _ = q_BHSHd.shape
     vd = v_BGSHd.shape[-1]
     q, k, v = (_flat_with_zero_row(t) for t in (q_BHSHd, k_BGSHd, v_BGSHd))
@@ -94,9 +100,12 @@ def document_attention(
         def cut(x: torch.Tensor, flat: torch.Tensor = flat, n: int = n) -> torch.Tensor:
             return x.index_select(0, flat).view(n, -1, x.shape[1], x.shape[2]).transpose(1, 2)
 
-        out_NHLV = F.scaled_dot_product_attention(
-            cut(q), cut(k), cut(v), is_causal=True, enable_gqa=enable_gqa, scale=scale
-        )
+        if window is None and sinks_H is None:
+            out_NHLV = F.scaled_dot_product_attention(
+                cut(q), cut(k), cut(v), is_causal=True, enable_gqa=enable_gqa, scale=scale
+            )
+        else:
+            out_NHLV = local_attention(cut(q), cut(k), cut(v), window, sinks_H, enable_gqa, scale)
         real = real_NL.reshape(-1)
         outs.append(out_NHLV.transpose(1, 2).reshape(n * length, h, vd)[real])
         where.append(flat[real])

@@ -168,6 +168,19 @@ def silu_mul_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Ten
     return _SiluMulPacked.apply(h, w)
 
 
+def clamped_swiglu_packed(
+    h: torch.Tensor, w: torch.Tensor | None, alpha: float, limit: float
+) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of ``h = [a | b]`` (last dim 2F): with ``a' = min(a, limit)``
+    and ``b' = b`` clamped to ``[-limit, limit]``, ``(b' + 1) * a' * sigmoid(alpha * a')``
+    (last dim F, h's dtype), each row scaled by ``w`` when given (autograd's composition; the
+    clamps pass no gradient where they bind)."""
+    a, b = h.chunk(2, dim=-1)
+    a = a.clamp(max=limit)
+    out = (b.clamp(-limit, limit) + 1) * (a * torch.sigmoid(alpha * a))
+    return out if w is None else (out * w.unsqueeze(-1)).to(h.dtype)
+
+
 class SwiGLU(nn.Module):
     """``w2(silu(w1 x) * w3 x)``: the dense FFN and the shared expert."""
 

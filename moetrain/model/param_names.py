@@ -6,7 +6,10 @@ Layer ``i`` holds ``layers.<i>.attn_norm`` / ``attn.{wq,wk,wv,wo}`` (biases on w
 then either a dense SwiGLU ``ffn.{w1,w3,w2}`` or an MoE block: ``ffn.router.gate`` (E, D), the
 selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.experts.w13``
 (E, D, 2F) and ``ffn.experts.w2`` (E, F, D), and optionally ``ffn.shared_expert.{w1,w3,w2}`` and
-``ffn.shared_gate``.
+``ffn.shared_gate``. Options add ``attn.wo.bias`` (``model.o_bias``), ``attn.sinks`` (H,)
+(``model.attention_sinks``), ``ffn.router.gate.bias`` (E,) (``moe.router_bias``) and the
+expert biases ``ffn.experts.w13_bias`` (E, 2F), ``ffn.experts.w2_bias`` (E, D)
+(``moe.expert_biases``; expert parameters, stacked and partitioned like w13 and w2).
 
 A multi-token-prediction module ``k`` (1-based) is block ``layers.<n_layers + k - 1>``, named
 as any block, plus ``enorm`` (the next token's embedding), ``hnorm`` (the previous depth's
@@ -55,6 +58,11 @@ def mtp_projection(layer: int) -> str:
     return f"layers.{layer}.eh_proj.weight"
 
 
+def attn_sinks(layer: int) -> str:
+    """The per-head sink logits (H,) of ``model.attention_sinks``."""
+    return f"layers.{layer}.attn.sinks"
+
+
 def qk_norm(layer: int, which: str) -> str:
     """``which``: q | k."""
     return f"layers.{layer}.attn.{which}_norm.weight"
@@ -65,8 +73,9 @@ def dense_ffn(layer: int, weight: str) -> str:
     return f"layers.{layer}.ffn.{weight}.weight"
 
 
-def router_gate(layer: int) -> str:
-    return f"layers.{layer}.ffn.router.gate.weight"
+def router_gate(layer: int, kind: str = "weight") -> str:
+    """``kind``: weight (E, D) | bias (E,) (``moe.router_bias``)."""
+    return f"layers.{layer}.ffn.router.gate.{kind}"
 
 
 def expert_bias(layer: int) -> str:
@@ -88,7 +97,8 @@ def experts_prefix(layer: int) -> str:
 
 
 def experts(layer: int, weight: str) -> str:
-    """A stacked expert weight (``weight``: w13 (E, D, 2F) | w2 (E, F, D))."""
+    """A stacked expert weight (``weight``: w13 (E, D, 2F) | w2 (E, F, D), and with
+    ``moe.expert_biases`` w13_bias (E, 2F) | w2_bias (E, D))."""
     return experts_prefix(layer) + weight
 
 

@@ -14,7 +14,7 @@ YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"), as transfor
 ``_compute_yarn_parameters`` computes it: each frequency is blended between the original one
 (extrapolation) and the one divided by ``factor`` (interpolation) by a linear ramp over the dims
 between the correction dims of ``beta_fast`` and ``beta_slow`` rotations within the original
-context (floored / ceiled), and cos/sin are multiplied by the attention factor
+context (floored / ceiled unless ``model.rope_truncate`` is false), and cos/sin are multiplied by the attention factor
 ``m(factor, mscale) / m(factor, mscale_all_dim)`` when both are set, else ``m(factor, 1)``,
 with ``m(s, a) = 0.1 * a * ln(s) + 1`` (1 for ``s <= 1``). Multi-head latent attention also
 multiplies its softmax scale by ``m(factor, mscale_all_dim) ** 2`` (:func:`softmax_mscale`),
@@ -53,12 +53,17 @@ def yarn_inv_freq(
     original_len: int,
     beta_fast: float = YARN_BETA_FAST,
     beta_slow: float = YARN_BETA_SLOW,
+    truncate: bool = True,
 ) -> torch.Tensor:
-    """YaRN's ``(dim // 2,)`` inverse frequencies (fp32)."""
+    """YaRN's ``(dim // 2,)`` inverse frequencies (fp32); ``truncate``: the correction dims
+    floored / ceiled to whole dims (transformers' default), else kept fractional (gpt-oss)."""
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-    low = max(math.floor(_correction_dim(beta_fast, dim, theta, original_len)), 0)
-    high = min(math.ceil(_correction_dim(beta_slow, dim, theta, original_len)), dim - 1)
+    low = _correction_dim(beta_fast, dim, theta, original_len)
+    high = _correction_dim(beta_slow, dim, theta, original_len)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # (a single-dim ramp, as transformers avoids the division by zero)
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -101,6 +106,7 @@ def rope_tables(
             cfg.rope_factor,
             cfg.rope_original_max_seq_len,
             *cfg.yarn_betas,
+            truncate=cfg.rope_truncate is not False,
         )
         factor = yarn_attention_factor(cfg)
     else:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.model.attention import KVCache
+from moetrain.model.attention import Attention, KVCache
 from moetrain.model.block import Block
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents
@@ -102,8 +102,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """Normal(0, init_std) everywhere; output projections (attention ``wo``, FFN and expert
-        ``w2``) use init_std / sqrt(2 * n_layers); norms are ones, the expert bias and the q/k/v
-        biases zeros."""
+        ``w2``) use init_std / sqrt(2 * n_layers); norms are ones; the selection bias, every
+        projection bias (q/k/v, output, router, experts) and the attention sinks zeros."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
@@ -118,6 +118,8 @@ class Transformer(nn.Module):
                 nn.init.ones_(module.weight)
             elif isinstance(module, MoELayer):
                 module.router.expert_bias.zero_()
+            elif isinstance(module, Attention) and module.sinks is not None:
+                module.sinks.zero_()
         self.tie_weights()  # lm_head shares embed.weight; keep the embedding init
 
     def forward(

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from moetrain.checkpoint.format import deepspeed_expert_key
 from moetrain.config import Config, ConfigError
 from moetrain.fileio import write_json_atomic
-from moetrain.model.moe.experts import EXPERT_WEIGHTS
+from moetrain.model.moe.experts import EXPERT_BIASES, EXPERT_WEIGHTS
 from moetrain.parallel.expert_parallel import moe_layers
 from moetrain.parallel.fp32_partitions import share_fp32_partitions
 from moetrain.parallel.grad_partitions import flatten_grad_partitions_in_place
@@ -148,7 +148,7 @@ def _marker_class(cls: type) -> type:
 def _per_expert_state_dict_hook(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
-    for wname in EXPERT_WEIGHTS:
+    for wname in EXPERT_WEIGHTS + EXPERT_BIASES:
         key = prefix + wname
         if key in state_dict:
             stacked = state_dict.pop(key)
@@ -160,7 +160,7 @@ def _stack_experts_load_pre_hook(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
 ) -> None:
     n = module.num_local_experts
-    for wname in EXPERT_WEIGHTS:
+    for wname in module.param_names:
         keys = [deepspeed_expert_key(prefix, i, wname) for i in range(n)]
         if all(k in state_dict for k in keys):
             state_dict[prefix + wname] = torch.stack([state_dict.pop(k) for k in keys])
@@ -181,7 +181,7 @@ def mark_experts_for_deepspeed(model: nn.Module, topology: Topology) -> int:
         experts.ep_size = topology.ep_size
         experts.expert_group_name = topology.ep_group_name
         experts.enable_expert_tensor_parallelism = False
-        for wname in EXPERT_WEIGHTS:
+        for wname in experts.param_names:  # (the biases too, with moe.expert_biases)
             param = getattr(experts, wname)
             param.allreduce = False
             param.group_name = topology.ep_group_name

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moetrain.config.layout import check_experts_divisible
-from moetrain.model.moe.experts import EXPERT_WEIGHTS
 from moetrain.parallel.ep_dispatcher import AllToAllDispatcher
 from moetrain.parallel.topology import Topology
 
@@ -49,8 +48,9 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 def slice_experts(experts: nn.Module, start: int, stop: int) -> None:
     """Keep global experts ``[start, stop)`` of a module holding all of them (stacked weights
-    ``w13 (E,D,2F)``, ``w2 (E,F,D)``); ``num_experts`` stays the global count."""
-    for wname in EXPERT_WEIGHTS:
+    ``w13 (E,D,2F)``, ``w2 (E,F,D)``, and their biases); ``num_experts`` stays the global
+    count."""
+    for wname in experts.param_names:
         w = getattr(experts, wname)
         sliced = nn.Parameter(w.detach()[start:stop].clone(), requires_grad=w.requires_grad)
         setattr(experts, wname, sliced)

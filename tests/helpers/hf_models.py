@@ -119,6 +119,70 @@ GRANITE_FLAGS: dict[str, Any] = {
 }
 
 
+# gpt-oss-20b's config.json flags as released (from memory of that file: no hub access here),
+# at the tiny sizes: alternating sliding / full layers (transformers' default layer_types),
+# q/k/v/o biases, YaRN without truncation; the window is shorter than the tests' sequences
+GPT_OSS_FLAGS: dict[str, Any] = {
+    "attention_bias": True,
+    "sliding_window": 6,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": False,
+    },
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+}
+
+
+# gpt-oss-20b's config.json as released (from memory: legacy rope_scaling and top-level
+# rope_theta, its experts_per_token / initial_context_length keys, no swiglu_alpha (1.702 is
+# transformers' default), MXFP4 quantization_config left out), at the tiny sizes
+GPT_OSS_RELEASED_CONFIG: dict[str, Any] = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 3,
+    "experts_per_token": 2,
+    "head_dim": 8,
+    "hidden_act": "silu",
+    "hidden_size": 32,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 24,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "max_position_embeddings": 64,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "output_router_logits": False,
+    "pad_token_id": 0,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 6,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 320,
+}
+
+
 def _moe_configs(transformers: Any) -> dict[str, Any]:
     moe = dict(SMALL, num_experts_per_tok=2)
     return {
@@ -206,6 +270,9 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             shared_intermediate_size=40,
             **GRANITE_FLAGS,
         ),
+        "gpt_oss": lambda: transformers.GptOssConfig(  # gpt-oss-20b's flags
+            **{**moe, **GPT_OSS_FLAGS}, intermediate_size=24, num_local_experts=4
+        ),
     }
 
 
@@ -280,6 +347,8 @@ def save_hf_model(
                 p.uniform_(0.5, 1.5)
             elif name.endswith((".bias", "e_score_correction_bias")):  # (ERNIE's: a parameter)
                 p.uniform_(-0.2, 0.2)
+            elif name.endswith(("_proj_bias", ".sinks")):  # gpt-oss's expert biases, sinks
+                p.uniform_(-0.5, 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.2, 0.2)

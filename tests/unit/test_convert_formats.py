@@ -122,6 +122,29 @@ CASES = {
         ),
         moe=dict(topk_before_score=True, num_shared_experts=1, shared_expert_hidden=40),
     ),
+    "gpt_oss": dict(  # gpt-oss-20b's flags (tests/helpers/hf_models.py), the window binding
+        model=dict(
+            qkv_bias=True,
+            o_bias=True,
+            attention_sinks=True,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_scaling="yarn",
+            rope_factor=32.0,
+            rope_original_max_seq_len=4096,
+            rope_beta_fast=32.0,
+            rope_beta_slow=1.0,
+            rope_truncate=False,
+        ),
+        moe=dict(
+            topk_before_score=True,
+            router_bias=True,
+            expert_biases=True,
+            activation="clamped_swiglu",
+            swiglu_alpha=1.702,
+            swiglu_limit=7.0,
+        ),
+    ),
 }
 # moetrain settings of the muP-style scalars, at a non-default value (only Granite has them)
 MULTIPLIERS = {
@@ -156,7 +179,7 @@ def model_for(cfg: Config) -> Transformer:
         for name, p in m.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_bias", ".sinks")):
                 p.uniform_(-0.5, 0.5)
         if cfg.moe.bias_update_rate > 0:
             for layer in m.moe_layers():
@@ -192,7 +215,7 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     assert ref.abs().max() > 1e-2
     # HF config -> moetrain config, and both HF layouts (per-expert file, v5 fused) -> moetrain
     back_cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
-    no_dense = fmt in ("mixtral", "olmoe", "granitemoe", "granitemoeshared")
+    no_dense = fmt in ("mixtral", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss")
     unused = {"dense_hidden": back_cfg.model.dense_hidden} if no_dense else {}
     assert back_cfg.model == dataclasses.replace(cfg.model, **unused)  # no dense FFN layer
     for key in (
@@ -711,7 +734,6 @@ def test_deepseek_v3_config_imports_mla_yarn_and_routing() -> None:
         ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
         ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
         ("deepseek_v3", {"yarn_attention_factor": 2.0}, "rope_parameters.attention_factor"),
-        ("deepseek_v3", {"yarn_truncate": False}, "rope_parameters.truncate"),
     ],
 )
 def test_deepseek_configs_moetrain_cannot_compute_are_refused(family_name, changes, key) -> None:
@@ -750,6 +772,9 @@ def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, sc
     """YaRN and Llama 3.1's RoPE scaling in every grouped-query family: transformers' logits
     (the scaling changes them), and the rope_parameters come back as they went."""
     sharp = SHARP_ATTENTION.get(fmt, {})
+    if scaling != "yarn":  # (gpt-oss's own YaRN keys off)
+        yarn_only = ("rope_beta_fast", "rope_beta_slow", "rope_truncate")
+        sharp = {**sharp, **{f"model.{k}": None for k in yarn_only if k in CASES[fmt]["model"]}}
     cfg = tiny_cfg(fmt, {**SCALED_ROPE[scaling], **sharp})
     model = model_for(cfg)
     hf = load_hf(cfg, model, fmt, tmp_path)
@@ -767,6 +792,7 @@ def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, sc
         "olmoe",
         "granitemoe",
         "granitemoeshared",
+        "gpt_oss",
     )  # (no dense FFN)
     for key in SCALED_ROPE[scaling]:
         name = key.removeprefix("model.")
@@ -881,3 +907,108 @@ def test_ernie_configs_moetrain_cannot_compute_are_refused(changes, key) -> None
     }
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_from_hf({**d, **changes})
+
+
+def test_gpt_oss_released_config_imports() -> None:
+    """gpt-oss-20b's config.json as released (legacy rope keys): every piece of its model."""
+    from tests.helpers.hf_models import GPT_OSS_RELEASED_CONFIG
+
+    cfg = config_from_hf(GPT_OSS_RELEASED_CONFIG)
+    m, moe = cfg.model, cfg.moe
+    assert (m.qkv_bias, m.o_bias, m.attention_sinks, m.sliding_window) == (True, True, True, 6)
+    assert [m.attention_window(i) for i in range(3)] == [6, None, 6]
+    assert (m.rope_scaling, m.rope_factor, m.rope_original_max_seq_len) == ("yarn", 32.0, 4096)
+    assert (m.rope_beta_fast, m.rope_beta_slow, m.rope_truncate, m.rope_theta) == (
+        32.0,
+        1.0,
+        False,
+        150000.0,
+    )
+    assert (moe.topk_before_score, moe.router_bias, moe.expert_biases) == (True, True, True)
+    assert (moe.activation, moe.swiglu_alpha, moe.swiglu_limit) == ("clamped_swiglu", 1.702, 7.0)
+    assert (moe.num_experts, moe.top_k, moe.expert_hidden) == (4, 2, 24)
+    assert choose_format(cfg) == "gpt_oss"
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"attention_dropout": 0.1}, "attention_dropout"),
+        (
+            {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+            "layer_types",
+        ),
+        ({"sliding_window": 64}, "model.sliding_window"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+    ],
+)
+def test_gpt_oss_configs_moetrain_cannot_compute_are_refused(changes, key) -> None:
+    from tests.helpers.hf_models import GPT_OSS_RELEASED_CONFIG
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_hf({**GPT_OSS_RELEASED_CONFIG, **changes})
+
+
+GPT_OSS_PIECES = {
+    "model.o_bias": True,
+    "model.attention_sinks": True,
+    "model.sliding_window": 6,
+    "moe.router_bias": True,
+    "moe.expert_biases": True,
+    "moe.activation": "clamped_swiglu",
+}
+
+
+@pytest.mark.parametrize("setting", list(GPT_OSS_PIECES))
+def test_families_without_gpt_oss_pieces_refuse_them_by_key(setting: str) -> None:
+    extra = {setting: GPT_OSS_PIECES[setting]}
+    if setting == "moe.activation":
+        extra |= {"moe.swiglu_alpha": 1.702, "moe.swiglu_limit": 7.0}
+    for fmt in FORMATS:
+        if fmt == "gpt_oss":
+            continue
+        with pytest.raises(ConfigError, match=setting.replace(".", r"\.")):
+            choose_format(tiny_cfg(fmt, extra), fmt)  # (latent attention: refused at validation)
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"model.o_bias": False}, "model.o_bias"),
+        ({"model.attention_sinks": False}, "model.attention_sinks"),
+        ({"moe.router_bias": False}, "moe.router_bias"),
+        ({"moe.expert_biases": False}, "moe.expert_biases"),
+        ({"moe.topk_before_score": False}, "moe.topk_before_score"),
+        (
+            {"moe.activation": "swiglu", "moe.swiglu_alpha": None, "moe.swiglu_limit": None},
+            "moe.activation",
+        ),
+    ],
+)
+def test_gpt_oss_refuses_what_its_class_lacks_by_key(extra, key) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(tiny_cfg("gpt_oss", extra), "gpt_oss")
+
+
+def test_gpt_oss_clamps_and_sinks_where_they_bind_match_transformers(tmp_path) -> None:
+    """A limit the tiny model's activations cross and large sinks: transformers' logits, and
+    both change them (so the parity above is not blind to them)."""
+    cfg = tiny_cfg("gpt_oss", {"moe.swiglu_limit": 0.05, "moe.swiglu_alpha": 3.0})
+    model = model_for(cfg)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.sinks.uniform_(1.0, 3.0)
+    hf = load_hf(cfg, model, "gpt_oss", tmp_path)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, got = hf(input_ids=ids).logits, model(ids).logits
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        loose = dataclasses.replace(cfg.moe, swiglu_limit=100.0)
+        unclamped = Transformer(cfg.model, loose).eval()
+        unclamped.load_state_dict(model.state_dict())
+        assert (unclamped(ids).logits - got).abs().max() > 1e-3
+        no_sinks = dataclasses.replace(cfg.model, attention_sinks=False)
+        plain = Transformer(no_sinks, cfg.moe).eval()
+        plain.load_state_dict(model.state_dict(), strict=False)
+        assert (plain(ids).logits - got).abs().max() > 1e-3

@@ -52,6 +52,11 @@ class WeightNames:
     # (2S, D) = [gate; up] and down (D, S) (Granite-MoE-Shared's shared_mlp.input_linear,
     # shared_mlp.output_linear); None: its gate_proj / up_proj / down_proj under the MoE block
     shared_fused: tuple[str, str] | None = None
+    # the files hold each layer's experts fused as gpt-oss does (files and transformers v5
+    # alike): experts.gate_up_proj (E, D, 2F) with gate and up interleaved (gate the even
+    # columns), experts.gate_up_proj_bias (E, 2F) likewise, experts.down_proj (E, F, D) and
+    # experts.down_proj_bias (E, D)
+    interleaved_experts: bool = False
 
 
 # config.json's count of the multi-token-prediction layers stored after the decoder layers
@@ -86,6 +91,14 @@ class Family:
     # its model has Granite's muP-style scalars (model.embedding_multiplier,
     # residual_multiplier, attention_scale, logits_scaling); the others refuse non-defaults
     multipliers: bool = False
+    # what of gpt-oss's model the family has (the others refuse each by key): a bias on the
+    # attention output projection (model.o_bias), attention sinks and sliding windows
+    # (model.attention_sinks, model.sliding_window / layer_types), router and expert biases
+    # (moe.router_bias, moe.expert_biases), the clamped SwiGLU (moe.activation)
+    o_bias: bool = False
+    sinks_and_windows: bool = False
+    biased_experts: bool = False
+    clamped_swiglu: bool = False
 
     @property
     def dense(self) -> bool:
@@ -108,6 +121,36 @@ def dropless(moe: MoEConfig, name: str) -> Check:
 
 def no_qkv_bias(model: ModelConfig, name: str) -> Check:
     return (model.qkv_bias, "model.qkv_bias", f"{name} has no q/k/v biases")
+
+
+def no_o_bias(model: ModelConfig, name: str) -> Check:
+    return (model.o_bias, "model.o_bias", f"{name} has no output-projection bias")
+
+
+def extras(fam: Family, model: ModelConfig, moe: MoEConfig) -> list[Check]:
+    """The refusals of the pieces ``fam`` does not have (its ``o_bias``, ``sinks_and_windows``,
+    ``biased_experts``, ``clamped_swiglu``)."""
+    name = fam.architecture
+    checks = [] if fam.o_bias else [no_o_bias(model, name)]
+    if not fam.sinks_and_windows:
+        checks += [
+            (model.attention_sinks, "model.attention_sinks", f"{name} has no attention sinks"),
+            (
+                model.sliding_window is not None,
+                "model.sliding_window",
+                f"{name} attends to the whole context; must be null",
+            ),
+        ]
+    if not fam.biased_experts:
+        checks += [
+            (moe.router_bias, "moe.router_bias", f"{name}'s router has no bias"),
+            (moe.expert_biases, "moe.expert_biases", f"{name}'s experts have no biases"),
+        ]
+    if not fam.clamped_swiglu:
+        checks.append(
+            (moe.activation != "swiglu", "moe.activation", f"{name}'s experts are SwiGLU")
+        )
+    return checks
 
 
 def no_qk_norm(model: ModelConfig, name: str) -> Check:
@@ -267,6 +310,7 @@ _SCALING = {
         "rope_beta_slow": "beta_slow",
         "rope_mscale": "mscale",
         "rope_mscale_all_dim": "mscale_all_dim",
+        "rope_truncate": "truncate",
     },
     "llama3": {
         "rope_factor": "factor",
@@ -291,8 +335,6 @@ def rope_scaling_from_hf(rope: dict[str, Any], max_positions: int) -> dict[str, 
         return {"rope_scaling": "llama3", **{k: rope.get(v) for k, v in _SCALING[kind].items()}}
     if rope.get("attention_factor") is not None:
         raise ConfigError("rope_parameters.attention_factor: moetrain derives it from mscale")
-    if not rope.get("truncate", True):
-        raise ConfigError("rope_parameters.truncate: moetrain truncates YaRN's correction range")
     if rope.get("original_max_position_embeddings") is None:
         raise ConfigError("rope_parameters.original_max_position_embeddings: YaRN needs it")
     fields = {ours: rope.get(theirs) for ours, theirs in _SCALING["yarn"].items()}

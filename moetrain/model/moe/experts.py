@@ -4,7 +4,11 @@ Shape legend: N token copies grouped by expert, D d_model, F expert hidden, L lo
 
 Parameters ``w13`` (L, D, 2F) = ``[w1 | w3]`` (gate and up projections side by side) and ``w2``
 (L, F, D); expert ``l`` computes ``(silu(x @ w1[l]) * (x @ w3[l]) * w) @ w2[l]`` on its
-contiguous slice of x_ND, ``w`` the row's routing weight (1 when none is given). Packing w1 and
+contiguous slice of x_ND, ``w`` the row's routing weight (1 when none is given). Options
+(gpt-oss): biases ``w13_bias`` (L, 2F) and ``w2_bias`` (L, D), so that expert l computes
+``act(x @ w13[l] + w13_bias[l]) * w @ w2[l] + w * w2_bias[l]`` (the routing weight scales the
+whole expert output, its down bias too); ``act`` SwiGLU or the clamped SwiGLU
+(:func:`~moetrain.model.layers.clamped_swiglu_packed`, ``moe.activation``). Packing w1 and
 w3 makes the first projection one (N, D) x (D, 2F) grouped GEMM forward and backward, and its
 input gradient one GEMM instead of two plus a sum. Weighting inside the activation (as
 Megatron-Core does) means the combine only sums, and keeps no (N, D) expert output for the
@@ -13,17 +17,27 @@ weights' gradient.
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from moetrain.model import cpu_matmul
-from moetrain.model.layers import silu_mul_packed
+from moetrain.model.layers import clamped_swiglu_packed, silu_mul_packed
 from moetrain.model.moe.gemm_guard import grouped_mm_refusal_for
 
 EXPERT_WEIGHTS = ("w13", "w2")
 """Parameter names of :class:`GroupedExperts` (stacked over local experts in dim 0)."""
+EXPERT_BIASES = ("w13_bias", "w2_bias")
+"""Its bias parameters with ``moe.expert_biases`` (stacked likewise)."""
+
+
+def expert_param_names(expert_biases: bool) -> tuple[str, ...]:
+    """The stacked parameters of an MoE layer's experts: the weights, and the biases when
+    ``moe.expert_biases``."""
+    return EXPERT_WEIGHTS + (EXPERT_BIASES if expert_biases else ())
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -56,8 +70,9 @@ class _DownProjection(torch.autograd.Function):
     given: one grouped GEMM over experts (``w2`` (L, F, D)); None: one expert (``w2`` (F, D))."""
 
     @staticmethod
-    def forward(ctx, act, h, w, w2, offs):  # noqa: ANN001, ANN205
+    def forward(ctx, act, h, w, w2, offs, act_fn):  # noqa: ANN001, ANN205
         ctx.save_for_backward(h, w, w2, offs)
+        ctx.act_fn = act_fn
         return _expert_mm(act, w2, offs)
 
     @staticmethod
@@ -69,9 +84,12 @@ class _DownProjection(torch.autograd.Function):
             grad_act = _expert_mm(grad, w2.transpose(-2, -1), offs)
         if ctx.needs_input_grad[3]:
             with torch.no_grad():
-                act = silu_mul_packed(h, w)
+                act = ctx.act_fn(h, w)
             grad_w2 = _expert_mm(act.t(), grad, offs)
-        return grad_act, None, None, grad_w2, None
+        return grad_act, None, None, grad_w2, None, None
+
+
+Activation = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def _swiglu_down(
@@ -80,12 +98,13 @@ def _swiglu_down(
     w2: torch.Tensor,
     offs: torch.Tensor | None,
     recompute: bool,
+    act_fn: Activation = silu_mul_packed,
 ) -> torch.Tensor:
-    """``silu_mul_packed(h, w) @ w2`` (per expert with ``offs``); ``recompute``: the activation
-    is not kept for backward."""
-    act = silu_mul_packed(h, w)
+    """``act_fn(h, w) @ w2`` (per expert with ``offs``); ``recompute``: the activation is not
+    kept for backward."""
+    act = act_fn(h, w)
     if recompute:
-        return _DownProjection.apply(act, h, w, w2, offs)
+        return _DownProjection.apply(act, h, w, w2, offs, act_fn)
     return act @ w2 if offs is None else _gmm(act, w2, offs)
 
 
@@ -124,6 +143,8 @@ class GroupedExperts(nn.Module):
     global experts ``[start, stop)`` (an expert-parallel rank never allocates the others;
     ``num_local_experts`` = stop - start). ``recompute_act``:
     the SwiGLU product is recomputed in backward rather than saved (see ``_DownProjection``).
+    ``biases``: the ``w13_bias`` / ``w2_bias`` parameters; ``activation`` ``swiglu`` or
+    ``clamped_swiglu`` with ``alpha`` and ``limit`` (see the module docstring).
     """
 
     def __init__(
@@ -134,6 +155,10 @@ class GroupedExperts(nn.Module):
         grouped_mm: bool = True,
         local_experts: tuple[int, int] | None = None,
         recompute_act: bool = False,
+        biases: bool = False,
+        activation: str = "swiglu",
+        alpha: float | None = None,
+        limit: float | None = None,
     ):
         super().__init__()
         start, stop = local_experts or (0, num_experts)
@@ -147,13 +172,22 @@ class GroupedExperts(nn.Module):
         self.path: str | None = None
         self.w13 = nn.Parameter(torch.empty(stop - start, d_model, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(stop - start, hidden, d_model))
+        self.param_names = expert_param_names(biases)
+        self.w13_bias = nn.Parameter(torch.empty(stop - start, 2 * hidden)) if biases else None
+        self.w2_bias = nn.Parameter(torch.empty(stop - start, d_model)) if biases else None
+        self.act_fn: Activation = silu_mul_packed
+        if activation == "clamped_swiglu":
+            self.act_fn = functools.partial(clamped_swiglu_packed, alpha=alpha, limit=limit)
+        elif activation != "swiglu":
+            raise ValueError(f"unknown expert activation {activation!r}")
 
     @torch.no_grad()
     def reset_parameters(self, std: float, out_std: float) -> None:
         """Normal(0, std) input projections, Normal(0, out_std) output projection.
 
         Drawn one global expert at a time (every w13, then every w2) whichever experts this
-        module holds, so every expert-parallel layout gets the single-process init.
+        module holds, so every expert-parallel layout gets the single-process init; biases
+        zero.
         """
         start, stop = self.local_experts
         for w, w_std in ((self.w13, std), (self.w2, out_std)):
@@ -162,6 +196,9 @@ class GroupedExperts(nn.Module):
                 one_expert.normal_(0.0, w_std)
                 if start <= e < stop:
                     w[e - start].copy_(one_expert)
+        for b in (self.w13_bias, self.w2_bias):
+            if b is not None:
+                b.zero_()
 
     def forward(
         self,
@@ -177,6 +214,8 @@ class GroupedExperts(nn.Module):
             raise ValueError("GroupedExperts: give both w13 and w2, or neither")
         if w13 is None:
             w13, w2 = self.w13, self.w2
+        elif self.w13_bias is not None:
+            raise ValueError("GroupedExperts: experts with biases compute with their own weights")
         return self._compute(x_ND, counts_L, weights_N, w13, w2)
 
     def _compute(
@@ -211,7 +250,19 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         offs_L = torch.cumsum(counts_L, 0, dtype=torch.int32)
         h_N2F = _gmm(x_ND, w13.to(x_ND.dtype), offs_L)
-        return _swiglu_down(h_N2F, weights_N, w2.to(x_ND.dtype), offs_L, self.recompute_act)
+        expert_N = None
+        if self.w13_bias is not None:  # each row's expert (no host sync: N is known)
+            local = torch.arange(counts_L.shape[0], device=x_ND.device)
+            expert_N = torch.repeat_interleave(local, counts_L, output_size=x_ND.shape[0])
+            h_N2F = h_N2F + self.w13_bias.to(x_ND.dtype).index_select(0, expert_N)
+        y_ND = _swiglu_down(
+            h_N2F, weights_N, w2.to(x_ND.dtype), offs_L, self.recompute_act, self.act_fn
+        )
+        if expert_N is not None:
+            y_ND = y_ND + _weighted(
+                self.w2_bias.to(x_ND.dtype).index_select(0, expert_N), weights_N
+            )
+        return y_ND
 
     def _forward_loop(
         self,
@@ -226,7 +277,19 @@ class GroupedExperts(nn.Module):
         xs = torch.split(x_ND, splits)
         ws = [None] * len(xs) if weights_N is None else torch.split(weights_N, splits)
         outs = []
+        b13, b2 = self.w13_bias, self.w2_bias
         for i, (x_nD, w_n) in enumerate(zip(xs, ws, strict=True)):
             h_n2F = x_nD @ w13[i].to(x_nD.dtype)
-            outs.append(_swiglu_down(h_n2F, w_n, w2[i].to(x_nD.dtype), None, self.recompute_act))
+            if b13 is not None:
+                h_n2F = h_n2F + b13[i].to(x_nD.dtype)
+            w2_i = w2[i].to(x_nD.dtype)
+            y_nD = _swiglu_down(h_n2F, w_n, w2_i, None, self.recompute_act, self.act_fn)
+            if b2 is not None:
+                y_nD = y_nD + _weighted(b2[i].to(x_nD.dtype).expand_as(y_nD), w_n)
+            outs.append(y_nD)
         return torch.cat(outs, 0)
+
+
+def _weighted(b_ND: torch.Tensor, weights_N: torch.Tensor | None) -> torch.Tensor:
+    """Each row of a down bias times its routing weight (in the rows' dtype)."""
+    return b_ND if weights_N is None else b_ND * weights_N.unsqueeze(-1).to(b_ND.dtype)

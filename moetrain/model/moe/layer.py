@@ -95,6 +95,10 @@ class MoELayer(nn.Module):
             cfg.grouped_mm,
             local_experts,
             recompute_act=cfg.recompute_act,
+            biases=cfg.expert_biases,
+            activation=cfg.activation,
+            alpha=cfg.swiglu_alpha,
+            limit=cfg.swiglu_limit,
         )
         self.shared_expert: SwiGLU | None = None
         self.shared_gate: nn.Linear | None = None

@@ -83,7 +83,8 @@ def limit_to_groups(
 
 
 class Router(nn.Module):
-    """Linear gate ``router.gate.weight`` (E, D) + top-k selection + balancing losses.
+    """Linear gate ``router.gate.weight`` (E, D) (and ``router.gate.bias`` (E,) with
+    ``moe.router_bias``: part of the logits) + top-k selection + balancing losses.
 
     ``stats_reducer`` (set by parallel code, default None): sums the per-expert selection
     counts over every rank that routes tokens; the global scopes of the aux loss use it.
@@ -96,7 +97,7 @@ class Router(nn.Module):
         self.cfg = cfg
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
-        self.gate = nn.Linear(d_model, cfg.num_experts, bias=False)
+        self.gate = nn.Linear(d_model, cfg.num_experts, bias=cfg.router_bias)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         self.register_buffer(
             "step_counts_E", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False
@@ -110,7 +111,8 @@ class Router(nn.Module):
         cfg, e, k = self.cfg, self.num_experts, self.top_k
         if self.training and cfg.jitter > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
-        logits_TE = linear(x_TD.float(), self.gate.weight.float())
+        bias = None if self.gate.bias is None else self.gate.bias.float()  # moe.router_bias
+        logits_TE = linear(x_TD.float(), self.gate.weight.float(), bias)
         bias_E = self.expert_bias
 
         if cfg.score_func == "sigmoid":

@@ -1,0 +1,125 @@
+"""gpt-oss (GptOssForCausalLM; gpt-oss-20b, gpt-oss-120b): grouped-query attention with biases
+on all four projections (``attention_bias``: ``model.qkv_bias`` and ``model.o_bias``), a
+learned sink logit per head (``self_attn.sinks``: ``model.attention_sinks``), sliding-window
+and full layers (``layer_types``, ``sliding_window``: ``model.layer_types``,
+``model.sliding_window``), YaRN RoPE without truncation (``model.rope_truncate: false``); MoE
+in every layer, a router with a bias (``mlp.router.weight`` / ``.bias``: ``moe.router_bias``)
+taking top-k on its logits and softmax over the k (``moe.topk_before_score``), experts with
+biases (``moe.expert_biases``) and the clamped SwiGLU ``(clamp(up, -l, l) + 1) * g *
+sigmoid(alpha * g)``, ``g = min(gate, l)`` (``swiglu_alpha``, ``swiglu_limit``:
+``moe.activation: clamped_swiglu``). Its files hold each layer's experts fused, gate and up
+interleaved (``WeightNames.interleaved_experts``: ``mlp.experts.gate_up_proj`` (E, D, 2F),
+``gate_up_proj_bias`` (E, 2F), ``down_proj`` (E, F, D), ``down_proj_bias`` (E, D)). The
+released checkpoints are MXFP4-quantized (refused: dequantize them first)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.config.model import FULL, SLIDING
+from moetrain.convert.families import base
+from moetrain.convert.families.base import Family, WeightNames
+
+NAME = "GptOssForCausalLM"
+
+
+def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
+    need = f"{NAME} has it; must be true"
+    return base.found(
+        [
+            base.dropless(moe, NAME),
+            base.no_qk_norm(model, NAME),
+            base.no_shared_experts(moe, NAME),
+            (
+                model.qkv_bias != model.o_bias,
+                "model.o_bias",
+                f"{NAME}'s attention_bias puts biases on all four projections or none; must "
+                f"equal model.qkv_bias={model.qkv_bias}",
+            ),
+            (not model.attention_sinks, "model.attention_sinks", need),
+            (not moe.router_bias, "moe.router_bias", need),
+            (not moe.expert_biases, "moe.expert_biases", need),
+            (
+                moe.activation != "clamped_swiglu",
+                "moe.activation",
+                f"{NAME}'s experts use the clamped SwiGLU; must be clamped_swiglu",
+            ),
+            (moe.score_func != "softmax", "moe.score_func", f"{NAME} routes with softmax"),
+            (
+                not moe.topk_before_score,
+                "moe.topk_before_score",
+                f"{NAME} takes top-k on the router logits, then softmax over the k; must be true",
+            ),
+            (moe.route_scale != 1.0, "moe.route_scale", f"{NAME} has no route scale; must be 1"),
+            (
+                moe.bias_update_rate != 0.0,
+                "moe.bias_update_rate",
+                f"{NAME} has no selection bias (aux-loss-free balancing); must be 0",
+            ),
+            (moe.n_group != 1, "moe.n_group", f"{NAME} routes without expert groups; must be 1"),
+        ]
+        + base.every_layer_moe(moe, NAME)
+    )
+
+
+def layer_types(model: ModelConfig) -> list[str]:
+    """transformers' ``layer_types`` of ``model``."""
+    return [SLIDING if model.attention_window(i) else FULL for i in range(model.n_layers)]
+
+
+def to_hf(cfg: Config) -> dict[str, Any]:
+    model, moe = cfg.model, cfg.moe
+    return dict(
+        base.hf_common(cfg),
+        intermediate_size=moe.expert_hidden,
+        num_local_experts=moe.num_experts,
+        attention_bias=model.qkv_bias,
+        sliding_window=model.sliding_window,
+        layer_types=layer_types(model),
+        swiglu_alpha=moe.swiglu_alpha,
+        swiglu_limit=moe.swiglu_limit,
+        hidden_act="silu",
+    )
+
+
+def from_hf(hf: Any) -> Config:
+    if getattr(hf, "attention_dropout", 0.0):
+        raise ConfigError(
+            f"attention_dropout: moetrain attention has none; got {hf.attention_dropout}"
+        )
+    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
+    if model.partial_rotary_factor != 1.0:
+        raise ConfigError(
+            f"rope_parameters.partial_rotary_factor: {NAME} rotates whole heads; got "
+            f"{model.partial_rotary_factor:g}"
+        )
+    bias = bool(getattr(hf, "attention_bias", True))
+    model.qkv_bias = model.o_bias = bias
+    model.attention_sinks = True
+    types = list(getattr(hf, "layer_types", None) or [FULL] * model.n_layers)
+    unknown = sorted(set(types) - {FULL, SLIDING})
+    if unknown:
+        raise ConfigError(f"layer_types: moetrain computes {FULL} and {SLIDING}; got {unknown}")
+    if SLIDING in types:
+        model.sliding_window, model.layer_types = hf.sliding_window, types
+    moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
+    moe.score_func, moe.topk_before_score = "softmax", True
+    moe.router_bias = moe.expert_biases = True
+    moe.activation = "clamped_swiglu"
+    moe.swiglu_alpha, moe.swiglu_limit = float(hf.swiglu_alpha), float(hf.swiglu_limit)
+    return base.finish(model, moe)
+
+
+FAMILY = Family(
+    name="gpt_oss",
+    architecture=NAME,
+    from_hf=from_hf,
+    problems=problems,
+    to_hf=to_hf,
+    names=WeightNames(router="router", v5_router="router", interleaved_experts=True),
+    o_bias=True,
+    sinks_and_windows=True,
+    biased_experts=True,
+    clamped_swiglu=True,
+)
