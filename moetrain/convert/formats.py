@@ -8,7 +8,7 @@ from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.families import DENSE, FAMILIES, FORMATS, family, of_hf_config
-from moetrain.convert.families.base import found, no_multipliers, plain_attention
+from moetrain.convert.families.base import found, no_multipliers, no_o_bias, plain_attention
 
 
 def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
@@ -29,7 +29,22 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
         f"{name} files hold no multi-token-prediction layers; must be 0",
     )
     scalars = [] if fam.multipliers else no_multipliers(model, name)
-    return found([*common, clamp, mtp, *scalars]) + fam.problems(model, moe)
+    extras = [
+        (model.norm != fam.norm, "model.norm", f"{name}'s norms are {fam.norm}"),
+        (
+            model.lm_head_bias and not fam.lm_head_bias,
+            "model.lm_head_bias",
+            f"{name} has no LM-head bias; must be false",
+        ),
+        (
+            moe.router_type != fam.router_type,
+            "moe.router_type",
+            f"{name} routes with {fam.router_type}",
+        ),
+    ]
+    if not fam.o_bias:
+        extras.append(no_o_bias(model, name))
+    return found([*common, clamp, mtp, *scalars, *extras]) + fam.problems(model, moe)
 
 
 def check_format(fmt: str, model: ModelConfig, moe: MoEConfig) -> None:

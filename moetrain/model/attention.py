@@ -165,7 +165,7 @@ class Attention(nn.Module):
         self.wq = Linear(d, self.n_heads * hd, bias=cfg.qkv_bias)
         self.wk = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.wv = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.wo = Linear(self.n_heads * hd, d, bias=False)
+        self.wo = Linear(self.n_heads * hd, d, bias=cfg.o_bias)
         # per head: normalise each (Hd,) head vector; per projection (OLMoE): the whole
         # (heads * Hd,) projection, before it is split into heads
         self.qk_norm_per_head = cfg.qk_norm_scope == "head"

@@ -16,6 +16,7 @@ from moetrain.convert.formats import choose_format, config_from_hf, hf_config
 from moetrain.convert.hf import from_hf_state_dict, to_hf_state_dict
 from moetrain.model import Transformer
 from tests.helpers.configs import tiny_config
+from tests.helpers.hf_models import PHIMOE_ROPE
 
 transformers = pytest.importorskip("transformers")
 
@@ -122,6 +123,21 @@ CASES = {
         ),
         moe=dict(topk_before_score=True, num_shared_experts=1, shared_expert_hidden=40),
     ),
+    "phimoe": dict(  # Phi-3.5-MoE-instruct's flags (tests/helpers/hf_models.py)
+        model=dict(
+            norm="layernorm",
+            qkv_bias=True,
+            o_bias=True,
+            lm_head_bias=True,
+            max_seq_len=131072,
+            rope_scaling="longrope",
+            rope_original_max_seq_len=4096,
+            rope_short_factor=PHIMOE_ROPE["short_factor"] * 2,
+            rope_long_factor=PHIMOE_ROPE["long_factor"] * 2,
+            rope_attention_factor=PHIMOE_ROPE["short_mscale"],
+        ),
+        moe=dict(router_type="sparsemixer", renormalize=False),
+    ),
 }
 # moetrain settings of the muP-style scalars, at a non-default value (only Granite has them)
 MULTIPLIERS = {
@@ -192,7 +208,7 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     assert ref.abs().max() > 1e-2
     # HF config -> moetrain config, and both HF layouts (per-expert file, v5 fused) -> moetrain
     back_cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
-    no_dense = fmt in ("mixtral", "olmoe", "granitemoe", "granitemoeshared")
+    no_dense = fmt in ("mixtral", "olmoe", "granitemoe", "granitemoeshared", "phimoe")
     unused = {"dense_hidden": back_cfg.model.dense_hidden} if no_dense else {}
     assert back_cfg.model == dataclasses.replace(cfg.model, **unused)  # no dense FFN layer
     for key in (
@@ -716,20 +732,41 @@ SCALED_ROPE = {
         "model.rope_low_freq_factor": 1.0,
         "model.rope_high_freq_factor": 4.0,
     },
+    "longrope": {  # (moetrain computes the short factors, within the original context)
+        "model.rope_scaling": "longrope",
+        "model.rope_original_max_seq_len": 64,
+        "model.rope_short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0],
+        "model.rope_long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0],
+        "model.rope_attention_factor": 1.3,
+    },
 }
+# the rope types of each grouped-query family (Phi-3.5-MoE multiplies any scaled RoPE by its
+# short_mscale: plain and LongRoPE only)
+SCALED_CASES = [
+    (fmt, scaling)
+    for fmt in FORMATS
+    if family(fmt).attention == "gqa"
+    for scaling in SCALED_ROPE
+    if fmt != "phimoe" or scaling == "longrope"
+]
 
 # Granite's released attention scale (1/64) leaves the tiny random model's attention nearly
 # uniform, where positions hardly show: a sharper one, so that the scaling changes the logits
 SHARP_ATTENTION = dict.fromkeys(("granitemoe", "granitemoeshared"), {"model.attention_scale": 16.0})
 
 
-@pytest.mark.parametrize("scaling", list(SCALED_ROPE))
-@pytest.mark.parametrize("fmt", [f for f in FORMATS if family(f).attention == "gqa"])
+@pytest.mark.parametrize(("fmt", "scaling"), SCALED_CASES)
 def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, scaling) -> None:
-    """YaRN and Llama 3.1's RoPE scaling in every grouped-query family: transformers' logits
-    (the scaling changes them), and the rope_parameters come back as they went."""
+    """YaRN, Llama 3.1's and LongRoPE's RoPE scaling in every grouped-query family:
+    transformers' logits (the scaling changes them), and the rope_parameters come back as they
+    went."""
     sharp = SHARP_ATTENTION.get(fmt, {})
-    cfg = tiny_cfg(fmt, {**SCALED_ROPE[scaling], **sharp})
+    keys = dict(SCALED_ROPE[scaling])
+    pairs = tiny_cfg(fmt).model.rope_dim // 2
+    for key in ("model.rope_short_factor", "model.rope_long_factor"):  # (rope_dim / 2 each)
+        if key in keys:
+            keys[key] = keys[key][:pairs]
+    cfg = tiny_cfg(fmt, {**keys, **sharp})
     model = model_for(cfg)
     hf = load_hf(cfg, model, fmt, tmp_path)
     assert hf.config.rope_parameters["rope_type"] == scaling
@@ -746,6 +783,7 @@ def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, sc
         "olmoe",
         "granitemoe",
         "granitemoeshared",
+        "phimoe",
     )  # (no dense FFN)
     for key in SCALED_ROPE[scaling]:
         name = key.removeprefix("model.")
