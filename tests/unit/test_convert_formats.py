@@ -793,14 +793,8 @@ def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, sc
 def test_unknown_rope_type_is_refused_by_name() -> None:
     d = hf_config(tiny_cfg("mixtral"), "mixtral").to_dict()
     d["architectures"] = ["MixtralForCausalLM"]
-    d["rope_parameters"] = {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "short_factor": [1.0] * 8,
-        "long_factor": [2.0] * 8,
-        "original_max_position_embeddings": 16,
-    }
-    with pytest.raises(ConfigError, match=r"rope_parameters\.rope_type: .*'longrope'"):
+    d["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ConfigError, match=r"rope_parameters\.rope_type: .*'dynamic'"):
         config_from_hf(d)
 
 
@@ -898,3 +892,132 @@ def test_ernie_configs_moetrain_cannot_compute_are_refused(changes, key) -> None
     }
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_from_hf({**d, **changes})
+
+
+PHIMOE_PIECES = {
+    "model.o_bias": {"model.o_bias": True},
+    "model.lm_head_bias": {"model.lm_head_bias": True},
+    "model.norm": {"model.norm": "layernorm"},
+    "moe.router_type": {"moe.router_type": "sparsemixer", "moe.renormalize": False},
+}
+
+
+@pytest.mark.parametrize("setting", list(PHIMOE_PIECES))
+def test_families_without_phimoes_pieces_refuse_them_by_key(setting: str) -> None:
+    """An attention-output bias, an LM-head bias, LayerNorm or sparsemixer: every family but
+    Phi-3.5-MoE names the setting (latent attention refuses model.o_bias itself)."""
+    from moetrain.convert.formats import problems
+
+    for fmt in FORMATS:
+        mla = family(fmt).attention == "mla"
+        if fmt == "phimoe" or (mla and setting == "model.o_bias"):
+            continue
+        shape = {f"model.{k}": v for k, v in MLA_SHAPE.items()} if mla else {}
+        cfg = tiny_config(shape, PHIMOE_PIECES[setting])
+        assert setting in [k for k, _ in problems(fmt, cfg.model, cfg.moe)], fmt
+
+
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        ({"model.norm": "rmsnorm"}, "model.norm"),
+        ({"moe.router_type": "topk", "moe.renormalize": True}, "moe.router_type"),
+        ({"model.o_bias": False}, "model.o_bias"),
+        ({"moe.num_shared_experts": 1}, "moe.num_shared_experts"),
+        ({"moe.route_scale": 2.0}, "moe.route_scale"),
+        ({"moe.capacity_factor": 1.0}, "moe.capacity_factor"),
+    ],
+)
+def test_phimoe_refuses_what_its_class_does_not_compute_by_key(changes, key) -> None:
+    cfg = tiny_cfg("phimoe", changes)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(cfg, "phimoe")
+
+
+def phimoe_released(**changes) -> dict:
+    """Phi-3.5-MoE-instruct's config.json (its legacy rope_scaling and top-level rope_theta) at
+    the tiny sizes, with ``changes``."""
+    from tests.helpers.hf_models import PHIMOE_FLAGS, PHIMOE_ROPE
+
+    rope = {k: v for k, v in PHIMOE_ROPE.items() if k not in ("rope_type", "rope_theta")}
+    d = {
+        "architectures": ["PhimoeForCausalLM"],
+        "model_type": "phimoe",
+        **{k: v for k, v in PHIMOE_FLAGS.items() if k != "rope_parameters"},
+        "rope_scaling": {**rope, "type": "longrope"},
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 4096,
+        "hidden_size": 32,
+        "intermediate_size": 24,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 3,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 320,
+        "rms_norm_eps": 1e-05,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "torch_dtype": "bfloat16",
+    }
+    return {**d, **changes}
+
+
+def test_phimoe_released_config_imports() -> None:
+    """Phi-3.5-MoE-instruct's flags: LayerNorm, all attention biases, a head bias, sparsemixer
+    at its eps, LongRoPE with its mscale as the attention factor over the original 4096
+    positions (sliding_window 131072 spans the whole context)."""
+    cfg = config_from_hf(phimoe_released())
+    m, moe = cfg.model, cfg.moe
+    assert (m.norm, m.qkv_bias, m.o_bias, m.lm_head_bias) == ("layernorm", True, True, True)
+    assert (m.rope_scaling, m.rope_original_max_seq_len, m.rope_positions) == ("longrope", 4096, 4096)
+    assert m.rope_attention_factor == 1.243163121016122 and len(m.rope_short_factor) == 4
+    assert (moe.router_type, moe.router_jitter_eps, moe.renormalize) == ("sparsemixer", 0.01, False)
+    assert choose_format(cfg) == "phimoe"
+    hf = hf_config(cfg, "phimoe")
+    assert hf.rope_parameters["short_mscale"] == hf.rope_parameters["long_mscale"] == 1.243163121016122
+    assert (hf.attention_bias, hf.lm_head_bias, hf.router_jitter_noise) == (True, True, 0.01)
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"num_experts_per_tok": 4}, "num_experts_per_tok"),
+        ({"sliding_window": 2048}, "sliding_window"),
+        (
+            {"rope_scaling": {**phimoe_released()["rope_scaling"], "long_mscale": 1.5}},
+            "rope_parameters.long_mscale",
+        ),
+        (
+            {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                              "short_mscale": 1.0, "long_mscale": 1.0}},
+            "rope_parameters.rope_type",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_phimoe_configs_moetrain_cannot_compute_are_refused(changes, key) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_hf(phimoe_released(**changes))
+
+
+def test_phimoe_generation_matches_transformers(tmp_path) -> None:
+    """Generation with the KV cache (one LongRoPE table, the short factors) gives
+    transformers' greedy tokens and its logits at every step."""
+    from moetrain.generate import generate_ids
+
+    cfg = tiny_cfg("phimoe")
+    model = model_for(cfg)
+    hf = load_hf(cfg, model, "phimoe", tmp_path)
+    prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(2))
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(prompt, do_sample=False, max_new_tokens=12)
+    assert generate_ids(model, prompt[0].tolist(), 12, temperature=0.0) == ref[0, 7:].tolist()
+    with torch.no_grad():
+        cache, steps = model.new_cache(1, 19), []
+        steps.append(model(ref[:, :7], cache=cache).logits)
+        for i in range(7, 18):
+            steps.append(model(ref[:, i : i + 1], cache=cache).logits)
+        torch.testing.assert_close(
+            torch.cat(steps, 1), hf(input_ids=ref[:, :18]).logits, atol=1e-5, rtol=1e-5
+        )
