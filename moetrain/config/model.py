@@ -257,7 +257,6 @@ class ModelConfig:
             f"must be greater than model.rope_beta_slow={slow:g} (unset: 32 and 1); got {fast:g}",
         )
 
-
     def _validate_longrope(self) -> None:
         for key in ("rope_short_factor", "rope_long_factor"):
             factors = getattr(self, key)

@@ -66,9 +66,7 @@ class Transformer(nn.Module):
             for i in range(model_cfg.n_blocks)
         )
         self.norm = make_norm(model_cfg, model_cfg.d_model)
-        self.lm_head = Linear(
-            model_cfg.d_model, model_cfg.vocab_size, bias=model_cfg.lm_head_bias
-        )
+        self.lm_head = Linear(model_cfg.d_model, model_cfg.vocab_size, bias=model_cfg.lm_head_bias)
         self.tie_weights()
         cos, sin = model_rope_tables(model_cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -158,7 +156,11 @@ class Transformer(nn.Module):
                 )
             start = ex.rank * s
         if start + s > self.cfg.rope_positions:
-            limit = "max_seq_len" if self.cfg.rope_scaling != "longrope" else "rope_original_max_seq_len"
+            limit = (
+                "max_seq_len"
+                if self.cfg.rope_scaling != "longrope"
+                else "rope_original_max_seq_len"
+            )
             raise ValueError(
                 f"sequence length {start + s} exceeds model.{limit}={self.cfg.rope_positions}"
             )

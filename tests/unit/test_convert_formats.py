@@ -970,12 +970,18 @@ def test_phimoe_released_config_imports() -> None:
     cfg = config_from_hf(phimoe_released())
     m, moe = cfg.model, cfg.moe
     assert (m.norm, m.qkv_bias, m.o_bias, m.lm_head_bias) == ("layernorm", True, True, True)
-    assert (m.rope_scaling, m.rope_original_max_seq_len, m.rope_positions) == ("longrope", 4096, 4096)
+    assert (m.rope_scaling, m.rope_original_max_seq_len, m.rope_positions) == (
+        "longrope",
+        4096,
+        4096,
+    )
     assert m.rope_attention_factor == 1.243163121016122 and len(m.rope_short_factor) == 4
     assert (moe.router_type, moe.router_jitter_eps, moe.renormalize) == ("sparsemixer", 0.01, False)
     assert choose_format(cfg) == "phimoe"
     hf = hf_config(cfg, "phimoe")
-    assert hf.rope_parameters["short_mscale"] == hf.rope_parameters["long_mscale"] == 1.243163121016122
+    assert (
+        hf.rope_parameters["short_mscale"] == hf.rope_parameters["long_mscale"] == 1.243163121016122
+    )
     assert (hf.attention_bias, hf.lm_head_bias, hf.router_jitter_noise) == (True, True, 0.01)
 
 
@@ -989,8 +995,15 @@ def test_phimoe_released_config_imports() -> None:
             "rope_parameters.long_mscale",
         ),
         (
-            {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
-                              "short_mscale": 1.0, "long_mscale": 1.0}},
+            {
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 4096,
+                    "short_mscale": 1.0,
+                    "long_mscale": 1.0,
+                }
+            },
             "rope_parameters.rope_type",
         ),
         ({"hidden_act": "gelu"}, "hidden_act"),

@@ -183,7 +183,9 @@ def test_longrope_tables_equal_transformers_short_factors(attention_factor) -> N
     )
     inv_freq, factor = _compute_longrope_parameters(hc, seq_len=cfg.rope_original_max_seq_len)
     assert factor == pytest.approx(cfg.longrope_attention_factor, rel=1e-12)
-    assert factor == attention_factor or factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(256)))
+    assert factor == attention_factor or factor == pytest.approx(
+        math.sqrt(1 + math.log(4) / math.log(256))
+    )
     cos, sin = model_rope_tables(cfg)
     assert cos.shape == (256, 16)
     want_cos, want_sin = LlamaRotaryEmbedding(hc)(torch.zeros(1), torch.arange(256)[None])

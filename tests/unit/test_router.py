@@ -359,7 +359,9 @@ def test_sparsemixer_is_transformers_eval_sparsemixer(eps: float) -> None:
     at wider ones where more logits share each pick's softmax."""
     phimoe = pytest.importorskip("transformers.models.phimoe.modeling_phimoe")
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, 8, generator=g) * torch.tensor([0.1, 1.0, 3.0, 10.0]).repeat(16)[:, None]
+    logits = (
+        torch.randn(64, 8, generator=g) * torch.tensor([0.1, 1.0, 3.0, 10.0]).repeat(16)[:, None]
+    )
     r = make_router(num_experts=8, router_type="sparsemixer", renormalize=False)
     r.gate = torch.nn.Linear(8, 8, bias=False)
     with torch.no_grad():
@@ -394,7 +396,9 @@ def test_sparsemixer_gradient_is_phimoe_multipliers_at_the_argmax(eps: float) ->
                 far = ((best - scores) / scores.abs().clamp(min=best)) > 2 * eps
             gates = torch.softmax(masked_scores.masked_fill(far, float("-inf")), dim=-1)
             weight = gates.gather(-1, ids)
-            outs.append(phimoe.PhimoeMultiplier.apply(scores, weight, ids, gates, torch.ones_like(weight)))
+            outs.append(
+                phimoe.PhimoeMultiplier.apply(scores, weight, ids, gates, torch.ones_like(weight))
+            )
             masked_scores = torch.scatter(scores, -1, ids, float("-inf"))
         return torch.cat(outs, dim=-1)
 
