@@ -28,7 +28,9 @@ from __future__ import annotations
 import torch
 
 
-def _pick(scores_TE: torch.Tensor, logits_TE: torch.Tensor, eps: float) -> tuple:
+def _pick(
+    scores_TE: torch.Tensor, logits_TE: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The best of ``scores_TE`` and its weight: the softmax at that expert of ``scores_TE``
     with the logits far from the best masked (``logits_TE`` sets the relative scale)."""
     with torch.no_grad():
