@@ -55,8 +55,9 @@ def _attention_vectors(m: ModelConfig) -> int:
         return m.kv_lora_rank + (m.q_lora_rank or 0)
     hd = m.attention_head_dim
     qkv_bias = (m.n_heads + 2 * m.n_kv_heads) * hd if m.qkv_bias else 0
+    o_bias = m.d_model if m.o_bias else 0
     qk_norms = 2 * hd if m.qk_norm_scope == "head" else (m.n_heads + m.n_kv_heads) * hd
-    return qkv_bias + (qk_norms if m.qk_norm else 0)
+    return qkv_bias + o_bias + (qk_norms if m.qk_norm else 0)
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:
@@ -69,9 +70,10 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     """Count parameters exactly as moetrain's Transformer builds them."""
     m, e = cfg.model, cfg.moe
     d = m.d_model
+    norm = 2 * d if m.norm == "layernorm" else d  # one norm's parameters (weight, bias)
     seq_len = seq_len or cfg.data.seq_len
     attn = sum(i * o for i, o in attention_matrices(m).values())
-    vectors = 2 * d + _attention_vectors(m)  # the block's two norms, attention biases and norms
+    vectors = 2 * norm + _attention_vectors(m)  # the block's two norms, attention biases, norms
     dense_ffn = 3 * d * m.dense_hidden
     expert = 3 * d * e.expert_hidden
     shared = 3 * d * e.shared_hidden if e.num_shared_experts else 0
@@ -98,14 +100,15 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
             active += dense_ffn
             matmul_active += dense_ffn
     if m.mtp_depth:  # each module: its block (above), enorm, hnorm, head_norm, eh_proj
-        extra = 3 * d + 2 * d * d
+        extra = 3 * norm + 2 * d * d
         total, active = total + m.mtp_depth * extra, active + m.mtp_depth * extra
         matmul_active += m.mtp_depth * (2 * d * d + m.vocab_size * d)  # + its LM-head matmul
         mtp = total - mtp
     embed = m.vocab_size * d
     head = 0 if m.tie_embeddings else m.vocab_size * d
-    total += embed + head + d  # + final norm
-    active += embed + head + d
+    head_bias = m.vocab_size if m.lm_head_bias else 0
+    total += embed + head + head_bias + norm  # + final norm
+    active += embed + head + head_bias + norm
     matmul_active += m.vocab_size * d  # LM head matmul (tied or not)
     attn_flops = attention_flops_per_token(m, seq_len)
     return ModelNumbers(

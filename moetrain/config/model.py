@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,6 +52,13 @@ class ModelConfig:
     # entries); None = every layer sliding with sliding_window set, else every layer full.
     # Multi-token-prediction blocks attend to the full context
     layer_types: list[str] | None = field(default=None, metadata=FUNCTION)
+    # a bias on the LM head (Phi-3.5-MoE's lm_head_bias; with tie_embeddings only the weight is
+    # shared, the bias is the head's own)
+    lm_head_bias: bool = field(default=False, metadata=FUNCTION)
+    # the kind of every block norm, the final norm and the MTP modules' norms: "rmsnorm" or
+    # "layernorm" (mean and variance, a weight and a bias; Phi-3.5-MoE); eps is norm_eps. The
+    # query/key norms and MLA's latent norms stay RMSNorm
+    norm: Literal["rmsnorm", "layernorm"] = field(default="rmsnorm", metadata=FUNCTION)
     tie_embeddings: bool = field(default=False, metadata=FUNCTION)
     init_std: float = field(default=0.02, metadata=above(0))
     # training loss: cross-entropy over chunks of this many tokens, never the full fp32 logits;
@@ -79,13 +87,23 @@ class ModelConfig:
     # RoPE dims come in adjacent pairs (transformers' rope_interleave; DeepSeek's weights)
     # instead of first half / second half; any attention kind
     rope_interleave: bool = field(default=False, metadata=FUNCTION)
-    # RoPE scaling, any attention kind: "none", "yarn" or "llama3" (Llama 3.1's; the rope_*
-    # keys below apply to the scaling they name)
-    rope_scaling: Literal["none", "yarn", "llama3"] = field(default="none", metadata=FUNCTION)
-    # YaRN and llama3: context extension factor and the pretraining context it extends (both
-    # required)
+    # RoPE scaling, any attention kind: "none", "yarn", "llama3" (Llama 3.1's) or "longrope"
+    # (Phi-3's LongRoPE; the rope_* keys below apply to the scaling they name)
+    rope_scaling: Literal["none", "yarn", "llama3", "longrope"] = field(
+        default="none", metadata=FUNCTION
+    )
+    # YaRN and llama3: context extension factor (required); YaRN, llama3 and longrope: the
+    # pretraining context it extends (required)
     rope_factor: float | None = field(default=None, metadata=at_least(1) | FUNCTION)
     rope_original_max_seq_len: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    # longrope: each rotary frequency is divided by its short factor (rope_dim / 2 of them,
+    # required), and cos/sin are multiplied by rope_attention_factor (null: transformers'
+    # default sqrt(1 + ln(s) / ln(original)) with s = max_seq_len / original, 1 when s <= 1).
+    # moetrain computes positions below rope_original_max_seq_len only (the short factors);
+    # the long factors (required, same length) are the model's beyond it, kept for export
+    rope_short_factor: list[float] | None = field(default=None, metadata=FUNCTION)
+    rope_long_factor: list[float] | None = field(default=None, metadata=FUNCTION)
+    rope_attention_factor: float | None = field(default=None, metadata=above(0) | FUNCTION)
     # YaRN's ramp: dims rotating more than beta_fast times in the original context keep their
     # frequency, fewer than beta_slow times are interpolated (unset: 32 and 1)
     rope_beta_fast: float | None = field(default=None, metadata=above(0) | FUNCTION)
@@ -276,6 +294,8 @@ class ModelConfig:
                 f"model.{key}",
                 f"must be set with model.rope_scaling={scaling}",
             )
+        if scaling == "longrope":
+            self._validate_longrope()
         if scaling == "llama3":
             low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
             require(
@@ -292,6 +312,34 @@ class ModelConfig:
             f"must be greater than model.rope_beta_slow={slow:g} (unset: 32 and 1); got {fast:g}",
         )
 
+    def _validate_longrope(self) -> None:
+        for key in ("rope_short_factor", "rope_long_factor"):
+            factors = getattr(self, key)
+            require(
+                len(factors) == self.rope_dim // 2 and all(f > 0 for f in factors),
+                f"model.{key}",
+                f"must hold rope_dim / 2 = {self.rope_dim // 2} positive factors; got {factors}",
+            )
+
+    @property
+    def longrope_attention_factor(self) -> float:
+        """What LongRoPE multiplies cos and sin by: ``rope_attention_factor``, or unset
+        ``sqrt(1 + ln(s) / ln(original))`` with ``s = max_seq_len / original`` (1 for s <= 1),
+        transformers' default."""
+        if self.rope_attention_factor is not None:
+            return self.rope_attention_factor
+        original = self.rope_original_max_seq_len
+        scale = self.max_seq_len / original
+        return 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+
+    @property
+    def rope_positions(self) -> int:
+        """How many positions the model computes: ``max_seq_len``, or with LongRoPE at most
+        ``rope_original_max_seq_len`` (the short factors' range)."""
+        if self.rope_scaling == "longrope":
+            return min(self.max_seq_len, self.rope_original_max_seq_len)
+        return self.max_seq_len
+
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (FULL, SLIDING)  # model.layer_types' entries
@@ -299,7 +347,10 @@ _MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_di
 # each RoPE-scaling key -> the scalings it applies to; the keys each scaling requires
 _SCALING_KEYS = {
     "rope_factor": ("yarn", "llama3"),
-    "rope_original_max_seq_len": ("yarn", "llama3"),
+    "rope_original_max_seq_len": ("yarn", "llama3", "longrope"),
+    "rope_short_factor": ("longrope",),
+    "rope_long_factor": ("longrope",),
+    "rope_attention_factor": ("longrope",),
     "rope_beta_fast": ("yarn",),
     "rope_beta_slow": ("yarn",),
     "rope_mscale": ("yarn",),
@@ -309,6 +360,7 @@ _SCALING_KEYS = {
     "rope_high_freq_factor": ("llama3",),
 }
 _REQUIRED_KEYS = {
+    "longrope": ("rope_original_max_seq_len", "rope_short_factor", "rope_long_factor"),
     "yarn": ("rope_factor", "rope_original_max_seq_len"),
     "llama3": (
         "rope_factor",
@@ -337,6 +389,13 @@ class MoEConfig:
     renormalize: bool = field(default=True, metadata=FUNCTION)
     # multiply combine weights (DeepSeek-V3 style)
     route_scale: float = field(default=1.0, metadata=above(0) | FUNCTION)
+    # the selection rule: "topk" (the score_func scores' top-k, the options above) or
+    # "sparsemixer" (Phi-3.5-MoE's: top-2, each weight a softmax over the logits within
+    # router_jitter_eps of that pick's, the second pick's without the first; model/moe/sparsemixer.py)
+    router_type: Literal["topk", "sparsemixer"] = field(default="topk", metadata=FUNCTION)
+    # sparsemixer only: logits with (best - logit) / max(|logit|, best) > 2 * eps are masked out
+    # of a pick's softmax (Phi-3.5-MoE's router_jitter_noise)
+    router_jitter_eps: float = field(default=0.01, metadata=at_least(0) | FUNCTION)
     # multiplicative uniform noise on router input, training only
     jitter: float = field(default=0.0, metadata=between(0, 1, high_open=True))
     # Switch/GShard load-balancing loss; 0 disables
@@ -453,8 +512,22 @@ class MoEConfig:
                 f"moe.{key}",
                 "is set exactly with moe.activation=clamped_swiglu",
             )
+        if self.router_type == "sparsemixer":
+            self._validate_sparsemixer()
         require(
             self.renormalize_min == 0 or (self.renormalize and not self.topk_before_score),
             "moe.renormalize_min",
             "only applies with moe.renormalize=true and moe.topk_before_score=false",
         )
+
+    def _validate_sparsemixer(self) -> None:
+        """sparsemixer picks two experts from the softmax logits on its own terms."""
+        for key, bad, why in (
+            ("top_k", self.top_k != 2, "must be 2 (it picks two experts)"),
+            ("score_func", self.score_func != "softmax", "must be softmax"),
+            ("topk_before_score", self.topk_before_score, "must be false"),
+            ("renormalize", self.renormalize, "must be false (its weights are its own)"),
+            ("n_group", self.n_group != 1, "must be 1 (no expert groups)"),
+            ("bias_update_rate", self.bias_update_rate != 0, "must be 0 (no selection bias)"),
+        ):
+            require(not bad, f"moe.{key}", f"{why} with moe.router_type=sparsemixer")

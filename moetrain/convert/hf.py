@@ -188,17 +188,25 @@ def cat_gate_up(w13: torch.Tensor) -> torch.Tensor:
 def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
     """moetrain key -> HF key for every non-expert weight (and a family's expert bias)."""
     model, moe, names = cfg.model, cfg.moe, family(fmt).names
+    # the norms' tensors: a weight, and a bias with LayerNorm
+    kinds = ("weight", "bias") if model.norm == "layernorm" else ("weight",)
     out = {pn.EMBED: "model.embed_tokens.weight", pn.FINAL_NORM: "model.norm.weight"}
+    if model.norm == "layernorm":
+        out[pn.FINAL_NORM_BIAS] = "model.norm.bias"
     if not model.tie_embeddings:
         out[pn.LM_HEAD] = "lm_head.weight"
+    if model.lm_head_bias:  # (the head's own, tied or not)
+        out[pn.LM_HEAD_BIAS] = "lm_head.bias"
     for i in range(model.n_blocks):
         dst = _layer(i)
         if i >= model.n_layers:
             out[pn.mtp_projection(i)] = dst + "eh_proj.weight"
             for ours, theirs in _MTP_NORMS.items():
-                out[pn.mtp_norm(i, ours)] = f"{dst}{theirs}.weight"
-        out[pn.attn_norm(i)] = dst + "input_layernorm.weight"
-        out[pn.ffn_norm(i)] = dst + "post_attention_layernorm.weight"
+                for kind in kinds:
+                    out[pn.mtp_norm(i, ours, kind)] = f"{dst}{theirs}.{kind}"
+        for kind in kinds:
+            out[pn.attn_norm(i, kind)] = f"{dst}input_layernorm.{kind}"
+            out[pn.ffn_norm(i, kind)] = f"{dst}post_attention_layernorm.{kind}"
         for ours, theirs in attention_names(cfg).items():
             out[pn.attn(i, ours)] = f"{dst}self_attn.{theirs}.weight"
             if model.o_bias if ours == "wo" else model.qkv_bias:

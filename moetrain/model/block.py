@@ -11,7 +11,7 @@ from torch import nn
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.model.attention import Attention, KVCache
 from moetrain.model.doc_attention import Documents
-from moetrain.model.layers import RMSNorm, SwiGLU
+from moetrain.model.layers import SwiGLU, make_norm
 from moetrain.model.mla import LatentCache, MLAttention
 from moetrain.model.moe.layer import MoELayer, MoEOutput
 
@@ -29,9 +29,9 @@ class Block(nn.Module):
     ) -> None:
         super().__init__()
         self.layer = layer
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = make_norm(cfg, cfg.d_model)
         self.attn: nn.Module = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg, layer)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn_norm = make_norm(cfg, cfg.d_model)
         self.residual_multiplier = cfg.residual_multiplier
         self.is_moe = moe_cfg.is_moe_layer(layer)
         self.ffn: nn.Module = (

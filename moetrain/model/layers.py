@@ -1,4 +1,5 @@
-"""Building blocks shared by attention and FFNs: RMSNorm, the SwiGLU activation and MLP."""
+"""Building blocks shared by attention and FFNs: RMSNorm, LayerNorm (``model.norm``), the SwiGLU
+activation and MLP."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.config import ModelConfig
 from moetrain.model.cpu_matmul import Linear
 
 
@@ -48,6 +50,32 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """``weight * (x - mean(x)) / sqrt(var(x) + eps) + bias`` over the last dim (the biased
+    variance, as ``nn.LayerNorm``), computed in at least fp32 and cast back to the input dtype;
+    in fp32 exactly ``F.layer_norm``."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)
+        w, b = self.weight.to(wide), self.bias.to(wide)
+        return F.layer_norm(x.to(wide), w.shape, w, b, self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm | LayerNorm:
+    """A block, final or MTP norm of ``dim`` as ``model.norm`` says (eps ``model.norm_eps``)."""
+    kind = LayerNorm if cfg.norm == "layernorm" else RMSNorm
+    return kind(dim, cfg.norm_eps)
 
 
 def _silu_mul_backward(

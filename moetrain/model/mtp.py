@@ -27,7 +27,7 @@ import torch
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.model.block import Block
 from moetrain.model.cpu_matmul import Linear
-from moetrain.model.layers import RMSNorm
+from moetrain.model.layers import make_norm
 from moetrain.model.loss import IGNORE_INDEX
 
 
@@ -44,10 +44,10 @@ class MTPBlock(Block):
     ) -> None:
         super().__init__(layer, cfg, moe_cfg, local_experts)
         d = cfg.d_model
-        self.enorm = RMSNorm(d, cfg.norm_eps)
-        self.hnorm = RMSNorm(d, cfg.norm_eps)
+        self.enorm = make_norm(cfg, d)
+        self.hnorm = make_norm(cfg, d)
         self.eh_proj = Linear(2 * d, d, bias=False)
-        self.head_norm = RMSNorm(d, cfg.norm_eps)
+        self.head_norm = make_norm(cfg, d)
 
     def block_input(self, h_BSD: torch.Tensor, next_embed_BSD: torch.Tensor) -> torch.Tensor:
         """``eh_proj([enorm(next_embed) ; hnorm(h)])``."""

@@ -2,7 +2,9 @@
 and nowhere else: converters, checkpoint readers and writers call these.
 
 Layer ``i`` holds ``layers.<i>.attn_norm`` / ``attn.{wq,wk,wv,wo}`` (biases on wq/wk/wv with
-``model.qkv_bias``; ``attn.q_norm`` / ``attn.k_norm`` with ``model.qk_norm``) / ``ffn_norm``,
+``model.qkv_bias``, on wo with ``model.o_bias``; ``attn.q_norm`` / ``attn.k_norm`` with
+``model.qk_norm``) / ``ffn_norm`` (each norm a ``.weight``, and a ``.bias`` with
+``model.norm: layernorm``, as ``norm`` and the MTP norms),
 then either a dense SwiGLU ``ffn.{w1,w3,w2}`` or an MoE block: ``ffn.router.gate`` (E, D), the
 selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.experts.w13``
 (E, D, 2F) and ``ffn.experts.w2`` (E, F, D), and optionally ``ffn.shared_expert.{w1,w3,w2}`` and
@@ -10,6 +12,7 @@ selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.
 (``model.attention_sinks``), ``ffn.router.gate.bias`` (E,) (``moe.router_bias``) and the
 expert biases ``ffn.experts.w13_bias`` (E, 2F), ``ffn.experts.w2_bias`` (E, D)
 (``moe.expert_biases``; expert parameters, stacked and partitioned like w13 and w2).
+``lm_head.bias`` exists with ``model.lm_head_bias`` (tied or not).
 
 A multi-token-prediction module ``k`` (1-based) is block ``layers.<n_layers + k - 1>``, named
 as any block, plus ``enorm`` (the next token's embedding), ``hnorm`` (the previous depth's
@@ -23,7 +26,9 @@ import re
 
 EMBED = "embed.weight"
 FINAL_NORM = "norm.weight"
+FINAL_NORM_BIAS = "norm.bias"  # model.norm: layernorm
 LM_HEAD = "lm_head.weight"
+LM_HEAD_BIAS = "lm_head.bias"  # model.lm_head_bias
 ATTN_PROJECTIONS = ("wq", "wk", "wv", "wo")
 SWIGLU_WEIGHTS = ("w1", "w3", "w2")  # gate (F, D), up (F, D), down (D, F)
 # a stacked expert weight, as a regular expression: group 1 the layer, group 2 the weight
@@ -31,12 +36,14 @@ EXPERTS_PATTERN = r"layers\.(\d+)\.ffn\.experts"
 _EXPERTS_RE = re.compile(rf"^{EXPERTS_PATTERN}\.(\w+)$")
 
 
-def attn_norm(layer: int) -> str:
-    return f"layers.{layer}.attn_norm.weight"
+def attn_norm(layer: int, kind: str = "weight") -> str:
+    """``kind``: weight | bias (``model.norm: layernorm``)."""
+    return f"layers.{layer}.attn_norm.{kind}"
 
 
-def ffn_norm(layer: int) -> str:
-    return f"layers.{layer}.ffn_norm.weight"
+def ffn_norm(layer: int, kind: str = "weight") -> str:
+    """``kind``: weight | bias (``model.norm: layernorm``)."""
+    return f"layers.{layer}.ffn_norm.{kind}"
 
 
 def attn(layer: int, projection: str, kind: str = "weight") -> str:
@@ -48,9 +55,10 @@ def attn(layer: int, projection: str, kind: str = "weight") -> str:
 MTP_NORMS = ("enorm", "hnorm", "head_norm")
 
 
-def mtp_norm(layer: int, which: str) -> str:
-    """A multi-token-prediction block's norm (``which``: enorm | hnorm | head_norm)."""
-    return f"layers.{layer}.{which}.weight"
+def mtp_norm(layer: int, which: str, kind: str = "weight") -> str:
+    """A multi-token-prediction block's norm (``which``: enorm | hnorm | head_norm; ``kind``:
+    weight | bias)."""
+    return f"layers.{layer}.{which}.{kind}"
 
 
 def mtp_projection(layer: int) -> str:

@@ -24,6 +24,15 @@ Llama 3.1's scaling (``rope_scaling: llama3``, transformers' ``_compute_llama3_p
 frequencies whose wavelength exceeds ``original / low_freq_factor`` are divided by ``factor``,
 those shorter than ``original / high_freq_factor`` kept, and those between blended linearly in
 ``original / wavelength``; cos and sin are not rescaled.
+
+LongRoPE (``rope_scaling: longrope``, Phi-3's; transformers' ``_compute_longrope_parameters``):
+each inverse frequency is divided by its own factor, ``1 / (factor_i * theta ** (2i / dim))``,
+and cos/sin are multiplied by the attention factor (``model.rope_attention_factor``; unset,
+``sqrt(1 + ln(s) / ln(original))`` with ``s = max_seq_len / original``, 1 for ``s <= 1``).
+transformers picks the short factors while the sequence (its largest position + 1) stays within
+``original_max_position_embeddings`` and the long ones beyond; moetrain builds the short
+factors' table only, over the first ``original`` positions, and refuses longer sequences
+(``ModelConfig.rope_positions``), so one table serves training and a KV cache alike.
 """
 
 from __future__ import annotations
@@ -83,6 +92,13 @@ def llama3_inv_freq(
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
+def longrope_inv_freq(dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    """LongRoPE's ``(dim // 2,)`` inverse frequencies (fp32): ``1 / (factor_i * theta **
+    (2i / dim))``."""
+    ext = torch.tensor(factors, dtype=torch.float32)
+    return 1.0 / (ext * theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
 def rope_tables(
     dim: int, max_seq_len: int, theta: float, cfg: ModelConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +125,9 @@ def rope_tables(
             truncate=cfg.rope_truncate is not False,
         )
         factor = yarn_attention_factor(cfg)
+    elif cfg is not None and cfg.rope_scaling == "longrope":
+        inv_freq = longrope_inv_freq(dim, theta, cfg.rope_short_factor)
+        factor = cfg.longrope_attention_factor
     else:
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
@@ -119,9 +138,9 @@ def rope_tables(
 
 
 def model_rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's RoPE tables: ``cfg.rope_dim`` dims, ``cfg.max_seq_len`` positions, scaled as
-    ``cfg.rope_scaling`` says."""
-    return rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg)
+    """The model's RoPE tables: ``cfg.rope_dim`` dims, ``cfg.rope_positions`` positions (the
+    context; LongRoPE's original one), scaled as ``cfg.rope_scaling`` says."""
+    return rope_tables(cfg.rope_dim, cfg.rope_positions, cfg.rope_theta, cfg)
 
 
 def yarn_attention_factor(cfg: ModelConfig) -> float:

@@ -18,7 +18,7 @@ from moetrain.model.block import Block
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents
 from moetrain.model.head_exchange import HeadExchange
-from moetrain.model.layers import RMSNorm
+from moetrain.model.layers import LayerNorm, RMSNorm, make_norm
 from moetrain.model.loss import chunked_cross_entropy
 from moetrain.model.mla import LatentCache
 from moetrain.model.moe.experts import GroupedExperts
@@ -65,8 +65,8 @@ class Transformer(nn.Module):
             (Block if i < n else MTPBlock)(i, model_cfg, moe_cfg, local_experts)
             for i in range(model_cfg.n_blocks)
         )
-        self.norm = RMSNorm(model_cfg.d_model, model_cfg.norm_eps)
-        self.lm_head = Linear(model_cfg.d_model, model_cfg.vocab_size, bias=False)
+        self.norm = make_norm(model_cfg, model_cfg.d_model)
+        self.lm_head = Linear(model_cfg.d_model, model_cfg.vocab_size, bias=model_cfg.lm_head_bias)
         self.tie_weights()
         cos, sin = model_rope_tables(model_cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -87,7 +87,8 @@ class Transformer(nn.Module):
 
     def tie_weights(self) -> None:
         """With ``model.tie_embeddings``, make ``lm_head.weight`` the embedding's Parameter
-        (again: ``to_empty`` from the meta device gives each module a Parameter of its own)."""
+        (again: ``to_empty`` from the meta device gives each module a Parameter of its own);
+        a head bias (``model.lm_head_bias``) stays the head's own."""
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -102,8 +103,9 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """Normal(0, init_std) everywhere; output projections (attention ``wo``, FFN and expert
-        ``w2``) use init_std / sqrt(2 * n_layers); norms are ones; the selection bias, every
-        projection bias (q/k/v, output, router, experts) and the attention sinks zeros."""
+        ``w2``) use init_std / sqrt(2 * n_layers); norm weights are ones; norm biases, the
+        selection bias, every projection bias (q/k/v, output, router, experts, LM head) and the
+        attention sinks zeros."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
@@ -114,8 +116,10 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, GroupedExperts):
                 module.reset_parameters(std, out_std)
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, RMSNorm | LayerNorm):
                 nn.init.ones_(module.weight)
+                if isinstance(module, LayerNorm):
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, MoELayer):
                 module.router.expert_bias.zero_()
             elif isinstance(module, Attention) and module.sinks is not None:
@@ -154,9 +158,14 @@ class Transformer(nn.Module):
                     f"{ex.size} positions); got {doc_ids_BS.shape[1]}"
                 )
             start = ex.rank * s
-        if start + s > self.cfg.max_seq_len:
+        if start + s > self.cfg.rope_positions:
+            limit = (
+                "max_seq_len"
+                if self.cfg.rope_scaling != "longrope"
+                else "rope_original_max_seq_len"
+            )
             raise ValueError(
-                f"sequence length {start + s} exceeds model.max_seq_len={self.cfg.max_seq_len}"
+                f"sequence length {start + s} exceeds model.{limit}={self.cfg.rope_positions}"
             )
         if cache is not None and (doc_ids_BS is not None or start + s > cache.max_len):
             raise ValueError("cache: no document mask, and at most cache.max_len positions")
@@ -219,17 +228,22 @@ class Transformer(nn.Module):
         self, h_BSD: torch.Tensor, labels_BS: torch.Tensor, logits_BSV: torch.Tensor | None
     ) -> torch.Tensor:
         """Mean cross-entropy of the head over labelled tokens (chunked without logits); 0, not
-        NaN, when no token is labelled. The chunked loss divides the hidden state by
-        ``model.logits_scaling`` instead of the logits (the same logits, up to rounding)."""
+        NaN, when no token is labelled. The chunked loss divides the hidden state (and the head
+        bias) by ``model.logits_scaling`` instead of the logits (the same logits, up to
+        rounding)."""
         if logits_BSV is None:
             scaling = self.cfg.logits_scaling
             if scaling != 1.0:
                 h_BSD = h_BSD / scaling
+            bias = self.lm_head.bias
+            if bias is not None and scaling != 1.0:
+                bias = bias / scaling
             return chunked_cross_entropy(
                 h_BSD.flatten(0, 1),
                 self.lm_head.weight,
                 labels_BS.flatten(),
                 self.cfg.loss_chunk_tokens,
+                bias,
             )
         labelled = (labels_BS != -100).sum().clamp_min(1)
         return (
@@ -273,7 +287,7 @@ class Transformer(nn.Module):
         """An empty generation cache for ``batch`` sequences of up to ``max_len`` tokens: keys
         and values (grouped-query attention), or latents and rope keys (MLA)."""
         c, w = self.cfg, self.embed.weight
-        n = max_len or c.max_seq_len
+        n = max_len or c.rope_positions
         if c.attention == "mla":
             rank, rope = c.kv_lora_rank, c.qk_rope_head_dim
             return LatentCache(c.n_layers, batch, rank, rope, n, w.dtype, w.device)

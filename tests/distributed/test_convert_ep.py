@@ -82,6 +82,19 @@ FORMATS = {
         "train.max_steps=3",  # two steps move this bias there and back to zero
         "checkpoint.save_every_steps=3",
     ],
+    "phimoe": [  # Phi-3.5-MoE's pieces: LayerNorm, every bias, sparsemixer, LongRoPE
+        "model.norm=layernorm",
+        "model.qkv_bias=true",
+        "model.o_bias=true",
+        "model.lm_head_bias=true",
+        "moe.router_type=sparsemixer",
+        "moe.renormalize=false",
+        "model.rope_scaling=longrope",
+        "model.rope_original_max_seq_len=64",
+        "model.rope_short_factor=[1.0,1.5,2.0,4.0]",
+        "model.rope_long_factor=[2.0,3.0,4.0,8.0]",
+        "model.rope_attention_factor=1.25",
+    ],
     "mixtral_bf16": ["train.precision=bf16"],
 }
 ARCH = {
@@ -91,6 +104,7 @@ ARCH = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "phimoe": "PhimoeForCausalLM",
 }
 
 

@@ -118,6 +118,32 @@ GRANITE_FLAGS: dict[str, Any] = {
     )
 }
 
+# microsoft/Phi-3.5-MoE-instruct's flags: its rope_scaling (longrope, both mscales
+# 1.243163121016122, original 4096; the first head_dim / 2 of its factor lists) as public copies
+# of its config.json spell it; attention_bias, lm_head_bias, max_position_embeddings =
+# sliding_window = 131072, router_jitter_noise = input_jitter_noise = 0.01,
+# router_aux_loss_coef 0.0 and rope_theta 10000 from memory of that file; sizes shrunk
+PHIMOE_ROPE: dict[str, Any] = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.0399999618530273, 1.0399999618530273, 1.0399999618530273],
+    "long_factor": [1.0199999809265137, 1.0299999713897705, 1.0399999618530273, 1.05],
+    "short_mscale": 1.243163121016122,
+    "long_mscale": 1.243163121016122,
+    "original_max_position_embeddings": 4096,
+}
+PHIMOE_FLAGS: dict[str, Any] = {
+    "rope_parameters": PHIMOE_ROPE,
+    "max_position_embeddings": 131072,
+    "sliding_window": 131072,
+    "attention_bias": True,
+    "lm_head_bias": True,
+    "router_jitter_noise": 0.01,
+    "input_jitter_noise": 0.01,
+    "router_aux_loss_coef": 0.0,
+    "tie_word_embeddings": False,
+}
+
 
 # gpt-oss-20b's config.json flags as released (from memory of that file: no hub access here),
 # at the tiny sizes: alternating sliding / full layers (transformers' default layer_types),
@@ -272,6 +298,9 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
         ),
         "gpt_oss": lambda: transformers.GptOssConfig(  # gpt-oss-20b's flags
             **{**moe, **GPT_OSS_FLAGS}, intermediate_size=24, num_local_experts=4
+        ),
+        "phimoe": lambda: transformers.PhimoeConfig(  # Phi-3.5-MoE-instruct's flags
+            **{**moe, **PHIMOE_FLAGS}, intermediate_size=24, num_local_experts=4
         ),
     }
 

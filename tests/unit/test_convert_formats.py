@@ -16,6 +16,7 @@ from moetrain.convert.formats import choose_format, config_from_hf, hf_config
 from moetrain.convert.hf import from_hf_state_dict, to_hf_state_dict
 from moetrain.model import Transformer
 from tests.helpers.configs import tiny_config
+from tests.helpers.hf_models import PHIMOE_ROPE
 
 transformers = pytest.importorskip("transformers")
 
@@ -145,6 +146,21 @@ CASES = {
             swiglu_limit=7.0,
         ),
     ),
+    "phimoe": dict(  # Phi-3.5-MoE-instruct's flags (tests/helpers/hf_models.py)
+        model=dict(
+            norm="layernorm",
+            qkv_bias=True,
+            o_bias=True,
+            lm_head_bias=True,
+            max_seq_len=131072,
+            rope_scaling="longrope",
+            rope_original_max_seq_len=4096,
+            rope_short_factor=PHIMOE_ROPE["short_factor"] * 2,
+            rope_long_factor=PHIMOE_ROPE["long_factor"] * 2,
+            rope_attention_factor=PHIMOE_ROPE["short_mscale"],
+        ),
+        moe=dict(router_type="sparsemixer", renormalize=False),
+    ),
 }
 # moetrain settings of the muP-style scalars, at a non-default value (only Granite has them)
 MULTIPLIERS = {
@@ -215,7 +231,14 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     assert ref.abs().max() > 1e-2
     # HF config -> moetrain config, and both HF layouts (per-expert file, v5 fused) -> moetrain
     back_cfg = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
-    no_dense = fmt in ("mixtral", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss")
+    no_dense = fmt in (
+        "mixtral",
+        "olmoe",
+        "granitemoe",
+        "granitemoeshared",
+        "gpt_oss",
+        "phimoe",
+    )
     unused = {"dense_hidden": back_cfg.model.dense_hidden} if no_dense else {}
     assert back_cfg.model == dataclasses.replace(cfg.model, **unused)  # no dense FFN layer
     for key in (
@@ -759,28 +782,56 @@ SCALED_ROPE = {
         "model.rope_low_freq_factor": 1.0,
         "model.rope_high_freq_factor": 4.0,
     },
+    "longrope": {  # (moetrain computes the short factors, within the original context)
+        "model.rope_scaling": "longrope",
+        "model.rope_original_max_seq_len": 64,
+        "model.rope_short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0],
+        "model.rope_long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0],
+        "model.rope_attention_factor": 1.3,
+    },
 }
+# the rope types of each grouped-query family (Phi-3.5-MoE multiplies any scaled RoPE by its
+# short_mscale: plain and LongRoPE only)
+SCALED_CASES = [
+    (fmt, scaling)
+    for fmt in FORMATS
+    if family(fmt).attention == "gqa"
+    for scaling in SCALED_ROPE
+    if fmt != "phimoe" or scaling == "longrope"
+]
 
 # Granite's released attention scale (1/64) leaves the tiny random model's attention nearly
 # uniform, where positions hardly show: a sharper one, so that the scaling changes the logits
 SHARP_ATTENTION = dict.fromkeys(("granitemoe", "granitemoeshared"), {"model.attention_scale": 16.0})
 
 
-@pytest.mark.parametrize("scaling", list(SCALED_ROPE))
-@pytest.mark.parametrize("fmt", [f for f in FORMATS if family(f).attention == "gqa"])
+@pytest.mark.parametrize(("fmt", "scaling"), SCALED_CASES)
 def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, scaling) -> None:
-    """YaRN and Llama 3.1's RoPE scaling in every grouped-query family: transformers' logits
-    (the scaling changes them), and the rope_parameters come back as they went."""
+    """YaRN, Llama 3.1's and LongRoPE's RoPE scaling in every grouped-query family:
+    transformers' logits (the scaling changes them), and the rope_parameters come back as they
+    went."""
     sharp = SHARP_ATTENTION.get(fmt, {})
-    if scaling != "yarn":  # (gpt-oss's own YaRN keys off)
-        yarn_only = ("rope_beta_fast", "rope_beta_slow", "rope_truncate")
-        sharp = {**sharp, **{f"model.{k}": None for k in yarn_only if k in CASES[fmt]["model"]}}
-    cfg = tiny_cfg(fmt, {**SCALED_ROPE[scaling], **sharp})
+    keys = dict(SCALED_ROPE[scaling])
+    pairs = tiny_cfg(fmt).model.rope_dim // 2
+    for key in ("model.rope_short_factor", "model.rope_long_factor"):  # (rope_dim / 2 each)
+        if key in keys:
+            keys[key] = keys[key][:pairs]
+    off = {}  # the scaling replaces the case's own (gpt-oss's YaRN)
+    yarn_only = ("rope_beta_fast", "rope_beta_slow", "rope_truncate")
+    if scaling != "yarn":
+        yarn_only += ("rope_factor",) if "model.rope_factor" not in keys else ()
+        off = {f"model.{k}": None for k in yarn_only if k in CASES[fmt]["model"]}
+    cfg = tiny_cfg(fmt, {**keys, **sharp, **off})
     model = model_for(cfg)
     hf = load_hf(cfg, model, fmt, tmp_path)
     assert hf.config.rope_parameters["rope_type"] == scaling
     ids = torch.randint(0, 96, (2, 60), generator=torch.Generator().manual_seed(0))
-    plain = Transformer(dataclasses.replace(tiny_cfg(fmt, sharp).model), cfg.moe).eval()
+    unscaled = {}  # the case's own scaling (gpt-oss's YaRN) off too
+    if "rope_scaling" in CASES[fmt]["model"]:
+        own = [k for k in CASES[fmt]["model"] if k.startswith("rope_") and k != "rope_scaling"]
+        unscaled = {f"model.{k}": None for k in own}
+        unscaled["model.rope_scaling"] = "none"
+    plain = Transformer(tiny_cfg(fmt, {**sharp, **unscaled}).model, cfg.moe).eval()
     plain.load_state_dict(model.state_dict(), strict=False)
     with torch.no_grad():
         ref, got = hf(input_ids=ids).logits, model(ids).logits
@@ -793,6 +844,7 @@ def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, sc
         "granitemoe",
         "granitemoeshared",
         "gpt_oss",
+        "phimoe",
     )  # (no dense FFN)
     for key in SCALED_ROPE[scaling]:
         name = key.removeprefix("model.")
@@ -802,14 +854,8 @@ def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, sc
 def test_unknown_rope_type_is_refused_by_name() -> None:
     d = hf_config(tiny_cfg("mixtral"), "mixtral").to_dict()
     d["architectures"] = ["MixtralForCausalLM"]
-    d["rope_parameters"] = {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "short_factor": [1.0] * 8,
-        "long_factor": [2.0] * 8,
-        "original_max_position_embeddings": 16,
-    }
-    with pytest.raises(ConfigError, match=r"rope_parameters\.rope_type: .*'longrope'"):
+    d["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ConfigError, match=r"rope_parameters\.rope_type: .*'dynamic'"):
         config_from_hf(d)
 
 
@@ -930,6 +976,97 @@ def test_gpt_oss_released_config_imports() -> None:
     assert choose_format(cfg) == "gpt_oss"
 
 
+PHIMOE_PIECES = {
+    "model.o_bias": {"model.o_bias": True},
+    "model.lm_head_bias": {"model.lm_head_bias": True},
+    "model.norm": {"model.norm": "layernorm"},
+    "moe.router_type": {"moe.router_type": "sparsemixer", "moe.renormalize": False},
+}
+
+
+@pytest.mark.parametrize("setting", list(PHIMOE_PIECES))
+def test_families_without_phimoes_pieces_refuse_them_by_key(setting: str) -> None:
+    """An attention-output bias, an LM-head bias, LayerNorm or sparsemixer: every family but
+    Phi-3.5-MoE names the setting (latent attention refuses model.o_bias itself)."""
+    from moetrain.convert.formats import problems
+
+    for fmt in FORMATS:
+        mla = family(fmt).attention == "mla"
+        if fmt == "phimoe" or (mla and setting == "model.o_bias"):
+            continue
+        shape = {f"model.{k}": v for k, v in MLA_SHAPE.items()} if mla else {}
+        cfg = tiny_config(shape, PHIMOE_PIECES[setting])
+        assert setting in [k for k, _ in problems(fmt, cfg.model, cfg.moe)], fmt
+
+
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        ({"model.norm": "rmsnorm"}, "model.norm"),
+        ({"moe.router_type": "topk", "moe.renormalize": True}, "moe.router_type"),
+        ({"model.o_bias": False}, "model.o_bias"),
+        ({"moe.num_shared_experts": 1}, "moe.num_shared_experts"),
+        ({"moe.route_scale": 2.0}, "moe.route_scale"),
+        ({"moe.capacity_factor": 1.0}, "moe.capacity_factor"),
+    ],
+)
+def test_phimoe_refuses_what_its_class_does_not_compute_by_key(changes, key) -> None:
+    cfg = tiny_cfg("phimoe", changes)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(cfg, "phimoe")
+
+
+def phimoe_released(**changes) -> dict:
+    """Phi-3.5-MoE-instruct's config.json (its legacy rope_scaling and top-level rope_theta) at
+    the tiny sizes, with ``changes``."""
+    from tests.helpers.hf_models import PHIMOE_FLAGS, PHIMOE_ROPE
+
+    rope = {k: v for k, v in PHIMOE_ROPE.items() if k not in ("rope_type", "rope_theta")}
+    d = {
+        "architectures": ["PhimoeForCausalLM"],
+        "model_type": "phimoe",
+        **{k: v for k, v in PHIMOE_FLAGS.items() if k != "rope_parameters"},
+        "rope_scaling": {**rope, "type": "longrope"},
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 4096,
+        "hidden_size": 32,
+        "intermediate_size": 24,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 3,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 320,
+        "rms_norm_eps": 1e-05,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "torch_dtype": "bfloat16",
+    }
+    return {**d, **changes}
+
+
+def test_phimoe_released_config_imports() -> None:
+    """Phi-3.5-MoE-instruct's flags: LayerNorm, all attention biases, a head bias, sparsemixer
+    at its eps, LongRoPE with its mscale as the attention factor over the original 4096
+    positions (sliding_window 131072 spans the whole context)."""
+    cfg = config_from_hf(phimoe_released())
+    m, moe = cfg.model, cfg.moe
+    assert (m.norm, m.qkv_bias, m.o_bias, m.lm_head_bias) == ("layernorm", True, True, True)
+    assert (m.rope_scaling, m.rope_original_max_seq_len, m.rope_positions) == (
+        "longrope",
+        4096,
+        4096,
+    )
+    assert m.rope_attention_factor == 1.243163121016122 and len(m.rope_short_factor) == 4
+    assert (moe.router_type, moe.router_jitter_eps, moe.renormalize) == ("sparsemixer", 0.01, False)
+    assert choose_format(cfg) == "phimoe"
+    hf = hf_config(cfg, "phimoe")
+    assert (
+        hf.rope_parameters["short_mscale"] == hf.rope_parameters["long_mscale"] == 1.243163121016122
+    )
+    assert (hf.attention_bias, hf.lm_head_bias, hf.router_jitter_noise) == (True, True, 0.01)
+
+
 @pytest.mark.parametrize(
     "changes, key",
     [
@@ -966,8 +1103,8 @@ def test_families_without_gpt_oss_pieces_refuse_them_by_key(setting: str) -> Non
     if setting == "moe.activation":
         extra |= {"moe.swiglu_alpha": 1.702, "moe.swiglu_limit": 7.0}
     for fmt in FORMATS:
-        if fmt == "gpt_oss":
-            continue
+        if fmt == "gpt_oss" or (setting == "model.o_bias" and family(fmt).o_bias):
+            continue  # (Phi-3.5-MoE has an output-projection bias too)
         with pytest.raises(ConfigError, match=setting.replace(".", r"\.")):
             choose_format(tiny_cfg(fmt, extra), fmt)  # (latent attention: refused at validation)
 
@@ -1012,3 +1149,54 @@ def test_gpt_oss_clamps_and_sinks_where_they_bind_match_transformers(tmp_path) -
         plain = Transformer(no_sinks, cfg.moe).eval()
         plain.load_state_dict(model.state_dict(), strict=False)
         assert (plain(ids).logits - got).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"num_experts_per_tok": 4}, "num_experts_per_tok"),
+        ({"sliding_window": 2048}, "sliding_window"),
+        (
+            {"rope_scaling": {**phimoe_released()["rope_scaling"], "long_mscale": 1.5}},
+            "rope_parameters.long_mscale",
+        ),
+        (
+            {
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 4096,
+                    "short_mscale": 1.0,
+                    "long_mscale": 1.0,
+                }
+            },
+            "rope_parameters.rope_type",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_phimoe_configs_moetrain_cannot_compute_are_refused(changes, key) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_hf(phimoe_released(**changes))
+
+
+def test_phimoe_generation_matches_transformers(tmp_path) -> None:
+    """Generation with the KV cache (one LongRoPE table, the short factors) gives
+    transformers' greedy tokens and its logits at every step."""
+    from moetrain.generate import generate_ids
+
+    cfg = tiny_cfg("phimoe")
+    model = model_for(cfg)
+    hf = load_hf(cfg, model, "phimoe", tmp_path)
+    prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(2))
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(prompt, do_sample=False, max_new_tokens=12)
+    assert generate_ids(model, prompt[0].tolist(), 12, temperature=0.0) == ref[0, 7:].tolist()
+    with torch.no_grad():
+        cache, steps = model.new_cache(1, 19), []
+        steps.append(model(ref[:, :7], cache=cache).logits)
+        for i in range(7, 18):
+            steps.append(model(ref[:, i : i + 1], cache=cache).logits)
+        torch.testing.assert_close(
+            torch.cat(steps, 1), hf(input_ids=ref[:, :18]).logits, atol=1e-5, rtol=1e-5
+        )

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.model.layers import RMSNorm, silu_mul, silu_mul_packed
+from moetrain.model.layers import LayerNorm, RMSNorm, silu_mul, silu_mul_packed
 
 
 def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -138,3 +138,25 @@ def test_weighted_matches_autograd_composition(dtype: torch.dtype) -> None:
     scale = w_ref.grad.abs().max().item()
     atol_w = tol["atol"] if dtype == torch.float32 else 2e-2 * scale
     torch.testing.assert_close(w.grad.float(), w_ref.grad, rtol=tol["rtol"], atol=atol_w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layernorm_is_torchs_with_its_weight_and_bias(dtype: torch.dtype) -> None:
+    """LayerNorm (model.norm: layernorm) is nn.LayerNorm's formula, mean and biased variance
+    with a weight and a bias: in fp32 bit for bit, in bf16 computed in fp32 and rounded once;
+    its gradients reach weight, bias and input."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 24, generator=g) * 3 + 1).to(dtype).requires_grad_()
+    norm = LayerNorm(24, eps=1e-6)
+    ref = torch.nn.LayerNorm(24, eps=1e-6)
+    with torch.no_grad():
+        for p, q in ((norm.weight, ref.weight), (norm.bias, ref.bias)):
+            p.uniform_(0.5, 1.5, generator=g)
+            q.copy_(p)
+    got = norm(x)
+    want = ref(x.detach().float()).to(dtype)
+    assert got.dtype == dtype
+    tol = 0 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    got.float().square().sum().backward()
+    assert all(t.grad.abs().max() > 0 for t in (x, norm.weight, norm.bias))

@@ -45,6 +45,23 @@ def test_fp32_matches_full_logits_for_any_chunk_size(chunk: int) -> None:
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [1, 8, 1024])
+def test_a_bias_matches_full_logits_with_its_gradient(chunk: int) -> None:
+    h, w, labels = inputs()
+    b = (torch.randn(V, generator=torch.Generator().manual_seed(3)) * 0.5).requires_grad_()
+
+    def run(fn):
+        h.grad = w.grad = b.grad = None
+        (fn() * 0.7).backward()
+        return h.grad, w.grad, b.grad
+
+    ref = run(lambda: F.cross_entropy(F.linear(h, w, b), labels, ignore_index=-100))
+    got = run(lambda: chunked_cross_entropy(h, w, labels, chunk, b))
+    for r, g in zip(ref, got, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+    assert b.grad.abs().max() > 1e-3
+
+
 def test_bf16_matches_full_logits_within_bf16_rounding() -> None:
     h, w, labels = inputs(torch.bfloat16)
     ref = loss_and_grads(plain, h, w, labels)
@@ -139,22 +156,32 @@ def test_saves_gradients_instead_of_logits() -> None:
     assert chunked <= 4 * (n * d + v * d) + 64  # grad wrt h, fp32 grad wrt W, the count
 
 
-def tiny_model(tie: bool, chunk: int) -> Transformer:
+def tiny_model(tie: bool, chunk: int, head_bias: bool = False) -> Transformer:
     torch.manual_seed(0)
     cfg = tiny_config(
-        model__max_seq_len=32, model__tie_embeddings=tie, model__loss_chunk_tokens=chunk
+        model__max_seq_len=32,
+        model__tie_embeddings=tie,
+        model__loss_chunk_tokens=chunk,
+        model__lm_head_bias=head_bias,
+        model__logits_scaling=3.0 if head_bias else 1.0,
     )
     return Transformer(cfg.model, cfg.moe)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_transformer_loss_and_grads_match_with_chunking_on_and_off(tie: bool) -> None:
+@pytest.mark.parametrize(("tie", "head_bias"), [(False, False), (True, False), (True, True)])
+def test_transformer_loss_and_grads_match_with_chunking_on_and_off(tie, head_bias) -> None:
+    """Chunked or not, the same loss and gradients (with a head bias too, which stays the
+    head's own when the weight is tied, and with logits_scaling, which divides it)."""
     ids = torch.randint(0, 64, (3, 12))
     labels = ids.roll(-1, 1)
     labels[:, -1] = -100
     runs = {}
     for chunk in (0, 7):
-        model = tiny_model(tie, chunk)
+        model = tiny_model(tie, chunk, head_bias)
+        if head_bias:
+            assert model.lm_head.bias is not None and model.lm_head.weight is model.embed.weight
+            with torch.no_grad():
+                model.lm_head.bias.uniform_(-1, 1, generator=torch.Generator().manual_seed(1))
         out = model(ids, labels_BS=labels, return_logits=False)
         assert (out.logits is None) == (chunk > 0)
         out.loss.backward()

@@ -16,6 +16,9 @@ from tests.helpers.configs import tiny_config
         ["moe.num_shared_experts=2", "moe.shared_expert_gate=true", "model.qk_norm=true"],
         ["model.head_dim=16", "model.n_kv_heads=1", "moe.top_k=1"],
         ["model.mtp_depth=2", "moe.first_k_dense=1"],
+        ["model.norm=layernorm", "model.o_bias=true", "model.lm_head_bias=true"],
+        ["model.norm=layernorm", "model.mtp_depth=2", "model.lm_head_bias=true"],
+        ["model.tie_embeddings=true", "model.lm_head_bias=true", "model.qkv_bias=true"],
     ],
 )
 def test_parameter_counts_match_the_model(overrides):

@@ -12,11 +12,19 @@ def spelled(cfg) -> set[str]:
     """Every key of ``cfg``'s model, from param_names alone."""
     m, moe = cfg.model, cfg.moe
     out = {param_names.EMBED, param_names.FINAL_NORM, param_names.LM_HEAD}
+    if m.norm == "layernorm":
+        out.add(param_names.FINAL_NORM_BIAS)
+    if m.lm_head_bias:
+        out.add(param_names.LM_HEAD_BIAS)
     for i in range(m.n_layers):
         out |= {param_names.attn_norm(i), param_names.ffn_norm(i)}
+        if m.norm == "layernorm":
+            out |= {param_names.attn_norm(i, "bias"), param_names.ffn_norm(i, "bias")}
         out |= {param_names.attn(i, p) for p in param_names.ATTN_PROJECTIONS}
         if m.qkv_bias:
             out |= {param_names.attn(i, p, "bias") for p in ("wq", "wk", "wv")}
+        if m.o_bias:
+            out.add(param_names.attn(i, "wo", "bias"))
         if m.qk_norm:
             out |= {param_names.qk_norm(i, "q"), param_names.qk_norm(i, "k")}
         if not moe.is_moe_layer(i):
@@ -41,6 +49,8 @@ def test_names_are_the_models_state_dict_keys() -> None:
             "moe.num_shared_experts": 1,
             "moe.shared_expert_gate": True,
         },
+        {"model.norm": "layernorm", "model.o_bias": True, "model.lm_head_bias": True},
+        {"model.lm_head_bias": True, "model.tie_embeddings": True},
     ):
         cfg = tiny_config({"model.n_layers": 3}, extra)
         with torch.device("meta"):

@@ -5,6 +5,7 @@ grouped-query attention too."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -138,3 +139,86 @@ def test_a_yarn_key_without_yarn_is_refused_whichever_it_is() -> None:
     for key in ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim"):
         with pytest.raises(ConfigError, match=rf"model\.{key}: only applies"):
             ModelConfig(**{key: 2.0}).validate()
+
+
+def _longrope_cfg(**keys: object) -> ModelConfig:
+    cfg = ModelConfig(
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=4,
+        max_seq_len=1024,
+        rope_scaling="longrope",
+        rope_original_max_seq_len=256,
+        rope_short_factor=[1.0 + 0.5 * i for i in range(8)],
+        rope_long_factor=[2.0 + i for i in range(8)],
+        **keys,
+    )
+    cfg.validate()
+    return cfg
+
+
+@pytest.mark.parametrize("attention_factor", [None, 1.243163121016122])
+def test_longrope_tables_equal_transformers_short_factors(attention_factor) -> None:
+    """LongRoPE's tables are transformers' for sequences within the original context (the short
+    factors), with its default attention factor sqrt(1 + ln(s) / ln(original)) or a given one;
+    the table stops at the original context."""
+    from transformers.modeling_rope_utils import _compute_longrope_parameters
+
+    cfg = _longrope_cfg(rope_attention_factor=attention_factor)
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": cfg.rope_theta,
+        "short_factor": cfg.rope_short_factor,
+        "long_factor": cfg.rope_long_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+    }
+    if attention_factor is not None:
+        rope["attention_factor"] = attention_factor
+    hc = LlamaConfig(
+        hidden_size=cfg.d_model,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_parameters=rope,
+    )
+    inv_freq, factor = _compute_longrope_parameters(hc, seq_len=cfg.rope_original_max_seq_len)
+    assert factor == pytest.approx(cfg.longrope_attention_factor, rel=1e-12)
+    assert factor == attention_factor or factor == pytest.approx(
+        math.sqrt(1 + math.log(4) / math.log(256))
+    )
+    cos, sin = model_rope_tables(cfg)
+    assert cos.shape == (256, 16)
+    want_cos, want_sin = LlamaRotaryEmbedding(hc)(torch.zeros(1), torch.arange(256)[None])
+    torch.testing.assert_close(cos, want_cos[0], atol=0, rtol=0)
+    torch.testing.assert_close(sin, want_sin[0], atol=0, rtol=0)
+    freqs = torch.outer(torch.arange(256.0), inv_freq)  # the formula, by hand
+    torch.testing.assert_close(cos, torch.cat((freqs, freqs), -1).cos() * factor)
+
+
+TINY_LONGROPE = {
+    "model.max_seq_len": 128,
+    "model.rope_scaling": "longrope",
+    "model.rope_original_max_seq_len": 16,
+    "model.rope_short_factor": [1.0] * 4,
+    "model.rope_long_factor": [4.0] * 4,
+    "data.seq_len": 16,
+}
+
+
+def test_longrope_refuses_sequences_past_the_original_context_by_key() -> None:
+    """moetrain computes the short factors only: a longer sequence or cache, a longer
+    data.seq_len and a wrong factor count are refused naming the key."""
+    cfg = tiny_config(TINY_LONGROPE)
+    model = Transformer(cfg.model, cfg.moe).eval()
+    model(torch.zeros(1, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"model\.rope_original_max_seq_len=16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    assert model.new_cache(1).max_len == 16
+    with pytest.raises(ConfigError, match=r"data\.seq_len"):
+        tiny_config(TINY_LONGROPE, {"data.seq_len": 32})
+    with pytest.raises(ConfigError, match=r"model\.rope_short_factor"):
+        tiny_config(TINY_LONGROPE, {"model.rope_short_factor": [1.0] * 3})
+    with pytest.raises(ConfigError, match=r"model\.rope_long_factor"):
+        tiny_config(TINY_LONGROPE, {"model.rope_long_factor": None})
+    with pytest.raises(ConfigError, match=r"model\.rope_short_factor"):
+        tiny_config({"model.rope_short_factor": [1.0] * 4})  # (without longrope)

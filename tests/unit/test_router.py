@@ -350,3 +350,79 @@ def test_group_limited_routing_matches_transformers(family: str, kw: dict) -> No
     torch.testing.assert_close(
         got.weights_TK.gather(1, order_ours.indices), ref_w.gather(1, order_ref.indices)
     )
+
+
+@pytest.mark.parametrize("eps", [0.01, 0.3, 2.0])
+def test_sparsemixer_is_transformers_eval_sparsemixer(eps: float) -> None:
+    """moe.router_type=sparsemixer: the two experts and their weights equal transformers'
+    Phi-3.5-MoE sparsemixer in eval mode (its inference) bit for bit, at the released eps and
+    at wider ones where more logits share each pick's softmax."""
+    phimoe = pytest.importorskip("transformers.models.phimoe.modeling_phimoe")
+    g = torch.Generator().manual_seed(0)
+    logits = (
+        torch.randn(64, 8, generator=g) * torch.tensor([0.1, 1.0, 3.0, 10.0]).repeat(16)[:, None]
+    )
+    r = make_router(num_experts=8, router_type="sparsemixer", renormalize=False)
+    r.gate = torch.nn.Linear(8, 8, bias=False)
+    with torch.no_grad():
+        r.gate.weight.copy_(torch.eye(8))
+    r.cfg.router_jitter_eps = eps
+    out = r(logits)
+    want_w, want_ids = phimoe.sparsemixer(logits, jitter_eps=eps, training=False)
+    assert torch.equal(out.ids_TK, want_ids)
+    assert torch.equal(out.weights_TK, want_w)
+    assert (out.weights_TK < 1).any()  # softmaxes over several logits...
+    assert (out.weights_TK == 1).any() == (eps < 1)  # ...and, masked, over one
+
+
+@pytest.mark.parametrize("eps", [0.3, 2.0])
+def test_sparsemixer_gradient_is_phimoe_multipliers_at_the_argmax(eps: float) -> None:
+    """moetrain's sparsemixer gradient (autograd of its deterministic forward) equals
+    transformers' training-mode backward (PhimoeMultiplier) on the draw where its Gumbel sample
+    is the argmax and its Heun coin gives 1."""
+    phimoe = pytest.importorskip("transformers.models.phimoe.modeling_phimoe")
+    from moetrain.model.moe.sparsemixer import sparsemixer_top2
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(32, 6, generator=g)
+    upstream = torch.randn(32, 2, generator=g)
+
+    def reference(scores: torch.Tensor) -> torch.Tensor:
+        """transformers' training path with the sampled expert = the argmax, mask_for_one 1."""
+        outs, masked_scores = [], scores
+        for _ in range(2):
+            with torch.no_grad():
+                best, ids = masked_scores.max(dim=-1, keepdim=True)
+                far = ((best - scores) / scores.abs().clamp(min=best)) > 2 * eps
+            gates = torch.softmax(masked_scores.masked_fill(far, float("-inf")), dim=-1)
+            weight = gates.gather(-1, ids)
+            outs.append(
+                phimoe.PhimoeMultiplier.apply(scores, weight, ids, gates, torch.ones_like(weight))
+            )
+            masked_scores = torch.scatter(scores, -1, ids, float("-inf"))
+        return torch.cat(outs, dim=-1)
+
+    grads = []
+    for fn in (reference, lambda s: sparsemixer_top2(s, eps)[0]):
+        scores = base.clone().requires_grad_()
+        (fn(scores) * upstream).sum().backward()
+        grads.append(scores.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-7, rtol=1e-6)
+    assert grads[0].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("kw", "key"),
+    [
+        (dict(top_k=3), "moe.top_k"),
+        (dict(score_func="sigmoid"), "moe.score_func"),
+        (dict(topk_before_score=True), "moe.topk_before_score"),
+        (dict(renormalize=True), "moe.renormalize"),
+        (dict(n_group=2), "moe.n_group"),
+        (dict(bias_update_rate=0.1), "moe.bias_update_rate"),
+    ],
+)
+def test_sparsemixer_refuses_what_it_does_not_compute_by_key(kw: dict, key: str) -> None:
+    cfg = MoEConfig(**{"num_experts": 4, "router_type": "sparsemixer", "renormalize": False, **kw})
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        cfg.validate()

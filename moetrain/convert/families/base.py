@@ -10,6 +10,7 @@ cheap to read (the command line builds ``--format`` from it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +100,12 @@ class Family:
     sinks_and_windows: bool = False
     biased_experts: bool = False
     clamped_swiglu: bool = False
+    # what its transformers class has beyond Llama's (each refused by key elsewhere): a bias
+    # on the LM head (model.lm_head_bias), its norm kind (model.norm) and its router's rule
+    # (moe.router_type)
+    lm_head_bias: bool = False
+    norm: str = "rmsnorm"
+    router_type: str = "topk"
 
     @property
     def dense(self) -> bool:
@@ -129,9 +136,23 @@ def no_o_bias(model: ModelConfig, name: str) -> Check:
 
 def extras(fam: Family, model: ModelConfig, moe: MoEConfig) -> list[Check]:
     """The refusals of the pieces ``fam`` does not have (its ``o_bias``, ``sinks_and_windows``,
-    ``biased_experts``, ``clamped_swiglu``)."""
+    ``biased_experts``, ``clamped_swiglu``, ``lm_head_bias``) or has otherwise (``norm``,
+    ``router_type``)."""
     name = fam.architecture
     checks = [] if fam.o_bias else [no_o_bias(model, name)]
+    checks += [
+        (model.norm != fam.norm, "model.norm", f"{name}'s norms are {fam.norm}"),
+        (
+            model.lm_head_bias and not fam.lm_head_bias,
+            "model.lm_head_bias",
+            f"{name} has no LM-head bias; must be false",
+        ),
+        (
+            moe.router_type != fam.router_type,
+            "moe.router_type",
+            f"{name} routes with {fam.router_type}",
+        ),
+    ]
     if not fam.sinks_and_windows:
         checks += [
             (model.attention_sinks, "model.attention_sinks", f"{name} has no attention sinks"),
@@ -318,6 +339,12 @@ _SCALING = {
         "rope_low_freq_factor": "low_freq_factor",
         "rope_high_freq_factor": "high_freq_factor",
     },
+    "longrope": {
+        "rope_original_max_seq_len": "original_max_position_embeddings",
+        "rope_short_factor": "short_factor",
+        "rope_long_factor": "long_factor",
+        "rope_attention_factor": "attention_factor",
+    },
 }
 
 
@@ -329,8 +356,11 @@ def rope_scaling_from_hf(rope: dict[str, Any], max_positions: int) -> dict[str, 
         return {}
     if kind not in _SCALING:
         raise ConfigError(
-            f"rope_parameters.rope_type: moetrain computes default, yarn and llama3; got {kind!r}"
+            "rope_parameters.rope_type: moetrain computes default, yarn, llama3 and longrope; "
+            f"got {kind!r}"
         )
+    if kind == "longrope":
+        return longrope_from_hf(rope)
     if kind == "llama3":
         return {"rope_scaling": "llama3", **{k: rope.get(v) for k, v in _SCALING[kind].items()}}
     if rope.get("attention_factor") is not None:
@@ -343,8 +373,27 @@ def rope_scaling_from_hf(rope: dict[str, Any], max_positions: int) -> dict[str, 
     return {"rope_scaling": "yarn", **fields}
 
 
+def longrope_from_hf(rope: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a LongRoPE ``rope_parameters`` dict (transformers'
+    ``_compute_longrope_parameters``): a ``factor`` other than the contexts' ratio only sets the
+    default attention factor, which is then made explicit."""
+    fields = {ours: rope.get(theirs) for ours, theirs in _SCALING["longrope"].items()}
+    for ours, theirs in _SCALING["longrope"].items():
+        if fields[ours] is None and ours != "rope_attention_factor":
+            raise ConfigError(f"rope_parameters.{theirs}: LongRoPE needs it")
+    factor, original = rope.get("factor"), fields["rope_original_max_seq_len"]
+    if fields["rope_attention_factor"] is None and factor is not None:
+        scale = float(factor)
+        fields["rope_attention_factor"] = (
+            1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+        )
+    fields["rope_short_factor"] = [float(f) for f in fields["rope_short_factor"]]
+    fields["rope_long_factor"] = [float(f) for f in fields["rope_long_factor"]]
+    return {"rope_scaling": "longrope", **fields}
+
+
 def rope_parameters(model: ModelConfig) -> dict[str, Any]:
-    """transformers' ``rope_parameters`` of ``model`` (plain, YaRN or llama3)."""
+    """transformers' ``rope_parameters`` of ``model`` (plain, YaRN, llama3 or LongRoPE)."""
     kind = "default" if model.rope_scaling == "none" else model.rope_scaling
     out = {"rope_type": kind, "rope_theta": model.rope_theta}
     if model.partial_rotary_factor != 1.0:
@@ -366,9 +415,10 @@ def refuse_attention_bias(hf: Any) -> None:
 
 
 def finish(model: ModelConfig, moe: MoEConfig) -> Config:
-    """The validated Config of an imported model (``data.seq_len`` capped at its context)."""
+    """The validated Config of an imported model (``data.seq_len`` capped at the positions it
+    computes)."""
     cfg = Config(model=model, moe=moe)
-    cfg.data.seq_len = min(cfg.data.seq_len, model.max_seq_len)
+    cfg.data.seq_len = min(cfg.data.seq_len, model.rope_positions)
     cfg.validate()
     return cfg
 

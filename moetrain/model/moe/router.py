@@ -25,6 +25,10 @@ loss averaged over sequences) or ``global_batch`` (every rank's tokens of this m
 the earlier micro-steps of the optimizer step: :meth:`Router.begin_step` /
 :meth:`Router.end_micro_batch` delimit them). Capacity is not the router's: the dispatchers apply
 it where each expert lives (:mod:`moetrain.model.moe.capacity`).
+
+``moe.router_type: sparsemixer`` replaces the selection and its weights by Phi-3.5-MoE's top-2
+rule (:mod:`moetrain.model.moe.sparsemixer`); the losses, counts and entropy are as above (the
+probabilities P_e the softmax of the logits).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from torch import nn
 
 from moetrain.config import MoEConfig
 from moetrain.model.cpu_matmul import linear
+from moetrain.model.moe.sparsemixer import sparsemixer_top2
 
 
 @dataclass
@@ -108,33 +113,21 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor, num_seqs: int = 1) -> RouterOutput:
         """Route ``x_TD``, the tokens of ``num_seqs`` equal sequences (the ``sequence`` scope
         balances each one)."""
-        cfg, e, k = self.cfg, self.num_experts, self.top_k
+        cfg, e = self.cfg, self.num_experts
         if self.training and cfg.jitter > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
         bias = None if self.gate.bias is None else self.gate.bias.float()  # moe.router_bias
         logits_TE = linear(x_TD.float(), self.gate.weight.float(), bias)
-        bias_E = self.expert_bias
-
         if cfg.score_func == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
             probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
         else:
             scores_TE = probs_TE = torch.softmax(logits_TE, dim=-1)
 
-        choice_TE = (logits_TE if cfg.topk_before_score else scores_TE) + bias_E
-        if cfg.n_group > 1:
-            choice_TE = limit_to_groups(choice_TE, cfg.n_group, cfg.topk_group, cfg.group_score)
-        ids_TK = torch.topk(choice_TE, k, dim=-1).indices
-        if cfg.topk_before_score:
-            weights_TK = torch.softmax(logits_TE.gather(1, ids_TK), dim=-1)
+        if cfg.router_type == "sparsemixer":
+            weights_TK, ids_TK = sparsemixer_top2(logits_TE, cfg.router_jitter_eps)
         else:
-            weights_TK = scores_TE.gather(1, ids_TK)
-            if cfg.renormalize:
-                total_T1 = weights_TK.sum(-1, keepdim=True)
-                if cfg.renormalize_min > 0:  # (0: the plain sum, bit for bit)
-                    total_T1 = total_T1.clamp_min(cfg.renormalize_min)
-                weights_TK = weights_TK / total_T1
-
+            weights_TK, ids_TK = self._top_k(logits_TE, scores_TE)
         counts_E = count_experts(ids_TK, e)
         t = max(x_TD.shape[0], 1)  # T = 0 (an empty micro-batch) gives zero losses, not NaN
         z_loss = torch.logsumexp(logits_TE, dim=-1).pow(2).sum() / t
@@ -149,6 +142,26 @@ class Router(nn.Module):
             tokens_per_expert_E=counts_E.float(),
             entropy=entropy,
         )
+
+    def _top_k(
+        self, logits_TE: torch.Tensor, scores_TE: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights_TK, ids_TK)`` of the top-k rule: the selection (biased, group-limited) and
+        the weights (softmax over the k, or the scores, renormalised), before route_scale."""
+        cfg = self.cfg
+        choice_TE = (logits_TE if cfg.topk_before_score else scores_TE) + self.expert_bias
+        if cfg.n_group > 1:
+            choice_TE = limit_to_groups(choice_TE, cfg.n_group, cfg.topk_group, cfg.group_score)
+        ids_TK = torch.topk(choice_TE, self.top_k, dim=-1).indices
+        if cfg.topk_before_score:
+            return torch.softmax(logits_TE.gather(1, ids_TK), dim=-1), ids_TK
+        weights_TK = scores_TE.gather(1, ids_TK)
+        if cfg.renormalize:
+            total_T1 = weights_TK.sum(-1, keepdim=True)
+            if cfg.renormalize_min > 0:  # (0: the plain sum, bit for bit)
+                total_T1 = total_T1.clamp_min(cfg.renormalize_min)
+            weights_TK = weights_TK / total_T1
+        return weights_TK, ids_TK
 
     def _aux_loss(
         self, probs_TE: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor, num_seqs: int
