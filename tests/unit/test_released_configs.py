@@ -127,7 +127,7 @@ def test_released_config_imports_and_exports_with_transformers_logits(
     exported, again = hf_logits(out, ids)
     target = of_hf_config(json.loads((out / "config.json").read_text()))
     assert exported == target.architecture and not target.dense
-    assert fam.dense or exported == arch
+    assert fam.dense or target is fam  # (its transformers class: Phi's remote-code name differs)
     close(again, ref)
 
 
