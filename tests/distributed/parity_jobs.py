@@ -34,6 +34,13 @@ GRAD_NAMES = (
     "lm_head.weight",
     "layers.2.eh_proj.weight",  # the multi-token-prediction modules (model.mtp_depth)
     "layers.3.ffn.experts.w2",
+    "layers.0.attn.sinks",  # gpt-oss's pieces
+    "layers.1.attn.wo.bias",
+    "layers.0.ffn.router.gate.bias",
+    "layers.0.ffn.experts.w13_bias",
+    "layers.1.ffn.experts.w2_bias",
+    "layers.0.attn_norm.bias",  # Phi-3.5-MoE's
+    "lm_head.bias",
 )
 # Routing variants, each combining several settings on top of the base configuration (softmax
 # top-k, gated shared expert, aux-loss-free bias, global micro-batch balance statistics).
@@ -55,6 +62,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.mtp_depth": 2,
         "model.mtp_loss_weight_final": 0.1,
         "model.mtp_loss_weight_final_step": 3,
+    },
+    "gptoss": {  # gpt-oss's pieces: sinks, a sliding and a full layer, every bias, the clamp
+        "model.qkv_bias": True,
+        "model.o_bias": True,
+        "model.attention_sinks": True,
+        "model.sliding_window": 6,
+        "model.layer_types": ["sliding_attention", "full_attention"],
+        "moe.topk_before_score": True,
+        "moe.router_bias": True,
+        "moe.expert_biases": True,
+        "moe.activation": "clamped_swiglu",
+        "moe.swiglu_alpha": 1.702,
+        "moe.swiglu_limit": 0.5,  # binds at this model's activations
+    },
+    "phimoe": {  # Phi-3.5-MoE's: LayerNorm, the LM-head bias, sparsemixer routing
+        "model.norm": "layernorm",
+        "model.lm_head_bias": True,
+        "moe.router_type": "sparsemixer",
+        "moe.renormalize": False,
+        "moe.bias_update_rate": 0.0,  # (sparsemixer has no selection bias)
     },
 }
 
@@ -241,7 +268,8 @@ def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
     if world == 1:
         out["reference"] = reference_run()
         out["reference_routing"] = reference_run("routing")
-        out["reference_mtp"] = reference_run("mtp")
+        for variant in ("mtp", "gptoss", "phimoe"):
+            out[f"reference_{variant}"] = reference_run(variant)
         for groups in (1, 2):
             out[f"reference_capacity_g{groups}"] = reference_run("capacity", groups)
     for layout in layouts:
