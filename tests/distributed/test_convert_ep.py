@@ -115,7 +115,7 @@ def _env() -> dict[str, str]:
 
 
 # the default suite's share (the other formats with -m long)
-QUICK = ("mixtral", "deepseek_v3", "phimoe")
+QUICK = ("mixtral", "deepseek_v3", "phimoe", "mixtral_bf16")
 CASES = [f if f in QUICK else pytest.param(f, marks=pytest.mark.long) for f in FORMATS]
 
 
