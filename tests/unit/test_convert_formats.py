@@ -364,7 +364,7 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
         ),
         ("mixtral", {}, dict(n_group=2), "moe.n_group"),
         ("granitemoe", {}, {}, "moe.topk_before_score"),
-        ("granitemoe", dict(qkv_bias=True), dict(topk_before_score=True), "model.qkv_bias"),
+        ("granitemoe", dict(qkv_bias=True), dict(topk_before_score=True), "model.o_bias"),
         ("granitemoe", dict(qk_norm=True), dict(topk_before_score=True), "model.qk_norm"),
         (
             "granitemoe",
@@ -591,6 +591,24 @@ def test_granite_multipliers_change_the_logits_and_match_transformers(tmp_path) 
     assert hf_config(default, "granitemoe").attention_multiplier == 16**-0.5
 
 
+@pytest.mark.parametrize("fmt", ["granitemoe", "granitemoeshared"])
+def test_granite_attention_biases_match_transformers_and_round_trip(tmp_path, fmt) -> None:
+    """``attention_bias``: biases on q/k/v/o (nonzero, so each shows in the logits) give
+    transformers' logits, and the config reads back with them."""
+    cfg = tiny_cfg(fmt, {"model.qkv_bias": True, "model.o_bias": True})
+    model = sharpened(model_for(cfg))
+    hf = load_hf(cfg, model, fmt, tmp_path)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(ids).logits, hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+        )
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["attention_bias"] is True
+    back = config_from_hf(saved).model
+    assert (back.qkv_bias, back.o_bias) == (True, True)
+
+
 def test_granite_shared_expert_matches_transformers_and_round_trips(tmp_path) -> None:
     """GraniteMoeShared: the shared expert (two of moetrain's merged, 2 x 24) is its
     shared_mlp, read back as one of 48; without one it is GraniteMoe's model, which auto
@@ -646,7 +664,6 @@ def test_granite_released_config_imports() -> None:
 @pytest.mark.parametrize(
     "changes, key",
     [
-        ({"attention_bias": True}, "attention_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"embedding_multiplier": 0.0}, "embedding_multiplier"),
         ({"logits_scaling": None}, "logits_scaling"),

@@ -74,6 +74,18 @@ def test_group_limited_source_keeps_its_expert_groups(tmp_path) -> None:
     torch.testing.assert_close(got, hf_logits(src, ids), atol=1e-5, rtol=1e-5)
 
 
+def test_a_qwen2_moe_source_without_qkv_biases(tmp_path) -> None:
+    """Qwen2-MoE with ``qkv_bias: false`` (no bias tensors in its files) imports without them
+    and computes transformers' logits."""
+    src = save_hf_model("qwen2_moe", tmp_path / "q", overrides={"qkv_bias": False})
+    cfg, source = resolved(f"checkpoint.init_from={src}")
+    assert not cfg.model.qkv_bias
+    ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = build_model(cfg, source).eval()(ids).logits
+    torch.testing.assert_close(got, hf_logits(src, ids), atol=1e-5, rtol=1e-5)
+
+
 def test_shape_comes_from_the_source_and_contradictions_are_refused(hf_dirs) -> None:
     src = hf_dirs["mixtral"]
     cfg, _ = resolved(f"checkpoint.init_from={src}", "moe.aux_loss_coef=0.02", "data.seq_len=32")

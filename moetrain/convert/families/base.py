@@ -134,6 +134,17 @@ def no_o_bias(model: ModelConfig, name: str) -> Check:
     return (model.o_bias, "model.o_bias", f"{name} has no output-projection bias")
 
 
+def all_or_no_attention_biases(model: ModelConfig, name: str) -> Check:
+    """The check of a family whose ``attention_bias`` puts biases on all four attention
+    projections or on none."""
+    return (
+        model.o_bias != model.qkv_bias,
+        "model.o_bias",
+        f"{name}'s attention_bias puts biases on all four projections or none; must equal "
+        f"model.qkv_bias={model.qkv_bias}",
+    )
+
+
 def extras(fam: Family, model: ModelConfig, moe: MoEConfig) -> list[Check]:
     """The refusals of the pieces ``fam`` does not have (its ``o_bias``, ``sinks_and_windows``,
     ``biased_experts``, ``clamped_swiglu``, ``lm_head_bias``) or has otherwise (``norm``,

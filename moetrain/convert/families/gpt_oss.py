@@ -31,12 +31,7 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
             base.dropless(moe, NAME),
             base.no_qk_norm(model, NAME),
             base.no_shared_experts(moe, NAME),
-            (
-                model.qkv_bias != model.o_bias,
-                "model.o_bias",
-                f"{NAME}'s attention_bias puts biases on all four projections or none; must "
-                f"equal model.qkv_bias={model.qkv_bias}",
-            ),
+            base.all_or_no_attention_biases(model, NAME),
             (not model.attention_sinks, "model.attention_sinks", need),
             (not moe.router_bias, "moe.router_bias", need),
             (not moe.expert_biases, "moe.expert_biases", need),

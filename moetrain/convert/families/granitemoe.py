@@ -1,11 +1,12 @@
 """Granite-MoE (GraniteMoeForCausalLM; granite-3.0-1b-a400m, granite-3.1-3b-a800m): top-k on
 the router logits, then softmax over the k (``moe.topk_before_score``), no shared experts, MoE
-in every layer, and muP-style scalars: the embeddings times ``embedding_multiplier``, each
-block's attention and MoE outputs times ``residual_multiplier``, attention's softmax scale
-``attention_multiplier`` (moetrain's ``model.attention_scale``), the logits divided by
-``logits_scaling`` (``model.embedding_multiplier``, ``model.residual_multiplier``,
-``model.logits_scaling``). Its files hold each layer's experts fused:
-``block_sparse_moe.input_linear.weight`` (E, 2F, D) = [gate; up],
+in every layer, biases on all four attention projections or none (``attention_bias``:
+``model.qkv_bias`` and ``model.o_bias``), and muP-style scalars: the embeddings times
+``embedding_multiplier``, each block's attention and MoE outputs times ``residual_multiplier``,
+attention's softmax scale ``attention_multiplier`` (moetrain's ``model.attention_scale``), the
+logits divided by ``logits_scaling`` (``model.embedding_multiplier``,
+``model.residual_multiplier``, ``model.logits_scaling``). Its files hold each layer's experts
+fused: ``block_sparse_moe.input_linear.weight`` (E, 2F, D) = [gate; up],
 ``block_sparse_moe.output_linear.weight`` (E, D, F) and the router
 ``block_sparse_moe.router.layer.weight`` (transformers v5 renames them in memory to
 ``block_sparse_moe.experts.gate_up_proj`` / ``down_proj`` and ``block_sparse_moe.router``).
@@ -41,12 +42,7 @@ def _checks(model: ModelConfig, moe: MoEConfig, name: str) -> list[base.Check]:
     """What both Granite classes compute (all but the shared expert)."""
     return [
         base.dropless(moe, name),
-        (
-            model.qkv_bias,
-            "model.qkv_bias",
-            f"{name}'s attention_bias puts biases on every attention projection (the "
-            "output too); moetrain has q/k/v biases only: must be false",
-        ),
+        base.all_or_no_attention_biases(model, name),
         base.no_qk_norm(model, name),
         (moe.score_func != "softmax", "moe.score_func", f"{name} routes with softmax"),
         (
@@ -81,7 +77,7 @@ def to_hf(cfg: Config) -> dict[str, Any]:
         residual_multiplier=model.residual_multiplier,
         attention_multiplier=attention_multiplier(model),
         logits_scaling=model.logits_scaling,
-        attention_bias=False,
+        attention_bias=model.qkv_bias,
         hidden_act="silu",
     )
 
@@ -120,8 +116,8 @@ def shared_from_hf(hf: Any) -> Config:
 
 
 def _from_hf(hf: Any) -> Config:
-    base.refuse_attention_bias(hf)
     model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
+    model.qkv_bias = model.o_bias = bool(getattr(hf, "attention_bias", False))
     if model.partial_rotary_factor != 1.0:
         raise ConfigError(
             f"rope_parameters.partial_rotary_factor: {NAME} rotates whole heads; got "
@@ -152,6 +148,7 @@ FAMILY = Family(
     to_hf=to_hf,
     names=NAMES,
     multipliers=True,
+    o_bias=True,
 )
 
 SHARED_FAMILY = Family(
@@ -164,4 +161,5 @@ SHARED_FAMILY = Family(
         NAMES, shared_fused=("shared_mlp.input_linear", "shared_mlp.output_linear")
     ),
     multipliers=True,
+    o_bias=True,
 )

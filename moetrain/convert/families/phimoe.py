@@ -36,12 +36,7 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
         [
             base.dropless(moe, NAME),
             base.no_qk_norm(model, NAME),
-            (
-                model.o_bias != model.qkv_bias,
-                "model.o_bias",
-                f"{NAME}'s attention_bias puts biases on all four projections or none; must "
-                "equal model.qkv_bias",
-            ),
+            base.all_or_no_attention_biases(model, NAME),
             (
                 model.rope_scaling not in ("none", "longrope"),
                 "model.rope_scaling",

@@ -66,7 +66,7 @@ def to_hf(cfg: Config) -> dict[str, Any]:
 
 def from_hf(hf: Any) -> Config:
     model, moe = qwen_moe_from_hf(hf)
-    model.qkv_bias = True
+    model.qkv_bias = bool(getattr(hf, "qkv_bias", True))
     shared = hf.shared_expert_intermediate_size  # 0: none
     moe.num_shared_experts, moe.shared_expert_gate = int(shared > 0), shared > 0
     moe.shared_expert_hidden = shared or None
