@@ -1,5 +1,6 @@
 """The peer of ``benchmarks/train_command.py``: Hugging Face MixtralForCausalLM (Qwen2-MoE for
-the ``shared`` shape, DeepseekV3ForCausalLM for ``deepseek_v3``) trained through DeepSpeed ZeRO-2 on moetrain's prepared token shards, as one
+the ``shared`` shape, DeepseekV3ForCausalLM for ``deepseek_v3``, GptOssForCausalLM for
+``gpt_oss``) trained through DeepSpeed ZeRO-2 on moetrain's prepared token shards, as one
 training script started by a launcher (one process per rank, as ``moetrain train`` is).
 
     deepspeed --num_gpus 2 benchmarks/peer_train.py --data DIR --steps 20 [--shape bench]
@@ -34,7 +35,7 @@ def main() -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
-    from train_throughput import LR, MICRO, SHAPES, _hf_model, peer_ds_config
+    from train_throughput import LR, MICRO, SHAPES, _hf_model, peer_ds_config, peer_family
 
     from moetrain.config import DataConfig
     from moetrain.data.splits import build_loader
@@ -43,11 +44,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = SHAPES[args.shape]
-    family = "qwen2-moe" if "shared_hidden" in shape else "mixtral"
-    if "mla" in shape:
-        family = "deepseek-v3"
     torch.manual_seed(0)
-    model = _hf_model(family, False, shape)
+    model = _hf_model(peer_family(shape), False, shape)
     opt = torch.optim.AdamW(
         model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1, fused=True
     )

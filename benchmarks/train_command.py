@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from train_throughput import LR, MICRO, SHAPES, _shared_expert_overrides  # noqa: E402
+from train_throughput import LR, MICRO, SHAPES, architecture_overrides  # noqa: E402
 
 WORK = ROOT / "runs" / "bench-command"
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
@@ -70,7 +70,7 @@ def shape_overrides(shape: dict) -> list[str]:
         "moe.aux_loss_coef=0.01",
         "moe.z_loss_coef=0",
         f"data.seq_len={shape['seq']}",
-        *_shared_expert_overrides(shape),
+        *architecture_overrides(shape),
     ]
 
 

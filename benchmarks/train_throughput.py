@@ -72,6 +72,10 @@ SHAPES = {
         ),
         "groups": (4, 2),
     },
+    # gpt-oss's architecture at this size: attention sinks, sliding-window (128) and full layers
+    # alternating, biases on q/k/v/o, YaRN without truncation, a router with a bias taking top-k
+    # on its logits then softmax over the k, experts with biases and the clamped SwiGLU
+    "gpt_oss": {**SHAPE, "gpt_oss": dict(window=128, rope_theta=150000.0, yarn=(4.0, 64))},
 }
 MICRO = 4
 LR = 3e-4  # AdamW's learning rate on every side (moetrain's default), constant, no warm-up
@@ -135,7 +139,7 @@ def moetrain_trainer(ep: int, overrides: list[str], shape: dict = SHAPE):
             "optim.warmup_steps=0",
             "optim.schedule=constant",
             "run_dir=runs/bench-unused",  # nothing is written there
-            *_shared_expert_overrides(s),
+            *architecture_overrides(s),
             *overrides,
         ],
     )
@@ -143,9 +147,45 @@ def moetrain_trainer(ep: int, overrides: list[str], shape: dict = SHAPE):
     return Trainer(cfg, init_distributed(cfg))
 
 
-def _shared_expert_overrides(shape: dict) -> list[str]:
-    """The shape's shared expert and, for the DeepSeek-V3 shape, its attention and routing
-    (no balancing loss, as transformers' DeepseekV3 has none; the selection bias moves)."""
+def gpt_oss_layer_types(layers: int) -> list[str]:
+    """gpt-oss's layer pattern: sliding-window and full attention alternating."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+def peer_family(shape: dict) -> str:
+    """The Hugging Face class that trains the same architecture as ``shape``."""
+    if "mla" in shape:
+        return "deepseek-v3"
+    if "gpt_oss" in shape:
+        return "gpt-oss"
+    return "qwen2-moe" if "shared_hidden" in shape else "mixtral"
+
+
+def architecture_overrides(shape: dict) -> list[str]:
+    """moetrain's settings for the shape's architecture beyond its sizes: a shared expert,
+    DeepSeek-V3's attention and routing (no balancing loss, as transformers' DeepseekV3 has
+    none; the selection bias moves) or gpt-oss's pieces."""
+    if "gpt_oss" in shape:
+        g = shape["gpt_oss"]
+        factor, original = g["yarn"]
+        return [
+            "model.attention_sinks=true",
+            "model.qkv_bias=true",
+            "model.o_bias=true",
+            f"model.sliding_window={g['window']}",
+            f"model.layer_types=[{','.join(gpt_oss_layer_types(shape['layers']))}]",
+            f"model.rope_theta={g['rope_theta']}",
+            "model.rope_scaling=yarn",
+            f"model.rope_factor={factor}",
+            f"model.rope_original_max_seq_len={original}",
+            "model.rope_truncate=false",
+            "moe.router_bias=true",
+            "moe.expert_biases=true",
+            "moe.activation=clamped_swiglu",
+            "moe.swiglu_alpha=1.702",  # transformers' GptOss defaults (and the release's)
+            "moe.swiglu_limit=7.0",
+            "moe.topk_before_score=true",
+        ]
     if "mla" in shape:
         n_group, topk_group = shape["groups"]
         mla = [f"model.{k}={v}" for k, v in shape["mla"].items()]
@@ -232,6 +272,29 @@ def _hf_model(family: str, grouped: bool, shape: dict):
             num_mtp_layers=0,
         )
         return transformers.DeepseekV3ForCausalLM(config)
+    if family == "gpt-oss":
+        g = s["gpt_oss"]
+        factor, original = g["yarn"]
+        common["attn_implementation"] = "eager"  # transformers' GptOss has no SDPA path (sinks)
+        config = transformers.GptOssConfig(
+            **common,
+            head_dim=s["d"] // s["heads"],
+            intermediate_size=s["hidden"],
+            num_local_experts=s["experts"],
+            sliding_window=g["window"],
+            layer_types=gpt_oss_layer_types(s["layers"]),
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=g["rope_theta"],
+                factor=factor,
+                original_max_position_embeddings=original,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+            ),
+            tie_word_embeddings=False,
+        )
+        return transformers.GptOssForCausalLM(config)
     if family == "qwen2-moe":
         config = transformers.Qwen2MoeConfig(
             **common,

@@ -196,17 +196,59 @@ def silu_mul_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Ten
     return _SiluMulPacked.apply(h, w)
 
 
+class _ClampedSwiGLUPacked(torch.autograd.Function):
+    """:func:`clamped_swiglu_packed` with its gradient written out: saves h and w only (autograd's
+    composition keeps five (..., F) temporaries) and writes the gradient wrt h into one packed
+    buffer. The math runs in the wider of h's and w's dtypes, a block of rows at a time."""
+
+    @staticmethod
+    def forward(ctx, h, w, alpha, limit):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(h, w)
+        ctx.alpha, ctx.limit = alpha, limit
+        wide = h.dtype if w is None else torch.promote_types(h.dtype, w.dtype)
+        out = h.new_empty(*h.shape[:-1], h.shape[-1] // 2)
+        for rows in _row_blocks(h):
+            a, b = h[rows].to(wide).chunk(2, -1)
+            a = a.clamp(max=limit)
+            y = torch.sigmoid(alpha * a).mul_(a).mul_(b.clamp(-limit, limit).add_(1))
+            out[rows] = y if w is None else y.mul_(w[rows].unsqueeze(-1))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        h, w = ctx.saved_tensors
+        alpha, limit = ctx.alpha, ctx.limit
+        wide = h.dtype if w is None else torch.promote_types(h.dtype, w.dtype)
+        grad_h = torch.empty_like(h)
+        need_w = w is not None and ctx.needs_input_grad[1]
+        grad_w = torch.empty_like(w) if need_w else None
+        for rows in _row_blocks(h):
+            a, b = h[rows].to(wide).chunk(2, -1)
+            g = grad[rows].to(wide)
+            a_c = a.clamp(max=limit)
+            s = torch.sigmoid(alpha * a_c)
+            glu = a_c * s
+            b_c1 = b.clamp(-limit, limit).add_(1)
+            if w is not None:
+                if need_w:
+                    grad_w[rows] = (g * glu * b_c1).sum(-1)
+                g = g * w[rows].unsqueeze(-1)
+            # the clamps pass the gradient where they do not bind (ends included, as torch's)
+            grad_a, grad_b = grad_h[rows].chunk(2, -1)
+            grad_b.copy_(torch.mul(g, glu).masked_fill_(b.abs() > limit, 0))
+            d_glu = s.neg().add_(1).mul_(a_c).mul_(alpha).add_(1).mul_(s)  # d(a sig(alpha a))/da
+            grad_a.copy_(d_glu.mul_(g).mul_(b_c1).masked_fill_(a > limit, 0))
+        return grad_h, grad_w, None, None
+
+
 def clamped_swiglu_packed(
     h: torch.Tensor, w: torch.Tensor | None, alpha: float, limit: float
 ) -> torch.Tensor:
     """gpt-oss's clamped SwiGLU of ``h = [a | b]`` (last dim 2F): with ``a' = min(a, limit)``
     and ``b' = b`` clamped to ``[-limit, limit]``, ``(b' + 1) * a' * sigmoid(alpha * a')``
-    (last dim F, h's dtype), each row scaled by ``w`` when given (autograd's composition; the
-    clamps pass no gradient where they bind)."""
-    a, b = h.chunk(2, dim=-1)
-    a = a.clamp(max=limit)
-    out = (b.clamp(-limit, limit) + 1) * (a * torch.sigmoid(alpha * a))
-    return out if w is None else (out * w.unsqueeze(-1)).to(h.dtype)
+    (last dim F, h's dtype), each row scaled by ``w`` (h.shape[:-1]; h's dtype or wider) when
+    given; the clamps pass no gradient where they bind."""
+    return _ClampedSwiGLUPacked.apply(h, w, alpha, limit)
 
 
 class SwiGLU(nn.Module):

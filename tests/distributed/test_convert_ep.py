@@ -95,6 +95,43 @@ FORMATS = {
         "model.rope_long_factor=[2.0,3.0,4.0,8.0]",
         "model.rope_attention_factor=1.25",
     ],
+    "ernie4_5_moe": [  # ERNIE-4.5's pieces: interleaved pairs, selection bias, tied embeddings
+        "model.rope_interleave=true",
+        "model.tie_embeddings=true",
+        "moe.first_k_dense=1",
+        "moe.num_shared_experts=2",
+        "moe.bias_update_rate=0.05",
+        "moe.renormalize_min=1e-12",
+        "train.max_steps=3",  # two steps move the selection bias there and back to zero
+        "checkpoint.save_every_steps=3",
+    ],
+    "granitemoe": [  # Granite's muP-style scalars, top-k then softmax, q/k/v/o biases
+        "model.tie_embeddings=true",
+        "model.embedding_multiplier=12.0",
+        "model.residual_multiplier=0.22",
+        "model.attention_scale=0.015625",
+        "model.logits_scaling=6.0",
+        "model.qkv_bias=true",
+        "model.o_bias=true",
+        "moe.topk_before_score=true",
+    ],
+    "gpt_oss": [  # gpt-oss's pieces, the window binding at this sequence length
+        "model.qkv_bias=true",
+        "model.o_bias=true",
+        "model.attention_sinks=true",
+        "model.sliding_window=8",
+        "model.layer_types=[sliding_attention,full_attention,sliding_attention]",
+        "model.rope_scaling=yarn",
+        "model.rope_factor=4.0",
+        "model.rope_original_max_seq_len=64",
+        "model.rope_truncate=false",
+        "moe.topk_before_score=true",
+        "moe.router_bias=true",
+        "moe.expert_biases=true",
+        "moe.activation=clamped_swiglu",
+        "moe.swiglu_alpha=1.702",
+        "moe.swiglu_limit=7.0",
+    ],
     "mixtral_bf16": ["train.precision=bf16"],
 }
 ARCH = {
@@ -105,6 +142,9 @@ ARCH = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "phimoe": "PhimoeForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -121,16 +161,22 @@ CASES = [f if f in QUICK else pytest.param(f, marks=pytest.mark.long) for f in F
 
 @pytest.fixture(scope="module")
 def trained(request, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """One 2-step EP=2 training run per selected format, all launched at once; -> (checkpoint,
-    corpus)."""
-    every = "long" in (request.config.getoption("markexpr") or "")
+    """One 2-step EP=2 training run per format the session's selected tests use, all launched
+    at once; -> (checkpoint, corpus)."""
+    selected = {
+        item.callspec.params["fmt"]
+        for item in request.session.items
+        if "fmt" in getattr(getattr(item, "callspec", None), "params", {})
+    }
+    if any(item.name == "test_bf16_run_exports_its_fp32_masters" for item in request.session.items):
+        selected.add("mixtral_bf16")
     work = tmp_path_factory.mktemp("convert_ep")
     cfg = prepare_stdlib_config(work, CONFIG, n_files=12, max_chars=150_000)
     corpus = work / "corpus.txt"
     torchrun = str(Path(PY).parent / "torchrun")
     procs = {}
     for fmt, overrides in FORMATS.items():
-        if not (every or fmt in QUICK):
+        if fmt not in selected:
             continue
         run_dir = work / f"run-{fmt}"
         cmd = [
@@ -169,7 +215,11 @@ def test_trained_ep2_checkpoint_converts_exactly(tmp_path, trained, fmt: str) ->
     assert state["layout"]["world_size"] == 2 and state["layout"]["ep_size"] == 2
     model, cfg = load_model(ckpt)
     model.eval()
-    if fmt in ("glm4_moe", "deepseek_v3"):  # the bias moved: HF's selection bias is exercised
+    if fmt in (
+        "glm4_moe",
+        "deepseek_v3",
+        "ernie4_5_moe",
+    ):  # the bias moved: HF's selection bias is exercised
         assert any(m.router.expert_bias.abs().sum() > 0 for m in model.moe_layers())
     out = convert_checkpoint(ckpt, tmp_path / "hf", fmt="auto")
     assert json.loads((out / "config.json").read_text())["architectures"] == [ARCH[fmt]]

@@ -33,6 +33,41 @@ def test_clamped_swiglu_is_gpt_oss_formula_where_the_clamps_bind() -> None:
     torch.testing.assert_close(clamped_swiglu_packed(h, w, 1.702, 0.7), want * w[:, None])
 
 
+def _clamped_composition(h, w, alpha: float, limit: float) -> torch.Tensor:
+    """The clamped SwiGLU as autograd's composition of torch ops (the gradient reference)."""
+    a, b = h.chunk(2, dim=-1)
+    a = a.clamp(max=limit)
+    out = (b.clamp(-limit, limit) + 1) * (a * torch.sigmoid(alpha * a))
+    return out if w is None else (out * w.unsqueeze(-1)).to(h.dtype)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_clamped_swiglu_gradient_is_autograds(weighted: bool) -> None:
+    torch.manual_seed(0)
+    h = (torch.randn(5, 7, 2 * 6, dtype=torch.float64) * 1.5).requires_grad_()
+    w = torch.rand(5, 7, dtype=torch.float64, requires_grad=True) if weighted else None
+    torch.autograd.gradcheck(lambda h, w: clamped_swiglu_packed(h, w, 1.702, 0.7), (h, w))
+    grad_out = torch.randn(5, 7, 6, dtype=torch.float64)
+    inputs = (h, w) if weighted else (h,)
+    got = torch.autograd.grad(clamped_swiglu_packed(h, w, 1.702, 0.7), inputs, grad_out)
+    want = torch.autograd.grad(_clamped_composition(h, w, 1.702, 0.7), inputs, grad_out)
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+def test_clamped_swiglu_bf16_with_fp32_weights_computes_in_fp32() -> None:
+    torch.manual_seed(0)
+    h32 = torch.randn(64, 2 * 16) * 1.5
+    h = h32.bfloat16().requires_grad_()
+    w = torch.rand(64, requires_grad=True)
+    out = clamped_swiglu_packed(h, w, 1.702, 0.7)
+    assert out.dtype == torch.bfloat16
+    want = _clamped_composition(h.detach().float(), w.detach(), 1.702, 0.7)
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+    out.float().sum().backward()
+    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+
+
 def _experts(grouped: bool, recompute: bool = False) -> GroupedExperts:
     torch.manual_seed(0)
     ex = GroupedExperts(
