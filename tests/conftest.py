@@ -31,14 +31,23 @@ os.environ.setdefault(
 )
 
 
+# Opt-in markers: a test carrying one runs only when ``-m`` names it.
+OPT_IN = {
+    "long": "takes minutes: run with -m long",
+    "serving": "needs vLLM's CPU build in its own venv (launch/serving-venv.sh): run with -m serving",
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``long`` (fault-injection loops, resume matrices) run only when ``-m``
-    names them."""
+    """Tests marked ``long`` (fault-injection loops, resume matrices) or ``serving`` (vLLM) run
+    only when ``-m`` names their marker."""
     import pytest
 
-    if "long" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="takes minutes: run with -m long")
-    for item in items:
-        if "long" in item.keywords:
-            item.add_marker(skip)
+    markexpr = config.getoption("markexpr") or ""
+    for marker, reason in OPT_IN.items():
+        if marker in markexpr:
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)
