@@ -163,12 +163,14 @@ CASES = [f if f in QUICK else pytest.param(f, marks=pytest.mark.long) for f in F
 def trained(request, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """One 2-step EP=2 training run per format the session's selected tests use, all launched
     at once; -> (checkpoint, corpus)."""
+    # items skipped at collection (the -m long cases in the default suite) stay in session.items
+    running = [it for it in request.session.items if it.get_closest_marker("skip") is None]
     selected = {
         item.callspec.params["fmt"]
-        for item in request.session.items
+        for item in running
         if "fmt" in getattr(getattr(item, "callspec", None), "params", {})
     }
-    if any(item.name == "test_bf16_run_exports_its_fp32_masters" for item in request.session.items):
+    if any(item.name == "test_bf16_run_exports_its_fp32_masters" for item in running):
         selected.add("mixtral_bf16")
     work = tmp_path_factory.mktemp("convert_ep")
     cfg = prepare_stdlib_config(work, CONFIG, n_files=12, max_chars=150_000)
