@@ -33,13 +33,13 @@ from moetrain.convert.hf import (
     expert_shapes,
     ffn_key_map,
     from_hf_state_dict,
-    from_interleaved,
+    from_stacked,
     fused_expert_names,
     hf_shape,
     in_memory_name,
-    interleaved_expert_names,
     is_expert_tensor,
     joined_shapes,
+    stacked_expert_names,
     zero_shared_expert,
 )
 from moetrain.convert.hf_files import HFWeights
@@ -164,10 +164,10 @@ def _hf_experts(
     dtype."""
     (start, stop), fam, f = experts, source.family, source.config.moe.expert_hidden
     p, fused = pn.experts_prefix(layer), fused_expert_names(fam, layer, weights.weight_map)
-    if family(fam).names.interleaved_experts:  # gpt-oss: this rank's rows of each tensor
-        names = interleaved_expert_names(source.config, fam, layer)
+    if family(fam).names.stacked_experts is not None:  # this rank's rows of each tensor
+        names = stacked_expert_names(source.config, fam, layer)
         return {
-            p + w: from_interleaved(w, weights.load_rows(hf, start, stop)).contiguous()
+            p + w: from_stacked(fam, w, weights.load_rows(hf, start, stop)).contiguous()
             for w, hf in names.items()
         }
     if fused is not None:
@@ -231,7 +231,7 @@ def _upcycled_parts(source: InitSource, cfg: Config, experts: tuple[int, int]) -
 
     def ffn(layer: int) -> list[torch.Tensor]:
         """The dense FFN's gate, up and down weights (HF layout)."""
-        hf = ffn_key_map(layer)
+        hf = ffn_key_map(layer, family(fam).names.dense_block)
         t = weights.load(list(hf.values()))
         return [t[hf[pn.dense_ffn(layer, w)]] for w in _W]
 

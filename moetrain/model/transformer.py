@@ -19,6 +19,7 @@ from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents
 from moetrain.model.head_exchange import HeadExchange
 from moetrain.model.layers import LayerNorm, RMSNorm, make_norm
+from moetrain.model.local_attention import chunk_segments
 from moetrain.model.loss import chunked_cross_entropy
 from moetrain.model.mla import LatentCache
 from moetrain.model.moe.experts import GroupedExperts
@@ -173,14 +174,20 @@ class Transformer(nn.Module):
         x_BSD = self.embed(input_ids_BS)
         if self.cfg.embedding_multiplier != 1.0:
             x_BSD = x_BSD * self.cfg.embedding_multiplier
-        # the packed documents' layout, one for every layer: no S x S mask (doc_attention.py)
-        mask = None
+        # the packed documents' layout, one for every layer: no S x S mask (doc_attention.py);
+        # chunked layers see each document's part of each chunk (local_attention.py)
+        mask = chunk_mask = None
         if doc_ids_BS is not None:
             mask = Documents.from_ids(doc_ids_BS).to(x_BSD.device)
+            chunk = self.cfg.attention_chunk_size
+            if chunk is not None:
+                segments_BS = chunk_segments(doc_ids_BS, chunk)
+                chunk_mask = Documents.from_ids(segments_BS).to(x_BSD.device)
         moe_outs: list[MoEOutput] = []
         embed_BSD = x_BSD
         for block in self.layers[: self.cfg.n_layers]:
-            x_BSD, stats = block(x_BSD, cos, sin, mask, cache)
+            chunked = getattr(block.attn, "chunk", None) is not None
+            x_BSD, stats = block(x_BSD, cos, sin, chunk_mask if chunked else mask, cache)
             if stats is not None:
                 moe_outs.append(stats)
         if cache is not None:

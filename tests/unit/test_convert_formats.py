@@ -30,6 +30,18 @@ MLA_SHAPE = dict(
     qk_rope_head_dim=8,
     v_head_dim=12,
 )
+# Llama 4's attention: chunks of 6 on the RoPE layers, the last layer NoPE with its query
+# temperature, the post-RoPE query/key norm
+LLAMA4_MODEL = dict(
+    n_layers=4,
+    rope_interleave=True,
+    attention_chunk_size=6,
+    layer_types=["chunked_attention"] * 3 + ["full_attention"],
+    nope_layers=[3],
+    qk_norm_after_rope=True,
+    attn_temperature_floor=4,
+    attn_temperature_scale=0.5,
+)
 # moetrain settings that each format represents exactly (and that auto picks).
 CASES = {
     "mixtral": dict(model={}, moe={}),
@@ -160,6 +172,17 @@ CASES = {
             rope_attention_factor=PHIMOE_ROPE["short_mscale"],
         ),
         moe=dict(router_type="sparsemixer", renormalize=False),
+    ),
+    "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_models.LLAMA4_FLAGS)
+        model=LLAMA4_MODEL,
+        moe=dict(
+            score_func="sigmoid",
+            topk_before_score=True,
+            renormalize=False,
+            score_on_input=True,
+            num_shared_experts=1,
+            moe_every=2,
+        ),
     ),
 }
 # moetrain settings of the muP-style scalars, at a non-default value (only Granite has them)
