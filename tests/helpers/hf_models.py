@@ -209,13 +209,12 @@ GPT_OSS_RELEASED_CONFIG: dict[str, Any] = {
 }
 
 
-# Llama 4's flags at the tiny sizes, each where it binds in 19 tokens: 4 layers, MoE every
-# second one (Maverick's interleave_moe_layer_step), the last layer NoPE (transformers'
-# default no_rope_layer_interval 4) with its query temperature (floor_scale 8192 -> 4), the
-# others chunked (attention_chunk_size 8192 -> 6) with the post-RoPE query/key norm
-# (Scout's use_qk_norm)
+# Llama 4's flags at the tiny sizes, each where it binds in 19 tokens: MoE every second layer
+# (Maverick's interleave_moe_layer_step), the last layer NoPE (as every fourth is in the
+# releases) with its query temperature (floor_scale 8192 -> 4), the others chunked
+# (attention_chunk_size 8192 -> 6) with the post-RoPE query/key norm (Scout's use_qk_norm)
 LLAMA4_FLAGS: dict[str, Any] = {
-    "num_hidden_layers": 4,
+    "no_rope_layers": [1, 1, 0],
     "interleave_moe_layer_step": 2,
     "attention_chunk_size": 6,
     "use_qk_norm": True,
