@@ -64,6 +64,20 @@ class WeightNames:
     dense_block: str = "mlp"
 
 
+@dataclass(frozen=True)
+class Wrapper:
+    """A Hugging Face class that holds a family's model inside a larger one (Llama 4's released
+    ``Llama4ForConditionalGeneration``: the text model beside a vision tower). Importing such a
+    directory takes the family's model and leaves the rest, saying so."""
+
+    architecture: str  # config.json's ``architectures``
+    model_type: str
+    config_key: str  # the family's own config inside config.json (``text_config``)
+    prefix: str  # the family's tensor names start with it there (``language_model.``)
+    left_out: tuple[str, ...]  # the name prefixes of the tensors that are not taken
+    what: str  # what is not taken, in words (``the vision tower``)
+
+
 # config.json's count of the multi-token-prediction layers stored after the decoder layers
 MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
 
@@ -119,6 +133,8 @@ class Family:
     chunked_attention: bool = False
     qk_norm_after_rope: bool = False
     score_on_input: bool = False
+    # a larger class whose directories hold this family's model (imported, never exported)
+    wrapper: Wrapper | None = None
 
     @property
     def dense(self) -> bool:

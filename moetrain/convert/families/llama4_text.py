@@ -22,6 +22,10 @@ Weights: the router ``feed_forward.router.weight``, the experts stacked as moetr
 (``feed_forward.experts.gate_up_proj`` (E, D, 2F) = [gate | up], ``down_proj`` (E, F, D);
 transformers keeps these names in memory), ``feed_forward.shared_expert.{gate,up,down}_proj``
 and a dense layer's ``feed_forward.{gate,up,down}_proj``.
+
+The released checkpoints are ``Llama4ForConditionalGeneration`` directories (``text_config``,
+the text model's tensors under ``language_model.``, a vision tower beside it): importing one
+takes the text model and says that the vision tower is not taken (:data:`FAMILY`'s wrapper).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.config.model import CHUNKED, FULL
 from moetrain.convert.families import base
-from moetrain.convert.families.base import Family, WeightNames
+from moetrain.convert.families.base import Family, WeightNames, Wrapper
 
 NAME = "Llama4ForCausalLM"
 # transformers' Llama4TextConfig defaults, written where moetrain's model has no temperature
@@ -214,4 +218,13 @@ FAMILY = Family(
     chunked_attention=True,
     qk_norm_after_rope=True,
     score_on_input=True,
+    # the released checkpoints: the text model (language_model.*) beside a vision tower
+    wrapper=Wrapper(
+        architecture="Llama4ForConditionalGeneration",
+        model_type="llama4",
+        config_key="text_config",
+        prefix="language_model.",
+        left_out=("vision_model.", "multi_modal_projector."),
+        what="the vision tower",
+    ),
 )
