@@ -977,7 +977,7 @@ def test_ernie_moe_layer_interval_matches_transformers(tmp_path) -> None:
     saved = json.loads((tmp_path / "config.json").read_text())
     assert (saved["moe_layer_start_index"], saved["moe_layer_interval"]) == (0, 2)
     back = config_from_hf(saved)
-    assert back.moe.moe_layers(3) == cfg.moe.moe_layers(3) == [1, 3]
+    assert back.moe.moe_layers(4) == cfg.moe.moe_layers(4) == [1, 3]
     assert back.model == cfg.model
 
 
