@@ -27,6 +27,8 @@ from moetrain.model.moe.layer import MoELayer, MoEOutput
 from moetrain.model.mtp import MTPBlock, mtp_targets, shift_left
 from moetrain.model.rope import model_rope_tables
 
+ROPE_TABLE_ROWS = 8192  # positions the RoPE tables are built for at first (they grow on demand)
+
 
 @dataclass
 class TransformerOutput:
@@ -69,7 +71,9 @@ class Transformer(nn.Module):
         self.norm = make_norm(model_cfg, model_cfg.d_model)
         self.lm_head = Linear(model_cfg.d_model, model_cfg.vocab_size, bias=model_cfg.lm_head_bias)
         self.tie_weights()
-        cos, sin = model_rope_tables(model_cfg)
+        # the RoPE tables of the first positions, grown (exactly) when a forward needs more:
+        # a long context (Llama 4 Scout's 10M positions) costs nothing until it is used
+        cos, sin = model_rope_tables(model_cfg, min(model_cfg.rope_positions, ROPE_TABLE_ROWS))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.head_exchange: HeadExchange | None = None  # sequence parallelism (set_head_exchange)
@@ -97,9 +101,20 @@ class Transformer(nn.Module):
     def reset_rope(self) -> None:
         """Recompute the RoPE tables in place (a model built on the meta device and moved with
         ``to_empty`` has uninitialised buffers; every other tensor is a loaded weight)."""
-        cos, sin = model_rope_tables(self.cfg)
+        cos, sin = model_rope_tables(self.cfg, self.rope_cos.shape[0])
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def rope_rows(self, n: int) -> None:
+        """Make the RoPE tables hold at least ``n`` positions (at most ``rope_positions``),
+        doubling them; the new tables keep the old ones' dtype and device."""
+        have = self.rope_cos.shape[0]
+        if n <= have:
+            return
+        size = min(self.cfg.rope_positions, max(n, 2 * have))
+        cos, sin = model_rope_tables(self.cfg, size)
+        self.rope_cos, self.rope_sin = cos.to(self.rope_cos), sin.to(self.rope_sin)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -170,6 +185,7 @@ class Transformer(nn.Module):
             )
         if cache is not None and (doc_ids_BS is not None or start + s > cache.max_len):
             raise ValueError("cache: no document mask, and at most cache.max_len positions")
+        self.rope_rows(start + s)
         cos, sin = self.rope_cos[start : start + s], self.rope_sin[start : start + s]
         x_BSD = self.embed(input_ids_BS)
         if self.cfg.embedding_multiplier != 1.0:
