@@ -1314,7 +1314,14 @@ def test_llama4_pieces_each_bind_in_the_parity_case() -> None:
             assert (plain(ids).logits - got).abs().max() > 1e-4, name  # (parity: 1e-5)
 
 
-@pytest.mark.parametrize("fmt_case", ["bias", "tied", "top1"])
+@pytest.mark.parametrize(
+    "fmt_case",
+    [
+        "bias",
+        pytest.param("tied", marks=pytest.mark.long),
+        pytest.param("top1", marks=pytest.mark.long),
+    ],
+)
 def test_llama4_variants_match_transformers_and_round_trip(tmp_path, fmt_case: str) -> None:
     """attention_bias (q/k/v/o biases), tied embeddings, top-1 routing with an explicit MoE
     placement past a dense first layer: transformers' logits, and the config comes back."""
