@@ -89,13 +89,16 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from moetrain.checkpoint.format import tokenizer_path
+    from moetrain.checkpoint.format import TrainerState, tokenizer_path
     from moetrain.convert.importer import import_hf_checkpoint
 
     out = import_hf_checkpoint(
         args.hf_dir, args.checkpoint, args.step, args.overrides, tokenizer=args.tokenizer
     )
     print(f"moetrain: wrote {out}")
+    not_taken = (TrainerState.read(out).init or {}).get("not_taken")
+    if not_taken:
+        print(f"moetrain: imported {not_taken}")
     if tokenizer_path(out) is None:
         print(
             f"moetrain: warning: {args.hf_dir} has no tokenizer (tokenizer.json or "

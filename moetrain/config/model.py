@@ -48,8 +48,9 @@ class ModelConfig:
     # sliding-window attention: a query of a "sliding_attention" layer sees the last
     # sliding_window positions, itself included (transformers' rule); less than max_seq_len
     sliding_window: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
-    # each decoder layer's attention kind, "full_attention" or "sliding_attention" (n_layers
-    # entries); None = every layer sliding with sliding_window set, else every layer full.
+    # each decoder layer's attention kind, "full_attention", "sliding_attention" or
+    # "chunked_attention" (n_layers entries); None = every layer sliding with sliding_window
+    # set, chunked with attention_chunk_size set, else every layer full (both set: required).
     # Multi-token-prediction blocks attend to the full context
     layer_types: list[str] | None = field(default=None, metadata=FUNCTION)
     # a bias on the LM head (Phi-3.5-MoE's lm_head_bias; with tie_embeddings only the weight is
@@ -137,6 +138,22 @@ class ModelConfig:
     attention_scale: float | None = field(default=None, metadata=above(0) | FUNCTION)
     # the logits are the head's output divided by logits_scaling (the loss's too)
     logits_scaling: float = field(default=1.0, metadata=above(0) | FUNCTION)
+    # chunked local attention (Llama 4's attention_chunk_size): a query of a
+    # "chunked_attention" layer at position i sees the positions j <= i with j // C == i // C
+    # (positions in the row, from 0); less than max_seq_len
+    attention_chunk_size: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    # the decoder layers without rotary embeddings (NoPE; Llama 4's no_rope_layers zeros):
+    # distinct indices in increasing order; None = every layer has RoPE
+    nope_layers: list[int] | None = field(default=None, metadata=FUNCTION)
+    # a weightless RMSNorm (eps norm_eps) over each query and key head after RoPE, on the layers
+    # with RoPE only (Llama 4's use_qk_norm)
+    qk_norm_after_rope: bool = field(default=False, metadata=FUNCTION)
+    # attention temperature tuning on the NoPE layers (Llama 4's attn_temperature_tuning,
+    # floor_scale, attn_scale): the query at position p (in the row) is multiplied by
+    # log1p(floor((p + 1) / attn_temperature_floor)) * attn_temperature_scale + 1; both set
+    # or both None (off)
+    attn_temperature_floor: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    attn_temperature_scale: float | None = field(default=None, metadata=above(0) | FUNCTION)
 
     @property
     def n_blocks(self) -> int:
@@ -151,6 +168,27 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] == SLIDING:
             return self.sliding_window
         return None
+
+    def attention_chunk(self, layer: int) -> int | None:
+        """The chunk size of block ``layer``'s chunked attention, None for other attention."""
+        if self.attention_chunk_size is None or layer >= self.n_layers:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == CHUNKED:
+            return self.attention_chunk_size
+        return None
+
+    def has_rope(self, layer: int) -> bool:
+        """Whether block ``layer`` rotates its queries and keys (multi-token-prediction blocks
+        always do)."""
+        return layer >= self.n_layers or layer not in (self.nope_layers or ())
+
+    def attn_temperature(self, layer: int) -> tuple[int, float] | None:
+        """``(floor, scale)`` of block ``layer``'s query temperature (its NoPE layers with
+        ``attn_temperature_floor`` set), else None."""
+        floor, scale = self.attn_temperature_floor, self.attn_temperature_scale
+        if floor is None or scale is None or self.has_rope(layer):
+            return None
+        return floor, scale
 
     def mtp_weight(self, step: int) -> float:
         """The MTP loss weight of optimizer step ``step`` (1-based)."""
@@ -188,6 +226,7 @@ class ModelConfig:
             "and model.mtp_loss_weight_final_step are set together (the weight from that step)",
         )
         self._validate_windows()
+        self._validate_nope()
         if self.attention == "mla":
             self._validate_mla()
             return
@@ -233,26 +272,78 @@ class ModelConfig:
             require(
                 not unknown,
                 "model.layer_types",
-                f"knows {' and '.join(LAYER_TYPES)}; got {unknown}",
+                f"knows {', '.join(LAYER_TYPES)}; got {unknown}",
             )
             require(
                 SLIDING not in types or self.sliding_window is not None,
                 "model.sliding_window",
                 "must be set where model.layer_types has sliding_attention layers",
             )
-        window = self.sliding_window
+            require(
+                CHUNKED not in types or self.attention_chunk_size is not None,
+                "model.attention_chunk_size",
+                "must be set where model.layer_types has chunked_attention layers",
+            )
         require(
-            window is None or window < self.max_seq_len,
-            "model.sliding_window",
-            f"must be less than model.max_seq_len={self.max_seq_len} (a window as long as "
-            f"the context is full attention: leave it unset); got {window}",
+            types is not None or self.sliding_window is None or self.attention_chunk_size is None,
+            "model.layer_types",
+            "must say which layers are sliding and which chunked where both "
+            "model.sliding_window and model.attention_chunk_size are set",
         )
-        windowed = window is not None or self.attention_sinks
+        for key in ("sliding_window", "attention_chunk_size"):
+            size = getattr(self, key)
+            require(
+                size is None or size < self.max_seq_len,
+                f"model.{key}",
+                f"must be less than model.max_seq_len={self.max_seq_len} (one as long as "
+                f"the context is full attention: leave it unset); got {size}",
+            )
+        window, chunk = self.sliding_window, self.attention_chunk_size
+        local = {
+            "sliding_window": window is not None,
+            "attention_chunk_size": chunk is not None,
+            "attention_sinks": self.attention_sinks,
+        }
+        for key, is_set in local.items():
+            require(
+                not (is_set and self.attention == "mla"),
+                f"model.{key}",
+                "only applies with model.attention=gqa",
+            )
+
+    def _validate_nope(self) -> None:
+        """NoPE layers, the post-RoPE query/key norm and the NoPE layers' temperature."""
+        nope = self.nope_layers
+        if nope is not None:
+            require(
+                isinstance(nope, list)
+                and all(isinstance(i, int) and 0 <= i < self.n_layers for i in nope)
+                and nope == sorted(set(nope)),
+                "model.nope_layers",
+                f"must list distinct layer indices 0..{self.n_layers - 1} in increasing "
+                f"order; got {nope!r}",
+            )
+        floor, scale = self.attn_temperature_floor, self.attn_temperature_scale
         require(
-            not (windowed and self.attention == "mla"),
-            "model.sliding_window" if window is not None else "model.attention_sinks",
-            "only applies with model.attention=gqa",
+            (floor is None) == (scale is None),
+            "model.attn_temperature_floor",
+            "and model.attn_temperature_scale are set together (both null: no temperature)",
         )
+        require(
+            floor is None or bool(nope),
+            "model.attn_temperature_floor",
+            "scales the queries of the NoPE layers: model.nope_layers must list some",
+        )
+        for key, is_set in (
+            ("nope_layers", bool(nope)),
+            ("qk_norm_after_rope", self.qk_norm_after_rope),
+            ("attn_temperature_floor", floor is not None),
+        ):
+            require(
+                not (is_set and self.attention == "mla"),
+                f"model.{key}",
+                "only applies with model.attention=gqa",
+            )
 
     def _validate_mla(self) -> None:
         for key in _MLA_KEYS[1:]:
@@ -299,9 +390,10 @@ class ModelConfig:
         if scaling == "llama3":
             low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
             require(
-                high > low,
+                high >= low,
                 "model.rope_high_freq_factor",
-                f"must be greater than model.rope_low_freq_factor={low:g}; got {high:g}",
+                f"must be at least model.rope_low_freq_factor={low:g} (equal: no blend, "
+                f"Llama 4's); got {high:g}",
             )
         if scaling != "yarn":
             return
@@ -341,8 +433,8 @@ class ModelConfig:
         return self.max_seq_len
 
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-LAYER_TYPES = (FULL, SLIDING)  # model.layer_types' entries
+SLIDING, FULL, CHUNKED = "sliding_attention", "full_attention", "chunked_attention"
+LAYER_TYPES = (FULL, SLIDING, CHUNKED)  # model.layer_types' entries
 _MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # each RoPE-scaling key -> the scalings it applies to; the keys each scaling requires
 _SCALING_KEYS = {
@@ -383,7 +475,8 @@ class MoEConfig:
     # the first k layers use a dense FFN (at most model.n_layers)
     first_k_dense: int = field(default=0, metadata=at_least(0) | FUNCTION)
     score_func: Literal["softmax", "sigmoid"] = field(default="softmax", metadata=FUNCTION)
-    # True: top-k on logits, then softmax over the k
+    # True: top-k on the logits, then the score function over the k (softmax over the k, or
+    # each one's sigmoid, renormalised with renormalize: Llama 4)
     topk_before_score: bool = field(default=False, metadata=FUNCTION)
     # renormalise the top-k weights to sum to 1
     renormalize: bool = field(default=True, metadata=FUNCTION)
@@ -450,6 +543,9 @@ class MoEConfig:
     activation: Literal["swiglu", "clamped_swiglu"] = field(default="swiglu", metadata=FUNCTION)
     swiglu_alpha: float | None = field(default=None, metadata=above(0) | FUNCTION)
     swiglu_limit: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # the routing weight w multiplies each routed copy's input instead of its output: expert e
+    # computes expert_e(w * x), and the combine sums the outputs (Llama 4)
+    score_on_input: bool = field(default=False, metadata=FUNCTION)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Placement: after ``first_k_dense`` dense layers, every ``moe_every``-th layer is MoE
@@ -495,11 +591,6 @@ class MoEConfig:
             f"must be between 1 and moe.num_experts={self.num_experts}; got {self.top_k}",
         )
         self._validate_groups()
-        require(
-            not (self.topk_before_score and self.score_func == "sigmoid"),
-            "moe.topk_before_score",
-            "only applies to moe.score_func=softmax (sigmoid scores are per-expert)",
-        )
         require(
             not (self.shared_expert_gate and self.num_shared_experts == 0),
             "moe.shared_expert_gate",

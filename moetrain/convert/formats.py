@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import DENSE, FAMILIES, FORMATS, family, of_hf_config
+from moetrain.convert.families import DENSE, FAMILIES, FORMATS, family, of_hf_config, unwrap
 from moetrain.convert.families.base import extras, found, no_multipliers, plain_attention
 
 
@@ -85,17 +85,20 @@ def not_supported(hf_dict: dict[str, Any]) -> str:
 
 def config_from_hf(hf_dict: dict[str, Any]) -> Config:
     """A moetrain Config equivalent to a Hugging Face ``config.json`` (as a dict) of any
-    registered family (a dense family's: every layer dense).
+    registered family (a dense family's: every layer dense; a family's wrapper's: the family's
+    model inside it).
 
     Raises ConfigError naming the Hugging Face field that moetrain cannot represent.
     """
     fam = of_hf_config(hf_dict)
     if fam is None:
         raise ConfigError(f"architectures: {not_supported(hf_dict)}")
-    if hf_dict.get("quantization_config"):  # e.g. DeepSeek-V3's released block-wise fp8
-        method = hf_dict["quantization_config"].get("quant_method", "?")
-        raise ConfigError(
-            f"quantization_config: quantized weights ({method}) are not read; dequantize the "
-            "model to bf16 or fp32 first"
-        )
-    return fam.from_hf(transformers_config(hf_dict, fam.name))
+    inner = unwrap(hf_dict)
+    for d in (hf_dict, inner):
+        if d.get("quantization_config"):  # e.g. DeepSeek-V3's released block-wise fp8
+            method = d["quantization_config"].get("quant_method", "?")
+            raise ConfigError(
+                f"quantization_config: quantized weights ({method}) are not read; dequantize "
+                "the model to bf16 or fp32 first"
+            )
+    return fam.from_hf(transformers_config(inner, fam.name))

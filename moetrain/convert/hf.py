@@ -60,8 +60,8 @@ def fused_expert_names(fmt: str, layer: int, have: Container[str]) -> tuple[str,
     """The names of a layer's fused expert tensors, gate_up (E, 2F, D) and down (E, D, F),
     among ``have``: transformers v5's in-memory ones where ``have`` holds them, else the
     family's own where its files hold experts fused; None: one tensor per expert, or gpt-oss's
-    interleaved layout (:func:`interleaved_expert_names`)."""
-    if family(fmt).names.interleaved_experts:
+    interleaved layout or Llama 4's (:func:`stacked_expert_names`)."""
+    if family(fmt).names.stacked_experts is not None:
         return None
     v5 = fused_experts(fmt, layer)
     if v5 + "gate_up_proj" in have:
@@ -74,8 +74,8 @@ def fused_expert_names(fmt: str, layer: int, have: Container[str]) -> tuple[str,
     return f"{block}{gate_up}.weight", f"{block}{down}.weight"
 
 
-# moetrain's stacked expert tensor -> its gpt-oss name under the MoE block's experts
-_INTERLEAVED = {
+# moetrain's stacked expert tensor -> its name under the MoE block's experts (gpt-oss, Llama 4)
+_STACKED = {
     "w13": "gate_up_proj",
     "w2": "down_proj",
     "w13_bias": "gate_up_proj_bias",
@@ -83,11 +83,12 @@ _INTERLEAVED = {
 }
 
 
-def interleaved_expert_names(cfg: Config, fmt: str, layer: int) -> dict[str, str]:
+def stacked_expert_names(cfg: Config, fmt: str, layer: int) -> dict[str, str]:
     """moetrain expert tensor name (``w13``, ``w2``, their biases) -> HF key, for a family
-    whose files hold gpt-oss's interleaved layout (``WeightNames.interleaved_experts``)."""
+    whose files hold the experts stacked in moetrain's orientation (``WeightNames.
+    stacked_experts``: gpt-oss's interleaved layout, Llama 4's concatenated one)."""
     prefix = fused_experts(fmt, layer)
-    return {w: prefix + _INTERLEAVED[w] for w in expert_param_names(cfg.moe.expert_biases)}
+    return {w: prefix + _STACKED[w] for w in expert_param_names(cfg.moe.expert_biases)}
 
 
 def interleave(t: torch.Tensor) -> torch.Tensor:
@@ -102,10 +103,17 @@ def deinterleave(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
 
 
-def from_interleaved(weight: str, t: torch.Tensor) -> torch.Tensor:
-    """gpt-oss's tensor of moetrain's expert ``weight`` (same orientation: w13 (E, D, 2F),
-    w2 (E, F, D)) -> moetrain's."""
-    return deinterleave(t) if weight.startswith("w13") else t
+def from_stacked(fmt: str, weight: str, t: torch.Tensor) -> torch.Tensor:
+    """``fmt``'s stacked tensor of moetrain's expert ``weight`` (same orientation: w13
+    (E, D, 2F), w2 (E, F, D)) -> moetrain's (gpt-oss's gate and up de-interleaved)."""
+    interleaved = family(fmt).names.stacked_experts == "interleaved"
+    return deinterleave(t) if interleaved and weight.startswith("w13") else t
+
+
+def to_stacked(fmt: str, weight: str, t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`from_stacked`."""
+    interleaved = family(fmt).names.stacked_experts == "interleaved"
+    return interleave(t) if interleaved and weight.startswith("w13") else t
 
 
 def in_memory_name(fmt: str, key: str) -> str:
@@ -142,9 +150,9 @@ def expert_shapes(cfg: Config, fmt: str, layer: int) -> dict[str, tuple[int, ...
     """HF per-expert key -> shape of every expert weight of MoE layer ``layer`` (the two
     fused tensors where ``fmt``'s files hold experts fused)."""
     d, f, e = cfg.model.d_model, cfg.moe.expert_hidden, cfg.moe.num_experts
-    if family(fmt).names.interleaved_experts:
+    if family(fmt).names.stacked_experts is not None:
         shapes = {"w13": (e, d, 2 * f), "w2": (e, f, d), "w13_bias": (e, 2 * f), "w2_bias": (e, d)}
-        return {hf: shapes[w] for w, hf in interleaved_expert_names(cfg, fmt, layer).items()}
+        return {hf: shapes[w] for w, hf in stacked_expert_names(cfg, fmt, layer).items()}
     if family(fmt).names.fused_experts is not None:
         gate_up, down = fused_expert_names(fmt, layer, ())
         return {gate_up: (e, 2 * f, d), down: (e, d, f)}
@@ -166,9 +174,10 @@ def is_expert_tensor(fmt: str, key: str) -> bool:
     return re.match(pattern, key) is not None
 
 
-def ffn_key_map(layer: int) -> dict[str, str]:
-    """The dense SwiGLU of ``layer``: moetrain key -> HF key (gate and up (F, D), down (D, F))."""
-    return {pn.dense_ffn(layer, w): f"{_layer(layer)}mlp.{p}.weight" for w, p in SWIGLU.items()}
+def ffn_key_map(layer: int, block: str = "mlp") -> dict[str, str]:
+    """The dense SwiGLU of ``layer``: moetrain key -> HF key (gate and up (F, D), down (D, F))
+    under the decoder layer's module ``block`` (``WeightNames.dense_block``)."""
+    return {pn.dense_ffn(layer, w): f"{_layer(layer)}{block}.{p}.weight" for w, p in SWIGLU.items()}
 
 
 def attention_names(cfg: Config) -> dict[str, str]:
@@ -217,7 +226,7 @@ def dense_key_map(cfg: Config, fmt: str) -> dict[str, str]:
             out[pn.qk_norm(i, "q")] = dst + "self_attn.q_norm.weight"
             out[pn.qk_norm(i, "k")] = dst + "self_attn.k_norm.weight"
         if not moe.is_moe_layer(i):
-            out |= ffn_key_map(i)
+            out |= ffn_key_map(i, names.dense_block)
             continue
         block = f"{dst}{names.moe_block}."
         out[pn.router_gate(i)] = f"{block}{names.router}.weight"
@@ -330,7 +339,7 @@ def to_hf_state_dict(
     joined = joined_key_map(cfg, fmt)
     joined_part = {k for ours in joined.values() for k in ours}
     fused_files = family(fmt).names.fused_experts is not None
-    interleaved = family(fmt).names.interleaved_experts
+    stacked = family(fmt).names.stacked_experts is not None
     out: dict[str, torch.Tensor] = {}
     for theirs, ours in joined.items():
         if any(k in state_dict for k in ours):
@@ -341,9 +350,8 @@ def to_hf_state_dict(
     for key, t in state_dict.items():
         if expert := pn.parse_experts(key):
             layer, weight = expert
-            if interleaved:  # gpt-oss: same orientation, gate and up interleaved
-                name = interleaved_expert_names(cfg, fmt, layer)[weight]
-                out[name] = interleave(t) if weight.startswith("w13") else t
+            if stacked:  # gpt-oss, Llama 4: moetrain's orientation
+                out[stacked_expert_names(cfg, fmt, layer)[weight]] = to_stacked(fmt, weight, t)
                 continue
             fused = fused_expert_names(fmt, layer, ()) if fused_files else None
             if fused is not None:  # gate_up (E, 2F, D) = [gate; up], down (E, D, F)
@@ -432,9 +440,9 @@ def from_hf_state_dict(
     for i in layers:
         if not moe.is_moe_layer(i):
             continue
-        if family(fmt).names.interleaved_experts:
-            for w, theirs in interleaved_expert_names(cfg, fmt, i).items():
-                out[pn.experts(i, w)] = from_interleaved(w, get(theirs))
+        if family(fmt).names.stacked_experts is not None:
+            for w, theirs in stacked_expert_names(cfg, fmt, i).items():
+                out[pn.experts(i, w)] = from_stacked(fmt, w, get(theirs))
             continue
         fused = fused_expert_names(fmt, i, sd)
         if fused is not None:  # fused layout (transformers v5's, or the family's files')

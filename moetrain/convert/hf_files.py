@@ -46,9 +46,12 @@ class HFWeights:
 
     Opening reads and checks every file's header (missing, truncated or malformed files are
     refused, named); ``shapes`` holds every tensor's shape without reading any tensor.
+    ``prefix``: only the tensors whose names start with it, named without it (a family's model
+    inside a larger one, :class:`~moetrain.convert.families.base.Wrapper`); ``others`` lists
+    the rest.
     """
 
-    def __init__(self, hf_dir: str | Path) -> None:
+    def __init__(self, hf_dir: str | Path, prefix: str = "") -> None:
         hf_dir = Path(hf_dir)
         index = hf_dir / HF_INDEX_FILE
         if index.is_file():
@@ -71,6 +74,11 @@ class HFWeights:
                     f"{hf_dir / file}: does not hold {absent[:3]} (listed in {HF_INDEX_FILE})"
                 )
             self.shapes.update({n: tuple(header[n]["shape"]) for n in listed})
+        self.others = sorted(n for n in weight_map if not n.startswith(prefix))
+        # name as seen -> name in the files
+        self.stored = {n.removeprefix(prefix): n for n in weight_map if n.startswith(prefix)}
+        self.weight_map = {n: weight_map[s] for n, s in self.stored.items()}
+        self.shapes = {n: self.shapes[s] for n, s in self.stored.items()}
 
     def names(self) -> list[str]:
         return list(self.weight_map)
@@ -85,7 +93,7 @@ class HFWeights:
         out = {}
         for file, keys in by_file.items():
             with safe_open(self.dir / file, "pt") as f:
-                out.update({k: f.get_tensor(k) for k in keys})
+                out.update({k: f.get_tensor(self.stored[k]) for k in keys})
         return out
 
     def load_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
@@ -93,4 +101,4 @@ class HFWeights:
         from safetensors import safe_open
 
         with safe_open(self.dir / self.weight_map[name], "pt") as f:
-            return f.get_slice(name)[start:stop].contiguous()
+            return f.get_slice(self.stored[name])[start:stop].contiguous()

@@ -33,7 +33,7 @@ from moetrain.checkpoint.format import (
 )
 from moetrain.checkpoint.read import checkpoint_config, expert_files
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig, config_from_dict
-from moetrain.convert.families import of_hf_config
+from moetrain.convert.families import of_hf_config, wrapper_of
 from moetrain.convert.families.base import declared_mtp_layers
 from moetrain.convert.formats import config_from_hf, not_supported
 from moetrain.convert.hf import stored_mtp_depth
@@ -66,12 +66,24 @@ class InitSource:
     architecture: str | None = None
     upcycle: bool = False  # a dense model, upcycled into the configured MoE
     step: int | None = None  # a checkpoint's step
+    # a family's model inside a larger class's directory (a Wrapper): its tensors' name prefix
+    # there, and what of the directory is not taken
+    prefix: str = ""
+    not_taken: str | None = None
 
     def describe(self) -> str:
         """What the source is, e.g. ``Hugging Face MixtralForCausalLM (MoE)``."""
         if self.kind == "checkpoint":
             return f"moetrain checkpoint, step {self.step}"
-        return f"Hugging Face {self.architecture} ({'dense, upcycled' if self.upcycle else 'MoE'})"
+        kind = "dense, upcycled" if self.upcycle else "MoE"
+        if self.not_taken:
+            kind += f"; {self.not_taken}"
+        return f"Hugging Face {self.architecture} ({kind})"
+
+    def weights(self) -> HFWeights:
+        """A Hugging Face source's weight files (the family's tensors, named as its own
+        directory names them)."""
+        return HFWeights(self.path, self.prefix)
 
 
 def _hf_source(spec: str, path: Path) -> InitSource:
@@ -83,11 +95,36 @@ def _hf_source(spec: str, path: Path) -> InitSource:
     if fam is None:
         raise ConfigError(f"checkpoint.init_from={spec}: {not_supported(hf)}")
     cfg = config_from_hf(hf)
-    weights = HFWeights(path)  # every weight file present, none truncated
+    wrapper = wrapper_of(hf)
+    prefix = wrapper.prefix if wrapper is not None else ""
+    weights = HFWeights(path, prefix)  # every weight file present, none truncated
+    not_taken = None
+    if wrapper is not None:  # the family's model; the rest must be what the wrapper adds
+        foreign = [n for n in weights.others if not n.startswith(wrapper.left_out)]
+        if foreign:
+            raise CheckpointError(
+                f"{path}: tensor {foreign[0]} is neither {wrapper.architecture}'s text model "
+                f"({prefix}*) nor {wrapper.what} ({', '.join(p + '*' for p in wrapper.left_out)})"
+            )
+        not_taken = (
+            f"the text model of a {wrapper.architecture} directory; {wrapper.what} "
+            f"({', '.join(p + '*' for p in wrapper.left_out)}, {len(weights.others)} tensors) "
+            "is not taken"
+        )
     if fam.mtp:  # the MTP modules the files hold (model.mtp_depth chooses how many to read)
         declared = declared_mtp_layers(hf)
         cfg.model.mtp_depth = stored_mtp_depth(weights.names(), cfg.model.n_layers, declared)
-    return InitSource(spec, path, "huggingface", cfg, fam.name, fam.architecture, fam.dense)
+    return InitSource(
+        spec,
+        path,
+        "huggingface",
+        cfg,
+        fam.name,
+        fam.architecture,
+        fam.dense,
+        prefix=prefix,
+        not_taken=not_taken,
+    )
 
 
 def _checkpoint_source(spec: str, path: Path) -> InitSource:

@@ -88,6 +88,11 @@ def inexact_reasons(cfg: Config) -> list[str]:
         out.append("moe.jitter > 0 (noisy router input in training)")
     if cfg.checkpoint.upcycle_noise > 0:
         out.append("checkpoint.upcycle_noise > 0 (experts perturbed)")
+    if moe.score_on_input and moe.top_k > 1:
+        out.append(
+            "moe.score_on_input=true with top_k > 1 (each expert sees its weight times the "
+            "input, and the FFN is not linear)"
+        )
     if moe.activation != "swiglu":
         out.append(f"moe.activation={moe.activation} (the experts' activation is not the FFN's)")
     return out

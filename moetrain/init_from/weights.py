@@ -33,13 +33,13 @@ from moetrain.convert.hf import (
     expert_shapes,
     ffn_key_map,
     from_hf_state_dict,
-    from_interleaved,
+    from_stacked,
     fused_expert_names,
     hf_shape,
     in_memory_name,
-    interleaved_expert_names,
     is_expert_tensor,
     joined_shapes,
+    stacked_expert_names,
     zero_shared_expert,
 )
 from moetrain.convert.hf_files import HFWeights
@@ -84,7 +84,7 @@ def expected_hf_shapes(source: InitSource, mtp_depth: int = 0) -> dict[str, tupl
         out |= filler
     if source.upcycle:
         return out
-    weights_names = set(HFWeights(source.path).names())
+    weights_names = set(source.weights().names())
     for hf in list(out):  # a file in transformers v5's in-memory names (fused experts)
         if hf not in weights_names and (v5 := in_memory_name(fam, hf)) in weights_names:
             out[v5] = out.pop(hf)
@@ -107,7 +107,7 @@ def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
     mtp = declared_mtp_layers(hf) > 0
     n_layers, tied = source.config.model.n_layers, source.config.model.tie_embeddings
     out = []
-    for name in HFWeights(source.path).names():
+    for name in source.weights().names():
         layer = _LAYER.match(name)
         if name in expected or _NOT_READ.search(name) or (tied and name == "lm_head.weight"):
             continue
@@ -132,7 +132,7 @@ def check_source_tensors(source: InitSource, mtp_depth: int = 0) -> None:
         )
     if source.kind != "huggingface":
         return  # a checkpoint's files are checked by its manifest and against its own config
-    weights = HFWeights(source.path)
+    weights = source.weights()
     expected = expected_hf_shapes(source, mtp_depth)
     unread = unread_tensors(source, set(expected))
     if unread:
@@ -164,10 +164,10 @@ def _hf_experts(
     dtype."""
     (start, stop), fam, f = experts, source.family, source.config.moe.expert_hidden
     p, fused = pn.experts_prefix(layer), fused_expert_names(fam, layer, weights.weight_map)
-    if family(fam).names.interleaved_experts:  # gpt-oss: this rank's rows of each tensor
-        names = interleaved_expert_names(source.config, fam, layer)
+    if family(fam).names.stacked_experts is not None:  # this rank's rows of each tensor
+        names = stacked_expert_names(source.config, fam, layer)
         return {
-            p + w: from_interleaved(w, weights.load_rows(hf, start, stop)).contiguous()
+            p + w: from_stacked(fam, w, weights.load_rows(hf, start, stop)).contiguous()
             for w, hf in names.items()
         }
     if fused is not None:
@@ -195,7 +195,7 @@ def _moe_hf_parts(
     into: dict[str, torch.Tensor] | None,
     mtp_depth: int,
 ) -> Iterator[Part]:
-    cfg, weights = _read_config(source, mtp_depth), HFWeights(source.path)
+    cfg, weights = _read_config(source, mtp_depth), source.weights()
     dense_names = [  # (the multi-token-prediction layers not read are skipped)
         n
         for n in weights.names()
@@ -220,7 +220,7 @@ def _dense_names(cfg: Config, family: str) -> dict[str, str]:
 
 
 def _upcycled_parts(source: InitSource, cfg: Config, experts: tuple[int, int]) -> Iterator[Part]:
-    weights, fam = HFWeights(source.path), source.family
+    weights, fam = source.weights(), source.family
     names = _dense_names(cfg, fam)
     loaded = weights.load(list(names.values()))
     state = {ours: loaded[theirs] for ours, theirs in names.items()}
@@ -231,7 +231,7 @@ def _upcycled_parts(source: InitSource, cfg: Config, experts: tuple[int, int]) -
 
     def ffn(layer: int) -> list[torch.Tensor]:
         """The dense FFN's gate, up and down weights (HF layout)."""
-        hf = ffn_key_map(layer)
+        hf = ffn_key_map(layer, family(fam).names.dense_block)
         t = weights.load(list(hf.values()))
         return [t[hf[pn.dense_ffn(layer, w)]] for w in _W]
 
@@ -292,6 +292,8 @@ def init_record(source: InitSource, cfg: Config) -> dict[str, Any]:
     unread = source.config.model.mtp_depth - cfg.model.mtp_depth
     if unread > 0:
         record["mtp_modules_not_read"] = unread
+    if source.not_taken:
+        record["not_taken"] = source.not_taken
     if source.upcycle:
         reasons = inexact_reasons(cfg)
         record["upcycled"] = {

@@ -17,10 +17,18 @@ document is attended causally on its own (:mod:`moetrain.model.doc_attention`); 
 the kernel torch picked on its first call (``sdpa_kernel``); :func:`attention_report`
 summarises them for the log (multi-head latent attention, ``model/mla.py``, records its own).
 
-A layer with a sliding window (``model.sliding_window`` / ``model.layer_types``) or attention
-sinks (``model.attention_sinks``) attends through :mod:`moetrain.model.local_attention`
-instead (no S x S tensor either, packed documents and the KV cache included); the others run
-the paths above unchanged.
+A layer with a sliding window (``model.sliding_window`` / ``model.layer_types``), chunked
+attention (``model.attention_chunk_size``) or attention sinks (``model.attention_sinks``) attends
+through :mod:`moetrain.model.local_attention` instead (no S x S tensor either, packed documents
+and the KV cache included); the others run the paths above unchanged.
+
+Llama 4's pieces, per layer: a NoPE layer (``model.nope_layers``) skips RoPE; a RoPE layer with
+``model.qk_norm_after_rope`` normalises each query and key head after RoPE (a weightless
+RMSNorm, eps ``model.norm_eps``, in fp32 and back to the input dtype); a NoPE layer with
+``model.attn_temperature_floor`` multiplies each query at position p by
+``log1p(floor((p + 1) / floor)) * scale + 1`` (:func:`temperature`). p is the position in the
+row, as RoPE's (a KV cache's queries continue at ``cache.pos``; packed documents do not restart
+it), which is transformers' position for one sequence without padding.
 """
 
 from __future__ import annotations
@@ -36,10 +44,33 @@ from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents, document_attention
 from moetrain.model.head_exchange import HeadExchange, exchange_to_heads, exchange_to_sequence
 from moetrain.model.layers import RMSNorm
-from moetrain.model.local_attention import cached_attention, local_attention
+from moetrain.model.local_attention import cached_attention, chunked_attention, local_attention
 from moetrain.model.rope import apply_rope, rope_tables
 
-__all__ = ["Attention", "KVCache", "apply_rope", "attention_report", "document_mask", "rope_tables"]
+__all__ = [
+    "Attention",
+    "KVCache",
+    "apply_rope",
+    "attention_report",
+    "document_mask",
+    "rope_tables",
+    "temperature",
+    "unit_rms",
+]
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """A weightless RMSNorm over the last dim: ``x * rsqrt(mean(x^2) + eps)`` computed in fp32
+    (or wider) and cast back to x's dtype (transformers' ``Llama4TextWeightlessRMSNorm``)."""
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def temperature(start: int, s: int, floor: int, scale: float, device: torch.device) -> torch.Tensor:
+    """(s,) fp32 query multipliers of positions ``start .. start + s - 1``:
+    ``log1p(floor((p + 1) / floor)) * scale + 1`` (Llama 4's attention temperature tuning)."""
+    pos = torch.arange(start, start + s, device=device, dtype=torch.float32)
+    return torch.log1p(torch.floor((pos + 1.0) / floor)) * scale + 1.0
 
 
 def document_mask(doc_ids_BS: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
@@ -174,6 +205,11 @@ class Attention(nn.Module):
         self.wv = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.wo = Linear(self.n_heads * hd, d, bias=cfg.o_bias)
         self.window = cfg.attention_window(layer)  # None: full causal attention
+        self.chunk = cfg.attention_chunk(layer)  # None: not chunked
+        self.rope = cfg.has_rope(layer)  # False: a NoPE layer
+        # the weightless post-RoPE norm's eps (model.qk_norm_after_rope, RoPE layers), or None
+        self.post_rope_eps = cfg.norm_eps if cfg.qk_norm_after_rope and self.rope else None
+        self.temperature = cfg.attn_temperature(layer)  # (floor, scale) on NoPE layers, or None
         # the sink logit of each query head (model.attention_sinks); None without sinks
         self.sinks = nn.Parameter(torch.empty(self.n_heads)) if cfg.attention_sinks else None
         # per head: normalise each (Hd,) head vector; per projection (OLMoE): the whole
@@ -214,8 +250,13 @@ class Attention(nn.Module):
         v = self.wv(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
         if norm and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q_BHSHd = apply_rope(q.transpose(1, 2), cos_SHd, sin_SHd, self.rope_interleave)
-        k_BGSHd = apply_rope(k.transpose(1, 2), cos_SHd, sin_SHd, self.rope_interleave)
+        q_BHSHd, k_BGSHd = q.transpose(1, 2), k.transpose(1, 2)
+        if self.rope:
+            q_BHSHd = apply_rope(q_BHSHd, cos_SHd, sin_SHd, self.rope_interleave)
+            k_BGSHd = apply_rope(k_BGSHd, cos_SHd, sin_SHd, self.rope_interleave)
+        if self.post_rope_eps is not None:
+            eps = self.post_rope_eps
+            q_BHSHd, k_BGSHd = unit_rms(q_BHSHd, eps), unit_rms(k_BGSHd, eps)
         v_BGSHd = v.transpose(1, 2)
         gqa = self.n_kv_heads != self.n_heads
         ex = self.head_exchange
@@ -224,7 +265,12 @@ class Attention(nn.Module):
                 raise ValueError("a KV cache runs on one device, without a head exchange")
             q_BHSHd, k_BGSHd, v_BGSHd = exchange_to_heads(ex, q_BHSHd, k_BGSHd, v_BGSHd)
             gqa = k_BGSHd.shape[1] != q_BHSHd.shape[1]
-        if self.window is not None or self.sinks is not None:
+        if self.temperature is not None:  # whole rows here: positions from 0 (or the cache's)
+            floor, scale = self.temperature
+            start = cache.pos if cache is not None else 0
+            t_S = temperature(start, q_BHSHd.shape[2], floor, scale, q_BHSHd.device)
+            q_BHSHd = (q_BHSHd * t_S[:, None]).to(q_BHSHd.dtype)  # (in fp32, as transformers)
+        if self.window is not None or self.chunk is not None or self.sinks is not None:
             out_BHSHd = self._local(q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, cache, layer, gqa)
             if ex is not None:
                 return self.wo(exchange_to_sequence(ex, out_BHSHd).reshape(b, s, -1))
@@ -288,15 +334,17 @@ class Attention(nn.Module):
         layer: int,
         gqa: bool,
     ) -> torch.Tensor:
-        """Attention with this layer's window and / or sinks (:mod:`local_attention`)."""
+        """Attention with this layer's window or chunks and / or sinks
+        (:mod:`local_attention`)."""
         sinks_H = self.sinks
         ex = self.head_exchange
         if sinks_H is not None and ex is not None:  # this rank's heads
             h = q_BHSHd.shape[1]
             sinks_H = sinks_H[ex.rank * h : (ex.rank + 1) * h]
-        window = self.window
+        window, chunk = self.window, self.chunk
         note = ", ".join(
             ([f"window {window}"] if window is not None else [])
+            + ([f"chunks of {chunk}"] if chunk is not None else [])
             + (["sinks"] if sinks_H is not None else [])
         )
         if self.sdpa_kernel is None:
@@ -304,13 +352,15 @@ class Attention(nn.Module):
                 q_BHSHd, k_BGSHd, v_BGSHd, None, True, gqa, note, self.scale
             )
         args = (window, sinks_H, gqa, self.scale)
-        if isinstance(mask, Documents):
+        if isinstance(mask, Documents):  # (a chunked layer's: cut at the chunks, chunk_segments)
             return document_attention(q_BHSHd, k_BGSHd, v_BGSHd, mask, gqa, self.scale, *args[:2])
         if mask is not None:
-            raise ValueError("a layer with a window or sinks takes no explicit mask")
+            raise ValueError("a layer with a window, chunks or sinks takes no explicit mask")
         if cache is not None:
             k_BGSHd, v_BGSHd = cache.append(layer, k_BGSHd, v_BGSHd)
-            return cached_attention(q_BHSHd, k_BGSHd, v_BGSHd, *args)
+            return cached_attention(q_BHSHd, k_BGSHd, v_BGSHd, *args, chunk=chunk)
+        if chunk is not None:
+            return chunked_attention(q_BHSHd, k_BGSHd, v_BGSHd, chunk, sinks_H, gqa, self.scale)
         return local_attention(q_BHSHd, k_BGSHd, v_BGSHd, *args)
 
 

@@ -1,5 +1,5 @@
-"""Causal attention with a sliding window and / or attention sinks, exact and without an S x S
-tensor.
+"""Causal attention with a sliding window, in chunks, and / or with attention sinks, exact and
+without an S x S tensor.
 
 Shape legend: B batch, H query heads, G key/value heads, S sequence, Hd head dim, W window,
 C chunk of queries (= W), n new queries against a cache of P positions.
@@ -9,6 +9,13 @@ into chunks of W; chunk 0 is plain causal attention over its own W positions, an
 chunk c attends to the 2W - 1 keys ``[cW - W + 1, cW + W)`` under one (W, 2W - 1) band mask
 shared by all chunks, in one batched ``scaled_dot_product_attention`` call. Memory is linear
 in S (the key windows copy K and V about twice); the band mask is W x (2W - 1) booleans.
+
+Chunked attention (Llama 4's ``attention_chunk_size`` C): query i sees keys ``j <= i`` with
+``j // C == i // C``, positions counted from the start of the row. The sequence is cut into
+chunks of C (the last one padded at its end, which causal attention never lets a real query
+see) and the chunks are one batch of plain causal attention: memory and work are linear in S.
+With packed documents, a query sees its own document's part of its chunk: the documents are
+cut at the chunk boundaries (:func:`chunk_segments`) and attended as documents.
 
 Attention sinks (gpt-oss): each head h adds ``exp(sink_h)`` to its softmax's denominator, a
 key column whose value is zero. Exact with any SDPA kernel: every head dim gets
@@ -136,6 +143,49 @@ def local_attention(
     return torch.cat([head, rest], dim=2)
 
 
+def chunked_attention(
+    q_BHSHd: torch.Tensor,
+    k_BGSHd: torch.Tensor,
+    v_BGSHd: torch.Tensor,
+    chunk: int,
+    sinks_H: torch.Tensor | None = None,
+    enable_gqa: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of S queries over the same S positions (B, H, S, Hd) within chunks of
+    ``chunk`` positions (query i sees keys ``j <= i`` with ``j // chunk == i // chunk``), with
+    ``sinks_H`` as :func:`local_attention` has them. Equal to ``scaled_dot_product_attention``
+    under the explicit chunked causal mask."""
+    scale = q_BHSHd.shape[-1] ** -0.5 if scale is None else scale
+    b, h, s, _ = q_BHSHd.shape
+    if s <= chunk:
+        return local_attention(q_BHSHd, k_BGSHd, v_BGSHd, None, sinks_H, enable_gqa, scale)
+    n = -(-s // chunk)
+    pad = n * chunk - s
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # (B, G, S, X) -> (B*n, G, C, X)
+        g, d = x.shape[1], x.shape[-1]
+        xp = F.pad(x, (0, 0, 0, pad)).view(b, g, n, chunk, d)
+        return xp.transpose(1, 2).reshape(b * n, g, chunk, d)
+
+    out = local_attention(
+        chunks(q_BHSHd), chunks(k_BGSHd), chunks(v_BGSHd), None, sinks_H, enable_gqa, scale
+    )
+    out = out.view(b, n, h, chunk, -1).transpose(1, 2).reshape(b, h, n * chunk, -1)
+    return out[:, :, :s]
+
+
+def chunk_segments(doc_ids_BS: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(B, S) int64 ids of the runs of ``doc_ids_BS`` cut at every multiple of ``chunk``
+    (positions from 0): equal neighbouring ids are one document's part of one chunk, what a
+    query of a chunked layer may see under packed documents."""
+    s = doc_ids_BS.shape[1]
+    starts_BS = torch.ones_like(doc_ids_BS, dtype=torch.bool)
+    starts_BS[:, 1:] = doc_ids_BS[:, 1:] != doc_ids_BS[:, :-1]
+    starts_BS[:, torch.arange(s, device=doc_ids_BS.device) % chunk == 0] = True
+    return starts_BS.long().cumsum(1)
+
+
 def cached_attention(
     q_BHnHd: torch.Tensor,
     k_BGPHd: torch.Tensor,
@@ -144,16 +194,24 @@ def cached_attention(
     sinks_H: torch.Tensor | None = None,
     enable_gqa: bool = False,
     scale: float | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """n new queries, the last n of the P cached positions (their keys and values included),
-    under the same rule as :func:`local_attention`. Only the keys some new query sees are
-    attended (the last n + W - 1 with a window); the mask is n x (those + 1), none when n == 1
-    (decoding)."""
+    under the same rule as :func:`local_attention` (with ``chunk``, :func:`chunked_attention`'s;
+    not with ``window``). Only the keys some new query sees are attended (the last n + W - 1
+    with a window, those from the first query's chunk on with chunks); the mask is
+    n x (those + 1), none when n == 1 (decoding)."""
+    if window is not None and chunk is not None:
+        raise ValueError("cached_attention: a sliding window or chunks, not both")
     scale = q_BHnHd.shape[-1] ** -0.5 if scale is None else scale
     n, p = q_BHnHd.shape[2], k_BGPHd.shape[2]
-    if n == p:  # prefill: the queries are every position
+    if n == p and chunk is not None:  # prefill: the queries are every position
+        return chunked_attention(q_BHnHd, k_BGPHd, v_BGPHd, chunk, sinks_H, enable_gqa, scale)
+    if n == p:
         return local_attention(q_BHnHd, k_BGPHd, v_BGPHd, window, sinks_H, enable_gqa, scale)
     lo = 0 if window is None else max(0, p - n - window + 1)
+    if chunk is not None:  # the first new query's chunk starts here
+        lo = (p - n) // chunk * chunk
     k, v = k_BGPHd[:, :, lo:], v_BGPHd[:, :, lo:]
     mask = None
     if n > 1:
@@ -162,6 +220,8 @@ def cached_attention(
         mask = kpos <= qpos
         if window is not None:
             mask = mask & (kpos > qpos - window)
+        if chunk is not None:
+            mask = mask & (kpos // chunk == qpos // chunk)
     elif window is not None:
         k, v = k[:, :, -window:], v[:, :, -window:]
     hd = v.shape[-1]

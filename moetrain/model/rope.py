@@ -137,10 +137,14 @@ def rope_tables(
     return emb.cos() * factor, emb.sin() * factor
 
 
-def model_rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's RoPE tables: ``cfg.rope_dim`` dims, ``cfg.rope_positions`` positions (the
-    context; LongRoPE's original one), scaled as ``cfg.rope_scaling`` says."""
-    return rope_tables(cfg.rope_dim, cfg.rope_positions, cfg.rope_theta, cfg)
+def model_rope_tables(
+    cfg: ModelConfig, positions: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's RoPE tables: ``cfg.rope_dim`` dims, the first ``positions`` positions
+    (default ``cfg.rope_positions``: the context; LongRoPE's original one), scaled as
+    ``cfg.rope_scaling`` says. A position's row does not depend on how many are built."""
+    n = cfg.rope_positions if positions is None else positions
+    return rope_tables(cfg.rope_dim, n, cfg.rope_theta, cfg)
 
 
 def yarn_attention_factor(cfg: ModelConfig) -> float:

@@ -19,12 +19,15 @@ from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents
 from moetrain.model.head_exchange import HeadExchange
 from moetrain.model.layers import LayerNorm, RMSNorm, make_norm
+from moetrain.model.local_attention import chunk_segments
 from moetrain.model.loss import chunked_cross_entropy
 from moetrain.model.mla import LatentCache
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
 from moetrain.model.mtp import MTPBlock, mtp_targets, shift_left
 from moetrain.model.rope import model_rope_tables
+
+ROPE_TABLE_ROWS = 8192  # positions the RoPE tables are built for at first (they grow on demand)
 
 
 @dataclass
@@ -68,7 +71,9 @@ class Transformer(nn.Module):
         self.norm = make_norm(model_cfg, model_cfg.d_model)
         self.lm_head = Linear(model_cfg.d_model, model_cfg.vocab_size, bias=model_cfg.lm_head_bias)
         self.tie_weights()
-        cos, sin = model_rope_tables(model_cfg)
+        # the RoPE tables of the first positions, grown (exactly) when a forward needs more:
+        # a long context (Llama 4 Scout's 10M positions) costs nothing until it is used
+        cos, sin = model_rope_tables(model_cfg, min(model_cfg.rope_positions, ROPE_TABLE_ROWS))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.head_exchange: HeadExchange | None = None  # sequence parallelism (set_head_exchange)
@@ -96,9 +101,20 @@ class Transformer(nn.Module):
     def reset_rope(self) -> None:
         """Recompute the RoPE tables in place (a model built on the meta device and moved with
         ``to_empty`` has uninitialised buffers; every other tensor is a loaded weight)."""
-        cos, sin = model_rope_tables(self.cfg)
+        cos, sin = model_rope_tables(self.cfg, self.rope_cos.shape[0])
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def rope_rows(self, n: int) -> None:
+        """Make the RoPE tables hold at least ``n`` positions (at most ``rope_positions``),
+        doubling them; the new tables keep the old ones' dtype and device."""
+        have = self.rope_cos.shape[0]
+        if n <= have:
+            return
+        size = min(self.cfg.rope_positions, max(n, 2 * have))
+        cos, sin = model_rope_tables(self.cfg, size)
+        self.rope_cos, self.rope_sin = cos.to(self.rope_cos), sin.to(self.rope_sin)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -169,18 +185,25 @@ class Transformer(nn.Module):
             )
         if cache is not None and (doc_ids_BS is not None or start + s > cache.max_len):
             raise ValueError("cache: no document mask, and at most cache.max_len positions")
+        self.rope_rows(start + s)
         cos, sin = self.rope_cos[start : start + s], self.rope_sin[start : start + s]
         x_BSD = self.embed(input_ids_BS)
         if self.cfg.embedding_multiplier != 1.0:
             x_BSD = x_BSD * self.cfg.embedding_multiplier
-        # the packed documents' layout, one for every layer: no S x S mask (doc_attention.py)
-        mask = None
+        # the packed documents' layout, one for every layer: no S x S mask (doc_attention.py);
+        # chunked layers see each document's part of each chunk (local_attention.py)
+        mask = chunk_mask = None
         if doc_ids_BS is not None:
             mask = Documents.from_ids(doc_ids_BS).to(x_BSD.device)
+            chunk = self.cfg.attention_chunk_size
+            if chunk is not None:
+                segments_BS = chunk_segments(doc_ids_BS, chunk)
+                chunk_mask = Documents.from_ids(segments_BS).to(x_BSD.device)
         moe_outs: list[MoEOutput] = []
         embed_BSD = x_BSD
         for block in self.layers[: self.cfg.n_layers]:
-            x_BSD, stats = block(x_BSD, cos, sin, mask, cache)
+            chunked = getattr(block.attn, "chunk", None) is not None
+            x_BSD, stats = block(x_BSD, cos, sin, chunk_mask if chunked else mask, cache)
             if stats is not None:
                 moe_outs.append(stats)
         if cache is not None:

@@ -21,6 +21,7 @@ SEQ = 16
 GRAD_NAMES = (
     "embed.weight",
     "layers.0.attn.wq.weight",
+    "layers.1.attn.wq.weight",  # (a NoPE layer with its query temperature in ``llama4``)
     "layers.1.attn.wo.weight",
     "layers.0.ffn.router.gate.weight",
     "layers.1.ffn.router.gate.weight",
@@ -83,7 +84,28 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "moe.renormalize": False,
         "moe.bias_update_rate": 0.0,  # (sparsemixer has no selection bias)
     },
+    # Llama 4's: interleaved RoPE, a chunked RoPE layer with the post-RoPE norm and a NoPE
+    # layer with its query temperature (both binding at SEQ), top-k on the logits with sigmoid
+    # weights on the experts' inputs, an ungated shared expert (the selection bias kept: on
+    # the logits here)
+    "llama4": {
+        "model.rope_interleave": True,
+        "model.attention_chunk_size": 6,
+        "model.layer_types": ["chunked_attention", "full_attention"],
+        "model.nope_layers": [1],
+        "model.qk_norm_after_rope": True,
+        "model.attn_temperature_floor": 4,
+        "model.attn_temperature_scale": 0.5,
+        "moe.score_func": "sigmoid",
+        "moe.topk_before_score": True,
+        "moe.renormalize": False,
+        "moe.score_on_input": True,
+        "moe.shared_expert_gate": False,
+    },
 }
+# the variants whose references the default suite's world-1 job computes (``llama4``'s is
+# computed by its own -m long job)
+DEFAULT_REFERENCES = ("routing", "mtp", "gptoss", "phimoe")
 
 
 def parity_config(world: int, ep: int, stage: int, **extra: Any) -> Config:
@@ -261,14 +283,19 @@ def reference_key(world: int, layout: tuple) -> str:
     return f"reference_{variant}"
 
 
-def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
+def layouts_job(
+    rank: int, world: int, layouts: list[tuple], references: tuple[str, ...] | None = None
+) -> dict[str, Any]:
     """Run every ``(ep_size, zero_stage[, variant])`` in ``layouts`` on this group; the world-1
-    job also runs every reference (plain torch, one process)."""
+    job also runs the references (plain torch, one process): the base one, those of
+    :data:`DEFAULT_REFERENCES` and capacity's, or only those of the variants ``references``."""
     out: dict[str, Any] = {}
-    if world == 1:
+    if world == 1 and references is not None:
+        for variant in references:
+            out[f"reference_{variant}"] = reference_run(variant)
+    elif world == 1:
         out["reference"] = reference_run()
-        out["reference_routing"] = reference_run("routing")
-        for variant in ("mtp", "gptoss", "phimoe"):
+        for variant in DEFAULT_REFERENCES:
             out[f"reference_{variant}"] = reference_run(variant)
         for groups in (1, 2):
             out[f"reference_capacity_g{groups}"] = reference_run("capacity", groups)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from moetrain.config import Config
+from tests.distributed.parity_jobs import VARIANTS as PARITY_VARIANTS
 from tests.distributed.parity_jobs import parity_config
 
 GLOBAL_MICRO = 4
@@ -47,6 +48,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.v_head_dim": 8,
     },
     "bf16": {"train.precision": "bf16"},
+    # Llama 4's pieces: the NoPE layer's temperature at the whole rows' positions, chunks
+    # across the slices and cut at the documents
+    "llama4": PARITY_VARIANTS["llama4"],
 }
 
 
@@ -185,11 +189,17 @@ def layout_key(layout: tuple) -> str:
     return "_".join([f"sp{sp}", f"ep{ep}", f"zero{stage}", *variant])
 
 
-def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
+def layouts_job(
+    rank: int, world: int, layouts: list[tuple], references: tuple[str, ...] | None = None
+) -> dict[str, Any]:
     """Run every ``(sp, ep, stage[, variant])`` of ``layouts`` on this group; the world-1 job
-    runs the references (plain torch, one process)."""
+    runs the references (plain torch, one process): the base and MLA ones, or those of the
+    variants ``references`` only."""
     out: dict[str, Any] = {}
-    if world == 1:
+    if world == 1 and references is not None:
+        for variant in references:
+            out[f"reference_{variant}"] = reference_run(variant)
+    elif world == 1:
         out["reference"] = reference_run()
         out["reference_mla"] = reference_run("mla")
     for layout in layouts:

@@ -132,6 +132,27 @@ FORMATS = {
         "moe.swiglu_alpha=1.702",
         "moe.swiglu_limit=7.0",
     ],
+    "llama4_text": [  # Llama 4's pieces, chunks and temperature binding at this length
+        "model.rope_interleave=true",
+        "model.attention_chunk_size=8",
+        "model.layer_types=[chunked_attention,chunked_attention,full_attention]",
+        "model.nope_layers=[2]",
+        "model.qk_norm_after_rope=true",
+        "model.attn_temperature_floor=8",
+        "model.attn_temperature_scale=0.5",
+        "model.rope_scaling=llama3",
+        "model.rope_factor=16.0",
+        "model.rope_original_max_seq_len=16",
+        "model.rope_low_freq_factor=1.0",
+        "model.rope_high_freq_factor=1.0",
+        "moe.score_func=sigmoid",
+        "moe.topk_before_score=true",
+        "moe.renormalize=false",
+        "moe.score_on_input=true",
+        "moe.top_k=1",
+        "moe.num_shared_experts=1",
+        "moe.moe_every=2",
+    ],
     "mixtral_bf16": ["train.precision=bf16"],
 }
 ARCH = {
@@ -145,6 +166,7 @@ ARCH = {
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 
 

@@ -15,7 +15,10 @@ statistics); ``mtp`` (two multi-token-prediction modules, MoE blocks, whose loss
 phase at step 3) runs on dp=2 ZeRO-2, ep=2 ZeRO-0 and dp=2 x ep=2 ZeRO-1; ``gptoss`` (attention
 sinks, a sliding-window and a full layer, q/k/v/o, router and expert biases, the clamped SwiGLU
 where it binds) on dp=2 ZeRO-2, ep=2 ZeRO-0 and dp=2 x ep=2 ZeRO-1; ``phimoe`` (LayerNorm, the
-LM-head bias, sparsemixer routing) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1. The base
+LM-head bias, sparsemixer routing) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; with
+-m long, ``llama4`` (chunked attention, a NoPE layer with its query temperature, the post-RoPE
+norm, top-k on the logits with sigmoid weights on the experts' inputs) on ep=2 ZeRO-2, dp=2
+ZeRO-0 and dp=2 x ep=2 ZeRO-1. The base
 configuration has a gated shared expert. The reference is plain torch in
 one process with the per-expert loop (no DeepSpeed, no dispatcher swap); for capacity it decides
 capacity in world / ep_size parts of each global micro-batch, one per EP group, as the layout
@@ -136,6 +139,10 @@ def test_shadow_layouts_replicate_experts(results) -> None:
 
 @pytest.mark.parametrize("world,layout", LAYOUTS, ids=[f"w{w}-{_key(la)}" for w, la in LAYOUTS])
 def test_losses_and_norms_match_reference(results, world: int, layout: tuple) -> None:
+    check_losses_and_norms(results, world, layout)
+
+
+def check_losses_and_norms(results: dict[int, list[dict]], world: int, layout: tuple) -> None:
     reference = _reference(results, world, layout)
     for rank, res in enumerate(results[world]):
         run = res[_key(layout)]
@@ -147,6 +154,10 @@ def test_losses_and_norms_match_reference(results, world: int, layout: tuple) ->
 
 @pytest.mark.parametrize("world,layout", LAYOUTS, ids=[f"w{w}-{_key(la)}" for w, la in LAYOUTS])
 def test_gradients_after_first_step_match(results, world: int, layout: tuple) -> None:
+    check_first_step_gradients(results, world, layout)
+
+
+def check_first_step_gradients(results: dict[int, list[dict]], world: int, layout: tuple) -> None:
     reference = _reference(results, world, layout)
     num_experts = parity_config(1, 1, 0, **VARIANTS.get(layout[-1], {})).moe.num_experts
     assert any(".experts." in name for name in reference["grads"])
@@ -167,6 +178,10 @@ def test_gradients_after_first_step_match(results, world: int, layout: tuple) ->
 
 @pytest.mark.parametrize("world,layout", LAYOUTS, ids=[f"w{w}-{_key(la)}" for w, la in LAYOUTS])
 def test_bias_identical_on_every_rank(results, world: int, layout: tuple) -> None:
+    check_biases(results, world, layout)
+
+
+def check_biases(results: dict[int, list[dict]], world: int, layout: tuple) -> None:
     reference = _reference(results, world, layout)
     biases = [res[_key(layout)]["biases"] for res in results[world]]
     assert all(b == biases[0] for b in biases), "expert_bias differs between ranks"
@@ -188,3 +203,28 @@ def test_deepspeed_stage0_norm_is_wrong_under_ep(results, reference, world: int,
             # deterministic: about 2e-4 here (dense gradients dominate the norm), i.e. far
             # outside the parity tolerance that moetrain's own norm meets
             assert err > 10 * REL, f"DeepSpeed's stage-0 norm {ds_norm} unexpectedly right"
+
+
+# Llama 4's pieces (parity_jobs.VARIANTS["llama4"]) on ep=2 ZeRO-2, dp=2 ZeRO-0 and
+# dp=2 x ep=2 ZeRO-1 against their one-process reference, with -m long
+LLAMA4_JOBS = {1: [], 2: [(2, 2, "llama4"), (1, 0, "llama4")], 4: [(2, 1, "llama4")]}
+LLAMA4_LAYOUTS = [(w, lay) for w, lays in LLAMA4_JOBS.items() for lay in lays]
+
+
+@pytest.fixture(scope="module")
+def llama4_results() -> dict[int, list[dict]]:
+    jobs = [(layouts_job, 1, [], ("llama4",))]
+    jobs += [(layouts_job, w, lays) for w, lays in LLAMA4_JOBS.items() if lays]
+    done = run_distributed_concurrently(jobs)
+    return dict(zip(LLAMA4_JOBS, done, strict=True))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize(
+    "world,layout", LLAMA4_LAYOUTS, ids=[f"w{w}-{_key(la)}" for w, la in LLAMA4_LAYOUTS]
+)
+def test_llama4_layouts_match_reference(llama4_results, world: int, layout: tuple) -> None:
+    """Losses, norms, first-step gradients (this rank's experts) and the selection bias."""
+    check_losses_and_norms(llama4_results, world, layout)
+    check_first_step_gradients(llama4_results, world, layout)
+    check_biases(llama4_results, world, layout)

@@ -10,6 +10,8 @@ active every step, fp32, against one plain torch process on the whole batch
   latent attention at sp=2 (ep 1 ZeRO-1, ep 2 ZeRO-0);
 - world 4: dp=2 x sp=2 with ep=2 at ZeRO-1, and sp=4 x ep=2 at ZeRO-0, where the
   model's 2 key/value heads are repeated to 4 so that each rank gets the one its query head uses;
+- with -m long, Llama 4's pieces (``parity_jobs.VARIANTS["llama4"]``) at sp=2 x ep=2 ZeRO-1
+  and sp=4 x ep=2 ZeRO-0;
 - bf16: sp=2 with ep=2 at ZeRO-2 against the world-1 bf16 run (ZeRO-1), held to the bf16 bound
   of tests/distributed/test_precision.py (two bf16 runs differ by at most twice the distance of
   either from fp32), with that distance checked on this model too.
@@ -60,7 +62,8 @@ def results() -> dict[int, list[dict]]:
 
 
 def _reference(results: dict[int, list[dict]], layout: tuple) -> dict:
-    return results[1][0]["reference_mla" if "mla" in layout else "reference"]
+    variant = next((v for v in ("mla", "llama4") if v in layout), None)
+    return results[1][0][f"reference_{variant}" if variant else "reference"]
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -99,6 +102,10 @@ def test_layout_is_sequence_parallel(results, world: int, layout: tuple) -> None
 
 @pytest.mark.parametrize("world,layout", LAYOUTS, ids=IDS)
 def test_losses_and_norms_match_reference(results, world: int, layout: tuple) -> None:
+    check_losses_and_norms(results, world, layout)
+
+
+def check_losses_and_norms(results: dict[int, list[dict]], world: int, layout: tuple) -> None:
     reference = _reference(results, layout)
     for rank, res in enumerate(results[world]):
         run = res[layout_key(layout)]
@@ -109,6 +116,10 @@ def test_losses_and_norms_match_reference(results, world: int, layout: tuple) ->
 
 @pytest.mark.parametrize("world,layout", LAYOUTS, ids=IDS)
 def test_gradients_after_first_step_match(results, world: int, layout: tuple) -> None:
+    check_first_step_gradients(results, world, layout)
+
+
+def check_first_step_gradients(results: dict[int, list[dict]], world: int, layout: tuple) -> None:
     reference = _reference(results, layout)
     assert any(".attn." in name for name in reference["grads"])
     assert any(".experts." in name for name in reference["grads"])
@@ -145,3 +156,26 @@ def test_bf16_sequence_parallel_within_the_bf16_bound(results) -> None:
         assert len(run["losses"]) == STEPS
         assert _rel(run["losses"], ref["losses"]) <= LOSS_BOUND, (rank, run["losses"])
         assert _rel(run["norms"], ref["norms"]) <= NORM_BOUND, (rank, run["norms"])
+
+
+# Llama 4's pieces at sp=2 x ep=2 ZeRO-1 and sp=4 x ep=2 ZeRO-0, with -m long
+LLAMA4_JOBS = {2: [(2, 2, 1, "llama4")], 4: [(4, 2, 0, "llama4")]}
+LLAMA4_LAYOUTS = [(w, lay) for w, lays in LLAMA4_JOBS.items() for lay in lays]
+
+
+@pytest.fixture(scope="module")
+def llama4_results() -> dict[int, list[dict]]:
+    jobs = [(layouts_job, 1, [], ("llama4",))]
+    jobs += [(layouts_job, w, lays) for w, lays in LLAMA4_JOBS.items()]
+    return dict(zip((1, *LLAMA4_JOBS), run_distributed_concurrently(jobs), strict=True))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize(
+    "world,layout", LLAMA4_LAYOUTS, ids=[f"w{w}-{layout_key(la)}" for w, la in LLAMA4_LAYOUTS]
+)
+def test_llama4_sequence_parallel_matches_reference(llama4_results, world, layout) -> None:
+    """The NoPE layer's query temperature at the whole rows' positions and the chunks (cut at
+    the packed documents) under the head exchange: losses, norms and first-step gradients."""
+    check_losses_and_norms(llama4_results, world, layout)
+    check_first_step_gradients(llama4_results, world, layout)

@@ -209,6 +209,22 @@ GPT_OSS_RELEASED_CONFIG: dict[str, Any] = {
 }
 
 
+# Llama 4's flags at the tiny sizes, each where it binds in 19 tokens: MoE every second layer
+# (Maverick's interleave_moe_layer_step), the last layer NoPE (as every fourth is in the
+# releases) with its query temperature (floor_scale 8192 -> 4), the others chunked
+# (attention_chunk_size 8192 -> 6) with the post-RoPE query/key norm (Scout's use_qk_norm)
+LLAMA4_FLAGS: dict[str, Any] = {
+    "no_rope_layers": [1, 1, 0],
+    "interleave_moe_layer_step": 2,
+    "attention_chunk_size": 6,
+    "use_qk_norm": True,
+    "attn_temperature_tuning": True,
+    "floor_scale": 4,
+    "attn_scale": 0.5,
+    "tie_word_embeddings": False,
+}
+
+
 def _moe_configs(transformers: Any) -> dict[str, Any]:
     moe = dict(SMALL, num_experts_per_tok=2)
     return {
@@ -301,6 +317,12 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
         ),
         "phimoe": lambda: transformers.PhimoeConfig(  # Phi-3.5-MoE-instruct's flags
             **{**moe, **PHIMOE_FLAGS}, intermediate_size=24, num_local_experts=4
+        ),
+        "llama4_text": lambda: transformers.Llama4TextConfig(  # Llama 4's flags (below)
+            **{**moe, **LLAMA4_FLAGS},
+            intermediate_size=24,
+            intermediate_size_mlp=40,
+            num_local_experts=4,
         ),
     }
 

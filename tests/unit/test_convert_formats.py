@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.config.model import FULL
 from moetrain.convert.families import FORMATS, family
 from moetrain.convert.formats import choose_format, config_from_hf, hf_config
 from moetrain.convert.hf import from_hf_state_dict, to_hf_state_dict
@@ -29,6 +30,17 @@ MLA_SHAPE = dict(
     qk_nope_head_dim=8,
     qk_rope_head_dim=8,
     v_head_dim=12,
+)
+# Llama 4's attention: chunks of 6 on the RoPE layers, the last layer NoPE with its query
+# temperature, the post-RoPE query/key norm
+LLAMA4_MODEL = dict(
+    rope_interleave=True,
+    attention_chunk_size=6,
+    layer_types=["chunked_attention"] * 2 + ["full_attention"],
+    nope_layers=[2],
+    qk_norm_after_rope=True,
+    attn_temperature_floor=4,
+    attn_temperature_scale=0.5,
 )
 # moetrain settings that each format represents exactly (and that auto picks).
 CASES = {
@@ -160,6 +172,17 @@ CASES = {
             rope_attention_factor=PHIMOE_ROPE["short_mscale"],
         ),
         moe=dict(router_type="sparsemixer", renormalize=False),
+    ),
+    "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_models.LLAMA4_FLAGS)
+        model=LLAMA4_MODEL,
+        moe=dict(
+            score_func="sigmoid",
+            topk_before_score=True,
+            renormalize=False,
+            score_on_input=True,
+            num_shared_experts=1,
+            moe_every=2,
+        ),
     ),
 }
 # moetrain settings of the muP-style scalars, at a non-default value (only Granite has them)
@@ -424,6 +447,49 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
             dict(score_func="sigmoid", num_shared_experts=1, n_group=8, topk_group=2),
             "moe.n_group",
         ),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, topk_before_score=True),
+            "moe.topk_before_score",
+        ),
+        ("llama4_text", {}, {}, "model.rope_interleave"),
+        ("llama4_text", dict(rope_interleave=True), {}, "moe.score_func"),
+        (
+            "llama4_text",
+            dict(rope_interleave=True),
+            dict(score_func="sigmoid", renormalize=False, num_shared_experts=1),
+            "moe.topk_before_score",
+        ),
+        (
+            "llama4_text",
+            dict(rope_interleave=True),
+            dict(score_func="sigmoid", topk_before_score=True, num_shared_experts=1),
+            "moe.renormalize",
+        ),
+        (
+            "llama4_text",
+            dict(rope_interleave=True),
+            dict(
+                score_func="sigmoid",
+                topk_before_score=True,
+                renormalize=False,
+                num_shared_experts=1,
+            ),
+            "moe.score_on_input",
+        ),
+        (
+            "llama4_text",
+            dict(rope_interleave=True),
+            dict(
+                score_func="sigmoid", topk_before_score=True, renormalize=False, score_on_input=True
+            ),
+            "moe.num_shared_experts",
+        ),
+        ("mixtral", dict(attention_chunk_size=6), {}, "model.attention_chunk_size"),
+        ("qwen3_moe", dict(qk_norm=True, nope_layers=[1]), {}, "model.nope_layers"),
+        ("olmoe", dict(qk_norm_after_rope=True), {}, "model.qk_norm_after_rope"),
+        ("granitemoe", {}, dict(topk_before_score=True, score_on_input=True), "moe.score_on_input"),
     ],
 )
 def test_explicit_format_refused_naming_the_setting(fmt, model_kw, moe_kw, key) -> None:
@@ -1217,3 +1283,211 @@ def test_phimoe_generation_matches_transformers(tmp_path) -> None:
         torch.testing.assert_close(
             torch.cat(steps, 1), hf(input_ids=ref[:, :18]).logits, atol=1e-5, rtol=1e-5
         )
+
+
+# Llama 4's pieces, off one at a time (the tiny case has them all binding in 19 tokens)
+LLAMA4_OFF = {
+    "chunks": {"model.attention_chunk_size": None, "model.layer_types": None},
+    "nope": {
+        "model.nope_layers": None,
+        "model.attn_temperature_floor": None,
+        "model.attn_temperature_scale": None,
+    },
+    "temperature": {"model.attn_temperature_floor": None, "model.attn_temperature_scale": None},
+    "qk_norm": {"model.qk_norm_after_rope": False},
+    "score_on_input": {"moe.score_on_input": False},
+}
+
+
+def test_llama4_pieces_each_bind_in_the_parity_case() -> None:
+    """Each of Llama 4's pieces changes the tiny case's logits, so the parity test above
+    (transformers' logits, 1e-5) checks every one of them."""
+    cfg = tiny_cfg("llama4_text")
+    model = model_for(cfg)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(ids).logits
+        for name, off in LLAMA4_OFF.items():
+            other = tiny_cfg("llama4_text", off)
+            plain = Transformer(other.model, other.moe).eval()
+            plain.load_state_dict(model.state_dict())
+            assert (plain(ids).logits - got).abs().max() > 1e-4, name  # (parity: 1e-5)
+
+
+@pytest.mark.parametrize(
+    "fmt_case",
+    [
+        "bias",
+        pytest.param("tied", marks=pytest.mark.long),
+        pytest.param("top1", marks=pytest.mark.long),
+    ],
+)
+def test_llama4_variants_match_transformers_and_round_trip(tmp_path, fmt_case: str) -> None:
+    """attention_bias (q/k/v/o biases), tied embeddings, top-1 routing with an explicit MoE
+    placement past a dense first layer: transformers' logits, and the config comes back."""
+    extra = {
+        "bias": {"model.qkv_bias": True, "model.o_bias": True},
+        "tied": {"model.tie_embeddings": True, "moe.moe_every": 1},
+        "top1": {"moe.top_k": 1, "moe.first_k_dense": 1, "moe.moe_every": 1},
+    }[fmt_case]
+    cfg = tiny_cfg("llama4_text", extra)
+    assert choose_format(cfg) == "llama4_text"
+    model = sharpened(model_for(cfg))
+    hf = load_hf(cfg, model, "llama4_text", tmp_path)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(ids).logits, hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+        )
+    back = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert back.model == cfg.model
+    assert back.moe.moe_layers(3) == cfg.moe.moe_layers(3)
+    assert (back.moe.top_k, back.moe.score_on_input) == (cfg.moe.top_k, True)
+
+
+def test_llama4_generation_matches_transformers(tmp_path) -> None:
+    """Generation with the KV cache across chunk boundaries (chunks of 6; transformers keeps
+    a chunk's worth of keys per chunked layer) with the NoPE layer's temperature at the cache's
+    positions: transformers' greedy tokens and its logits at every step."""
+    from moetrain.generate import generate_ids
+
+    cfg = tiny_cfg("llama4_text")
+    model = sharpened(model_for(cfg))
+    hf = load_hf(cfg, model, "llama4_text", tmp_path)
+    prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(2))
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(prompt, do_sample=False, max_new_tokens=16)
+    assert generate_ids(model, prompt[0].tolist(), 16, temperature=0.0) == ref[0, 7:].tolist()
+    with torch.no_grad():
+        cache, steps = model.new_cache(1, 23), []
+        steps.append(model(ref[:, :7], cache=cache).logits)
+        for i in range(7, 22):
+            steps.append(model(ref[:, i : i + 1], cache=cache).logits)
+        torch.testing.assert_close(
+            torch.cat(steps, 1), hf(input_ids=ref[:, :22]).logits, atol=1e-5, rtol=1e-5
+        )
+
+
+def _llama4_released(name: str = "Llama-4-Scout-17B-16E", **changes) -> dict:
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "fixtures" / "released_configs" / "llama4_text"
+    return {**json.loads((path / f"{name}.json").read_text()), **changes}
+
+
+def test_llama4_released_configs_import() -> None:
+    """Scout's and Maverick's config.json flags (tests/fixtures/released_configs/llama4_text):
+    every piece of their models."""
+    scout = config_from_hf(_llama4_released())
+    m, moe = scout.model, scout.moe
+    assert (m.rope_interleave, m.qk_norm_after_rope, m.nope_layers) == (True, True, [3])
+    assert (m.attention_chunk_size, m.layer_types) == (32, ["chunked_attention"] * 3 + [FULL])
+    assert (m.attn_temperature_floor, m.attn_temperature_scale) == (32, 0.1)
+    assert (m.rope_scaling, m.rope_factor, m.rope_original_max_seq_len) == ("llama3", 16.0, 16)
+    assert (m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_theta) == (1.0, 1.0, 5e5)
+    assert (m.head_dim, m.n_heads, m.n_kv_heads, m.dense_hidden) == (16, 5, 1, 64)
+    assert (moe.score_func, moe.topk_before_score, moe.renormalize) == ("sigmoid", True, False)
+    assert (moe.score_on_input, moe.num_shared_experts, moe.shared_hidden) == (True, 1, 32)
+    assert (moe.num_experts, moe.top_k, moe.moe_layers(4)) == (4, 1, [0, 1, 2, 3])
+    assert choose_format(scout) == "llama4_text"
+    maverick = config_from_hf(_llama4_released("Llama-4-Maverick-17B-128E"))
+    assert (maverick.model.qk_norm_after_rope, maverick.model.rope_scaling) == (False, "none")
+    assert (maverick.moe.num_experts, maverick.moe.moe_layers(4)) == (8, [1, 3])
+    assert (maverick.moe.first_k_dense, maverick.moe.moe_every) == (0, 2)
+    # a chunk as long as the context is full attention; temperature tuning off, or no NoPE
+    # layer, is none
+    whole = config_from_hf(_llama4_released(attention_chunk_size=2048)).model
+    assert (whole.attention_chunk_size, whole.layer_types) == (None, None)
+    off = config_from_hf(_llama4_released(attn_temperature_tuning=False)).model
+    assert (off.attn_temperature_floor, off.nope_layers) == (None, [3])
+    all_rope = config_from_hf(_llama4_released(no_rope_layers=[1, 1, 1, 1])).model
+    assert (all_rope.nope_layers, all_rope.attn_temperature_floor) == (None, None)
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"attention_dropout": 0.1}, "attention_dropout"),
+        ({"no_rope_layers": [1, 2, 1, 1]}, "no_rope_layers"),
+        ({"no_rope_layers": [1, 0], "layer_types": ["full_attention"] * 4}, "no_rope_layers"),
+        ({"layer_types": ["sliding_attention"] * 4}, "layer_types"),
+        (
+            {"layer_types": ["chunked_attention"] * 4, "attention_chunk_size": None},
+            "attention_chunk_size",
+        ),
+        ({"moe_layers": [0, 2, 3]}, "moe_layers/interleave_moe_layer_step"),
+        ({"moe_layers": [1, 5]}, "moe_layers"),
+        ({"floor_scale": 0}, "floor_scale"),
+        ({"attn_scale": -0.1}, "attn_scale"),
+        (
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            "rope_parameters.rope_type",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"quantization_config": {"quant_method": "fbgemm_fp8"}}, "quantization_config"),
+    ],
+)
+def test_llama4_configs_moetrain_cannot_compute_are_refused(changes, key) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_hf(_llama4_released(**changes))
+
+
+LLAMA4_PIECES = {
+    "model.nope_layers": {"model.nope_layers": [1]},
+    "model.attention_chunk_size": {"model.attention_chunk_size": 6},
+    "model.qk_norm_after_rope": {"model.qk_norm_after_rope": True},
+    "model.attn_temperature_floor": {
+        "model.nope_layers": [1],
+        "model.attn_temperature_floor": 4,
+        "model.attn_temperature_scale": 0.1,
+    },
+    "moe.score_on_input": {"moe.score_on_input": True},
+}
+
+
+@pytest.mark.parametrize("setting", list(LLAMA4_PIECES))
+def test_families_without_llama4s_pieces_refuse_them_by_key(setting: str) -> None:
+    """NoPE layers and their temperature, chunked attention, the post-RoPE norm and the
+    weights on the experts' inputs: every family but Llama 4 names the setting (latent
+    attention refuses the attention ones itself: test_attention_options.py)."""
+    from moetrain.convert.formats import problems
+
+    for fmt in FORMATS:
+        mla = family(fmt).attention == "mla"
+        if fmt == "llama4_text" or (mla and setting.startswith("model.")):
+            continue
+        shape = {f"model.{k}": v for k, v in MLA_SHAPE.items()} if mla else {}
+        cfg = tiny_config(shape, LLAMA4_PIECES[setting])
+        assert setting in [k for k, _ in problems(fmt, cfg.model, cfg.moe)], fmt
+
+
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        ({"moe.score_on_input": False}, "moe.score_on_input"),
+        ({"moe.topk_before_score": False}, "moe.topk_before_score"),
+        ({"moe.renormalize": True}, "moe.renormalize"),
+        ({"moe.score_func": "softmax"}, "moe.score_func"),
+        ({"moe.num_shared_experts": 0}, "moe.num_shared_experts"),
+        ({"moe.shared_expert_gate": True}, "moe.shared_expert_gate"),
+        ({"moe.shared_expert_hidden": 7}, "moe.shared_expert_hidden"),
+        ({"moe.route_scale": 2.0}, "moe.route_scale"),
+        ({"moe.bias_update_rate": 0.1}, "moe.bias_update_rate"),
+        ({"moe.capacity_factor": 1.0}, "moe.capacity_factor"),
+        ({"moe.n_group": 2}, "moe.n_group"),
+        ({"model.rope_interleave": False}, "model.rope_interleave"),
+        ({"model.qk_norm": True}, "model.qk_norm"),
+        ({"model.qkv_bias": True}, "model.o_bias"),
+        ({"model.attention_sinks": True}, "model.attention_sinks"),
+        (
+            {"model.sliding_window": 6, "model.layer_types": ["sliding_attention"] * 3},
+            "model.sliding_window",
+        ),
+        ({"model.partial_rotary_factor": 0.5}, "model.partial_rotary_factor"),
+        ({"model.mtp_depth": 1}, "model.mtp_depth"),
+    ],
+)
+def test_llama4_refuses_what_its_class_does_not_compute_by_key(changes, key) -> None:
+    cfg = tiny_cfg("llama4_text", changes)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(cfg, "llama4_text")

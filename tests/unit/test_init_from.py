@@ -485,3 +485,77 @@ def test_a_tied_head_stays_one_parameter(hf_dirs) -> None:
     assert model.lm_head.weight is model.embed.weight
     names = [n for n, _ in model.named_parameters()]
     assert "embed.weight" in names and "lm_head.weight" not in names
+
+
+def _llama4_released_layout(out: Path) -> Path:
+    """The tiny Llama 4 text model inside a Llama4ForConditionalGeneration with a one-layer
+    vision tower, saved as the releases are (text_config, language_model.* tensors)."""
+    from tests.helpers.hf_models import hf_config
+
+    vision = dict(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        image_size=28,
+        patch_size=14,
+        vision_output_dim=16,
+        projector_input_dim=16,
+        projector_output_dim=16,
+    )
+    text = hf_config("llama4_text").to_dict()
+    cfg = transformers.Llama4Config(text_config=text, vision_config=vision)
+    torch.manual_seed(3)
+    model = transformers.Llama4ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    return out
+
+
+def test_llama4_conditional_generation_directory_gives_its_text_model(tmp_path, capsys) -> None:
+    """A released Llama 4 layout: the text model is taken (transformers' logits without
+    images, an expert-parallel rank's rows), the vision tower is not, and both the source's
+    description and `moetrain import` say so."""
+    from moetrain.cli import main
+
+    src = _llama4_released_layout(tmp_path / "vlm")
+    cfg, source = resolved(f"checkpoint.init_from={src}")
+    assert (source.architecture, source.prefix) == ("Llama4ForCausalLM", "language_model.")
+    assert "the vision tower (vision_model.*, multi_modal_projector.*" in source.describe()
+    ids = torch.randint(0, 320, (2, 19), generator=torch.Generator().manual_seed(0))
+    model = build_model(cfg, source).eval()
+    hf = transformers.Llama4ForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        ref, got = hf.eval()(input_ids=ids).logits, model(ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    half = build_model(cfg, source, local_experts=(2, 4)).state_dict()
+    for name, t in model.state_dict().items():
+        assert torch.equal(half[name], t[2:4] if ".experts." in name else t), name
+    assert main(["import", str(src), str(tmp_path / "ckpt")]) == 0
+    printed = capsys.readouterr().out
+    assert "text model of a Llama4ForConditionalGeneration directory" in printed
+    assert "the vision tower" in printed and "is not taken" in printed
+    init = TrainerState.read(tmp_path / "ckpt").init
+    assert "vision tower" in init["not_taken"]
+
+
+def test_llama4_conditional_generation_with_a_foreign_tensor_is_refused(tmp_path) -> None:
+    """A tensor neither the text model's nor the vision tower's: refused by name, before
+    anything is written."""
+    from safetensors.torch import load_file, save_file
+
+    src = _llama4_released_layout(tmp_path / "vlm")
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["audio_model.proj.weight"] = torch.zeros(2, 2)
+    save_file(tensors, str(src / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"audio_model\.proj\.weight"):
+        import_hf_checkpoint(src, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    config = json.loads((src / "config.json").read_text())
+    del config["text_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="text_config"):
+        open_init_source(str(src))

@@ -15,6 +15,7 @@ Adding a family means adding its released configs: every registered family has o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.families import FAMILIES, of_hf_config
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.init_from.source import open_init_source
+from moetrain.model import Transformer
 from tests.helpers.hf_models import save_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -129,6 +131,36 @@ def test_released_config_imports_and_exports_with_transformers_logits(
     assert exported == target.architecture and not target.dense
     assert fam.dense or target is fam  # (its transformers class: Phi's remote-code name differs)
     close(again, ref)
+
+
+LLAMA4 = sorted(CORPUS.glob("llama4_text/*.json"))
+
+
+@pytest.mark.long  # (the tiny Llama 4 case of test_convert_formats.py binds each in the default suite)
+@pytest.mark.parametrize("path", LLAMA4, ids=_id)
+def test_llama4_released_configs_where_chunks_and_temperature_bind(
+    path: Path, tokenizer: Path, tmp_path: Path
+) -> None:
+    """Llama 4's shrunk chunk and temperature floor (32 positions) bind only past the test
+    above's 13 tokens: 70 tokens (three chunks, the NoPE layer's temperature at 1 and 2
+    floors) imported with transformers' logits."""
+    hf = json.loads(path.read_text())
+    assert hf["attention_chunk_size"] == hf["floor_scale"] == 32
+    src = save_released(hf, tmp_path / "src", tokenizer)
+    ids = torch.randint(0, hf["vocab_size"], (1, 70), generator=torch.Generator().manual_seed(1))
+    _, ref = hf_logits(src, ids)
+    model, cfg = load_model(import_hf_checkpoint(src, tmp_path / "ckpt"))
+    assert cfg.model.attention_chunk_size == 32 and cfg.model.nope_layers == [3]
+    with torch.no_grad():
+        got = model.eval()(ids).logits
+        close(got, ref)
+        for off in (  # each binds here: without it, other logits
+            {"attention_chunk_size": None, "layer_types": None},
+            {"attn_temperature_floor": None, "attn_temperature_scale": None},
+        ):
+            plain = Transformer(dataclasses.replace(cfg.model, **off), cfg.moe).eval()
+            plain.load_state_dict(model.state_dict())
+            assert (plain(ids).logits - got).abs().max() > 1e-3 * ref.abs().max(), off
 
 
 def test_every_registered_family_has_a_released_config() -> None:

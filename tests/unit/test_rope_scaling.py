@@ -222,3 +222,33 @@ def test_longrope_refuses_sequences_past_the_original_context_by_key() -> None:
         tiny_config(TINY_LONGROPE, {"model.rope_long_factor": None})
     with pytest.raises(ConfigError, match=r"model\.rope_short_factor"):
         tiny_config({"model.rope_short_factor": [1.0] * 4})  # (without longrope)
+
+
+def test_rope_tables_are_built_for_the_positions_used() -> None:
+    """A long context (Llama 4 Scout's is 10M positions) builds its tables for the first 8192
+    positions and grows them, exactly, when a forward reaches further (here a cache at 10000)."""
+    from moetrain.model.transformer import ROPE_TABLE_ROWS
+
+    cfg = tiny_config(
+        {
+            "model.max_seq_len": 40000,
+            "model.rope_scaling": "llama3",
+            "model.rope_factor": 16.0,
+            "model.rope_original_max_seq_len": 16,
+            "model.rope_low_freq_factor": 1.0,
+            "model.rope_high_freq_factor": 1.0,
+        }
+    )
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.moe).eval()
+    assert model.rope_cos.shape[0] == ROPE_TABLE_ROWS == 8192
+    cache = model.new_cache(1, 10001)
+    cache.pos = 10000
+    with torch.no_grad():
+        model(torch.tensor([[5]]), cache=cache)
+    assert model.rope_cos.shape[0] == 16384
+    want_cos, want_sin = model_rope_tables(cfg.model)
+    torch.testing.assert_close(model.rope_cos, want_cos[:16384], rtol=0, atol=0)
+    torch.testing.assert_close(model.rope_sin, want_sin[:16384], rtol=0, atol=0)
+    model.rope_rows(40000)  # (never past the context)
+    assert model.rope_cos.shape[0] == 40000

@@ -203,6 +203,10 @@ def test_inexact_reasons_name_exactly_the_settings_that_break_step_0() -> None:
     assert why.startswith("moe.renormalize_min=0.9")
     (why,) = inexact_reasons(tiny_config(moe__renormalize_min=1e-12, moe__score_func="sigmoid"))
     assert why.startswith("moe.renormalize_min=1e-12")
+    # weights on the inputs (Llama 4's rule): exact only where the one weight is 1
+    assert inexact_reasons(tiny_config(moe__score_on_input=True, moe__top_k=1)) == []
+    (why,) = inexact_reasons(tiny_config(moe__score_on_input=True))
+    assert why.startswith("moe.score_on_input=true")
     (why,) = inexact_reasons(tiny_config(moe__route_scale=2.5))
     assert why.startswith("moe.route_scale=2.5")
     cfg = tiny_config(moe__capacity_factor=1.0, moe__jitter=0.1, checkpoint__upcycle_noise=0.1)

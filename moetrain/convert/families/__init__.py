@@ -21,6 +21,7 @@ from moetrain.convert.families import (
     gpt_oss,
     granitemoe,
     llama,
+    llama4_text,
     mistral,
     mixtral,
     olmoe,
@@ -30,7 +31,7 @@ from moetrain.convert.families import (
     qwen3,
     qwen3_moe,
 )
-from moetrain.convert.families.base import Family, WeightNames
+from moetrain.convert.families.base import Family, WeightNames, Wrapper
 
 # MoE families in the order ``--format auto`` tries them, then the dense sources
 FAMILIES: dict[str, Family] = {
@@ -48,6 +49,7 @@ FAMILIES: dict[str, Family] = {
         granitemoe.SHARED_FAMILY,
         gpt_oss.FAMILY,
         phimoe.FAMILY,
+        llama4_text.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         qwen2.FAMILY,
@@ -57,7 +59,18 @@ FAMILIES: dict[str, Family] = {
 FORMATS = tuple(name for name, f in FAMILIES.items() if not f.dense)  # export targets
 DENSE = tuple(name for name, f in FAMILIES.items() if f.dense)
 
-__all__ = ["DENSE", "FAMILIES", "FORMATS", "Family", "WeightNames", "family", "of_hf_config"]
+__all__ = [
+    "DENSE",
+    "FAMILIES",
+    "FORMATS",
+    "Family",
+    "WeightNames",
+    "Wrapper",
+    "family",
+    "of_hf_config",
+    "unwrap",
+    "wrapper_of",
+]
 
 
 def family(name: str) -> Family:
@@ -68,8 +81,40 @@ def family(name: str) -> Family:
 
 
 def of_hf_config(hf_dict: dict[str, Any]) -> Family | None:
-    """The family of a ``config.json`` dict (by ``architectures``, else ``model_type``), None
-    when none is registered."""
+    """The family of a ``config.json`` dict (by ``architectures``, else ``model_type``; a
+    family's :class:`Wrapper` gives the family), None when none is registered."""
     arch = (hf_dict.get("architectures") or [None])[0]
+    wrapped = [f for f in FAMILIES.values() if f.wrapper is not None]
     by_arch = {f.architecture: f for f in FAMILIES.values()}
-    return by_arch.get(arch) or FAMILIES.get(hf_dict.get("model_type"))
+    by_arch |= {f.wrapper.architecture: f for f in wrapped}
+    by_type = dict(FAMILIES) | {f.wrapper.model_type: f for f in wrapped}
+    return by_arch.get(arch) or by_type.get(hf_dict.get("model_type"))
+
+
+def wrapper_of(hf_dict: dict[str, Any]) -> Wrapper | None:
+    """The :class:`Wrapper` a ``config.json`` dict is (a family's model inside a larger one),
+    None when it is a family's own."""
+    fam = of_hf_config(hf_dict)
+    w = fam.wrapper if fam is not None else None
+    arch = (hf_dict.get("architectures") or [None])[0]
+    if w is not None and (
+        arch == w.architecture or (arch is None and hf_dict.get("model_type") == w.model_type)
+    ):
+        return w
+    return None
+
+
+def unwrap(hf_dict: dict[str, Any]) -> dict[str, Any]:
+    """The family's own ``config.json`` dict: a wrapper's inner config (its ``config_key``,
+    with the family's architecture and model_type), else ``hf_dict`` itself."""
+    w = wrapper_of(hf_dict)
+    if w is None:
+        return hf_dict
+    inner = hf_dict.get(w.config_key)
+    if not isinstance(inner, dict):
+        raise ConfigError(
+            f"{w.config_key}: a {w.architecture} config.json holds its text model's config "
+            f"there; got {inner!r}"
+        )
+    fam = of_hf_config(hf_dict)
+    return {**inner, "architectures": [fam.architecture], "model_type": fam.name}

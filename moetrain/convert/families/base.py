@@ -53,11 +53,29 @@ class WeightNames:
     # (2S, D) = [gate; up] and down (D, S) (Granite-MoE-Shared's shared_mlp.input_linear,
     # shared_mlp.output_linear); None: its gate_proj / up_proj / down_proj under the MoE block
     shared_fused: tuple[str, str] | None = None
-    # the files hold each layer's experts fused as gpt-oss does (files and transformers v5
-    # alike): experts.gate_up_proj (E, D, 2F) with gate and up interleaved (gate the even
-    # columns), experts.gate_up_proj_bias (E, 2F) likewise, experts.down_proj (E, F, D) and
-    # experts.down_proj_bias (E, D)
-    interleaved_experts: bool = False
+    # the files hold each layer's experts stacked in moetrain's (in, out) orientation under
+    # the MoE block (files and transformers v5 alike): experts.gate_up_proj (E, D, 2F) and
+    # experts.down_proj (E, F, D); "concatenated": gate_up = [gate | up] (Llama 4),
+    # "interleaved": gate and up interleaved, gate the even columns, with
+    # experts.gate_up_proj_bias (E, 2F) likewise and experts.down_proj_bias (E, D) (gpt-oss);
+    # None: another layout (above)
+    stacked_experts: str | None = None
+    # the module of a dense layer's FFN (Llama 4's feed_forward)
+    dense_block: str = "mlp"
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A Hugging Face class that holds a family's model inside a larger one (Llama 4's released
+    ``Llama4ForConditionalGeneration``: the text model beside a vision tower). Importing such a
+    directory takes the family's model and leaves the rest, saying so."""
+
+    architecture: str  # config.json's ``architectures``
+    model_type: str
+    config_key: str  # the family's own config inside config.json (``text_config``)
+    prefix: str  # the family's tensor names start with it there (``language_model.``)
+    left_out: tuple[str, ...]  # the name prefixes of the tensors that are not taken
+    what: str  # what is not taken, in words (``the vision tower``)
 
 
 # config.json's count of the multi-token-prediction layers stored after the decoder layers
@@ -106,6 +124,17 @@ class Family:
     lm_head_bias: bool = False
     norm: str = "rmsnorm"
     router_type: str = "topk"
+    # what of Llama 4's model the family has (the others refuse each by key): NoPE layers and
+    # their query temperature (model.nope_layers, model.attn_temperature_floor), chunked
+    # attention (model.attention_chunk_size), the weightless query/key norm after RoPE
+    # (model.qk_norm_after_rope) and routing weights on the experts' inputs
+    # (moe.score_on_input)
+    nope_layers: bool = False
+    chunked_attention: bool = False
+    qk_norm_after_rope: bool = False
+    score_on_input: bool = False
+    # a larger class whose directories hold this family's model (imported, never exported)
+    wrapper: Wrapper | None = None
 
     @property
     def dense(self) -> bool:
@@ -181,6 +210,49 @@ def extras(fam: Family, model: ModelConfig, moe: MoEConfig) -> list[Check]:
     if not fam.clamped_swiglu:
         checks.append(
             (moe.activation != "swiglu", "moe.activation", f"{name}'s experts are SwiGLU")
+        )
+    return checks + llama4_extras(fam, model, moe)
+
+
+def llama4_extras(fam: Family, model: ModelConfig, moe: MoEConfig) -> list[Check]:
+    """The refusals of Llama 4's pieces that ``fam`` does not have."""
+    name, checks = fam.architecture, []
+    if not fam.nope_layers:
+        checks += [
+            (
+                bool(model.nope_layers),
+                "model.nope_layers",
+                f"{name} rotates every layer's queries and keys; must be null",
+            ),
+            (
+                model.attn_temperature_floor is not None,
+                "model.attn_temperature_floor",
+                f"{name} has no query temperature; must be null",
+            ),
+        ]
+    if not fam.chunked_attention:
+        checks.append(
+            (
+                model.attention_chunk_size is not None,
+                "model.attention_chunk_size",
+                f"{name} has no chunked attention; must be null",
+            )
+        )
+    if not fam.qk_norm_after_rope:
+        checks.append(
+            (
+                model.qk_norm_after_rope,
+                "model.qk_norm_after_rope",
+                f"{name} has no query/key norm after RoPE; must be false",
+            )
+        )
+    if not fam.score_on_input:
+        checks.append(
+            (
+                moe.score_on_input,
+                "moe.score_on_input",
+                f"{name} weights the experts' outputs; must be false",
+            )
         )
     return checks
 
@@ -434,15 +506,18 @@ def finish(model: ModelConfig, moe: MoEConfig) -> Config:
     return cfg
 
 
-def placement(moe_layers: list[int], n_layers: int) -> tuple[int, int]:
-    """``(first_k_dense, moe_every)`` reproducing exactly ``moe_layers``, or ConfigError."""
+def placement(
+    moe_layers: list[int], n_layers: int, fields: str = "mlp_only_layers/decoder_sparse_step"
+) -> tuple[int, int]:
+    """``(first_k_dense, moe_every)`` reproducing exactly ``moe_layers``, or ConfigError naming
+    the Hugging Face ``fields`` that placed them."""
     for first in range(n_layers + 1):
         for every in range(1, n_layers + 1):
             moe = MoEConfig(first_k_dense=first, moe_every=every)
             if moe.moe_layers(n_layers) == moe_layers:
                 return first, every
     raise ConfigError(
-        f"mlp_only_layers/decoder_sparse_step: MoE layers {moe_layers} are not expressible as "
+        f"{fields}: MoE layers {moe_layers} are not expressible as "
         "moe.first_k_dense + moe.moe_every"
     )
 

@@ -25,6 +25,11 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
         [
             base.dropless(moe, NAME),
             (moe.score_func != "sigmoid", "moe.score_func", f"{NAME} routes with sigmoid"),
+            (
+                moe.topk_before_score,
+                "moe.topk_before_score",
+                f"{NAME} picks top-k on the (biased) scores; must be false",
+            ),
             base.per_head_norm(model, NAME),
             (
                 moe.moe_every != 1,

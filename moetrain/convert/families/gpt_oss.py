@@ -8,7 +8,7 @@ taking top-k on its logits and softmax over the k (``moe.topk_before_score``), e
 biases (``moe.expert_biases``) and the clamped SwiGLU ``(clamp(up, -l, l) + 1) * g *
 sigmoid(alpha * g)``, ``g = min(gate, l)`` (``swiglu_alpha``, ``swiglu_limit``:
 ``moe.activation: clamped_swiglu``). Its files hold each layer's experts fused, gate and up
-interleaved (``WeightNames.interleaved_experts``: ``mlp.experts.gate_up_proj`` (E, D, 2F),
+interleaved (``WeightNames.stacked_experts``: ``mlp.experts.gate_up_proj`` (E, D, 2F),
 ``gate_up_proj_bias`` (E, 2F), ``down_proj`` (E, F, D), ``down_proj_bias`` (E, D)). The
 released checkpoints are MXFP4-quantized (refused: dequantize them first)."""
 
@@ -112,7 +112,7 @@ FAMILY = Family(
     from_hf=from_hf,
     problems=problems,
     to_hf=to_hf,
-    names=WeightNames(router="router", v5_router="router", interleaved_experts=True),
+    names=WeightNames(router="router", v5_router="router", stacked_experts="interleaved"),
     o_bias=True,
     sinks_and_windows=True,
     biased_experts=True,

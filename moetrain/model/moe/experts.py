@@ -8,7 +8,10 @@ contiguous slice of x_ND, ``w`` the row's routing weight (1 when none is given).
 (gpt-oss): biases ``w13_bias`` (L, 2F) and ``w2_bias`` (L, D), so that expert l computes
 ``act(x @ w13[l] + w13_bias[l]) * w @ w2[l] + w * w2_bias[l]`` (the routing weight scales the
 whole expert output, its down bias too); ``act`` SwiGLU or the clamped SwiGLU
-(:func:`~moetrain.model.layers.clamped_swiglu_packed`, ``moe.activation``). Packing w1 and
+(:func:`~moetrain.model.layers.clamped_swiglu_packed`, ``moe.activation``). With
+``score_on_input`` (``moe.score_on_input``, Llama 4) the routing weight scales the row's input
+instead, and expert l computes the unweighted ``act((w * x) @ w13[l] + w13_bias[l]) @ w2[l] +
+w2_bias[l]`` (``w`` cast to the rows' dtype first, as transformers' Llama 4 does). Packing w1 and
 w3 makes the first projection one (N, D) x (D, 2F) grouped GEMM forward and backward, and its
 input gradient one GEMM instead of two plus a sum. Weighting inside the activation (as
 Megatron-Core does) means the combine only sums, and keeps no (N, D) expert output for the
@@ -144,7 +147,8 @@ class GroupedExperts(nn.Module):
     ``num_local_experts`` = stop - start). ``recompute_act``:
     the SwiGLU product is recomputed in backward rather than saved (see ``_DownProjection``).
     ``biases``: the ``w13_bias`` / ``w2_bias`` parameters; ``activation`` ``swiglu`` or
-    ``clamped_swiglu`` with ``alpha`` and ``limit`` (see the module docstring).
+    ``clamped_swiglu`` with ``alpha`` and ``limit``; ``score_on_input``: the routing weights
+    scale the rows' inputs, not the outputs (see the module docstring).
     """
 
     def __init__(
@@ -159,6 +163,7 @@ class GroupedExperts(nn.Module):
         activation: str = "swiglu",
         alpha: float | None = None,
         limit: float | None = None,
+        score_on_input: bool = False,
     ):
         super().__init__()
         start, stop = local_experts or (0, num_experts)
@@ -169,6 +174,7 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = stop - start
         self.use_grouped_mm = grouped_mm
         self.recompute_act = recompute_act
+        self.score_on_input = score_on_input
         self.path: str | None = None
         self.w13 = nn.Parameter(torch.empty(stop - start, d_model, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(stop - start, hidden, d_model))
@@ -216,6 +222,9 @@ class GroupedExperts(nn.Module):
             w13, w2 = self.w13, self.w2
         elif self.w13_bias is not None:
             raise ValueError("GroupedExperts: experts with biases compute with their own weights")
+        if self.score_on_input and weights_N is not None:  # each copy's input, then unweighted
+            x_ND = x_ND * weights_N.to(x_ND.dtype).unsqueeze(-1)
+            weights_N = None
         return self._compute(x_ND, counts_L, weights_N, w13, w2)
 
     def _compute(

@@ -99,6 +99,7 @@ class MoELayer(nn.Module):
             activation=cfg.activation,
             alpha=cfg.swiglu_alpha,
             limit=cfg.swiglu_limit,
+            score_on_input=cfg.score_on_input,
         )
         self.shared_expert: SwiGLU | None = None
         self.shared_gate: nn.Linear | None = None

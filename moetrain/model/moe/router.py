@@ -12,6 +12,11 @@ The trainer calls :meth:`Router.update_bias` once per optimizer step with the ex
 over every rank (an all-reduce of ``MoEOutput.tokens_per_expert_E`` over the whole world), so the
 bias stays identical on every rank and is never part of the autograd graph.
 
+``moe.topk_before_score`` selects on the logits (plus the selection bias) and scores only the
+chosen k: softmax over them (Granite-MoE, gpt-oss), or each one's sigmoid, renormalised with
+``moe.renormalize`` (Llama 4: top-1, ``sigmoid(logit)``; selecting on the logits keeps the order
+where fp32 sigmoids of large logits would tie at 1).
+
 Group-limited routing (``moe.n_group`` > 1): each token keeps only its ``moe.topk_group`` best
 groups of experts (``moe.group_score``: a group's score is the sum of its two best selection
 scores, DeepSeek-V3 and GLM-4.5's rule, or its best one, DeepSeek-V2's) and picks its top-k
@@ -146,16 +151,20 @@ class Router(nn.Module):
     def _top_k(
         self, logits_TE: torch.Tensor, scores_TE: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights_TK, ids_TK)`` of the top-k rule: the selection (biased, group-limited) and
-        the weights (softmax over the k, or the scores, renormalised), before route_scale."""
+        """``(weights_TK, ids_TK)`` of the top-k rule: the selection (biased, group-limited;
+        on the logits with ``moe.topk_before_score``) and the weights (softmax over the k, or
+        the k's scores, renormalised), before route_scale."""
         cfg = self.cfg
         choice_TE = (logits_TE if cfg.topk_before_score else scores_TE) + self.expert_bias
         if cfg.n_group > 1:
             choice_TE = limit_to_groups(choice_TE, cfg.n_group, cfg.topk_group, cfg.group_score)
         ids_TK = torch.topk(choice_TE, self.top_k, dim=-1).indices
-        if cfg.topk_before_score:
+        if cfg.topk_before_score and cfg.score_func == "softmax":
             return torch.softmax(logits_TE.gather(1, ids_TK), dim=-1), ids_TK
-        weights_TK = scores_TE.gather(1, ids_TK)
+        if cfg.topk_before_score:  # sigmoid of the chosen logits (Llama 4)
+            weights_TK = torch.sigmoid(logits_TE.gather(1, ids_TK))
+        else:
+            weights_TK = scores_TE.gather(1, ids_TK)
         if cfg.renormalize:
             total_T1 = weights_TK.sum(-1, keepdim=True)
             if cfg.renormalize_min > 0:  # (0: the plain sum, bit for bit)

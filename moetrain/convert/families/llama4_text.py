@@ -1,0 +1,230 @@
+"""Llama 4's text model (Llama4ForCausalLM, ``model_type`` llama4_text; the language model of
+Llama-4-Scout-17B-16E and Llama-4-Maverick-17B-128E).
+
+Attention: grouped-query, rotary embeddings on adjacent pairs (transformers multiplies complex
+pairs: ``model.rope_interleave``), plain or scaled (llama3 in the releases), skipped on the NoPE
+layers (``no_rope_layers`` zeros: ``model.nope_layers``); a weightless RMSNorm over each query
+and key head after RoPE on the RoPE layers (``use_qk_norm``: ``model.qk_norm_after_rope``);
+the NoPE layers' queries scaled by ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``
+(``attn_temperature_tuning``: ``model.attn_temperature_floor`` / ``attn_temperature_scale``);
+chunked local attention on the ``chunked_attention`` layers of ``layer_types``
+(``attention_chunk_size``: ``model.attention_chunk_size``); biases on all four projections or
+none (``attention_bias``: ``model.qkv_bias`` with ``model.o_bias``).
+
+MoE: top-k on the router logits, each chosen expert's weight the sigmoid of its logit
+(``moe.score_func: sigmoid``, ``moe.topk_before_score``, no renormalisation), applied to the
+expert's input (``moe.score_on_input``), one ungated shared expert of the experts' size
+(``intermediate_size``) added; MoE in the layers of ``moe_layers`` (by default every
+``interleave_moe_layer_step``-th: ``moe.first_k_dense`` / ``moe.moe_every`` where they give the
+same layers), the others dense of ``intermediate_size_mlp`` (``model.dense_hidden``).
+
+Weights: the router ``feed_forward.router.weight``, the experts stacked as moetrain holds them
+(``feed_forward.experts.gate_up_proj`` (E, D, 2F) = [gate | up], ``down_proj`` (E, F, D);
+transformers keeps these names in memory), ``feed_forward.shared_expert.{gate,up,down}_proj``
+and a dense layer's ``feed_forward.{gate,up,down}_proj``.
+
+The released checkpoints are ``Llama4ForConditionalGeneration`` directories (``text_config``,
+the text model's tensors under ``language_model.``, a vision tower beside it): importing one
+takes the text model and says that the vision tower is not taken (:data:`FAMILY`'s wrapper).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.config.model import CHUNKED, FULL
+from moetrain.convert.families import base
+from moetrain.convert.families.base import Family, WeightNames, Wrapper
+
+NAME = "Llama4ForCausalLM"
+# transformers' Llama4TextConfig defaults, written where moetrain's model has no temperature
+FLOOR_SCALE, ATTN_SCALE = 8192, 0.1
+_PLACEMENT = "moe_layers/interleave_moe_layer_step"
+
+
+def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
+    return base.found(
+        [
+            base.dropless(moe, NAME),
+            base.all_or_no_attention_biases(model, NAME),
+            base.no_qk_norm(model, NAME),
+            (
+                moe.score_func != "sigmoid",
+                "moe.score_func",
+                f"{NAME} weights an expert by the sigmoid of its logit; must be sigmoid",
+            ),
+            (
+                not moe.topk_before_score,
+                "moe.topk_before_score",
+                f"{NAME} takes top-k on the router logits, then their sigmoids; must be true",
+            ),
+            (moe.renormalize, "moe.renormalize", f"{NAME} does not renormalise; must be false"),
+            (
+                not moe.score_on_input,
+                "moe.score_on_input",
+                f"{NAME} scales each expert's input by its weight; must be true",
+            ),
+            (moe.route_scale != 1.0, "moe.route_scale", f"{NAME} has no route scale; must be 1"),
+            (
+                moe.bias_update_rate != 0.0,
+                "moe.bias_update_rate",
+                f"{NAME} has no selection bias (aux-loss-free balancing); must be 0",
+            ),
+            (moe.n_group != 1, "moe.n_group", f"{NAME} routes without expert groups; must be 1"),
+            (
+                moe.num_shared_experts == 0,
+                "moe.num_shared_experts",
+                f"{NAME} always has a shared expert; must be >= 1",
+            ),
+            (moe.shared_expert_gate, "moe.shared_expert_gate", f"{NAME} does not gate it"),
+            (
+                moe.num_shared_experts > 0 and moe.shared_hidden != moe.expert_hidden,
+                "moe.shared_expert_hidden",
+                f"{NAME}'s shared expert is as large as an expert (intermediate_size); must "
+                f"equal moe.expert_hidden={moe.expert_hidden}",
+            ),
+        ]
+    )
+
+
+def to_hf(cfg: Config) -> dict[str, Any]:
+    model, moe = cfg.model, cfg.moe
+    n, nope = model.n_layers, set(model.nope_layers or ())
+    tuned = model.attn_temperature_floor is not None
+    fields = dict(
+        base.hf_common(cfg),
+        intermediate_size=moe.expert_hidden,
+        intermediate_size_mlp=model.dense_hidden,
+        num_local_experts=moe.num_experts,
+        moe_layers=moe.moe_layers(n),
+        no_rope_layers=[int(i not in nope) for i in range(n)],
+        attention_chunk_size=model.attention_chunk_size,
+        layer_types=[CHUNKED if model.attention_chunk(i) else FULL for i in range(n)],
+        use_qk_norm=model.qk_norm_after_rope,
+        attn_temperature_tuning=tuned,
+        floor_scale=model.attn_temperature_floor if tuned else FLOOR_SCALE,
+        attn_scale=model.attn_temperature_scale if tuned else ATTN_SCALE,
+        attention_bias=model.qkv_bias,
+        hidden_act="silu",
+    )
+    if moe.first_k_dense == 0:  # (moe_layers decides; the step says the same)
+        fields["interleave_moe_layer_step"] = moe.moe_every
+    return fields
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _nope_layers(hf: Any, n: int) -> list[int]:
+    """The NoPE layers of ``no_rope_layers`` (1 = RoPE, 0 = none; transformers fills it)."""
+    flags = list(getattr(hf, "no_rope_layers", None) or [1] * n)
+    if len(flags) < n or any(f not in (0, 1) for f in flags[:n]):
+        raise ConfigError(
+            f"no_rope_layers: {NAME} needs a 0 (NoPE) or 1 (RoPE) for each of the {n} layers; "
+            f"got {flags}"
+        )
+    return [i for i in range(n) if not flags[i]]
+
+
+def _attention(hf: Any, model: ModelConfig) -> None:
+    """The layers' attention kinds, chunk size, NoPE layers, norm and temperature."""
+    n = model.n_layers
+    types = list(getattr(hf, "layer_types", None) or [FULL] * n)
+    unknown = sorted(set(types) - {FULL, CHUNKED})
+    if len(types) != n or unknown:
+        raise ConfigError(
+            f"layer_types: moetrain computes {FULL} and {CHUNKED} for each of the {n} layers; "
+            f"got {types}"
+        )
+    chunk = getattr(hf, "attention_chunk_size", None)
+    if CHUNKED in types:
+        if not _positive_int(chunk):
+            raise ConfigError(
+                f"attention_chunk_size: chunked_attention layers need a positive integer; "
+                f"got {chunk!r}"
+            )
+        if chunk < model.max_seq_len:  # (a chunk as long as the context: full attention)
+            model.attention_chunk_size, model.layer_types = chunk, types
+    nope = _nope_layers(hf, n)
+    model.nope_layers = nope or None
+    model.qk_norm_after_rope = bool(getattr(hf, "use_qk_norm", False))
+    if not (getattr(hf, "attn_temperature_tuning", False) and nope):
+        return
+    floor, scale = getattr(hf, "floor_scale", None), getattr(hf, "attn_scale", None)
+    if not _positive_int(floor):
+        raise ConfigError(f"floor_scale: {NAME} needs a positive integer; got {floor!r}")
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale < 0:
+        raise ConfigError(f"attn_scale: {NAME} needs a number >= 0; got {scale!r}")
+    if scale > 0:  # (0: every multiplier is 1)
+        model.attn_temperature_floor, model.attn_temperature_scale = floor, float(scale)
+
+
+def _placement(hf: Any, n: int) -> tuple[int, int]:
+    """``(moe.first_k_dense, moe.moe_every)`` of ``moe_layers`` (transformers derives it from
+    ``interleave_moe_layer_step`` when unset)."""
+    layers = getattr(hf, "moe_layers", None)
+    ok = isinstance(layers, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in layers
+    )
+    if not ok or layers != sorted(set(layers)) or any(not 0 <= i < n for i in layers):
+        raise ConfigError(
+            f"moe_layers: {NAME} needs distinct layer indices 0..{n - 1} in increasing order; "
+            f"got {layers!r}"
+        )
+    return base.placement(layers, n, _PLACEMENT)
+
+
+def from_hf(hf: Any) -> Config:
+    if getattr(hf, "attention_dropout", 0.0):
+        raise ConfigError(
+            f"attention_dropout: moetrain attention has none; got {hf.attention_dropout}"
+        )
+    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
+    if model.partial_rotary_factor != 1.0:
+        raise ConfigError(
+            f"rope_parameters.partial_rotary_factor: {NAME} rotates whole heads; got "
+            f"{model.partial_rotary_factor:g}"
+        )
+    model.rope_interleave = True
+    model.qkv_bias = model.o_bias = bool(getattr(hf, "attention_bias", False))
+    model.dense_hidden = hf.intermediate_size_mlp
+    _attention(hf, model)
+    moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
+    moe.score_func, moe.topk_before_score, moe.renormalize = "sigmoid", True, False
+    moe.score_on_input, moe.num_shared_experts = True, 1
+    moe.first_k_dense, moe.moe_every = _placement(hf, model.n_layers)
+    return base.finish(model, moe)
+
+
+FAMILY = Family(
+    name="llama4_text",
+    architecture=NAME,
+    from_hf=from_hf,
+    problems=problems,
+    to_hf=to_hf,
+    names=WeightNames(
+        moe_block="feed_forward",
+        v5_block="feed_forward",
+        router="router",
+        v5_router="router",
+        stacked_experts="concatenated",
+        dense_block="feed_forward",
+    ),
+    rope_interleave=True,
+    o_bias=True,
+    nope_layers=True,
+    chunked_attention=True,
+    qk_norm_after_rope=True,
+    score_on_input=True,
+    # the released checkpoints: the text model (language_model.*) beside a vision tower
+    wrapper=Wrapper(
+        architecture="Llama4ForConditionalGeneration",
+        model_type="llama4",
+        config_key="text_config",
+        prefix="language_model.",
+        left_out=("vision_model.", "multi_modal_projector."),
+        what="the vision tower",
+    ),
+)
