@@ -492,6 +492,22 @@ def moe_from_hf(hf: Any) -> MoEConfig:
     return MoEConfig(top_k=hf.num_experts_per_tok, aux_loss_coef=0.0, z_loss_coef=0.0)
 
 
+def refuse_partial_rotary(model: ModelConfig, name: str) -> None:
+    """ConfigError unless ``model`` (read from ``name``'s config) rotates whole heads."""
+    if model.partial_rotary_factor != 1.0:
+        raise ConfigError(
+            f"rope_parameters.partial_rotary_factor: {name} rotates whole heads; got "
+            f"{model.partial_rotary_factor:g}"
+        )
+
+
+def refuse_attention_dropout(hf: Any) -> None:
+    if getattr(hf, "attention_dropout", 0.0):
+        raise ConfigError(
+            f"attention_dropout: moetrain attention has none; got {hf.attention_dropout}"
+        )
+
+
 def refuse_attention_bias(hf: Any) -> None:
     if getattr(hf, "attention_bias", False):
         raise ConfigError("attention_bias: moetrain attention has no biases")

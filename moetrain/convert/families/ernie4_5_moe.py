@@ -101,11 +101,7 @@ def from_hf(hf: Any) -> Config:
             "use_bias: biases on every projection and the head; moetrain has q/k/v biases only"
         )
     model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
-    if model.partial_rotary_factor != 1.0:
-        raise ConfigError(
-            f"rope_parameters.partial_rotary_factor: {NAME} rotates whole heads; got "
-            f"{model.partial_rotary_factor:g}"
-        )
+    base.refuse_partial_rotary(model, NAME)
     model.rope_interleave = True
     placement = {k: get(k) for k in _PLACEMENT.split("/")}
     for key, value in placement.items():

@@ -118,11 +118,7 @@ def shared_from_hf(hf: Any) -> Config:
 def _from_hf(hf: Any) -> Config:
     model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
     model.qkv_bias = model.o_bias = bool(getattr(hf, "attention_bias", False))
-    if model.partial_rotary_factor != 1.0:
-        raise ConfigError(
-            f"rope_parameters.partial_rotary_factor: {NAME} rotates whole heads; got "
-            f"{model.partial_rotary_factor:g}"
-        )
+    base.refuse_partial_rotary(model, NAME)
     model.embedding_multiplier = _positive(hf, "embedding_multiplier")
     model.residual_multiplier = _positive(hf, "residual_multiplier")
     model.attention_scale = _positive(hf, "attention_multiplier")

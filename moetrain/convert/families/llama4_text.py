@@ -177,16 +177,9 @@ def _placement(hf: Any, n: int) -> tuple[int, int]:
 
 
 def from_hf(hf: Any) -> Config:
-    if getattr(hf, "attention_dropout", 0.0):
-        raise ConfigError(
-            f"attention_dropout: moetrain attention has none; got {hf.attention_dropout}"
-        )
+    base.refuse_attention_dropout(hf)
     model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
-    if model.partial_rotary_factor != 1.0:
-        raise ConfigError(
-            f"rope_parameters.partial_rotary_factor: {NAME} rotates whole heads; got "
-            f"{model.partial_rotary_factor:g}"
-        )
+    base.refuse_partial_rotary(model, NAME)
     model.rope_interleave = True
     model.qkv_bias = model.o_bias = bool(getattr(hf, "attention_bias", False))
     model.dense_hidden = hf.intermediate_size_mlp
