@@ -72,4 +72,7 @@ def of_hf_config(hf_dict: dict[str, Any]) -> Family | None:
     when none is registered."""
     arch = (hf_dict.get("architectures") or [None])[0]
     by_arch = {f.architecture: f for f in FAMILIES.values()}
+    by_arch.update(
+        {f.released_architecture: f for f in FAMILIES.values() if f.released_architecture}
+    )
     return by_arch.get(arch) or FAMILIES.get(hf_dict.get("model_type"))
