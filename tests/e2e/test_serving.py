@@ -2,14 +2,16 @@
 ``launch/serving-venv.sh``, vLLM's CPU build in a venv of its own).
 
 For every export format, and for a dense Qwen2 upcycled on import (exported as Qwen2-MoE without
-a shared expert): a tiny random model of the family is made with transformers, imported
-(``moetrain import``) and exported (``moetrain convert``), then served by vLLM offline
-(``vllm.LLM``, one process per family) and, for Mixtral, by its OpenAI-compatible server over
-HTTP. vLLM's greedy tokens must be transformers' greedy tokens on the same export (fp32).
+a shared expert), DeepSeek-V3 with plain RoPE (Moonlight's) and ERNIE-4.5 without a selection
+bias: a tiny random model is made with transformers, imported (``moetrain import``) and
+exported (``moetrain convert``), then served by vLLM offline (``vllm.LLM``, one process per
+case) and, for Mixtral, by its OpenAI-compatible server over HTTP. vLLM's greedy tokens must be
+transformers' greedy tokens on the same export (fp32).
 
-A family that vLLM does not serve is listed in :data:`REFUSED` with vLLM's error: its test
-checks that vLLM still fails that way, and fails once vLLM serves it (then move the family out
-of the list and docs/HUGGING-FACE.md's table).
+A case that vLLM does not serve is listed in :data:`REFUSED` with vLLM's error, one that it
+serves with other tokens in :data:`MISCOMPUTED` with the reason: its test checks that vLLM still
+fails that way and reports it as xfailed with the reason, and fails once vLLM serves it right
+(then take the case out of the list and out of docs/HUGGING-FACE.md's table).
 
 The tiny models are wider than the other tests' (hidden 128, head_dim 32: vLLM's CPU attention
 has no head size under 32) and drawn with a larger initializer range so that greedy decoding
@@ -27,6 +29,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,7 @@ import torch
 
 from moetrain.cli import main as moetrain_cli
 from moetrain.convert.families import FORMATS
-from tests.helpers.hf_models import PHIMOE_ROPE, save_hf_model, save_hf_tokenizer
+from tests.helpers.hf_models import PHIMOE_ROPE, SMALL, save_hf_model, save_hf_tokenizer
 from tests.helpers.launch import ROOT
 from tests.helpers.ports import free_port
 
@@ -50,6 +53,19 @@ NEW_TOKENS = 16
 VLLM_TIMEOUT = 420  # seconds for one vLLM process: start (imports, engine, worker) and generate
 
 WIDE = dict(hidden_size=128, head_dim=32, initializer_range=0.3)
+WIDE_ROPE = SMALL["rope_parameters"]
+# DeepSeek's latent attention at the one shape of vLLM's CPU MLA decode kernel, with YaRN as
+# DeepSeek-V2 / V3 are released
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 5000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 24.0,
+    "beta_slow": 2.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
 MLA = dict(
     WIDE,
     head_dim=64,
@@ -58,6 +74,7 @@ MLA = dict(
     qk_nope_head_dim=32,
     qk_head_dim=96,
     v_head_dim=32,
+    rope_parameters=DEEPSEEK_YARN,
 )
 # LongRoPE's factor lists have head_dim / 2 entries
 PHIMOE_WIDE_ROPE = dict(
@@ -65,12 +82,32 @@ PHIMOE_WIDE_ROPE = dict(
     short_factor=[1.0 + 0.01 * i for i in range(16)],
     long_factor=[1.0 + 0.02 * i for i in range(16)],
 )
-# source family, `moetrain import` overrides, transformers config overrides
-CASES: dict[str, tuple[str, list[str], dict[str, Any]]] = {
-    fmt: (fmt, [], MLA if fmt.startswith("deepseek") else WIDE) for fmt in FORMATS
+
+
+@dataclass(frozen=True)
+class Case:
+    source: str  # the transformers family the model is made in
+    fields: dict[str, Any]  # its config's changes from the tiny model's
+    overrides: tuple[str, ...] = ()  # `moetrain import` settings
+    zero_selection_bias: bool = False  # e_score_correction_bias set to zeros
+
+
+CASES: dict[str, Case] = {
+    **{fmt: Case(fmt, WIDE) for fmt in FORMATS},
+    "deepseek_v2": Case("deepseek_v2", MLA),
+    "deepseek_v3": Case("deepseek_v3", MLA),
+    # plain RoPE, as Moonlight-16B-A3B is released
+    "deepseek_v3-plain-rope": Case("deepseek_v3", dict(MLA, rope_parameters=WIDE_ROPE)),
+    "ernie4_5_moe-no-selection-bias": Case("ernie4_5_moe", WIDE, zero_selection_bias=True),
+    # vLLM's CPU kernel for gpt-oss's clamped SwiGLU takes expert hidden sizes in multiples of
+    # 32 (it pads the others' but not this one's); the released 2880 is one
+    "gpt_oss": Case("gpt_oss", dict(WIDE, intermediate_size=32)),
+    # the muP scalars (residual branches x 0.22, logits / 6) flatten a model drawn at 0.3
+    "granitemoe": Case("granitemoe", dict(WIDE, initializer_range=2.0)),
+    "granitemoeshared": Case("granitemoeshared", dict(WIDE, initializer_range=2.0)),
+    "phimoe": Case("phimoe", dict(WIDE, rope_parameters=PHIMOE_WIDE_ROPE)),
+    "qwen2-upcycled": Case("qwen2", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
 }
-CASES["phimoe"] = ("phimoe", [], dict(WIDE, rope_parameters=PHIMOE_WIDE_ROPE))
-CASES["qwen2-upcycled"] = ("qwen2", ["moe.num_experts=4", "moe.top_k=2"], WIDE)
 
 # case -> the error vLLM gives for its export (a substring of it): vLLM does not serve them
 REFUSED: dict[str, str] = {
@@ -79,6 +116,15 @@ REFUSED: dict[str, str] = {
     # none at size 0 and refuses the file's tensors for it
     "qwen2-upcycled": "There is no module or parameter named 'model.layers.0.mlp.shared_expert' "
     "in Qwen2MoeForCausalLM",
+}
+# case -> why vLLM's CPU build serves it with other tokens than transformers (and moetrain)
+MISCOMPUTED: dict[str, str] = {
+    "ernie4_5_moe": "vLLM's CPU router ignores the selection bias (moe_statics."
+    "e_score_correction_bias) of a softmax router that is not grouped: it picks the top-k of "
+    "the softmax alone (its GPU router adds the bias)",
+    "deepseek_v3-plain-rope": "vLLM's CPU rotary kernel, which plain RoPE takes (YaRN takes a "
+    "PyTorch path), rotates a [tokens, heads, dim] query wrongly: latent attention's "
+    "per-head rotary query",
 }
 
 
@@ -100,9 +146,16 @@ def tokenizer(tmp_path_factory) -> Path:
 
 def export(case: str, tokenizer: Path, root: Path) -> Path:
     """The case's tiny model made with transformers, imported and exported by the CLI."""
-    source, overrides, fields = CASES[case]
-    src = save_hf_model(source, root / "src", tokenizer=tokenizer, overrides=fields)
-    assert moetrain_cli(["import", str(src), str(root / "ckpt"), *overrides]) == 0
+    c = CASES[case]
+    src = save_hf_model(c.source, root / "src", tokenizer=tokenizer, overrides=c.fields)
+    if c.zero_selection_bias:
+        model = transformers.AutoModelForCausalLM.from_pretrained(src)
+        with torch.no_grad():
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith("e_score_correction_bias"):
+                    t.zero_()
+        model.save_pretrained(src)
+    assert moetrain_cli(["import", str(src), str(root / "ckpt"), *c.overrides]) == 0
     assert moetrain_cli(["convert", str(root / "ckpt"), str(root / "hf")]) == 0
     return root / "hf"
 
@@ -156,7 +209,9 @@ def vllm_greedy(python: Path, path: Path, ids: list[int]) -> tuple[list[int] | N
     args = [str(python), str(GREEDY), str(path), str(NEW_TOKENS), ",".join(map(str, ids))]
     r = subprocess.run(
         args,
-        env=vllm_env(),
+        # vLLM's engine and worker in this one process (by default it starts two more, as the
+        # server test below does): half the start time, the same tokens
+        env={**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         cwd=path.parent,
         capture_output=True,
         text=True,
@@ -190,11 +245,15 @@ def test_vllm_serves_the_export_with_transformers_greedy_tokens(
     want, margins = transformers_greedy(hf, ids)
     assert len(set(want)) > 3, want  # a walk through the vocabulary, not one repeated token
     got, error = vllm_greedy(serving_python, hf, ids)
+    # a known failure shows as xfailed with its reason once it is checked to be that failure
     if case in REFUSED:
         assert got is None, f"vLLM now serves {case}: take it out of REFUSED and the docs"
         assert REFUSED[case] in error, error
-        return
+        pytest.xfail(f"vLLM refuses the export: {error}")
     assert got is not None, f"vLLM failed on the {written['architectures'][0]} export: {error}"
+    if case in MISCOMPUTED:
+        assert got != want, f"vLLM now computes {case}: take it out of MISCOMPUTED and the docs"
+        pytest.xfail(f"vLLM's tokens {got} are not transformers' {want}: {MISCOMPUTED[case]}")
     same_tokens(got, want, margins)
 
 
