@@ -98,6 +98,8 @@ CASES: dict[str, Case] = {
     "deepseek_v3": Case("deepseek_v3", MLA),
     # plain RoPE, as Moonlight-16B-A3B is released
     "deepseek_v3-plain-rope": Case("deepseek_v3", dict(MLA, rope_parameters=WIDE_ROPE)),
+    # rotary halves instead of adjacent pairs (moetrain's model.rope_interleave: false)
+    "deepseek_v3-rope-halves": Case("deepseek_v3", dict(MLA, rope_interleave=False)),
     "ernie4_5_moe-no-selection-bias": Case("ernie4_5_moe", WIDE, zero_selection_bias=True),
     # vLLM's CPU kernel for gpt-oss's clamped SwiGLU takes expert hidden sizes in multiples of
     # 32 (it pads the others' but not this one's); the released 2880 is one
@@ -122,6 +124,8 @@ MISCOMPUTED: dict[str, str] = {
     "ernie4_5_moe": "vLLM's CPU router ignores the selection bias (moe_statics."
     "e_score_correction_bias) of a softmax router that is not grouped: it picks the top-k of "
     "the softmax alone (its GPU router adds the bias)",
+    "deepseek_v3-rope-halves": "vLLM's DeepSeek model reads no rope_interleave: it always "
+    "rotates adjacent pairs, as the released models do",
     "deepseek_v3-plain-rope": "vLLM's CPU rotary kernel, which plain RoPE takes (YaRN takes a "
     "PyTorch path), rotates a [tokens, heads, dim] query wrongly: latent attention's "
     "per-head rotary query",
