@@ -178,7 +178,7 @@ def _write_configs(cfg: Config, fmt: str, out: Path, dtype: str, tokenizer: Path
     # a tokenizer without one: null, not -1 (which transformers refuses) or the family's default
     ids = {k: v if v >= 0 else None for k, v in ids.items()}
     hf = hf_config(cfg, fmt, **ids)
-    hf.architectures = [family(fmt).architecture]
+    hf.architectures = [family(fmt).config_architecture]  # the released files' class name
     hf.dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
     hf.save_pretrained(out)
     GenerationConfig(**ids).save_pretrained(out)

@@ -162,7 +162,7 @@ ARCH = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
-    "phimoe": "PhimoeForCausalLM",
+    "phimoe": "PhiMoEForCausalLM",  # the released config.json's name (transformers: Phimoe)
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",

@@ -12,10 +12,11 @@ from moetrain.checkpoint.format import CheckpointError
 from moetrain.checkpoint.read import load_model
 from moetrain.config import ConfigError
 from moetrain.convert.export import convert_checkpoint
+from moetrain.convert.families import family
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.data.tokenizer import train_tokenizer
 from moetrain.fileio import file_crc32
-from tests.helpers.hf_models import MOE_FAMILIES, hf_config, save_hf_model
+from tests.helpers.hf_models import MOE_FAMILIES, save_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,9 +46,11 @@ def test_hf_to_moetrain_to_hf_identical(tmp_path, sp_model, fmt: str) -> None:
     assert (ckpt / "layer_1_expert_3_mp_rank_00_model_states.pt").is_file() or fmt != "mixtral"
     out = convert_checkpoint(ckpt, tmp_path / "out", fmt=fmt)
     saved = json.loads((out / "config.json").read_text())
-    assert saved["architectures"] == [
-        type(transformers.AutoModelForCausalLM.from_config(hf_config(fmt))).__name__
-    ]
+    # the released files' class name (Phi-3.5-MoE's PhiMoEForCausalLM), which transformers
+    # loads as its own class by model_type
+    assert saved["architectures"] == [family(fmt).config_architecture]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded).__name__ == family(fmt).architecture
     a, b = hf_state(src), hf_state(out)
     assert set(a) == set(b)
     for k in a:

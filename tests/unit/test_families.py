@@ -28,6 +28,7 @@ def test_every_family_is_a_transformers_class_with_a_tiny_model() -> None:
         assert hasattr(transformers, fam.architecture), fam.architecture
         assert fam.dense == (fam.to_hf is None), name
         assert of_hf_config({"architectures": [fam.architecture]}) is fam
+        assert of_hf_config({"architectures": [fam.config_architecture]}) is fam
         assert of_hf_config({"model_type": name}) is fam
     assert of_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}) is None
     with pytest.raises(ConfigError, match="unknown format"):

@@ -40,6 +40,18 @@ UPCYCLE = ["moe.num_experts=8", "moe.top_k=2"]
 # registered families without a released checkpoint known for certain (tiny configs only)
 NO_RELEASE = {"granitemoeshared": "no released GraniteMoeSharedForCausalLM checkpoint is known"}
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# routing keys that transformers' classes do not all read but serving engines do (vLLM's
+# DeepSeek model takes the selection bias only with topk_method noaux_tc): an export writes
+# them as the release does
+ROUTING_KEYS = (
+    "topk_method",
+    "scoring_func",
+    "n_group",
+    "topk_group",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "moe_layer_freq",
+)
 
 
 def _id(path: Path) -> str:
@@ -127,9 +139,15 @@ def test_released_config_imports_and_exports_with_transformers_logits(
         assert len(model.moe_layers()) == cfg.model.n_layers  # every FFN upcycled
     out = convert_checkpoint(ckpt, tmp_path / "hf")
     exported, again = hf_logits(out, ids)
-    target = of_hf_config(json.loads((out / "config.json").read_text()))
+    written = json.loads((out / "config.json").read_text())
+    target = of_hf_config(written)
     assert exported == target.architecture and not target.dense
     assert fam.dense or target is fam  # (its transformers class: Phi's remote-code name differs)
+    # the class name as released (Phi-3.5-MoE's PhiMoEForCausalLM, vLLM's name for it), which
+    # transformers loads as its own class (above)
+    assert fam.dense or written["architectures"] == [arch]
+    released = {k: hf[k] for k in ROUTING_KEYS if k in hf and not fam.dense}
+    assert {k: written.get(k) for k in released} == released
     close(again, ref)
 
 

@@ -87,6 +87,7 @@ def of_hf_config(hf_dict: dict[str, Any]) -> Family | None:
     wrapped = [f for f in FAMILIES.values() if f.wrapper is not None]
     by_arch = {f.architecture: f for f in FAMILIES.values()}
     by_arch |= {f.wrapper.architecture: f for f in wrapped}
+    by_arch |= {f.released_architecture: f for f in FAMILIES.values() if f.released_architecture}
     by_type = dict(FAMILIES) | {f.wrapper.model_type: f for f in wrapped}
     return by_arch.get(arch) or by_type.get(hf_dict.get("model_type"))
 

@@ -136,6 +136,16 @@ class Family:
     # a larger class whose directories hold this family's model (imported, never exported)
     wrapper: Wrapper | None = None
 
+    # config.json's ``architectures`` where the released files name the class otherwise than
+    # transformers does (Phi-3.5-MoE's PhiMoEForCausalLM, the name vLLM registers): exports
+    # write it; transformers' Auto classes go by model_type and load either
+    released_architecture: str | None = None
+
+    @property
+    def config_architecture(self) -> str:
+        """The class name an export writes in ``config.json``'s ``architectures``."""
+        return self.released_architecture or self.architecture
+
     @property
     def dense(self) -> bool:
         """A dense family: imported and upcycled, not exported."""

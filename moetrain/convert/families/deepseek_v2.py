@@ -60,6 +60,7 @@ def to_hf(cfg: Config) -> dict[str, Any]:
     return dict(
         mla_hf(cfg),
         topk_method="group_limited_greedy" if grouped else "greedy",
+        scoring_func="softmax",  # as released (transformers' class has no other; vLLM reads it)
         norm_topk_prob=False,
     )
 

@@ -89,6 +89,7 @@ def mla_hf(cfg: Config) -> dict[str, Any]:
         n_group=moe.n_group,
         topk_group=moe.topk_group,
         first_k_dense_replace=moe.first_k_dense,
+        moe_layer_freq=1,  # as released (every layer after the dense ones; vLLM reads it)
         q_lora_rank=model.q_lora_rank,
         kv_lora_rank=model.kv_lora_rank,
         qk_nope_head_dim=model.qk_nope_head_dim,
@@ -101,6 +102,10 @@ def mla_hf(cfg: Config) -> dict[str, Any]:
 def to_hf(cfg: Config) -> dict[str, Any]:
     return dict(
         mla_hf(cfg),
+        # as released: transformers' class routes this way whatever the keys say, other
+        # readers (vLLM) take the sigmoid scores and the selection bias from them
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
         norm_topk_prob=cfg.moe.renormalize,
         rope_interleave=cfg.model.rope_interleave,
         num_mtp_layers=cfg.model.mtp_depth,

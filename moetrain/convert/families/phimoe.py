@@ -1,4 +1,5 @@
-"""Phi-3.5-MoE (PhimoeForCausalLM; microsoft/Phi-3.5-MoE-instruct): sparsemixer top-2 routing
+"""Phi-3.5-MoE (PhimoeForCausalLM; microsoft/Phi-3.5-MoE-instruct, whose config.json names it
+PhiMoEForCausalLM, as exports do: vLLM registers that name): sparsemixer top-2 routing
 (``moe.router_type: sparsemixer``, its mask's eps ``router_jitter_noise`` =
 ``moe.router_jitter_eps``; it picks two experts whatever ``num_experts_per_tok`` says),
 LayerNorm with a bias everywhere (``model.norm: layernorm``, eps ``rms_norm_eps``), biases on all
@@ -123,6 +124,7 @@ def from_hf(hf: Any) -> Config:
 FAMILY = Family(
     name="phimoe",
     architecture=NAME,
+    released_architecture="PhiMoEForCausalLM",  # the released config.json's (and vLLM's) name
     from_hf=from_hf,
     problems=problems,
     to_hf=to_hf,
