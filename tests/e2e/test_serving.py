@@ -90,6 +90,7 @@ class Case:
     fields: dict[str, Any]  # its config's changes from the tiny model's
     overrides: tuple[str, ...] = ()  # `moetrain import` settings
     zero_selection_bias: bool = False  # e_score_correction_bias set to zeros
+    random_prompt: int = 0  # > 0: a prompt of that many random token ids instead of PROMPT
 
 
 CASES: dict[str, Case] = {
@@ -108,6 +109,14 @@ CASES: dict[str, Case] = {
     "granitemoe": Case("granitemoe", dict(WIDE, initializer_range=2.0)),
     "granitemoeshared": Case("granitemoeshared", dict(WIDE, initializer_range=2.0)),
     "phimoe": Case("phimoe", dict(WIDE, rope_parameters=PHIMOE_WIDE_ROPE)),
+    # vLLM's chunked attention takes chunks of whole KV-cache blocks (128 positions on the CPU):
+    # a prompt long enough that the generated tokens start a new chunk; top-1 as released (vLLM
+    # weights an expert's input only at top-1)
+    "llama4_text": Case(
+        "llama4_text",
+        dict(WIDE, attention_chunk_size=128, max_position_embeddings=256, num_experts_per_tok=1),
+        random_prompt=150,
+    ),
     "qwen2-upcycled": Case("qwen2", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
 }
 
@@ -178,7 +187,12 @@ def transformers_greedy(path: Path, ids: list[int]) -> tuple[list[int], list[flo
     return seq[len(ids) :], margins
 
 
-def prompt_ids(path: Path) -> list[int]:
+def prompt_ids(path: Path, random_tokens: int = 0) -> list[int]:
+    """PROMPT's ids, or ``random_tokens`` token ids drawn from the vocabulary (seeded)."""
+    if random_tokens:
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        gen = torch.Generator().manual_seed(0)
+        return torch.randint(vocab, (random_tokens,), generator=gen).tolist()
     return transformers.AutoTokenizer.from_pretrained(path)(PROMPT).input_ids
 
 
@@ -245,7 +259,7 @@ def test_vllm_serves_the_export_with_transformers_greedy_tokens(
     if case == "qwen2-upcycled":  # an upcycled Qwen2: Qwen2-MoE without a shared expert
         assert written["model_type"] == "qwen2_moe"
         assert written["shared_expert_intermediate_size"] == 0
-    ids = prompt_ids(hf)
+    ids = prompt_ids(hf, CASES[case].random_prompt)
     want, margins = transformers_greedy(hf, ids)
     assert len(set(want)) > 3, want  # a walk through the vocabulary, not one repeated token
     got, error = vllm_greedy(serving_python, hf, ids)

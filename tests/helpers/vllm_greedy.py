@@ -4,16 +4,15 @@ with the interpreter of ``.venv-serving`` (vLLM's CPU build), never imported by 
     python tests/helpers/vllm_greedy.py MODEL_DIR N_TOKENS ID,ID,...
 
 prints one line ``GREEDY [id, ...]``: the ``N_TOKENS`` tokens vLLM generates greedily after
-the prompt ``ID,ID,...`` (EOS ignored), the model in fp32. vLLM's own errors go to stderr and
-the exit status is non-zero.
+the prompt ``ID,ID,...`` (EOS ignored), the model in fp32, its context its
+``max_position_embeddings``. vLLM's own errors go to stderr and the exit status is non-zero.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-
-MAX_MODEL_LEN = 64  # the tiny models' max_position_embeddings
+from pathlib import Path
 
 
 def main() -> None:
@@ -21,10 +20,11 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     model, n, ids = sys.argv[1], int(sys.argv[2]), [int(i) for i in sys.argv[3].split(",")]
+    config = json.loads((Path(model) / "config.json").read_text())
     llm = LLM(
         model=model,
         dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=config["max_position_embeddings"],
         enforce_eager=True,  # no torch.compile: the tiny models run in well under a second
         seed=0,
     )
