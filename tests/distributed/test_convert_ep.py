@@ -185,8 +185,13 @@ CASES = [f if f in QUICK else pytest.param(f, marks=pytest.mark.long) for f in F
 def trained(request, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """One 2-step EP=2 training run per format the session's selected tests use, all launched
     at once; -> (checkpoint, corpus)."""
-    # items skipped at collection (the -m long cases in the default suite) stay in session.items
-    running = [it for it in request.session.items if it.get_closest_marker("skip") is None]
+    # this module's tests that run (the -m long cases, skipped in the default suite, stay in
+    # session.items, and other modules have parameters named fmt too)
+    running = [
+        it
+        for it in request.session.items
+        if getattr(it, "module", None) is request.module and it.get_closest_marker("skip") is None
+    ]
     selected = {
         item.callspec.params["fmt"]
         for item in running
