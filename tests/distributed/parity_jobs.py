@@ -103,9 +103,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "moe.shared_expert_gate": False,
     },
 }
-# the variants whose references the default suite's world-1 job computes (``llama4``'s is
-# computed by its own -m long job)
-DEFAULT_REFERENCES = ("routing", "mtp", "gptoss", "phimoe")
+# the variants whose one reference the world-1 job computes (capacity has one per group count)
+REFERENCES = ("routing", "mtp", "gptoss", "phimoe", "llama4")
 
 
 def parity_config(world: int, ep: int, stage: int, **extra: Any) -> Config:
@@ -283,19 +282,14 @@ def reference_key(world: int, layout: tuple) -> str:
     return f"reference_{variant}"
 
 
-def layouts_job(
-    rank: int, world: int, layouts: list[tuple], references: tuple[str, ...] | None = None
-) -> dict[str, Any]:
+def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
     """Run every ``(ep_size, zero_stage[, variant])`` in ``layouts`` on this group; the world-1
     job also runs the references (plain torch, one process): the base one, those of
-    :data:`DEFAULT_REFERENCES` and capacity's, or only those of the variants ``references``."""
+    :data:`REFERENCES` and capacity's."""
     out: dict[str, Any] = {}
-    if world == 1 and references is not None:
-        for variant in references:
-            out[f"reference_{variant}"] = reference_run(variant)
-    elif world == 1:
+    if world == 1:
         out["reference"] = reference_run()
-        for variant in DEFAULT_REFERENCES:
+        for variant in REFERENCES:
             out[f"reference_{variant}"] = reference_run(variant)
         for groups in (1, 2):
             out[f"reference_capacity_g{groups}"] = reference_run("capacity", groups)
