@@ -91,6 +91,7 @@ class Case:
     overrides: tuple[str, ...] = ()  # `moetrain import` settings
     zero_selection_bias: bool = False  # e_score_correction_bias set to zeros
     random_prompt: int = 0  # > 0: a prompt of that many random token ids instead of PROMPT
+    max_model_len: int = 64  # vLLM's context (the tiny models' max_position_embeddings)
 
 
 CASES: dict[str, Case] = {
@@ -116,6 +117,7 @@ CASES: dict[str, Case] = {
         "llama4_text",
         dict(WIDE, attention_chunk_size=128, max_position_embeddings=256, num_experts_per_tok=1),
         random_prompt=150,
+        max_model_len=256,
     ),
     "qwen2-upcycled": Case("qwen2", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
 }
@@ -222,9 +224,12 @@ def root_cause(output: str) -> str:
     return output[-2000:]
 
 
-def vllm_greedy(python: Path, path: Path, ids: list[int]) -> tuple[list[int] | None, str]:
+def vllm_greedy(
+    python: Path, path: Path, ids: list[int], max_model_len: int
+) -> tuple[list[int] | None, str]:
     """vLLM's greedy tokens (offline), or None and the root cause of its failure."""
-    args = [str(python), str(GREEDY), str(path), str(NEW_TOKENS), ",".join(map(str, ids))]
+    prompt = ",".join(map(str, ids))
+    args = [str(python), str(GREEDY), str(path), str(NEW_TOKENS), prompt, str(max_model_len)]
     r = subprocess.run(
         args,
         # vLLM's engine and worker in this one process (by default it starts two more, as the
@@ -262,7 +267,7 @@ def test_vllm_serves_the_export_with_transformers_greedy_tokens(
     ids = prompt_ids(hf, CASES[case].random_prompt)
     want, margins = transformers_greedy(hf, ids)
     assert len(set(want)) > 3, want  # a walk through the vocabulary, not one repeated token
-    got, error = vllm_greedy(serving_python, hf, ids)
+    got, error = vllm_greedy(serving_python, hf, ids, CASES[case].max_model_len)
     # a known failure shows as xfailed with its reason once it is checked to be that failure
     if case in REFUSED:
         assert got is None, f"vLLM now serves {case}: take it out of REFUSED and the docs"

@@ -1,18 +1,19 @@
 """vLLM's greedy tokens for a model directory, offline (``vllm.LLM``): run by the serving tests
 with the interpreter of ``.venv-serving`` (vLLM's CPU build), never imported by the test suite.
 
-    python tests/helpers/vllm_greedy.py MODEL_DIR N_TOKENS ID,ID,...
+    python tests/helpers/vllm_greedy.py MODEL_DIR N_TOKENS ID,ID,... MAX_MODEL_LEN
 
 prints one line ``GREEDY [id, ...]``: the ``N_TOKENS`` tokens vLLM generates greedily after
-the prompt ``ID,ID,...`` (EOS ignored), the model in fp32, its context its
-``max_position_embeddings``. vLLM's own errors go to stderr and the exit status is non-zero.
+the prompt ``ID,ID,...`` (EOS ignored), the model in fp32, vLLM's context ``MAX_MODEL_LEN``
+(it also decides some RoPE scalings: Phi-3.5-MoE's LongRoPE takes its long factors for a context
+past ``original_max_position_embeddings``). vLLM's own errors go to stderr and the exit status
+is non-zero.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 
 def main() -> None:
@@ -20,11 +21,11 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     model, n, ids = sys.argv[1], int(sys.argv[2]), [int(i) for i in sys.argv[3].split(",")]
-    config = json.loads((Path(model) / "config.json").read_text())
+    max_model_len = int(sys.argv[4])
     llm = LLM(
         model=model,
         dtype="float32",
-        max_model_len=config["max_position_embeddings"],
+        max_model_len=max_model_len,
         enforce_eager=True,  # no torch.compile: the tiny models run in well under a second
         seed=0,
     )
