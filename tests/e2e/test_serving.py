@@ -38,7 +38,13 @@ import torch
 
 from moetrain.cli import main as moetrain_cli
 from moetrain.convert.families import FORMATS
-from tests.helpers.hf_models import PHIMOE_ROPE, SMALL, save_hf_model, save_hf_tokenizer
+from tests.helpers.hf_models import (
+    DEEPSEEK_YARN,
+    PHIMOE_ROPE,
+    SMALL,
+    save_hf_model,
+    save_hf_tokenizer,
+)
 from tests.helpers.launch import ROOT
 from tests.helpers.ports import free_port
 
@@ -55,17 +61,7 @@ VLLM_TIMEOUT = 420  # seconds for one vLLM process: start (imports, engine, work
 WIDE = dict(hidden_size=128, head_dim=32, initializer_range=0.3)
 WIDE_ROPE = SMALL["rope_parameters"]
 # DeepSeek's latent attention at the one shape of vLLM's CPU MLA decode kernel, with YaRN as
-# DeepSeek-V2 / V3 are released
-DEEPSEEK_YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 5000.0,
-    "factor": 4.0,
-    "original_max_position_embeddings": 16,
-    "beta_fast": 24.0,
-    "beta_slow": 2.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.8,
-}
+# DeepSeek-V2 / V3 are released (DEEPSEEK_YARN)
 MLA = dict(
     WIDE,
     head_dim=64,
@@ -74,7 +70,7 @@ MLA = dict(
     qk_nope_head_dim=32,
     qk_head_dim=96,
     v_head_dim=32,
-    rope_parameters=DEEPSEEK_YARN,
+    rope_parameters=dict(DEEPSEEK_YARN),
 )
 # LongRoPE's factor lists have head_dim / 2 entries
 PHIMOE_WIDE_ROPE = dict(

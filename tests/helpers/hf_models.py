@@ -327,6 +327,19 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
     }
 
 
+# YaRN as DeepSeek-V2 / V3 are released (both mscales), over 16 original positions
+DEEPSEEK_YARN: dict[str, Any] = {
+    "rope_type": "yarn",
+    "rope_theta": 5000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 24.0,
+    "beta_slow": 2.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+
+
 def _deepseek(moe: dict[str, Any], yarn: bool) -> dict[str, Any]:
     """The tiny shape in DeepSeek's latent attention (every head its own keys and values)."""
     fields = {k: v for k, v in moe.items() if k != "head_dim"}
@@ -334,16 +347,7 @@ def _deepseek(moe: dict[str, Any], yarn: bool) -> dict[str, Any]:
     fields.update(intermediate_size=40, moe_intermediate_size=24, kv_lora_rank=16)
     fields.update(qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
     if yarn:
-        fields["rope_parameters"] = {
-            "rope_type": "yarn",
-            "rope_theta": 5000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 16,
-            "beta_fast": 24.0,
-            "beta_slow": 2.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 0.8,
-        }
+        fields["rope_parameters"] = dict(DEEPSEEK_YARN)  # (transformers may edit it in place)
     return fields
 
 
