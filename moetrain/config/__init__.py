@@ -2,7 +2,7 @@
 
 Every error names the dotted key (``moe.top_k``) and says what is allowed. Each component
 receives only its own sub-config (``cfg.model``, ``cfg.moe``, ...). The sections and their
-checks are in :mod:`moetrain.config.sections` (the model's two in :mod:`moetrain.config.model`),
+checks are in :mod:`moetrain.config.sections` (the model's two in :mod:`moetrain.config.model` and :mod:`moetrain.config.moe`),
 loading in :mod:`moetrain.config.loading`.
 """
 
@@ -13,7 +13,8 @@ from moetrain.config.loading import (
     load_config,
     read_config_data,
 )
-from moetrain.config.model import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.config.sections import (
     CheckpointConfig,
     Config,

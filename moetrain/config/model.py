@@ -1,4 +1,5 @@
-"""The model's sections of the config: the transformer (``model``) and its MoE layers (``moe``)."""
+"""The transformer's section of the config (``model``); its MoE layers' (``moe``) is
+:mod:`moetrain.config.moe`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Literal
 from moetrain.config.checks import require
 from moetrain.config.ranges import above, at_least, between
 
-_POSITIVE = above(0, "a positive integer")
+POSITIVE_INT = above(0, "a positive integer")
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # YaRN's ramp where model.rope_beta_* are unset
 # Field metadata: the field defines the function the model computes (a checkpoint.init_from
 # source decides it, a config may not contradict it).
@@ -20,17 +21,17 @@ FUNCTION = {"function": True}
 class ModelConfig:
     """Dense transformer shape."""
 
-    vocab_size: int = field(default=8192, metadata=_POSITIVE | FUNCTION)
-    d_model: int = field(default=256, metadata=_POSITIVE | FUNCTION)
-    n_layers: int = field(default=4, metadata=_POSITIVE | FUNCTION)
-    n_heads: int = field(default=4, metadata=_POSITIVE | FUNCTION)
-    n_kv_heads: int = field(default=2, metadata=_POSITIVE | FUNCTION)
+    vocab_size: int = field(default=8192, metadata=POSITIVE_INT | FUNCTION)
+    d_model: int = field(default=256, metadata=POSITIVE_INT | FUNCTION)
+    n_layers: int = field(default=4, metadata=POSITIVE_INT | FUNCTION)
+    n_heads: int = field(default=4, metadata=POSITIVE_INT | FUNCTION)
+    n_kv_heads: int = field(default=2, metadata=POSITIVE_INT | FUNCTION)
     # default d_model // n_heads
-    head_dim: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # SwiGLU hidden size of dense (non-MoE) FFN layers
-    dense_hidden: int = field(default=1024, metadata=_POSITIVE | FUNCTION)
+    dense_hidden: int = field(default=1024, metadata=POSITIVE_INT | FUNCTION)
     # RoPE table size and HF max_position_embeddings
-    max_seq_len: int = field(default=2048, metadata=_POSITIVE)
+    max_seq_len: int = field(default=2048, metadata=POSITIVE_INT)
     rope_theta: float = field(default=10000.0, metadata=above(0) | FUNCTION)
     norm_eps: float = field(default=1e-5, metadata=above(0) | FUNCTION)
     # RMSNorm on queries and keys (Qwen3-MoE, GLM-4-MoE, OLMoE)
@@ -47,7 +48,7 @@ class ModelConfig:
     attention_sinks: bool = field(default=False, metadata=FUNCTION)
     # sliding-window attention: a query of a "sliding_attention" layer sees the last
     # sliding_window positions, itself included (transformers' rule); less than max_seq_len
-    sliding_window: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    sliding_window: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # each decoder layer's attention kind, "full_attention", "sliding_attention" or
     # "chunked_attention" (n_layers entries); None = every layer sliding with sliding_window
     # set, chunked with attention_chunk_size set, else every layer full (both set: required).
@@ -70,16 +71,16 @@ class ModelConfig:
     attention: Literal["gqa", "mla"] = field(default="gqa", metadata=FUNCTION)
     # MLA only (required with attention=mla except q_lora_rank, refused otherwise):
     # rank of the low-rank query path (q = up(norm(down(x)))); None = one full query projection
-    q_lora_rank: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    q_lora_rank: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     kv_lora_rank: int | None = field(
-        default=None, metadata=_POSITIVE | FUNCTION
+        default=None, metadata=POSITIVE_INT | FUNCTION
     )  # the KV latent's size
     qk_nope_head_dim: int | None = field(
-        default=None, metadata=_POSITIVE | FUNCTION
+        default=None, metadata=POSITIVE_INT | FUNCTION
     )  # per-head, no RoPE
     # the rotary part of each query head and of the one key shared by all heads (even)
-    qk_rope_head_dim: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
-    v_head_dim: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    qk_rope_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    v_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # grouped-query attention: the fraction of each head's dims RoPE rotates (its first
     # head_dim * factor dims, even; GLM-4.5's 0.5); the others carry no position
     partial_rotary_factor: float = field(
@@ -96,7 +97,7 @@ class ModelConfig:
     # YaRN and llama3: context extension factor (required); YaRN, llama3 and longrope: the
     # pretraining context it extends (required)
     rope_factor: float | None = field(default=None, metadata=at_least(1) | FUNCTION)
-    rope_original_max_seq_len: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    rope_original_max_seq_len: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # longrope: each rotary frequency is divided by its short factor (rope_dim / 2 of them,
     # required), and cos/sin are multiplied by rope_attention_factor (null: transformers'
     # default sqrt(1 + ln(s) / ln(original)) with s = max_seq_len / original, 1 when s <= 1).
@@ -127,7 +128,7 @@ class ModelConfig:
     # mtp_loss_weight_final_step, the weight from that step on (DeepSeek-V3: 0.3, then 0.1)
     mtp_loss_weight: float = field(default=0.3, metadata=at_least(0))
     mtp_loss_weight_final: float | None = field(default=None, metadata=at_least(0))
-    mtp_loss_weight_final_step: int | None = field(default=None, metadata=_POSITIVE)
+    mtp_loss_weight_final_step: int | None = field(default=None, metadata=POSITIVE_INT)
     # muP-style scalars (Granite-MoE's embedding_multiplier, residual_multiplier,
     # attention_multiplier, logits_scaling; 1.0 / None compute exactly the plain model):
     # the token embeddings are multiplied by embedding_multiplier; each block's attention and
@@ -141,7 +142,7 @@ class ModelConfig:
     # chunked local attention (Llama 4's attention_chunk_size): a query of a
     # "chunked_attention" layer at position i sees the positions j <= i with j // C == i // C
     # (positions in the row, from 0); less than max_seq_len
-    attention_chunk_size: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    attention_chunk_size: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # the decoder layers without rotary embeddings (NoPE; Llama 4's no_rope_layers zeros):
     # distinct indices in increasing order; None = every layer has RoPE
     nope_layers: list[int] | None = field(default=None, metadata=FUNCTION)
@@ -152,7 +153,7 @@ class ModelConfig:
     # floor_scale, attn_scale): the query at position p (in the row) is multiplied by
     # log1p(floor((p + 1) / attn_temperature_floor)) * attn_temperature_scale + 1; both set
     # or both None (off)
-    attn_temperature_floor: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
+    attn_temperature_floor: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     attn_temperature_scale: float | None = field(default=None, metadata=above(0) | FUNCTION)
 
     @property
@@ -227,6 +228,7 @@ class ModelConfig:
         )
         self._validate_windows()
         self._validate_nope()
+        self._validate_gqa_only()
         if self.attention == "mla":
             self._validate_mla()
             return
@@ -298,13 +300,18 @@ class ModelConfig:
                 f"must be less than model.max_seq_len={self.max_seq_len} (one as long as "
                 f"the context is full attention: leave it unset); got {size}",
             )
-        window, chunk = self.sliding_window, self.attention_chunk_size
-        local = {
-            "sliding_window": window is not None,
-            "attention_chunk_size": chunk is not None,
+
+    def _validate_gqa_only(self) -> None:
+        """The attention options that grouped-query attention has and latent attention not."""
+        gqa_only = {
+            "sliding_window": self.sliding_window is not None,
+            "attention_chunk_size": self.attention_chunk_size is not None,
             "attention_sinks": self.attention_sinks,
+            "nope_layers": bool(self.nope_layers),
+            "qk_norm_after_rope": self.qk_norm_after_rope,
+            "attn_temperature_floor": self.attn_temperature_floor is not None,
         }
-        for key, is_set in local.items():
+        for key, is_set in gqa_only.items():
             require(
                 not (is_set and self.attention == "mla"),
                 f"model.{key}",
@@ -312,7 +319,7 @@ class ModelConfig:
             )
 
     def _validate_nope(self) -> None:
-        """NoPE layers, the post-RoPE query/key norm and the NoPE layers' temperature."""
+        """NoPE layers and their query temperature."""
         nope = self.nope_layers
         if nope is not None:
             require(
@@ -334,16 +341,6 @@ class ModelConfig:
             "model.attn_temperature_floor",
             "scales the queries of the NoPE layers: model.nope_layers must list some",
         )
-        for key, is_set in (
-            ("nope_layers", bool(nope)),
-            ("qk_norm_after_rope", self.qk_norm_after_rope),
-            ("attn_temperature_floor", floor is not None),
-        ):
-            require(
-                not (is_set and self.attention == "mla"),
-                f"model.{key}",
-                "only applies with model.attention=gqa",
-            )
 
     def _validate_mla(self) -> None:
         for key in _MLA_KEYS[1:]:
@@ -461,164 +458,3 @@ _REQUIRED_KEYS = {
         "rope_high_freq_factor",
     ),
 }
-
-
-@dataclass
-class MoEConfig:
-    """Mixture-of-Experts FFN: routing, balancing, capacity, placement."""
-
-    num_experts: int = field(default=8, metadata=at_least(1) | FUNCTION)
-    top_k: int = field(default=2, metadata=at_least(1) | FUNCTION)  # at most num_experts
-    expert_hidden: int = field(default=512, metadata=_POSITIVE | FUNCTION)
-    # every n-th layer (after first_k_dense) is MoE
-    moe_every: int = field(default=1, metadata=at_least(1) | FUNCTION)
-    # the first k layers use a dense FFN (at most model.n_layers)
-    first_k_dense: int = field(default=0, metadata=at_least(0) | FUNCTION)
-    score_func: Literal["softmax", "sigmoid"] = field(default="softmax", metadata=FUNCTION)
-    # True: top-k on the logits, then the score function over the k (softmax over the k, or
-    # each one's sigmoid, renormalised with renormalize: Llama 4)
-    topk_before_score: bool = field(default=False, metadata=FUNCTION)
-    # renormalise the top-k weights to sum to 1
-    renormalize: bool = field(default=True, metadata=FUNCTION)
-    # multiply combine weights (DeepSeek-V3 style)
-    route_scale: float = field(default=1.0, metadata=above(0) | FUNCTION)
-    # the selection rule: "topk" (the score_func scores' top-k, the options above) or
-    # "sparsemixer" (Phi-3.5-MoE's: top-2, each weight a softmax over the logits within
-    # router_jitter_eps of that pick's, the second pick's without the first; model/moe/sparsemixer.py)
-    router_type: Literal["topk", "sparsemixer"] = field(default="topk", metadata=FUNCTION)
-    # sparsemixer only: logits with (best - logit) / max(|logit|, best) > 2 * eps are masked out
-    # of a pick's softmax (Phi-3.5-MoE's router_jitter_noise)
-    router_jitter_eps: float = field(default=0.01, metadata=at_least(0) | FUNCTION)
-    # multiplicative uniform noise on router input, training only
-    jitter: float = field(default=0.0, metadata=between(0, 1, high_open=True))
-    # Switch/GShard load-balancing loss; 0 disables
-    aux_loss_coef: float = field(default=0.01, metadata=at_least(0, "0 disables"))
-    # ST-MoE router z-loss; 0 disables
-    z_loss_coef: float = field(default=0.001, metadata=at_least(0, "0 disables"))
-    # DeepSeek-V3 aux-loss-free balancing; 0 disables
-    bias_update_rate: float = field(default=0.0, metadata=at_least(0, "0 disables"))
-    # which tokens the load-balancing loss's expert fractions come from: micro_batch (this
-    # rank's micro-batch), global_micro_batch (every rank's micro-batch of this micro-step),
-    # sequence (each sequence on its own, DeepSeek-V3), global_batch (every rank's micro-batches
-    # of this optimizer step so far; Megatron-Core's global_aux_loss); README "Load balancing"
-    aux_loss_scope: Literal["micro_batch", "global_micro_batch", "sequence", "global_batch"] = (
-        "global_micro_batch"
-    )
-    # 0 = dropless; else each expert keeps at most ceil(cf * T * k / E) of the copies routed to
-    # it, T = the tokens of its expert-parallel group's micro-batches, lowest weight dropped first
-    capacity_factor: float = field(default=0.0, metadata=at_least(0, "0 = dropless"))
-    # group-limited routing (DeepSeek-V2/V3, GLM-4.5 n_group, topk_group): experts in n_group
-    # equal groups; each token picks its topk_group best groups, then its top_k experts inside
-    # them. 1 = off
-    n_group: int = field(default=1, metadata=at_least(1) | FUNCTION)
-    topk_group: int = field(default=1, metadata=at_least(1) | FUNCTION)  # at most n_group
-    # a group's score: the sum of its two best selection scores (DeepSeek-V3, GLM-4.5) or its
-    # best one (DeepSeek-V2's group_limited_greedy)
-    group_score: Literal["top2_sum", "max"] = field(default="top2_sum", metadata=FUNCTION)
-    num_shared_experts: int = field(default=0, metadata=at_least(0) | FUNCTION)
-    # default num_shared_experts * expert_hidden
-    shared_expert_hidden: int | None = field(default=None, metadata=_POSITIVE | FUNCTION)
-    # sigmoid gate on the shared expert (Qwen2-MoE style)
-    shared_expert_gate: bool = field(default=False, metadata=FUNCTION)
-    # compute the shared expert while the expert-parallel all-to-alls are in flight (its
-    # projections during the dispatch, its down projection during the combine; same values)
-    shared_expert_overlap: bool = True
-    grouped_mm: bool = True  # F.grouped_mm for experts; False = per-expert loop
-    # experts recompute silu(gate) * up in backward instead of saving it (Megatron-Core's
-    # moe_act recompute): 2F values kept per routed copy instead of 3F, ~3% more MoE-block time
-    recompute_act: bool = False
-    # renormalisation divides the top-k weights by max(their sum, renormalize_min) (ERNIE-4.5's
-    # moe_norm_min); 0 = by the plain sum. Only with renormalize (and not topk_before_score)
-    renormalize_min: float = field(default=0.0, metadata=at_least(0, "0 = plain sum") | FUNCTION)
-    # a bias on the router's logits, layers.<i>.ffn.router.gate.bias (E,) (gpt-oss); it
-    # shifts the routing scores themselves (unlike the selection bias moe.bias_update_rate moves)
-    router_bias: bool = field(default=False, metadata=FUNCTION)
-    # biases on every routed expert's projections, ffn.experts.w13_bias (E, 2F) = [gate | up]
-    # and ffn.experts.w2_bias (E, D) (gpt-oss); expert parameters like w13 and w2
-    expert_biases: bool = field(default=False, metadata=FUNCTION)
-    # the routed experts' activation of gate a and up b: "swiglu" silu(a) * b, or
-    # "clamped_swiglu" (gpt-oss) (min(b, l).clamp(-l) + 1) * a' * sigmoid(alpha * a'),
-    # a' = min(a, l), with alpha = moe.swiglu_alpha and l = moe.swiglu_limit (both required).
-    # Dense layers and shared experts stay SwiGLU
-    activation: Literal["swiglu", "clamped_swiglu"] = field(default="swiglu", metadata=FUNCTION)
-    swiglu_alpha: float | None = field(default=None, metadata=above(0) | FUNCTION)
-    swiglu_limit: float | None = field(default=None, metadata=above(0) | FUNCTION)
-    # the routing weight w multiplies each routed copy's input instead of its output: expert e
-    # computes expert_e(w * x), and the combine sums the outputs (Llama 4)
-    score_on_input: bool = field(default=False, metadata=FUNCTION)
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """Placement: after ``first_k_dense`` dense layers, every ``moe_every``-th layer is MoE
-        (the last of each group of ``moe_every``, as Qwen2-MoE's ``decoder_sparse_step``
-        counts)."""
-        if layer < self.first_k_dense:
-            return False
-        return (layer - self.first_k_dense + 1) % self.moe_every == 0
-
-    def moe_layers(self, n_layers: int) -> list[int]:
-        """Transformer layer indices of the MoE layers, in order (position = MoE layer index)."""
-        return [i for i in range(n_layers) if self.is_moe_layer(i)]
-
-    @property
-    def shared_hidden(self) -> int:
-        """Hidden size of the (single, merged) shared-expert SwiGLU."""
-        return self.shared_expert_hidden or self.num_shared_experts * self.expert_hidden
-
-    def _validate_groups(self) -> None:
-        require(
-            self.n_group >= 1 and self.num_experts % max(self.n_group, 1) == 0,
-            "moe.n_group",
-            f"must be >= 1 and divide moe.num_experts={self.num_experts}; got {self.n_group}",
-        )
-        require(
-            1 <= self.topk_group <= self.n_group,
-            "moe.topk_group",
-            f"must be between 1 and moe.n_group={self.n_group}; got {self.topk_group}",
-        )
-        reachable = self.topk_group * (self.num_experts // self.n_group)
-        require(
-            self.top_k <= reachable,
-            "moe.topk_group",
-            f"moe.top_k={self.top_k} experts must fit in topk_group={self.topk_group} groups of "
-            f"{self.num_experts // self.n_group} experts; raise it to at least "
-            f"{-(-self.top_k * self.n_group // self.num_experts)}",
-        )
-
-    def validate(self) -> None:
-        require(
-            1 <= self.top_k <= self.num_experts,
-            "moe.top_k",
-            f"must be between 1 and moe.num_experts={self.num_experts}; got {self.top_k}",
-        )
-        self._validate_groups()
-        require(
-            not (self.shared_expert_gate and self.num_shared_experts == 0),
-            "moe.shared_expert_gate",
-            "needs moe.num_shared_experts >= 1",
-        )
-        clamped = self.activation == "clamped_swiglu"
-        for key in ("swiglu_alpha", "swiglu_limit"):
-            require(
-                (getattr(self, key) is not None) == clamped,
-                f"moe.{key}",
-                "is set exactly with moe.activation=clamped_swiglu",
-            )
-        if self.router_type == "sparsemixer":
-            self._validate_sparsemixer()
-        require(
-            self.renormalize_min == 0 or (self.renormalize and not self.topk_before_score),
-            "moe.renormalize_min",
-            "only applies with moe.renormalize=true and moe.topk_before_score=false",
-        )
-
-    def _validate_sparsemixer(self) -> None:
-        """sparsemixer picks two experts from the softmax logits on its own terms."""
-        for key, bad, why in (
-            ("top_k", self.top_k != 2, "must be 2 (it picks two experts)"),
-            ("score_func", self.score_func != "softmax", "must be softmax"),
-            ("topk_before_score", self.topk_before_score, "must be false"),
-            ("renormalize", self.renormalize, "must be false (its weights are its own)"),
-            ("n_group", self.n_group != 1, "must be 1 (no expert groups)"),
-            ("bias_update_rate", self.bias_update_rate != 0, "must be 0 (no selection bias)"),
-        ):
-            require(not bad, f"moe.{key}", f"{why} with moe.router_type=sparsemixer")

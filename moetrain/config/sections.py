@@ -15,7 +15,8 @@ import yaml
 
 from moetrain.config.checks import require
 from moetrain.config.mixture import SourceConfig, SourceFormat, validate_sources
-from moetrain.config.model import ModelConfig, MoEConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
 from moetrain.config.ranges import above, at_least, between, check_tree_ranges
 
 
