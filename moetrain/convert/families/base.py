@@ -502,6 +502,31 @@ def moe_from_hf(hf: Any) -> MoEConfig:
     return MoEConfig(top_k=hf.num_experts_per_tok, aux_loss_coef=0.0, z_loss_coef=0.0)
 
 
+def hf_number(
+    hf: Any,
+    key: str,
+    name: str,
+    default: Any = None,
+    *,
+    integer: bool = False,
+    minimum: float = 0,
+    positive: bool = False,
+) -> Any:
+    """``hf.<key>`` (``default`` where unset) checked as a number (an integer with
+    ``integer``) of at least ``minimum`` (above 0 with ``positive``); ConfigError naming the key
+    and the family ``name`` otherwise."""
+    value = getattr(hf, key, default)
+    kind = int if integer else int | float
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if ok and (value <= 0 if positive else value < minimum):
+        ok = False
+    if not ok:
+        what = "an integer" if integer else "a number"
+        bound = "> 0" if positive else f">= {minimum:g}"
+        raise ConfigError(f"{key}: {name} needs {what} {bound}; got {value!r}")
+    return value
+
+
 def refuse_partial_rotary(model: ModelConfig, name: str) -> None:
     """ConfigError unless ``model`` (read from ``name``'s config) rotates whole heads."""
     if model.partial_rotary_factor != 1.0:

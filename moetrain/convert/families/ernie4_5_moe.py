@@ -103,11 +103,9 @@ def from_hf(hf: Any) -> Config:
     model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
     base.refuse_partial_rotary(model, NAME)
     model.rope_interleave = True
-    placement = {k: get(k) for k in _PLACEMENT.split("/")}
-    for key, value in placement.items():
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"{key}: {NAME} needs an integer; got {value!r}")
-    start, end, interval = placement.values()
+    start, end, interval = (
+        base.hf_number(hf, k, NAME, integer=True, minimum=-1) for k in _PLACEMENT.split("/")
+    )
     n = model.n_layers
     end = n - 1 if end == -1 else end  # (transformers' rule for -1)
     try:
@@ -117,9 +115,7 @@ def from_hf(hf: Any) -> Config:
             f"{_PLACEMENT}: MoE layers {moe_layers(n, start, end, interval)} of {n} are not "
             "expressible as moe.first_k_dense + moe.moe_every"
         ) from None
-    norm_min = get("moe_norm_min")
-    if not isinstance(norm_min, int | float) or norm_min < 0:
-        raise ConfigError(f"moe_norm_min: {NAME} needs a number >= 0; got {norm_min!r}")
+    norm_min = base.hf_number(hf, "moe_norm_min", NAME)
     moe.num_experts, moe.expert_hidden = hf.moe_num_experts, hf.moe_intermediate_size
     moe.score_func, moe.renormalize = "softmax", True
     moe.renormalize_min = float(norm_min)

@@ -90,10 +90,7 @@ def shared_to_hf(cfg: Config) -> dict[str, Any]:
 
 
 def _positive(hf: Any, key: str) -> float:
-    value = getattr(hf, key, 1.0)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ConfigError(f"{key}: {NAME} needs a positive number; got {value!r}")
-    return float(value)
+    return float(base.hf_number(hf, key, NAME, 1.0, positive=True))
 
 
 def from_hf(hf: Any) -> Config:
@@ -105,9 +102,7 @@ def from_hf(hf: Any) -> Config:
 
 
 def shared_from_hf(hf: Any) -> Config:
-    shared = getattr(hf, "shared_intermediate_size", 0)
-    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-        raise ConfigError(f"shared_intermediate_size: {SHARED_NAME} needs an integer >= 0")
+    shared = base.hf_number(hf, "shared_intermediate_size", SHARED_NAME, 0, integer=True)
     cfg = _from_hf(hf)
     if shared:
         cfg.moe.num_shared_experts, cfg.moe.shared_expert_hidden = 1, shared

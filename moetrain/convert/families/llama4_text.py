@@ -113,10 +113,6 @@ def to_hf(cfg: Config) -> dict[str, Any]:
     return fields
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def _nope_layers(hf: Any, n: int) -> list[int]:
     """The NoPE layers of ``no_rope_layers`` (1 = RoPE, 0 = none; transformers fills it)."""
     flags = list(getattr(hf, "no_rope_layers", None) or [1] * n)
@@ -138,13 +134,8 @@ def _attention(hf: Any, model: ModelConfig) -> None:
             f"layer_types: moetrain computes {FULL} and {CHUNKED} for each of the {n} layers; "
             f"got {types}"
         )
-    chunk = getattr(hf, "attention_chunk_size", None)
     if CHUNKED in types:
-        if not _positive_int(chunk):
-            raise ConfigError(
-                f"attention_chunk_size: chunked_attention layers need a positive integer; "
-                f"got {chunk!r}"
-            )
+        chunk = base.hf_number(hf, "attention_chunk_size", NAME, integer=True, positive=True)
         if chunk < model.max_seq_len:  # (a chunk as long as the context: full attention)
             model.attention_chunk_size, model.layer_types = chunk, types
     nope = _nope_layers(hf, n)
@@ -152,11 +143,8 @@ def _attention(hf: Any, model: ModelConfig) -> None:
     model.qk_norm_after_rope = bool(getattr(hf, "use_qk_norm", False))
     if not (getattr(hf, "attn_temperature_tuning", False) and nope):
         return
-    floor, scale = getattr(hf, "floor_scale", None), getattr(hf, "attn_scale", None)
-    if not _positive_int(floor):
-        raise ConfigError(f"floor_scale: {NAME} needs a positive integer; got {floor!r}")
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale < 0:
-        raise ConfigError(f"attn_scale: {NAME} needs a number >= 0; got {scale!r}")
+    floor = base.hf_number(hf, "floor_scale", NAME, integer=True, positive=True)
+    scale = base.hf_number(hf, "attn_scale", NAME)
     if scale > 0:  # (0: every multiplier is 1)
         model.attn_temperature_floor, model.attn_temperature_scale = floor, float(scale)
 
