@@ -6,8 +6,9 @@ Contract (``Dispatcher`` protocol):
 - ``dispatch(x_TD, routes) -> Dispatched``, :class:`Routes` holding ``ids_TK``, ``weights_TK``
   and ``capacity_factor``; :class:`Dispatched` holds x_ND grouped contiguously by local expert
   in expert order, weights_N each row's routing weight (the experts apply it inside their
-  activation, or to the row's input with ``moe.score_on_input``), counts_L int64 copies per local expert, ``dropped`` (int64 0-dim tensor) the
-  number of copies this rank's experts dropped, and ``w13`` / ``w2``: the stacked expert
+  activation, or to the row's input with ``moe.score_on_input``), counts_L int64 copies per
+  local expert, ``dropped`` (int64 0-dim tensor) the number of copies this rank's experts
+  dropped, and ``w13`` / ``w2``: the stacked expert
   weights to compute with, None for the experts' own (a dispatcher that replicates experts
   hands them the weights of every slot of counts_L). With a capacity factor, the drops follow
   :mod:`moetrain.model.moe.capacity`, decided where the expert lives over every copy sent to it.
