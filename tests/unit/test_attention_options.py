@@ -19,6 +19,7 @@ from moetrain.model.attention import Attention, temperature
 from moetrain.model.doc_attention import Documents
 from moetrain.model.rope import rope_tables
 from tests.helpers.configs import tiny_config
+from tests.helpers.decoding import logits_through_cache
 
 LLAMA4 = {
     "model.n_layers": 4,
@@ -156,11 +157,8 @@ def test_model_cache_continues_the_positions() -> None:
     )
     with torch.no_grad():
         full = model(ids).logits
-        cache = model.new_cache(2, 32)
-        steps = [model(ids[:, :8], cache=cache).logits]
-        steps += [model(ids[:, i : i + 1], cache=cache).logits for i in range(8, 13)]
-        steps.append(model(ids[:, 13:], cache=cache).logits)
-        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+        cached = logits_through_cache(model, ids, 8, 5)
+        torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(
             model(ids, doc_ids_BS=torch.zeros_like(ids)).logits, full, atol=1e-5, rtol=1e-5
         )

@@ -20,6 +20,7 @@ from moetrain.model.local_attention import (
     local_attention,
 )
 from tests.helpers.configs import tiny_config
+from tests.helpers.decoding import logits_through_cache
 
 
 def reference(q, k, v, window, sinks, scale, allowed=None, chunk=None):
@@ -193,11 +194,8 @@ def test_model_layers_take_their_windows_and_the_cache_is_exact() -> None:
     )
     with torch.no_grad():
         full = model(ids).logits
-        cache = model.new_cache(2, 32)
-        steps = [model(ids[:, :9], cache=cache).logits]
-        steps += [model(ids[:, i : i + 1], cache=cache).logits for i in range(9, 14)]
-        steps.append(model(ids[:, 14:], cache=cache).logits)  # several new tokens at once
-        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+        cached = logits_through_cache(model, ids, 9, 5)
+        torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
         # the window binds: a full-attention model with the same weights differs
         plain_cfg = dataclasses.replace(cfg.model, sliding_window=None, layer_types=None)
         plain = Transformer(plain_cfg, cfg.moe).eval()
@@ -241,11 +239,8 @@ def test_model_layers_take_their_chunks_with_documents_and_the_cache() -> None:
     )
     with torch.no_grad():
         full = model(ids).logits
-        cache = model.new_cache(2, 32)
-        steps = [model(ids[:, :9], cache=cache).logits]
-        steps += [model(ids[:, i : i + 1], cache=cache).logits for i in range(9, 14)]
-        steps.append(model(ids[:, 14:], cache=cache).logits)  # several new tokens at once
-        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+        cached = logits_through_cache(model, ids, 9, 5)
+        torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
         one_doc = model(ids, doc_ids_BS=torch.zeros_like(ids)).logits
         torch.testing.assert_close(one_doc, full, atol=1e-5, rtol=1e-5)
         # the chunks bind: a full-attention model with the same weights differs
