@@ -1266,22 +1266,29 @@ def test_phimoe_configs_moetrain_cannot_compute_are_refused(changes, key) -> Non
 def test_phimoe_generation_matches_transformers(tmp_path) -> None:
     """Generation with the KV cache (one LongRoPE table, the short factors) gives
     transformers' greedy tokens and its logits at every step."""
-    from moetrain.generate import generate_ids
-
     cfg = tiny_cfg("phimoe")
     model = model_for(cfg)
-    hf = load_hf(cfg, model, "phimoe", tmp_path)
+    generation_matches(model, load_hf(cfg, model, "phimoe", tmp_path), 12)
+
+
+def generation_matches(model: Transformer, hf, new_tokens: int) -> None:  # noqa: ANN001
+    """From a 7-token prompt, ``model``'s greedy tokens are ``hf``'s, and its logits through
+    the KV cache (the prompt, then one token at a time) are ``hf``'s at every position."""
+    from moetrain.generate import generate_ids
+
     prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(2))
     hf.generation_config.eos_token_id = None
-    ref = hf.generate(prompt, do_sample=False, max_new_tokens=12)
-    assert generate_ids(model, prompt[0].tolist(), 12, temperature=0.0) == ref[0, 7:].tolist()
+    ref = hf.generate(prompt, do_sample=False, max_new_tokens=new_tokens)
+    got = generate_ids(model, prompt[0].tolist(), new_tokens, temperature=0.0)
+    assert got == ref[0, 7:].tolist()
+    n = 7 + new_tokens - 1
     with torch.no_grad():
-        cache, steps = model.new_cache(1, 19), []
+        cache, steps = model.new_cache(1, n + 1), []
         steps.append(model(ref[:, :7], cache=cache).logits)
-        for i in range(7, 18):
+        for i in range(7, n):
             steps.append(model(ref[:, i : i + 1], cache=cache).logits)
         torch.testing.assert_close(
-            torch.cat(steps, 1), hf(input_ids=ref[:, :18]).logits, atol=1e-5, rtol=1e-5
+            torch.cat(steps, 1), hf(input_ids=ref[:, :n]).logits, atol=1e-5, rtol=1e-5
         )
 
 
@@ -1349,23 +1356,9 @@ def test_llama4_generation_matches_transformers(tmp_path) -> None:
     """Generation with the KV cache across chunk boundaries (chunks of 6; transformers keeps
     a chunk's worth of keys per chunked layer) with the NoPE layer's temperature at the cache's
     positions: transformers' greedy tokens and its logits at every step."""
-    from moetrain.generate import generate_ids
-
     cfg = tiny_cfg("llama4_text")
     model = sharpened(model_for(cfg))
-    hf = load_hf(cfg, model, "llama4_text", tmp_path)
-    prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(2))
-    hf.generation_config.eos_token_id = None
-    ref = hf.generate(prompt, do_sample=False, max_new_tokens=16)
-    assert generate_ids(model, prompt[0].tolist(), 16, temperature=0.0) == ref[0, 7:].tolist()
-    with torch.no_grad():
-        cache, steps = model.new_cache(1, 23), []
-        steps.append(model(ref[:, :7], cache=cache).logits)
-        for i in range(7, 22):
-            steps.append(model(ref[:, i : i + 1], cache=cache).logits)
-        torch.testing.assert_close(
-            torch.cat(steps, 1), hf(input_ids=ref[:, :22]).logits, atol=1e-5, rtol=1e-5
-        )
+    generation_matches(model, load_hf(cfg, model, "llama4_text", tmp_path), 16)
 
 
 def _llama4_released(name: str = "Llama-4-Scout-17B-16E", **changes) -> dict:
