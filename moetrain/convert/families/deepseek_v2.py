@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base
+from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Family, WeightNames
 from moetrain.convert.families.deepseek_v3 import (
     latent_attention,
@@ -76,7 +76,7 @@ def from_hf(hf: Any) -> Config:
         moe.n_group, moe.topk_group = 1, 1
     model.rope_interleave = True
     moe.score_func, moe.renormalize, moe.group_score = "softmax", False, "max"
-    return base.finish(model, moe)
+    return hf_config.finish(model, moe)
 
 
 FAMILY = Family(

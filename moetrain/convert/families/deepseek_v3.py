@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base
+from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Check, Family, WeightNames
 
 NAME = "DeepseekV3ForCausalLM"
@@ -78,7 +78,7 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
 def mla_hf(cfg: Config) -> dict[str, Any]:
     """The transformers fields both DeepSeek families share (attention, RoPE, MoE shape)."""
     model, moe = cfg.model, cfg.moe
-    fields = {k: v for k, v in base.hf_common(cfg).items() if k != "head_dim"}
+    fields = {k: v for k, v in hf_config.hf_common(cfg).items() if k != "head_dim"}
     return dict(
         fields,
         intermediate_size=model.dense_hidden,
@@ -118,8 +118,8 @@ def mla_from_hf(hf: Any) -> tuple[ModelConfig, MoEConfig]:
     def get(name: str, default: Any) -> Any:
         return getattr(hf, name, default)
 
-    base.refuse_attention_bias(hf)
-    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
+    hf_config.refuse_attention_bias(hf)
+    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
     model.attention, model.head_dim, model.n_kv_heads = "mla", None, model.n_heads
     model.q_lora_rank, model.kv_lora_rank = get("q_lora_rank", None), hf.kv_lora_rank
     model.qk_nope_head_dim, model.qk_rope_head_dim = hf.qk_nope_head_dim, hf.qk_rope_head_dim
@@ -139,7 +139,7 @@ def from_hf(hf: Any) -> Config:
         raise ConfigError(f"scoring_func: {NAME} routes with sigmoid; got {hf.scoring_func}")
     model.rope_interleave = bool(getattr(hf, "rope_interleave", True))
     moe.score_func, moe.renormalize = "sigmoid", bool(getattr(hf, "norm_topk_prob", True))
-    return base.finish(model, moe)
+    return hf_config.finish(model, moe)
 
 
 FAMILY = Family(

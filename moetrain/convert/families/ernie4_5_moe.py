@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base
+from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Family, WeightNames
 
 NAME = "Ernie4_5_MoeForCausalLM"
@@ -75,7 +75,7 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
 
 def to_hf(cfg: Config) -> dict[str, Any]:
     model, moe = cfg.model, cfg.moe
-    fields = base.hf_common(cfg)
+    fields = hf_config.hf_common(cfg)
     del fields["num_experts_per_tok"]  # (its own name below)
     return dict(
         fields,
@@ -100,27 +100,29 @@ def from_hf(hf: Any) -> Config:
         raise ConfigError(
             "use_bias: biases on every projection and the head; moetrain has q/k/v biases only"
         )
-    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
-    base.refuse_partial_rotary(model, NAME)
+    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
+    hf_config.refuse_partial_rotary(model, NAME)
     model.rope_interleave = True
     start, end, interval = (
-        base.hf_number(hf, k, NAME, integer=True, minimum=-1) for k in _PLACEMENT.split("/")
+        hf_config.hf_number(hf, k, NAME, integer=True, minimum=-1) for k in _PLACEMENT.split("/")
     )
     n = model.n_layers
     end = n - 1 if end == -1 else end  # (transformers' rule for -1)
     try:
-        moe.first_k_dense, moe.moe_every = base.placement(moe_layers(n, start, end, interval), n)
+        moe.first_k_dense, moe.moe_every = hf_config.placement(
+            moe_layers(n, start, end, interval), n
+        )
     except ConfigError:
         raise ConfigError(
             f"{_PLACEMENT}: MoE layers {moe_layers(n, start, end, interval)} of {n} are not "
             "expressible as moe.first_k_dense + moe.moe_every"
         ) from None
-    norm_min = base.hf_number(hf, "moe_norm_min", NAME)
+    norm_min = hf_config.hf_number(hf, "moe_norm_min", NAME)
     moe.num_experts, moe.expert_hidden = hf.moe_num_experts, hf.moe_intermediate_size
     moe.score_func, moe.renormalize = "softmax", True
     moe.renormalize_min = float(norm_min)
     moe.num_shared_experts = int(get("moe_num_shared_experts") or 0)
-    return base.finish(model, moe)
+    return hf_config.finish(model, moe)
 
 
 FAMILY = Family(

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config, ModelConfig, MoEConfig
-from moetrain.convert.families import base
+from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Family, WeightNames
 
 NAME = "Glm4MoeForCausalLM"
@@ -65,7 +65,7 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
-    model, moe, fields = cfg.model, cfg.moe, base.hf_common(cfg)
+    model, moe, fields = cfg.model, cfg.moe, hf_config.hf_common(cfg)
     fields["rope_parameters"] = dict(
         fields["rope_parameters"], partial_rotary_factor=model.partial_rotary_factor
     )
@@ -90,7 +90,7 @@ def from_hf(hf: Any) -> Config:
     def get(name: str, default: Any) -> Any:
         return getattr(hf, name, default)
 
-    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
+    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
     moe.n_group, moe.topk_group = int(get("n_group", 1)), int(get("topk_group", 1))
     model.qkv_bias = bool(get("attention_bias", False))
     moe.num_experts, moe.expert_hidden = hf.n_routed_experts, hf.moe_intermediate_size
@@ -99,7 +99,7 @@ def from_hf(hf: Any) -> Config:
     moe.num_shared_experts = hf.n_shared_experts
     moe.first_k_dense = hf.first_k_dense_replace
     model.qk_norm = bool(get("use_qk_norm", False))
-    return base.finish(model, moe)
+    return hf_config.finish(model, moe)
 
 
 FAMILY = Family(

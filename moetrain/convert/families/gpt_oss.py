@@ -18,7 +18,7 @@ from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.config.model import FULL, SLIDING
-from moetrain.convert.families import base
+from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Family, WeightNames
 
 NAME = "GptOssForCausalLM"
@@ -66,7 +66,7 @@ def layer_types(model: ModelConfig) -> list[str]:
 def to_hf(cfg: Config) -> dict[str, Any]:
     model, moe = cfg.model, cfg.moe
     return dict(
-        base.hf_common(cfg),
+        hf_config.hf_common(cfg),
         intermediate_size=moe.expert_hidden,
         num_local_experts=moe.num_experts,
         attention_bias=model.qkv_bias,
@@ -79,9 +79,9 @@ def to_hf(cfg: Config) -> dict[str, Any]:
 
 
 def from_hf(hf: Any) -> Config:
-    base.refuse_attention_dropout(hf)
-    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
-    base.refuse_partial_rotary(model, NAME)
+    hf_config.refuse_attention_dropout(hf)
+    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
+    hf_config.refuse_partial_rotary(model, NAME)
     bias = bool(getattr(hf, "attention_bias", True))
     model.qkv_bias = model.o_bias = bias
     model.attention_sinks = True
@@ -96,7 +96,7 @@ def from_hf(hf: Any) -> Config:
     moe.router_bias = moe.expert_biases = True
     moe.activation = "clamped_swiglu"
     moe.swiglu_alpha, moe.swiglu_limit = float(hf.swiglu_alpha), float(hf.swiglu_limit)
-    return base.finish(model, moe)
+    return hf_config.finish(model, moe)
 
 
 FAMILY = Family(

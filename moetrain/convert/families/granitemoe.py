@@ -22,7 +22,7 @@ import dataclasses
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base
+from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Family, WeightNames
 
 NAME = "GraniteMoeForCausalLM"
@@ -70,7 +70,7 @@ def attention_multiplier(model: ModelConfig) -> float:
 def to_hf(cfg: Config) -> dict[str, Any]:
     model, moe = cfg.model, cfg.moe
     return dict(
-        base.hf_common(cfg),
+        hf_config.hf_common(cfg),
         intermediate_size=moe.expert_hidden,
         num_local_experts=moe.num_experts,
         embedding_multiplier=model.embedding_multiplier,
@@ -90,7 +90,7 @@ def shared_to_hf(cfg: Config) -> dict[str, Any]:
 
 
 def _positive(hf: Any, key: str) -> float:
-    return float(base.hf_number(hf, key, NAME, 1.0, positive=True))
+    return float(hf_config.hf_number(hf, key, NAME, 1.0, positive=True))
 
 
 def from_hf(hf: Any) -> Config:
@@ -102,7 +102,7 @@ def from_hf(hf: Any) -> Config:
 
 
 def shared_from_hf(hf: Any) -> Config:
-    shared = base.hf_number(hf, "shared_intermediate_size", SHARED_NAME, 0, integer=True)
+    shared = hf_config.hf_number(hf, "shared_intermediate_size", SHARED_NAME, 0, integer=True)
     cfg = _from_hf(hf)
     if shared:
         cfg.moe.num_shared_experts, cfg.moe.shared_expert_hidden = 1, shared
@@ -111,16 +111,16 @@ def shared_from_hf(hf: Any) -> Config:
 
 
 def _from_hf(hf: Any) -> Config:
-    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
+    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
     model.qkv_bias = model.o_bias = bool(getattr(hf, "attention_bias", False))
-    base.refuse_partial_rotary(model, NAME)
+    hf_config.refuse_partial_rotary(model, NAME)
     model.embedding_multiplier = _positive(hf, "embedding_multiplier")
     model.residual_multiplier = _positive(hf, "residual_multiplier")
     model.attention_scale = _positive(hf, "attention_multiplier")
     model.logits_scaling = _positive(hf, "logits_scaling")
     moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
     moe.score_func, moe.topk_before_score = "softmax", True
-    return base.finish(model, moe)
+    return hf_config.finish(model, moe)
 
 
 NAMES = WeightNames(

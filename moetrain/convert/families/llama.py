@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
-from moetrain.convert.families.base import Family, dense_from_hf
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.hf_config import dense_from_hf
 
 FAMILY = Family(name="llama", architecture="LlamaForCausalLM", from_hf=dense_from_hf)

@@ -34,7 +34,7 @@ from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.config.model import CHUNKED, FULL
-from moetrain.convert.families import base
+from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Family, WeightNames, Wrapper
 
 NAME = "Llama4ForCausalLM"
@@ -93,7 +93,7 @@ def to_hf(cfg: Config) -> dict[str, Any]:
     n, nope = model.n_layers, set(model.nope_layers or ())
     tuned = model.attn_temperature_floor is not None
     fields = dict(
-        base.hf_common(cfg),
+        hf_config.hf_common(cfg),
         intermediate_size=moe.expert_hidden,
         intermediate_size_mlp=model.dense_hidden,
         num_local_experts=moe.num_experts,
@@ -135,7 +135,7 @@ def _attention(hf: Any, model: ModelConfig) -> None:
             f"got {types}"
         )
     if CHUNKED in types:
-        chunk = base.hf_number(hf, "attention_chunk_size", NAME, integer=True, positive=True)
+        chunk = hf_config.hf_number(hf, "attention_chunk_size", NAME, integer=True, positive=True)
         if chunk < model.max_seq_len:  # (a chunk as long as the context: full attention)
             model.attention_chunk_size, model.layer_types = chunk, types
     nope = _nope_layers(hf, n)
@@ -143,8 +143,8 @@ def _attention(hf: Any, model: ModelConfig) -> None:
     model.qk_norm_after_rope = bool(getattr(hf, "use_qk_norm", False))
     if not (getattr(hf, "attn_temperature_tuning", False) and nope):
         return
-    floor = base.hf_number(hf, "floor_scale", NAME, integer=True, positive=True)
-    scale = base.hf_number(hf, "attn_scale", NAME)
+    floor = hf_config.hf_number(hf, "floor_scale", NAME, integer=True, positive=True)
+    scale = hf_config.hf_number(hf, "attn_scale", NAME)
     if scale > 0:  # (0: every multiplier is 1)
         model.attn_temperature_floor, model.attn_temperature_scale = floor, float(scale)
 
@@ -161,13 +161,13 @@ def _placement(hf: Any, n: int) -> tuple[int, int]:
             f"moe_layers: {NAME} needs distinct layer indices 0..{n - 1} in increasing order; "
             f"got {layers!r}"
         )
-    return base.placement(layers, n, _PLACEMENT)
+    return hf_config.placement(layers, n, _PLACEMENT)
 
 
 def from_hf(hf: Any) -> Config:
-    base.refuse_attention_dropout(hf)
-    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
-    base.refuse_partial_rotary(model, NAME)
+    hf_config.refuse_attention_dropout(hf)
+    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
+    hf_config.refuse_partial_rotary(model, NAME)
     model.rope_interleave = True
     model.qkv_bias = model.o_bias = bool(getattr(hf, "attention_bias", False))
     model.dense_hidden = hf.intermediate_size_mlp
@@ -176,7 +176,7 @@ def from_hf(hf: Any) -> Config:
     moe.score_func, moe.topk_before_score, moe.renormalize = "sigmoid", True, False
     moe.score_on_input, moe.num_shared_experts = True, 1
     moe.first_k_dense, moe.moe_every = _placement(hf, model.n_layers)
-    return base.finish(model, moe)
+    return hf_config.finish(model, moe)
 
 
 FAMILY = Family(

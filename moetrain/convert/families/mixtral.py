@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base
+from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Family, WeightNames
 
 NAME = "MixtralForCausalLM"
@@ -27,7 +27,7 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
 
 def to_hf(cfg: Config) -> dict[str, Any]:
     return dict(
-        base.hf_common(cfg),
+        hf_config.hf_common(cfg),
         intermediate_size=cfg.moe.expert_hidden,
         num_local_experts=cfg.moe.num_experts,
         router_jitter_noise=cfg.moe.jitter,
@@ -38,9 +38,9 @@ def to_hf(cfg: Config) -> dict[str, Any]:
 def from_hf(hf: Any) -> Config:
     if getattr(hf, "sliding_window", None):
         raise ConfigError("sliding_window: moetrain attends to the whole context")
-    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
+    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
     moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
-    return base.finish(model, moe)
+    return hf_config.finish(model, moe)
 
 
 FAMILY = Family(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base
+from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Family
 
 NAME = "OlmoeForCausalLM"
@@ -37,7 +37,7 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
-    fields = base.hf_common(cfg)
+    fields = hf_config.hf_common(cfg)
     del fields["head_dim"]  # OLMoE derives it: hidden_size / num_attention_heads
     return dict(
         fields,
@@ -52,13 +52,13 @@ def to_hf(cfg: Config) -> dict[str, Any]:
 def from_hf(hf: Any) -> Config:
     if getattr(hf, "clip_qkv", None) is not None:
         raise ConfigError(f"clip_qkv: moetrain does not clip q/k/v; got {hf.clip_qkv}")
-    base.refuse_attention_bias(hf)
-    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
+    hf_config.refuse_attention_bias(hf)
+    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
     model.head_dim = None  # hidden_size / num_attention_heads, as OLMoE computes it
     model.qk_norm, model.qk_norm_scope = True, "projection"
     moe.num_experts, moe.expert_hidden = hf.num_experts, hf.intermediate_size
     moe.renormalize = bool(getattr(hf, "norm_topk_prob", False))
-    return base.finish(model, moe)
+    return hf_config.finish(model, moe)
 
 
 FAMILY = Family(name="olmoe", architecture=NAME, from_hf=from_hf, problems=problems, to_hf=to_hf)

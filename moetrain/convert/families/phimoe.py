@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base
+from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Family, WeightNames
 
 NAME = "PhimoeForCausalLM"
@@ -52,7 +52,7 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
 
 def _rope(model: ModelConfig) -> dict[str, Any]:
     """transformers' rope_parameters, LongRoPE's attention factor as both mscales."""
-    out = base.rope_parameters(model)
+    out = hf_config.rope_parameters(model)
     if model.rope_scaling == "longrope":
         out.pop("attention_factor", None)
         scale = model.longrope_attention_factor
@@ -63,7 +63,7 @@ def _rope(model: ModelConfig) -> dict[str, Any]:
 def to_hf(cfg: Config) -> dict[str, Any]:
     model, moe = cfg.model, cfg.moe
     return dict(
-        base.hf_common(cfg),
+        hf_config.hf_common(cfg),
         rope_parameters=_rope(model),
         intermediate_size=moe.expert_hidden,
         num_local_experts=moe.num_experts,
@@ -102,7 +102,7 @@ def from_hf(hf: Any) -> Config:
             f"num_experts_per_tok: {NAME}'s sparsemixer always picks 2 experts; got "
             f"{hf.num_experts_per_tok}"
         )
-    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
+    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
     window = getattr(hf, "sliding_window", None)
     if window is not None and window < model.max_seq_len:
         raise ConfigError(
@@ -118,7 +118,7 @@ def from_hf(hf: Any) -> Config:
     moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
     moe.router_type, moe.renormalize = "sparsemixer", False
     moe.router_jitter_eps = float(hf.router_jitter_noise)
-    return base.finish(model, moe)
+    return hf_config.finish(model, moe)
 
 
 FAMILY = Family(

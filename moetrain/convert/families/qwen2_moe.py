@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base
+from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Family, WeightNames
 
 NAME = "Qwen2MoeForCausalLM"
@@ -34,13 +34,13 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
 def qwen_moe_hf(cfg: Config) -> dict[str, Any]:
     """The fields Qwen2-MoE and Qwen3-MoE share."""
     return dict(
-        base.hf_common(cfg),
+        hf_config.hf_common(cfg),
         intermediate_size=cfg.model.dense_hidden,
         moe_intermediate_size=cfg.moe.expert_hidden,
         num_experts=cfg.moe.num_experts,
         norm_topk_prob=cfg.moe.renormalize,
         decoder_sparse_step=1,
-        mlp_only_layers=base.dense_layers(cfg),
+        mlp_only_layers=hf_config.dense_layers(cfg),
         use_sliding_window=False,
     )
 
@@ -49,13 +49,13 @@ def qwen_moe_from_hf(hf: Any) -> tuple[ModelConfig, MoEConfig]:
     """The model and MoE sections Qwen2-MoE and Qwen3-MoE share (their placement included)."""
     if getattr(hf, "use_sliding_window", False):
         raise ConfigError("use_sliding_window: moetrain attends to the whole context")
-    model, moe = base.model_from_hf(hf), base.moe_from_hf(hf)
+    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
     moe.num_experts, moe.expert_hidden = hf.num_experts, hf.moe_intermediate_size
     moe.renormalize = bool(getattr(hf, "norm_topk_prob", False))
     dense, step = getattr(hf, "mlp_only_layers", None) or [], getattr(hf, "decoder_sparse_step", 1)
     n = model.n_layers
     moe_layers = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    moe.first_k_dense, moe.moe_every = base.placement(moe_layers, n)
+    moe.first_k_dense, moe.moe_every = hf_config.placement(moe_layers, n)
     return model, moe
 
 
@@ -70,7 +70,7 @@ def from_hf(hf: Any) -> Config:
     shared = hf.shared_expert_intermediate_size  # 0: none
     moe.num_shared_experts, moe.shared_expert_gate = int(shared > 0), shared > 0
     moe.shared_expert_hidden = shared or None
-    return base.finish(model, moe)
+    return hf_config.finish(model, moe)
 
 
 FAMILY = Family(

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config
-from moetrain.convert.families.base import Family, dense_from_hf
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.hf_config import dense_from_hf
 
 
 def from_hf(hf: Any) -> Config:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config, ModelConfig, MoEConfig
-from moetrain.convert.families import base
+from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Family
 from moetrain.convert.families.qwen2_moe import qwen_moe_from_hf, qwen_moe_hf
 
@@ -31,8 +31,8 @@ def to_hf(cfg: Config) -> dict[str, Any]:
 def from_hf(hf: Any) -> Config:
     model, moe = qwen_moe_from_hf(hf)
     model.qk_norm = True
-    base.refuse_attention_bias(hf)
-    return base.finish(model, moe)
+    hf_config.refuse_attention_bias(hf)
+    return hf_config.finish(model, moe)
 
 
 FAMILY = Family(
