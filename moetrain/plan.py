@@ -11,7 +11,8 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
   experts over X). Under bf16/fp16 DeepSpeed adds each micro-batch's low-precision gradient to
   the fp32 buffer as soon as it is ready (ZeRO-1) or reduces it into the fp32 partition
   (ZeRO-2), so the low-precision gradients are transient (the largest one is counted below).
-- optimizer: AdamW 8 B/param, + 4 B for the fp32 master copy under bf16/fp16 (and under fp32
+- optimizer: its state (``optim.name``'s bytes per parameter, dense and expert:
+  :func:`moetrain.optim.summary.state_bytes_per_param`; AdamW 8 B/param), + 4 B for the fp32 master copy under bf16/fp16 (and under fp32
   with ``parallel.offload_optimizer``; otherwise fp32 masters share the weights' storage,
   :mod:`moetrain.parallel.fp32_partitions`), partitioned under ZeRO-1/2 (dense over W, experts
   over X); ``parallel.offload_optimizer`` moves it to CPU.
@@ -48,6 +49,7 @@ from moetrain.config.layout import check_layout
 from moetrain.model.head_exchange import kv_repeats
 from moetrain.model_numbers import ModelNumbers, attention_matrices, human, model_numbers
 from moetrain.monitor.mfu import lookup_peak_tflops, math_type
+from moetrain.optim.summary import state_bytes_per_param
 from moetrain.plan_traffic import (
     HeadTraffic,
     Traffic,
@@ -377,15 +379,17 @@ def plan(
     wb = _dtype_bytes(t.precision)
     z = p.zero_stage
 
-    def split(per_param: float, partitioned: bool) -> int:
+    def split(per_param: float, partitioned: bool, expert_per_param: float | None = None) -> int:
+        per_expert = per_param if expert_per_param is None else expert_per_param
         if partitioned:
-            return int(per_param * (dense / world + expert / xdp))
-        return int(per_param * (dense + expert))
+            return int(per_param * dense / world + per_expert * expert / xdp)
+        return int(per_param * dense + per_expert * expert)
 
     weights = split(wb, False)
     grads = split(_dtype_bytes(t.grad_dtype), z >= 2)
-    opt_per_param = 8 + (4 if t.precision != "fp32" or (z >= 1 and p.offload_optimizer) else 0)
-    opt = split(opt_per_param, z >= 1)
+    masters = 4 if t.precision != "fp32" or (z >= 1 and p.offload_optimizer) else 0
+    state = state_bytes_per_param(cfg)  # optim.name's state (AdamW: two fp32 moments)
+    opt = split(state.dense + masters, z >= 1, state.expert + masters)
     opt_gpu, opt_cpu = (0, opt) if p.offload_optimizer else (opt, 0)
 
     sp = p.sp_size

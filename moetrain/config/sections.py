@@ -111,8 +111,9 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and the learning-rate schedule."""
+    """The optimizer (``name``: moetrain/optim/registry.py) and the learning-rate schedule."""
 
+    name: Literal["adamw"] = "adamw"
     lr: float = field(default=3e-4, metadata=above(0))
     min_lr_ratio: float = field(default=0.1, metadata=between(0, 1))
     weight_decay: float = field(default=0.1, metadata=at_least(0))

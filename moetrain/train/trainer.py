@@ -3,7 +3,8 @@
 Every rank builds the same model with the same seed (or from ``checkpoint.init_from``), holding
 only its own experts; parallelism
 is applied (:func:`moetrain.parallel.apply.apply_parallelism`); the optimizer and the
-learning-rate schedule are built here (:mod:`moetrain.train.optim`) and handed to the engine.
+learning-rate schedule are built here (``optim.name``'s optimizer, :mod:`moetrain.optim`) and handed
+to the engine.
 One optimizer step is :class:`moetrain.train.step.OptimizerStep`; the run's progress is a
 :class:`~moetrain.train.progress.Progress`, and :meth:`Trainer.run_state` hands a checkpointer
 the stateful objects it saves and restores.
@@ -24,13 +25,14 @@ from moetrain.checkpoint.checkpointer import RunState
 from moetrain.config import Config
 from moetrain.init_from.source import InitSource
 from moetrain.init_from.weights import build_model, init_record
+from moetrain.optim.registry import build_optimizer, optimizer_spec
+from moetrain.optim.schedule import LRSchedule
 from moetrain.parallel.apply import apply_parallelism
 from moetrain.parallel.deepspeed import deepspeed_config, initialize_engine
 from moetrain.parallel.master_weights import fp32_masters_in_module
 from moetrain.parallel.sequence_parallel import shard_batch
 from moetrain.parallel.topology import Topology
 from moetrain.train.nonfinite import LossScalerState, SkipCounter
-from moetrain.train.optim import LRSchedule, build_optimizer
 from moetrain.train.progress import Progress
 from moetrain.train.step import Batch, OptimizerStep, forward_loss
 
@@ -79,6 +81,9 @@ class Trainer:
         self.engine, self.optimizer, self.schedule = initialize_engine(
             model, optimizer, self._make_schedule, self.ds_config
         )
+        attach = optimizer_spec(cfg.optim.name).attach
+        if attach is not None:  # (after the engine: how ZeRO partitioned the groups)
+            attach(optimizer, self.optimizer)
         self.model: nn.Module = self.engine.module
         self._step = OptimizerStep(
             cfg,

@@ -169,7 +169,8 @@ def reference_run(variant: str | None = None, capacity_groups: int = 1) -> dict[
     """
     from moetrain.model.moe.dispatch import LocalDispatcher
     from moetrain.model.transformer import Transformer
-    from moetrain.train.optim import LRSchedule, param_groups
+    from moetrain.optim.groups import decay_groups
+    from moetrain.optim.schedule import LRSchedule
 
     cfg = parity_config(1, 1, 0, **{"moe.grouped_mm": False, **VARIANTS.get(variant, {})})
     torch.manual_seed(cfg.seed)
@@ -178,7 +179,7 @@ def reference_run(variant: str | None = None, capacity_groups: int = 1) -> dict[
         layer.dispatcher = LocalDispatcher(cfg.moe.num_experts, capacity_groups)
     o = cfg.optim
     opt = torch.optim.AdamW(
-        param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False
+        decay_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False
     )
     sched = LRSchedule(opt, o, STEPS, 0)
     routers = [m.router for m in model.moe_layers()]

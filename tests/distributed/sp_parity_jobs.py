@@ -104,7 +104,8 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
     """One process, plain torch (no DeepSpeed, no process group), the whole global batch."""
     from moetrain.model.moe.dispatch import LocalDispatcher
     from moetrain.model.transformer import Transformer
-    from moetrain.train.optim import LRSchedule, param_groups
+    from moetrain.optim.groups import decay_groups
+    from moetrain.optim.schedule import LRSchedule
 
     cfg = sp_config(1, 1, 1, 0, variant)
     torch.manual_seed(cfg.seed)
@@ -113,7 +114,7 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
         layer.dispatcher = LocalDispatcher(cfg.moe.num_experts, 1)
     o = cfg.optim
     opt = torch.optim.AdamW(
-        param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False
+        decay_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False
     )
     sched = LRSchedule(opt, o, cfg.train.max_steps, 0)
     routers = [m.router for m in model.moe_layers()]

@@ -1,4 +1,4 @@
-"""Optimiser parameter groups and learning-rate schedules."""
+"""Optimizers by name (the registry, AdamW's parameter groups) and learning-rate schedules."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from moetrain.config import OptimConfig
 from moetrain.model.transformer import Transformer
-from moetrain.train.optim import LRSchedule, lr_factor, param_groups, warmup_steps_for
+from moetrain.optim.groups import decay_groups as param_groups
+from moetrain.optim.schedule import LRSchedule, lr_factor, warmup_steps_for
 from tests.helpers.configs import tiny_config
 
 
@@ -147,7 +148,7 @@ def _fake_fused_adam(monkeypatch: pytest.MonkeyPatch, error: Exception | None) -
 def test_the_optimizer_that_runs_is_logged(
     builds: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from moetrain.train.optim import build_optimizer
+    from moetrain.optim.registry import build_optimizer
 
     _fake_fused_adam(monkeypatch, None if builds else RuntimeError("nvcc not found"))
     opt = build_optimizer(_tiny_model(), _opt(), torch.device("cuda"))
@@ -161,3 +162,36 @@ def test_the_optimizer_that_runs_is_logged(
         assert "using torch.optim.AdamW(fused=True)" in err
     build_optimizer(_tiny_model(), _opt(), torch.device("cpu"))
     assert capsys.readouterr().out == "moetrain: optimizer: torch.optim.AdamW(fused=True)\n"
+
+
+def test_config_offers_every_registered_optimizer() -> None:
+    import typing
+
+    from moetrain.optim.registry import OPTIMIZERS
+
+    choices = typing.get_args(typing.get_type_hints(OptimConfig)["name"])
+    assert set(choices) == set(OPTIMIZERS) and OptimConfig().name == "adamw"
+
+
+def test_unknown_optimizer_is_refused_naming_the_key() -> None:
+    from moetrain.config import ConfigError
+    from moetrain.optim.registry import optimizer_spec
+
+    with pytest.raises(ConfigError, match="optim.name: unknown optimizer 'sgd'; known: adamw"):
+        optimizer_spec("sgd")
+    with pytest.raises(ConfigError, match="optim.name"):
+        tiny_config({"optim.name": "sgd"})
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path) -> None:
+    from moetrain.checkpoint.format import CheckpointError, TrainerState
+    from moetrain.checkpoint.reshard import check_same_optimizer, saved_optimizer_name
+
+    def state(optim: dict) -> TrainerState:
+        layout = {"world_size": 1, "ep_size": 1, "zero_stage": 0}
+        return TrainerState(1, 0, 0, None, None, layout, {"optim": optim})
+
+    assert saved_optimizer_name(state({})) == "adamw"  # (written before the name was recorded)
+    check_same_optimizer(state({"name": "adamw"}), "adamw", tmp_path)
+    with pytest.raises(CheckpointError, match="optim.name=adamw, this run uses optim.name=muon"):
+        check_same_optimizer(state({"name": "adamw"}), "muon", tmp_path)
