@@ -33,6 +33,9 @@ without it (the SP ranks count as data-parallel ranks), and a step's tokens are 
 Expert all-to-all and the head all-to-alls of sequence parallelism: :mod:`moetrain.plan_traffic`
 (fan-out per token and bytes per step).
 
+Optimizer: its state's bytes per parameter and, for Muon, its Newton-Schulz FLOPs per step
+and GPU (:mod:`moetrain.optim.summary`), reported with their time at the MFU of the fp32 peak.
+
 Speed: ``tokens/s = gpus * peak * mfu / flops_per_token``, the peak from
 :data:`moetrain.monitor.mfu.PEAK_TFLOPS` for ``train.precision`` (or ``logging.peak_tflops``),
 FLOPs from
@@ -49,7 +52,7 @@ from moetrain.config.layout import check_layout
 from moetrain.model.head_exchange import kv_repeats
 from moetrain.model_numbers import ModelNumbers, attention_matrices, human, model_numbers
 from moetrain.monitor.mfu import lookup_peak_tflops, math_type
-from moetrain.optim.summary import state_bytes_per_param
+from moetrain.optim.summary import optimizer_step_flops, state_bytes_per_param
 from moetrain.plan_traffic import (
     HeadTraffic,
     Traffic,
@@ -288,6 +291,8 @@ class Plan:
     gpus_per_node: int = 8
     warnings: list[str] = field(default_factory=list)
     grad_dtype: str = "fp32"  # gradient accumulation and reduction (train.grad_dtype)
+    optimizer_flops: int = 0  # per GPU and step beyond the elementwise (Muon's Newton-Schulz)
+    fp32_peak_tflops: float = 0.0
 
     @property
     def model_state_bytes(self) -> int:
@@ -321,6 +326,13 @@ class Plan:
     @property
     def step_time_s(self) -> float:
         return self.tokens_per_step / self.tokens_per_s
+
+    @property
+    def optimizer_time_s(self) -> float:
+        """The optimizer's FLOPs (fp32) at the assumed MFU of the fp32 peak."""
+        if not self.optimizer_flops:
+            return 0.0
+        return self.optimizer_flops / (self.fp32_peak_tflops * 1e12 * self.mfu)
 
 
 def _largest_param(cfg: Config, ep: int) -> int:
@@ -438,6 +450,8 @@ def plan(
         sp_size=sp,
         gpus_per_node=gpus_per_node,
         grad_dtype=t.grad_dtype,
+        optimizer_flops=optimizer_step_flops(cfg, gpus),
+        fp32_peak_tflops=spec.peak_tflops("fp32"),
     )
     capacity = spec.memory_mib * MiB
     if not result.fits:
@@ -509,6 +523,15 @@ def format_plan(pl: Plan) -> str:
         f"at MFU {pl.mfu:.0%} of {pl.peak_tflops:g} TFLOP/s per GPU: "
         f"{pl.tokens_per_s:,.0f} tokens/s ({pl.tokens_per_s / pl.gpus:,.0f} per GPU), "
         f"{pl.step_time_s:.3f} s per optimizer step",
+        *(
+            [
+                f"optimizer step: {pl.optimizer_flops / 1e9:.4g} GFLOP per GPU (Newton-Schulz, "
+                f"fp32): {pl.optimizer_time_s * 1e3:.1f} ms at MFU {pl.mfu:.0%} of the fp32 "
+                f"peak, {pl.optimizer_time_s / pl.step_time_s:.1%} on top of the step"
+            ]
+            if pl.optimizer_flops
+            else []
+        ),
         format_traffic(pl.traffic, pl.gpus_per_node),
         format_head_traffic(pl.head_traffic),
     ]

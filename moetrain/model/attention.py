@@ -45,6 +45,7 @@ from moetrain.model.doc_attention import Documents, document_attention
 from moetrain.model.head_exchange import HeadExchange, exchange_to_heads, exchange_to_sequence
 from moetrain.model.layers import RMSNorm
 from moetrain.model.local_attention import cached_attention, chunked_attention, local_attention
+from moetrain.model.logit_max import observe_logits
 from moetrain.model.rope import apply_rope, rope_tables
 
 __all__ = [
@@ -270,6 +271,9 @@ class Attention(nn.Module):
             start = cache.pos if cache is not None else 0
             t_S = temperature(start, q_BHSHd.shape[2], floor, scale, q_BHSHd.device)
             q_BHSHd = (q_BHSHd * t_S[:, None]).to(q_BHSHd.dtype)  # (in fp32, as transformers)
+        if cache is None:  # the per-head largest logit, when tracked (model/logit_max.py)
+            scale = self.scale if self.scale is not None else self.head_dim**-0.5
+            observe_logits(self, q_BHSHd, k_BGSHd, scale, mask_B1SS, self.window, self.chunk)
         if self.window is not None or self.chunk is not None or self.sinks is not None:
             out_BHSHd = self._local(q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, cache, layer, gqa)
             if ex is not None:
@@ -323,6 +327,18 @@ class Attention(nn.Module):
         if ex is not None:
             return self.wo(exchange_to_sequence(ex, out_BHSHd).reshape(b, s, -1))
         return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))
+
+    def qk_clip_scales(self, gamma_H: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Row multipliers of the query and key projections (weights, and biases with
+        ``model.qkv_bias``) by which head h's logits scale by ``gamma_H[h]`` (QK-clip): a key
+        head serves H / G query heads, so its rows take the square root of the smallest gamma
+        among them and each query head's rows the rest of its own."""
+        gamma_GR = gamma_H.view(self.n_kv_heads, -1)
+        key_G = gamma_GR.amin(dim=1).sqrt()
+        query = (gamma_GR / key_G[:, None]).reshape(-1).repeat_interleave(self.head_dim)
+        key = key_G.repeat_interleave(self.head_dim)
+        kinds = ("weight", "bias") if self.wq.bias is not None else ("weight",)
+        return {f"{w}.{kind}": rows for w, rows in (("wq", query), ("wk", key)) for kind in kinds}
 
     def _local(
         self,

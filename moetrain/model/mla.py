@@ -37,6 +37,7 @@ from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents, document_attention
 from moetrain.model.head_exchange import HeadExchange, exchange_to_heads, exchange_to_sequence
 from moetrain.model.layers import RMSNorm
+from moetrain.model.logit_max import observe_logits
 from moetrain.model.rope import apply_rope, softmax_mscale
 
 LATENT_NORM_EPS = 1e-6
@@ -123,6 +124,20 @@ class MLAttention(nn.Module):
             return self.wq(x_BSD)
         return self.wq_b(self.q_norm(self.wq_a(x_BSD)))
 
+    def qk_clip_scales(self, gamma_H: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Row multipliers by which head h's logits scale by ``gamma_H[h]`` (QK-clip, as Kimi K2
+        applies it to MLA): the head's non-rotary query and key rows (``wq`` or ``wq_b``;
+        ``wkv_b``'s key part) by its square root, its rotary query rows by gamma; the values and
+        the rotary key, shared by every head, unscaled."""
+        h, root = self.n_heads, gamma_H.sqrt()
+        query = torch.cat(
+            [root[:, None].expand(h, self.nope_dim), gamma_H[:, None].expand(h, self.rope_dim)],
+            dim=1,
+        )
+        key = torch.cat([root[:, None].expand(h, self.nope_dim), root.new_ones(h, self.v_dim)], 1)
+        wq = "wq" if self.q_lora_rank is None else "wq_b"
+        return {f"{wq}.weight": query.reshape(-1), "wkv_b.weight": key.reshape(-1)}
+
     def forward(
         self,
         x_BSD: torch.Tensor,
@@ -179,6 +194,8 @@ class MLAttention(nn.Module):
         (which keeps (B, H, S, T) probabilities; CPU flash attention wants equal dims), the
         smaller side is zero-padded to the larger (same scores with the explicit scale, the
         value's padding sliced off)."""
+        # the per-head largest logit, when tracked (model/logit_max.py)
+        observe_logits(self, q_BHSK, k_BHTK, self.scale, mask)
         docs = mask if isinstance(mask, Documents) else None
         if docs is not None:
             mask, causal = None, True  # causal within each document (doc_attention.py)

@@ -16,21 +16,19 @@ projection (as the released models store them: each its own Linear), :func:`matr
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from moetrain.config import Config
+from moetrain.config.sections import MUON_MATRIX_KINDS
 from moetrain.model import param_names
 from moetrain.model.moe.experts import EXPERT_BIASES
 
-MATRIX_KINDS = (
-    "embedding",
-    "lm_head",
-    "router",
-    "shared_gate",
-    "attention",
-    "experts",
-    "mtp_projection",
-    "ffn",
-)
+if TYPE_CHECKING:
+    from torch import nn
+
+MATRIX_KINDS: tuple[str, ...] = typing.get_args(MUON_MATRIX_KINDS)  # (spelled in the config)
 VECTOR = "vector"
 
 
@@ -88,3 +86,13 @@ def matrix_blocks(name: str, shape: tuple[int, ...]) -> list[Block]:
         splits = 2 if name.endswith(".w13") else 1
         return [Block(i * rows * cols, rows, cols, splits) for i in range(n)]
     raise ValueError(f"{name}: shape {tuple(shape)} is not a matrix or a stack of expert matrices")
+
+
+def meta_model(cfg: Config) -> nn.Module:
+    """``cfg``'s model with every parameter on the meta device (shapes and names only)."""
+    import torch
+
+    from moetrain.model.transformer import Transformer
+
+    with torch.device("meta"):
+        return Transformer(cfg.model, cfg.moe)

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING
 
 from moetrain.config import ConfigError, OptimConfig
 from moetrain.optim.adamw import ADAMW
+from moetrain.optim.muon import MUON
 from moetrain.optim.spec import OptimizerSpec
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (ADAMW,)}
+OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (ADAMW, MUON)}
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:

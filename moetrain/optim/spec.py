@@ -7,11 +7,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from moetrain.config import OptimConfig
+from moetrain.config import Config, OptimConfig
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+
+def no_qk_clip(optim: OptimConfig) -> float:
+    """An optimizer without QK-clip."""
+    return 0.0
+
+
+def no_step_flops(cfg: Config, gpus: int) -> int:
+    """An optimizer whose step is elementwise (its FLOPs are negligible)."""
+    return 0
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,11 @@ class OptimizerSpec:
     - ``attach(optimizer, engine_optimizer)``: called once the DeepSpeed engine exists (its
       optimizer wraps ``optimizer``), for an optimizer that needs to know how ZeRO partitioned
       its groups; None when it does not.
+    - ``qk_clip(optim)``: the QK-clip threshold (0: off); when on, the torch optimizer takes
+      each step's row multipliers of the query and key projections (``set_row_scales``)
+      before the step.
+    - ``step_flops(cfg, gpus)``: FLOPs of one optimizer step per GPU beyond the elementwise
+      (for ``moetrain plan``; 0 for an elementwise optimizer).
     """
 
     name: str
@@ -42,3 +57,5 @@ class OptimizerSpec:
     ]
     state_keys: Callable[[Mapping[str, Any]], tuple[str, ...]]
     attach: Callable[[torch.optim.Optimizer, Any], None] | None = None
+    qk_clip: Callable[[OptimConfig], float] = no_qk_clip
+    step_flops: Callable[[Config, int], int] = no_step_flops

@@ -1,6 +1,6 @@
 """Which update each parameter of a config's model takes, counted on the model's shapes (built
-on the meta device: no memory, no values): the optimizer state's bytes per parameter for
-``moetrain plan`` and the table ``moetrain print-config`` shows."""
+on the meta device: no memory, no values): the optimizer state's bytes per parameter and the
+step's FLOPs for ``moetrain plan``, and the table ``moetrain print-config`` shows."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from moetrain.config import Config
 from moetrain.model import param_names
 from moetrain.optim.groups import trainable
-from moetrain.optim.kinds import param_kind
+from moetrain.optim.kinds import meta_model, param_kind
 from moetrain.optim.registry import optimizer_spec
 
 
@@ -26,13 +26,8 @@ class StateBytes:
 def update_counts(cfg: Config) -> Counter[tuple[str, str, bool]]:
     """``(update, kind, expert) -> parameters`` of ``cfg``'s model under ``optim.name``
     (kinds: :func:`moetrain.optim.kinds.param_kind`; expert: a routed expert's weight)."""
-    import torch
-
-    from moetrain.model.transformer import Transformer
-
     spec = optimizer_spec(cfg.optim.name)
-    with torch.device("meta"):
-        model = Transformer(cfg.model, cfg.moe)
+    model = meta_model(cfg)
     counts: Counter[tuple[str, str, bool]] = Counter()
     for name, p in trainable(model):
         update = spec.update_of(name, p.ndim, cfg.optim)
@@ -53,6 +48,12 @@ def state_bytes_per_param(cfg: Config) -> StateBytes:
         params[expert] += n
     dense, expert = (state[e] / params[e] if params[e] else 0.0 for e in (False, True))
     return StateBytes(dense, expert)
+
+
+def optimizer_step_flops(cfg: Config, gpus: int) -> int:
+    """FLOPs of one optimizer step per GPU beyond the elementwise (``optim.name``'s; Muon's
+    Newton-Schulz), on ``gpus`` GPUs."""
+    return optimizer_spec(cfg.optim.name).step_flops(cfg, gpus)
 
 
 def update_table(cfg: Config) -> list[str]:

@@ -81,9 +81,10 @@ class Trainer:
         self.engine, self.optimizer, self.schedule = initialize_engine(
             model, optimizer, self._make_schedule, self.ds_config
         )
-        attach = optimizer_spec(cfg.optim.name).attach
-        if attach is not None:  # (after the engine: how ZeRO partitioned the groups)
-            attach(optimizer, self.optimizer)
+        spec = optimizer_spec(cfg.optim.name)
+        if spec.attach is not None:  # (after the engine: how ZeRO partitioned the groups)
+            spec.attach(optimizer, self.optimizer)
+        qk_clip = spec.qk_clip(cfg.optim)
         self.model: nn.Module = self.engine.module
         self._step = OptimizerStep(
             cfg,
@@ -93,6 +94,8 @@ class Trainer:
             self.progress,
             SkipCounter(cfg.train.max_nonfinite_in_a_row),
             self.tokens_per_step,
+            qk_clip,
+            optimizer.set_row_scales if qk_clip > 0 else None,
         )
         self.routers = self._step.routers
         self.loss_scaler = LossScalerState(self.engine.optimizer)
@@ -110,12 +113,14 @@ class Trainer:
         self,
         micro_batches: Iterable[Batch],
         before_step: Callable[[Trainer], None] | None = None,
+        track_logits: bool = False,
     ) -> dict[str, Any]:
         """One optimizer step (:class:`moetrain.train.step.OptimizerStep`); returns its record.
         ``before_step(trainer)`` runs after the last backward (gradients reduced, not yet
-        clipped) and before the optimizer step (tests read or poison gradients there)."""
+        clipped) and before the optimizer step (tests read or poison gradients there);
+        ``track_logits``: the record holds the largest attention logits (``attn/...``)."""
         hook = None if before_step is None else lambda: before_step(self)
-        return self._step(micro_batches, hook)
+        return self._step(micro_batches, hook, track_logits)
 
     def checkpoint_weights(self) -> AbstractContextManager[int]:
         """Around ``engine.save_checkpoint``: the module holds the fp32 master weights, so the

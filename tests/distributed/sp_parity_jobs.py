@@ -15,7 +15,7 @@ import torch
 
 from moetrain.config import Config
 from tests.distributed.parity_jobs import VARIANTS as PARITY_VARIANTS
-from tests.distributed.parity_jobs import parity_config
+from tests.distributed.parity_jobs import parity_config, reference_optimizer
 
 GLOBAL_MICRO = 4
 ACCUM = 2
@@ -51,6 +51,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Llama 4's pieces: the NoPE layer's temperature at the whole rows' positions, chunks
     # across the slices and cut at the documents
     "llama4": PARITY_VARIANTS["llama4"],
+    "muon": PARITY_VARIANTS["muon"],
 }
 
 
@@ -104,7 +105,6 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
     """One process, plain torch (no DeepSpeed, no process group), the whole global batch."""
     from moetrain.model.moe.dispatch import LocalDispatcher
     from moetrain.model.transformer import Transformer
-    from moetrain.optim.groups import decay_groups
     from moetrain.optim.schedule import LRSchedule
 
     cfg = sp_config(1, 1, 1, 0, variant)
@@ -113,9 +113,7 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
     for layer in model.moe_layers():
         layer.dispatcher = LocalDispatcher(cfg.moe.num_experts, 1)
     o = cfg.optim
-    opt = torch.optim.AdamW(
-        decay_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False
-    )
+    opt = reference_optimizer(model, cfg)
     sched = LRSchedule(opt, o, cfg.train.max_steps, 0)
     routers = [m.router for m in model.moe_layers()]
     params = dict(model.named_parameters())
@@ -194,8 +192,8 @@ def layouts_job(
     rank: int, world: int, layouts: list[tuple], references: tuple[str, ...] | None = None
 ) -> dict[str, Any]:
     """Run every ``(sp, ep, stage[, variant])`` of ``layouts`` on this group; the world-1 job
-    runs the references (plain torch, one process): the base and MLA ones, or those of the
-    variants ``references`` only."""
+    runs the references (plain torch, one process): the base, MLA and Muon ones, or those of
+    the variants ``references`` only."""
     out: dict[str, Any] = {}
     if world == 1 and references is not None:
         for variant in references:
@@ -203,6 +201,7 @@ def layouts_job(
     elif world == 1:
         out["reference"] = reference_run()
         out["reference_mla"] = reference_run("mla")
+        out["reference_muon"] = reference_run("muon")
     for layout in layouts:
         sp, ep, stage, *variant = layout
         cfg = sp_config(world, sp, ep, stage, variant[0] if variant else None)

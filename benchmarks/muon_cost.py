@@ -1,0 +1,197 @@
+"""Muon against AdamW through ``moetrain train``: tokens/s and peak RSS per rank in alternating
+rounds, and where Muon's step time goes (Newton-Schulz, its exchange all-reduce).
+
+    .venv/bin/python benchmarks/muon_cost.py --rounds 3                 # EP 1 and EP 2, bench
+    .venv/bin/python benchmarks/muon_cost.py --rounds 3 --ep 2 --micro 16
+
+Cost: the measurement of ``benchmarks/train_command.py`` (2 CPU ranks, one thread each, ZeRO-2,
+fp32, the built-in corpus, AdamW's constant learning rate and clipping 1.0; each round a short
+and a long run of each side, sides and lengths alternating; tokens/s from outside = the steps
+between the two runs over their wall-time difference, from inside = the median of the runs'
+logged ``tokens_per_s`` after step 2; peak RSS = ``VmHWM`` of every rank, the maximum), with
+the sides ``adamw`` and ``muon`` (``optim.name=muon``, everything else equal), for each
+``--ep``. Reported per round and as the median (range) of muon / adamw.
+
+Shares: one more Muon run (``--profile-steps`` steps) with this file as every rank's entry
+point (as ``benchmarks/command_memory.py``), which times each Newton-Schulz call and each
+exchange all-reduce of the optimizer and each training step; reported, over the steps after the
+first, as the share of the step time, the slower rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from train_command import WORK, inside_tokens_per_s, moetrain_cmd, prepare, run  # noqa: E402
+from train_throughput import SHAPES  # noqa: E402
+
+SIDES = {"adamw": ("optim.name=adamw",), "muon": ("optim.name=muon",)}
+
+
+def cost_rounds(args: argparse.Namespace, data: Path, env: dict[str, str]) -> list[dict]:
+    """Alternating rounds of both sides at ``args.ep``; each round's figures per side."""
+    tokens_per_step = 2 * args.micro * SHAPES[args.shape]["seq"]
+    port = 29700 + 100 * args.ep
+    extra = (f"train.micro_batch_size={args.micro}",)
+    for side, settings in SIDES.items():  # warm-up: caches, the compiled DeepSpeed op
+        port += 1
+        run(moetrain_cmd(args, data, args.short, port, settings + extra), env)
+        print(f"EP {args.ep}: warm-up {side} done", flush=True)
+    rounds = []
+    for rnd in range(args.rounds):
+        order = list(SIDES) if rnd % 2 == 0 else list(reversed(SIDES))
+        res: dict[str, dict[str, float]] = {}
+        for side in order:
+            walls, peak, inner = {}, 0.0, 0.0
+            lengths = (args.short, args.long) if rnd % 2 == 0 else (args.long, args.short)
+            for steps in lengths:
+                port += 1
+                r = run(moetrain_cmd(args, data, steps, port, SIDES[side] + extra), env)
+                walls[steps], peak = r["wall_s"], max(peak, r["peak_rss_mib"])
+                if steps == args.long:
+                    inner = inside_tokens_per_s("moetrain", r, steps, tokens_per_step)
+            outside = (
+                (args.long - args.short) * tokens_per_step / (walls[args.long] - walls[args.short])
+            )
+            res[side] = {"outside": outside, "inside": inner, "peak_rss_mib": peak}
+            print(f"EP {args.ep} round {rnd} {side}: {json.dumps(res[side])}", flush=True)
+        rounds.append(res)
+    return rounds
+
+
+def summary(rounds: list[dict]) -> list[str]:
+    lines = []
+    for key, label, invert in (
+        ("outside", "step time, from outside", True),
+        ("inside", "step time, the runs' own figures", True),
+        ("peak_rss_mib", "peak RSS per rank", False),
+    ):
+        xs = [
+            (r["adamw"][key] / r["muon"][key]) if invert else (r["muon"][key] / r["adamw"][key])
+            for r in rounds
+        ]
+        lines.append(
+            f"  muon / adamw {label + ':':34s} median {statistics.median(xs):.2f}x "
+            f"(range {min(xs):.2f}-{max(xs):.2f}x)"
+        )
+    peaks = [r[s]["peak_rss_mib"] for r in rounds for s in SIDES]
+    lines.append(f"  peak RSS per rank: {min(peaks):.0f}-{max(peaks):.0f} MiB")
+    return lines
+
+
+# ----------------------------------------------------------------------------- the shares
+
+
+def _timed(fn, totals: dict[str, float], key: str):  # noqa: ANN001, ANN202
+    def wrapped(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            totals[key] += time.perf_counter() - t0
+
+    return wrapped
+
+
+def rank_main(out: Path, argv: list[str]) -> None:
+    """Inside each rank: time Newton-Schulz, the exchange and every step, then run the CLI."""
+    import moetrain.optim.muon_update as muon_update
+    import moetrain.train.loop as loop
+    from moetrain.optim.partitions import Exchange
+
+    totals = {"newton_schulz": 0.0, "exchange": 0.0, "step": 0.0, "optimizer": 0.0}
+    steps: list[dict[str, float]] = []
+    muon_update.orthogonalize = _timed(muon_update.orthogonalize, totals, "newton_schulz")
+    Exchange.gather = _timed(Exchange.gather, totals, "exchange")
+
+    class Timed(loop.Trainer):  # type: ignore[misc, valid-type]
+        def train_step(self, *a, **k):  # noqa: ANN002, ANN003, ANN202
+            before = dict(totals)
+            t0 = time.perf_counter()
+            rec = super().train_step(*a, **k)
+            row = {key: totals[key] - before[key] for key in totals}
+            row["step"] = time.perf_counter() - t0
+            row["optimizer"] = rec["time/optimizer_s"]
+            steps.append(row)
+            return rec
+
+    loop.Trainer = Timed
+    from moetrain.cli import main
+
+    try:
+        main(argv)
+    finally:
+        rank = os.environ.get("RANK", "0")
+        (out / f"muon-times-rank{rank}.json").write_text(json.dumps(steps))
+
+
+def shares(args: argparse.Namespace, data: Path, env: dict[str, str]) -> list[str]:
+    """The profile run: Newton-Schulz's, the exchange's and the optimizer's shares."""
+    out = WORK / f"muon-times-ep{args.ep}"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.glob("*.json"):
+        f.unlink()
+    cmd = moetrain_cmd(args, data, args.profile_steps, 29699, ("optim.name=muon",))
+    target = cmd[cmd.index("train") :]  # (the moetrain arguments, without the launcher)
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    launch = [torchrun, "--standalone", "--nproc_per_node", "2", __file__, "--rank-main"]
+    r = subprocess.run(
+        [*launch, str(out), *target], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"profile run failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+    ranks = [json.loads(f.read_text())[1:] for f in sorted(out.glob("*.json"))]
+    lines = [f"  Muon's step, steps 2-{args.profile_steps}, slower rank:"]
+    step = max(sum(s["step"] for s in rank) for rank in ranks)
+    for key, label in (
+        ("newton_schulz", "Newton-Schulz"),
+        ("exchange", "the exchange all-reduce of cut matrices"),
+        ("optimizer", "the whole optimizer step (DeepSpeed's reductions included)"),
+    ):
+        part = max(sum(s[key] for s in rank) for rank in ranks)
+        lines.append(
+            f"    {label + ':':60s} {part / step:6.1%}  ({part / len(ranks[0]):.3f} s/step)"
+        )
+    lines.append(f"    step time: {step / len(ranks[0]):.3f} s")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--short", type=int, default=4)
+    ap.add_argument("--long", type=int, default=20)
+    ap.add_argument("--profile-steps", type=int, default=12)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
+    ap.add_argument("--ep", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--micro", type=int, default=4, help="train.micro_batch_size")
+    ap.add_argument("--docs", type=int, default=4000, help="documents of the built-in corpus")
+    args = ap.parse_args()
+    args.launcher = "deepspeed"
+    data = prepare(SHAPES[args.shape], args.docs)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    report = []
+    for ep in args.ep:
+        one = argparse.Namespace(**{**vars(args), "ep": ep})
+        rounds = cost_rounds(one, data, env)
+        report += [f"\nshape {args.shape}, micro-batch {args.micro}, EP {ep}, {args.rounds} rounds"]
+        report += summary(rounds) + shares(one, data, env)
+    print("\n".join(report))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--rank-main":
+        rank_main(Path(sys.argv[2]), sys.argv[3:])
+    else:
+        main()
