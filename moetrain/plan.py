@@ -12,8 +12,9 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
   the fp32 buffer as soon as it is ready (ZeRO-1) or reduces it into the fp32 partition
   (ZeRO-2), so the low-precision gradients are transient (the largest one is counted below).
 - optimizer: its state (``optim.name``'s bytes per parameter, dense and expert:
-  :func:`moetrain.optim.summary.state_bytes_per_param`; AdamW 8 B/param), + 4 B for the fp32 master copy under bf16/fp16 (and under fp32
-  with ``parallel.offload_optimizer``; otherwise fp32 masters share the weights' storage,
+  :func:`moetrain.optim.summary.state_bytes_per_param`; AdamW 8 B/param), + 4 B for the fp32
+  master copy under bf16/fp16 (and under fp32 with ``parallel.offload_optimizer``; otherwise
+  fp32 masters share the weights' storage,
   :mod:`moetrain.parallel.fp32_partitions`), partitioned under ZeRO-1/2 (dense over W, experts
   over X); ``parallel.offload_optimizer`` moves it to CPU.
 - activations: :func:`activation_bytes_per_token` times the micro-batch tokens, plus the head
@@ -52,7 +53,11 @@ from moetrain.config.layout import check_layout
 from moetrain.model.head_exchange import kv_repeats
 from moetrain.model_numbers import ModelNumbers, attention_matrices, human, model_numbers
 from moetrain.monitor.mfu import lookup_peak_tflops, math_type
-from moetrain.optim.summary import optimizer_step_flops, state_bytes_per_param
+from moetrain.optim.summary import (
+    optimizer_flops_line,
+    optimizer_step_flops,
+    state_bytes_per_param,
+)
 from moetrain.plan_traffic import (
     HeadTraffic,
     Traffic,
@@ -292,7 +297,6 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     grad_dtype: str = "fp32"  # gradient accumulation and reduction (train.grad_dtype)
     optimizer_flops: int = 0  # per GPU and step beyond the elementwise (Muon's Newton-Schulz)
-    fp32_peak_tflops: float = 0.0
 
     @property
     def model_state_bytes(self) -> int:
@@ -326,13 +330,6 @@ class Plan:
     @property
     def step_time_s(self) -> float:
         return self.tokens_per_step / self.tokens_per_s
-
-    @property
-    def optimizer_time_s(self) -> float:
-        """The optimizer's FLOPs (fp32) at the assumed MFU of the fp32 peak."""
-        if not self.optimizer_flops:
-            return 0.0
-        return self.optimizer_flops / (self.fp32_peak_tflops * 1e12 * self.mfu)
 
 
 def _largest_param(cfg: Config, ep: int) -> int:
@@ -451,7 +448,6 @@ def plan(
         gpus_per_node=gpus_per_node,
         grad_dtype=t.grad_dtype,
         optimizer_flops=optimizer_step_flops(cfg, gpus),
-        fp32_peak_tflops=spec.peak_tflops("fp32"),
     )
     capacity = spec.memory_mib * MiB
     if not result.fits:
@@ -523,14 +519,8 @@ def format_plan(pl: Plan) -> str:
         f"at MFU {pl.mfu:.0%} of {pl.peak_tflops:g} TFLOP/s per GPU: "
         f"{pl.tokens_per_s:,.0f} tokens/s ({pl.tokens_per_s / pl.gpus:,.0f} per GPU), "
         f"{pl.step_time_s:.3f} s per optimizer step",
-        *(
-            [
-                f"optimizer step: {pl.optimizer_flops / 1e9:.4g} GFLOP per GPU (Newton-Schulz, "
-                f"fp32): {pl.optimizer_time_s * 1e3:.1f} ms at MFU {pl.mfu:.0%} of the fp32 "
-                f"peak, {pl.optimizer_time_s / pl.step_time_s:.1%} on top of the step"
-            ]
-            if pl.optimizer_flops
-            else []
+        *optimizer_flops_line(
+            pl.optimizer_flops, pl.gpu.peak_tflops("fp32"), pl.mfu, pl.step_time_s
         ),
         format_traffic(pl.traffic, pl.gpus_per_node),
         format_head_traffic(pl.head_traffic),

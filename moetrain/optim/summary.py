@@ -56,6 +56,19 @@ def optimizer_step_flops(cfg: Config, gpus: int) -> int:
     return optimizer_spec(cfg.optim.name).step_flops(cfg, gpus)
 
 
+def optimizer_flops_line(flops: int, fp32_tflops: float, mfu: float, step_s: float) -> list[str]:
+    """``moetrain plan``'s line on the optimizer step's FLOPs per GPU (none when 0): their time
+    at ``mfu`` of the fp32 peak, and its share on top of a ``step_s`` step."""
+    if not flops:
+        return []
+    seconds = flops / (fp32_tflops * 1e12 * mfu)
+    return [
+        f"optimizer step: {flops / 1e9:.4g} GFLOP per GPU (Newton-Schulz, fp32): "
+        f"{seconds * 1e3:.1f} ms at MFU {mfu:.0%} of the fp32 peak, {seconds / step_s:.1%} on "
+        "top of the step"
+    ]
+
+
 def update_table(cfg: Config) -> list[str]:
     """``print-config``'s lines: per update, the parameters (by kind) that take it."""
     counts = update_counts(cfg)
