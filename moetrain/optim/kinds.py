@@ -7,7 +7,9 @@ grouped-query or latent attention: ``wq``, ``wk``, ``wv``, ``wo``; ``wq_a``, ``w
 ``wkv_a``, ``wkv_b``), ``experts`` (the stacked routed experts ``w13``, ``w2``),
 ``mtp_projection`` (a multi-token-prediction module's ``eh_proj``) and ``ffn`` (every other
 matrix: dense SwiGLUs, shared experts). Norm weights, biases (the experts' stacked biases
-included), attention sinks and any other parameter that is not a matrix are ``vector``.
+included), attention sinks and any other parameter that is not a linear map between features
+(anything not 2-D, and a module named ``*conv*``: a linear-attention layer's short depthwise
+convolution, even stored (channels, width)) are ``vector``.
 
 Matrices: a 2-D parameter is one matrix; a stacked expert weight (E, in, out) is E matrices,
 one per expert, and each expert's ``w13`` = ``[w1 | w3]`` is two, its gate and its up
@@ -37,15 +39,15 @@ def param_kind(name: str, ndim: int) -> str:
     experts = param_names.parse_experts(name)
     if ndim < 2 or name.endswith(".bias") or (experts and experts[1] in EXPERT_BIASES):
         return VECTOR
-    if ndim != 2 and experts is None:  # not a matrix (a convolution's kernel, ...)
-        return VECTOR
+    parts = name.split(".")
+    if ndim != 2 and experts is None or "conv" in parts[-2]:  # not a linear map between
+        return VECTOR  # features: a (depthwise) convolution's kernel, ...
     if experts is not None:
         return "experts"
     if name == param_names.EMBED:
         return "embedding"
     if name == param_names.LM_HEAD:
         return "lm_head"
-    parts = name.split(".")
     if parts[-2:] == ["gate", "weight"] and parts[-3:-2] == ["router"]:
         return "router"
     if parts[-2:] == ["shared_gate", "weight"]:

@@ -204,6 +204,22 @@ def test_latent_attention_matrices_take_muon() -> None:
         assert updates[f"layers.0.attn.{norm}.weight"] == "adamw"
 
 
+def test_what_is_not_a_linear_map_never_takes_muon() -> None:
+    from moetrain.optim.kinds import param_kind
+
+    # a linear-attention layer's short convolution (transformers' (C, 1, K), or (C, K)), its
+    # decay parameters, a norm: not matrices whatever their shape
+    for name, ndim in (
+        ("layers.0.linear_attn.conv1d.weight", 3),
+        ("layers.0.linear_attn.q_conv1d.weight", 2),
+        ("layers.0.linear_attn.A_log", 1),
+        ("layers.0.attn.q_norm.weight", 1),
+        ("layers.1.ffn.experts.w13_bias", 2),
+    ):
+        assert param_kind(name, ndim) == "vector", name
+    assert param_kind("layers.0.linear_attn.in_proj_qkvz.weight", 2) == "ffn"
+
+
 def test_a_kind_that_is_not_a_matrix_kind_is_refused() -> None:
     from moetrain.config import ConfigError
 
