@@ -5,7 +5,8 @@ universal checkpoint knows only its own (AutoEP) expert layers. moetrain re-part
 
 1. Read, per parameter, the fp32 master weight and the optimizer's state tensors (named by the
    optimizer that wrote them, ``OptimizerSpec.state_keys`` of each param group: AdamW's two
-   moments, Muon's momentum) from the saved layout's files (:class:`SavedOptimizer`). ZeRO-1/2 files hold each rank's flat partition of every
+   moments, Muon's momentum) from the saved layout's files (:class:`SavedOptimizer`). ZeRO-1/2
+   files hold each rank's flat partition of every
    parameter group plus DeepSpeed's map of which slice of the partition belongs to which named
    parameter (``param_slice_mappings``); a parameter is its slices, in partition order, over the
    ranks that partitioned its group: every rank for dense groups, the expert-data-parallel
@@ -20,8 +21,9 @@ universal checkpoint knows only its own (AutoEP) expert layers. moetrain re-part
 
 The step count is the same for every group and is restored with the state, so Adam's bias
 correction continues where it stopped. The optimizer (``optim.name``) must be the one that
-wrote the checkpoint: another one starts from the weights with ``--reset-optimizer``. The files are read with ``weights_only=True`` (three
-DeepSpeed classes allowed: the slice map, the loss scaler and the stage enum).
+wrote the checkpoint: another one starts from the weights with ``--reset-optimizer``. The files
+are read with ``weights_only=True`` (three DeepSpeed classes allowed: the slice map, the loss
+scaler and the stage enum).
 """
 
 from __future__ import annotations

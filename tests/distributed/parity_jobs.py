@@ -184,23 +184,28 @@ def reference_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Opti
 
 
 class ReferenceQKClip:
-    """QK-clip in the reference: the step's largest logits tracked on its forwards, the row
-    multipliers handed to the optimizer before its step (``optim.muon.qk_clip`` 0: nothing)."""
+    """The largest attention logits in the reference, tracked on the forwards of the last step
+    (the layouts log them there) and, with QK-clip (``optim.muon.qk_clip``), of every step, whose
+    row multipliers go to the optimizer before its step."""
 
     def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
         from moetrain.train.attention_logits import AttentionLogits
 
         self.threshold = cfg.optim.muon.qk_clip
         self.logits = AttentionLogits(model, world_size=1)
-        self.clipped = 0
+        self.clipped, self.tracking, self.max_logit = 0, False, None
 
-    def begin_step(self) -> None:
-        self.logits.track(self.threshold > 0)
+    def begin_step(self, last: bool) -> None:
+        self.tracking = self.threshold > 0 or last
+        self.logits.track(self.tracking)
 
     def before_update(self, opt: torch.optim.Optimizer) -> None:
+        if not self.tracking:
+            return
+        maxima = self.logits.reduce(torch.device("cpu"))
+        self.logits.track(False)
+        self.max_logit = float(maxima.max())
         if self.threshold > 0:
-            maxima = self.logits.reduce(torch.device("cpu"))
-            self.logits.track(False)
             opt.set_row_scales(self.logits.row_scales(maxima, self.threshold))
             self.clipped += int((maxima > self.threshold).sum())
 
@@ -234,7 +239,7 @@ def reference_run(variant: str | None = None, capacity_groups: int = 1) -> dict[
         loads = None
         for router in routers:
             router.begin_step()
-        clip.begin_step()
+        clip.begin_step(last=step == STEPS - 1)
         for batch in global_batches(step):
             weight = cfg.model.mtp_weight(step + 1)
             out = model(batch["input_ids"], None, batch["labels"], mtp_weight=weight)
@@ -263,6 +268,7 @@ def reference_run(variant: str | None = None, capacity_groups: int = 1) -> dict[
         "biases": _biases(model),
         "dropped": dropped,
         "clipped": clip.clipped,
+        "max_logit": clip.max_logit,
     }
 
 
@@ -291,7 +297,8 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
     losses, norms, dropped, replicas, clipped = [], [], 0.0, 0.0, 0
     for step in range(STEPS):
         micro = [rank_slice(b, rank, world) for b in global_batches(step)]
-        rec = trainer.train_step(micro, before_step=capture if step == 0 else None)
+        hook, last = capture if step == 0 else None, step == STEPS - 1
+        rec = trainer.train_step(micro, before_step=hook, track_logits=last)
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
         dropped += sum(v["dropped"] for v in rec["moe_layers"].values())
@@ -311,6 +318,7 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
         "dropped": dropped,
         "replicas": replicas,
         "clipped": clipped,
+        "max_logit": rec["attn/max_logit"],
         "cut": cut_matrix_values(trainer),
     }
     del trainer

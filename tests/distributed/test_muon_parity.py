@@ -23,6 +23,7 @@ from tests.distributed.test_parity import (
     check_biases,
     check_first_step_gradients,
     check_losses_and_norms,
+    check_max_logit,
 )
 from tests.helpers.distributed import run_distributed_concurrently
 
@@ -104,6 +105,11 @@ def test_weights_after_the_last_step_match(results, world: int, layout: tuple) -
     for rank, res in enumerate(results[world]):
         err = weights_error(results, res[layout_key(layout)], world, layout)
         assert err < REL, f"rank {rank}: max rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("world,layout", LAYOUTS)
+def test_largest_attention_logit_matches(results, world: int, layout: tuple) -> None:
+    check_max_logit(results, world, layout)
 
 
 @pytest.mark.parametrize("world,layout", LAYOUTS)
