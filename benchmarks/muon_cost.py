@@ -3,6 +3,7 @@ rounds, and where Muon's step time goes (Newton-Schulz, its exchange all-reduce)
 
     .venv/bin/python benchmarks/muon_cost.py --rounds 3                 # EP 1 and EP 2, bench
     .venv/bin/python benchmarks/muon_cost.py --rounds 3 --ep 2 --micro 16
+    .venv/bin/python benchmarks/muon_cost.py --no-command --interleaved 12 --micro 4 16
 
 Cost: the measurement of ``benchmarks/train_command.py`` (2 CPU ranks, one thread each, ZeRO-2,
 fp32, the built-in corpus, AdamW's constant learning rate and clipping 1.0; each round a short
@@ -16,6 +17,12 @@ Shares: one more Muon run (``--profile-steps`` steps) with this file as every ra
 point (as ``benchmarks/command_memory.py``), which times each Newton-Schulz call and each
 exchange all-reduce of the optimizer and each training step; reported, over the steps after the
 first, as the share of the step time, the slower rank's.
+
+``--interleaved N``: an AdamW and a Muon Trainer built side by side in one 2-rank process group
+step in turn over the command's own first N batches (the order swapped every step, each step
+timed between barriers): the step-time ratio with whatever else loads the machine shared alike
+step by step, and Newton-Schulz's and the exchange's shares of Muon's step (``--no-command``
+runs only this).
 """
 
 from __future__ import annotations
@@ -167,6 +174,99 @@ def shares(args: argparse.Namespace, data: Path, env: dict[str, str]) -> list[st
     return lines
 
 
+def interleaved_main(out: Path, steps: int, overrides: list[str]) -> None:
+    """Inside each rank: an AdamW and a Muon Trainer side by side, stepping in turn (the order
+    swapped every step) over the command's own batches, each step timed between barriers, with
+    Newton-Schulz and the exchange timed inside Muon's."""
+    import itertools
+
+    import torch.distributed as dist
+
+    import moetrain.optim.muon_update as muon_update
+    from moetrain.config import load_config
+    from moetrain.data.splits import build_loader
+    from moetrain.optim.partitions import Exchange
+    from moetrain.parallel.topology import init_distributed, shutdown
+    from moetrain.train.loop import set_up_process
+    from moetrain.train.trainer import Trainer
+
+    totals = {"newton_schulz": 0.0, "exchange": 0.0}
+    muon_update.orthogonalize = _timed(muon_update.orthogonalize, totals, "newton_schulz")
+    Exchange.gather = _timed(Exchange.gather, totals, "exchange")
+    cfgs = {
+        side: load_config(ROOT / "configs" / "tiny-cpu.yaml", overrides + list(extra))
+        for side, extra in SIDES.items()
+    }
+    set_up_process(cfgs["adamw"])
+    topo = init_distributed(cfgs["adamw"])
+    c = cfgs["adamw"]
+    loader = build_loader(
+        c.data,
+        "train",
+        c.train.micro_batch_size,
+        topo.rank,
+        topo.world_size,
+        c.seed,
+        vocab_size=c.model.vocab_size,
+    )
+    batches = list(itertools.islice(iter(loader), steps))
+    trainers = {side: Trainer(cfg, topo) for side, cfg in cfgs.items()}
+    rows = []
+    for i, batch in enumerate(batches):
+        row = {}
+        for side in SIDES if i % 2 == 0 else reversed(list(SIDES)):
+            before = dict(totals)
+            dist.barrier()
+            t0 = time.perf_counter()
+            trainers[side].train_step([batch])
+            dist.barrier()
+            row[side] = time.perf_counter() - t0
+            if side == "muon":
+                row.update({k: totals[k] - before[k] for k in totals})
+        rows.append(row)
+    rank = os.environ.get("RANK", "0")
+    (out / f"interleaved-rank{rank}.json").write_text(json.dumps(rows))
+    shutdown(topo)
+
+
+def interleaved(args: argparse.Namespace, data: Path, env: dict[str, str]) -> list[str]:
+    """Both optimizers in one process group, step by step in turn: the step-time ratio with the
+    machine's load shared alike, and Muon's Newton-Schulz and exchange shares."""
+    out = WORK / f"muon-interleaved-ep{args.ep}"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.glob("*.json"):
+        f.unlink()
+    cmd = moetrain_cmd(
+        args, data, args.interleaved, 29698, (f"train.micro_batch_size={args.micro}",)
+    )
+    overrides = cmd[cmd.index("train") + 2 :]  # (the overrides after the config)
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    launch = [torchrun, "--standalone", "--nproc_per_node", "2", __file__, "--interleaved"]
+    r = subprocess.run(
+        [*launch, str(out), str(args.interleaved), *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"interleaved run failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+    ranks = [json.loads(f.read_text())[2:] for f in sorted(out.glob("*.json"))]  # from step 3
+    n = len(ranks[0])
+    ratios = [ranks[0][i]["muon"] / ranks[0][i]["adamw"] for i in range(n)]  # (barrier-timed)
+    muon = max(sum(row["muon"] for row in rank) for rank in ranks)
+    lines = [
+        f"  interleaved, steps 3-{n + 2} (barrier to barrier): muon / adamw step time median "
+        f"{statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f}x); "
+        f"adamw {statistics.median(r['adamw'] for r in ranks[0]):.3f} s, muon "
+        f"{statistics.median(r['muon'] for r in ranks[0]):.3f} s per step"
+    ]
+    for key, label in (("newton_schulz", "Newton-Schulz"), ("exchange", "exchange all-reduce")):
+        part = max(sum(row[key] for row in rank) for rank in ranks)
+        lines.append(f"    {label} share of Muon's step: {part / muon:.1%} (slower rank)")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -175,23 +275,33 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=12)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     ap.add_argument("--ep", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--micro", type=int, default=4, help="train.micro_batch_size")
+    ap.add_argument("--micro", type=int, nargs="+", default=[4], help="train.micro_batch_size")
     ap.add_argument("--docs", type=int, default=4000, help="documents of the built-in corpus")
+    ap.add_argument(
+        "--interleaved", type=int, default=0, help="also the in-process A/B over this many steps"
+    )
+    ap.add_argument("--no-command", action="store_true", help="skip the command's rounds")
     args = ap.parse_args()
     args.launcher = "deepspeed"
     data = prepare(SHAPES[args.shape], args.docs)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     report = []
     for ep in args.ep:
-        one = argparse.Namespace(**{**vars(args), "ep": ep})
-        rounds = cost_rounds(one, data, env)
-        report += [f"\nshape {args.shape}, micro-batch {args.micro}, EP {ep}, {args.rounds} rounds"]
-        report += summary(rounds) + shares(one, data, env)
+        for micro in args.micro:
+            one = argparse.Namespace(**{**vars(args), "ep": ep, "micro": micro})
+            report += [f"\nshape {args.shape}, micro-batch {micro}, EP {ep}"]
+            if not args.no_command:
+                report += [f"  the command, {args.rounds} rounds:"]
+                report += summary(cost_rounds(one, data, env)) + shares(one, data, env)
+            if args.interleaved:
+                report += interleaved(one, data, env)
     print("\n".join(report))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--rank-main":
         rank_main(Path(sys.argv[2]), sys.argv[3:])
+    elif len(sys.argv) > 3 and sys.argv[1] == "--interleaved":
+        interleaved_main(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
     else:
         main()
