@@ -181,11 +181,15 @@ def paired(curves: dict, a: str, b: str, step: int) -> list[float]:
 
 def tokens_to_reach(curve: dict[int, float], target: float) -> float | None:
     """The first step at which ``curve`` (step -> val loss) reaches ``target``, interpolated
-    linearly between evaluations; None if it never does."""
-    points = sorted(curve.items())
-    for (s0, v0), (s1, v1) in zip(points, points[1:], strict=False):
-        if v1 <= target:
-            return s0 + (s1 - s0) * (v0 - target) / (v0 - v1) if v0 > target else s0
+    linearly between evaluations (at most the first evaluation's step); None if it never does."""
+    before = None
+    for step, value in sorted(curve.items()):
+        if value <= target:
+            if before is None:
+                return float(step)
+            (s0, v0) = before
+            return s0 + (step - s0) * (v0 - target) / (v0 - value)
+        before = (step, value)
     return None
 
 
