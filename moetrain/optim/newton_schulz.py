@@ -6,12 +6,15 @@ every singular value of X towards about 1 (between roughly 0.7 and 1.2 with the 
 coefficients, Keller Jordan's (3.4445, -4.7750, 2.0315)) and keeps its singular vectors: the
 result approximates ``U V^T`` of ``X = U S V^T``. Leading dimensions are a batch: a stack of
 expert matrices is orthogonalised one matrix at a time, never as one matrix. Computed in fp32
-whatever the input's dtype (returned in fp32).
+whatever the input's dtype (returned in fp32); on CPU the products go through the model's fp32
+kernel choice (:mod:`moetrain.model.cpu_matmul`, oneDNN by default).
 """
 
 from __future__ import annotations
 
 import torch
+
+from moetrain.model.cpu_matmul import mm, onednn_runs
 
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NORM_EPS = 1e-7  # added to the Frobenius norm (a zero matrix stays zero)
@@ -28,9 +31,20 @@ def orthogonalize(
         x = x.mT
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + NORM_EPS)
     for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        gram = _matmul(x, x.mT)
+        x = a * x + _matmul(b * gram + c * _matmul(gram, gram), x)
     return x.mT if tall else x
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` over the same leading dims: one oneDNN product per matrix where it runs,
+    else torch's batched one."""
+    if not onednn_runs(a, b):
+        return a @ b
+    if a.ndim == 2:
+        return mm(a, b)
+    pairs = zip(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), strict=True)
+    return torch.stack([mm(x, y) for x, y in pairs]).view(*a.shape[:-1], b.shape[-1])
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
