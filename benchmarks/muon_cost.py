@@ -18,6 +18,9 @@ point (as ``benchmarks/command_memory.py``), which times each Newton-Schulz call
 exchange all-reduce of the optimizer and each training step; reported, over the steps after the
 first, as the share of the step time, the slower rank's.
 
+``--memory``: each side's run with ``benchmarks/command_memory.py``'s phase marks (the peak
+RSS's growth phase by phase), ``--rounds`` alternating pairs, and muon / adamw of the peaks.
+
 ``--interleaved N``: an AdamW and a Muon Trainer built side by side in one 2-rank process group
 step in turn over the command's own first N batches (the order swapped every step, each step
 timed between barriers): the step-time ratio with whatever else loads the machine shared alike
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -267,6 +271,47 @@ def interleaved(args: argparse.Namespace, data: Path, env: dict[str, str]) -> li
     return lines
 
 
+def memory_phases(args: argparse.Namespace, data: Path) -> list[str]:
+    """Each side's ``moetrain train`` with ``benchmarks/command_memory.py``'s phase marks (the
+    growth of the peak RSS per phase, per rank), the sides alternating over ``--rounds``."""
+    from command_memory import launch, table
+    from train_command import shape_overrides
+
+    command = [
+        "train",
+        str(ROOT / "configs" / "tiny-cpu.yaml"),
+        *shape_overrides(SHAPES[args.shape]),
+        f"data.output_dir={data}",
+        f"parallel.ep_size={args.ep}",
+        "parallel.zero_stage=2",
+        f"train.micro_batch_size={args.micro}",
+        f"train.max_steps={args.long}",
+        "train.eval_every=0",
+        "train.log_every=5",
+        "optim.warmup_steps=0",
+        "logging.wandb.mode=disabled",
+        "checkpoint.resume=none",
+    ]
+    peaks: dict[str, list[float]] = {side: [] for side in SIDES}
+    lines = []
+    for rnd in range(args.rounds):
+        for side in list(SIDES) if rnd % 2 == 0 else list(reversed(SIDES)):
+            run_dir = WORK / f"memory-{side}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            argv = [*command, f"run_dir={run_dir}", *SIDES[side]]
+            ranks = launch(WORK / f"muon-memory-{side}", args.long, argv)
+            peaks[side].append(max(r[-1]["hwm_mib"] for r in ranks))
+            if rnd == args.rounds - 1:
+                lines.append(table(f"{side}: moetrain train, {args.long} steps", ranks))
+    ratios = [m / a for m, a in zip(peaks["muon"], peaks["adamw"], strict=True)]
+    lines.append(
+        f"  peak RSS per rank, muon / adamw: median {statistics.median(ratios):.2f}x "
+        f"(range {min(ratios):.2f}-{max(ratios):.2f}x); adamw {peaks['adamw']}, muon "
+        f"{peaks['muon']} MiB"
+    )
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -281,6 +326,9 @@ def main() -> None:
         "--interleaved", type=int, default=0, help="also the in-process A/B over this many steps"
     )
     ap.add_argument("--no-command", action="store_true", help="skip the command's rounds")
+    ap.add_argument(
+        "--memory", action="store_true", help="also the phase-by-phase peak RSS of each side"
+    )
     args = ap.parse_args()
     args.launcher = "deepspeed"
     data = prepare(SHAPES[args.shape], args.docs)
@@ -295,6 +343,8 @@ def main() -> None:
                 report += summary(cost_rounds(one, data, env)) + shares(one, data, env)
             if args.interleaved:
                 report += interleaved(one, data, env)
+            if args.memory:
+                report += memory_phases(one, data)
     print("\n".join(report))
 
 
