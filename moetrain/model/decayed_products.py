@@ -23,6 +23,8 @@ it up; :func:`decay_grad`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 BLOCK = 16  # rows of a diagonal block under a per-channel decay
@@ -33,10 +35,18 @@ def _block_rows(c: int) -> int:
     return max(d for d in range(1, min(c, BLOCK) + 1) if c % d == 0)
 
 
+def decay_exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` of log decays ``x`` <= 0, in place, with every factor below e^20 times the
+    dtype's smallest normal number (5e-30 in fp32) set to exactly 0: far below any rounding of
+    the sums these factors enter, while subnormal numbers would slow every multiplication they
+    take part in a hundredfold on CPUs (strong decays over a chunk reach them)."""
+    cut = math.log(torch.finfo(x.dtype).tiny) + 20.0
+    return x.masked_fill_(x < cut, float("-inf")).exp_()
+
+
 def _per_head_decay(gam: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """(..., C, C): ``exp(gam[t] - gam[i])`` where ``keep``, 0 elsewhere (``gam`` (..., C, 1))."""
-    diff = gam - gam.mT
-    return diff.masked_fill_(~keep, float("-inf")).exp_()
+    return decay_exp((gam - gam.mT).masked_fill_(~keep, float("-inf")))
 
 
 def decayed_products(
@@ -50,13 +60,13 @@ def decayed_products(
     out = x.new_zeros(*x.shape[:-1], c)
     for s in range(b, c, b):
         ref = gam[..., s : s + 1, :]
-        xs = x[..., s : s + b, :] * (gam[..., s : s + b, :] - ref).exp()
-        ys = y[..., :s, :] * (ref - gam[..., :s, :]).exp()
+        xs = x[..., s : s + b, :] * decay_exp(gam[..., s : s + b, :] - ref)
+        ys = y[..., :s, :] * decay_exp(ref - gam[..., :s, :])
         out[..., s : s + b, :s] = xs @ ys.mT
     diag = _diagonal_blocks(out, b)
     xb, yb, gb = (t.unflatten(-2, (c // b, b)) for t in (x, y, gam))
     for j in range(b):
-        f = (gb[..., j:, :] - gb[..., j : j + 1, :]).exp_()
+        f = decay_exp(gb[..., j:, :] - gb[..., j : j + 1, :])
         diag[..., j:, j] = (xb[..., j:, :] * yb[..., j : j + 1, :] * f).sum(-1)
     return out.masked_fill_(~keep, 0.0)
 
@@ -74,8 +84,8 @@ def decayed_products_grad(
     dx, dy = torch.zeros_like(x), torch.zeros_like(y)
     for s in range(b, c, b):
         ref = gam[..., s : s + 1, :]
-        fx = (gam[..., s : s + b, :] - ref).exp()
-        fy = (ref - gam[..., :s, :]).exp()
+        fx = decay_exp(gam[..., s : s + b, :] - ref)
+        fy = decay_exp(ref - gam[..., :s, :])
         blk = dm[..., s : s + b, :s]
         dx[..., s : s + b, :] += (blk @ (y[..., :s, :] * fy)).mul_(fx)
         dy[..., :s, :] += (blk.mT @ (x[..., s : s + b, :] * fx)).mul_(fy)
@@ -83,7 +93,7 @@ def decayed_products_grad(
     xb, yb, gb = (t.unflatten(-2, (c // b, b)) for t in (x, y, gam))
     dxb, dyb = dx.unflatten(-2, (c // b, b)), dy.unflatten(-2, (c // b, b))
     for j in range(b):
-        f = (gb[..., j:, :] - gb[..., j : j + 1, :]).exp_()
+        f = decay_exp(gb[..., j:, :] - gb[..., j : j + 1, :])
         col = diag[..., j:, j].unsqueeze(-1) * f
         dxb[..., j:, :] += col * yb[..., j : j + 1, :]
         dyb[..., j, :] += (col * xb[..., j:, :]).sum(-2)

@@ -30,7 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from moetrain.model.decayed_products import decay_grad, decayed_products, decayed_products_grad
+from moetrain.model.decayed_products import (
+    decay_exp,
+    decay_grad,
+    decayed_products,
+    decayed_products_grad,
+)
 
 
 def to_chunks(x: torch.Tensor, c: int, dtype: torch.dtype, rep: int = 1) -> torch.Tensor:
@@ -108,7 +113,7 @@ def _prepare(q, k, g, beta, starts, c: int, scale: float, dt: torch.dtype) -> _C
     gam = (gam.unsqueeze(-1) if g.dim() == 3 else gam).cumsum_(3)
     r, e, rc, keep, strict = _document_masks(starts, qc.shape[0], c, qc.device)
     last = gam[..., -1:, :]
-    er, fd, lam = gam.exp(), (last - gam).exp_(), last.exp().mT
+    er, fd, lam = decay_exp(gam.clone()), decay_exp(last - gam), decay_exp(last.clone()).mT
     if r is not None:
         er, fd, lam = er * r, fd * e, lam * rc
     return _Chunked(qc, kc, kc * bc, bc, gam, er, fd, lam, keep, strict)
