@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from moetrain.model.decayed_products import (
     decay_exp,
@@ -157,6 +158,7 @@ class ChunkedGatedDelta(torch.autograd.Function):
         return from_chunks(o, v.shape[1], v.dtype), state
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do, dstate):
         q, k, v, g, beta, h0, starts, hs, u, t, p = ctx.saved_tensors
         c, scale, dt = ctx.c, ctx.scale, hs.dtype
