@@ -131,7 +131,7 @@ def gated_delta_rule_recurrent(
     q, k, starts, scale = _inputs(
         q, k, v, g, beta, initial_state, doc_ids, cu_seqlens, scale, qk_l2norm
     )
-    dt = torch.promote_types(q.dtype, torch.float32)
+    dt = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
     rep = v.shape[2] // k.shape[2]
     q = q.to(dt).repeat_interleave(rep, 2) * scale
     k = k.to(dt).repeat_interleave(rep, 2)

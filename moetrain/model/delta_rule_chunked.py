@@ -132,7 +132,7 @@ class ChunkedGatedDelta(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, starts, c: int, scale: float):
-        dt = torch.promote_types(q.dtype, torch.float32)
+        dt = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
         x = _prepare(q, k, g, beta, starts, c, scale, dt)
         u = to_chunks(v, c, dt).mul_(x.beta)
         a = decayed_products(x.bk, x.k, x.gam, x.keep)
