@@ -254,9 +254,11 @@ def test_grouped_query_families_refuse_latent_attention_by_key(setting: str, val
         extra = {f"model__{k}": v for k, v in MLA_SHAPE.items() if k != "attention"}
     cfg = tiny_config(**{setting: value}, **extra)
     for fmt in FORMATS:
-        if setting == "model__rope_interleave" and family(fmt).rope_interleave:
+        if setting == "model__rope_interleave" and family(fmt).can_hold(
+            "model.rope_interleave", True
+        ):
             continue  # (ERNIE rotates adjacent pairs: it refuses false instead)
-        if family(fmt).attention == "gqa":
+        if family(fmt).can_hold("model.attention", "gqa"):
             assert setting.replace("__", ".") in [k for k, _ in problems(fmt, cfg.model, cfg.moe)]
 
 
@@ -268,8 +270,10 @@ def test_families_without_multipliers_refuse_them_by_key(setting: str) -> None:
 
     for fmt in FORMATS:
         fam = family(fmt)
-        mla = fam.attention == "mla"
-        if fam.multipliers or (mla and setting == "attention_scale"):
+        mla = fam.can_hold("model.attention", "mla")
+        if fam.can_hold(f"model.{setting}", MULTIPLIERS[setting]) or (
+            mla and setting == "attention_scale"
+        ):
             continue
         shape = {f"model.{k}": v for k, v in MLA_SHAPE.items()} if mla else {}
         cfg = tiny_config(shape, {f"model.{setting}": MULTIPLIERS[setting]})
@@ -339,7 +343,7 @@ def test_families_without_phimoes_pieces_refuse_them_by_key(setting: str) -> Non
     from moetrain.convert.formats import problems
 
     for fmt in FORMATS:
-        mla = family(fmt).attention == "mla"
+        mla = family(fmt).can_hold("model.attention", "mla")
         if fmt == "phimoe" or (mla and setting == "model.o_bias"):
             continue
         shape = {f"model.{k}": v for k, v in MLA_SHAPE.items()} if mla else {}
@@ -380,7 +384,9 @@ def test_families_without_gpt_oss_pieces_refuse_them_by_key(setting: str) -> Non
     if setting == "moe.activation":
         extra |= {"moe.swiglu_alpha": 1.702, "moe.swiglu_limit": 7.0}
     for fmt in FORMATS:
-        if fmt == "gpt_oss" or (setting == "model.o_bias" and family(fmt).o_bias):
+        if fmt == "gpt_oss" or (
+            setting == "model.o_bias" and family(fmt).can_hold("model.o_bias", True)
+        ):
             continue  # (Phi-3.5-MoE has an output-projection bias too)
         with pytest.raises(ConfigError, match=setting.replace(".", r"\.")):
             choose_format(tiny_cfg(fmt, extra), fmt)  # (latent attention: refused at validation)
@@ -426,7 +432,7 @@ def test_families_without_llama4s_pieces_refuse_them_by_key(setting: str) -> Non
     from moetrain.convert.formats import problems
 
     for fmt in FORMATS:
-        mla = family(fmt).attention == "mla"
+        mla = family(fmt).can_hold("model.attention", "mla")
         if fmt == "llama4_text" or (mla and setting.startswith("model.")):
             continue
         shape = {f"model.{k}": v for k, v in MLA_SHAPE.items()} if mla else {}

@@ -51,7 +51,7 @@ SCALED_ROPE = {
 SCALED_CASES = [
     (fmt, scaling)
     for fmt in FORMATS
-    if family(fmt).attention == "gqa"
+    if family(fmt).can_hold("model.attention", "gqa")
     for scaling in SCALED_ROPE
     if fmt != "phimoe" or scaling == "longrope"
 ]
