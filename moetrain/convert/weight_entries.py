@@ -22,6 +22,7 @@ from moetrain.model.moe.experts import pack_w13, unpack_w13
 
 Shape = tuple[int, ...]
 Tensors = list[torch.Tensor]
+Into = dict[str, torch.Tensor] | None  # a model's tensors, filled in place where possible
 
 
 class TensorSource(Protocol):
@@ -140,13 +141,7 @@ class Experts(Entry):
         """The MoE layer these experts are of."""
         return pn.parse_experts(self.ours[0])[0]
 
-    def read(
-        self,
-        source: TensorSource,
-        start: int,
-        stop: int,
-        into: dict[str, torch.Tensor] | None = None,
-    ) -> Tensors:
+    def read(self, source: TensorSource, start: int, stop: int, into: Into = None) -> Tensors:
         """``ours`` for experts ``[start, stop)``; ``into``: tensors of ``ours``' names to fill
         in place where the layout allows it (a model's parameters)."""
         raise NotImplementedError
@@ -171,13 +166,7 @@ class PerExpertFiles(Experts):
         (_, d, f2), _ = shapes
         return [(f2 // 2, d), (f2 // 2, d), (d, f2 // 2)] * self.num_experts
 
-    def read(
-        self,
-        source: TensorSource,
-        start: int,
-        stop: int,
-        into: dict[str, torch.Tensor] | None = None,
-    ) -> Tensors:
+    def read(self, source: TensorSource, start: int, stop: int, into: Into = None) -> Tensors:
         names = self.theirs[3 * start : 3 * stop]
         t = source.load(list(names))
         gate = t[names[0]]
@@ -212,13 +201,7 @@ class FusedFiles(Experts):
         (e, d, f2), _ = shapes
         return [(e, f2, d), (e, d, f2 // 2)]
 
-    def read(
-        self,
-        source: TensorSource,
-        start: int,
-        stop: int,
-        into: dict[str, torch.Tensor] | None = None,
-    ) -> Tensors:
+    def read(self, source: TensorSource, start: int, stop: int, into: Into = None) -> Tensors:
         gate_up = source.load_rows(self.theirs[0], start, stop)  # (L, 2F, D)
         f = gate_up.shape[1] // 2
         w13 = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
@@ -250,13 +233,7 @@ class StackedFiles(Experts):
     def to_hf(self, tensors: Tensors) -> Tensors:
         return [interleave(t) if self._gate_up(i) else t for i, t in enumerate(tensors)]
 
-    def read(
-        self,
-        source: TensorSource,
-        start: int,
-        stop: int,
-        into: dict[str, torch.Tensor] | None = None,
-    ) -> Tensors:
+    def read(self, source: TensorSource, start: int, stop: int, into: Into = None) -> Tensors:
         out = []
         for i, name in enumerate(self.theirs):
             t = source.load_rows(name, start, stop)

@@ -47,7 +47,7 @@ from moetrain.model.transformer import Transformer
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # tensors a file may hold that the model has none of: read only to check that they are zero
-_ZERO_ONLY = re.compile(r"self_attn\.[qkvo]_proj\.bias$")
+ZERO_ONLY = re.compile(r"self_attn\.[qkvo]_proj\.bias$")
 
 
 def decoder_layer(name: str) -> int:
@@ -316,7 +316,7 @@ class WeightMap:
         extra = [  # (in the blocks read: a multi-token-prediction layer left unread is not)
             n
             for n in source.names()
-            if _ZERO_ONLY.search(n) and n not in mapped and decoder_layer(n) < blocks
+            if ZERO_ONLY.search(n) and n not in mapped and decoder_layer(n) < blocks
         ]
         for name, t in source.load(extra).items():
             if bool(t.ne(0).any()):

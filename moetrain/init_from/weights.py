@@ -26,7 +26,8 @@ from moetrain.checkpoint.format import CheckpointError
 from moetrain.checkpoint.read import dense_state, expert_files, stacked_experts
 from moetrain.config import Config, MoEConfig
 from moetrain.convert.families.base import declared_mtp_layers
-from moetrain.convert.weight_map import WeightMap, decoder_layer
+from moetrain.convert.hf_files import HFWeights
+from moetrain.convert.weight_map import ZERO_ONLY, WeightMap, decoder_layer
 from moetrain.init_from.source import HF_CONFIG, InitSource
 from moetrain.init_from.upcycle import inexact_reasons, upcycled_dense_part, upcycled_experts
 from moetrain.model import param_names as pn
@@ -34,11 +35,11 @@ from moetrain.model.moe.experts import expert_param_names
 from moetrain.model.transformer import Transformer
 
 Part = tuple[str, dict[str, torch.Tensor]]
-# tensors a file may hold that the model does not read: rotary tables, and attention biases
-# (read only to check that they are zero)
-_NOT_READ = re.compile(r"(rotary_emb\.inv_freq|self_attn\.[qkvo]_proj\.bias)$")
-# the other way released checkpoints store them: ERNIE-4.5's model.mtp_block.<k>.*,
-# model.mtp_emb_norm.<k>, model.mtp_hidden_norm.<k>, model.mtp_linear_proj.<k>
+# tensors a file may hold that the model does not read: rotary tables (and ZERO_ONLY's)
+_ROTARY = re.compile(r"rotary_emb\.inv_freq$")
+# multi-token-prediction modules as ERNIE-4.5's released checkpoints store them:
+# model.mtp_block.<k>.*, model.mtp_emb_norm.<k>, model.mtp_hidden_norm.<k>,
+# model.mtp_linear_proj.<k>
 _MTP_NAME = re.compile(r"^model\.mtp_\w+\.\d+\.")
 
 
@@ -48,11 +49,11 @@ def _read_config(source: InitSource, mtp_depth: int) -> Config:
     return dataclasses.replace(src, model=dataclasses.replace(src.model, mtp_depth=mtp_depth))
 
 
-def _source_map(source: InitSource, mtp_depth: int = 0) -> WeightMap:
+def _source_map(source: InitSource, files: HFWeights, mtp_depth: int = 0) -> WeightMap:
     """The weight map of a Hugging Face source's model with ``mtp_depth`` multi-token-prediction
-    modules, in the names its files hold (an MoE source's: its files', or transformers v5's
+    modules, in the names its ``files`` hold (an MoE source's: its files', or transformers v5's
     in-memory ones)."""
-    present = None if source.upcycle else source.weights().weight_map
+    present = None if source.upcycle else files.weight_map
     return WeightMap(_read_config(source, mtp_depth), source.family, present)
 
 
@@ -60,26 +61,28 @@ def expected_hf_shapes(source: InitSource, mtp_depth: int = 0) -> dict[str, tupl
     """Every Hugging Face tensor the source must hold for a model with ``mtp_depth``
     multi-token-prediction modules -> its shape (the zeros a family's class always holds where
     the source has them: they are not read)."""
-    weights, held = _source_map(source, mtp_depth), source.weights().shapes
+    files = source.weights()
+    weights = _source_map(source, files, mtp_depth)
     return {
         name: shape
         for part in (None, *weights.moe_layers)
         for name, shape, _ in weights.hf_tensors(part)
-        if name not in weights.fillers or name in held
+        if name not in weights.fillers or name in files.shapes
     }
 
 
 def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
     """The tensors of a Hugging Face source that the model would not read, apart from the
-    tolerated ones (``_NOT_READ``, a tied head, and the multi-token-prediction layers, after
-    the last decoder layer or under ``model.mtp_*`` names, when config.json declares them, which
-    transformers ignores too)."""
+    tolerated ones (rotary tables, attention biases read only to check that they are zero, a
+    tied head, and the multi-token-prediction layers, after the last decoder layer or under
+    ``model.mtp_*`` names, when config.json declares them, which transformers ignores too)."""
     hf = json.loads((source.path / HF_CONFIG).read_text())
     mtp = declared_mtp_layers(hf) > 0
     n_layers, tied = source.config.model.n_layers, source.config.model.tie_embeddings
     out = []
     for name in source.weights().names():
-        if name in expected or _NOT_READ.search(name) or (tied and name == "lm_head.weight"):
+        tolerated = _ROTARY.search(name) or ZERO_ONLY.search(name)
+        if name in expected or tolerated or (tied and name == "lm_head.weight"):
             continue
         if mtp and decoder_layer(name) >= n_layers:
             continue
@@ -127,7 +130,8 @@ def _moe_hf_parts(
     into: dict[str, torch.Tensor] | None,
     mtp_depth: int,
 ) -> Iterator[Part]:
-    weights, files = _source_map(source, mtp_depth), source.weights()
+    files = source.weights()
+    weights = _source_map(source, files, mtp_depth)
     yield "dense", weights.read_dense(files)
     for layer in weights.moe_layers:
         yield f"layers.{layer}", weights.read_experts(files, layer, experts, into)
