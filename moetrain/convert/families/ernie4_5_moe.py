@@ -19,7 +19,7 @@ from typing import Any
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.families import hf_config
 from moetrain.convert.families.base import Family
-from moetrain.convert.families.holds import ANY, SHARED_SIZED_BY_COUNT, free, only, refused_when
+from moetrain.convert.families.holds import SHARED_SIZED_BY_COUNT, free, only, refused_when
 from moetrain.convert.families.layout import Layout
 
 NAME = "Ernie4_5_MoeForCausalLM"
@@ -44,9 +44,10 @@ HOLDS = {
         "too); moetrain has q/k/v biases only: must be false",
     ),
     "moe.renormalize": only(True),
-    **free("moe.renormalize_min", "moe.bias_update_rate", "moe.num_shared_experts"),
+    **free(
+        "moe.renormalize_min", "moe.bias_update_rate", "moe.num_shared_experts", "moe.first_k_dense"
+    ),
     "moe.shared_expert_hidden": SHARED_SIZED_BY_COUNT,
-    "moe.first_k_dense": ANY,
     "moe.moe_every": refused_when(
         _misplaced,
         "{name} places MoE in the layers whose index + 1 is a multiple of moe_layer_interval; "

@@ -42,10 +42,11 @@ class Rule:
 
     def can_hold(self, value: Any) -> bool:
         """Whether some config with this setting at ``value`` converts (a relation to other
-        settings can always be met)."""
-        return self.values is None or value in self.values
+        settings, or a rule that applies only with some of them, can be met)."""
+        return self.values is None or value in self.values or self.applies is not None
 
     def reason(self, key: str, name: str, model: ModelConfig, moe: MoEConfig) -> str:
+        """Why family ``name`` cannot hold ``key`` in this config."""
         if self.why is not None:
             return self.why.format(name=name, model=model, moe=moe)
         held = " or ".join(spell(v) for v in self.values or ())
