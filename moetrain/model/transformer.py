@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.layer_plan import layer_plan
 from moetrain.model.attention import Attention, KVCache
 from moetrain.model.block import Block
 from moetrain.model.cpu_matmul import Linear
@@ -63,10 +64,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.moe_cfg = model_cfg, moe_cfg
         self.embed = nn.Embedding(model_cfg.vocab_size, model_cfg.d_model)
-        n = model_cfg.n_layers
+        self.plan = layer_plan(model_cfg, moe_cfg)
         self.layers = nn.ModuleList(
-            (Block if i < n else MTPBlock)(i, model_cfg, moe_cfg, local_experts)
-            for i in range(model_cfg.n_blocks)
+            (MTPBlock if spec.mtp else Block)(spec, model_cfg, moe_cfg, local_experts)
+            for spec in self.plan
         )
         self.norm = make_norm(model_cfg, model_cfg.d_model)
         self.lm_head = Linear(model_cfg.d_model, model_cfg.vocab_size, bias=model_cfg.lm_head_bias)
@@ -88,7 +89,8 @@ class Transformer(nn.Module):
         None: one device again."""
         self.head_exchange = ex
         for block in self.layers:
-            block.attn.head_exchange = ex
+            if block.attn is not None:
+                block.attn.head_exchange = ex
 
     def tie_weights(self) -> None:
         """With ``model.tie_embeddings``, make ``lm_head.weight`` the embedding's Parameter
