@@ -12,10 +12,8 @@ from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.config.layer_plan import LayerSpec
-from moetrain.model.attention import Attention, KVCache
-from moetrain.model.doc_attention import Documents
 from moetrain.model.layers import SwiGLU, make_norm
-from moetrain.model.mla import LatentCache, MLAttention
+from moetrain.model.mixers import MixerInputs, MixerState, TokenMixer, build_mixer
 from moetrain.model.moe.layer import MoELayer, MoEOutput
 
 
@@ -39,9 +37,7 @@ class Block(nn.Module):
         self.attn_norm = self.attn = None
         if spec.mixer is not None:
             self.attn_norm = make_norm(cfg, cfg.d_model)
-            self.attn: nn.Module | None = (
-                MLAttention(cfg) if spec.mixer.kind == "mla" else Attention(cfg, spec.index)
-            )
+            self.attn: TokenMixer | None = build_mixer(cfg, spec.mixer)
         self.is_moe = spec.ffn == "moe"
         self.ffn_norm = self.ffn = None
         if spec.ffn != "none":
@@ -55,15 +51,13 @@ class Block(nn.Module):
     def forward(
         self,
         x_BSD: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask_B1SS: torch.Tensor | Documents | None,
-        cache: KVCache | LatentCache | None = None,
+        inputs: MixerInputs,
+        state: MixerState | None = None,
     ) -> tuple[torch.Tensor, MoEOutput | None]:
+        """The block's output and its MoE layer's statistics (None without one); ``state``:
+        the mixer's inference state (generation)."""
         if self.attn is not None:
-            h_BSD = self.attn_norm(x_BSD)
-            a_BSD = self.attn(h_BSD, cos, sin, mask_B1SS, cache=cache, layer=self.layer)
-            x_BSD = x_BSD + self._scaled(a_BSD)
+            x_BSD = x_BSD + self._scaled(self.attn(self.attn_norm(x_BSD), inputs, state))
         if self.ffn is None:
             return x_BSD, None
         h_BSD = self.ffn_norm(x_BSD)

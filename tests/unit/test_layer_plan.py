@@ -18,6 +18,7 @@ from moetrain.config.layer_plan import (
     layer_types,
 )
 from moetrain.model import Transformer
+from moetrain.model.mixers import MixerInputs
 from tests.helpers.configs import tiny_config
 
 
@@ -120,10 +121,10 @@ def test_blocks_of_a_mixer_alone_or_an_ffn_alone() -> None:
     # each block adds only what it has: the whole model by hand
     with torch.no_grad():
         x = model.embed(ids)
-        cos, sin = model.rope_cos[:12], model.rope_sin[:12]
+        inputs = MixerInputs(model.rope_cos[:12], model.rope_sin[:12])
         for block in model.layers[:4]:
             if block.attn is not None:
-                x = x + block.attn(block.attn_norm(x), cos, sin, None, layer=block.layer)
+                x = x + block.attn(block.attn_norm(x), inputs)
             if block.ffn is not None:
                 y = block.ffn(block.ffn_norm(x))
                 x = x + (y[0] if block.is_moe else y)
