@@ -19,7 +19,10 @@ from moetrain.config.layer_plan import (
 )
 from moetrain.model import Transformer
 from moetrain.model.mixers import MixerInputs
+from moetrain.model_numbers import model_numbers
+from moetrain.plan import activation_bytes_per_token, head_bytes_per_token
 from tests.helpers.configs import tiny_config
+from tests.helpers.memory import saved_storages
 
 
 def _plan(*overrides: dict) -> list[tuple[MixerSpec | None, str]]:
@@ -129,6 +132,24 @@ def test_blocks_of_a_mixer_alone_or_an_ffn_alone() -> None:
                 y = block.ffn(block.ffn_norm(x))
                 x = x + (y[0] if block.is_moe else y)
         torch.testing.assert_close(model.head(model.norm(x)), model(ids).logits)
+
+
+def test_counts_follow_the_blocks_the_plan_builds() -> None:
+    """Parameters, and the bytes saved for backward against saved-tensor hooks, for blocks of
+    a mixer alone and of an FFN alone."""
+    cfg = tiny_config(NEMOTRON, {"model.mtp_depth": 0, "model.loss_chunk_tokens": 128})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.moe)
+    assert model_numbers(cfg).total_params == sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, cfg.model.vocab_size, (4, 32))
+    with saved_storages([*model.parameters(), *model.buffers()]) as seen:
+        model(ids, labels_BS=ids, return_logits=False)
+    tokens = ids.numel()
+    predicted = sum(activation_bytes_per_token(cfg, i, 4) for i in range(4))
+    predicted += head_bytes_per_token(cfg, 4) - 8  # (the labels are the ids: counted once)
+    predicted += 4 * cfg.model.vocab_size * cfg.model.d_model / tokens  # the head's fp32 grad
+    assert sum(seen.values()) / tokens == pytest.approx(predicted, rel=0.01)
+    assert activation_bytes_per_token(cfg, 1, 4) < activation_bytes_per_token(cfg, 3, 4)
 
 
 def test_a_layer_spec_builds_the_block_it_says() -> None:

@@ -49,7 +49,7 @@ from moetrain.model.attention import (
 )
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents, document_attention
-from moetrain.model.head_exchange import exchange_to_heads, exchange_to_sequence
+from moetrain.model.head_exchange import exchange_to_heads, exchange_to_sequence, kv_repeats
 from moetrain.model.layers import RMSNorm
 from moetrain.model.local_attention import cached_attention, chunked_attention, local_attention
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
@@ -266,3 +266,68 @@ class Attention(TokenMixer):
     def init_own_parameters(self) -> None:
         if self.sinks is not None:
             nn.init.zeros_(self.sinks)
+
+    # counts (the protocol's; checked against the built module and saved-tensor hooks)
+
+    @classmethod
+    def param_shapes(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, ...]]:
+        h, g, hd = cfg.n_heads, cfg.n_kv_heads, cfg.attention_head_dim
+        out: dict[str, tuple[int, ...]] = {"sinks": (h,)} if cfg.attention_sinks else {}
+        for name, (n_in, n_out) in cls.matrices(cfg, spec).items():
+            out[f"{name}.weight"] = (n_out, n_in)
+            if cfg.o_bias if name == "wo" else cfg.qkv_bias:
+                out[f"{name}.bias"] = (n_out,)
+        if cfg.qk_norm:
+            per_head = cfg.qk_norm_scope == "head"
+            out["q_norm.weight"] = (hd,) if per_head else (h * hd,)
+            out["k_norm.weight"] = (hd,) if per_head else (g * hd,)
+        return out
+
+    @classmethod
+    def matrices(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, int]]:
+        d, h, g, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.attention_head_dim
+        return {"wq": (d, h * hd), "wk": (d, g * hd), "wv": (d, g * hd), "wo": (h * hd, d)}
+
+    @classmethod
+    def mixing_flops_per_token(cls, cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
+        """Scores and values over the whole sequence, ``12 H Hd seq_len`` (the causal mask, a
+        window or chunks not discounted)."""
+        return 6 * cfg.n_heads * 2 * cfg.attention_head_dim * seq_len
+
+    @classmethod
+    def saved_bytes_per_token(
+        cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
+    ) -> int:
+        """The projections' input ``aD``, the RoPE'd q ``aHq``, k and v ``2aHkv``, the SDPA
+        (flash kernel) output ``aHq`` (also wo's input) and its logsumexp ``4H``; with
+        ``model.qk_norm`` the norms' inputs ``a(Hq + Hkv)`` and an fp32 rsqrt per head (or per
+        projection). Under sequence parallelism (``sp`` > 1) also the output exchanged back to
+        sequence order ``aHq`` and the extra copies of the key/value heads repeated to split
+        over ``sp`` ranks ``2aHkv(r - 1)`` (r = :func:`moetrain.model.head_exchange.
+        kv_repeats`). Windows, chunks and sinks (``model/local_attention.py``) save what
+        their paths save; not modelled."""
+        a, h, g = act_bytes, cfg.n_heads, cfg.n_kv_heads
+        hq, hkv = h * cfg.attention_head_dim, g * cfg.attention_head_dim
+        saved = a * cfg.d_model + 2 * a * hq + 2 * a * hkv + 4 * h
+        if sp > 1:
+            saved += a * hq + 2 * a * hkv * (kv_repeats(g, sp) - 1)
+        if cfg.qk_norm:
+            rows = h + g if cfg.qk_norm_scope == "head" else 2
+            saved += a * (hq + hkv) + 4 * rows
+        return saved
+
+    @classmethod
+    def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
+        return 2 * cfg.n_kv_heads * cfg.attention_head_dim * dtype_bytes
+
+    @classmethod
+    def exchange_bytes_per_token(
+        cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
+    ) -> float:
+        """q, k and v out (key/value heads repeated where ``sp`` does not divide them), the
+        output back; ``(sp - 1) / sp`` of each leaves the GPU."""
+        if sp == 1:
+            return 0.0
+        reps = kv_repeats(cfg.n_kv_heads, sp)
+        dims = cfg.attention_head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads * reps)
+        return act_bytes * dims * (sp - 1) / sp

@@ -151,6 +151,75 @@ class MLAttention(TokenMixer):
     ) -> LatentCache:
         return LatentCache(batch, self.kv_rank, self.rope_dim, max_len, dtype, device)
 
+    # counts (the protocol's; checked against the built module and saved-tensor hooks)
+
+    @classmethod
+    def param_shapes(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for name, (n_in, n_out) in cls.matrices(cfg, spec).items():
+            out[f"{name}.weight"] = (n_out, n_in)
+            if name == "wq_a":
+                out["q_norm.weight"] = (cfg.q_lora_rank,)
+            if name == "wkv_a":
+                out["kv_norm.weight"] = (cfg.kv_lora_rank,)
+        return out
+
+    @classmethod
+    def matrices(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, int]]:
+        d, h, c, qk = cfg.d_model, cfg.n_heads, cfg.kv_lora_rank, cfg.attention_head_dim
+        q = (
+            {"wq": (d, h * qk)}
+            if cfg.q_lora_rank is None
+            else {"wq_a": (d, cfg.q_lora_rank), "wq_b": (cfg.q_lora_rank, h * qk)}
+        )
+        return {
+            **q,
+            "wkv_a": (d, c + cfg.qk_rope_head_dim),
+            "wkv_b": (c, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+            "wo": (h * cfg.v_head_dim, d),
+        }
+
+    @classmethod
+    def mixing_flops_per_token(cls, cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
+        """Scores ``(N + R)`` and values ``Vd`` wide per head over the whole sequence."""
+        return 6 * cfg.n_heads * (cfg.attention_head_dim + cfg.v_head_dim) * seq_len
+
+    @classmethod
+    def saved_bytes_per_token(
+        cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
+    ) -> int:
+        """The projection input ``aD``, with ``q_lora_rank`` Q the query latent ``aQ + 4`` and
+        its norm's output ``aQ``; the ``wkv_a`` output ``a(C + R) + 4`` (its latent
+        normalised), the normalised latent ``aC``, the ``wkv_b`` output ``aH(N + Vd)`` (the
+        values are a view of it), the assembled q and k ``2aH(N + R)``, the SDPA output
+        ``aHVd`` and logsumexp ``4H``. That is the memory-efficient kernel's (a GPU's); where
+        torch's kernels want equal q/k and v head dims (CPU flash attention) the smaller side
+        is zero-padded, which saves somewhat more. Under sequence parallelism the exchanged q,
+        k and v take the places of the ones above, and the values are saved exchanged
+        (``aHVd``) with the output in sequence order (``aHVd``) instead of the ``wkv_b``
+        output: ``aH(Vd - N)`` more."""
+        a, h, c, v = act_bytes, cfg.n_heads, cfg.kv_lora_rank, cfg.v_head_dim
+        q_latent = 2 * a * cfg.q_lora_rank + 4 if cfg.q_lora_rank else 0
+        latent = a * (c + cfg.qk_rope_head_dim) + 4 + a * c
+        kv = a * h * (cfg.qk_nope_head_dim + v) + 2 * a * h * cfg.attention_head_dim
+        exchanged = a * h * (v - cfg.qk_nope_head_dim) if sp > 1 else 0
+        return a * cfg.d_model + q_latent + latent + kv + a * h * v + 4 * h + exchanged
+
+    @classmethod
+    def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+
+    @classmethod
+    def exchange_bytes_per_token(
+        cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
+    ) -> float:
+        """q, k and v out (every head has its own), the output back; ``(sp - 1) / sp`` of each
+        leaves the GPU."""
+        if sp == 1:
+            return 0.0
+        dims = cfg.n_heads * (2 * cfg.attention_head_dim + 2 * cfg.v_head_dim)
+        return act_bytes * dims * (sp - 1) / sp
+
     def _attend(
         self,
         q_BHSK: torch.Tensor,
