@@ -81,9 +81,9 @@ class ParallelConfig:
 
     ep_size: int = field(default=1, metadata=at_least(1))
     # sequence parallelism (Ulysses): each rank of a group of sp_size consecutive ranks holds
-    # seq_len / sp_size consecutive tokens of the same sequences; attention exchanges heads for
-    # sequence (an all-to-all) so each rank attends over whole sequences for n_heads / sp_size
-    # heads (moetrain/parallel/sequence_parallel.py)
+    # seq_len / sp_size consecutive tokens of the same sequences; each token mixer exchanges
+    # heads for sequence (an all-to-all) so each rank mixes whole sequences for 1 / sp_size of
+    # its heads (attention: n_heads / sp_size; moetrain/parallel/sequence_parallel.py)
     sp_size: int = field(default=1, metadata=at_least(1))
     zero_stage: int = field(default=2, metadata=between(0, 2, note=NO_ZERO3))
     activation_checkpointing: bool = False
