@@ -16,8 +16,13 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
     fam = family(fmt)
     if fam.problems is None:
         raise ConfigError(f"--format: {fmt} is a dense family; choose auto or one of {FORMATS}")
-    gqa, name = fam.attention == "gqa", fam.architecture
-    common = plain_attention(model, name, fam.partial_rotary, fam.rope_interleave) if gqa else []
+    name = fam.architecture
+    kind = (
+        model.attention != fam.attention,
+        "model.attention",
+        f"{name}'s attention is {fam.attention}; must be {fam.attention}",
+    )
+    common = [kind, *plain_attention(model, name, fam.partial_rotary, fam.rope_interleave)]
     clamp = (
         moe.renormalize_min != 0 and not fam.renormalize_min,
         "moe.renormalize_min",

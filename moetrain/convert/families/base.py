@@ -98,12 +98,13 @@ class Family:
     problems: Callable[[ModelConfig, MoEConfig], list[tuple[str, str]]] | None = None
     to_hf: Callable[[Config], dict[str, Any]] | None = None  # -> transformers config kwargs
     names: WeightNames = WeightNames()
-    attention: str = "gqa"  # moetrain's model.attention of the family ("gqa" or "mla")
+    attention: str = "gqa"  # moetrain's model.attention of the family (a mixer kind's name)
     partial_rotary: bool = False  # its attention can rotate part of each head (GLM)
     # its files hold multi-token-prediction layers after the decoder layers, counted by
     # config.json's num_nextn_predict_layers (DeepSeek-V3's layout; transformers ignores them)
     mtp: bool = False
-    rope_interleave: bool = False  # its grouped-query attention rotates adjacent pairs (ERNIE)
+    # its attention rotates adjacent pairs (ERNIE); None: either, as its config says (DeepSeek)
+    rope_interleave: bool | None = False
     # its renormalisation divides by max(sum, a minimum) (ERNIE's moe_norm_min =
     # moe.renormalize_min); the others divide by the plain sum (moe.renormalize_min must be 0)
     renormalize_min: bool = False
@@ -280,19 +281,22 @@ def per_head_norm(model: ModelConfig, name: str) -> Check:
 
 
 def plain_attention(
-    model: ModelConfig, name: str, partial: bool = False, interleave: bool = False
+    model: ModelConfig, name: str, partial: bool = False, interleave: bool | None = False
 ) -> list[Check]:
-    """Grouped-query attention with rotary embeddings in the first half / second half layout,
-    or in adjacent pairs where ``interleave`` (plain or scaled: transformers computes every
-    rope_type for every family), over whole heads unless ``partial``."""
+    """Rotary embeddings in the first half / second half layout, or in adjacent pairs where
+    ``interleave`` (either where None; plain or scaled: transformers computes every rope_type
+    for every family), over whole heads unless ``partial``."""
     pairs = (
         f"{name} rotates adjacent pairs; must be true"
         if interleave
         else f"{name} rotates half-split heads"
     )
     return [
-        (model.attention != "gqa", "model.attention", f"{name} has grouped-query attention"),
-        (model.rope_interleave != interleave, "model.rope_interleave", pairs),
+        (
+            interleave is not None and model.rope_interleave != interleave,
+            "model.rope_interleave",
+            pairs,
+        ),
         (
             not partial and model.partial_rotary_factor != 1.0,
             "model.partial_rotary_factor",

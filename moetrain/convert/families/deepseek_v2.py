@@ -13,12 +13,7 @@ from typing import Any
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.families import base, hf_config
 from moetrain.convert.families.base import Family, WeightNames
-from moetrain.convert.families.deepseek_v3 import (
-    latent_attention,
-    mla_from_hf,
-    mla_hf,
-    shared_experts,
-)
+from moetrain.convert.families.deepseek_v3 import mla_from_hf, mla_hf, shared_experts
 
 NAME = "DeepseekV2ForCausalLM"
 
@@ -27,7 +22,6 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
     return base.found(
         [
             base.dropless(moe, NAME),
-            *latent_attention(model, NAME),
             (
                 not model.rope_interleave,
                 "model.rope_interleave",
@@ -87,4 +81,5 @@ FAMILY = Family(
     to_hf=to_hf,
     names=WeightNames(shared_expert="shared_experts"),
     attention="mla",
+    rope_interleave=None,  # (its own check: must be true)
 )

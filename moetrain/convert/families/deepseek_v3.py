@@ -19,13 +19,6 @@ from moetrain.convert.families.base import Check, Family, WeightNames
 NAME = "DeepseekV3ForCausalLM"
 
 
-def latent_attention(model: ModelConfig, name: str) -> list[Check]:
-    """Multi-head latent attention, the rule of both DeepSeek families."""
-    return [
-        (model.attention != "mla", "model.attention", f"{name} has latent attention; must be mla")
-    ]
-
-
 def shared_experts(moe: MoEConfig, name: str) -> list[Check]:
     """Ungated shared experts sized n_shared_experts x moe_intermediate_size (both families)."""
     return [
@@ -53,7 +46,6 @@ def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
     return base.found(
         [
             base.dropless(moe, NAME),
-            *latent_attention(model, NAME),
             (moe.score_func != "sigmoid", "moe.score_func", f"{NAME} routes with sigmoid"),
             (
                 moe.topk_before_score,
@@ -150,5 +142,6 @@ FAMILY = Family(
     to_hf=to_hf,
     names=WeightNames(shared_expert="shared_experts", expert_bias="gate.e_score_correction_bias"),
     attention="mla",
+    rope_interleave=None,
     mtp=True,
 )
