@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.config.layer_plan import layer_plan
 from moetrain.convert.families import DENSE, FAMILIES, FORMATS, family, of_hf_config, unwrap
 from moetrain.convert.families.base import extras, found, no_multipliers, plain_attention
 
@@ -23,6 +24,18 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
         f"{name}'s attention is {fam.attention}; must be {fam.attention}",
     )
     common = [kind, *plain_attention(model, name, fam.partial_rotary, fam.rope_interleave)]
+    blocks = [  # every family: attention and an FFN in each layer, placed by the moe keys
+        (
+            any(layer.mixer is None for layer in layer_plan(model, moe)),
+            "model.layer_types",
+            f"{name} has attention in every layer; no layer type none",
+        ),
+        (
+            moe.layer_ffns is not None,
+            "moe.layer_ffns",
+            f"{name} places its FFNs by moe.first_k_dense and moe.moe_every; must be null",
+        ),
+    ]
     clamp = (
         moe.renormalize_min != 0 and not fam.renormalize_min,
         "moe.renormalize_min",
@@ -35,7 +48,7 @@ def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, st
     )
     scalars = [] if fam.multipliers else no_multipliers(model, name)
     pieces = extras(fam, model, moe)
-    return found([*common, clamp, mtp, *scalars, *pieces]) + fam.problems(model, moe)
+    return found([*common, *blocks, clamp, mtp, *scalars, *pieces]) + fam.problems(model, moe)
 
 
 def check_format(fmt: str, model: ModelConfig, moe: MoEConfig) -> None:

@@ -32,19 +32,17 @@ from collections.abc import Container, Iterable
 import torch
 
 from moetrain.config import Config, ConfigError
-from moetrain.config.layer_plan import MixerSpec
 from moetrain.convert.families import family
 from moetrain.convert.families.base import SWIGLU
 from moetrain.convert.formats import check_format
 from moetrain.model import param_names as pn
-from moetrain.model.mixers import mixer_class
+from moetrain.model.mixers import attention_matrices
 from moetrain.model.moe.experts import expert_param_names, pack_w13, unpack_w13
 
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 # multi-head latent attention (DeepSeek's names); a query LoRA replaces wq with wq_a, q_norm, wq_b
 _MLA = {"wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj"}
 _MLA_QUERY_LORA = {"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj"}
-_LATENT_NORM = {"wq_a": "q_norm", "wkv_a": "kv_norm"}  # the norm after each down projection
 # a multi-token-prediction block's own weights: moetrain norm -> HF name in the layer
 _MTP_NORMS = {"enorm": "enorm", "hnorm": "hnorm", "head_norm": "shared_head.norm"}
 
@@ -185,15 +183,10 @@ def ffn_key_map(layer: int, block: str = "mlp") -> dict[str, str]:
 
 def attention_names(cfg: Config) -> dict[str, str]:
     """moetrain -> HF name of each attention weight's module: the attention mixer's matrices
-    (:meth:`moetrain.model.mixers.TokenMixer.matrices`), a latent norm after its down
-    projection (the per-head norms of ``model.qk_norm`` are mapped on their own)."""
-    names, spec = {**_ATTN, **_MLA_QUERY_LORA, **_MLA}, MixerSpec(cfg.model.attention)
-    out = {}
-    for ours in mixer_class(spec).matrices(cfg.model, spec):
-        out[ours] = names[ours]
-        if ours in _LATENT_NORM:
-            out[_LATENT_NORM[ours]] = names[_LATENT_NORM[ours]]
-    return out
+    and a latent norm after its down projection (``model.qk_norm``'s are mapped apart)."""
+    after = {"wq_a": "q_norm", "wkv_a": "kv_norm"}
+    mods = [n for m in attention_matrices(cfg.model) for n in (m, after.get(m)) if n]
+    return {n: {**_ATTN, **_MLA_QUERY_LORA, **_MLA}[n] for n in mods}
 
 
 def cat_gate_up(w13: torch.Tensor) -> torch.Tensor:

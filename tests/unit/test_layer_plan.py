@@ -160,3 +160,19 @@ def test_a_layer_spec_builds_the_block_it_says() -> None:
     ffn_only = Block(LayerSpec(1, None, "dense"), cfg.model, cfg.moe)
     assert mixer_only.ffn is None and mixer_only.ffn_norm is None and mixer_only.attn is not None
     assert ffn_only.attn is None and ffn_only.attn_norm is None and ffn_only.ffn is not None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (NEMOTRON, "model.layer_types"),
+        ({"moe.layer_ffns": ["moe", "moe"]}, "moe.layer_ffns"),  # same layers, other keys
+    ],
+)
+def test_no_hugging_face_family_takes_a_plan_it_cannot_hold(overrides: dict, key: str) -> None:
+    from moetrain.convert.families import FORMATS
+    from moetrain.convert.formats import problems
+
+    cfg = tiny_config(overrides)
+    for fmt in FORMATS:
+        assert key in [k for k, _ in problems(fmt, cfg.model, cfg.moe)], fmt

@@ -13,7 +13,15 @@ from moetrain.model.mixers.mla import MLAttention
 
 MIXERS: dict[str, type[TokenMixer]] = {cls.kind: cls for cls in (Attention, MLAttention)}
 
-__all__ = ["MIXERS", "MixerInputs", "MixerState", "TokenMixer", "build_mixer", "mixer_class"]
+__all__ = [
+    "MIXERS",
+    "MixerInputs",
+    "MixerState",
+    "TokenMixer",
+    "attention_matrices",
+    "build_mixer",
+    "mixer_class",
+]
 
 
 def mixer_class(spec: MixerSpec) -> type[TokenMixer]:
@@ -24,3 +32,10 @@ def mixer_class(spec: MixerSpec) -> type[TokenMixer]:
 def build_mixer(cfg: ModelConfig, spec: MixerSpec) -> TokenMixer:
     """One layer's mixer, as ``spec`` says."""
     return mixer_class(spec)(cfg, spec)
+
+
+def attention_matrices(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The weight matrices of a full-attention layer of ``model.attention``'s kind (what a
+    converter maps), ``name -> (in, out)``."""
+    spec = MixerSpec(cfg.attention)
+    return mixer_class(spec).matrices(cfg, spec)
