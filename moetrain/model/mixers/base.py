@@ -24,7 +24,8 @@ recurrence). Each kind is one module of this package, a :class:`TokenMixer` subc
   (:meth:`TokenMixer.param_shapes`), matrices and FLOPs, bytes saved for backward, cache bytes
   and the bytes sequence parallelism exchanges, per token.
 
-Nothing outside a kind's module compares its name (``tests/unit/test_mixer_protocol.py``).
+Nothing outside a kind's modules compares its name (``tests/unit/test_mixer_names.py``); docs/
+ARCHITECTURE.md, "Adding a token mixer", lists what a new kind touches.
 """
 
 from __future__ import annotations
