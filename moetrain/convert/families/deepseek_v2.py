@@ -19,7 +19,7 @@ from moetrain.convert.families.layout import Layout
 
 NAME = "DeepseekV2ForCausalLM"
 HOLDS = {
-    "model.attention": only("mla"),
+    "model.attention": only("mla", why="{name} has latent attention; must be mla"),
     "model.rope_interleave": only(True),
     "moe.renormalize": only(False),
     "moe.n_group": ANY,

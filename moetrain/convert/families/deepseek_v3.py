@@ -40,7 +40,7 @@ SIGMOID_GROUPS = {
     **GROUPS_OF_TWO,
 }
 HOLDS = {
-    "model.attention": only("mla"),
+    "model.attention": only("mla", why="{name} has latent attention; must be mla"),
     "model.rope_interleave": ANY,
     **SIGMOID_GROUPS,
     **DEEPSEEK_MOE,

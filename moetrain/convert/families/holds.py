@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.layer_plan import layer_plan
 
 Test = Callable[[ModelConfig, MoEConfig], bool]
 
@@ -124,11 +125,19 @@ def _no_nope_layers(model: ModelConfig, _: MoEConfig) -> bool:
     return bool(model.nope_layers)
 
 
+def _block_without_mixer(model: ModelConfig, moe: MoEConfig) -> bool:
+    return any(layer.mixer is None for layer in layer_plan(model, moe))
+
+
 # --- what a family holds unless it declares otherwise, in the order refusals are named -----
 
 BASELINE: dict[str, Rule] = {
     # attention, then the pieces only some families have
-    "model.attention": only("gqa"),
+    "model.attention": only("gqa", why="{name} has grouped-query attention; must be gqa"),
+    "model.layer_types": refused_when(
+        _block_without_mixer, "{name} has attention in every layer; no layer type none"
+    ),
+    "model.full_attention_interval": only(None),
     "model.rope_interleave": only(False),
     "model.partial_rotary_factor": only(1.0),
     "model.rope_scaling": ANY,
@@ -174,11 +183,14 @@ BASELINE: dict[str, Rule] = {
     "moe.shared_expert_hidden": ANY,
     "moe.first_k_dense": only(0),
     "moe.moe_every": only(1),
+    "moe.layer_ffns": only(
+        None, why="{name} places its FFNs by moe.first_k_dense and moe.moe_every; must be null"
+    ),
 }
 
 # what a family computes when it holds only one value of a setting (the default ``why``)
 PHRASES: dict[str, Mapping[Any, str]] = {
-    "model.attention": {"gqa": "has grouped-query attention", "mla": "has latent attention"},
+    "model.full_attention_interval": {None: "has no layer pattern by interval"},
     "model.rope_interleave": {False: "rotates half-split heads", True: "rotates adjacent pairs"},
     "model.partial_rotary_factor": {1.0: "rotates whole heads"},
     "model.qkv_bias": {False: "has no q/k/v biases"},
