@@ -31,6 +31,7 @@ from collections.abc import Container, Iterable
 
 import torch
 
+from moetrain.checkpoint.format import CheckpointError
 from moetrain.config import Config, ConfigError
 from moetrain.convert.families import family
 from moetrain.convert.families.base import SWIGLU
@@ -285,11 +286,18 @@ def mtp_copies(cfg: Config) -> dict[str, str]:
 
 def stored_mtp_depth(names: Iterable[str], n_layers: int, declared: int) -> int:
     """How many of the ``declared`` multi-token-prediction layers after ``n_layers`` decoder
-    layers the tensor ``names`` hold (transformers' own saves have none)."""
+    layers the tensor ``names`` hold (transformers' own saves have none); a layer holding
+    tensors but not its projection is a CheckpointError naming the missing tensor."""
     have = set(names)
     depth = 0
     while depth < declared and f"{_layer(n_layers + depth)}eh_proj.weight" in have:
         depth += 1
+    partial = sorted(n for n in have if n.startswith(_layer(n_layers + depth)))
+    if depth < declared and partial:  # a layer without its projection: not a module
+        raise CheckpointError(
+            f"tensor {_layer(n_layers + depth)}eh_proj.weight is missing: multi-token-prediction "
+            f"layer {n_layers + depth} holds {len(partial)} other tensors ({partial[0]}, ...)"
+        )
     return depth
 
 

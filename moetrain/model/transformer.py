@@ -293,17 +293,17 @@ class Transformer(nn.Module):
     ) -> list[torch.Tensor]:
         """Each depth's cross-entropy (:mod:`moetrain.model.mtp`; ``chunked``: without its
         logits, as the main loss); the MTP blocks' MoE statistics are appended to
-        ``moe_outs``."""
+        ``moe_outs``. Each depth hands the next its hidden state after its ``head_norm``."""
         losses = []
         for k, block in enumerate(self.layers[self.cfg.n_layers :], start=1):
             x_BSD = block.block_input(h_BSD, shift_left(embed_BSD, k, 0.0))
-            h_BSD, stats = block(x_BSD, cos, sin, mask)
+            out_BSD, stats = block(x_BSD, cos, sin, mask)
             if stats is not None:
                 moe_outs.append(stats)
-            normed_BSD = block.head_norm(h_BSD)
-            logits_BSV = None if chunked else self.head(normed_BSD)
+            h_BSD = block.head_norm(out_BSD)
+            logits_BSV = None if chunked else self.head(h_BSD)
             targets_BS = mtp_targets(labels_BS, doc_ids_BS, k)
-            losses.append(self._cross_entropy(normed_BSD, targets_BS, logits_BSV))
+            losses.append(self._cross_entropy(h_BSD, targets_BS, logits_BSV))
         return losses
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache | LatentCache:
