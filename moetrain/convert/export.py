@@ -14,6 +14,7 @@ place; on any error the temporary directory is removed and ``out_dir`` is untouc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -48,13 +49,16 @@ _KEEP_FP32 = ("e_score_correction_bias",)  # selection biases stay fp32 (as tran
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
+def _shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Every weight and buffer of ``cfg``'s model -> its shape (nothing allocated)."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in Transformer(cfg.model, cfg.moe).state_dict().items()}
+
+
 def _plan(cfg: Config, fmt: str, dtype: torch.dtype) -> list[list[tuple[str, tuple, torch.dtype]]]:
     """The HF tensors (name, shape, dtype) of each streamed part, in ``iter_layer_states`` order:
     the dense weights, then each MoE layer's experts; names sorted within a part."""
-    with torch.device("meta"):
-        shapes = {
-            k: tuple(v.shape) for k, v in Transformer(cfg.model, cfg.moe).state_dict().items()
-        }
+    shapes = _shapes(cfg)
     m = cfg.model
 
     def entry(name: str, shape: tuple) -> tuple[str, tuple, torch.dtype]:
@@ -192,8 +196,12 @@ def convert_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     tokenizer: str | Path | None = None,
+    drop_mtp: bool = False,
 ) -> Path:
     """Write a Hugging Face model directory for a committed checkpoint; return ``out_dir``.
+
+    ``drop_mtp``: export the model without its multi-token-prediction modules (they do not
+    change the main model's function), e.g. to a family whose files cannot hold them.
 
     ``tokenizer``: the tokenizer to export with it (a Hugging Face tokenizer directory or
     ``tokenizer.json``, or a SentencePiece ``.model``) when the checkpoint carries none (one
@@ -209,9 +217,12 @@ def convert_checkpoint(
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     ckpt, out = Path(ckpt_dir), Path(out_dir)
-    cfg = checkpoint_config(ckpt)
+    stored = checkpoint_config(ckpt)
     verify_manifest(ckpt)  # truncated or missing files, before anything is written
-    expert_files(ckpt, cfg)  # every expert of every MoE layer present
+    expert_files(ckpt, stored)  # every expert of every MoE layer present
+    cfg = stored
+    if drop_mtp:
+        cfg = dataclasses.replace(stored, model=dataclasses.replace(stored.model, mtp_depth=0))
     fmt = choose_format(cfg, fmt)
     if tokenizer is not None:
         tokenizer = tokenizer_file(tokenizer)
@@ -228,8 +239,11 @@ def convert_checkpoint(
         raise FileExistsError(f"{out}: already exists and is not empty (pass overwrite=True)")
     with building_dir(out, replace=True) as tmp:  # an existing out was checked above
         writer = _ShardWriter(tmp, _plan(cfg, fmt, DTYPES[dtype]), max_shard_bytes)
-        for where, part in iter_layer_states(ckpt, cfg):
-            writer.write_part(to_hf_state_dict(part, cfg, fmt), f"{ckpt} ({where})")
+        exported = set(_shapes(cfg))  # (without the MTP modules' weights when dropped)
+        for where, part in iter_layer_states(ckpt, stored):
+            part = {k: v for k, v in part.items() if k in exported}
+            if part:
+                writer.write_part(to_hf_state_dict(part, cfg, fmt), f"{ckpt} ({where})")
             del part
         writer.finish()
         _write_configs(cfg, fmt, tmp, dtype, tokenizer)
