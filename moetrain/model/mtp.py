@@ -20,6 +20,12 @@ main loss predicts that label from there, so no depth crosses a boundary the mai
 The loss of depth ``k`` is the mean cross-entropy over its kept targets; the model's MTP loss is
 the mean over depths, weighted by ``model.mtp_loss_weight`` (:meth:`ModelConfig.mtp_weight`).
 
+Depth ``k`` runs on the row's first ``S - k`` positions only (no input token past the row's end
+reaches its block). With a document mask, the positions whose token ``k`` ahead opens the next
+document (``k`` per boundary) do run: their targets are dropped, but they pass through the
+block, and an MoE block routes them (its loads, balancing losses, selection-bias update and
+capacity count them), as a block's routing cannot tell which of its tokens carry a loss.
+
 Shape legend: B batch, S sequence, D d_model.
 """
 

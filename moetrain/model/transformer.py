@@ -219,7 +219,7 @@ class Transformer(nn.Module):
             return out
         out.ce_loss = self._cross_entropy(h_BSD, labels_BS, logits_BSV)
         if self.cfg.mtp_depth:
-            args = (embed_BSD, cos, sin, mask, labels_BS, doc_ids_BS, moe_outs, chunked)
+            args = (embed_BSD, cos, sin, labels_BS, doc_ids_BS, moe_outs, chunked)
             out.mtp_losses = self._mtp_losses(h_BSD, *args)
             out.mtp_loss = torch.stack(out.mtp_losses).mean()
         out.moe_loss = self._moe_loss(moe_outs, h_BSD)
@@ -285,7 +285,6 @@ class Transformer(nn.Module):
         embed_BSD: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: Documents | None,
         labels_BS: torch.Tensor,
         doc_ids_BS: torch.Tensor | None,
         moe_outs: list[MoEOutput],
@@ -293,16 +292,22 @@ class Transformer(nn.Module):
     ) -> list[torch.Tensor]:
         """Each depth's cross-entropy (:mod:`moetrain.model.mtp`; ``chunked``: without its
         logits, as the main loss); the MTP blocks' MoE statistics are appended to
-        ``moe_outs``. Each depth hands the next its hidden state after its ``head_norm``."""
-        losses = []
+        ``moe_outs``. Each depth hands the next its hidden state after its ``head_norm``.
+        Depth ``k`` runs on the positions whose input token is in the row (the first
+        ``S - k``: causal attention gives them the same outputs), so that no position past the
+        row's end reaches its MoE's routing statistics, bias update or capacity."""
+        losses, s = [], embed_BSD.shape[1]
         for k, block in enumerate(self.layers[self.cfg.n_layers :], start=1):
-            x_BSD = block.block_input(h_BSD, shift_left(embed_BSD, k, 0.0))
-            out_BSD, stats = block(x_BSD, cos, sin, mask)
+            m = max(s - k, 1)
+            docs_BS = doc_ids_BS[:, :m] if doc_ids_BS is not None else None
+            mask = Documents.from_ids(docs_BS).to(h_BSD.device) if docs_BS is not None else None
+            x_BSD = block.block_input(h_BSD[:, :m], shift_left(embed_BSD, k, 0.0)[:, :m])
+            out_BSD, stats = block(x_BSD, cos[:m], sin[:m], mask)
             if stats is not None:
                 moe_outs.append(stats)
             h_BSD = block.head_norm(out_BSD)
             logits_BSV = None if chunked else self.head(h_BSD)
-            targets_BS = mtp_targets(labels_BS, doc_ids_BS, k)
+            targets_BS = mtp_targets(labels_BS, doc_ids_BS, k)[:, :m]
             losses.append(self._cross_entropy(h_BSD, targets_BS, logits_BSV))
         return losses
 

@@ -117,6 +117,18 @@ def test_mtp_trains_the_main_model_and_leaves_inference_alone():
     assert len(out.moe) == 3  # two decoder layers and the MTP block are MoE
 
 
+def test_no_position_past_the_row_end_reaches_an_mtp_moe():
+    """Depth k's MoE routes the S - k positions whose input token is in the row: its loads,
+    balancing loss and capacity count no padding (the depth's loss is unchanged)."""
+    model = build(depth=2).eval()
+    torch.manual_seed(5)
+    ids, labels = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12))
+    out = model(ids, labels_BS=labels)
+    top_k = model.moe_cfg.top_k
+    loads = [int(stats.tokens_per_expert_E.sum()) for stats in out.moe]
+    assert loads == [2 * 12 * top_k] * 2 + [2 * 11 * top_k, 2 * 10 * top_k]
+
+
 def test_mtp_weight_per_phase_and_its_keys():
     cfg = tiny_config(
         model__mtp_depth=1, model__mtp_loss_weight_final=0.1, model__mtp_loss_weight_final_step=5
