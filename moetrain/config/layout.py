@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from moetrain.config.checks import ConfigError
+from moetrain.config.mixers import mixer_kind
 from moetrain.config.ranges import check_ranges
 
 if TYPE_CHECKING:
@@ -28,9 +29,11 @@ def check_sequence_parallel(cfg: Config) -> None:
     """What sequence parallelism (``parallel.sp_size`` > 1) needs and what it refuses.
 
     Each rank of a sequence-parallel group holds ``data.seq_len / sp_size`` consecutive tokens
-    of the same sequences and, inside attention, ``model.n_heads / sp_size`` heads of the whole
-    sequences; key/value heads are replicated where ``model.n_kv_heads`` is not a multiple of
-    ``sp_size``. Refused: the per-sequence balance loss (a sequence's tokens are split over
+    of the same sequences and, inside each token mixer, its heads split ``sp_size`` ways over
+    the whole sequences (the head counts each mixer kind names,
+    :meth:`moetrain.config.mixers.MixerKind.sp_heads`: ``model.n_heads`` for attention, whose
+    key/value heads are replicated where ``model.n_kv_heads`` is not a multiple of
+    ``sp_size``). Refused: the per-sequence balance loss (a sequence's tokens are split over
     ranks), multi-token prediction (its shifts cross the ranks' slices), and a capacity factor
     unless each expert-parallel group holds whole sequence-parallel groups (capacity counts an
     EP group's tokens: over slices of rows it would drop other copies than at sp_size 1).
@@ -39,11 +42,13 @@ def check_sequence_parallel(cfg: Config) -> None:
     if sp == 1:
         return
     m = cfg.model
-    if m.n_heads % sp:
-        raise ConfigError(
-            f"parallel.sp_size: must divide model.n_heads={m.n_heads} (each rank attends over "
-            f"n_heads / sp_size heads); got {sp}"
-        )
+    kinds = {s.mixer.kind for s in cfg.layer_plan() if s.mixer is not None}
+    for key, heads in sorted({h for kind in kinds for h in mixer_kind(kind).sp_heads(m)}):
+        if heads % sp:
+            raise ConfigError(
+                f"parallel.sp_size: must divide {key}={heads} (each rank computes "
+                f"{key.rpartition('.')[2]} / sp_size heads of the whole sequences); got {sp}"
+            )
     if cfg.data.seq_len % sp:
         raise ConfigError(
             f"parallel.sp_size: must divide data.seq_len={cfg.data.seq_len} (each rank holds "

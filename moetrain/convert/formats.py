@@ -9,30 +9,14 @@ from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.families import DENSE, FAMILIES, FORMATS, family, of_hf_config, unwrap
-from moetrain.convert.families.base import extras, found, no_multipliers, plain_attention
 
 
 def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
     """``(dotted setting, why)`` for every setting ``fmt`` cannot represent (empty = exact)."""
     fam = family(fmt)
-    if fam.problems is None:
+    if fam.dense:
         raise ConfigError(f"--format: {fmt} is a dense family; choose auto or one of {FORMATS}")
-    gqa, name = fam.attention == "gqa", fam.architecture
-    common = plain_attention(model, name, fam.partial_rotary, fam.rope_interleave) if gqa else []
-    clamp = (
-        moe.renormalize_min != 0 and not fam.renormalize_min,
-        "moe.renormalize_min",
-        f"{name} renormalises by the plain sum of the top-k weights; must be 0",
-    )
-    mtp = (
-        model.mtp_depth > 0 and not fam.mtp,
-        "model.mtp_depth",
-        f"{name} files hold no multi-token-prediction layers: must be 0, or export the model "
-        "without its MTP modules (they do not change its function) with --drop-mtp",
-    )
-    scalars = [] if fam.multipliers else no_multipliers(model, name)
-    pieces = extras(fam, model, moe)
-    return found([*common, clamp, mtp, *scalars, *pieces]) + fam.problems(model, moe)
+    return fam.problems(model, moe)
 
 
 def check_format(fmt: str, model: ModelConfig, moe: MoEConfig) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from moetrain.config import ModelConfig, MoEConfig
+from moetrain.config.layer_plan import LayerSpec
 from moetrain.model.block import Block
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import make_norm
@@ -50,12 +51,12 @@ class MTPBlock(Block):
 
     def __init__(
         self,
-        layer: int,
+        spec: LayerSpec,
         cfg: ModelConfig,
         moe_cfg: MoEConfig,
         local_experts: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__(layer, cfg, moe_cfg, local_experts)
+        super().__init__(spec, cfg, moe_cfg, local_experts)
         d = cfg.d_model
         self.enorm = make_norm(cfg, d)
         self.hnorm = make_norm(cfg, d)

@@ -21,7 +21,7 @@ import torch
 from moetrain.config import ModelConfig
 from moetrain.convert.families import FORMATS
 from moetrain.convert.formats import hf_config
-from tests.unit.test_convert_formats import load_hf, model_for, tiny_cfg
+from tests.helpers.convert_cases import load_hf, model_for, tiny_cfg
 
 transformers = pytest.importorskip("transformers")
 

@@ -523,7 +523,7 @@ def test_llama4_conditional_generation_directory_gives_its_text_model(tmp_path, 
 
     src = _llama4_released_layout(tmp_path / "vlm")
     cfg, source = resolved(f"checkpoint.init_from={src}")
-    assert (source.architecture, source.prefix) == ("Llama4ForCausalLM", "language_model.")
+    assert (source.architecture, source.renames) == ("Llama4ForCausalLM", {"language_model.": ""})
     assert "the vision tower (vision_model.*, multi_modal_projector.*" in source.describe()
     ids = torch.randint(0, 320, (2, 19), generator=torch.Generator().manual_seed(0))
     model = build_model(cfg, source).eval()

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from moetrain.config import ConfigError
 from moetrain.model import Transformer
 from moetrain.model import param_names as pn
+from moetrain.model.mixers import MixerInputs
 from tests.helpers.configs import tiny_config
 
 
@@ -38,7 +39,7 @@ def reference_depth_sums(model: Transformer, ids_S: torch.Tensor, labels_S: torc
     cos, sin = model.rope_cos[:s], model.rope_sin[:s]
     x = emb_SD[None]
     for block in model.layers[:n]:
-        x, _ = block(x, cos, sin, None)
+        x, _ = block(x, MixerInputs(cos, sin))
     h_SD = model.norm(x)[0]
     out = []
     for k, block in enumerate(model.layers[n:], start=1):
@@ -48,7 +49,7 @@ def reference_depth_sums(model: Transformer, ids_S: torch.Tensor, labels_S: torc
             continue
         joined = torch.cat([block.enorm(emb_SD[k:]), block.hnorm(h_SD[:m])], dim=-1)
         x_MD = joined @ block.eh_proj.weight.T
-        y, _ = block(x_MD[None], cos[:m], sin[:m], None)
+        y, _ = block(x_MD[None], MixerInputs(cos[:m], sin[:m]))
         h_SD = block.head_norm(y[0])
         logits = h_SD @ model.lm_head.weight.T
         loss = F.cross_entropy(logits.float(), labels_S[k:], reduction="sum")

@@ -18,8 +18,8 @@ import torch
 from moetrain.checkpoint.write import write_checkpoint
 from moetrain.convert.export import convert_checkpoint
 from moetrain.model import param_names as pn
+from tests.helpers.convert_cases import model_for, tiny_cfg
 from tests.helpers.hf_models import save_hf_tokenizer
-from tests.unit.test_convert_formats import model_for, tiny_cfg
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_layers import MtpModel  # noqa: E402

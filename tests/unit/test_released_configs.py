@@ -169,7 +169,7 @@ def test_released_config_imports_and_exports_with_transformers_logits(
 LLAMA4 = sorted(CORPUS.glob("llama4_text/*.json"))
 
 
-@pytest.mark.long  # (the tiny Llama 4 case of test_convert_formats.py binds each in the default suite)
+@pytest.mark.long  # (the tiny Llama 4 case of test_convert_logits.py binds each in the default suite)
 @pytest.mark.parametrize("path", LLAMA4, ids=_id)
 def test_llama4_released_configs_where_chunks_and_temperature_bind(
     path: Path, tokenizer: Path, tmp_path: Path
