@@ -1,10 +1,11 @@
 """A/B of moetrain's training step between two checkouts (before / after a change).
 
-    .venv/bin/python benchmarks/ab_checkouts.py OLD_CHECKOUT NEW_CHECKOUT [--rounds 5]
+    .venv/bin/python benchmarks/ab_checkouts.py OLD_CHECKOUT NEW_CHECKOUT [--rounds 5] [--case C]
 
-Each round runs ``benchmarks/train_throughput.py --cases moetrain --rounds 1`` once in each
-checkout (its own benchmark script and its own ``moetrain`` package, first on ``PYTHONPATH``),
-alternating which goes first, so that load from other processes hits both alike. Reported: each
+Each round runs ``benchmarks/train_throughput.py --cases CASE --rounds 1`` (default
+``moetrain``, EP=2; ``moetrain-ep1`` for EP=1) once in each checkout (its own benchmark script
+and its own ``moetrain`` package, first on ``PYTHONPATH``), alternating which goes first, so
+that load from other processes hits both alike. Reported: each
 round's tokens/s and peak RSS per rank for both, the paired ratios new / old, their median and
 range. Extra arguments after ``--`` go to train_throughput.py (e.g. ``-- --shape fine``).
 """
@@ -20,17 +21,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROUND = re.compile(r"^round \d+ moetrain: (\{.*\})$", re.MULTILINE)
 
-
-def run_once(checkout: Path, extra: list[str]) -> dict[str, float]:
-    """tokens_per_s and peak_rss_mib of one moetrain round in ``checkout``."""
-    cmd = [sys.executable, "benchmarks/train_throughput.py", "--cases", "moetrain", "--rounds", "1"]
+def run_once(checkout: Path, case: str, extra: list[str]) -> dict[str, float]:
+    """tokens_per_s and peak_rss_mib of one round of ``case`` in ``checkout``."""
+    cmd = [sys.executable, "benchmarks/train_throughput.py", "--cases", case, "--rounds", "1"]
     env = dict(os.environ, PYTHONPATH=str(checkout), OMP_NUM_THREADS="1")
     out = subprocess.run(
         [*cmd, *extra], cwd=checkout, env=env, capture_output=True, text=True, check=False
     )
-    m = ROUND.search(out.stdout)
+    m = re.search(rf"^round \d+ {re.escape(case)}: (\{{.*\}})$", out.stdout, re.MULTILINE)
     if out.returncode != 0 or m is None:
         raise RuntimeError(
             f"{checkout}: benchmark failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}"
@@ -43,6 +42,7 @@ def main() -> None:
     ap.add_argument("old", type=Path)
     ap.add_argument("new", type=Path)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--case", default="moetrain", help="train_throughput.py's moetrain case")
     args, extra = ap.parse_known_args()
     extra = [a for a in extra if a != "--"]
     ratios, rss = [], []
@@ -50,7 +50,7 @@ def main() -> None:
         order = [("old", args.old), ("new", args.new)]
         if rnd % 2:
             order.reverse()
-        res = {name: run_once(path.resolve(), extra) for name, path in order}
+        res = {name: run_once(path.resolve(), args.case, extra) for name, path in order}
         ratio = res["new"]["tokens_per_s"] / res["old"]["tokens_per_s"]
         ratios.append(ratio)
         rss.append(res["new"]["peak_rss_mib"] / res["old"]["peak_rss_mib"])
