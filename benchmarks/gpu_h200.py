@@ -354,7 +354,10 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[
 def attention(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from moetrain.model.attention import Attention, document_mask, rope_tables
+    from moetrain.config.layer_plan import MixerSpec
+    from moetrain.model.attention import document_mask, rope_tables
+    from moetrain.model.mixers import MixerInputs
+    from moetrain.model.mixers.gqa import Attention
 
     b, s, heads, kv, hd = (2, 64, 4, 2, 16) if dry else (2, 2048, 16, 4, 128)
     cfg = make_config(
@@ -362,7 +365,7 @@ def attention(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, 
         | {"model.max_seq_len": s, "data.seq_len": s}
     )
     torch.manual_seed(2)
-    attn = Attention(cfg.model).to(device=device, dtype=dtype)
+    attn = Attention(cfg.model, MixerSpec("gqa")).to(device=device, dtype=dtype)
     cos, sin = (t.to(device) for t in rope_tables(hd, s, cfg.model.rope_theta))
     bounds = torch.tensor([0, s // 5, s // 2, s - s // 8])  # four documents per row
     doc_ids = (torch.arange(s)[None, :, None] >= bounds).sum(-1).expand(b, s).to(device)
@@ -370,7 +373,7 @@ def attention(device: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, 
     x = torch.randn(b, s, heads * hd, device=device, dtype=dtype, requires_grad=True)
 
     def fwd_bwd() -> torch.Tensor:
-        y = attn(x, cos, sin, mask)
+        y = attn(x, MixerInputs(cos, sin, mask))
         y.float().square().mean().backward()
         return y.detach()
 

@@ -23,10 +23,10 @@ import time
 import torch
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.model.attention import Attention
+from moetrain.config.layer_plan import mixer_spec
 from moetrain.model.doc_attention import Documents
 from moetrain.model.layers import RMSNorm
-from moetrain.model.mla import MLAttention
+from moetrain.model.mixers import MixerInputs, build_mixer
 from moetrain.model.rope import model_rope_tables
 from moetrain.model.transformer import Transformer
 
@@ -47,7 +47,7 @@ KINDS = {
 
 def block(cfg: ModelConfig) -> tuple[torch.nn.Module, RMSNorm]:
     torch.manual_seed(0)
-    attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+    attn = build_mixer(cfg, mixer_spec(cfg, 0))
     return attn, RMSNorm(cfg.d_model)
 
 
@@ -59,7 +59,7 @@ def step_seconds(cfg: ModelConfig, x: torch.Tensor, docs: Documents, reps: int) 
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()
-        y = attn(norm(x), cos, sin, docs, layer=0)
+        y = attn(norm(x), MixerInputs(cos, sin, docs))
         y.square().mean().backward()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
@@ -79,7 +79,7 @@ def main() -> None:
         with torch.device("meta"):
             model = Transformer(cfg, MoEConfig(first_k_dense=cfg.n_layers))
         cache = model.new_cache(1, 16)
-        tensors = [cache.k, cache.v] if kind == "gqa" else [cache.latent, cache.k_rope]
+        tensors = [t for state in cache.layers for t in vars(state).values()]
         measured = sum(t.numel() * t.element_size() for t in tensors) // 16
         out[kind] = {
             "attention_params": sum(p.numel() for p in attn.parameters()),

@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass
 
 from moetrain.config import Config
+from moetrain.model.mixers import mixer_class
 
 
 @dataclass(frozen=True)
@@ -102,16 +103,16 @@ def format_traffic(t: Traffic, gpus_per_node: int) -> str:
 
 @dataclass(frozen=True)
 class HeadTraffic:
-    """Sequence parallelism's head all-to-alls (``parallel.sp_size`` = n): per layer and
-    micro-batch, forward sends q, k and v (key/value heads repeated where n does not divide
-    them) and receives the attention output back in sequence order; backward sends the same
-    again, and activation checkpointing repeats the forward's. Of each exchange ``(n - 1) / n``
-    leaves the GPU; an SP group is n consecutive ranks, so it spans nodes only when n exceeds
-    ``gpus_per_node``."""
+    """Sequence parallelism's head all-to-alls (``parallel.sp_size`` = n): per mixer layer and
+    micro-batch, forward sends what the mixer exchanges (attention: q, k and v, key/value heads
+    repeated where n does not divide them, and the output back in sequence order); backward
+    sends the same again, and activation checkpointing repeats the forward's. Of each exchange
+    ``(n - 1) / n`` leaves the GPU; an SP group is n consecutive ranks, so it spans nodes only
+    when n exceeds ``gpus_per_node``."""
 
     sp_size: int
     sp_nodes: int  # nodes one SP group spans
-    bytes_per_token_layer: float  # sent off the GPU per local token and layer, forward
+    bytes_per_token_layer: float  # sent off the GPU per local token and mixer layer, forward
     bytes_per_gpu_step: float
 
 
@@ -120,25 +121,24 @@ def head_traffic(
     tokens_per_gpu_step: int,
     gpus_per_node: int,
     act_bytes: int,
-    kv_repeats: int,
     recompute: bool = False,
 ) -> HeadTraffic:
     """:class:`HeadTraffic` of ``cfg`` (``tokens_per_gpu_step``: this GPU's slice of the
-    tokens of one optimizer step; ``kv_repeats``: each key/value head's copies)."""
+    tokens of one optimizer step); each mixer says what it exchanges
+    (:meth:`moetrain.model.mixers.TokenMixer.exchange_bytes_per_token`)."""
     m, n = cfg.model, cfg.parallel.sp_size
-    if m.attention == "mla":
-        qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
-        dims = m.n_heads * (2 * qk + 2 * v)  # q, k, v out; the output back
-    else:
-        hd = m.attention_head_dim
-        dims = hd * (2 * m.n_heads + 2 * m.n_kv_heads * kv_repeats)
-    per_token = act_bytes * dims * (n - 1) / n if n > 1 else 0.0
+    per_layer = [
+        mixer_class(layer.mixer).exchange_bytes_per_token(m, layer.mixer, act_bytes, n)
+        for layer in cfg.layer_plan()
+        if layer.mixer is not None
+    ]
+    per_token = sum(per_layer)
     passes = 3 if recompute else 2
     return HeadTraffic(
         sp_size=n,
         sp_nodes=-(-n // gpus_per_node),
-        bytes_per_token_layer=per_token,
-        bytes_per_gpu_step=per_token * passes * m.n_blocks * tokens_per_gpu_step,
+        bytes_per_token_layer=per_token / max(1, len(per_layer)),
+        bytes_per_gpu_step=per_token * passes * tokens_per_gpu_step,
     )
 
 

@@ -21,7 +21,9 @@ universal checkpoint knows only its own (AutoEP) expert layers. moetrain re-part
 
 The step count is the same for every group and is restored with the state, so Adam's bias
 correction continues where it stopped. The optimizer (``optim.name``) must be the one that
-wrote the checkpoint: another one starts from the weights with ``--reset-optimizer``. The files
+wrote the checkpoint (a resume that changes it is refused before it starts,
+:mod:`moetrain.checkpoint.compat`): another one starts from the weights with
+``--reset-optimizer``. The files
 are read with ``weights_only=True`` (three DeepSpeed classes allowed: the slice map, the loss
 scaler and the stage enum).
 """
@@ -49,17 +51,6 @@ MASTER = "fp32"
 def saved_optimizer_name(state: TrainerState) -> str:
     """``optim.name`` of the run that wrote a checkpoint (AdamW before the name was recorded)."""
     return (state.config.get("optim") or {}).get("name", "adamw")
-
-
-def check_same_optimizer(state: TrainerState, name: str, where: Path) -> None:
-    """Refuse to load the optimizer state of a checkpoint written by another optimizer."""
-    saved = saved_optimizer_name(state)
-    if saved != name:
-        raise CheckpointError(
-            f"{where}: written with optim.name={saved}, this run uses optim.name={name}: its "
-            "optimizer state does not carry over; resume with --reset-optimizer to start "
-            f"{name}'s state from the checkpoint's weights"
-        )
 
 
 def is_expert_param(name: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from moetrain.config.checks import ConfigError
+from moetrain.config.mixers import mixer_kind
 from moetrain.config.ranges import check_ranges
 
 if TYPE_CHECKING:
@@ -28,20 +29,26 @@ def check_sequence_parallel(cfg: Config) -> None:
     """What sequence parallelism (``parallel.sp_size`` > 1) needs and what it refuses.
 
     Each rank of a sequence-parallel group holds ``data.seq_len / sp_size`` consecutive tokens
-    of the same sequences and, inside attention, ``model.n_heads / sp_size`` heads of the whole
-    sequences; key/value heads are replicated where ``model.n_kv_heads`` is not a multiple of
-    ``sp_size``. Refused: the per-sequence balance loss (a sequence's tokens are split over
-    ranks) and multi-token prediction (its shifts cross the ranks' slices).
+    of the same sequences and, inside each token mixer, its heads split ``sp_size`` ways over
+    the whole sequences (the head counts each mixer kind names,
+    :meth:`moetrain.config.mixers.MixerKind.sp_heads`: ``model.n_heads`` for attention, whose
+    key/value heads are replicated where ``model.n_kv_heads`` is not a multiple of
+    ``sp_size``). Refused: the per-sequence balance loss (a sequence's tokens are split over
+    ranks), multi-token prediction (its shifts cross the ranks' slices), and a capacity factor
+    unless each expert-parallel group holds whole sequence-parallel groups (capacity counts an
+    EP group's tokens: over slices of rows it would drop other copies than at sp_size 1).
     """
     sp = cfg.parallel.sp_size
     if sp == 1:
         return
     m = cfg.model
-    if m.n_heads % sp:
-        raise ConfigError(
-            f"parallel.sp_size: must divide model.n_heads={m.n_heads} (each rank attends over "
-            f"n_heads / sp_size heads); got {sp}"
-        )
+    kinds = {s.mixer.kind for s in cfg.layer_plan() if s.mixer is not None}
+    for key, heads in sorted({h for kind in kinds for h in mixer_kind(kind).sp_heads(m)}):
+        if heads % sp:
+            raise ConfigError(
+                f"parallel.sp_size: must divide {key}={heads} (each rank computes "
+                f"{key.rpartition('.')[2]} / sp_size heads of the whole sequences); got {sp}"
+            )
     if cfg.data.seq_len % sp:
         raise ConfigError(
             f"parallel.sp_size: must divide data.seq_len={cfg.data.seq_len} (each rank holds "
@@ -52,6 +59,14 @@ def check_sequence_parallel(cfg: Config) -> None:
             f"moe.aux_loss_scope: sequence is not supported with parallel.sp_size={sp} (a "
             "sequence's tokens are split over the sequence-parallel ranks); use "
             "global_micro_batch or global_batch, or parallel.sp_size=1"
+        )
+    ep = cfg.parallel.ep_size
+    if cfg.moe.capacity_factor > 0 and ep % sp:
+        raise ConfigError(
+            f"moe.capacity_factor: with parallel.sp_size={sp} an expert's capacity is counted "
+            f"over its expert-parallel group's tokens, which at parallel.ep_size={ep} are slices "
+            "of rows: the drops would differ from sp_size 1. Set parallel.ep_size to a multiple "
+            f"of {sp} (each EP group then holds whole rows), or moe.capacity_factor=0 (dropless)"
         )
     if m.mtp_depth > 0:
         raise ConfigError(

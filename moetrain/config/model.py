@@ -1,5 +1,10 @@
 """The transformer's section of the config (``model``); its MoE layers' (``moe``) is
-:mod:`moetrain.config.moe`."""
+:mod:`moetrain.config.moe`.
+
+The keys of each token mixer kind are declared with the kind (:mod:`moetrain.config.mixers`),
+those of the layer plan with it (:mod:`moetrain.config.layer_plan`); :class:`ModelConfig`
+inherits them, so every key is a flat ``model.<key>``.
+"""
 
 from __future__ import annotations
 
@@ -8,52 +13,50 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moetrain.config.checks import require
-from moetrain.config.ranges import above, at_least, between
+from moetrain.config.layer_plan import (
+    CHUNKED,
+    FULL,
+    LAYER_TYPES,
+    SLIDING,
+    LayerPlanKeys,
+    mixer_spec,
+    validate_layer_plan,
+)
+from moetrain.config.mixers import GQAKeys, MLAKeys, mixer_kind
+from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above, at_least
 
-POSITIVE_INT = above(0, "a positive integer")
+__all__ = ["CHUNKED", "FULL", "FUNCTION", "LAYER_TYPES", "POSITIVE_INT", "SLIDING", "ModelConfig"]
+
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # YaRN's ramp where model.rope_beta_* are unset
-# Field metadata: the field defines the function the model computes (a checkpoint.init_from
-# source decides it, a config may not contradict it).
-FUNCTION = {"function": True}
 
 
 @dataclass
-class ModelConfig:
-    """Dense transformer shape."""
+class ModelShape:
+    """The transformer's shape and its attention kind (the first keys of ``model``)."""
 
     vocab_size: int = field(default=8192, metadata=POSITIVE_INT | FUNCTION)
     d_model: int = field(default=256, metadata=POSITIVE_INT | FUNCTION)
     n_layers: int = field(default=4, metadata=POSITIVE_INT | FUNCTION)
     n_heads: int = field(default=4, metadata=POSITIVE_INT | FUNCTION)
     n_kv_heads: int = field(default=2, metadata=POSITIVE_INT | FUNCTION)
-    # default d_model // n_heads
-    head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # SwiGLU hidden size of dense (non-MoE) FFN layers
     dense_hidden: int = field(default=1024, metadata=POSITIVE_INT | FUNCTION)
     # RoPE table size and HF max_position_embeddings
     max_seq_len: int = field(default=2048, metadata=POSITIVE_INT)
     rope_theta: float = field(default=10000.0, metadata=above(0) | FUNCTION)
     norm_eps: float = field(default=1e-5, metadata=above(0) | FUNCTION)
-    # RMSNorm on queries and keys (Qwen3-MoE, GLM-4-MoE, OLMoE)
-    qk_norm: bool = field(default=False, metadata=FUNCTION)
-    # what that norm normalises: "head" (each head's vector; Qwen3-MoE, GLM-4-MoE) or
-    # "projection" (the whole query / key projection, all heads together; OLMoE)
-    qk_norm_scope: Literal["head", "projection"] = field(default="head", metadata=FUNCTION)
-    # biases on the query / key / value projections (Qwen2, Qwen2-MoE)
-    qkv_bias: bool = field(default=False, metadata=FUNCTION)
-    # a bias on attention's output projection (gpt-oss, Phi-3.5-MoE)
-    o_bias: bool = field(default=False, metadata=FUNCTION)
-    # attention sinks (gpt-oss): a learned logit per query head, layers.<i>.attn.sinks (H,),
-    # added to every softmax's denominator (a key column that carries no value)
-    attention_sinks: bool = field(default=False, metadata=FUNCTION)
-    # sliding-window attention: a query of a "sliding_attention" layer sees the last
-    # sliding_window positions, itself included (transformers' rule); less than max_seq_len
-    sliding_window: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
-    # each decoder layer's attention kind, "full_attention", "sliding_attention" or
-    # "chunked_attention" (n_layers entries); None = every layer sliding with sliding_window
-    # set, chunked with attention_chunk_size set, else every layer full (both set: required).
-    # Multi-token-prediction blocks attend to the full context
-    layer_types: list[str] | None = field(default=None, metadata=FUNCTION)
+    # the token mixer kind of the attention layers (moetrain.config.mixers): "gqa"
+    # (grouped-query attention; its keys: config/mixers/gqa.py) or "mla" (DeepSeek's
+    # multi-head latent attention: keys and values from a compressed latent, a head-shared
+    # rotary key; config/mixers/mla.py)
+    attention: str = field(default="gqa", metadata=FUNCTION)
+
+
+@dataclass
+class ModelConfig(LayerPlanKeys, MLAKeys, GQAKeys, ModelShape):
+    """Transformer shape: the keys above, then each mixer kind's and the layer plan's, then
+    these."""
+
     # a bias on the LM head (Phi-3.5-MoE's lm_head_bias; with tie_embeddings only the weight is
     # shared, the bias is the head's own)
     lm_head_bias: bool = field(default=False, metadata=FUNCTION)
@@ -66,26 +69,6 @@ class ModelConfig:
     # training loss: cross-entropy over chunks of this many tokens, never the full fp32 logits;
     # 0 = plain full-logits cross-entropy
     loss_chunk_tokens: int = field(default=1024, metadata=at_least(0, "0 = full logits"))
-    # attention kind: "gqa" (grouped-query attention) or "mla" (DeepSeek's multi-head latent
-    # attention: keys and values from a compressed latent, a head-shared rotary key)
-    attention: Literal["gqa", "mla"] = field(default="gqa", metadata=FUNCTION)
-    # MLA only (required with attention=mla except q_lora_rank, refused otherwise):
-    # rank of the low-rank query path (q = up(norm(down(x)))); None = one full query projection
-    q_lora_rank: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
-    kv_lora_rank: int | None = field(
-        default=None, metadata=POSITIVE_INT | FUNCTION
-    )  # the KV latent's size
-    qk_nope_head_dim: int | None = field(
-        default=None, metadata=POSITIVE_INT | FUNCTION
-    )  # per-head, no RoPE
-    # the rotary part of each query head and of the one key shared by all heads (even)
-    qk_rope_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
-    v_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
-    # grouped-query attention: the fraction of each head's dims RoPE rotates (its first
-    # head_dim * factor dims, even; GLM-4.5's 0.5); the others carry no position
-    partial_rotary_factor: float = field(
-        default=1.0, metadata=between(0, 1, low_open=True) | FUNCTION
-    )
     # RoPE dims come in adjacent pairs (transformers' rope_interleave; DeepSeek's weights)
     # instead of first half / second half; any attention kind
     rope_interleave: bool = field(default=False, metadata=FUNCTION)
@@ -135,26 +118,8 @@ class ModelConfig:
     # FFN outputs by residual_multiplier before their residual add
     embedding_multiplier: float = field(default=1.0, metadata=above(0) | FUNCTION)
     residual_multiplier: float = field(default=1.0, metadata=above(0) | FUNCTION)
-    # grouped-query attention's softmax scale; None = 1 / sqrt(head_dim)
-    attention_scale: float | None = field(default=None, metadata=above(0) | FUNCTION)
     # the logits are the head's output divided by logits_scaling (the loss's too)
     logits_scaling: float = field(default=1.0, metadata=above(0) | FUNCTION)
-    # chunked local attention (Llama 4's attention_chunk_size): a query of a
-    # "chunked_attention" layer at position i sees the positions j <= i with j // C == i // C
-    # (positions in the row, from 0); less than max_seq_len
-    attention_chunk_size: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
-    # the decoder layers without rotary embeddings (NoPE; Llama 4's no_rope_layers zeros):
-    # distinct indices in increasing order; None = every layer has RoPE
-    nope_layers: list[int] | None = field(default=None, metadata=FUNCTION)
-    # a weightless RMSNorm (eps norm_eps) over each query and key head after RoPE, on the layers
-    # with RoPE only (Llama 4's use_qk_norm)
-    qk_norm_after_rope: bool = field(default=False, metadata=FUNCTION)
-    # attention temperature tuning on the NoPE layers (Llama 4's attn_temperature_tuning,
-    # floor_scale, attn_scale): the query at position p (in the row) is multiplied by
-    # log1p(floor((p + 1) / attn_temperature_floor)) * attn_temperature_scale + 1; both set
-    # or both None (off)
-    attn_temperature_floor: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
-    attn_temperature_scale: float | None = field(default=None, metadata=above(0) | FUNCTION)
 
     @property
     def n_blocks(self) -> int:
@@ -164,32 +129,25 @@ class ModelConfig:
 
     def attention_window(self, layer: int) -> int | None:
         """The sliding window of block ``layer``'s attention, None for full attention."""
-        if self.sliding_window is None or layer >= self.n_layers:
-            return None
-        if self.layer_types is None or self.layer_types[layer] == SLIDING:
-            return self.sliding_window
-        return None
+        spec = mixer_spec(self, layer)
+        return spec.window if spec is not None else None
 
     def attention_chunk(self, layer: int) -> int | None:
         """The chunk size of block ``layer``'s chunked attention, None for other attention."""
-        if self.attention_chunk_size is None or layer >= self.n_layers:
-            return None
-        if self.layer_types is None or self.layer_types[layer] == CHUNKED:
-            return self.attention_chunk_size
-        return None
+        spec = mixer_spec(self, layer)
+        return spec.chunk if spec is not None else None
 
     def has_rope(self, layer: int) -> bool:
         """Whether block ``layer`` rotates its queries and keys (multi-token-prediction blocks
         always do)."""
-        return layer >= self.n_layers or layer not in (self.nope_layers or ())
+        spec = mixer_spec(self, layer)
+        return spec is not None and spec.rope
 
     def attn_temperature(self, layer: int) -> tuple[int, float] | None:
         """``(floor, scale)`` of block ``layer``'s query temperature (its NoPE layers with
         ``attn_temperature_floor`` set), else None."""
-        floor, scale = self.attn_temperature_floor, self.attn_temperature_scale
-        if floor is None or scale is None or self.has_rope(layer):
-            return None
-        return floor, scale
+        spec = mixer_spec(self, layer)
+        return spec.temperature if spec is not None else None
 
     def mtp_weight(self, step: int) -> float:
         """The MTP loss weight of optimizer step ``step`` (1-based)."""
@@ -200,18 +158,15 @@ class ModelConfig:
 
     @property
     def attention_head_dim(self) -> int:
-        """Grouped-query attention's ``head_dim``, or ``d_model // n_heads`` when it is not set;
-        with MLA, a query / key head's dims (``qk_nope_head_dim + qk_rope_head_dim``)."""
-        if self.attention == "mla":
-            return (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
-        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+        """The dims of a query / key head of the attention layers (``model.attention``'s kind):
+        grouped-query attention's ``head_dim`` (or ``d_model // n_heads``), latent attention's
+        ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return mixer_kind(self.attention).head_dim(self)
 
     @property
     def rope_dim(self) -> int:
-        """How many dims of a query / key head RoPE rotates."""
-        if self.attention == "mla":
-            return self.qk_rope_head_dim or 0
-        return int(self.attention_head_dim * self.partial_rotary_factor)
+        """How many dims of a query / key head RoPE rotates (the attention kind's)."""
+        return mixer_kind(self.attention).rope_dim(self)
 
     @property
     def yarn_betas(self) -> tuple[float, float]:
@@ -220,153 +175,20 @@ class ModelConfig:
         return (YARN_BETA_FAST if fast is None else fast, YARN_BETA_SLOW if slow is None else slow)
 
     def validate(self) -> None:
+        mixer_kind(self.attention)
         self._validate_rope_scaling()
         require(
             (self.mtp_loss_weight_final is None) == (self.mtp_loss_weight_final_step is None),
             "model.mtp_loss_weight_final",
             "and model.mtp_loss_weight_final_step are set together (the weight from that step)",
         )
-        self._validate_windows()
-        self._validate_nope()
-        self._validate_gqa_only()
-        if self.attention == "mla":
-            self._validate_mla()
-            return
-        for key in _MLA_KEYS:
-            require(
-                getattr(self, key) is None,
-                f"model.{key}",
-                "only applies with model.attention=mla",
-            )
-        if self.head_dim is None:
-            require(
-                self.d_model % self.n_heads == 0,
-                "model.n_heads",
-                f"must divide model.d_model={self.d_model} (or set model.head_dim); "
-                f"got {self.n_heads}",
-            )
         require(
-            self.attention_head_dim % 2 == 0,
-            "model.head_dim",
-            f"must be even for rotary embeddings; got {self.attention_head_dim}",
+            self.mtp_loss_weight_final is None or self.mtp_depth > 0,
+            "model.mtp_loss_weight_final",
+            "weights the multi-token-prediction loss: set model.mtp_depth > 0, or leave it and "
+            "model.mtp_loss_weight_final_step unset",
         )
-        require(
-            self.rope_dim > 0 and self.rope_dim % 2 == 0,
-            "model.partial_rotary_factor",
-            f"must rotate an even number of dims, at least 2, of the {self.attention_head_dim} "
-            f"of a head; {self.partial_rotary_factor:g} rotates {self.rope_dim}",
-        )
-        require(
-            self.n_heads % self.n_kv_heads == 0,
-            "model.n_kv_heads",
-            f"must divide model.n_heads={self.n_heads}; got {self.n_kv_heads}",
-        )
-
-    def _validate_windows(self) -> None:
-        types = self.layer_types
-        if types is not None:
-            require(
-                isinstance(types, list) and len(types) == self.n_layers,
-                "model.layer_types",
-                f"must list model.n_layers={self.n_layers} layer kinds; got {types!r}",
-            )
-            unknown = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
-            require(
-                not unknown,
-                "model.layer_types",
-                f"knows {', '.join(LAYER_TYPES)}; got {unknown}",
-            )
-            require(
-                SLIDING not in types or self.sliding_window is not None,
-                "model.sliding_window",
-                "must be set where model.layer_types has sliding_attention layers",
-            )
-            require(
-                CHUNKED not in types or self.attention_chunk_size is not None,
-                "model.attention_chunk_size",
-                "must be set where model.layer_types has chunked_attention layers",
-            )
-        require(
-            types is not None or self.sliding_window is None or self.attention_chunk_size is None,
-            "model.layer_types",
-            "must say which layers are sliding and which chunked where both "
-            "model.sliding_window and model.attention_chunk_size are set",
-        )
-        for key in ("sliding_window", "attention_chunk_size"):
-            size = getattr(self, key)
-            require(
-                size is None or size < self.max_seq_len,
-                f"model.{key}",
-                f"must be less than model.max_seq_len={self.max_seq_len} (one as long as "
-                f"the context is full attention: leave it unset); got {size}",
-            )
-
-    def _validate_gqa_only(self) -> None:
-        """The attention options that grouped-query attention has and latent attention not."""
-        gqa_only = {
-            "sliding_window": self.sliding_window is not None,
-            "attention_chunk_size": self.attention_chunk_size is not None,
-            "attention_sinks": self.attention_sinks,
-            "nope_layers": bool(self.nope_layers),
-            "qk_norm_after_rope": self.qk_norm_after_rope,
-            "attn_temperature_floor": self.attn_temperature_floor is not None,
-        }
-        for key, is_set in gqa_only.items():
-            require(
-                not (is_set and self.attention == "mla"),
-                f"model.{key}",
-                "only applies with model.attention=gqa",
-            )
-
-    def _validate_nope(self) -> None:
-        """NoPE layers and their query temperature."""
-        nope = self.nope_layers
-        if nope is not None:
-            require(
-                isinstance(nope, list)
-                and all(isinstance(i, int) and 0 <= i < self.n_layers for i in nope)
-                and nope == sorted(set(nope)),
-                "model.nope_layers",
-                f"must list distinct layer indices 0..{self.n_layers - 1} in increasing "
-                f"order; got {nope!r}",
-            )
-        floor, scale = self.attn_temperature_floor, self.attn_temperature_scale
-        require(
-            (floor is None) == (scale is None),
-            "model.attn_temperature_floor",
-            "and model.attn_temperature_scale are set together (both null: no temperature)",
-        )
-        require(
-            floor is None or bool(nope),
-            "model.attn_temperature_floor",
-            "scales the queries of the NoPE layers: model.nope_layers must list some",
-        )
-
-    def _validate_mla(self) -> None:
-        for key in _MLA_KEYS[1:]:
-            require(
-                getattr(self, key) is not None,
-                f"model.{key}",
-                "must be set with model.attention=mla",
-            )
-        require(
-            self.qk_rope_head_dim % 2 == 0,
-            "model.qk_rope_head_dim",
-            f"must be even for rotary embeddings; got {self.qk_rope_head_dim}",
-        )
-        require(
-            self.n_kv_heads == self.n_heads,
-            "model.n_kv_heads",
-            f"must equal model.n_heads={self.n_heads} with model.attention=mla (every head has "
-            f"its own keys and values, from the shared latent); got {self.n_kv_heads}",
-        )
-        unused = {"head_dim": self.head_dim is not None, "qk_norm": self.qk_norm}
-        unused["partial_rotary_factor"] = self.partial_rotary_factor != 1.0
-        unused["qkv_bias"] = self.qkv_bias
-        unused["o_bias"] = self.o_bias
-        unused["attention_scale"] = self.attention_scale is not None  # (MLA's own scale)
-        for key, is_set in unused.items():
-            require(not is_set, f"model.{key}", "does not apply with model.attention=mla")
+        validate_layer_plan(self)
 
     def _validate_rope_scaling(self) -> None:
         scaling = self.rope_scaling
@@ -395,19 +217,21 @@ class ModelConfig:
         if scaling != "yarn":
             return
         fast, slow = self.yarn_betas
-        require(
-            fast > slow,
+        require(  # equal: one ramp step, as transformers computes it (Kimi K2's 1.0 and 1.0)
+            fast >= slow,
             "model.rope_beta_fast",
-            f"must be greater than model.rope_beta_slow={slow:g} (unset: 32 and 1); got {fast:g}",
+            f"must be at least model.rope_beta_slow={slow:g} (unset: 32 and 1); got {fast:g}",
         )
 
     def _validate_longrope(self) -> None:
         for key in ("rope_short_factor", "rope_long_factor"):
             factors = getattr(self, key)
             require(
-                len(factors) == self.rope_dim // 2 and all(f > 0 for f in factors),
+                len(factors) == self.rope_dim // 2
+                and all(math.isfinite(f) and f > 0 for f in factors),
                 f"model.{key}",
-                f"must hold rope_dim / 2 = {self.rope_dim // 2} positive factors; got {factors}",
+                f"must hold rope_dim / 2 = {self.rope_dim // 2} positive finite factors; got "
+                f"{factors}",
             )
 
     @property
@@ -430,9 +254,6 @@ class ModelConfig:
         return self.max_seq_len
 
 
-SLIDING, FULL, CHUNKED = "sliding_attention", "full_attention", "chunked_attention"
-LAYER_TYPES = (FULL, SLIDING, CHUNKED)  # model.layer_types' entries
-_MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # each RoPE-scaling key -> the scalings it applies to; the keys each scaling requires
 _SCALING_KEYS = {
     "rope_factor": ("yarn", "llama3"),

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moetrain.config.checks import require
-from moetrain.config.model import FUNCTION, POSITIVE_INT
-from moetrain.config.ranges import above, at_least, between
+from moetrain.config.layer_plan import FFNKind
+from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above, at_least, between
 
 
 @dataclass
@@ -21,6 +21,10 @@ class MoEConfig:
     moe_every: int = field(default=1, metadata=at_least(1) | FUNCTION)
     # the first k layers use a dense FFN (at most model.n_layers)
     first_k_dense: int = field(default=0, metadata=at_least(0) | FUNCTION)
+    # each decoder layer's FFN instead (model.n_layers entries): "dense", "moe" or "none" (no
+    # FFN: the block is its token mixer alone, Nemotron-H's mixer layers); then first_k_dense
+    # and moe_every keep their defaults, and multi-token-prediction blocks are MoE
+    layer_ffns: list[FFNKind] | None = field(default=None, metadata=FUNCTION)
     score_func: Literal["softmax", "sigmoid"] = field(default="softmax", metadata=FUNCTION)
     # True: top-k on the logits, then the score function over the k (softmax over the k, or
     # each one's sigmoid, renormalised with renormalize: Llama 4)
@@ -94,13 +98,20 @@ class MoEConfig:
     # computes expert_e(w * x), and the combine sums the outputs (Llama 4)
     score_on_input: bool = field(default=False, metadata=FUNCTION)
 
-    def is_moe_layer(self, layer: int) -> bool:
-        """Placement: after ``first_k_dense`` dense layers, every ``moe_every``-th layer is MoE
-        (the last of each group of ``moe_every``, as Qwen2-MoE's ``decoder_sparse_step``
-        counts)."""
+    def ffn_kind(self, layer: int) -> FFNKind:
+        """Block ``layer``'s FFN (the layer plan's, :mod:`moetrain.config.layer_plan`): its
+        entry of ``layer_ffns``; else after ``first_k_dense`` dense layers every
+        ``moe_every``-th layer is MoE (the last of each group of ``moe_every``, as Qwen2-MoE's
+        ``decoder_sparse_step`` counts) and the others dense."""
+        if self.layer_ffns is not None and layer < len(self.layer_ffns):
+            return self.layer_ffns[layer]
         if layer < self.first_k_dense:
-            return False
-        return (layer - self.first_k_dense + 1) % self.moe_every == 0
+            return "dense"
+        return "moe" if (layer - self.first_k_dense + 1) % self.moe_every == 0 else "dense"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer``'s FFN is an MoE layer (:meth:`ffn_kind`)."""
+        return self.ffn_kind(layer) == "moe"
 
     def moe_layers(self, n_layers: int) -> list[int]:
         """Transformer layer indices of the MoE layers, in order (position = MoE layer index)."""
@@ -132,6 +143,11 @@ class MoEConfig:
         )
 
     def validate(self) -> None:
+        require(
+            self.layer_ffns is None or (self.first_k_dense == 0 and self.moe_every == 1),
+            "moe.layer_ffns",
+            "places every layer's FFN: leave moe.first_k_dense and moe.moe_every unset",
+        )
         require(
             1 <= self.top_k <= self.num_experts,
             "moe.top_k",

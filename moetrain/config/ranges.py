@@ -67,6 +67,13 @@ def between(
     return {RANGE: Range(low, high, low_open, high_open, note)}
 
 
+# Field metadata of a positive integer key.
+POSITIVE_INT = above(0, "a positive integer")
+# Field metadata: the field defines the function the model computes (a checkpoint.init_from
+# source decides it, a config may not contradict it).
+FUNCTION = {"function": True}
+
+
 def check_ranges(section: Any, prefix: str) -> None:
     """Refuse a field of ``section`` outside its declared range (ConfigError naming
     ``<prefix>.<field>``, the range and the value)."""

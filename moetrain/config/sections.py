@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 
 from moetrain.config.checks import require
+from moetrain.config.layer_plan import LayerSpec, layer_plan
 from moetrain.config.mixture import SourceConfig, SourceFormat, validate_sources
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
@@ -80,9 +81,9 @@ class ParallelConfig:
 
     ep_size: int = field(default=1, metadata=at_least(1))
     # sequence parallelism (Ulysses): each rank of a group of sp_size consecutive ranks holds
-    # seq_len / sp_size consecutive tokens of the same sequences; attention exchanges heads for
-    # sequence (an all-to-all) so each rank attends over whole sequences for n_heads / sp_size
-    # heads (moetrain/parallel/sequence_parallel.py)
+    # seq_len / sp_size consecutive tokens of the same sequences; each token mixer exchanges
+    # heads for sequence (an all-to-all) so each rank mixes whole sequences for 1 / sp_size of
+    # its heads (attention: n_heads / sp_size; moetrain/parallel/sequence_parallel.py)
     sp_size: int = field(default=1, metadata=at_least(1))
     zero_stage: int = field(default=2, metadata=between(0, 2, note=NO_ZERO3))
     activation_checkpointing: bool = False
@@ -263,6 +264,26 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
+    def layer_plan(self) -> tuple[LayerSpec, ...]:
+        """Every block's mixer and FFN (:func:`moetrain.config.layer_plan.layer_plan`)."""
+        return layer_plan(self.model, self.moe)
+
+    def _validate_layer_plan(self) -> None:
+        """The plan's rules between the sections: one FFN entry per decoder layer, and no block
+        without both a mixer and an FFN."""
+        ffns, n = self.moe.layer_ffns, self.model.n_layers
+        require(
+            ffns is None or len(ffns) == n,
+            "moe.layer_ffns",
+            f"must list model.n_layers={n} FFN kinds; got {ffns!r}",
+        )
+        empty = [s.index for s in self.layer_plan() if s.mixer is None and s.ffn == "none"]
+        require(
+            not empty,
+            "model.layer_types",
+            f"layers {empty} have neither a mixer nor an FFN (moe.layer_ffns)",
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -282,6 +303,7 @@ class Config:
             "moe.first_k_dense",
             f"must be between 0 and model.n_layers={self.model.n_layers}",
         )
+        self._validate_layer_plan()
         require(
             self.data.seq_len <= self.model.max_seq_len,
             "data.seq_len",

@@ -14,6 +14,7 @@ place; on any error the temporary directory is removed and ``out_dir`` is untouc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,55 +25,27 @@ from moetrain.checkpoint.read import checkpoint_config, expert_files, iter_layer
 from moetrain.config import Config
 from moetrain.convert.families import family
 from moetrain.convert.formats import choose_format, hf_config
-from moetrain.convert.hf import (
-    dense_key_map,
-    expert_shapes,
-    hf_shape,
-    joined_shapes,
-    mtp_copies,
-    to_hf_state_dict,
-    zero_qkv_biases,
-    zero_shared_expert,
-)
 from moetrain.convert.hf_files import HF_INDEX_FILE, HF_SINGLE_FILE
 from moetrain.convert.tokenizer_export import export_tokenizer
+from moetrain.convert.weight_map import WeightMap
 from moetrain.data.tokenizer import tokenizer_file
 from moetrain.fileio import building_dir
-from moetrain.model.transformer import Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
-_KEEP_FP32 = ("e_score_correction_bias",)  # selection biases stay fp32 (as transformers keeps them)
-
-
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def _plan(cfg: Config, fmt: str, dtype: torch.dtype) -> list[list[tuple[str, tuple, torch.dtype]]]:
+def _plan(weights: WeightMap, dtype: torch.dtype) -> list[list[tuple[str, tuple, torch.dtype]]]:
     """The HF tensors (name, shape, dtype) of each streamed part, in ``iter_layer_states`` order:
-    the dense weights, then each MoE layer's experts; names sorted within a part."""
-    with torch.device("meta"):
-        shapes = {
-            k: tuple(v.shape) for k, v in Transformer(cfg.model, cfg.moe).state_dict().items()
-        }
-    m = cfg.model
+    the dense weights, then each MoE layer's experts; names sorted within a part. Selection
+    biases stay fp32 (as transformers keeps them)."""
 
-    def entry(name: str, shape: tuple) -> tuple[str, tuple, torch.dtype]:
-        return name, shape, torch.float32 if name.endswith(_KEEP_FP32) else dtype
+    def part(layer: int | None) -> list[tuple[str, tuple, torch.dtype]]:
+        tensors = weights.hf_tensors(layer)
+        return sorted((n, s, torch.float32 if fp32 else dtype) for n, s, fp32 in tensors)
 
-    dense = [
-        entry(hf, hf_shape(fmt, ours, shapes[ours])) for ours, hf in dense_key_map(cfg, fmt).items()
-    ]
-    dense += [entry(hf, shape) for hf, shape in joined_shapes(cfg, fmt, shapes).items()]
-    for hf, n in zero_qkv_biases(cfg, fmt).values():  # zeros, written beside the projections
-        dense.append(entry(hf, (n,)))
-    for shapes in zero_shared_expert(cfg, fmt).values():  # zeros, beside each router
-        dense += [entry(hf, shape) for hf, shape in shapes.items()]
-    dense += [entry(hf, shapes[ours]) for hf, ours in mtp_copies(cfg).items()]
-    parts = [sorted(dense)]
-    for i in cfg.moe.moe_layers(m.n_blocks):
-        parts.append(sorted(entry(k, s) for k, s in expert_shapes(cfg, fmt, i).items()))
-    return parts
+    return [part(None)] + [part(layer) for layer in weights.moe_layers]
 
 
 class _ShardWriter:
@@ -192,8 +165,12 @@ def convert_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     tokenizer: str | Path | None = None,
+    drop_mtp: bool = False,
 ) -> Path:
     """Write a Hugging Face model directory for a committed checkpoint; return ``out_dir``.
+
+    ``drop_mtp``: export the model without its multi-token-prediction modules (they do not
+    change the main model's function), e.g. to a family whose files cannot hold them.
 
     ``tokenizer``: the tokenizer to export with it (a Hugging Face tokenizer directory or
     ``tokenizer.json``, or a SentencePiece ``.model``) when the checkpoint carries none (one
@@ -209,9 +186,12 @@ def convert_checkpoint(
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     ckpt, out = Path(ckpt_dir), Path(out_dir)
-    cfg = checkpoint_config(ckpt)
+    stored = checkpoint_config(ckpt)
     verify_manifest(ckpt)  # truncated or missing files, before anything is written
-    expert_files(ckpt, cfg)  # every expert of every MoE layer present
+    expert_files(ckpt, stored)  # every expert of every MoE layer present
+    cfg = stored
+    if drop_mtp:
+        cfg = dataclasses.replace(stored, model=dataclasses.replace(stored.model, mtp_depth=0))
     fmt = choose_format(cfg, fmt)
     if tokenizer is not None:
         tokenizer = tokenizer_file(tokenizer)
@@ -226,10 +206,13 @@ def convert_checkpoint(
         )
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out}: already exists and is not empty (pass overwrite=True)")
+    weights = WeightMap(cfg, fmt)
     with building_dir(out, replace=True) as tmp:  # an existing out was checked above
-        writer = _ShardWriter(tmp, _plan(cfg, fmt, DTYPES[dtype]), max_shard_bytes)
-        for where, part in iter_layer_states(ckpt, cfg):
-            writer.write_part(to_hf_state_dict(part, cfg, fmt), f"{ckpt} ({where})")
+        writer = _ShardWriter(tmp, _plan(weights, DTYPES[dtype]), max_shard_bytes)
+        for where, part in iter_layer_states(ckpt, stored):
+            part = {k: v for k, v in part.items() if k in weights.shapes}  # (MTP when dropped)
+            if part:
+                writer.write_part(weights.to_hf(part), f"{ckpt} ({where})")
             del part
         writer.finish()
         _write_configs(cfg, fmt, tmp, dtype, tokenizer)

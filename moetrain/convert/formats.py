@@ -4,33 +4,19 @@ any family of the registry (:mod:`moetrain.convert.families`, where each family'
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.families import DENSE, FAMILIES, FORMATS, family, of_hf_config, unwrap
-from moetrain.convert.families.base import extras, found, no_multipliers, plain_attention
 
 
 def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
     """``(dotted setting, why)`` for every setting ``fmt`` cannot represent (empty = exact)."""
     fam = family(fmt)
-    if fam.problems is None:
+    if fam.dense:
         raise ConfigError(f"--format: {fmt} is a dense family; choose auto or one of {FORMATS}")
-    gqa, name = fam.attention == "gqa", fam.architecture
-    common = plain_attention(model, name, fam.partial_rotary, fam.rope_interleave) if gqa else []
-    clamp = (
-        moe.renormalize_min != 0 and not fam.renormalize_min,
-        "moe.renormalize_min",
-        f"{name} renormalises by the plain sum of the top-k weights; must be 0",
-    )
-    mtp = (
-        model.mtp_depth > 0 and not fam.mtp,
-        "model.mtp_depth",
-        f"{name} files hold no multi-token-prediction layers; must be 0",
-    )
-    scalars = [] if fam.multipliers else no_multipliers(model, name)
-    pieces = extras(fam, model, moe)
-    return found([*common, clamp, mtp, *scalars, *pieces]) + fam.problems(model, moe)
+    return fam.problems(model, moe)
 
 
 def check_format(fmt: str, model: ModelConfig, moe: MoEConfig) -> None:
@@ -52,6 +38,15 @@ def choose_format(cfg: Config, fmt: str = "auto") -> str:
         if not found:
             return cand
         reasons.append(f"{family(cand).architecture}: {found[0][0]} ({found[0][1]})")
+    depth = cfg.model.mtp_depth
+    plain = dataclasses.replace(cfg.model, mtp_depth=0)
+    fits = [f for f in FORMATS if depth and not problems(f, plain, cfg.moe)]
+    if fits:
+        raise ConfigError(
+            f"model.mtp_depth={depth}: {family(fits[0]).architecture} computes this model's "
+            "function, but its files hold no multi-token-prediction layers; pass --drop-mtp to "
+            f"export the model without its {depth} MTP module(s) (they do not change its function)"
+        )
     raise ConfigError("no Hugging Face class computes this model's function: " + "; ".join(reasons))
 
 

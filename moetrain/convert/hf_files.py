@@ -4,6 +4,7 @@ read by name (headers checked first, tensors read only when asked for)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -46,12 +47,12 @@ class HFWeights:
 
     Opening reads and checks every file's header (missing, truncated or malformed files are
     refused, named); ``shapes`` holds every tensor's shape without reading any tensor.
-    ``prefix``: only the tensors whose names start with it, named without it (a family's model
-    inside a larger one, :class:`~moetrain.convert.families.base.Wrapper`); ``others`` lists
-    the rest.
+    ``renames``: a stored name prefix -> the one it stands for (a family's model inside a larger
+    one, :class:`~moetrain.convert.families.layout.Wrapper`): only the tensors under those
+    prefixes, renamed; ``others`` lists the rest.
     """
 
-    def __init__(self, hf_dir: str | Path, prefix: str = "") -> None:
+    def __init__(self, hf_dir: str | Path, renames: Mapping[str, str] | None = None) -> None:
         hf_dir = Path(hf_dir)
         index = hf_dir / HF_INDEX_FILE
         if index.is_file():
@@ -74,9 +75,15 @@ class HFWeights:
                     f"{hf_dir / file}: does not hold {absent[:3]} (listed in {HF_INDEX_FILE})"
                 )
             self.shapes.update({n: tuple(header[n]["shape"]) for n in listed})
-        self.others = sorted(n for n in weight_map if not n.startswith(prefix))
+        renames = renames or {"": ""}
+
+        def seen(name: str) -> str | None:
+            stored = next((p for p in renames if name.startswith(p)), None)
+            return None if stored is None else renames[stored] + name[len(stored) :]
+
+        self.others = sorted(n for n in weight_map if seen(n) is None)
         # name as seen -> name in the files
-        self.stored = {n.removeprefix(prefix): n for n in weight_map if n.startswith(prefix)}
+        self.stored = {seen(n): n for n in weight_map if seen(n) is not None}
         self.weight_map = {n: weight_map[s] for n, s in self.stored.items()}
         self.shapes = {n: self.shapes[s] for n, s in self.stored.items()}
 
@@ -84,7 +91,8 @@ class HFWeights:
         return list(self.weight_map)
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The named tensors, each file opened once."""
+        """The named tensors, each file opened once; a tensor holding NaN or inf is a
+        CheckpointError naming it."""
         from safetensors import safe_open
 
         by_file: dict[str, list[str]] = {}
@@ -93,12 +101,21 @@ class HFWeights:
         out = {}
         for file, keys in by_file.items():
             with safe_open(self.dir / file, "pt") as f:
-                out.update({k: f.get_tensor(self.stored[k]) for k in keys})
+                out.update({k: self._finite(k, f.get_tensor(self.stored[k])) for k in keys})
         return out
 
     def load_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of a tensor's first dimension, reading only those."""
+        """Rows ``[start, stop)`` of a tensor's first dimension, reading only those (checked
+        as :meth:`load` checks)."""
         from safetensors import safe_open
 
         with safe_open(self.dir / self.weight_map[name], "pt") as f:
-            return f.get_slice(self.stored[name])[start:stop].contiguous()
+            return self._finite(name, f.get_slice(self.stored[name])[start:stop].contiguous())
+
+    def _finite(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(
+                f"{self.dir / self.weight_map[name]}: tensor {self.stored[name]} holds non-finite "
+                "values (NaN or inf); a model cannot start from it"
+            )
+        return t

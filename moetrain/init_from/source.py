@@ -16,13 +16,13 @@ else, naming the key and both values.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moetrain.checkpoint.catalog import latest_complete
+from moetrain.checkpoint.compat import function_keys
 from moetrain.checkpoint.format import (
     STATE_FILE,
     CheckpointError,
@@ -36,16 +36,9 @@ from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig, config_
 from moetrain.convert.families import of_hf_config, wrapper_of
 from moetrain.convert.families.base import declared_mtp_layers
 from moetrain.convert.formats import config_from_hf, not_supported
-from moetrain.convert.hf import stored_mtp_depth
 from moetrain.convert.hf_files import HFWeights
+from moetrain.convert.weight_map import stored_mtp_depth
 from moetrain.init_from.upcycle import check_upcycle
-
-
-def function_keys(section: type) -> tuple[str, ...]:
-    """The fields of a config section that define the function the model computes (marked
-    ``function`` in their metadata): taken from a source, never contradicted."""
-    return tuple(f.name for f in dataclasses.fields(section) if f.metadata.get("function"))
-
 
 MODEL_KEYS = function_keys(ModelConfig)
 MOE_KEYS = function_keys(MoEConfig)
@@ -66,9 +59,9 @@ class InitSource:
     architecture: str | None = None
     upcycle: bool = False  # a dense model, upcycled into the configured MoE
     step: int | None = None  # a checkpoint's step
-    # a family's model inside a larger class's directory (a Wrapper): its tensors' name prefix
-    # there, and what of the directory is not taken
-    prefix: str = ""
+    # a family's model inside a larger class's directory (a Wrapper): its tensors' name prefixes
+    # there -> the family's own, and what of the directory is not taken
+    renames: dict[str, str] = field(default_factory=dict)
     not_taken: str | None = None
 
     def describe(self) -> str:
@@ -83,7 +76,7 @@ class InitSource:
     def weights(self) -> HFWeights:
         """A Hugging Face source's weight files (the family's tensors, named as its own
         directory names them)."""
-        return HFWeights(self.path, self.prefix)
+        return HFWeights(self.path, self.renames)
 
 
 def _hf_source(spec: str, path: Path) -> InitSource:
@@ -96,24 +89,28 @@ def _hf_source(spec: str, path: Path) -> InitSource:
         raise ConfigError(f"checkpoint.init_from={spec}: {not_supported(hf)}")
     cfg = config_from_hf(hf)
     wrapper = wrapper_of(hf)
-    prefix = wrapper.prefix if wrapper is not None else ""
-    weights = HFWeights(path, prefix)  # every weight file present, none truncated
+    renames = dict(wrapper.tensors) if wrapper is not None else {}
+    weights = HFWeights(path, renames)  # every weight file present, none truncated
     not_taken = None
     if wrapper is not None:  # the family's model; the rest must be what the wrapper adds
         foreign = [n for n in weights.others if not n.startswith(wrapper.left_out)]
         if foreign:
+            ours = ", ".join(p + "*" for p in renames)
             raise CheckpointError(
                 f"{path}: tensor {foreign[0]} is neither {wrapper.architecture}'s text model "
-                f"({prefix}*) nor {wrapper.what} ({', '.join(p + '*' for p in wrapper.left_out)})"
+                f"({ours}) nor {wrapper.what} ({', '.join(p + '*' for p in wrapper.left_out)})"
             )
         not_taken = (
             f"the text model of a {wrapper.architecture} directory; {wrapper.what} "
             f"({', '.join(p + '*' for p in wrapper.left_out)}, {len(weights.others)} tensors) "
             "is not taken"
         )
-    if fam.mtp:  # the MTP modules the files hold (model.mtp_depth chooses how many to read)
-        declared = declared_mtp_layers(hf)
-        cfg.model.mtp_depth = stored_mtp_depth(weights.names(), cfg.model.n_layers, declared)
+    if fam.layout.mtp is not None:  # the MTP modules its files hold (a run reads some or all)
+        n, declared = cfg.model.n_layers, declared_mtp_layers(hf)
+        try:
+            cfg.model.mtp_depth = stored_mtp_depth(fam.layout, weights.names(), n, declared)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     return InitSource(
         spec,
         path,
@@ -122,7 +119,7 @@ def _hf_source(spec: str, path: Path) -> InitSource:
         fam.name,
         fam.architecture,
         fam.dense,
-        prefix=prefix,
+        renames=renames,
         not_taken=not_taken,
     )
 

@@ -25,44 +25,22 @@ import torch
 from moetrain.checkpoint.format import CheckpointError
 from moetrain.checkpoint.read import dense_state, expert_files, stacked_experts
 from moetrain.config import Config, MoEConfig
-from moetrain.convert.families import family
 from moetrain.convert.families.base import declared_mtp_layers
-from moetrain.convert.hf import (
-    dense_key_map,
-    expert_key,
-    expert_shapes,
-    ffn_key_map,
-    from_hf_state_dict,
-    from_stacked,
-    fused_expert_names,
-    hf_shape,
-    in_memory_name,
-    is_expert_tensor,
-    joined_shapes,
-    stacked_expert_names,
-    zero_shared_expert,
-)
 from moetrain.convert.hf_files import HFWeights
+from moetrain.convert.weight_map import ZERO_ONLY, WeightMap, decoder_layer
 from moetrain.init_from.source import HF_CONFIG, InitSource
 from moetrain.init_from.upcycle import inexact_reasons, upcycled_dense_part, upcycled_experts
 from moetrain.model import param_names as pn
-from moetrain.model.moe.experts import expert_param_names, pack_w13
+from moetrain.model.moe.experts import expert_param_names
 from moetrain.model.transformer import Transformer
 
 Part = tuple[str, dict[str, torch.Tensor]]
-_W = ("w1", "w3", "w2")
-# tensors a file may hold that the model does not read: rotary tables, and attention biases
-# (from_hf_state_dict refuses non-zero ones)
-_NOT_READ = re.compile(r"(rotary_emb\.inv_freq|self_attn\.[qkvo]_proj\.bias)$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-# the other way released checkpoints store them: ERNIE-4.5's model.mtp_block.<k>.*,
-# model.mtp_emb_norm.<k>, model.mtp_hidden_norm.<k>, model.mtp_linear_proj.<k>
+# tensors a file may hold that the model does not read: rotary tables (and ZERO_ONLY's)
+_ROTARY = re.compile(r"rotary_emb\.inv_freq$")
+# multi-token-prediction modules as ERNIE-4.5's released checkpoints store them:
+# model.mtp_block.<k>.*, model.mtp_emb_norm.<k>, model.mtp_hidden_norm.<k>,
+# model.mtp_linear_proj.<k>
 _MTP_NAME = re.compile(r"^model\.mtp_\w+\.\d+\.")
-
-
-def _meta_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in Transformer(cfg.model, cfg.moe).state_dict().items()}
 
 
 def _read_config(source: InitSource, mtp_depth: int) -> Config:
@@ -71,47 +49,42 @@ def _read_config(source: InitSource, mtp_depth: int) -> Config:
     return dataclasses.replace(src, model=dataclasses.replace(src.model, mtp_depth=mtp_depth))
 
 
+def _source_map(source: InitSource, files: HFWeights, mtp_depth: int = 0) -> WeightMap:
+    """The weight map of a Hugging Face source's model with ``mtp_depth`` multi-token-prediction
+    modules, in the names its ``files`` hold (an MoE source's: its files', or transformers v5's
+    in-memory ones)."""
+    present = None if source.upcycle else files.weight_map
+    return WeightMap(_read_config(source, mtp_depth), source.family, present)
+
+
 def expected_hf_shapes(source: InitSource, mtp_depth: int = 0) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor the source must hold for a model with ``mtp_depth``
-    multi-token-prediction modules -> its shape (experts per expert, or fused where the files
-    hold them fused)."""
-    src, fam = _read_config(source, mtp_depth), source.family
-    shapes = _meta_shapes(src)
-    names = dense_key_map(src, fam)
-    out = {hf: hf_shape(fam, ours, shapes[ours]) for ours, hf in names.items()}
-    out |= joined_shapes(src, fam, shapes)
-    for filler in zero_shared_expert(src, fam).values():  # (not read: they compute nothing)
-        out |= filler
-    if source.upcycle:
-        return out
-    weights_names = set(source.weights().names())
-    for hf in list(out):  # a file in transformers v5's in-memory names (fused experts)
-        if hf not in weights_names and (v5 := in_memory_name(fam, hf)) in weights_names:
-            out[v5] = out.pop(hf)
-    d, f, e = src.model.d_model, src.moe.expert_hidden, src.moe.num_experts
-    for layer in src.moe.moe_layers(src.model.n_blocks):
-        fused = fused_expert_names(fam, layer, weights_names)
-        if fused is not None:
-            out[fused[0]], out[fused[1]] = (e, 2 * f, d), (e, d, f)
-        else:
-            out |= expert_shapes(src, fam, layer)
-    return out
+    multi-token-prediction modules -> its shape (the zeros a family's class always holds where
+    the source has them: they are not read)."""
+    files = source.weights()
+    weights = _source_map(source, files, mtp_depth)
+    return {
+        name: shape
+        for part in (None, *weights.moe_layers)
+        for name, shape, _ in weights.hf_tensors(part)
+        if name not in weights.fillers or name in files.shapes
+    }
 
 
 def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
     """The tensors of a Hugging Face source that the model would not read, apart from the
-    tolerated ones (``_NOT_READ``, a tied head, and the multi-token-prediction layers, after
-    the last decoder layer or under ``model.mtp_*`` names, when config.json declares them, which
-    transformers ignores too)."""
+    tolerated ones (rotary tables, attention biases read only to check that they are zero, a
+    tied head, and the multi-token-prediction layers, after the last decoder layer or under
+    ``model.mtp_*`` names, when config.json declares them, which transformers ignores too)."""
     hf = json.loads((source.path / HF_CONFIG).read_text())
     mtp = declared_mtp_layers(hf) > 0
     n_layers, tied = source.config.model.n_layers, source.config.model.tie_embeddings
     out = []
     for name in source.weights().names():
-        layer = _LAYER.match(name)
-        if name in expected or _NOT_READ.search(name) or (tied and name == "lm_head.weight"):
+        tolerated = _ROTARY.search(name) or ZERO_ONLY.search(name)
+        if name in expected or tolerated or (tied and name == "lm_head.weight"):
             continue
-        if mtp and layer is not None and int(layer.group(1)) >= n_layers:
+        if mtp and decoder_layer(name) >= n_layers:
             continue
         if mtp and _MTP_NAME.match(name):
             continue
@@ -151,90 +124,34 @@ def check_source_tensors(source: InitSource, mtp_depth: int = 0) -> None:
             )
 
 
-def _hf_experts(
-    weights: HFWeights,
-    source: InitSource,
-    layer: int,
-    experts: tuple[int, int],
-    into: dict[str, torch.Tensor] | None,
-) -> dict[str, torch.Tensor]:
-    """Experts ``[start, stop)`` of one layer, stacked as moetrain holds them: each expert's
-    tensors transposed straight into place, into ``into``'s tensors of the same names when
-    given (a model's parameters: no stacked copy in between), else new ones in the files'
-    dtype."""
-    (start, stop), fam, f = experts, source.family, source.config.moe.expert_hidden
-    p, fused = pn.experts_prefix(layer), fused_expert_names(fam, layer, weights.weight_map)
-    if family(fam).names.stacked_experts is not None:  # this rank's rows of each tensor
-        names = stacked_expert_names(source.config, fam, layer)
-        return {
-            p + w: from_stacked(fam, w, weights.load_rows(hf, start, stop)).contiguous()
-            for w, hf in names.items()
-        }
-    if fused is not None:
-        gate_up = weights.load_rows(fused[0], start, stop)  # (L, 2F, D)
-        w13 = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
-        w2 = weights.load_rows(fused[1], start, stop).transpose(1, 2)
-        return {p + "w13": w13.contiguous(), p + "w2": w2.contiguous()}
-    keys = {(e, w): expert_key(fam, layer, e, w) for e in range(start, stop) for w in _W}
-    t = weights.load(list(keys.values()))
-    d, dtype = source.config.model.d_model, t[keys[start, "w1"]].dtype
-    into = into or {}
-    w13 = into.get(p + "w13", torch.empty(stop - start, d, 2 * f, dtype=dtype))
-    w2 = into.get(p + "w2", torch.empty(stop - start, f, d, dtype=dtype))
-    with torch.no_grad():
-        for i, e in enumerate(range(start, stop)):
-            w13[i, :, :f].copy_(t.pop(keys[e, "w1"]).t().contiguous())
-            w13[i, :, f:].copy_(t.pop(keys[e, "w3"]).t().contiguous())
-            w2[i].copy_(t.pop(keys[e, "w2"]).t().contiguous())
-    return {p + "w13": w13, p + "w2": w2}
-
-
 def _moe_hf_parts(
     source: InitSource,
     experts: tuple[int, int],
     into: dict[str, torch.Tensor] | None,
     mtp_depth: int,
 ) -> Iterator[Part]:
-    cfg, weights = _read_config(source, mtp_depth), source.weights()
-    dense_names = [  # (the multi-token-prediction layers not read are skipped)
-        n
-        for n in weights.names()
-        if not is_expert_tensor(source.family, n) and _hf_layer(n) < cfg.model.n_blocks
-    ]
-    state = from_hf_state_dict(weights.load(dense_names), cfg, source.family, expert_layers=[])
-    yield "dense", state
-    del state
-    for layer in cfg.moe.moe_layers(cfg.model.n_blocks):
-        yield f"layers.{layer}", _hf_experts(weights, source, layer, experts, into)
-
-
-def _dense_names(cfg: Config, family: str) -> dict[str, str]:
-    """moetrain key -> Hugging Face key of every weight a dense source gives the run's model
-    as is: all but the FFNs of the layers ``cfg`` makes MoE (those are upcycled)."""
-    dense = Config(model=cfg.model, moe=MoEConfig(first_k_dense=cfg.model.n_layers))
-    names = dense_key_map(dense, family)
-    for layer in cfg.moe.moe_layers(cfg.model.n_layers):
-        for key in ffn_key_map(layer):
-            del names[key]
-    return names
+    files = source.weights()
+    weights = _source_map(source, files, mtp_depth)
+    yield "dense", weights.read_dense(files)
+    for layer in weights.moe_layers:
+        yield f"layers.{layer}", weights.read_experts(files, layer, experts, into)
 
 
 def _upcycled_parts(source: InitSource, cfg: Config, experts: tuple[int, int]) -> Iterator[Part]:
-    weights, fam = source.weights(), source.family
-    names = _dense_names(cfg, fam)
-    loaded = weights.load(list(names.values()))
-    state = {ours: loaded[theirs] for ours, theirs in names.items()}
-    del loaded
-    if cfg.model.tie_embeddings:
-        state[pn.LM_HEAD] = state[pn.EMBED]
+    """A dense source's weights as is, but the FFNs of the layers ``cfg`` makes MoE: those
+    upcycled, a layer at a time."""
+    dense = Config(model=cfg.model, moe=MoEConfig(first_k_dense=cfg.model.n_layers))
+    weights, files = WeightMap(dense, source.family), source.weights()
     moe_layers = cfg.moe.moe_layers(cfg.model.n_layers)
 
     def ffn(layer: int) -> list[torch.Tensor]:
         """The dense FFN's gate, up and down weights (HF layout)."""
-        hf = ffn_key_map(layer, family(fam).names.dense_block)
-        t = weights.load(list(hf.values()))
-        return [t[hf[pn.dense_ffn(layer, w)]] for w in _W]
+        names = [weights.hf_name(pn.dense_ffn(layer, w)) for w in pn.SWIGLU_WEIGHTS]
+        t = files.load(names)
+        return [t[n] for n in names]
 
+    skip = {pn.dense_ffn(layer, w) for layer in moe_layers for w in pn.SWIGLU_WEIGHTS}
+    state = weights.read_dense(files, skip)
     for layer in moe_layers:
         state |= upcycled_dense_part(*ffn(layer), cfg, layer)
     yield "dense", state
@@ -304,12 +221,6 @@ def init_record(source: InitSource, cfg: Config) -> dict[str, Any]:
             "inexact_because": reasons,
         }
     return record
-
-
-def _hf_layer(name: str) -> int:
-    """The decoder-layer index of a Hugging Face tensor name (-1 outside the layers)."""
-    m = _LAYER.match(name)
-    return int(m.group(1)) if m else -1
 
 
 def _block(name: str) -> int:

@@ -1,7 +1,7 @@
 """Single-device model code (never imports torch.distributed)."""
 
-from moetrain.model.attention import Attention
 from moetrain.model.layers import RMSNorm, SwiGLU
+from moetrain.model.mixers.gqa import Attention
 from moetrain.model.moe import GroupedExperts, LocalDispatcher, MoELayer, MoEOutput, Router
 from moetrain.model.transformer import Block, Transformer, TransformerOutput
 

@@ -1,4 +1,6 @@
-"""The transformer block: pre-norm attention (grouped-query or latent) and a dense or MoE FFN.
+"""The transformer block: a pre-norm token mixer and a pre-norm FFN (dense or MoE), as the layer
+plan (:mod:`moetrain.config.layer_plan`) says; either may be absent (a block of its mixer alone,
+or of its FFN alone: Nemotron-H's layers).
 
 Shape legend: B batch, S sequence, D d_model.
 """
@@ -9,48 +11,55 @@ import torch
 from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.model.attention import Attention, KVCache
-from moetrain.model.doc_attention import Documents
+from moetrain.config.layer_plan import LayerSpec
 from moetrain.model.layers import SwiGLU, make_norm
-from moetrain.model.mla import LatentCache, MLAttention
+from moetrain.model.mixers import MixerInputs, MixerState, TokenMixer, build_mixer
 from moetrain.model.moe.layer import MoELayer, MoEOutput
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``; with
-    ``model.residual_multiplier`` m, ``x + m * attn(norm(x))`` and ``x + m * ffn(norm(x))``."""
+    """Pre-norm block: ``x + attn(attn_norm(x))`` then ``x + ffn(ffn_norm(x))``; with
+    ``model.residual_multiplier`` m, ``x + m * attn(...)`` and ``x + m * ffn(...)``. A block
+    whose plan has no mixer has no ``attn_norm`` / ``attn`` (None), one with FFN "none" no
+    ``ffn_norm`` / ``ffn``."""
 
     def __init__(
         self,
-        layer: int,
+        spec: LayerSpec,
         cfg: ModelConfig,
         moe_cfg: MoEConfig,
         local_experts: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
-        self.layer = layer
-        self.attn_norm = make_norm(cfg, cfg.d_model)
-        self.attn: nn.Module = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg, layer)
-        self.ffn_norm = make_norm(cfg, cfg.d_model)
+        self.spec = spec
+        self.layer = spec.index
         self.residual_multiplier = cfg.residual_multiplier
-        self.is_moe = moe_cfg.is_moe_layer(layer)
-        self.ffn: nn.Module = (
-            MoELayer(moe_cfg, cfg.d_model, local_experts, layer=layer)
-            if self.is_moe
-            else SwiGLU(cfg.d_model, cfg.dense_hidden)
-        )
+        self.attn_norm = self.attn = None
+        if spec.mixer is not None:
+            self.attn_norm = make_norm(cfg, cfg.d_model)
+            self.attn: TokenMixer | None = build_mixer(cfg, spec.mixer)
+        self.is_moe = spec.ffn == "moe"
+        self.ffn_norm = self.ffn = None
+        if spec.ffn != "none":
+            self.ffn_norm = make_norm(cfg, cfg.d_model)
+            self.ffn: nn.Module | None = (
+                MoELayer(moe_cfg, cfg.d_model, local_experts, layer=spec.index)
+                if self.is_moe
+                else SwiGLU(cfg.d_model, cfg.dense_hidden)
+            )
 
     def forward(
         self,
         x_BSD: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask_B1SS: torch.Tensor | Documents | None,
-        cache: KVCache | LatentCache | None = None,
+        inputs: MixerInputs,
+        state: MixerState | None = None,
     ) -> tuple[torch.Tensor, MoEOutput | None]:
-        h_BSD = self.attn_norm(x_BSD)
-        a_BSD = self.attn(h_BSD, cos, sin, mask_B1SS, cache=cache, layer=self.layer)
-        x_BSD = x_BSD + self._scaled(a_BSD)
+        """The block's output and its MoE layer's statistics (None without one); ``state``:
+        the mixer's inference state (generation)."""
+        if self.attn is not None:
+            x_BSD = x_BSD + self._scaled(self.attn(self.attn_norm(x_BSD), inputs, state))
+        if self.ffn is None:
+            return x_BSD, None
         h_BSD = self.ffn_norm(x_BSD)
         if self.is_moe:
             y_BSD, stats = self.ffn(h_BSD)

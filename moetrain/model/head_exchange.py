@@ -1,4 +1,5 @@
-"""The hook through which sequence parallelism reaches attention, without the model knowing how.
+"""The hook through which sequence parallelism reaches the token mixers, without the model knowing
+how.
 
 Shape legend: B batch, s this rank's slice of the sequence, S the whole sequence (``n * s``),
 H heads, h = H / n heads per rank, X a head's dims.
@@ -6,9 +7,13 @@ H heads, h = H / n heads per rank, X a head's dims.
 Under sequence parallelism (``parallel.sp_size`` = n, Ulysses-style) each of n ranks holds
 ``s`` consecutive tokens of the same sequences. A :class:`HeadExchange` (the implementation,
 an all-to-all over the ranks, is :mod:`moetrain.parallel.sequence_parallel`, attached from
-outside by ``Transformer.set_head_exchange``) turns per-head tensors (B, s, H, X) into
-(B, S, h, X), so each rank attends over whole sequences for its h heads, and back. The model
-only calls it; a model without one (``head_exchange`` None, the default) runs exactly as before.
+outside by ``Transformer.set_head_exchange``, which hands it to every mixer's
+``set_head_exchange``) turns per-head tensors (B, s, H, X) into (B, S, h, X), so each rank
+mixes whole sequences for its h heads, and back. Which heads a mixer splits is its own (its
+kind's ``sp_heads``: attention's query heads; a recurrent mixer's heads with every channel
+that belongs to them, a short convolution's included); :func:`exchange_to_heads` and
+:func:`exchange_to_sequence` are attention's use of it. The model only calls it; a model
+without one (``head_exchange`` None, the default) runs exactly as before.
 
 Rank ``rank`` holds positions ``[rank * s, (rank + 1) * s)`` (RoPE uses these global
 positions) and heads ``[rank * h, (rank + 1) * h)``. Key/value heads: where their count ``G``

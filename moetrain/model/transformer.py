@@ -1,4 +1,5 @@
-"""Decoder-only transformer: embeddings, pre-norm blocks (attention + dense or MoE FFN), LM head.
+"""Decoder-only transformer: embeddings, pre-norm blocks (a token mixer and a dense or MoE FFN, as
+the layer plan says), LM head.
 
 Shape legend: B batch, S sequence, D d_model, V vocab.
 """
@@ -13,15 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.model.attention import Attention, KVCache
+from moetrain.config.layer_plan import layer_plan
 from moetrain.model.block import Block
+from moetrain.model.cache import InferenceCache
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents
 from moetrain.model.head_exchange import HeadExchange
 from moetrain.model.layers import LayerNorm, RMSNorm, make_norm
-from moetrain.model.local_attention import chunk_segments
 from moetrain.model.loss import chunked_cross_entropy
-from moetrain.model.mla import LatentCache
+from moetrain.model.mixers import MixerInputs, TokenMixer
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
 from moetrain.model.mtp import MTPBlock, mtp_targets, shift_left
@@ -63,10 +64,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.moe_cfg = model_cfg, moe_cfg
         self.embed = nn.Embedding(model_cfg.vocab_size, model_cfg.d_model)
-        n = model_cfg.n_layers
+        self.plan = layer_plan(model_cfg, moe_cfg)
         self.layers = nn.ModuleList(
-            (Block if i < n else MTPBlock)(i, model_cfg, moe_cfg, local_experts)
-            for i in range(model_cfg.n_blocks)
+            (MTPBlock if spec.mtp else Block)(spec, model_cfg, moe_cfg, local_experts)
+            for spec in self.plan
         )
         self.norm = make_norm(model_cfg, model_cfg.d_model)
         self.lm_head = Linear(model_cfg.d_model, model_cfg.vocab_size, bias=model_cfg.lm_head_bias)
@@ -84,11 +85,12 @@ class Transformer(nn.Module):
         """Sequence parallelism (:mod:`moetrain.model.head_exchange`): the model's inputs are
         then this rank's slice ``ex.rank`` of ``ex.size`` equal slices of every sequence (its
         labels the same slice; ``doc_ids_BS`` the whole rows), RoPE takes the slice's global
-        positions and every attention layer attends over the whole sequences through ``ex``.
-        None: one device again."""
+        positions and every mixer mixes the whole sequences through ``ex``. None: one device
+        again."""
         self.head_exchange = ex
         for block in self.layers:
-            block.attn.head_exchange = ex
+            if block.attn is not None:
+                block.attn.set_head_exchange(ex)
 
     def tie_weights(self) -> None:
         """With ``model.tie_embeddings``, make ``lm_head.weight`` the embedding's Parameter
@@ -120,8 +122,8 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """Normal(0, init_std) everywhere; output projections (attention ``wo``, FFN and expert
         ``w2``) use init_std / sqrt(2 * n_layers); norm weights are ones; norm biases, the
-        selection bias, every projection bias (q/k/v, output, router, experts, LM head) and the
-        attention sinks zeros."""
+        selection bias and every projection bias (q/k/v, output, router, experts, LM head)
+        zeros; each mixer initialises the rest of its own (attention sinks: zeros)."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
@@ -138,8 +140,8 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, MoELayer):
                 module.router.expert_bias.zero_()
-            elif isinstance(module, Attention) and module.sinks is not None:
-                module.sinks.zero_()
+            elif isinstance(module, TokenMixer):
+                module.init_own_parameters()
         self.tie_weights()  # lm_head shares embed.weight; keep the embedding init
 
     def forward(
@@ -147,7 +149,7 @@ class Transformer(nn.Module):
         input_ids_BS: torch.Tensor,
         doc_ids_BS: torch.Tensor | None = None,
         labels_BS: torch.Tensor | None = None,
-        cache: KVCache | LatentCache | None = None,
+        cache: InferenceCache | None = None,
         return_logits: bool = True,
         mtp_weight: float | None = None,
     ) -> TransformerOutput:
@@ -190,20 +192,14 @@ class Transformer(nn.Module):
         x_BSD = self.embed(input_ids_BS)
         if self.cfg.embedding_multiplier != 1.0:
             x_BSD = x_BSD * self.cfg.embedding_multiplier
-        # the packed documents' layout, one for every layer: no S x S mask (doc_attention.py);
-        # chunked layers see each document's part of each chunk (local_attention.py)
-        mask = chunk_mask = None
-        if doc_ids_BS is not None:
-            mask = Documents.from_ids(doc_ids_BS).to(x_BSD.device)
-            chunk = self.cfg.attention_chunk_size
-            if chunk is not None:
-                segments_BS = chunk_segments(doc_ids_BS, chunk)
-                chunk_mask = Documents.from_ids(segments_BS).to(x_BSD.device)
+        # the packed documents' layout, one for every layer: no S x S mask (doc_attention.py)
+        docs = None if doc_ids_BS is None else Documents.from_ids(doc_ids_BS).to(x_BSD.device)
+        inputs = MixerInputs(cos, sin, docs, doc_ids_BS, start if cache is not None else 0)
         moe_outs: list[MoEOutput] = []
         embed_BSD = x_BSD
-        for block in self.layers[: self.cfg.n_layers]:
-            chunked = getattr(block.attn, "chunk", None) is not None
-            x_BSD, stats = block(x_BSD, cos, sin, chunk_mask if chunked else mask, cache)
+        for i, block in enumerate(self.layers[: self.cfg.n_layers]):
+            state = cache.layers[i] if cache is not None else None
+            x_BSD, stats = block(x_BSD, inputs, state)
             if stats is not None:
                 moe_outs.append(stats)
         if cache is not None:
@@ -219,7 +215,7 @@ class Transformer(nn.Module):
             return out
         out.ce_loss = self._cross_entropy(h_BSD, labels_BS, logits_BSV)
         if self.cfg.mtp_depth:
-            args = (embed_BSD, cos, sin, mask, labels_BS, doc_ids_BS, moe_outs, chunked)
+            args = (embed_BSD, inputs, labels_BS, doc_ids_BS, moe_outs, chunked)
             out.mtp_losses = self._mtp_losses(h_BSD, *args)
             out.mtp_loss = torch.stack(out.mtp_losses).mean()
         out.moe_loss = self._moe_loss(moe_outs, h_BSD)
@@ -283,9 +279,7 @@ class Transformer(nn.Module):
         self,
         h_BSD: torch.Tensor,
         embed_BSD: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: Documents | None,
+        inputs: MixerInputs,
         labels_BS: torch.Tensor,
         doc_ids_BS: torch.Tensor | None,
         moe_outs: list[MoEOutput],
@@ -293,28 +287,37 @@ class Transformer(nn.Module):
     ) -> list[torch.Tensor]:
         """Each depth's cross-entropy (:mod:`moetrain.model.mtp`; ``chunked``: without its
         logits, as the main loss); the MTP blocks' MoE statistics are appended to
-        ``moe_outs``."""
-        losses = []
+        ``moe_outs``. Each depth hands the next its hidden state after its ``head_norm``.
+        Depth ``k`` runs on the positions whose input token is in the row (the first
+        ``S - k``: causal attention gives them the same outputs), so that no position past the
+        row's end reaches its MoE's routing statistics, bias update or capacity."""
+        losses, s = [], embed_BSD.shape[1]
         for k, block in enumerate(self.layers[self.cfg.n_layers :], start=1):
-            x_BSD = block.block_input(h_BSD, shift_left(embed_BSD, k, 0.0))
-            h_BSD, stats = block(x_BSD, cos, sin, mask)
+            m = max(s - k, 1)
+            docs_BS = doc_ids_BS[:, :m] if doc_ids_BS is not None else None
+            docs = Documents.from_ids(docs_BS).to(h_BSD.device) if docs_BS is not None else None
+            rows = MixerInputs(inputs.cos[:m], inputs.sin[:m], docs, docs_BS)
+            x_BSD = block.block_input(h_BSD[:, :m], shift_left(embed_BSD, k, 0.0)[:, :m])
+            out_BSD, stats = block(x_BSD, rows)
             if stats is not None:
                 moe_outs.append(stats)
-            normed_BSD = block.head_norm(h_BSD)
-            logits_BSV = None if chunked else self.head(normed_BSD)
-            targets_BS = mtp_targets(labels_BS, doc_ids_BS, k)
-            losses.append(self._cross_entropy(normed_BSD, targets_BS, logits_BSV))
+            h_BSD = block.head_norm(out_BSD)
+            logits_BSV = None if chunked else self.head(h_BSD)
+            targets_BS = mtp_targets(labels_BS, doc_ids_BS, k)[:, :m]
+            losses.append(self._cross_entropy(h_BSD, targets_BS, logits_BSV))
         return losses
 
-    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache | LatentCache:
-        """An empty generation cache for ``batch`` sequences of up to ``max_len`` tokens: keys
-        and values (grouped-query attention), or latents and rope keys (MLA)."""
-        c, w = self.cfg, self.embed.weight
-        n = max_len or c.rope_positions
-        if c.attention == "mla":
-            rank, rope = c.kv_lora_rank, c.qk_rope_head_dim
-            return LatentCache(c.n_layers, batch, rank, rope, n, w.dtype, w.device)
-        return KVCache(c.n_layers, batch, c.n_kv_heads, c.attention_head_dim, n, w.dtype, w.device)
+    def new_cache(self, batch: int, max_len: int | None = None) -> InferenceCache:
+        """An empty generation cache for ``batch`` sequences of up to ``max_len`` tokens (default
+        ``rope_positions``): each decoder layer's mixer state (keys and values, latents, ...),
+        in the model's dtype and device."""
+        n = max_len or self.cfg.rope_positions
+        w = self.embed.weight
+        states = [
+            None if b.attn is None else b.attn.new_state(batch, n, w.dtype, w.device)
+            for b in self.layers[: self.cfg.n_layers]
+        ]
+        return InferenceCache(states, n)
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE FFNs in layer order (the multi-token-prediction blocks' last)."""

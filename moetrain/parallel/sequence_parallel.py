@@ -8,9 +8,11 @@ A sequence-parallel group is ``n`` consecutive ranks (:mod:`moetrain.parallel.to
 ranks get the same rows from the loader (its data-parallel rank is ``rank // n``) and each keeps
 ``S / n`` consecutive tokens of every row (:func:`shard_batch`: ``input_ids`` and ``labels``
 sliced, ``doc_ids`` kept whole, because the document mask is that of the whole rows). Every
-layer's attention exchanges heads for sequence after its q/k/v projections and RoPE (at the
-slice's global positions), attends over the whole sequences for its ``H / n`` heads (document
-mask included), and exchanges back before its output projection (:class:`UlyssesExchange`:
+layer's token mixer exchanges heads for sequence (attention: after its q/k/v projections and
+RoPE at the slice's global positions), mixes the whole sequences for its ``1 / n`` of the
+heads (document mask included), and exchanges back before its output projection (each mixer
+kind's own use of the exchange, :meth:`moetrain.model.mixers.TokenMixer.set_head_exchange`;
+:class:`UlyssesExchange`:
 an all-to-all of equal parts through :mod:`moetrain.parallel.all_to_all`'s autograd exchange,
 as the expert dispatch uses, whose backward is the reverse exchange). Everything else (norms, FFNs, MoE routing and the expert all-to-all, the loss) is
 per token and runs on the slice as it would on any rank's tokens.

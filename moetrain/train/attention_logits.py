@@ -4,7 +4,7 @@ record's ``attn/max_logit`` (and ``attn/layer<i>/max_logit``), and QK-clip's row
 
 QK-clip (Kimi K2's MuonClip, threshold tau): a head whose largest logit S exceeds tau gets
 ``gamma = tau / S`` (1 elsewhere) and its query and key weights rescaled after the step so that
-its logits scale by gamma, as the attention module says (``qk_clip_scales``).
+its logits scale by gamma, as the mixer says (``TokenMixer.qk_clip_scales``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetrain.model.mixers.base import TokenMixer
+
 
 def clip_factors(maxima_H: torch.Tensor, threshold: float) -> torch.Tensor:
     """Per head ``min(1, threshold / max logit)`` (1 where the maximum is not above it)."""
@@ -23,10 +25,14 @@ def clip_factors(maxima_H: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 class AttentionLogits:
-    """The attention modules of ``model`` (those with ``qk_clip_scales``), in layer order."""
+    """The token mixers of ``model`` with query-key logits (attention), in layer order."""
 
     def __init__(self, model: nn.Module, world_size: int) -> None:
-        self.modules = [(n, m) for n, m in model.named_modules() if hasattr(m, "qk_clip_scales")]
+        self.modules = [
+            (n, m)
+            for n, m in model.named_modules()
+            if isinstance(m, TokenMixer) and m.query_key_logits
+        ]
         self.world_size = world_size
 
     def track(self, on: bool) -> None:

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.model import Transformer, attention
+from moetrain.config.layer_plan import MixerSpec
+from moetrain.model import Transformer
 from moetrain.model.attention import (
-    Attention,
     apply_rope,
     attention_report,
     document_mask,
@@ -21,6 +21,8 @@ from moetrain.model.attention import (
     rope_tables,
     sdpa_kernel_name,
 )
+from moetrain.model.mixers import MixerInputs, gqa
+from moetrain.model.mixers.gqa import Attention
 
 
 def _cfg(**kw) -> ModelConfig:
@@ -48,10 +50,10 @@ def test_masked_gqa_equals_the_grouped_call(
 ) -> None:
     """Expanded K/V (forced here: CPU kernels take grouped K/V) against the grouped call with a
     boolean mask, the call as it was before."""
-    monkeypatch.setattr(attention, "expand_kv_for_mask", lambda *a: True)
+    monkeypatch.setattr(gqa, "expand_kv_for_mask", lambda *a: True)
     cfg = _cfg(n_kv_heads=n_kv_heads, qk_norm=qk_norm)
     torch.manual_seed(0)
-    attn = Attention(cfg)
+    attn = Attention(cfg, MixerSpec("gqa"))
     cos, sin = rope_tables(attn.head_dim, cfg.max_seq_len, cfg.rope_theta)
     doc_ids = torch.tensor([[0] * 5 + [1] * 6 + [2] * 2, [0] * 13])
     mask = document_mask(doc_ids, torch.float32 if float_mask else torch.bool)
@@ -59,7 +61,7 @@ def test_masked_gqa_equals_the_grouped_call(
     grad = torch.randn(2, 13, cfg.d_model)
     results = []
     for fn in (
-        lambda: attn(x, cos, sin, mask),
+        lambda: attn(x, MixerInputs(cos, sin, mask)),
         lambda: grouped_reference(attn, x, cos, sin, document_mask(doc_ids)),
     ):
         attn.zero_grad()
@@ -83,11 +85,12 @@ def test_additive_document_mask_is_what_sdpa_makes_of_the_boolean_one() -> None:
         assert additive.dtype == dtype and additive.shape == allowed.shape == (2, 1, 6, 6)
         assert torch.equal(additive, torch.where(allowed, 0.0, float("-inf")).to(dtype))
     torch.manual_seed(0)
-    attn = Attention(_cfg())
+    attn = Attention(_cfg(), MixerSpec("gqa"))
     cos, sin = rope_tables(attn.head_dim, 64, 10000.0)
     x = torch.randn(2, 6, 32)
     assert torch.equal(
-        attn(x, cos, sin, allowed), attn(x, cos, sin, document_mask(doc_ids, x.dtype))
+        attn(x, MixerInputs(cos, sin, allowed)),
+        attn(x, MixerInputs(cos, sin, document_mask(doc_ids, x.dtype))),
     )
 
 
@@ -119,7 +122,7 @@ def test_only_a_masked_call_consults_the_policy(monkeypatch: pytest.MonkeyPatch)
         return True  # as on a GPU whose torch would run the math kernel
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(attention, "expand_kv_for_mask", policy)
+    monkeypatch.setattr(gqa, "expand_kv_for_mask", policy)
     torch.manual_seed(0)
     model = Transformer(_cfg(n_layers=1), MoEConfig(num_experts=4, top_k=2, expert_hidden=16))
     ids = torch.randint(0, 50, (1, 6))

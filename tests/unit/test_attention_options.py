@@ -14,9 +14,12 @@ import pytest
 import torch
 
 from moetrain.config import ConfigError, ModelConfig
+from moetrain.config.layer_plan import mixer_spec
 from moetrain.model import Transformer
-from moetrain.model.attention import Attention, temperature
+from moetrain.model.attention import temperature
 from moetrain.model.doc_attention import Documents
+from moetrain.model.mixers import MixerInputs
+from moetrain.model.mixers.gqa import Attention
 from moetrain.model.rope import rope_tables
 from tests.helpers.configs import tiny_config
 from tests.helpers.decoding import logits_through_cache
@@ -74,7 +77,7 @@ def reference(attn: Attention, cfg: ModelConfig, x, pos, allowed, chunk=None) ->
 def _attention(layer: int, **extra) -> tuple[Attention, ModelConfig]:
     cfg = tiny_config({**LLAMA4, **extra}).model
     torch.manual_seed(layer)
-    attn = Attention(cfg, layer).double()
+    attn = Attention(cfg, mixer_spec(cfg, layer)).double()
     with torch.no_grad():
         for p in attn.parameters():
             p.normal_(0, 0.4)
@@ -99,13 +102,9 @@ def test_layer_matches_the_written_out_attention(layer: int, chunk: int | None) 
     pos = torch.arange(23)
     doc_ids = torch.tensor([[0] * 9 + [1] * 14, [0] * 23])
     same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    docs = Documents.from_ids(doc_ids)
-    if chunk:
-        from moetrain.model.local_attention import chunk_segments
-
-        docs = Documents.from_ids(chunk_segments(doc_ids, chunk))
+    docs = Documents.from_ids(doc_ids)  # (a chunked layer cuts them at its chunks)
     for mask, allowed in ((None, torch.ones_like(same)), (docs, same)):
-        got = attn(x, cos, sin, mask)
+        got = attn(x, MixerInputs(cos, sin, mask, None if mask is None else doc_ids))
         want = reference(attn, cfg, x, pos, allowed, chunk)
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
         grad = torch.randn_like(got)
@@ -130,7 +129,8 @@ def test_each_option_binds() -> None:
         other, _ = _attention(layer, **off)
         other.load_state_dict(attn.state_dict())
         cos, sin = _tables(cfg)
-        assert (attn(x, cos, sin) - other(x, cos, sin)).abs().max() > 1e-3, off
+        inputs = MixerInputs(cos, sin)
+        assert (attn(x, inputs) - other(x, inputs)).abs().max() > 1e-3, off
 
 
 def test_temperature_is_llama4s_formula() -> None:

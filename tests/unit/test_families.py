@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from moetrain.cli import build_parser
-from moetrain.config import ConfigError
-from moetrain.convert.families import DENSE, FAMILIES, FORMATS, family, of_hf_config
+from moetrain.config import ConfigError, ModelConfig, MoEConfig
+from moetrain.convert.families import DENSE, FAMILIES, FORMATS, Family, family, of_hf_config
+from moetrain.convert.families.holds import ANY
 from moetrain.init_from.source import MODEL_KEYS, MOE_KEYS
 from moetrain.model import Transformer
 from tests.helpers.configs import tiny_config
@@ -94,3 +95,22 @@ def test_a_field_that_changes_the_weights_is_marked_function(section, keys) -> N
                 shapes = {k: v for k, v in shapes.items() if not _block_from(k, n)}
             assert shapes == ref, f"{section}.{f.name}={other!r} changes the weights"
     assert tried >= 5
+
+
+def test_a_family_declares_only_settings_the_shared_check_knows() -> None:
+    """A family's ``holds`` overrides rules of BASELINE; a setting it does not know would be
+    checked by nothing, so the family is refused where it is defined."""
+    with pytest.raises(ValueError, match=r"model\.no_such_setting"):
+        Family("x", "XForCausalLM", lambda hf: hf, holds={"model.no_such_setting": ANY})
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_refusal_says_why_in_the_familys_name(fmt: str) -> None:
+    """Every rule a family checks gives a reason that names its class, fully formatted."""
+    fam, model, moe = family(fmt), ModelConfig(), MoEConfig()
+    for key, rule in fam.rules.items():
+        if rule == ANY:
+            continue
+        why = rule.reason(key, fam.architecture, model, moe)
+        assert why.startswith(fam.architecture) and "{" not in why, (key, why)
+        assert "holds no other value" not in why, (key, why)  # (a phrase for every value)

@@ -12,9 +12,11 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
 from moetrain.config import ConfigError, ModelConfig, MoEConfig
+from moetrain.config.layer_plan import MixerSpec
 from moetrain.generate import generate_ids
 from moetrain.model import RMSNorm, Transformer
-from moetrain.model.mla import LatentCache, MLAttention
+from moetrain.model.mixers import MixerInputs
+from moetrain.model.mixers.mla import LatentCache, MLAttention
 from moetrain.model.rope import model_rope_tables
 from moetrain.model_numbers import model_numbers
 from moetrain.parallel.apply import checkpoint_blocks
@@ -117,7 +119,7 @@ def _attention_pair(version: int, q_lora_rank, interleave, yarn):
         hf_mod.DeepseekV3RotaryEmbedding if version == 3 else hf_mod.DeepseekV2RotaryEmbedding
     )
     ref = attn_cls(hc, 0).eval()
-    ours = MLAttention(_model_cfg(q_lora_rank, interleave, yarn)).eval()
+    ours = MLAttention(_model_cfg(q_lora_rank, interleave, yarn), MixerSpec("mla")).eval()
     _randomise(ours)
     state = {}
     for key, value in ours.state_dict().items():
@@ -138,7 +140,7 @@ def test_attention_matches_transformers_deepseek_v3(q_lora_rank, interleave, yar
     cos, sin = model_rope_tables(_model_cfg(q_lora_rank, interleave, yarn))
     with torch.no_grad():
         expected, _ = ref(x, rotary(x, pos), _causal_mask(24))
-        got = ours(x, cos, sin)
+        got = ours(x, MixerInputs(cos, sin))
     assert ours.scale == pytest.approx(ref.scaling, rel=1e-12)
     assert _rel(got, expected) <= 1e-5
 
@@ -154,7 +156,7 @@ def test_attention_matches_transformers_deepseek_v2(yarn: bool) -> None:
     cos, sin = model_rope_tables(_model_cfg(None, True, yarn))
     with torch.no_grad():
         expected, _ = ref(x, _causal_mask(20), position_embeddings=freqs_cis)
-        got = ours(x, cos, sin)
+        got = ours(x, MixerInputs(cos, sin))
     assert _rel(got, expected) <= 1e-5
 
 
@@ -215,7 +217,7 @@ def test_generation_caches_latents_and_matches_full_recomputation() -> None:
     model = _mla_model(YARN_OVERRIDES)
     cache = model.new_cache(1, 40)
     m = model.cfg
-    assert isinstance(cache, LatentCache)
+    assert all(isinstance(state, LatentCache) for state in cache.layers)
     assert cache.bytes_per_token == m.n_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 4
     prompt = [5, 17, 2, 33, 8, 1]
     new = generate_ids(model, prompt, max_new_tokens=20, temperature=0)
@@ -283,12 +285,12 @@ def test_plan_activation_formula_matches_saved_tensors(q_lora_rank, dtype) -> No
     formula counts."""
     cfg = _model_cfg(q_lora_rank, False, False, max_seq_len=256)
     cfg.v_head_dim = cfg.attention_head_dim
-    norm, attn = RMSNorm(cfg.d_model).to(dtype), MLAttention(cfg).to(dtype)
+    norm, attn = RMSNorm(cfg.d_model).to(dtype), MLAttention(cfg, MixerSpec("mla")).to(dtype)
     cos, sin = (t.to(dtype) for t in model_rope_tables(cfg))  # per position, not per token
     x = torch.randn(4, 256, cfg.d_model, dtype=dtype, requires_grad=True)
     owned = [*attn.parameters(), *norm.parameters(), cos, sin]
     with saved_storages(owned) as seen:
-        attn(norm(x), cos, sin)
+        attn(norm(x), MixerInputs(cos, sin))
     a = 4 if dtype == torch.float32 else 2
     assert "flash" in attn.sdpa_kernel and "padded" not in attn.sdpa_kernel
     assert sum(seen.values()) / x.shape[0] / x.shape[1] == pytest.approx(

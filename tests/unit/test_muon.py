@@ -229,7 +229,8 @@ def test_a_kind_that_is_not_a_matrix_kind_is_refused() -> None:
 
 def test_state_names_bytes_and_print_config(capsys) -> None:
     from moetrain.cli import main
-    from moetrain.optim.summary import state_bytes_per_param, update_counts
+    from moetrain.optim.summary import update_counts
+    from moetrain.plan.optimizer import state_bytes_per_param
 
     cfg = _cfg()
     spec = optimizer_spec("muon")

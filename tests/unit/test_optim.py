@@ -183,15 +183,30 @@ def test_unknown_optimizer_is_refused_naming_the_key() -> None:
         tiny_config({"optim.name": "sgd"})
 
 
-def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path) -> None:
-    from moetrain.checkpoint.format import CheckpointError, TrainerState
-    from moetrain.checkpoint.reshard import check_same_optimizer, saved_optimizer_name
+def test_a_resume_under_another_optimizer_is_refused_before_it_starts(tmp_path) -> None:
+    """``optim.name`` is one of the keys a resume may change only with ``--reset-optimizer``
+    (checkpoint/compat.py), refused before any process group starts; a checkpoint written
+    before the name was recorded is AdamW's."""
+    import json
 
-    def state(optim: dict) -> TrainerState:
-        layout = {"world_size": 1, "ep_size": 1, "zero_stage": 0}
-        return TrainerState(1, 0, 0, None, None, layout, {"optim": optim})
+    from moetrain.checkpoint.format import COMMIT_FILE, TrainerState
+    from moetrain.checkpoint.reshard import saved_optimizer_name
+    from moetrain.config import ConfigError
+    from moetrain.train.start import check_start
 
-    assert saved_optimizer_name(state({})) == "adamw"  # (written before the name was recorded)
-    check_same_optimizer(state({"name": "adamw"}), "adamw", tmp_path)
-    with pytest.raises(CheckpointError, match="optim.name=adamw, this run uses optim.name=muon"):
-        check_same_optimizer(state({"name": "adamw"}), "muon", tmp_path)
+    run = {"run_dir": str(tmp_path / "run")}
+    saved = tiny_config(run).to_dict()
+    del saved["optim"]["name"]  # (written before the name was recorded)
+    path = tmp_path / "run" / "checkpoints" / "step_00000002"
+    path.mkdir(parents=True)
+    state = TrainerState(2, 0, 0, None, None, {}, saved)
+    (path / "trainer_state.json").write_text(json.dumps(state.to_json()))
+    (path / COMMIT_FILE).write_text(json.dumps({"step": 2, "files": {}}))
+    assert saved_optimizer_name(state) == "adamw"
+    check_start(tiny_config(run))
+    muon = tiny_config({**run, "optim.name": "muon"})
+    with pytest.raises(ConfigError) as e:
+        check_start(muon)
+    assert "optim.name: the checkpoint has 'adamw', the config sets 'muon'" in str(e.value)
+    assert "(for optim.name alone: --reset-optimizer)" in str(e.value)
+    check_start(muon, reset_optimizer=True)

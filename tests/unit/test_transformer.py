@@ -10,9 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.config import Config, ModelConfig, MoEConfig
+from moetrain.config.layer_plan import MixerSpec
 from moetrain.model import Transformer
-from moetrain.model.attention import Attention, rope_tables
+from moetrain.model.attention import rope_tables
 from moetrain.model.layers import SwiGLU
+from moetrain.model.mixers import MixerInputs
+from moetrain.model.mixers.gqa import Attention
 from moetrain.model.moe.layer import MoELayer
 from moetrain.model.rope import apply_rope
 from moetrain.model_numbers import model_numbers
@@ -63,11 +66,11 @@ def reference_attention(attn: Attention, x_BSD: torch.Tensor, theta: float) -> t
 def test_attention_matches_plain_multi_head_reference(n_kv_heads: int) -> None:
     cfg, _ = tiny(n_kv_heads=n_kv_heads, rope_theta=500.0)
     torch.manual_seed(0)
-    attn = Attention(cfg)
+    attn = Attention(cfg, MixerSpec("gqa"))
     x = torch.randn(2, 7, cfg.d_model)
     cos, sin = rope_tables(attn.head_dim, cfg.max_seq_len, cfg.rope_theta)
     torch.testing.assert_close(
-        attn(x, cos, sin), reference_attention(attn, x, 500.0), atol=1e-5, rtol=1e-5
+        attn(x, MixerInputs(cos, sin)), reference_attention(attn, x, 500.0), atol=1e-5, rtol=1e-5
     )
 
 
@@ -75,7 +78,7 @@ def test_gqa_with_all_kv_heads_is_multi_head_attention() -> None:
     # kv heads = heads is standard multi-head attention (torch's nn.MultiheadAttention)
     cfg, _ = tiny(n_kv_heads=4)
     torch.manual_seed(0)
-    attn = Attention(cfg)
+    attn = Attention(cfg, MixerSpec("gqa"))
     x = torch.randn(1, 5, cfg.d_model)
     cos, sin = rope_tables(attn.head_dim, cfg.max_seq_len, cfg.rope_theta)
     cos.fill_(1.0)  # no rotation: compare against nn.MultiheadAttention
@@ -86,7 +89,7 @@ def test_gqa_with_all_kv_heads_is_multi_head_attention() -> None:
         mha.out_proj.weight.copy_(attn.wo.weight)
     mask = torch.ones(5, 5, dtype=torch.bool).triu(1)
     ref, _ = mha(x, x, x, attn_mask=mask, need_weights=False)
-    torch.testing.assert_close(attn(x, cos, sin), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attn(x, MixerInputs(cos, sin)), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

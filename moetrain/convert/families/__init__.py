@@ -5,7 +5,8 @@ line's ``--format`` choices and the tests read.
 A format is accepted only when its transformers class computes the same function as moetrain's
 ``Transformer`` (checked against transformers' modeling code); otherwise conversion is refused
 with a ConfigError naming the moetrain setting that has no equivalent (each module's
-``problems``). MoE families convert both ways; dense families are sources that are upcycled.
+``holds``, checked by :func:`~moetrain.convert.families.holds.refusals`). MoE families convert
+both ways; dense families are sources that are upcycled.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from moetrain.convert.families import (
     qwen3,
     qwen3_moe,
 )
-from moetrain.convert.families.base import Family, WeightNames, Wrapper
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.layout import Layout, Wrapper
 
 # MoE families in the order ``--format auto`` tries them, then the dense sources
 FAMILIES: dict[str, Family] = {
@@ -64,7 +66,7 @@ __all__ = [
     "FAMILIES",
     "FORMATS",
     "Family",
-    "WeightNames",
+    "Layout",
     "Wrapper",
     "family",
     "of_hf_config",

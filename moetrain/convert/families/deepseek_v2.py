@@ -10,49 +10,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base, hf_config
-from moetrain.convert.families.base import Family, WeightNames
-from moetrain.convert.families.deepseek_v3 import (
-    latent_attention,
-    mla_from_hf,
-    mla_hf,
-    shared_experts,
-)
+from moetrain.config import Config, ConfigError
+from moetrain.convert.families import hf_config
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.deepseek_v3 import DEEPSEEK_MOE, mla_from_hf, mla_hf
+from moetrain.convert.families.holds import ANY, only
+from moetrain.convert.families.layout import Layout
 
 NAME = "DeepseekV2ForCausalLM"
-
-
-def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    return base.found(
-        [
-            base.dropless(moe, NAME),
-            *latent_attention(model, NAME),
-            (
-                not model.rope_interleave,
-                "model.rope_interleave",
-                f"{NAME} rotates interleaved pairs; must be true",
-            ),
-            (moe.score_func != "softmax", "moe.score_func", f"{NAME} routes with softmax"),
-            (
-                moe.topk_before_score,
-                "moe.topk_before_score",
-                f"{NAME} takes softmax over all experts, then top-k; must be false",
-            ),
-            (moe.renormalize, "moe.renormalize", f"{NAME} never renormalises; must be false"),
-            (
-                moe.bias_update_rate != 0.0,
-                "moe.bias_update_rate",
-                f"{NAME} has no expert bias (aux-loss-free balancing); must be 0",
-            ),
-            (
-                moe.n_group > 1 and moe.group_score != "max",
-                "moe.group_score",
-                f"{NAME} scores a group by its best expert; must be max",
-            ),
-            *shared_experts(moe, NAME),
-        ]
-    )
+HOLDS = {
+    "model.attention": only("mla", why="{name} has latent attention; must be mla"),
+    "model.rope_interleave": only(True),
+    "moe.renormalize": only(False),
+    "moe.n_group": ANY,
+    "moe.group_score": only("max", applies=lambda _, moe: moe.n_group > 1),
+    **DEEPSEEK_MOE,
+}
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
@@ -80,11 +53,5 @@ def from_hf(hf: Any) -> Config:
 
 
 FAMILY = Family(
-    name="deepseek_v2",
-    architecture=NAME,
-    from_hf=from_hf,
-    problems=problems,
-    to_hf=to_hf,
-    names=WeightNames(shared_expert="shared_experts"),
-    attention="mla",
+    "deepseek_v2", NAME, from_hf, to_hf, holds=HOLDS, layout=Layout(shared_expert="shared_experts")
 )

@@ -5,74 +5,52 @@ selection bias ``e_score_correction_bias`` (moetrain's aux-loss-free ``expert_bi
 group-limited routing scored by each group's two best experts, optional renormalisation,
 ``routed_scaling_factor`` = ``moe.route_scale``, ungated shared experts, the first
 ``first_k_dense_replace`` layers dense. The multi-token-prediction layers of a released
-checkpoint (``num_nextn_predict_layers``) are not part of transformers' model and are not
-imported; exports declare none."""
+checkpoint (``num_nextn_predict_layers``), which transformers' model leaves out, are moetrain's
+``model.mtp_depth`` modules, read and written in their released layout (:data:`LAYOUT`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base, hf_config
-from moetrain.convert.families.base import Check, Family, WeightNames
+from moetrain.convert.families import hf_config
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.holds import (
+    ANY,
+    GROUPS_OF_TWO,
+    SHARED_EXPERTS_ALWAYS,
+    SHARED_SIZED_BY_COUNT,
+    free,
+    only,
+)
+from moetrain.convert.families.layout import Layout, MtpNames
 
 NAME = "DeepseekV3ForCausalLM"
-
-
-def latent_attention(model: ModelConfig, name: str) -> list[Check]:
-    """Multi-head latent attention, the rule of both DeepSeek families."""
-    return [
-        (model.attention != "mla", "model.attention", f"{name} has latent attention; must be mla")
-    ]
-
-
-def shared_experts(moe: MoEConfig, name: str) -> list[Check]:
-    """Ungated shared experts sized n_shared_experts x moe_intermediate_size (both families)."""
-    return [
-        (
-            moe.num_shared_experts == 0,
-            "moe.num_shared_experts",
-            f"{name} always has shared experts; must be >= 1",
-        ),
-        (moe.shared_expert_gate, "moe.shared_expert_gate", f"{name} does not gate them"),
-        (
-            moe.shared_hidden != moe.num_shared_experts * moe.expert_hidden,
-            "moe.shared_expert_hidden",
-            f"{name} sizes shared experts as n_shared_experts x moe_intermediate_size; "
-            "must be null or num_shared_experts * expert_hidden",
-        ),
-        (
-            moe.moe_every != 1,
-            "moe.moe_every",
-            f"{name} has MoE in every layer after first_k_dense_replace; must be 1",
-        ),
-    ]
-
-
-def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    return base.found(
-        [
-            base.dropless(moe, NAME),
-            *latent_attention(model, NAME),
-            (moe.score_func != "sigmoid", "moe.score_func", f"{NAME} routes with sigmoid"),
-            (
-                moe.topk_before_score,
-                "moe.topk_before_score",
-                f"{NAME} picks top-k on the scores; must be false",
-            ),
-            (
-                moe.n_group > 1 and moe.num_experts // moe.n_group < 2,
-                "moe.n_group",
-                f"{NAME} scores a group by its two best experts: groups need >= 2 experts",
-            ),
-            (
-                moe.n_group > 1 and moe.group_score != "top2_sum",
-                "moe.group_score",
-                f"{NAME} scores a group by the sum of its two best experts; must be top2_sum",
-            ),
-            *shared_experts(moe, NAME),
-        ]
-    )
+# DeepSeek's MoE (V2's and GLM-4.5's too): a route scale, ungated shared experts sized
+# n_shared_experts x moe_intermediate_size, the first layers dense
+DEEPSEEK_MOE = {
+    **free("moe.route_scale", "moe.first_k_dense"),
+    "moe.num_shared_experts": SHARED_EXPERTS_ALWAYS,
+    "moe.shared_expert_hidden": SHARED_SIZED_BY_COUNT,
+}
+# sigmoid scores with a selection bias, group-limited by each group's two best (GLM-4.5's too)
+SIGMOID_GROUPS = {
+    "moe.score_func": only("sigmoid"),
+    "moe.bias_update_rate": ANY,
+    **GROUPS_OF_TWO,
+}
+HOLDS = {
+    "model.attention": only("mla", why="{name} has latent attention; must be mla"),
+    "model.rope_interleave": ANY,
+    **SIGMOID_GROUPS,
+    **DEEPSEEK_MOE,
+}
+# the router's selection bias, and the multi-token-prediction layers (GLM-4.5's names too)
+LAYOUT = Layout(
+    shared_expert="shared_experts",
+    selection_bias="gate.e_score_correction_bias",
+    mtp=MtpNames(),
+)
 
 
 def mla_hf(cfg: Config) -> dict[str, Any]:
@@ -142,13 +120,4 @@ def from_hf(hf: Any) -> Config:
     return hf_config.finish(model, moe)
 
 
-FAMILY = Family(
-    name="deepseek_v3",
-    architecture=NAME,
-    from_hf=from_hf,
-    problems=problems,
-    to_hf=to_hf,
-    names=WeightNames(shared_expert="shared_experts", expert_bias="gate.e_score_correction_bias"),
-    attention="mla",
-    mtp=True,
-)
+FAMILY = Family("deepseek_v3", NAME, from_hf, to_hf, holds=HOLDS, layout=LAYOUT)

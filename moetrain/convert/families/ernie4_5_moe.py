@@ -17,8 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base, hf_config
-from moetrain.convert.families.base import Family, WeightNames
+from moetrain.convert.families import hf_config
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.holds import SHARED_SIZED_BY_COUNT, free, only, refused_when
+from moetrain.convert.families.layout import Layout
 
 NAME = "Ernie4_5_MoeForCausalLM"
 _PLACEMENT = "moe_layer_start_index/moe_layer_end_index/moe_layer_interval"
@@ -29,48 +31,35 @@ def moe_layers(n_layers: int, start: int, end: int, interval: int) -> list[int]:
     return [i for i in range(n_layers) if (i + 1) % interval == 0 and start <= i <= end]
 
 
-def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    n, every = model.n_layers, moe.moe_every
-    placed = moe_layers(n, moe.first_k_dense, n - 1, every)
-    return base.found(
-        [
-            base.dropless(moe, NAME),
-            (
-                model.qkv_bias,
-                "model.qkv_bias",
-                f"{NAME}'s use_bias puts biases on every projection (attention output, FFNs, "
-                "head too); moetrain has q/k/v biases only: must be false",
-            ),
-            base.no_qk_norm(model, NAME),
-            (moe.score_func != "softmax", "moe.score_func", f"{NAME} routes with softmax"),
-            (
-                moe.topk_before_score,
-                "moe.topk_before_score",
-                f"{NAME} takes softmax over all experts, then top-k; must be false",
-            ),
-            (
-                not moe.renormalize,
-                "moe.renormalize",
-                f"{NAME} always renormalises the top-k weights; must be true",
-            ),
-            (moe.route_scale != 1.0, "moe.route_scale", f"{NAME} has no route scale; must be 1.0"),
-            (moe.n_group != 1, "moe.n_group", f"{NAME} routes without expert groups; must be 1"),
-            (moe.shared_expert_gate, "moe.shared_expert_gate", f"{NAME} does not gate them"),
-            (
-                moe.num_shared_experts > 0
-                and moe.shared_hidden != moe.num_shared_experts * moe.expert_hidden,
-                "moe.shared_expert_hidden",
-                f"{NAME} sizes shared experts as moe_num_shared_experts x "
-                "moe_intermediate_size; must be null or num_shared_experts * expert_hidden",
-            ),
-            (
-                placed != moe.moe_layers(n),
-                "moe.moe_every",
-                f"{NAME} places MoE in the layers whose index + 1 is a multiple of "
-                f"moe_layer_interval; moe.first_k_dense must be a multiple of moe.moe_every",
-            ),
-        ]
-    )
+def _misplaced(model: ModelConfig, moe: MoEConfig) -> bool:
+    n = model.n_layers
+    return moe_layers(n, moe.first_k_dense, n - 1, moe.moe_every) != moe.moe_layers(n)
+
+
+HOLDS = {
+    "model.rope_interleave": only(True),
+    "model.qkv_bias": only(
+        False,
+        why="{name}'s use_bias puts biases on every projection (attention output, FFNs, head "
+        "too); moetrain has q/k/v biases only: must be false",
+    ),
+    "moe.renormalize": only(True),
+    **free(
+        "moe.renormalize_min", "moe.bias_update_rate", "moe.num_shared_experts", "moe.first_k_dense"
+    ),
+    "moe.shared_expert_hidden": SHARED_SIZED_BY_COUNT,
+    "moe.moe_every": refused_when(
+        _misplaced,
+        "{name} places MoE in the layers whose index + 1 is a multiple of moe_layer_interval; "
+        "moe.first_k_dense must be a multiple of moe.moe_every",
+    ),
+}
+LAYOUT = Layout(
+    shared_expert="shared_experts",
+    selection_bias="moe_statics.e_score_correction_bias",
+    selection_bias_row=True,
+    in_memory={"moe_statics.e_score_correction_bias": "gate.moe_statics.e_score_correction_bias"},
+)
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
@@ -125,18 +114,4 @@ def from_hf(hf: Any) -> Config:
     return hf_config.finish(model, moe)
 
 
-FAMILY = Family(
-    name="ernie4_5_moe",
-    architecture=NAME,
-    from_hf=from_hf,
-    problems=problems,
-    to_hf=to_hf,
-    names=WeightNames(
-        shared_expert="shared_experts",
-        expert_bias="moe_statics.e_score_correction_bias",
-        expert_bias_v5="gate.moe_statics.e_score_correction_bias",
-        expert_bias_row=True,
-    ),
-    rope_interleave=True,
-    renormalize_min=True,
-)
+FAMILY = Family("ernie4_5_moe", NAME, from_hf, to_hf, holds=HOLDS, layout=LAYOUT)

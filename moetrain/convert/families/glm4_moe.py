@@ -5,63 +5,28 @@ experts, the first ``first_k_dense_replace`` layers dense, group-limited routing
 ``topk_group`` = ``moe.n_group`` / ``moe.topk_group`` (a group scored by its two best biased
 scores, the other groups' experts excluded), rotary over the first ``partial_rotary_factor`` of
 each head (``model.partial_rotary_factor``; GLM-4.5's 0.5), q/k/v biases with
-``attention_bias`` (``model.qkv_bias``; the output projection has none). The
-multi-token-prediction layers of a released GLM-4.5 (``num_nextn_predict_layers``) are not
-imported."""
+``attention_bias`` (``model.qkv_bias``; the output projection has none). Its files name its
+weights and multi-token-prediction layers as DeepSeek-V3's."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from moetrain.config import Config, ModelConfig, MoEConfig
-from moetrain.convert.families import base, hf_config
-from moetrain.convert.families.base import Family, WeightNames
+from moetrain.config import Config
+from moetrain.convert.families import hf_config
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.deepseek_v3 import DEEPSEEK_MOE, LAYOUT, SIGMOID_GROUPS
+from moetrain.convert.families.holds import free, refused_when
 
 NAME = "Glm4MoeForCausalLM"
-
-
-def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    return base.found(
-        [
-            base.dropless(moe, NAME),
-            (moe.score_func != "sigmoid", "moe.score_func", f"{NAME} routes with sigmoid"),
-            (
-                moe.topk_before_score,
-                "moe.topk_before_score",
-                f"{NAME} picks top-k on the (biased) scores; must be false",
-            ),
-            base.per_head_norm(model, NAME),
-            (
-                moe.moe_every != 1,
-                "moe.moe_every",
-                f"{NAME} has MoE in every layer after first_k_dense_replace; must be 1",
-            ),
-            (moe.num_experts < 2, "moe.num_experts", f"{NAME}'s group scoring needs >= 2"),
-            (
-                moe.n_group > 1 and moe.num_experts // moe.n_group < 2,
-                "moe.n_group",
-                f"{NAME} scores a group by its two best experts: groups need >= 2 experts",
-            ),
-            (
-                moe.n_group > 1 and moe.group_score != "top2_sum",
-                "moe.group_score",
-                f"{NAME} scores a group by the sum of its two best experts; must be top2_sum",
-            ),
-            (
-                moe.num_shared_experts == 0,
-                "moe.num_shared_experts",
-                f"{NAME} always has shared experts; must be >= 1",
-            ),
-            (moe.shared_expert_gate, "moe.shared_expert_gate", f"{NAME} does not gate them"),
-            (
-                moe.num_shared_experts > 0
-                and moe.shared_hidden != moe.num_shared_experts * moe.expert_hidden,
-                "moe.shared_expert_hidden",
-                f"{NAME} sizes shared experts as n_shared_experts x moe_intermediate_size; "
-                "must be null or num_shared_experts * expert_hidden",
-            ),
-        ]
-    )
+HOLDS = {
+    **free("model.partial_rotary_factor", "model.qkv_bias", "model.qk_norm"),
+    **SIGMOID_GROUPS,
+    "moe.num_experts": refused_when(
+        lambda _, moe: moe.num_experts < 2, "{name}'s group scoring needs >= 2"
+    ),
+    **DEEPSEEK_MOE,
+}
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
@@ -102,13 +67,4 @@ def from_hf(hf: Any) -> Config:
     return hf_config.finish(model, moe)
 
 
-FAMILY = Family(
-    name="glm4_moe",
-    architecture=NAME,
-    from_hf=from_hf,
-    problems=problems,
-    to_hf=to_hf,
-    names=WeightNames(shared_expert="shared_experts", expert_bias="gate.e_score_correction_bias"),
-    partial_rotary=True,
-    mtp=True,
-)
+FAMILY = Family("glm4_moe", NAME, from_hf, to_hf, holds=HOLDS, layout=LAYOUT)

@@ -8,7 +8,7 @@ taking top-k on its logits and softmax over the k (``moe.topk_before_score``), e
 biases (``moe.expert_biases``) and the clamped SwiGLU ``(clamp(up, -l, l) + 1) * g *
 sigmoid(alpha * g)``, ``g = min(gate, l)`` (``swiglu_alpha``, ``swiglu_limit``:
 ``moe.activation: clamped_swiglu``). Its files hold each layer's experts fused, gate and up
-interleaved (``WeightNames.stacked_experts``: ``mlp.experts.gate_up_proj`` (E, D, 2F),
+interleaved (``Layout.experts``, :class:`~.layout.Stacked`: ``mlp.experts.gate_up_proj`` (E, D, 2F),
 ``gate_up_proj_bias`` (E, 2F), ``down_proj`` (E, F, D), ``down_proj_bias`` (E, D)). The
 released checkpoints are MXFP4-quantized (refused: dequantize them first)."""
 
@@ -16,46 +16,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.config import Config, ConfigError, ModelConfig
 from moetrain.config.model import FULL, SLIDING
-from moetrain.convert.families import base, hf_config
-from moetrain.convert.families.base import Family, WeightNames
+from moetrain.convert.families import hf_config
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.holds import ATTENTION_BIAS, free, only
+from moetrain.convert.families.layout import Layout, Stacked
 
 NAME = "GptOssForCausalLM"
-
-
-def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    need = f"{NAME} has it; must be true"
-    return base.found(
-        [
-            base.dropless(moe, NAME),
-            base.no_qk_norm(model, NAME),
-            base.no_shared_experts(moe, NAME),
-            base.all_or_no_attention_biases(model, NAME),
-            (not model.attention_sinks, "model.attention_sinks", need),
-            (not moe.router_bias, "moe.router_bias", need),
-            (not moe.expert_biases, "moe.expert_biases", need),
-            (
-                moe.activation != "clamped_swiglu",
-                "moe.activation",
-                f"{NAME}'s experts use the clamped SwiGLU; must be clamped_swiglu",
-            ),
-            (moe.score_func != "softmax", "moe.score_func", f"{NAME} routes with softmax"),
-            (
-                not moe.topk_before_score,
-                "moe.topk_before_score",
-                f"{NAME} takes top-k on the router logits, then softmax over the k; must be true",
-            ),
-            (moe.route_scale != 1.0, "moe.route_scale", f"{NAME} has no route scale; must be 1"),
-            (
-                moe.bias_update_rate != 0.0,
-                "moe.bias_update_rate",
-                f"{NAME} has no selection bias (aux-loss-free balancing); must be 0",
-            ),
-            (moe.n_group != 1, "moe.n_group", f"{NAME} routes without expert groups; must be 1"),
-        ]
-        + base.every_layer_moe(moe, NAME)
-    )
+HOLDS = {
+    **ATTENTION_BIAS,
+    "model.attention_sinks": only(True),
+    **free("model.sliding_window"),
+    "moe.topk_before_score": only(True),
+    "moe.router_bias": only(True),
+    "moe.expert_biases": only(True),
+    "moe.activation": only("clamped_swiglu"),
+}
+LAYOUT = Layout(router="router", experts=Stacked(interleaved=True))
 
 
 def layer_types(model: ModelConfig) -> list[str]:
@@ -99,15 +77,4 @@ def from_hf(hf: Any) -> Config:
     return hf_config.finish(model, moe)
 
 
-FAMILY = Family(
-    name="gpt_oss",
-    architecture=NAME,
-    from_hf=from_hf,
-    problems=problems,
-    to_hf=to_hf,
-    names=WeightNames(router="router", v5_router="router", stacked_experts="interleaved"),
-    o_bias=True,
-    sinks_and_windows=True,
-    biased_experts=True,
-    clamped_swiglu=True,
-)
+FAMILY = Family("gpt_oss", NAME, from_hf, to_hf, holds=HOLDS, layout=LAYOUT)

@@ -21,43 +21,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base, hf_config
-from moetrain.convert.families.base import Family, WeightNames
+from moetrain.config import Config, ConfigError, ModelConfig
+from moetrain.convert.families import hf_config
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.holds import ANY, ATTENTION_BIAS, free, only
+from moetrain.convert.families.layout import Fused, Layout
 
 NAME = "GraniteMoeForCausalLM"
 SHARED_NAME = "GraniteMoeSharedForCausalLM"
-
-
-def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    return base.found(_checks(model, moe, NAME) + [base.no_shared_experts(moe, NAME)])
-
-
-def shared_problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    gate = (moe.shared_expert_gate, "moe.shared_expert_gate", f"{SHARED_NAME} does not gate it")
-    return base.found(_checks(model, moe, SHARED_NAME) + [gate])
-
-
-def _checks(model: ModelConfig, moe: MoEConfig, name: str) -> list[base.Check]:
-    """What both Granite classes compute (all but the shared expert)."""
-    return [
-        base.dropless(moe, name),
-        base.all_or_no_attention_biases(model, name),
-        base.no_qk_norm(model, name),
-        (moe.score_func != "softmax", "moe.score_func", f"{name} routes with softmax"),
-        (
-            not moe.topk_before_score,
-            "moe.topk_before_score",
-            f"{name} takes top-k on the router logits, then softmax over the k; must be true",
-        ),
-        (moe.route_scale != 1.0, "moe.route_scale", f"{name} has no route scale; must be 1.0"),
-        (
-            moe.bias_update_rate != 0.0,
-            "moe.bias_update_rate",
-            f"{name} has no expert bias (aux-loss-free balancing); must be 0",
-        ),
-        (moe.n_group != 1, "moe.n_group", f"{name} routes without expert groups; must be 1"),
-    ] + base.every_layer_moe(moe, name)
+MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_scale")
+HOLDS = {
+    **ATTENTION_BIAS,
+    **free(*(f"model.{key}" for key in MULTIPLIERS)),
+    "moe.topk_before_score": only(True),
+}
+LAYOUT = Layout(
+    moe_block="block_sparse_moe",
+    router="router.layer",
+    experts=Fused("input_linear.weight", "output_linear.weight"),
+    in_memory={"router.layer": "router"},
+)
 
 
 def attention_multiplier(model: ModelConfig) -> float:
@@ -123,34 +106,14 @@ def _from_hf(hf: Any) -> Config:
     return hf_config.finish(model, moe)
 
 
-NAMES = WeightNames(
-    moe_block="block_sparse_moe",
-    router="router.layer",
-    v5_block="block_sparse_moe",
-    v5_router="router",
-    fused_experts=("input_linear", "output_linear"),
-)
-
-FAMILY = Family(
-    name="granitemoe",
-    architecture=NAME,
-    from_hf=from_hf,
-    problems=problems,
-    to_hf=to_hf,
-    names=NAMES,
-    multipliers=True,
-    o_bias=True,
-)
-
+FAMILY = Family("granitemoe", NAME, from_hf, to_hf, holds=HOLDS, layout=LAYOUT)
 SHARED_FAMILY = Family(
-    name="granitemoeshared",
-    architecture=SHARED_NAME,
-    from_hf=shared_from_hf,
-    problems=shared_problems,
-    to_hf=shared_to_hf,
-    names=dataclasses.replace(
-        NAMES, shared_fused=("shared_mlp.input_linear", "shared_mlp.output_linear")
+    "granitemoeshared",
+    SHARED_NAME,
+    shared_from_hf,
+    shared_to_hf,
+    holds={**HOLDS, "moe.num_shared_experts": ANY},  # one ungated shared expert, any size
+    layout=dataclasses.replace(
+        LAYOUT, shared_fused=("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight")
     ),
-    multipliers=True,
-    o_bias=True,
 )

@@ -32,60 +32,53 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.config import Config, ConfigError, ModelConfig
 from moetrain.config.model import CHUNKED, FULL
-from moetrain.convert.families import base, hf_config
-from moetrain.convert.families.base import Family, WeightNames, Wrapper
+from moetrain.convert.families import hf_config
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.holds import (
+    ATTENTION_BIAS,
+    SHARED_EXPERTS_ALWAYS,
+    free,
+    only,
+    refused_when,
+)
+from moetrain.convert.families.layout import Layout, Stacked, Wrapper
 
 NAME = "Llama4ForCausalLM"
 # transformers' Llama4TextConfig defaults, written where moetrain's model has no temperature
 FLOOR_SCALE, ATTN_SCALE = 8192, 0.1
 _PLACEMENT = "moe_layers/interleave_moe_layer_step"
-
-
-def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    return base.found(
-        [
-            base.dropless(moe, NAME),
-            base.all_or_no_attention_biases(model, NAME),
-            base.no_qk_norm(model, NAME),
-            (
-                moe.score_func != "sigmoid",
-                "moe.score_func",
-                f"{NAME} weights an expert by the sigmoid of its logit; must be sigmoid",
-            ),
-            (
-                not moe.topk_before_score,
-                "moe.topk_before_score",
-                f"{NAME} takes top-k on the router logits, then their sigmoids; must be true",
-            ),
-            (moe.renormalize, "moe.renormalize", f"{NAME} does not renormalise; must be false"),
-            (
-                not moe.score_on_input,
-                "moe.score_on_input",
-                f"{NAME} scales each expert's input by its weight; must be true",
-            ),
-            (moe.route_scale != 1.0, "moe.route_scale", f"{NAME} has no route scale; must be 1"),
-            (
-                moe.bias_update_rate != 0.0,
-                "moe.bias_update_rate",
-                f"{NAME} has no selection bias (aux-loss-free balancing); must be 0",
-            ),
-            (moe.n_group != 1, "moe.n_group", f"{NAME} routes without expert groups; must be 1"),
-            (
-                moe.num_shared_experts == 0,
-                "moe.num_shared_experts",
-                f"{NAME} always has a shared expert; must be >= 1",
-            ),
-            (moe.shared_expert_gate, "moe.shared_expert_gate", f"{NAME} does not gate it"),
-            (
-                moe.num_shared_experts > 0 and moe.shared_hidden != moe.expert_hidden,
-                "moe.shared_expert_hidden",
-                f"{NAME}'s shared expert is as large as an expert (intermediate_size); must "
-                f"equal moe.expert_hidden={moe.expert_hidden}",
-            ),
-        ]
-    )
+HOLDS = {
+    "model.rope_interleave": only(True),
+    **ATTENTION_BIAS,
+    **free(
+        "model.nope_layers",
+        "model.attn_temperature_floor",
+        "model.attention_chunk_size",
+        "model.qk_norm_after_rope",
+        "moe.first_k_dense",
+        "moe.moe_every",
+    ),
+    "moe.score_func": only(
+        "sigmoid", why="{name} weights an expert by the sigmoid of its logit; must be sigmoid"
+    ),
+    "moe.topk_before_score": only(True),
+    "moe.renormalize": only(False),
+    "moe.score_on_input": only(True),
+    "moe.num_shared_experts": SHARED_EXPERTS_ALWAYS,
+    "moe.shared_expert_hidden": refused_when(
+        lambda _, moe: moe.num_shared_experts > 0 and moe.shared_hidden != moe.expert_hidden,
+        "{name}'s shared expert is as large as an expert (intermediate_size); must equal "
+        "moe.expert_hidden={moe.expert_hidden}",
+    ),
+}
+LAYOUT = Layout(
+    moe_block="feed_forward",
+    router="router",
+    experts=Stacked(),
+    dense_block="feed_forward",
+)
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
@@ -180,31 +173,18 @@ def from_hf(hf: Any) -> Config:
 
 
 FAMILY = Family(
-    name="llama4_text",
-    architecture=NAME,
-    from_hf=from_hf,
-    problems=problems,
-    to_hf=to_hf,
-    names=WeightNames(
-        moe_block="feed_forward",
-        v5_block="feed_forward",
-        router="router",
-        v5_router="router",
-        stacked_experts="concatenated",
-        dense_block="feed_forward",
-    ),
-    rope_interleave=True,
-    o_bias=True,
-    nope_layers=True,
-    chunked_attention=True,
-    qk_norm_after_rope=True,
-    score_on_input=True,
+    "llama4_text",
+    NAME,
+    from_hf,
+    to_hf,
+    holds=HOLDS,
+    layout=LAYOUT,
     # the released checkpoints: the text model (language_model.*) beside a vision tower
     wrapper=Wrapper(
         architecture="Llama4ForConditionalGeneration",
         model_type="llama4",
         config_key="text_config",
-        prefix="language_model.",
+        tensors={"language_model.": ""},
         left_out=("vision_model.", "multi_modal_projector."),
         what="the vision tower",
     ),

@@ -6,23 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base, hf_config
-from moetrain.convert.families.base import Family, WeightNames
+from moetrain.config import Config, ConfigError
+from moetrain.convert.families import hf_config
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.holds import only
+from moetrain.convert.families.layout import Layout, PerExpert
 
 NAME = "MixtralForCausalLM"
-
-
-def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    return base.found(
-        base.dropless_softmax(model, moe, NAME)
-        + [base.no_qk_norm(model, NAME)]
-        + base.every_layer_moe(moe, NAME)
-        + [
-            (not moe.renormalize, "moe.renormalize", f"{NAME} renormalises the top-k weights"),
-            base.no_shared_experts(moe, NAME),
-        ]
-    )
+HOLDS = {"moe.renormalize": only(True)}
+LAYOUT = Layout(
+    moe_block="block_sparse_moe",
+    experts=PerExpert({"w1": "w1", "w3": "w3", "w2": "w2"}),
+    in_memory={"block_sparse_moe": "mlp"},
+)
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
@@ -43,11 +39,4 @@ def from_hf(hf: Any) -> Config:
     return hf_config.finish(model, moe)
 
 
-FAMILY = Family(
-    name="mixtral",
-    architecture=NAME,
-    from_hf=from_hf,
-    problems=problems,
-    to_hf=to_hf,
-    names=WeightNames(moe_block="block_sparse_moe", expert={"w1": "w1", "w3": "w3", "w2": "w2"}),
-)
+FAMILY = Family("mixtral", NAME, from_hf, to_hf, holds=HOLDS, layout=LAYOUT)

@@ -7,33 +7,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base, hf_config
+from moetrain.config import Config, ConfigError
+from moetrain.convert.families import hf_config
 from moetrain.convert.families.base import Family
+from moetrain.convert.families.holds import only, refused_when
 
 NAME = "OlmoeForCausalLM"
-
-
-def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    return base.found(
-        base.dropless_softmax(model, moe, NAME)
-        + [
-            (
-                not model.qk_norm or model.qk_norm_scope != "projection",
-                "model.qk_norm_scope" if model.qk_norm else "model.qk_norm",
-                f"{NAME} always normalises the whole query/key projection (all heads together): "
-                "needs model.qk_norm=true and model.qk_norm_scope=projection",
-            ),
-            (
-                model.attention_head_dim * model.n_heads != model.d_model,
-                "model.head_dim",
-                f"{NAME}'s head size is hidden_size / num_attention_heads "
-                f"= {model.d_model // model.n_heads}",
-            ),
-        ]
-        + base.every_layer_moe(moe, NAME)
-        + [base.no_shared_experts(moe, NAME)]
-    )
+_WHOLE = (
+    "{name} always normalises the whole query/key projection (all heads together): needs "
+    "model.qk_norm=true and model.qk_norm_scope=projection"
+)
+HOLDS = {
+    "model.head_dim": refused_when(
+        lambda m, _: m.attention_head_dim * m.n_heads != m.d_model,
+        "{name}'s head size is hidden_size / num_attention_heads (model.d_model={model.d_model} "
+        "/ model.n_heads={model.n_heads}); leave it null",
+    ),
+    "model.qk_norm": only(True, why=_WHOLE),
+    "model.qk_norm_scope": only("projection", why=_WHOLE),
+}
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
@@ -61,4 +53,4 @@ def from_hf(hf: Any) -> Config:
     return hf_config.finish(model, moe)
 
 
-FAMILY = Family(name="olmoe", architecture=NAME, from_hf=from_hf, problems=problems, to_hf=to_hf)
+FAMILY = Family("olmoe", NAME, from_hf, to_hf, holds=HOLDS)

@@ -25,29 +25,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base, hf_config
-from moetrain.convert.families.base import Family, WeightNames
+from moetrain.config import Config, ConfigError, ModelConfig
+from moetrain.convert.families import hf_config
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.holds import ATTENTION_BIAS, free, only
+from moetrain.convert.families.layout import Layout, PerExpert
 
 NAME = "PhimoeForCausalLM"
-
-
-def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    return base.found(
-        [
-            base.dropless(moe, NAME),
-            base.no_qk_norm(model, NAME),
-            base.all_or_no_attention_biases(model, NAME),
-            (
-                model.rope_scaling not in ("none", "longrope"),
-                "model.rope_scaling",
-                f"{NAME} multiplies any scaled RoPE by its short_mscale; must be none or longrope",
-            ),
-            (moe.route_scale != 1.0, "moe.route_scale", f"{NAME} has no route scale; must be 1"),
-            base.no_shared_experts(moe, NAME),
-        ]
-        + base.every_layer_moe(moe, NAME)
-    )
+HOLDS = {
+    "model.rope_scaling": only(
+        "none",
+        "longrope",
+        why="{name} multiplies any scaled RoPE by its short_mscale; must be none or longrope",
+    ),
+    **ATTENTION_BIAS,
+    "model.norm": only("layernorm"),
+    **free("model.lm_head_bias"),
+    "moe.router_type": only("sparsemixer"),
+}
+LAYOUT = Layout(
+    moe_block="block_sparse_moe",
+    experts=PerExpert({"w1": "w1", "w3": "w3", "w2": "w2"}),
+    in_memory={"block_sparse_moe": "mlp", "gate": "router"},
+)
 
 
 def _rope(model: ModelConfig) -> dict[str, Any]:
@@ -122,20 +122,11 @@ def from_hf(hf: Any) -> Config:
 
 
 FAMILY = Family(
-    name="phimoe",
-    architecture=NAME,
+    "phimoe",
+    NAME,
+    from_hf,
+    to_hf,
+    holds=HOLDS,
+    layout=LAYOUT,
     released_architecture="PhiMoEForCausalLM",  # the released config.json's (and vLLM's) name
-    from_hf=from_hf,
-    problems=problems,
-    to_hf=to_hf,
-    names=WeightNames(
-        moe_block="block_sparse_moe",
-        expert={"w1": "w1", "w3": "w3", "w2": "w2"},
-        v5_block="mlp",
-        v5_router="router",
-    ),
-    o_bias=True,
-    lm_head_bias=True,
-    norm="layernorm",
-    router_type="sparsemixer",
 )

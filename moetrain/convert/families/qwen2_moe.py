@@ -3,32 +3,26 @@ shared expert behind a sigmoid gate, any dense/MoE placement (``mlp_only_layers`
 Its q/k/v projections carry biases (``model.qkv_bias``; written as zeros without it). A model
 without a shared expert (an upcycled Qwen2, say) is written with
 ``shared_expert_intermediate_size: 0``, a shared expert of hidden size 0 that transformers
-computes as zeros: its tensors empty, its gate zeros (``WeightNames.shared_expert_always``)."""
+computes as zeros: its tensors empty, its gate zeros (``Layout.shared_expert_always``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
-from moetrain.convert.families import base, hf_config
-from moetrain.convert.families.base import Family, WeightNames
+from moetrain.convert.families import hf_config
+from moetrain.convert.families.base import Family
+from moetrain.convert.families.holds import free, only
+from moetrain.convert.families.layout import Layout
 
 NAME = "Qwen2MoeForCausalLM"
-
-
-def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    return base.found(
-        [base.dropless(moe, NAME)]
-        + base.softmax_router(moe, NAME)
-        + [
-            base.no_qk_norm(model, NAME),
-            (
-                moe.num_shared_experts > 0 and not moe.shared_expert_gate,
-                "moe.shared_expert_gate",
-                f"{NAME} gates its shared expert with a sigmoid; must be true",
-            ),
-        ]
-    )
+# any dense/MoE placement (Qwen3-MoE's too)
+PLACEMENT = free("moe.first_k_dense", "moe.moe_every")
+HOLDS = {
+    **free("model.qkv_bias", "moe.num_shared_experts"),
+    "moe.shared_expert_gate": only(True, applies=lambda _, moe: moe.num_shared_experts > 0),
+    **PLACEMENT,
+}
 
 
 def qwen_moe_hf(cfg: Config) -> dict[str, Any]:
@@ -74,10 +68,10 @@ def from_hf(hf: Any) -> Config:
 
 
 FAMILY = Family(
-    name="qwen2_moe",
-    architecture=NAME,
-    from_hf=from_hf,
-    problems=problems,
-    to_hf=to_hf,
-    names=WeightNames(qkv_bias_always=True, shared_expert_always=True),
+    "qwen2_moe",
+    NAME,
+    from_hf,
+    to_hf,
+    holds=HOLDS,
+    layout=Layout(qkv_bias_always=True, shared_expert_always=True),
 )

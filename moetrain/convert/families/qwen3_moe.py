@@ -5,23 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetrain.config import Config, ModelConfig, MoEConfig
-from moetrain.convert.families import base, hf_config
+from moetrain.config import Config
+from moetrain.convert.families import hf_config
 from moetrain.convert.families.base import Family
-from moetrain.convert.families.qwen2_moe import qwen_moe_from_hf, qwen_moe_hf
+from moetrain.convert.families.holds import only
+from moetrain.convert.families.qwen2_moe import PLACEMENT, qwen_moe_from_hf, qwen_moe_hf
 
 NAME = "Qwen3MoeForCausalLM"
-
-
-def problems(model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
-    return base.found(
-        base.dropless_softmax(model, moe, NAME)
-        + [
-            (not model.qk_norm, "model.qk_norm", f"{NAME} always has per-head q/k norm"),
-            base.per_head_norm(model, NAME),
-            base.no_shared_experts(moe, NAME),
-        ]
-    )
+HOLDS = {"model.qk_norm": only(True), **PLACEMENT}  # (per head: BASELINE's scope)
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
@@ -35,6 +26,4 @@ def from_hf(hf: Any) -> Config:
     return hf_config.finish(model, moe)
 
 
-FAMILY = Family(
-    name="qwen3_moe", architecture=NAME, from_hf=from_hf, problems=problems, to_hf=to_hf
-)
+FAMILY = Family("qwen3_moe", NAME, from_hf, to_hf, holds=HOLDS)

@@ -1,4 +1,5 @@
-"""Multi-head latent attention (MLA; DeepSeek-V2, arXiv 2405.04434; DeepSeek-V3).
+"""Multi-head latent attention (MLA; DeepSeek-V2, arXiv 2405.04434; DeepSeek-V3), the ``mla``
+token mixer (its keys and rules: :mod:`moetrain.config.mixers.mla`).
 
 Shape legend: B batch, S sequence (new tokens), T key positions (cached + new), D d_model,
 H heads, Q q_lora_rank, C kv_lora_rank (the KV latent), N qk_nope_head_dim, R qk_rope_head_dim,
@@ -29,31 +30,27 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from moetrain.config import ModelConfig
+from moetrain.config.layer_plan import MixerSpec
 from moetrain.model.attention import cache_causal_mask, record_kernel, sdpa_kernel_name
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents, document_attention
-from moetrain.model.head_exchange import HeadExchange, exchange_to_heads, exchange_to_sequence
+from moetrain.model.head_exchange import exchange_to_heads, exchange_to_sequence
 from moetrain.model.layers import RMSNorm
 from moetrain.model.logit_max import observe_logits
+from moetrain.model.mixers.base import MixerInputs, TokenMixer
 from moetrain.model.rope import apply_rope, softmax_mscale
 
 LATENT_NORM_EPS = 1e-6
 
 
 class LatentCache:
-    """MLA's generation cache: every layer's normalised KV latent and rotated rope key.
-
-    ``latent``: (n_layers, B, max_len, C); ``k_rope``: (n_layers, B, max_len, R); ``pos``: tokens
-    cached so far. Same protocol as :class:`moetrain.model.attention.KVCache` (``pos``,
-    ``max_len``, ``causal_mask``, ``bytes_per_token``).
-    """
+    """One layer's generation cache of latent attention: the normalised KV latent ``latent``
+    (B, max_len, C) and the rotated rope key ``k_rope`` (B, max_len, R) of every token."""
 
     def __init__(
         self,
-        n_layers: int,
         batch: int,
         kv_lora_rank: int,
         rope_dim: int,
@@ -61,40 +58,32 @@ class LatentCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        self.latent = torch.zeros(
-            n_layers, batch, max_len, kv_lora_rank, dtype=dtype, device=device
-        )
-        self.k_rope = torch.zeros(n_layers, batch, max_len, rope_dim, dtype=dtype, device=device)
-        self.pos = 0
-
-    @property
-    def max_len(self) -> int:
-        return self.latent.shape[2]
+        self.latent = torch.zeros(batch, max_len, kv_lora_rank, dtype=dtype, device=device)
+        self.k_rope = torch.zeros(batch, max_len, rope_dim, dtype=dtype, device=device)
 
     @property
     def bytes_per_token(self) -> int:
-        """Cache bytes one token takes, all layers: ``n_layers * (C + R)`` values."""
-        n_layers, _, _, c = self.latent.shape
-        return n_layers * (c + self.k_rope.shape[3]) * self.latent.element_size()
+        """``C + R`` values."""
+        values = self.latent.shape[2] + self.k_rope.shape[2]
+        return values * self.latent.element_size()
 
     def append(
-        self, layer: int, latent_BsC: torch.Tensor, k_rope_BsR: torch.Tensor
+        self, pos: int, latent_BsC: torch.Tensor, k_rope_BsR: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``s`` new positions at ``pos`` for ``layer``; return all of them so far."""
-        end = self.pos + latent_BsC.shape[1]
-        self.latent[layer, :, self.pos : end] = latent_BsC
-        self.k_rope[layer, :, self.pos : end] = k_rope_BsR
-        return self.latent[layer, :, :end], self.k_rope[layer, :, :end]
-
-    def causal_mask(self, s: int) -> torch.Tensor | None:
-        """(1, 1, s, pos + s) boolean mask for ``s`` new queries (None when s == 1)."""
-        return cache_causal_mask(self.pos, s, self.latent.device)
+        """Store ``s`` new positions at ``pos``; return all of them so far."""
+        end = pos + latent_BsC.shape[1]
+        self.latent[:, pos:end] = latent_BsC
+        self.k_rope[:, pos:end] = k_rope_BsR
+        return self.latent[:, :end], self.k_rope[:, :end]
 
 
-class MLAttention(nn.Module):
+class MLAttention(TokenMixer):
     """Causal multi-head latent attention (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    kind = "mla"
+    query_key_logits = True
+
+    def __init__(self, cfg: ModelConfig, spec: MixerSpec) -> None:
         super().__init__()
         d, h = cfg.d_model, cfg.n_heads
         self.n_heads = h
@@ -115,8 +104,6 @@ class MLAttention(nn.Module):
         self.scale = qk_dim**-0.5 * softmax_mscale(cfg)
         self.rope_interleave = cfg.rope_interleave
         self.sdpa_kernel: str | None = None  # what the first call ran (as ``Attention``)
-        # sequence parallelism: set from outside (model/head_exchange.py); None = one device
-        self.head_exchange: HeadExchange | None = None
 
     def queries(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """Every head's query (B, S, H(N+R)), before RoPE."""
@@ -139,19 +126,12 @@ class MLAttention(nn.Module):
         return {f"{wq}.weight": query.reshape(-1), "wkv_b.weight": key.reshape(-1)}
 
     def forward(
-        self,
-        x_BSD: torch.Tensor,
-        cos_SR: torch.Tensor,
-        sin_SR: torch.Tensor,
-        mask_B1SS: torch.Tensor | None = None,
-        cache: LatentCache | None = None,
-        layer: int = 0,
+        self, x_BSD: torch.Tensor, inputs: MixerInputs, state: LatentCache | None = None
     ) -> torch.Tensor:
-        """Attend causally, or within ``mask_B1SS`` (boolean or additive) when given.
-
-        With ``cache``, ``cos``/``sin`` start at ``cache.pos``; the latent and rope key are
-        appended to layer ``layer`` of the cache and the queries attend to every cached position.
-        """
+        """Attend causally, or within ``inputs.mask`` (documents, or a boolean or additive
+        mask) when given. With ``state`` the latent and rope key are appended to it at
+        ``inputs.pos`` and the queries attend to every cached position."""
+        cos_SR, sin_SR, mask_B1SS = inputs.cos, inputs.sin, inputs.mask
         b, s, _ = x_BSD.shape
         # q and k are assembled (B, S, H, .) in memory, seen as (B, H, S, .): SDPA's output
         # takes q's layout, so wo's input below is a view, not a copy (as grouped-query)
@@ -162,9 +142,9 @@ class MLAttention(nn.Module):
         latent_BSC = self.kv_norm(latent_BSC)
         k_rope_BSR = apply_rope(k_rope_BSR[:, None], cos_SR, sin_SR, self.rope_interleave)[:, 0]
         causal = mask_B1SS is None
-        if cache is not None:
-            latent_BSC, k_rope_BSR = cache.append(layer, latent_BSC, k_rope_BSR)
-            mask_B1SS, causal = cache.causal_mask(s), False
+        if state is not None:
+            latent_BSC, k_rope_BSR = state.append(inputs.pos, latent_BSC, k_rope_BSR)
+            mask_B1SS, causal = cache_causal_mask(inputs.pos, s, latent_BSC.device), False
         t = latent_BSC.shape[1]  # key positions (cached + new)
         kv_BTHX = self.wkv_b(latent_BSC).view(b, t, self.n_heads, -1)
         k_nope_BTHN, v_BTHV = kv_BTHX.split([self.nope_dim, self.v_dim], dim=-1)
@@ -174,13 +154,87 @@ class MLAttention(nn.Module):
         v_BHTV = v_BTHV.transpose(1, 2)
         ex = self.head_exchange
         if ex is not None:  # sequence parallel: whole sequences, this rank's heads
-            if cache is not None:
+            if state is not None:
                 raise ValueError("a latent cache runs on one device, without a head exchange")
             q_BHSK, k_BHTK, v_BHTV = exchange_to_heads(ex, q_BHSK, k_BHTK, v_BHTV)
             out_BhSV = self._attend(q_BHSK, k_BHTK, v_BHTV, mask_B1SS, causal)
             return self.wo(exchange_to_sequence(ex, out_BhSV).reshape(b, s, -1))
         out_BHSV = self._attend(q_BHSK, k_BHTK, v_BHTV, mask_B1SS, causal)
         return self.wo(out_BHSV.transpose(1, 2).reshape(b, s, -1))
+
+    def new_state(
+        self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> LatentCache:
+        return LatentCache(batch, self.kv_rank, self.rope_dim, max_len, dtype, device)
+
+    # counts (the protocol's; checked against the built module and saved-tensor hooks)
+
+    @classmethod
+    def param_shapes(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for name, (n_in, n_out) in cls.matrices(cfg, spec).items():
+            out[f"{name}.weight"] = (n_out, n_in)
+            if name == "wq_a":
+                out["q_norm.weight"] = (cfg.q_lora_rank,)
+            if name == "wkv_a":
+                out["kv_norm.weight"] = (cfg.kv_lora_rank,)
+        return out
+
+    @classmethod
+    def matrices(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, int]]:
+        d, h, c, qk = cfg.d_model, cfg.n_heads, cfg.kv_lora_rank, cfg.attention_head_dim
+        q = (
+            {"wq": (d, h * qk)}
+            if cfg.q_lora_rank is None
+            else {"wq_a": (d, cfg.q_lora_rank), "wq_b": (cfg.q_lora_rank, h * qk)}
+        )
+        return {
+            **q,
+            "wkv_a": (d, c + cfg.qk_rope_head_dim),
+            "wkv_b": (c, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+            "wo": (h * cfg.v_head_dim, d),
+        }
+
+    @classmethod
+    def mixing_flops_per_token(cls, cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
+        """Scores ``(N + R)`` and values ``Vd`` wide per head over the whole sequence."""
+        return 6 * cfg.n_heads * (cfg.attention_head_dim + cfg.v_head_dim) * seq_len
+
+    @classmethod
+    def saved_bytes_per_token(
+        cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
+    ) -> int:
+        """The projection input ``aD``, with ``q_lora_rank`` Q the query latent ``aQ + 4`` and
+        its norm's output ``aQ``; the ``wkv_a`` output ``a(C + R) + 4`` (its latent
+        normalised), the normalised latent ``aC``, the ``wkv_b`` output ``aH(N + Vd)`` (the
+        values are a view of it), the assembled q and k ``2aH(N + R)``, the SDPA output
+        ``aHVd`` and logsumexp ``4H``. That is the memory-efficient kernel's (a GPU's); where
+        torch's kernels want equal q/k and v head dims (CPU flash attention) the smaller side
+        is zero-padded, which saves somewhat more. Under sequence parallelism the exchanged q,
+        k and v take the places of the ones above, and the values are saved exchanged
+        (``aHVd``) with the output in sequence order (``aHVd``) instead of the ``wkv_b``
+        output: ``aH(Vd - N)`` more."""
+        a, h, c, v = act_bytes, cfg.n_heads, cfg.kv_lora_rank, cfg.v_head_dim
+        q_latent = 2 * a * cfg.q_lora_rank + 4 if cfg.q_lora_rank else 0
+        latent = a * (c + cfg.qk_rope_head_dim) + 4 + a * c
+        kv = a * h * (cfg.qk_nope_head_dim + v) + 2 * a * h * cfg.attention_head_dim
+        exchanged = a * h * (v - cfg.qk_nope_head_dim) if sp > 1 else 0
+        return a * cfg.d_model + q_latent + latent + kv + a * h * v + 4 * h + exchanged
+
+    @classmethod
+    def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+
+    @classmethod
+    def exchange_bytes_per_token(
+        cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
+    ) -> float:
+        """q, k and v out (every head has its own), the output back; ``(sp - 1) / sp`` of each
+        leaves the GPU."""
+        if sp == 1:
+            return 0.0
+        dims = cfg.n_heads * (2 * cfg.attention_head_dim + 2 * cfg.v_head_dim)
+        return act_bytes * dims * (sp - 1) / sp
 
     def _attend(
         self,

@@ -1,0 +1,247 @@
+"""The layer plan: which token mixer (with its per-layer options) and which FFN each block of the
+model has, computed here and nowhere else (torch-free).
+
+The mixer of decoder layer i comes from its layer type (``model.layer_types``, transformers'
+names; unset, from ``model.full_attention_interval``, ``model.sliding_window`` or
+``model.attention_chunk_size``): :data:`LAYER_TYPES` says which key names the kind of mixer
+of such a layer (``model.attention`` for the attention types) and which options it takes;
+``model.nope_layers`` and the query temperature are options of the layer too. Its FFN (dense,
+MoE or none) is :meth:`moetrain.config.MoEConfig.ffn_kind`'s. Multi-token-prediction blocks
+(``layers.<n_layers + k - 1>``) have full attention of ``model.attention``'s kind and the FFN
+the MoE section places there.
+
+Every reader (the model's blocks, ``model_numbers``, ``moetrain plan``, the converters) takes
+its layers from :func:`layer_plan` (or ``Config.layer_plan()``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from moetrain.config.checks import require
+from moetrain.config.mixers import MIXER_KINDS, mixer_kind
+from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above
+
+if TYPE_CHECKING:
+    from moetrain.config.model import ModelConfig
+    from moetrain.config.moe import MoEConfig
+
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+LINEAR = "linear_attention"  # full_attention_interval's other layers (no mixer serves it yet)
+NO_MIXER = "none"  # a block without a mixer: its FFN alone (Nemotron-H's MLP and MoE layers)
+FFNKind = Literal["dense", "moe", "none"]
+
+
+@dataclass(frozen=True)
+class LayerType:
+    """An entry of ``model.layer_types``: the ``model`` key that names its mixer's kind (None:
+    no mixer), and whether the layer takes ``model.sliding_window`` / its chunks."""
+
+    kind_key: str | None
+    window: bool = False
+    chunk: bool = False
+
+
+LAYER_TYPES = {
+    FULL: LayerType("attention"),
+    SLIDING: LayerType("attention", window=True),
+    CHUNKED: LayerType("attention", chunk=True),
+    NO_MIXER: LayerType(None),
+}
+
+
+@dataclass(frozen=True)
+class MixerSpec:
+    """One layer's token mixer: its kind and per-layer options."""
+
+    kind: str  # a name of moetrain.config.mixers.MIXER_KINDS
+    window: int | None = None  # a sliding window (the last `window` positions, itself included)
+    chunk: int | None = None  # chunked attention: positions of the same chunk of this size
+    rope: bool = True  # False: a NoPE layer
+    temperature: tuple[int, float] | None = None  # (floor, scale) of the query temperature
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One block of the model: its index, mixer (None: none) and FFN kind."""
+
+    index: int
+    mixer: MixerSpec | None
+    ffn: FFNKind
+    mtp: bool = False  # a multi-token-prediction block
+
+
+@dataclass
+class LayerPlanKeys:
+    """The ``model`` keys of the layer plan (besides ``model.attention``)."""
+
+    # each decoder layer's type (n_layers entries): "full_attention", "sliding_attention"
+    # (with sliding_window), "chunked_attention" (with attention_chunk_size), all three of
+    # model.attention's kind, or "none" (no mixer: the block is its FFN alone). None: every
+    # layer sliding with sliding_window set, chunked with attention_chunk_size set, the
+    # pattern of full_attention_interval with it set, else every layer full (window and chunks
+    # both set: required). Multi-token-prediction blocks attend to the full context
+    layer_types: list[str] | None = field(default=None, metadata=FUNCTION)
+    # Qwen3-Next's full_attention_interval k: layer i is full_attention where (i + 1) % k == 0
+    # and linear_attention elsewhere (needs a mixer for linear_attention layers)
+    full_attention_interval: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    # sliding-window attention: a query of a "sliding_attention" layer sees the last
+    # sliding_window positions, itself included (transformers' rule); less than max_seq_len
+    sliding_window: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    # chunked local attention (Llama 4's attention_chunk_size): a query of a
+    # "chunked_attention" layer at position i sees the positions j <= i with j // C == i // C
+    # (positions in the row, from 0); less than max_seq_len
+    attention_chunk_size: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    # the decoder layers without rotary embeddings (NoPE; Llama 4's no_rope_layers zeros):
+    # distinct indices in increasing order; None = every layer has RoPE
+    nope_layers: list[int] | None = field(default=None, metadata=FUNCTION)
+    # attention temperature tuning on the NoPE layers (Llama 4's attn_temperature_tuning,
+    # floor_scale, attn_scale): the query at position p (in the row) is multiplied by
+    # log1p(floor((p + 1) / attn_temperature_floor)) * attn_temperature_scale + 1; both set
+    # or both None (off)
+    attn_temperature_floor: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    attn_temperature_scale: float | None = field(default=None, metadata=above(0) | FUNCTION)
+
+
+def layer_types(model: ModelConfig) -> list[str]:
+    """Each decoder layer's type (see :class:`LayerPlanKeys`)."""
+    n = model.n_layers
+    if model.layer_types is not None:
+        return list(model.layer_types)
+    k = model.full_attention_interval
+    if k is not None:
+        return [FULL if (i + 1) % k == 0 else LINEAR for i in range(n)]
+    if model.sliding_window is not None:
+        return [SLIDING] * n
+    if model.attention_chunk_size is not None:
+        return [CHUNKED] * n
+    return [FULL] * n
+
+
+def mixer_spec(model: ModelConfig, layer: int, types: list[str] | None = None) -> MixerSpec | None:
+    """Block ``layer``'s mixer (None: the block has none); ``types``: :func:`layer_types`,
+    when the caller has them."""
+    if layer >= model.n_layers:  # a multi-token-prediction block
+        return MixerSpec(model.attention)
+    entry = LAYER_TYPES[(types or layer_types(model))[layer]]
+    if entry.kind_key is None:
+        return None
+    rope = layer not in (model.nope_layers or ())
+    floor, scale = model.attn_temperature_floor, model.attn_temperature_scale
+    return MixerSpec(
+        kind=getattr(model, entry.kind_key),
+        window=model.sliding_window if entry.window else None,
+        chunk=model.attention_chunk_size if entry.chunk else None,
+        rope=rope,
+        temperature=None if rope or floor is None or scale is None else (floor, scale),
+    )
+
+
+def layer_plan(model: ModelConfig, moe: MoEConfig) -> tuple[LayerSpec, ...]:
+    """Every block of the model (``model.n_blocks``: the decoder layers, then the
+    multi-token-prediction blocks), in order."""
+    types = layer_types(model)
+    return tuple(
+        LayerSpec(i, mixer_spec(model, i, types), moe.ffn_kind(i), mtp=i >= model.n_layers)
+        for i in range(model.n_blocks)
+    )
+
+
+def validate_layer_plan(model: ModelConfig) -> None:
+    """The ``model`` side of the plan: the layer types and their options, then every mixer
+    kind's rules over the layers that use it (a kind no layer uses: its keys unset)."""
+    _validate_types(model)
+    _validate_nope(model)
+    types = layer_types(model)
+    used: dict[str, list[MixerSpec]] = {}
+    for i in range(model.n_blocks):
+        spec = mixer_spec(model, i, types)
+        if spec is not None:
+            mixer_kind(spec.kind, _kind_key(types, i))
+            used.setdefault(spec.kind, []).append(spec)
+    for name, kind in MIXER_KINDS.items():
+        if name in used:
+            kind.validate(model, used[name])
+        else:
+            kind.refuse_own_keys(model)
+
+
+def _kind_key(types: list[str], layer: int) -> str:
+    """The dotted key that names block ``layer``'s mixer kind."""
+    entry = LAYER_TYPES[types[layer]] if layer < len(types) else LAYER_TYPES[FULL]
+    return f"model.{entry.kind_key}"
+
+
+def _validate_types(model: ModelConfig) -> None:
+    types, k = model.layer_types, model.full_attention_interval
+    require(
+        types is None or k is None,
+        "model.full_attention_interval",
+        "and model.layer_types say the same thing: set one of them",
+    )
+    if types is not None:
+        require(
+            isinstance(types, list) and len(types) == model.n_layers,
+            "model.layer_types",
+            f"must list model.n_layers={model.n_layers} layer kinds; got {types!r}",
+        )
+        unknown = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
+        require(not unknown, "model.layer_types", f"knows {', '.join(LAYER_TYPES)}; got {unknown}")
+    if k is not None:
+        require(
+            k == 1 or LINEAR in LAYER_TYPES,
+            "model.full_attention_interval",
+            f"its other layers are {LINEAR} layers, and no mixer kind serves them yet; "
+            "only 1 (every layer full attention) is possible",
+        )
+    resolved = layer_types(model)
+    require(
+        SLIDING not in resolved or model.sliding_window is not None,
+        "model.sliding_window",
+        "must be set where model.layer_types has sliding_attention layers",
+    )
+    require(
+        CHUNKED not in resolved or model.attention_chunk_size is not None,
+        "model.attention_chunk_size",
+        "must be set where model.layer_types has chunked_attention layers",
+    )
+    require(
+        types is not None or model.sliding_window is None or model.attention_chunk_size is None,
+        "model.layer_types",
+        "must say which layers are sliding and which chunked where both "
+        "model.sliding_window and model.attention_chunk_size are set",
+    )
+    for key in ("sliding_window", "attention_chunk_size"):
+        size = getattr(model, key)
+        require(
+            size is None or size < model.max_seq_len,
+            f"model.{key}",
+            f"must be less than model.max_seq_len={model.max_seq_len} (one as long as "
+            f"the context is full attention: leave it unset); got {size}",
+        )
+
+
+def _validate_nope(model: ModelConfig) -> None:
+    """NoPE layers and their query temperature."""
+    nope = model.nope_layers
+    if nope is not None:
+        require(
+            isinstance(nope, list)
+            and all(isinstance(i, int) and 0 <= i < model.n_layers for i in nope)
+            and nope == sorted(set(nope)),
+            "model.nope_layers",
+            f"must list distinct layer indices 0..{model.n_layers - 1} in increasing "
+            f"order; got {nope!r}",
+        )
+    floor, scale = model.attn_temperature_floor, model.attn_temperature_scale
+    require(
+        (floor is None) == (scale is None),
+        "model.attn_temperature_floor",
+        "and model.attn_temperature_scale are set together (both null: no temperature)",
+    )
+    require(
+        floor is None or bool(nope),
+        "model.attn_temperature_floor",
+        "scales the queries of the NoPE layers: model.nope_layers must list some",
+    )

@@ -1,0 +1,21 @@
+"""The token mixer kinds the config knows, by the name that selects them (torch-free): each
+kind's keys, rules and numbers in a module of its own (:mod:`.gqa`, :mod:`.mla`); their
+modules are :mod:`moetrain.model.mixers`' (the same names, checked by a test)."""
+
+from __future__ import annotations
+
+from moetrain.config.checks import ConfigError
+from moetrain.config.mixers.base import MixerKind
+from moetrain.config.mixers.gqa import GQA, GQAKeys
+from moetrain.config.mixers.mla import MLA, MLAKeys
+
+MIXER_KINDS: dict[str, type[MixerKind]] = {kind.name: kind for kind in (GQA, MLA)}
+
+__all__ = ["MIXER_KINDS", "GQAKeys", "MLAKeys", "MixerKind", "mixer_kind"]
+
+
+def mixer_kind(name: str, key: str = "model.attention") -> type[MixerKind]:
+    """The kind called ``name``; ConfigError naming ``key`` for an unknown one."""
+    if name not in MIXER_KINDS:
+        raise ConfigError(f"{key}: knows {', '.join(MIXER_KINDS)}; got {name!r}")
+    return MIXER_KINDS[name]

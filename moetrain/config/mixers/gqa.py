@@ -1,0 +1,101 @@
+"""Grouped-query attention's keys and rules (``model.attention: gqa``, the default): query heads
+``model.n_heads`` sharing ``model.n_kv_heads`` key/value heads of ``model.head_dim`` dims, and
+its options. Its per-layer variants (sliding windows, chunks, NoPE and the query temperature)
+are the layer plan's (:mod:`moetrain.config.layer_plan`); its module is
+:mod:`moetrain.model.mixers.gqa`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from moetrain.config.checks import require
+from moetrain.config.mixers.base import MixerKind
+from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above, between
+
+if TYPE_CHECKING:
+    from moetrain.config.layer_plan import MixerSpec
+    from moetrain.config.model import ModelConfig
+
+
+@dataclass
+class GQAKeys:
+    """Grouped-query attention's own ``model`` keys."""
+
+    # default d_model // n_heads
+    head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    # RMSNorm on queries and keys (Qwen3-MoE, GLM-4-MoE, OLMoE)
+    qk_norm: bool = field(default=False, metadata=FUNCTION)
+    # what that norm normalises: "head" (each head's vector; Qwen3-MoE, GLM-4-MoE) or
+    # "projection" (the whole query / key projection, all heads together; OLMoE)
+    qk_norm_scope: Literal["head", "projection"] = field(default="head", metadata=FUNCTION)
+    # biases on the query / key / value projections (Qwen2, Qwen2-MoE)
+    qkv_bias: bool = field(default=False, metadata=FUNCTION)
+    # a bias on attention's output projection (gpt-oss, Phi-3.5-MoE)
+    o_bias: bool = field(default=False, metadata=FUNCTION)
+    # attention sinks (gpt-oss): a learned logit per query head, layers.<i>.attn.sinks (H,),
+    # added to every softmax's denominator (a key column that carries no value)
+    attention_sinks: bool = field(default=False, metadata=FUNCTION)
+    # the fraction of each head's dims RoPE rotates (its first head_dim * factor dims, even;
+    # GLM-4.5's 0.5); the others carry no position
+    partial_rotary_factor: float = field(
+        default=1.0, metadata=between(0, 1, low_open=True) | FUNCTION
+    )
+    # the softmax scale (Granite-MoE's attention_multiplier); None = 1 / sqrt(head_dim)
+    attention_scale: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # a weightless RMSNorm (eps norm_eps) over each query and key head after RoPE, on the layers
+    # with RoPE only (Llama 4's use_qk_norm)
+    qk_norm_after_rope: bool = field(default=False, metadata=FUNCTION)
+
+
+class GQA(MixerKind):
+    """Grouped-query attention (with its local variants)."""
+
+    name = "gqa"
+    keys = (
+        "head_dim",
+        "qk_norm",
+        "qkv_bias",
+        "o_bias",
+        "attention_sinks",
+        "partial_rotary_factor",
+        "attention_scale",
+        "qk_norm_after_rope",
+    )
+
+    @classmethod
+    def validate(cls, model: ModelConfig, specs: list[MixerSpec]) -> None:
+        if model.head_dim is None:
+            require(
+                model.d_model % model.n_heads == 0,
+                "model.n_heads",
+                f"must divide model.d_model={model.d_model} (or set model.head_dim); "
+                f"got {model.n_heads}",
+            )
+        hd, rope = cls.head_dim(model), cls.rope_dim(model)
+        require(hd % 2 == 0, "model.head_dim", f"must be even for rotary embeddings; got {hd}")
+        require(
+            rope > 0 and rope % 2 == 0,
+            "model.partial_rotary_factor",
+            f"must rotate an even number of dims, at least 2, of the {hd} of a head; "
+            f"{model.partial_rotary_factor:g} rotates {rope}",
+        )
+        require(
+            model.n_heads % model.n_kv_heads == 0,
+            "model.n_kv_heads",
+            f"must divide model.n_heads={model.n_heads}; got {model.n_kv_heads}",
+        )
+
+    @classmethod
+    def head_dim(cls, model: ModelConfig) -> int:
+        """``model.head_dim``, or ``d_model // n_heads`` when it is not set."""
+        return model.head_dim if model.head_dim is not None else model.d_model // model.n_heads
+
+    @classmethod
+    def rope_dim(cls, model: ModelConfig) -> int:
+        return int(cls.head_dim(model) * model.partial_rotary_factor)
+
+    @classmethod
+    def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:
+        """The query heads; key/value heads are repeated where they do not split."""
+        return (("model.n_heads", model.n_heads),)

@@ -1,0 +1,119 @@
+"""What a family declares about its weight files: how they name and shape moetrain's tensors
+where they differ from Llama's (:class:`Layout`), and the larger directories that hold its model
+(:class:`Wrapper`). Pure data: :mod:`moetrain.convert.weight_map` reads it (the one mapper that
+export, import and ``checkpoint.init_from`` share); imports neither torch nor transformers.
+
+Llama's names, which every family has unless its layout says otherwise:
+``model.embed_tokens``, ``model.norm``, ``lm_head``; per decoder layer ``model.layers.<i>.``
+``input_layernorm``, ``post_attention_layernorm``, the token mixer's weights (named by
+:data:`moetrain.convert.weight_map.MIXER_NAMES`, by what the model's parameter names say), a
+dense layer's ``mlp.{gate,up,down}_proj``, an MoE layer's ``mlp.gate`` (router),
+``mlp.experts.<e>.{gate,up,down}_proj`` and ``mlp.shared_expert.{gate,up,down}_proj`` with
+``mlp.shared_expert_gate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+SWIGLU = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # moetrain -> Llama
+
+
+@dataclass(frozen=True)
+class PerExpert:
+    """An MoE layer's experts one tensor per expert and projection,
+    ``<moe block>.experts.<e>.<name>.weight`` in ``nn.Linear``'s (out, in) orientation;
+    ``names``: moetrain's w1 (gate), w3 (up), w2 (down) -> the files' projection names."""
+
+    names: Mapping[str, str] = field(default_factory=lambda: dict(SWIGLU))
+
+
+@dataclass(frozen=True)
+class Fused:
+    """An MoE layer's experts as two tensors in ``nn.Linear``'s orientation under the MoE block:
+    ``gate_up`` (E, 2F, D) = [gate; up] and ``down`` (E, D, F) (Granite's
+    ``input_linear.weight`` / ``output_linear.weight``; transformers v5 holds every per-expert
+    family's experts so in memory: :data:`V5_FUSED`)."""
+
+    gate_up: str = "experts.gate_up_proj"
+    down: str = "experts.down_proj"
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """An MoE layer's experts as moetrain holds them, under the MoE block: ``gate_up``
+    (E, D, 2F), ``down`` (E, F, D), and with ``moe.expert_biases`` ``<gate_up>_bias`` (E, 2F) and
+    ``<down>_bias`` (E, D); gate and up ``[gate | up]`` (Llama 4), or ``interleaved``, gate the
+    even columns (gpt-oss). Files and transformers v5's memory alike."""
+
+    interleaved: bool = False
+    gate_up: str = "experts.gate_up_proj"
+    down: str = "experts.down_proj"
+
+
+V5_FUSED = Fused()
+
+
+@dataclass(frozen=True)
+class MtpNames:
+    """Where the files hold multi-token-prediction module ``k`` (moetrain's block
+    ``n_layers + k - 1``): DeepSeek-V3's released layout, the decoder layer
+    ``model.layers.<n_layers + k - 1>.`` with the block's usual names, the module's own weights
+    (its norms of the next token's embedding and of the hidden state, their projection, the
+    norm before the head) and copies of the shared embedding and head, which inference engines
+    read there (an import reads the originals); names relative to that layer."""
+
+    enorm: str = "enorm"
+    hnorm: str = "hnorm"
+    eh_proj: str = "eh_proj"
+    head_norm: str = "shared_head.norm"
+    embed_copy: str = "embed_tokens.weight"
+    head_copy: str = "shared_head.head.weight"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A family's names where they differ from Llama's (the module docstring), each relative to
+    a decoder layer (``model.layers.<i>.``) or to its MoE block.
+
+    ``in_memory``: transformers v5's in-memory module names where they differ from the files'
+    (the MoE block, the router, the selection bias: file name -> memory name); a source saved
+    from memory uses them, with a per-expert or fused family's experts as :data:`V5_FUSED`.
+    """
+
+    moe_block: str = "mlp"  # the MoE block of a decoder layer
+    router: str = "gate"  # the router's module, under the block
+    experts: PerExpert | Fused | Stacked = field(default_factory=PerExpert)
+    # the router's selection bias (moetrain's aux-loss-free expert_bias), under the block; None:
+    # the files have none (a model's must then be zero); stored as one row (1, E) where row
+    selection_bias: str | None = None
+    selection_bias_row: bool = False
+    shared_expert: str = "shared_expert"  # under the block: {gate,up,down}_proj
+    shared_gate: str = "shared_expert_gate"  # under the block
+    # the shared expert as two tensors of the decoder layer, gate_up (2S, D) = [gate; up] and
+    # down (D, S) (Granite-MoE-Shared's shared_mlp.input_linear / output_linear); None: above
+    shared_fused: tuple[str, str] | None = None
+    dense_block: str = "mlp"  # a dense layer's FFN
+    # the files always hold q/k/v biases and a gated shared expert (zeros, and a shared expert
+    # of hidden size 0, when the model has none: Qwen2-MoE)
+    qkv_bias_always: bool = False
+    shared_expert_always: bool = False
+    mtp: MtpNames | None = None  # None: the files hold no multi-token-prediction modules
+    in_memory: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A Hugging Face class that holds a family's model inside a larger one (Llama 4's released
+    ``Llama4ForConditionalGeneration``: the text model beside a vision tower). Importing such a
+    directory takes the family's model and leaves the rest, saying so."""
+
+    architecture: str  # config.json's ``architectures``
+    model_type: str
+    config_key: str  # the family's own config inside config.json (``text_config``)
+    # the tensors of the family's model: a stored name prefix -> the family's own
+    # (``{"language_model.": ""}``: ``language_model.model.norm.weight`` is ``model.norm.weight``)
+    tensors: Mapping[str, str]
+    left_out: tuple[str, ...]  # the name prefixes of the tensors that are not taken
+    what: str  # what is not taken, in words (``the vision tower``)

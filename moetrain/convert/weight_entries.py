@@ -1,0 +1,241 @@
+"""The entries of a weight map (:mod:`moetrain.convert.weight_map`): each relates some moetrain
+tensors (``ours``) to the Hugging Face tensors that hold them (``theirs``) and converts between
+the two, one class per transform: a rename, a selection bias stored as a row, tensors joined
+along their first dim, a tensor the files have no place for, and an MoE layer's experts per
+expert, fused or stacked.
+
+Expert entries read any range of experts from a :class:`TensorSource` (the safetensors files, or
+a state dict in memory), each expert-parallel rank only its own. Shapes: moetrain's ``w13``
+(E, D, 2F) = ``[w1 | w3]`` (gate, up) and ``w2`` (E, F, D); ``nn.Linear`` holds (out, in).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from moetrain.config import ConfigError
+from moetrain.model import param_names as pn
+from moetrain.model.moe.experts import pack_w13, unpack_w13
+
+Shape = tuple[int, ...]
+Tensors = list[torch.Tensor]
+Into = dict[str, torch.Tensor] | None  # a model's tensors, filled in place where possible
+
+
+class TensorSource(Protocol):
+    """Where a map reads Hugging Face tensors from, by name (:class:`~moetrain.convert.
+    hf_files.HFWeights`, or :class:`InMemory`)."""
+
+    def names(self) -> list[str]: ...
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]: ...
+
+    def load_rows(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+
+
+class InMemory:
+    """A state dict as a :class:`TensorSource`."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        missing = [n for n in names if n not in self.tensors]
+        if missing:
+            raise KeyError(f"the state dict has no {missing[0]!r}")
+        return {n: self.tensors[n] for n in names}
+
+    def load_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[name][start:stop]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """``ours`` <-> ``theirs``, one tensor each, the same values and shape (a rename)."""
+
+    ours: tuple[str, ...]
+    theirs: tuple[str, ...]
+    keep_fp32 = False  # written in fp32 whatever the export's dtype
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
+        return tensors
+
+    def from_hf(self, tensors: Tensors) -> Tensors:
+        return tensors
+
+    def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        return shapes
+
+
+@dataclass(frozen=True)
+class SelectionBias(Entry):
+    """The router's selection bias (E,), in fp32, stored as one row (1, E) where ``row``
+    (ERNIE's)."""
+
+    row: bool = False
+    keep_fp32 = True
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
+        return [tensors[0].reshape(1, -1)] if self.row else tensors
+
+    def from_hf(self, tensors: Tensors) -> Tensors:
+        return [tensors[0].float().reshape(-1)]
+
+    def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        return [(1, *shapes[0])] if self.row else shapes
+
+
+@dataclass(frozen=True)
+class Joined(Entry):
+    """``ours`` joined along their first dim in one tensor (Granite-MoE-Shared's shared expert:
+    [gate; up])."""
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
+        return [torch.cat(tensors, dim=0)]
+
+    def from_hf(self, tensors: Tensors) -> Tensors:
+        return list(tensors[0].chunk(len(self.ours), dim=0))
+
+    def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        return [(sum(s[0] for s in shapes), *shapes[0][1:])]
+
+
+@dataclass(frozen=True)
+class NoSelectionBias(Entry):
+    """A selection bias the files have no place for (``theirs`` is empty): written only when
+    zero (it would change which experts are picked), read as zeros."""
+
+    fmt: str = ""
+    num_experts: int = 0
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
+        if bool(tensors[0].ne(0).any()):
+            raise ConfigError(
+                f"{self.ours[0]}: non-zero expert bias cannot be represented in {self.fmt} (it "
+                "changes which experts are selected)"
+            )
+        return []
+
+    def from_hf(self, tensors: Tensors) -> Tensors:
+        return [torch.zeros(self.num_experts)]
+
+    def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        return []
+
+
+@dataclass(frozen=True)
+class Experts(Entry):
+    """An MoE layer's experts: ``ours`` its stacked tensors (w13, w2, and their biases),
+    ``theirs`` the files' tensors. ``read`` takes experts ``[start, stop)`` only."""
+
+    num_experts: int = 0
+
+    @property
+    def layer(self) -> int:
+        """The MoE layer these experts are of."""
+        return pn.parse_experts(self.ours[0])[0]
+
+    def read(self, source: TensorSource, start: int, stop: int, into: Into = None) -> Tensors:
+        """``ours`` for experts ``[start, stop)``; ``into``: tensors of ``ours``' names to fill
+        in place where the layout allows it (a model's parameters)."""
+        raise NotImplementedError
+
+    def from_hf(self, tensors: Tensors) -> Tensors:
+        return self.read(
+            InMemory(dict(zip(self.theirs, tensors, strict=True))), 0, self.num_experts
+        )
+
+
+@dataclass(frozen=True)
+class PerExpertFiles(Experts):
+    """One tensor per expert and projection, ``theirs`` = gate, up, down of expert 0, then of
+    expert 1, ..., each (out, in)."""
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
+        w1, w3 = unpack_w13(tensors[0])
+        w2 = tensors[1]
+        return [w[e].t() for e in range(self.num_experts) for w in (w1, w3, w2)]
+
+    def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        (_, d, f2), _ = shapes
+        return [(f2 // 2, d), (f2 // 2, d), (d, f2 // 2)] * self.num_experts
+
+    def read(self, source: TensorSource, start: int, stop: int, into: Into = None) -> Tensors:
+        names = self.theirs[3 * start : 3 * stop]
+        t = source.load(list(names))
+        gate = t[names[0]]
+        (f, d), n = gate.shape, stop - start
+        into = into or {}
+        w13 = into.get(self.ours[0], torch.empty(n, d, 2 * f, dtype=gate.dtype))
+        w2 = into.get(self.ours[1], torch.empty(n, f, d, dtype=gate.dtype))
+        with torch.no_grad():  # each expert transposed straight into place
+            for i in range(n):
+                g, u, dn = (t.pop(names[3 * i + j]) for j in range(3))
+                w13[i, :, :f].copy_(g.t().contiguous())
+                w13[i, :, f:].copy_(u.t().contiguous())
+                w2[i].copy_(dn.t().contiguous())
+        return [w13, w2]
+
+
+def cat_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """moetrain's ``w13`` (E, D, 2F) -> the fused gate_up (E, 2F, D) = [gate; up]."""
+    w1, w3 = unpack_w13(w13)
+    return torch.cat([w1.mT, w3.mT], dim=1)
+
+
+@dataclass(frozen=True)
+class FusedFiles(Experts):
+    """Two tensors, ``nn.Linear``'s orientation: gate_up (E, 2F, D) = [gate; up], down
+    (E, D, F)."""
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
+        return [cat_gate_up(tensors[0]), tensors[1].mT]
+
+    def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        (e, d, f2), _ = shapes
+        return [(e, f2, d), (e, d, f2 // 2)]
+
+    def read(self, source: TensorSource, start: int, stop: int, into: Into = None) -> Tensors:
+        gate_up = source.load_rows(self.theirs[0], start, stop)  # (L, 2F, D)
+        f = gate_up.shape[1] // 2
+        w13 = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
+        w2 = source.load_rows(self.theirs[1], start, stop).transpose(1, 2)
+        return [w13.contiguous(), w2.contiguous()]
+
+
+def interleave(t: torch.Tensor) -> torch.Tensor:
+    """``[gate | up]`` along the last dim -> gate and up interleaved, gate the even columns."""
+    gate, up = t.chunk(2, dim=-1)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
+def deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`interleave`."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+@dataclass(frozen=True)
+class StackedFiles(Experts):
+    """moetrain's own orientation, tensor for tensor (``theirs`` aligned with ``ours``), gate
+    and up interleaved where ``interleaved`` (gpt-oss: w13 and its bias)."""
+
+    interleaved: bool = False
+
+    def _gate_up(self, i: int) -> bool:
+        return self.interleaved and self.ours[i].endswith(("w13", "w13_bias"))
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
+        return [interleave(t) if self._gate_up(i) else t for i, t in enumerate(tensors)]
+
+    def read(self, source: TensorSource, start: int, stop: int, into: Into = None) -> Tensors:
+        out = []
+        for i, name in enumerate(self.theirs):
+            t = source.load_rows(name, start, stop)
+            out.append((deinterleave(t) if self._gate_up(i) else t).contiguous())
+        return out

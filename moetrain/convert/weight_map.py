@@ -1,0 +1,360 @@
+"""The one weight mapper between moetrain's ``Transformer`` and a family's Hugging Face files:
+:class:`WeightMap`, built from the model's own tensor names and the family's declared
+:class:`~moetrain.convert.families.layout.Layout`.
+
+``moetrain convert`` writes with it, a part at a time (the dense weights, then one MoE layer's
+experts); ``moetrain import`` and ``checkpoint.init_from`` read with it, each expert-parallel
+rank only its own experts, from the files' names or from transformers v5's in-memory ones,
+whichever the source holds. Every moetrain tensor has exactly one entry
+(:mod:`moetrain.convert.weight_entries`: which tensors of the files hold it, and the transform);
+the files' other tensors are ``fillers`` (zeros that the family's class always holds) and
+``copies`` (the multi-token-prediction layers' copies of the embedding and head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Collection, Iterable
+
+import torch
+
+from moetrain.checkpoint.format import CheckpointError
+from moetrain.config import Config, ConfigError
+from moetrain.convert.families import family
+from moetrain.convert.families.layout import (
+    SWIGLU,
+    V5_FUSED,
+    Fused,
+    Layout,
+    PerExpert,
+    Stacked,
+)
+from moetrain.convert.weight_entries import (
+    Entry,
+    Experts,
+    FusedFiles,
+    Joined,
+    NoSelectionBias,
+    PerExpertFiles,
+    SelectionBias,
+    Shape,
+    StackedFiles,
+    TensorSource,
+)
+from moetrain.model import param_names as pn
+from moetrain.model.moe.experts import expert_param_names
+from moetrain.model.transformer import Transformer
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# tensors a file may hold that the model has none of: read only to check that they are zero
+ZERO_ONLY = re.compile(r"self_attn\.[qkvo]_proj\.bias$")
+
+
+def decoder_layer(name: str) -> int:
+    """The decoder-layer index of a Hugging Face tensor name (-1 outside the layers)."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else -1
+
+
+def _rel(name: str, kind: str | None = "weight") -> str:
+    """A parameter name of block 0 (``model.param_names``) relative to its block, without its
+    ``kind``: ``layers.0.attn.wq.weight`` -> ``attn.wq``."""
+    name = name.removeprefix("layers.0.")
+    return name.removesuffix(f".{kind}") if kind else name
+
+
+_GQA = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+_MLA = {
+    "wq": "q_proj",
+    "wq_a": "q_a_proj",
+    "q_norm": "q_a_layernorm",
+    "wq_b": "q_b_proj",
+    "wkv_a": "kv_a_proj_with_mqa",
+    "kv_norm": "kv_a_layernorm",
+    "wkv_b": "kv_b_proj",
+    "wo": "o_proj",
+}
+# A token mixer's weights: their names in a moetrain block -> in a Hugging Face decoder layer.
+# A block takes the first table that names every one of its mixer's weights; a new mixer kind
+# adds its table here.
+MIXER_NAMES: tuple[dict[str, str], ...] = (
+    {  # grouped-query attention
+        **{_rel(pn.attn(0, ours)): f"self_attn.{theirs}" for ours, theirs in _GQA.items()},
+        _rel(pn.qk_norm(0, "q")): "self_attn.q_norm",
+        _rel(pn.qk_norm(0, "k")): "self_attn.k_norm",
+        _rel(pn.attn_sinks(0), None): "self_attn.sinks",
+    },
+    {_rel(pn.attn(0, ours)): f"self_attn.{theirs}" for ours, theirs in _MLA.items()},  # latent
+)
+
+
+def _rename(rules: dict[str, str], rest: str) -> str | None:
+    """``rest`` (a name in a block) renamed by the first rule whose module it is or lies in."""
+    for ours, theirs in rules.items():
+        if rest == ours or rest.startswith(ours + "."):
+            return theirs + rest[len(ours) :]
+    return None
+
+
+def in_memory(layout: Layout) -> Layout:
+    """transformers v5's in-memory names of ``layout`` (``Layout.in_memory``; per-expert and
+    fused experts as :data:`~moetrain.convert.families.layout.V5_FUSED`)."""
+    r, bias = layout.in_memory, layout.selection_bias
+    return dataclasses.replace(
+        layout,
+        moe_block=r.get(layout.moe_block, layout.moe_block),
+        router=r.get(layout.router, layout.router),
+        selection_bias=r.get(bias, bias) if bias else None,
+        experts=layout.experts if isinstance(layout.experts, Stacked) else V5_FUSED,
+    )
+
+
+def _meta_shapes(cfg: Config) -> dict[str, Shape]:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in Transformer(cfg.model, cfg.moe).state_dict().items()}
+
+
+class _Plan:
+    """The entries, fillers and copies of one layout (:class:`WeightMap` builds one, two when
+    it reads)."""
+
+    def __init__(self, cfg: Config, fmt: str, layout: Layout, shapes: dict[str, Shape]) -> None:
+        self.cfg, self.fmt, self.layout, self.shapes = cfg, fmt, layout, shapes
+        self.entries: list[Entry] = []
+        self.fillers: dict[str, tuple[Shape, str]] = {}  # HF name -> (shape, beside which)
+        self.copies: dict[str, str] = {}  # HF name -> the moetrain tensor it copies
+        names = [n for n in shapes if not pn.parse_experts(n)]
+        top = {
+            pn.EMBED: "model.embed_tokens.weight",
+            pn.FINAL_NORM: "model.norm.weight",
+            pn.FINAL_NORM_BIAS: "model.norm.bias",
+            pn.LM_HEAD_BIAS: "lm_head.bias",
+        }
+        if not cfg.model.tie_embeddings:
+            top[pn.LM_HEAD] = "lm_head.weight"
+        for name in names:
+            if name in top:
+                self.entries.append(Entry((name,), (top[name],)))
+        for i in range(cfg.model.n_blocks):
+            self._block(i, [n for n in names if n.startswith(f"layers.{i}.")])
+        unmapped = [n for n in names if n not in top and not n.startswith("layers.")]
+        if unmapped and unmapped != [pn.LM_HEAD]:
+            raise ConfigError(f"{unmapped[0]}: no {fmt} equivalent for this tensor")
+        for i in cfg.moe.moe_layers(cfg.model.n_blocks):
+            self.entries.append(self._experts(i))
+
+    def _block_rules(self, i: int) -> dict[str, str]:
+        """A block's names that are the same whatever its mixer: norms, FFN, MTP's own."""
+        lay, moe = self.layout, self.layout.moe_block
+        rules = {_rel(pn.attn_norm(0)): "input_layernorm"}
+        rules[_rel(pn.ffn_norm(0))] = "post_attention_layernorm"
+        for w, p in SWIGLU.items():
+            rules[_rel(pn.dense_ffn(0, w))] = f"{lay.dense_block}.{p}"
+            rules[_rel(pn.shared_expert(0, w))] = f"{moe}.{lay.shared_expert}.{p}"
+        rules[_rel(pn.router_gate(0))] = f"{moe}.{lay.router}"
+        rules[_rel(pn.shared_gate(0))] = f"{moe}.{lay.shared_gate}"
+        if lay.mtp is not None and i >= self.cfg.model.n_layers:
+            for which in pn.MTP_NORMS:
+                rules[_rel(pn.mtp_norm(0, which))] = getattr(lay.mtp, which)
+            rules[_rel(pn.mtp_projection(0))] = lay.mtp.eh_proj
+        return rules
+
+    def _block(self, i: int, names: list[str]) -> None:
+        prefix, lay, moe = f"model.layers.{i}.", self.layout, self.cfg.moe
+        shared = [pn.shared_expert(i, w) for w in pn.SWIGLU_WEIGHTS]
+        if lay.shared_fused is not None and shared[0] in names:  # [gate; up] and down
+            gate_up, down = (prefix + n for n in lay.shared_fused)
+            self.entries += [Joined(tuple(shared[:2]), (gate_up,)), Entry((shared[2],), (down,))]
+        bias = pn.expert_bias(i)
+        if bias in names and lay.selection_bias is not None:
+            theirs = f"{prefix}{lay.moe_block}.{lay.selection_bias}"
+            self.entries.append(SelectionBias((bias,), (theirs,), lay.selection_bias_row))
+        elif bias in names:
+            self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.num_experts))
+        done = {bias, *shared} if lay.shared_fused is not None else {bias}
+        rest = {n: n.removeprefix(f"layers.{i}.") for n in names if n not in done}
+        common = self._block_rules(i)
+        mixer = next(
+            (t for t in MIXER_NAMES if all(_rename({**common, **t}, r) for r in rest.values())),
+            None,
+        )
+        for name, r in rest.items():
+            theirs = _rename({**common, **(mixer or {})}, r)
+            if theirs is None:
+                raise ConfigError(f"{name}: no {self.fmt} equivalent for this tensor")
+            self.entries.append(Entry((name,), (prefix + theirs,)))
+        self._fill(i, prefix, mixer or {})
+        if lay.mtp is not None and i >= self.cfg.model.n_layers:
+            head = pn.EMBED if self.cfg.model.tie_embeddings else pn.LM_HEAD
+            self.copies[prefix + lay.mtp.embed_copy] = pn.EMBED
+            self.copies[prefix + lay.mtp.head_copy] = head
+
+    def _fill(self, i: int, prefix: str, mixer: dict[str, str]) -> None:
+        """The zeros a family's class always holds: q/k/v biases, a shared expert of size 0."""
+        lay, model, moe = self.layout, self.cfg.model, self.cfg.moe
+        if lay.qkv_bias_always and not model.qkv_bias:
+            for p in ("wq", "wk", "wv"):
+                weight = pn.attn(i, p)
+                theirs = prefix + mixer[_rel(pn.attn(0, p))] + ".bias"
+                self.fillers[theirs] = ((self.shapes[weight][0],), weight)
+        if lay.shared_expert_always and not moe.num_shared_experts and moe.is_moe_layer(i):
+            block, d = f"{prefix}{lay.moe_block}.", model.d_model
+            for w, p in SWIGLU.items():
+                shape = (d, 0) if w == "w2" else (0, d)
+                self.fillers[f"{block}{lay.shared_expert}.{p}.weight"] = (shape, pn.router_gate(i))
+            self.fillers[f"{block}{lay.shared_gate}.weight"] = ((1, d), pn.router_gate(i))
+
+    def _experts(self, i: int) -> Experts:
+        ours = tuple(pn.experts(i, w) for w in expert_param_names(self.cfg.moe.expert_biases))
+        block, files = f"model.layers.{i}.{self.layout.moe_block}.", self.layout.experts
+        n = self.cfg.moe.num_experts
+        if isinstance(files, PerExpert):
+            theirs = tuple(
+                f"{block}experts.{e}.{files.names[w]}.weight"
+                for e in range(n)
+                for w in pn.SWIGLU_WEIGHTS
+            )
+            return PerExpertFiles(ours, theirs, n)
+        if isinstance(files, Fused):
+            return FusedFiles(ours, (block + files.gate_up, block + files.down), n)
+        theirs = (block + files.gate_up, block + files.down)
+        theirs += tuple(t + "_bias" for t in theirs)
+        return StackedFiles(ours, theirs[: len(ours)], n, files.interleaved)
+
+
+def _held(files: Entry, memory: Entry, present: Collection[str]) -> Entry:
+    """The entry whose tensors ``present`` holds: the files' names, else transformers v5's
+    in-memory ones (the files' when neither: what is missing is named by them)."""
+    if all(n in present for n in files.theirs) or not all(n in present for n in memory.theirs):
+        return files
+    return memory
+
+
+class WeightMap:
+    """moetrain's tensors <-> ``fmt``'s files, for the model ``cfg`` describes (the module
+    docstring). ``present``: the names a source holds, when reading from it (each entry then
+    takes the names the source has: the files', or transformers v5's in-memory ones). Builds no
+    real model (the names and shapes come from one on the meta device) and checks nothing of
+    what ``fmt`` can represent (:func:`~moetrain.convert.formats.check_format` does)."""
+
+    def __init__(self, cfg: Config, fmt: str, present: Collection[str] | None = None) -> None:
+        self.cfg, self.fmt = cfg, fmt
+        self.shapes = _meta_shapes(cfg)
+        layout = family(fmt).layout
+        plan = _Plan(cfg, fmt, layout, self.shapes)
+        self.entries, self.fillers, self.copies = plan.entries, plan.fillers, plan.copies
+        if present is not None and in_memory(layout) != layout:
+            memory = _Plan(cfg, fmt, in_memory(layout), self.shapes).entries
+            self.entries = [_held(a, b, present) for a, b in zip(self.entries, memory, strict=True)]
+        self._of = {name: entry for entry in self.entries for name in entry.ours}
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers (and multi-token-prediction blocks) whose experts stream apart."""
+        return self.cfg.moe.moe_layers(self.cfg.model.n_blocks)
+
+    def hf_name(self, ours: str) -> str:
+        """The files' name of the moetrain tensor ``ours`` (one stored alone)."""
+        return self._of[ours].theirs[0]
+
+    def hf_tensors(self, layer: int | None = None) -> list[tuple[str, Shape, bool]]:
+        """``(name, shape, kept in fp32)`` of every tensor of the files in one streamed part:
+        the dense weights with the fillers and copies (``layer`` None), or MoE layer ``layer``'s
+        experts."""
+        out = []
+        for entry in self.entries:
+            if (entry.layer if isinstance(entry, Experts) else None) != layer:
+                continue
+            shapes = entry.hf_shapes([self.shapes[k] for k in entry.ours])
+            out += [(n, s, entry.keep_fp32) for n, s in zip(entry.theirs, shapes, strict=True)]
+        if layer is None:
+            out += [(name, shape, False) for name, (shape, _) in self.fillers.items()]
+            out += [(name, self.shapes[ours], False) for name, ours in self.copies.items()]
+        return out
+
+    def to_hf(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Any part of a moetrain state dict that holds whole entries (the whole, the dense
+        weights, one MoE layer's experts) -> the files' tensors (contiguous). ConfigError naming
+        a tensor that ``fmt`` cannot hold."""
+        out: dict[str, torch.Tensor] = {}
+        done: set[str] = set()
+        for name in part:
+            entry = self._of.get(name)
+            if name in done or (entry is None and self._tied_head(name)):
+                continue
+            if entry is None:
+                raise ConfigError(f"{name}: no {self.fmt} equivalent for this tensor")
+            ours = [part[k] for k in entry.ours]  # (KeyError: an entry split over two parts)
+            out.update(zip(entry.theirs, entry.to_hf(ours), strict=True))
+            done.update(entry.ours)
+        for name, (shape, beside) in self.fillers.items():
+            if beside in part:
+                out[name] = torch.zeros(shape)
+        for name, ours in self.copies.items():
+            if ours in part:
+                out[name] = part[ours]
+        return {k: v.detach().contiguous() for k, v in out.items()}
+
+    def _tied_head(self, name: str) -> bool:
+        return name == pn.LM_HEAD and self.cfg.model.tie_embeddings
+
+    def read_dense(
+        self, source: TensorSource, skip: Collection[str] = ()
+    ) -> dict[str, torch.Tensor]:
+        """Every moetrain tensor but the experts' (and ``skip``) from ``source``. ConfigError
+        naming an attention bias that the source holds non-zero and the model has none of."""
+        entries = [
+            e for e in self.entries if not isinstance(e, Experts) and not set(e.ours) & set(skip)
+        ]
+        loaded = source.load([n for e in entries for n in e.theirs])
+        out: dict[str, torch.Tensor] = {}
+        for e in entries:
+            out.update(zip(e.ours, e.from_hf([loaded.pop(n) for n in e.theirs]), strict=True))
+        if self.cfg.model.tie_embeddings:
+            out[pn.LM_HEAD] = out[pn.EMBED]
+        mapped, blocks = {n for e in self.entries for n in e.theirs}, self.cfg.model.n_blocks
+        extra = [  # (in the blocks read: a multi-token-prediction layer left unread is not)
+            n
+            for n in source.names()
+            if ZERO_ONLY.search(n) and n not in mapped and decoder_layer(n) < blocks
+        ]
+        for name, t in source.load(extra).items():
+            if bool(t.ne(0).any()):
+                raise ConfigError(f"{name}: non-zero attention bias; moetrain attention has none")
+        return out
+
+    def read_experts(
+        self,
+        source: TensorSource,
+        layer: int,
+        experts: tuple[int, int] | None = None,
+        into: dict[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """MoE layer ``layer``'s experts ``[start, stop)`` (default all) from ``source``, stacked
+        as moetrain holds them; ``into``: a model's tensors of those names to fill in place
+        where the layout allows it."""
+        entry = self._of[pn.experts(layer, "w13")]
+        start, stop = experts or (0, self.cfg.moe.num_experts)
+        return dict(zip(entry.ours, entry.read(source, start, stop, into), strict=True))
+
+
+def stored_mtp_depth(layout: Layout, names: Iterable[str], n_layers: int, declared: int) -> int:
+    """How many of the ``declared`` multi-token-prediction layers after ``n_layers`` decoder
+    layers the tensor ``names`` hold (transformers' own saves have none); a layer holding
+    tensors but not its projection is a CheckpointError naming the missing tensor."""
+    if layout.mtp is None:
+        return 0
+    have, depth = set(names), 0
+    while (
+        depth < declared and f"model.layers.{n_layers + depth}.{layout.mtp.eh_proj}.weight" in have
+    ):
+        depth += 1
+    prefix = f"model.layers.{n_layers + depth}."
+    partial = sorted(n for n in have if n.startswith(prefix))
+    if depth < declared and partial:  # a layer without its projection: not a module
+        raise CheckpointError(
+            f"tensor {prefix}{layout.mtp.eh_proj}.weight is missing: multi-token-prediction "
+            f"layer {n_layers + depth} holds {len(partial)} other tensors ({partial[0]}, ...)"
+        )
+    return depth

@@ -1,0 +1,136 @@
+"""The activation model of ``moetrain plan``: the bytes a training forward keeps for backward,
+per token of a layer and for a whole micro-batch, counted from what moetrain's modules save
+(checked against saved-tensor hooks and measured memory in ``tests/unit/test_plan.py``).
+
+A block keeps its input norms (RMSNorm: the input in dtype and an fp32 rsqrt per row), what its
+token mixer saves (each mixer kind's own count:
+:meth:`moetrain.model.mixers.TokenMixer.saved_bytes_per_token`) and what its FFN saves
+(:func:`ffn_bytes_per_token`); the head and the loss keep theirs (:func:`head_bytes_per_token`,
+:func:`loss_transient_bytes`).
+"""
+
+from __future__ import annotations
+
+from moetrain.config import Config, ModelConfig
+from moetrain.config.layer_plan import LayerSpec, mixer_spec
+from moetrain.model.mixers import mixer_class
+
+
+def _rmsnorm_bytes(d: int, a: int) -> int:
+    """RMSNorm saves its input (in dtype) and the fp32 rsqrt of each row."""
+    return a * d + 4
+
+
+def attention_bytes_per_token(m: ModelConfig, a: int, sp: int = 1, layer: int = 0) -> int:
+    """Bytes block ``layer``'s token mixer and its input norm save for backward per token of
+    this GPU's slice (a = activation bytes; ``sp``: ``parallel.sp_size``); 0 without a mixer."""
+    spec = mixer_spec(m, layer)
+    if spec is None:
+        return 0
+    saved = mixer_class(spec).saved_bytes_per_token(m, spec, a, sp)
+    return _rmsnorm_bytes(m.d_model, a) + saved
+
+
+def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
+    """Bytes block ``layer``'s FFN (and its input norm) saves per token (a = ``act_bytes``):
+
+    - MoE FFN: RMSNorm ``aD + 4``; router input in fp32 ``4D``, logits and probabilities
+      ``8E``, top-k ids, gathered and renormalised weights, z-loss logsumexp ``12K + 8``;
+      permutation indices (int64) ``16K`` (token and inverse dropless, token and slot with
+      capacity); per routed copy (K per token) the expert input ``aD``, the packed gate|up
+      output ``2aF`` and the routing weight ``a`` the SwiGLU applies (+ the weighted SwiGLU
+      product ``aF`` unless ``moe.recompute_act``); the combine keeps only indices; shared
+      expert ``aD + 3aF_s`` (+ gate ``aD + a``).
+    - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``3aF_dense``.
+
+    With ``capacity_factor`` < 1 only that fraction of the K copies reaches the experts.
+    Expert-parallel ranks see T*K copies on average; routing imbalance raises it.
+    """
+    m, e = cfg.model, cfg.moe
+    a, d = act_bytes, m.d_model
+    if layer.ffn == "none":
+        return 0
+    if layer.ffn == "dense":
+        return _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
+    k = e.top_k
+    kept = k * min(e.capacity_factor, 1.0) if e.capacity_factor > 0 else k
+    ffn = _rmsnorm_bytes(d, a) + 4 * d + 8 * e.num_experts + 12 * k + 8 + 16 * k
+    swiglu = (2 if e.recompute_act else 3) * a * e.expert_hidden
+    ffn += kept * (a * d + swiglu + a)
+    if e.num_shared_experts:
+        fs = e.shared_expert_hidden or e.num_shared_experts * e.expert_hidden
+        ffn += (a * d if a != 4 else 0) + 3 * a * fs  # fp32: input shared with the router
+        if e.shared_expert_gate:
+            ffn += a * d + a
+    return int(ffn)
+
+
+def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
+    """Bytes saved for backward per token by block ``layer`` (a = ``act_bytes``, 4 or 2): its
+    mixer with its norm (:func:`attention_bytes_per_token`) and its FFN
+    (:func:`ffn_bytes_per_token`), as the layer plan builds them."""
+    spec = cfg.layer_plan()[layer]
+    mixer = attention_bytes_per_token(cfg.model, act_bytes, cfg.parallel.sp_size, layer)
+    return mixer + ffn_bytes_per_token(cfg, spec, act_bytes)
+
+
+def head_bytes_per_token(cfg: Config, act_bytes: int) -> int:
+    """Final norm, input ids and labels (int64), then the loss: plain (``model.loss_chunk_tokens``
+    = 0) the LM-head input, logits (held by the caller, dtype) and fp32 log-softmax; chunked the
+    gradient wrt the LM-head input (dtype), computed in forward."""
+    d, v, a = cfg.model.d_model, cfg.model.vocab_size, act_bytes
+    loss = a * d if cfg.model.loss_chunk_tokens > 0 else a * d + a * v + 4 * v
+    return _rmsnorm_bytes(d, a) + 16 + loss
+
+
+def loss_transient_bytes(cfg: Config, tokens: int, act_bytes: int) -> int:
+    """The loss's peak beyond :func:`head_bytes_per_token`, alive while every activation is.
+
+    Plain: backward's fp32 gradients of the log-softmax output and the logits (+ the cast back
+    to dtype under bf16/fp16). Chunked: the fp32 gradient wrt the LM-head weight, kept from
+    forward to backward, plus the larger of one chunk in forward (fp32 logits; under bf16/fp16
+    also their dtype original, then their gradient in dtype and the chunk's weight gradient) and
+    backward's scaled copies (input gradient; under bf16/fp16 the fp32 weight gradient too).
+    """
+    d, v, a = cfg.model.d_model, cfg.model.vocab_size, act_bytes
+    chunk = cfg.model.loss_chunk_tokens
+    if chunk == 0:
+        return tokens * (8 * v + (a * v if a != 4 else 0))
+    rows = min(chunk, tokens)
+    low = a != 4
+    forward = max(rows * v * (4 + a), rows * v * a + a * v * d) if low else rows * v * 4
+    backward = tokens * a * d + (4 * v * d if low else 0)
+    return 4 * v * d + max(forward, backward)
+
+
+def activation_bytes(cfg: Config, tokens: int, checkpointing: bool, act_bytes: int) -> int:
+    """Peak activation bytes of one micro-batch of ``tokens`` tokens on a GPU (its slice of
+    the rows under sequence parallelism).
+
+    Without checkpointing: every layer's saved tensors + the head + the loss's transient
+    (multi-token-prediction modules: their blocks are layers, their inputs and heads the head's). With
+    checkpointing of every block: each block keeps only its input ``aD``; the peak is those plus
+    the larger of (head + loss transient) and one block's recomputed set. Shadow experts
+    (``parallel.shadow_experts`` under expert parallelism) add, per MoE layer whose saved set is
+    alive, the most replicas' weights its experts keep for backward (``3aDF`` each).
+    """
+    m, e, n = cfg.model, cfg.moe, cfg.model.n_blocks
+    layers = [activation_bytes_per_token(cfg, i, act_bytes) for i in range(n)]
+    head = tokens * head_bytes_per_token(cfg, act_bytes)
+    head += loss_transient_bytes(cfg, tokens, act_bytes)
+    if m.mtp_depth:
+        # each module: enorm and hnorm (their inputs and rsqrt), [emb | h], head_norm, then
+        # its loss (chunked: the gradient wrt the head's input and an fp32 LM-head weight
+        # gradient; plain: the fp32 log-softmax and the int64 targets)
+        a, d, v = act_bytes, m.d_model, m.vocab_size
+        chunked = m.loss_chunk_tokens > 0
+        per_token = 3 * _rmsnorm_bytes(d, a) + 2 * a * d + (a * d if chunked else 4 * v + 8)
+        head += m.mtp_depth * (tokens * per_token + (4 * v * d if chunked else 0))
+    replicas = 0
+    if cfg.parallel.ep_size > 1:
+        replicas = cfg.parallel.shadow_experts * 3 * act_bytes * m.d_model * e.expert_hidden
+    moe_layers = len(e.moe_layers(n))
+    if not checkpointing:
+        return tokens * sum(layers) + head + moe_layers * replicas
+    kept = n * act_bytes * m.d_model
+    return tokens * kept + max(head, tokens * max(layers, default=0) + replicas)

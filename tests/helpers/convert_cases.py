@@ -1,0 +1,270 @@
+"""The tiny moetrain models that each Hugging Face format represents exactly (``CASES``), and
+what the conversion tests build from them: the model with non-trivial weights, its export loaded
+in transformers, generation compared step by step."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import save_file
+
+from moetrain.config import Config
+from moetrain.convert.formats import hf_config
+from moetrain.convert.hf import to_hf_state_dict
+from moetrain.model import Transformer
+from tests.helpers.configs import tiny_config
+from tests.helpers.hf_models import PHIMOE_ROPE
+
+# multi-head latent attention at the tiny shape (every head its own keys and values)
+MLA_SHAPE = dict(
+    attention="mla",
+    head_dim=None,
+    n_kv_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+)
+
+
+# Llama 4's attention: chunks of 6 on the RoPE layers, the last layer NoPE with its query
+# temperature, the post-RoPE query/key norm
+LLAMA4_MODEL = dict(
+    rope_interleave=True,
+    attention_chunk_size=6,
+    layer_types=["chunked_attention"] * 2 + ["full_attention"],
+    nope_layers=[2],
+    qk_norm_after_rope=True,
+    attn_temperature_floor=4,
+    attn_temperature_scale=0.5,
+)
+
+
+# moetrain settings that each format represents exactly (and that auto picks).
+CASES = {
+    "mixtral": dict(model={}, moe={}),
+    "qwen2_moe": dict(
+        model=dict(qkv_bias=True),
+        moe=dict(
+            first_k_dense=1,
+            moe_every=2,
+            num_shared_experts=1,
+            shared_expert_gate=True,
+            shared_expert_hidden=40,
+            renormalize=False,
+        ),
+    ),
+    "qwen3_moe": dict(model=dict(qk_norm=True), moe=dict(first_k_dense=1)),
+    "glm4_moe": dict(
+        model=dict(qk_norm=True, qkv_bias=True, partial_rotary_factor=0.5),
+        moe=dict(
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=2,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
+    "olmoe": dict(
+        model=dict(qk_norm=True, qk_norm_scope="projection", head_dim=None),
+        moe=dict(renormalize=False),
+    ),
+    "deepseek_v3": dict(
+        model=dict(
+            **MLA_SHAPE,
+            q_lora_rank=12,
+            rope_interleave=True,
+            rope_scaling="yarn",
+            rope_factor=4.0,
+            rope_original_max_seq_len=16,
+            rope_mscale=1.0,
+            rope_mscale_all_dim=0.8,
+        ),
+        moe=dict(
+            num_experts=8,
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
+    "deepseek_v2": dict(
+        model=dict(**MLA_SHAPE, rope_interleave=True),
+        moe=dict(
+            num_experts=8,
+            first_k_dense=1,
+            num_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            group_score="max",
+            renormalize=False,
+            route_scale=1.5,
+        ),
+    ),
+    "ernie4_5_moe": dict(  # ERNIE-4.5-21B-A3B's flags
+        model=dict(rope_interleave=True, tie_embeddings=True),
+        moe=dict(
+            first_k_dense=1,
+            num_shared_experts=2,
+            bias_update_rate=1e-3,
+            renormalize_min=1e-12,
+        ),
+    ),
+    "granitemoe": dict(  # granite-3.0-1b-a400m's flags (tests/helpers/hf_models.py)
+        model=dict(
+            tie_embeddings=True,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_scale=0.015625,
+            logits_scaling=6.0,
+        ),
+        moe=dict(topk_before_score=True),
+    ),
+    "granitemoeshared": dict(  # the same, with one ungated shared expert
+        model=dict(
+            tie_embeddings=True,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_scale=0.015625,
+            logits_scaling=6.0,
+        ),
+        moe=dict(topk_before_score=True, num_shared_experts=1, shared_expert_hidden=40),
+    ),
+    "gpt_oss": dict(  # gpt-oss-20b's flags (tests/helpers/hf_models.py), the window binding
+        model=dict(
+            qkv_bias=True,
+            o_bias=True,
+            attention_sinks=True,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_scaling="yarn",
+            rope_factor=32.0,
+            rope_original_max_seq_len=4096,
+            rope_beta_fast=32.0,
+            rope_beta_slow=1.0,
+            rope_truncate=False,
+        ),
+        moe=dict(
+            topk_before_score=True,
+            router_bias=True,
+            expert_biases=True,
+            activation="clamped_swiglu",
+            swiglu_alpha=1.702,
+            swiglu_limit=7.0,
+        ),
+    ),
+    "phimoe": dict(  # Phi-3.5-MoE-instruct's flags (tests/helpers/hf_models.py)
+        model=dict(
+            norm="layernorm",
+            qkv_bias=True,
+            o_bias=True,
+            lm_head_bias=True,
+            max_seq_len=131072,
+            rope_scaling="longrope",
+            rope_original_max_seq_len=4096,
+            rope_short_factor=PHIMOE_ROPE["short_factor"] * 2,
+            rope_long_factor=PHIMOE_ROPE["long_factor"] * 2,
+            rope_attention_factor=PHIMOE_ROPE["short_mscale"],
+        ),
+        moe=dict(router_type="sparsemixer", renormalize=False),
+    ),
+    "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_models.LLAMA4_FLAGS)
+        model=LLAMA4_MODEL,
+        moe=dict(
+            score_func="sigmoid",
+            topk_before_score=True,
+            renormalize=False,
+            score_on_input=True,
+            num_shared_experts=1,
+            moe_every=2,
+        ),
+    ),
+}
+
+
+# moetrain settings of the muP-style scalars, at a non-default value (only Granite has them)
+MULTIPLIERS = {
+    "embedding_multiplier": 12.0,
+    "residual_multiplier": 0.22,
+    "attention_scale": 0.015625,
+    "logits_scaling": 6.0,
+}
+
+
+def tiny_cfg(fmt: str, extra: dict | None = None) -> Config:
+    """The tiny model with 3 layers and what format ``fmt`` represents (and ``extra``)."""
+    return tiny_config(
+        {
+            "model.vocab_size": 96,
+            "model.n_layers": 3,
+            "model.head_dim": 16,
+            "model.rope_theta": 5000.0,
+            "model.norm_eps": 1e-6,
+            "moe.expert_hidden": 24,
+        },
+        {f"model.{k}": v for k, v in CASES[fmt]["model"].items()},
+        {f"moe.{k}": v for k, v in CASES[fmt]["moe"].items()},
+        extra or {},
+    )
+
+
+def model_for(cfg: Config) -> Transformer:
+    torch.manual_seed(0)
+    m = Transformer(cfg.model, cfg.moe).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a swapped tensor would show
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            if name.endswith((".bias", "_bias", ".sinks")):
+                p.uniform_(-0.5, 0.5)
+        if cfg.moe.bias_update_rate > 0:
+            for layer in m.moe_layers():
+                layer.router.expert_bias.uniform_(-0.3, 0.3)
+    return m
+
+
+def load_hf(cfg: Config, model: Transformer, fmt: str, path):
+    """``model`` exported as ``fmt`` into ``path`` and loaded by transformers (nothing missing or
+    unexpected)."""
+    import transformers
+
+    hf_config(cfg, fmt).save_pretrained(path)
+    save_file(to_hf_state_dict(model.state_dict(), cfg, fmt), str(path / "model.safetensors"))
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info
+    return hf.eval()
+
+
+def sharpened(model: Transformer, factor: float = 8.0) -> Transformer:
+    """``model`` with its query and key projections ``factor`` times larger: attention scores
+    that matter (at init they are near zero, and the softmax scale would hardly show)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".wq.weight", ".wk.weight")):
+                p.mul_(factor)
+    return model
+
+
+def generation_matches(model: Transformer, hf, new_tokens: int) -> None:  # noqa: ANN001
+    """From a 7-token prompt, ``model``'s greedy tokens are ``hf``'s, and its logits through
+    the KV cache (the prompt, then one token at a time) are ``hf``'s at every position."""
+    from moetrain.generate import generate_ids
+
+    prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(2))
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(prompt, do_sample=False, max_new_tokens=new_tokens)
+    got = generate_ids(model, prompt[0].tolist(), new_tokens, temperature=0.0)
+    assert got == ref[0, 7:].tolist()
+    n = 7 + new_tokens - 1
+    with torch.no_grad():
+        cache, steps = model.new_cache(1, n + 1), []
+        steps.append(model(ref[:, :7], cache=cache).logits)
+        for i in range(7, n):
+            steps.append(model(ref[:, i : i + 1], cache=cache).logits)
+        torch.testing.assert_close(
+            torch.cat(steps, 1), hf(input_ids=ref[:, :n]).logits, atol=1e-5, rtol=1e-5
+        )

@@ -1,0 +1,344 @@
+"""The moetrain settings a format cannot represent are refused, naming the setting: by an
+explicit format, by auto, and what each family's class does not compute."""
+
+from __future__ import annotations
+
+import pytest
+
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.convert.formats import choose_format
+from tests.helpers.configs import tiny_config
+from tests.helpers.convert_cases import (
+    MLA_SHAPE,
+    tiny_cfg,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "model_kw", "moe_kw", "key"),
+    [
+        ("olmoe", {}, {}, "model.qk_norm"),
+        ("olmoe", dict(qk_norm=True), {}, "model.qk_norm_scope"),
+        (
+            "olmoe",
+            dict(qk_norm=True, qk_norm_scope="projection"),
+            dict(num_shared_experts=1),
+            "moe.num_shared_experts",
+        ),
+        (
+            "olmoe",
+            dict(qk_norm=True, qk_norm_scope="projection", head_dim=16),
+            {},
+            "model.head_dim",
+        ),
+        ("qwen3_moe", dict(qk_norm=True, qk_norm_scope="projection"), {}, "model.qk_norm_scope"),
+        ("mixtral", dict(qkv_bias=True), {}, "model.qkv_bias"),
+        ("mixtral", dict(partial_rotary_factor=0.5), {}, "model.partial_rotary_factor"),
+        ("qwen2_moe", {}, dict(num_shared_experts=1), "moe.shared_expert_gate"),
+        ("qwen3_moe", {}, {}, "model.qk_norm"),
+        ("qwen3_moe", dict(qk_norm=True), dict(bias_update_rate=0.1), "moe.bias_update_rate"),
+        ("glm4_moe", {}, dict(num_shared_experts=1), "moe.score_func"),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, shared_expert_gate=True),
+            "moe.shared_expert_gate",
+        ),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, moe_every=2),
+            "moe.moe_every",
+        ),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, shared_expert_hidden=7),
+            "moe.shared_expert_hidden",
+        ),
+        ("mixtral", {}, dict(capacity_factor=1.0), "moe.capacity_factor"),
+        ("mixtral", {}, dict(renormalize_min=1e-12), "moe.renormalize_min"),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, renormalize_min=1e-12),
+            "moe.renormalize_min",
+        ),
+        ("ernie4_5_moe", {}, {}, "model.rope_interleave"),
+        ("ernie4_5_moe", dict(rope_interleave=True, qkv_bias=True), {}, "model.qkv_bias"),
+        ("ernie4_5_moe", dict(rope_interleave=True, qk_norm=True), {}, "model.qk_norm"),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True, partial_rotary_factor=0.5),
+            {},
+            "model.partial_rotary_factor",
+        ),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(capacity_factor=1.0),
+            "moe.capacity_factor",
+        ),
+        ("ernie4_5_moe", dict(rope_interleave=True), dict(score_func="sigmoid"), "moe.score_func"),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(topk_before_score=True),
+            "moe.topk_before_score",
+        ),
+        ("ernie4_5_moe", dict(rope_interleave=True), dict(renormalize=False), "moe.renormalize"),
+        ("ernie4_5_moe", dict(rope_interleave=True), dict(route_scale=2.0), "moe.route_scale"),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(n_group=2, topk_group=1),
+            "moe.n_group",
+        ),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(num_shared_experts=1, shared_expert_gate=True),
+            "moe.shared_expert_gate",
+        ),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(num_shared_experts=1, shared_expert_hidden=7),
+            "moe.shared_expert_hidden",
+        ),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True),
+            dict(first_k_dense=1, moe_every=2),
+            "moe.moe_every",
+        ),
+        ("mixtral", {}, dict(n_group=2), "moe.n_group"),
+        ("granitemoe", {}, {}, "moe.topk_before_score"),
+        ("granitemoe", dict(qkv_bias=True), dict(topk_before_score=True), "model.o_bias"),
+        ("granitemoe", dict(qk_norm=True), dict(topk_before_score=True), "model.qk_norm"),
+        (
+            "granitemoe",
+            dict(rope_interleave=True),
+            dict(topk_before_score=True),
+            "model.rope_interleave",
+        ),
+        (
+            "granitemoe",
+            dict(partial_rotary_factor=0.5),
+            dict(topk_before_score=True),
+            "model.partial_rotary_factor",
+        ),
+        (
+            "granitemoe",
+            {},
+            dict(topk_before_score=True, num_shared_experts=1),
+            "moe.num_shared_experts",
+        ),
+        ("granitemoe", {}, dict(topk_before_score=True, first_k_dense=1), "moe.first_k_dense"),
+        ("granitemoe", {}, dict(topk_before_score=True, moe_every=2), "moe.moe_every"),
+        (
+            "granitemoe",
+            {},
+            dict(topk_before_score=True, capacity_factor=1.0),
+            "moe.capacity_factor",
+        ),
+        ("granitemoe", {}, dict(topk_before_score=True, route_scale=2.0), "moe.route_scale"),
+        ("granitemoe", {}, dict(topk_before_score=True, n_group=2), "moe.n_group"),
+        (
+            "granitemoe",
+            {},
+            dict(topk_before_score=True, renormalize_min=0.0, bias_update_rate=0.1),
+            "moe.bias_update_rate",
+        ),
+        ("granitemoe", dict(mtp_depth=1), dict(topk_before_score=True), "model.mtp_depth"),
+        (
+            "granitemoeshared",
+            {},
+            dict(topk_before_score=True, num_shared_experts=1, shared_expert_gate=True),
+            "moe.shared_expert_gate",
+        ),
+        ("granitemoeshared", {}, {}, "moe.topk_before_score"),
+        ("mixtral", dict(embedding_multiplier=12.0), {}, "model.embedding_multiplier"),
+        ("qwen3_moe", dict(residual_multiplier=0.22), {}, "model.residual_multiplier"),
+        ("olmoe", dict(attention_scale=0.015625), {}, "model.attention_scale"),
+        (
+            "ernie4_5_moe",
+            dict(rope_interleave=True, logits_scaling=6.0),
+            {},
+            "model.logits_scaling",
+        ),
+        ("qwen2_moe", {}, dict(n_group=4, topk_group=2), "moe.n_group"),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, n_group=8, topk_group=2),
+            "moe.n_group",
+        ),
+        (
+            "glm4_moe",
+            {},
+            dict(score_func="sigmoid", num_shared_experts=1, topk_before_score=True),
+            "moe.topk_before_score",
+        ),
+        ("llama4_text", {}, {}, "model.rope_interleave"),
+        ("llama4_text", dict(rope_interleave=True), {}, "moe.score_func"),
+        (
+            "llama4_text",
+            dict(rope_interleave=True),
+            dict(score_func="sigmoid", renormalize=False, num_shared_experts=1),
+            "moe.topk_before_score",
+        ),
+        (
+            "llama4_text",
+            dict(rope_interleave=True),
+            dict(score_func="sigmoid", topk_before_score=True, num_shared_experts=1),
+            "moe.renormalize",
+        ),
+        (
+            "llama4_text",
+            dict(rope_interleave=True),
+            dict(
+                score_func="sigmoid",
+                topk_before_score=True,
+                renormalize=False,
+                num_shared_experts=1,
+            ),
+            "moe.score_on_input",
+        ),
+        (
+            "llama4_text",
+            dict(rope_interleave=True),
+            dict(
+                score_func="sigmoid", topk_before_score=True, renormalize=False, score_on_input=True
+            ),
+            "moe.num_shared_experts",
+        ),
+        ("mixtral", dict(attention_chunk_size=6), {}, "model.attention_chunk_size"),
+        ("qwen3_moe", dict(qk_norm=True, nope_layers=[1]), {}, "model.nope_layers"),
+        ("olmoe", dict(qk_norm_after_rope=True), {}, "model.qk_norm_after_rope"),
+        ("granitemoe", {}, dict(topk_before_score=True, score_on_input=True), "moe.score_on_input"),
+    ],
+)
+def test_explicit_format_refused_naming_the_setting(fmt, model_kw, moe_kw, key) -> None:
+    cfg = Config(model=ModelConfig(**model_kw), moe=MoEConfig(**moe_kw))
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(cfg, fmt)
+
+
+def test_auto_refuses_a_model_no_format_represents() -> None:
+    # softmax routing + ungated shared expert: only GLM has ungated shared experts (sigmoid)
+    cfg = Config(moe=MoEConfig(num_shared_experts=1))
+    with pytest.raises(ConfigError, match="no Hugging Face class") as e:
+        choose_format(cfg)
+    assert "moe.num_shared_experts" in str(e.value) and "moe.score_func" in str(e.value)
+    with pytest.raises(ConfigError, match="unknown format"):
+        choose_format(cfg, "llama4")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "model_kw", "moe_kw", "key"),
+    [
+        ("deepseek_v3", {}, {}, "model.attention"),
+        ("deepseek_v3", "mla", dict(num_shared_experts=1), "moe.score_func"),
+        (
+            "deepseek_v3",
+            "mla",
+            dict(score_func="sigmoid", num_shared_experts=1, n_group=2, group_score="max"),
+            "moe.group_score",
+        ),
+        ("deepseek_v3", "mla", dict(score_func="sigmoid"), "moe.num_shared_experts"),
+        ("deepseek_v2", "mla", dict(num_shared_experts=1), "model.rope_interleave"),
+        ("deepseek_v2", "mla+interleave", dict(num_shared_experts=1), "moe.renormalize"),
+        (
+            "deepseek_v2",
+            "mla+interleave",
+            dict(num_shared_experts=1, renormalize=False, n_group=2),
+            "moe.group_score",
+        ),
+        (
+            "deepseek_v2",
+            "mla+interleave",
+            dict(num_shared_experts=1, renormalize=False, bias_update_rate=0.1),
+            "moe.bias_update_rate",
+        ),
+    ],
+)
+def test_deepseek_formats_refuse_naming_the_setting(fmt, model_kw, moe_kw, key) -> None:
+
+    model = {}
+    if model_kw:
+        model = {f"model.{k}": v for k, v in MLA_SHAPE.items()}
+        model["model.rope_interleave"] = model_kw == "mla+interleave"
+    cfg = tiny_config(model, {"moe.num_experts": 8}, {f"moe.{k}": v for k, v in moe_kw.items()})
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(cfg, fmt)
+
+
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        ({"model.norm": "rmsnorm"}, "model.norm"),
+        ({"moe.router_type": "topk", "moe.renormalize": True}, "moe.router_type"),
+        ({"model.o_bias": False}, "model.o_bias"),
+        ({"moe.num_shared_experts": 1}, "moe.num_shared_experts"),
+        ({"moe.route_scale": 2.0}, "moe.route_scale"),
+        ({"moe.capacity_factor": 1.0}, "moe.capacity_factor"),
+    ],
+)
+def test_phimoe_refuses_what_its_class_does_not_compute_by_key(changes, key) -> None:
+    cfg = tiny_cfg("phimoe", changes)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(cfg, "phimoe")
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"model.o_bias": False}, "model.o_bias"),
+        ({"model.attention_sinks": False}, "model.attention_sinks"),
+        ({"moe.router_bias": False}, "moe.router_bias"),
+        ({"moe.expert_biases": False}, "moe.expert_biases"),
+        ({"moe.topk_before_score": False}, "moe.topk_before_score"),
+        (
+            {"moe.activation": "swiglu", "moe.swiglu_alpha": None, "moe.swiglu_limit": None},
+            "moe.activation",
+        ),
+    ],
+)
+def test_gpt_oss_refuses_what_its_class_lacks_by_key(extra, key) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(tiny_cfg("gpt_oss", extra), "gpt_oss")
+
+
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        ({"moe.score_on_input": False}, "moe.score_on_input"),
+        ({"moe.topk_before_score": False}, "moe.topk_before_score"),
+        ({"moe.renormalize": True}, "moe.renormalize"),
+        ({"moe.score_func": "softmax"}, "moe.score_func"),
+        ({"moe.num_shared_experts": 0}, "moe.num_shared_experts"),
+        ({"moe.shared_expert_gate": True}, "moe.shared_expert_gate"),
+        ({"moe.shared_expert_hidden": 7}, "moe.shared_expert_hidden"),
+        ({"moe.route_scale": 2.0}, "moe.route_scale"),
+        ({"moe.bias_update_rate": 0.1}, "moe.bias_update_rate"),
+        ({"moe.capacity_factor": 1.0}, "moe.capacity_factor"),
+        ({"moe.n_group": 2}, "moe.n_group"),
+        ({"model.rope_interleave": False}, "model.rope_interleave"),
+        ({"model.qk_norm": True}, "model.qk_norm"),
+        ({"model.qkv_bias": True}, "model.o_bias"),
+        ({"model.attention_sinks": True}, "model.attention_sinks"),
+        (
+            {"model.sliding_window": 6, "model.layer_types": ["sliding_attention"] * 3},
+            "model.sliding_window",
+        ),
+        ({"model.partial_rotary_factor": 0.5}, "model.partial_rotary_factor"),
+        ({"model.mtp_depth": 1}, "model.mtp_depth"),
+    ],
+)
+def test_llama4_refuses_what_its_class_does_not_compute_by_key(changes, key) -> None:
+    cfg = tiny_cfg("llama4_text", changes)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(cfg, "llama4_text")

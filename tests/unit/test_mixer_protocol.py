@@ -1,0 +1,129 @@
+"""The token mixer protocol (``moetrain.model.mixers``): every registered kind implements all of
+it, and its counts from the config (parameters, matrices, cache bytes, the bytes sequence
+parallelism exchanges) are what its module really builds, holds and sends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetrain.config import ConfigError
+from moetrain.config.layer_plan import mixer_spec
+from moetrain.config.mixers import MIXER_KINDS, MixerKind
+from moetrain.model import Transformer
+from moetrain.model.mixers import MIXERS, MixerInputs, TokenMixer, build_mixer
+from moetrain.model.rope import model_rope_tables
+from moetrain.model_numbers import cache_bytes_per_token, model_numbers
+from tests.helpers.configs import tiny_config
+
+MLA = {
+    "model.attention": "mla",
+    "model.n_kv_heads": 4,
+    "model.kv_lora_rank": 16,
+    "model.qk_nope_head_dim": 8,
+    "model.qk_rope_head_dim": 8,
+    "model.v_head_dim": 12,
+}
+CASES = {
+    "gqa": {},
+    "gqa-options": {
+        "model.qkv_bias": True,
+        "model.o_bias": True,
+        "model.attention_sinks": True,
+        "model.qk_norm": True,
+        "model.head_dim": 16,
+    },
+    "gqa-projection-norm": {"model.qk_norm": True, "model.qk_norm_scope": "projection"},
+    "gqa-one-kv-head": {"model.n_kv_heads": 1},
+    "mla": MLA,
+    "mla-query-lora": {**MLA, "model.q_lora_rank": 24},
+}
+
+
+def test_every_kind_is_registered_on_both_sides_and_implements_the_protocol() -> None:
+    assert set(MIXERS) == set(MIXER_KINDS) == {"gqa", "mla"}
+    required = [
+        name
+        for name, value in vars(TokenMixer).items()
+        if callable(getattr(value, "__func__", value)) and _raises_not_implemented(value)
+    ]
+    assert {"forward", "new_state", "param_shapes", "saved_bytes_per_token"} <= set(required)
+    for kind, cls in MIXERS.items():
+        assert cls.kind == kind
+        missing = [name for name in required if name not in vars(cls)]
+        assert not missing, f"{kind} lacks {missing}"
+    config_side = ["validate", "head_dim", "rope_dim", "sp_heads"]
+    for kind, rules in MIXER_KINDS.items():
+        assert rules.name == kind
+        assert all(name in vars(rules) for name in config_side), kind
+        assert all(name not in vars(MixerKind) or name in vars(rules) for name in config_side)
+
+
+def _raises_not_implemented(value: object) -> bool:
+    code = getattr(getattr(value, "__func__", value), "__code__", None)
+    return code is not None and "NotImplementedError" in code.co_names
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_counts_are_what_the_module_builds_and_holds(case: str) -> None:
+    cfg = tiny_config(CASES[case])
+    m, spec = cfg.model, mixer_spec(cfg.model, 0)
+    mixer = build_mixer(m, spec)
+    cls = type(mixer)
+    built = {name: tuple(p.shape) for name, p in mixer.named_parameters()}
+    assert cls.param_shapes(m, spec) == built
+    assert list(cls.param_shapes(m, spec)) == list(built)  # in the module's order
+    assert cls.param_count(m, spec) == sum(p.numel() for p in mixer.parameters())
+    for name, (n_in, n_out) in cls.matrices(m, spec).items():
+        assert built[f"{name}.weight"] == (n_out, n_in)
+    for dtype in (torch.float32, torch.bfloat16):
+        state = mixer.new_state(2, 8, dtype, torch.device("cpu"))
+        size = torch.tensor([], dtype=dtype).element_size()
+        assert state.bytes_per_token == cls.cache_bytes_per_token(m, spec, size)
+        stored = sum(t.numel() * t.element_size() for t in vars(state).values())
+        assert stored == 2 * 8 * state.bytes_per_token  # batch 2, 8 positions
+    model = Transformer(m, cfg.moe)
+    assert model_numbers(cfg).total_params == sum(p.numel() for p in model.parameters())
+    assert cache_bytes_per_token(cfg, 4) == model.new_cache(1, 8).bytes_per_token
+
+
+class _RecordingExchange:
+    """Sequence parallelism's shapes on one process (rank 0 of ``size``), counting the bytes
+    each exchange is handed."""
+
+    rank = 0
+
+    def __init__(self, size: int) -> None:
+        self.size, self.sent = size, 0
+
+    def to_heads(self, x_BsHX: torch.Tensor) -> torch.Tensor:
+        self.sent += x_BsHX.numel() * x_BsHX.element_size()
+        return x_BsHX[:, :, : x_BsHX.shape[2] // self.size].repeat(1, self.size, 1, 1)
+
+    def to_sequence(self, x_BShX: torch.Tensor) -> torch.Tensor:
+        self.sent += x_BShX.numel() * x_BShX.element_size()
+        return x_BShX[:, : x_BShX.shape[1] // self.size].repeat(1, 1, self.size, 1)
+
+
+@pytest.mark.parametrize("case", ["gqa", "gqa-one-kv-head", "mla"])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_exchange_bytes_are_what_sequence_parallelism_sends(case: str, sp: int) -> None:
+    cfg = tiny_config(CASES[case])
+    m, spec = cfg.model, mixer_spec(cfg.model, 0)
+    mixer = build_mixer(m, spec)
+    ex = _RecordingExchange(sp)
+    mixer.set_head_exchange(ex)
+    b, s = 2, 8  # this rank's slice
+    cos, sin = model_rope_tables(m, s)
+    mixer(torch.randn(b, s, m.d_model), MixerInputs(cos, sin))
+    off_gpu = ex.sent / (b * s) * (sp - 1) / sp
+    assert type(mixer).exchange_bytes_per_token(m, spec, 4, sp) == pytest.approx(off_gpu)
+    assert type(mixer).exchange_bytes_per_token(m, spec, 4, 1) == 0
+
+
+@pytest.mark.parametrize("case", ["gqa", "mla"])
+def test_sequence_parallelism_splits_the_heads_each_kind_names(case: str) -> None:
+    cfg = tiny_config(CASES[case])
+    assert MIXER_KINDS[cfg.model.attention].sp_heads(cfg.model) == (("model.n_heads", 4),)
+    with pytest.raises(ConfigError, match=r"parallel\.sp_size: must divide model\.n_heads=4"):
+        tiny_config(CASES[case], {"parallel.sp_size": 3, "data.seq_len": 30})
