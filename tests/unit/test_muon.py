@@ -299,3 +299,9 @@ def test_plan_counts_muon_state_and_newton_schulz() -> None:
     assert muon_plan.optimizer_flops == total // 2  # ZeRO-2: each GPU its half
     assert "Newton-Schulz" in format_plan(muon_plan)
     assert "Newton-Schulz" not in format_plan(adamw_plan)
+    state = muon_plan.optimizer_state
+    assert f"optimizer (muon): state {state.dense:.2f} B per dense parameter, 4.00 B per " in (
+        format_plan(muon_plan)
+    )
+    adamw_line = "optimizer (adamw): state 8.00 B per dense parameter, 8.00 B per expert parameter"
+    assert f"{adamw_line} + 4 B fp32 master copy" in format_plan(adamw_plan)
