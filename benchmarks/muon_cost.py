@@ -333,6 +333,9 @@ def main() -> None:
     args.launcher = "deepspeed"
     data = prepare(SHAPES[args.shape], args.docs)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    # DeepSpeed's CPU op in this benchmark's own cache (as train_command.py): a cache shared with
+    # other installs is rebuilt by whichever last built it, inside the timed runs
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(WORK / "torch-extensions"))
     report = []
     for ep in args.ep:
         for micro in args.micro:
