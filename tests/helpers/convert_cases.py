@@ -11,8 +11,10 @@ from moetrain.config import Config
 from moetrain.convert.formats import hf_config
 from moetrain.convert.hf import to_hf_state_dict
 from moetrain.model import Transformer
+from moetrain.model import param_names as pn
 from tests.helpers.configs import tiny_config
 from tests.helpers.hf_models import PHIMOE_ROPE
+from tests.helpers.random_constants import randomise_constants
 
 # multi-head latent attention at the tiny shape (every head its own keys and values)
 MLA_SHAPE = dict(
@@ -211,17 +213,13 @@ def tiny_cfg(fmt: str, extra: dict | None = None) -> Config:
 
 
 def model_for(cfg: Config) -> Transformer:
+    """The model of ``cfg`` with random weights and no tensor left constant (norms, biases,
+    sinks; the selection bias where the model moves one, ``moe.bias_update_rate`` > 0, as the
+    families that store one hold), so that a swapped or dropped tensor shows."""
     torch.manual_seed(0)
     m = Transformer(cfg.model, cfg.moe).eval()
-    with torch.no_grad():  # non-trivial norms and biases, so a swapped tensor would show
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            if name.endswith((".bias", "_bias", ".sinks")):
-                p.uniform_(-0.5, 0.5)
-        if cfg.moe.bias_update_rate > 0:
-            for layer in m.moe_layers():
-                layer.router.expert_bias.uniform_(-0.3, 0.3)
+    no_bias = cfg.moe.bias_update_rate == 0
+    randomise_constants(m, keep=lambda name: no_bias and pn.is_expert_bias(name))
     return m
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from moetrain.convert.families import DENSE, FORMATS
+from tests.helpers.random_constants import randomise_constants
 
 SMALL: dict[str, Any] = dict(
     vocab_size=320,
@@ -385,8 +386,8 @@ def save_hf_model(
     tokenizer: Path | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """A random ``family`` model saved at ``out`` (norms, biases and selection biases made
-    non-trivial, so a swapped or dropped tensor shows); ``tokenizer``: a directory whose files
+    """A random ``family`` model saved at ``out`` (no tensor left constant: norms, biases,
+    selection biases, so a swapped or dropped tensor shows); ``tokenizer``: a directory whose files
     are copied in; ``overrides``: config attributes changed from the family's tiny config.
     Returns ``out``."""
     import transformers
@@ -396,17 +397,7 @@ def save_hf_model(
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith((".bias", "e_score_correction_bias")):  # (ERNIE's: a parameter)
-                p.uniform_(-0.2, 0.2)
-            elif name.endswith(("_proj_bias", ".sinks")):  # gpt-oss's expert biases, sinks
-                p.uniform_(-0.5, 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.uniform_(-0.2, 0.2)
+    randomise_constants(model, seed)  # no tensor left constant (random_constants.py)
     model.save_pretrained(out)
     if tokenizer is not None:
         for f in Path(tokenizer).iterdir():
