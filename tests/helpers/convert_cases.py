@@ -66,6 +66,22 @@ CASES = {
             bias_update_rate=1e-3,
         ),
     ),
+    "dots1": dict(  # dots.llm1's flags, a window and expert groups binding
+        model=dict(
+            qk_norm=True,
+            sliding_window=6,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+        ),
+        moe=dict(
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=2,
+            route_scale=2.5,
+            n_group=2,
+            topk_group=1,
+            bias_update_rate=1e-3,
+        ),
+    ),
     "olmoe": dict(
         model=dict(qk_norm=True, qk_norm_scope="projection", head_dim=None),
         moe=dict(renormalize=False),

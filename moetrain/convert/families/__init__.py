@@ -17,6 +17,7 @@ from moetrain.config import ConfigError
 from moetrain.convert.families import (
     deepseek_v2,
     deepseek_v3,
+    dots1,
     ernie4_5_moe,
     glm4_moe,
     gpt_oss,
@@ -42,6 +43,7 @@ FAMILIES: dict[str, Family] = {
         mixtral.FAMILY,
         qwen3_moe.FAMILY,
         qwen2_moe.FAMILY,
+        dots1.FAMILY,  # (before GLM-4.5's class, which holds its models but the window)
         glm4_moe.FAMILY,
         olmoe.FAMILY,
         deepseek_v3.FAMILY,
