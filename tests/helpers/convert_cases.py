@@ -4,10 +4,12 @@ in transformers, generation compared step by step."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from safetensors.torch import save_file
 
-from moetrain.config import Config
+from moetrain.config import Config, ModelConfig
 from moetrain.convert.formats import hf_config
 from moetrain.convert.hf import to_hf_state_dict
 from moetrain.model import Transformer
@@ -85,6 +87,10 @@ CASES = {
     "olmoe": dict(
         model=dict(qk_norm=True, qk_norm_scope="projection", head_dim=None),
         moe=dict(renormalize=False),
+    ),
+    "minimax_m2": dict(  # MiniMax-M2's flags
+        model=dict(qk_norm=True, qk_norm_scope="projection", partial_rotary_factor=0.5),
+        moe=dict(score_func="sigmoid", bias_update_rate=1e-3),
     ),
     "deepseek_v3": dict(
         model=dict(
@@ -226,6 +232,14 @@ def tiny_cfg(fmt: str, extra: dict | None = None) -> Config:
         {f"moe.{k}": v for k, v in CASES[fmt]["moe"].items()},
         extra or {},
     )
+
+
+def stored_model(cfg: Config) -> ModelConfig:
+    """``cfg.model`` as a format's config stores it: without a dense layer, the formats that
+    have none store no ``model.dense_hidden`` (an import takes the experts' size)."""
+    if any(not cfg.moe.is_moe_layer(i) for i in range(cfg.model.n_layers)):
+        return cfg.model
+    return dataclasses.replace(cfg.model, dense_hidden=cfg.moe.expert_hidden)
 
 
 def model_for(cfg: Config) -> Transformer:

@@ -280,6 +280,14 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             sliding_window=6,
             layer_types=["full_attention", "sliding_attention", "full_attention"],
         ),
+        "minimax_m2": lambda: transformers.MiniMaxM2Config(  # MiniMax-M2's flags
+            **{
+                **moe,
+                "rope_parameters": {**SMALL["rope_parameters"], "partial_rotary_factor": 0.5},
+            },
+            intermediate_size=24,
+            num_local_experts=4,
+        ),
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
             **_deepseek(moe, yarn=True),
             n_routed_experts=8,

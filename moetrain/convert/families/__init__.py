@@ -24,6 +24,7 @@ from moetrain.convert.families import (
     granitemoe,
     llama,
     llama4_text,
+    minimax_m2,
     mistral,
     mixtral,
     olmoe,
@@ -46,6 +47,7 @@ FAMILIES: dict[str, Family] = {
         dots1.FAMILY,  # (before GLM-4.5's class, which holds its models but the window)
         glm4_moe.FAMILY,
         olmoe.FAMILY,
+        minimax_m2.FAMILY,
         deepseek_v3.FAMILY,
         deepseek_v2.FAMILY,
         ernie4_5_moe.FAMILY,
