@@ -92,6 +92,10 @@ CASES = {
         model=dict(qk_norm=True, qk_norm_scope="projection", partial_rotary_factor=0.5),
         moe=dict(score_func="sigmoid", bias_update_rate=1e-3),
     ),
+    "hunyuan_v1_moe": dict(  # Hunyuan-A13B's flags (NTK-alpha: folded into rope_theta)
+        model=dict(qk_norm=True, qk_norm_position="after_rope", tie_embeddings=True),
+        moe=dict(num_shared_experts=1),
+    ),
     "deepseek_v3": dict(
         model=dict(
             **MLA_SHAPE,

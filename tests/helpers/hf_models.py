@@ -288,6 +288,21 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             intermediate_size=24,
             num_local_experts=4,
         ),
+        "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(  # Hunyuan-A13B's flags
+            **{
+                **{k: v for k, v in SMALL.items() if k != "rope_parameters"},
+                "rope_parameters": {
+                    "rope_type": "dynamic",
+                    "alpha": 8.0,
+                    "factor": 1.0,
+                    "rope_theta": 500.0,
+                },
+            },
+            intermediate_size=24,
+            num_experts=4,
+            moe_topk=[2, 2, 2],
+            tie_word_embeddings=True,
+        ),
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
             **_deepseek(moe, yarn=True),
             n_routed_experts=8,
