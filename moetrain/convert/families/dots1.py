@@ -15,7 +15,12 @@ from typing import Any
 from moetrain.config import Config
 from moetrain.convert.families import hf_config
 from moetrain.convert.families.base import Family
-from moetrain.convert.families.deepseek_v3 import DEEPSEEK_MOE, SIGMOID_GROUPS
+from moetrain.convert.families.deepseek_v3 import (
+    DEEPSEEK_MOE,
+    SIGMOID_GROUPS,
+    deepseek_moe_from_hf,
+    deepseek_moe_hf,
+)
 from moetrain.convert.families.holds import ATTENTION_BIAS, free, only
 from moetrain.convert.families.layout import Layout
 
@@ -34,14 +39,7 @@ def to_hf(cfg: Config) -> dict[str, Any]:
     model, moe = cfg.model, cfg.moe
     return dict(
         hf_config.hf_common(cfg),
-        intermediate_size=model.dense_hidden,
-        moe_intermediate_size=moe.expert_hidden,
-        n_routed_experts=moe.num_experts,
-        n_shared_experts=moe.num_shared_experts,
-        routed_scaling_factor=moe.route_scale,
-        n_group=moe.n_group,
-        topk_group=moe.topk_group,
-        first_k_dense_replace=moe.first_k_dense,
+        **deepseek_moe_hf(cfg),
         norm_topk_prob=moe.renormalize,
         attention_bias=model.qkv_bias,
         sliding_window=model.sliding_window,
@@ -63,12 +61,8 @@ def from_hf(hf: Any) -> Config:
     hf_config.windows_from_hf(hf, model)
     model.qk_norm = True
     model.qkv_bias = model.o_bias = bool(get("attention_bias", False))
-    moe.num_experts, moe.expert_hidden = hf.n_routed_experts, hf.moe_intermediate_size
+    deepseek_moe_from_hf(hf, moe, model.n_layers)
     moe.score_func, moe.renormalize = "sigmoid", bool(get("norm_topk_prob", False))
-    moe.route_scale = float(get("routed_scaling_factor", 1.0))
-    moe.n_group, moe.topk_group = int(get("n_group", None) or 1), int(get("topk_group", None) or 1)
-    moe.num_shared_experts = int(get("n_shared_experts", None) or 0)
-    moe.first_k_dense = min(int(get("first_k_dense_replace", None) or 0), model.n_layers)
     return hf_config.finish(model, moe)
 
 
