@@ -183,6 +183,7 @@ class _Plan:
             theirs = _rename({**common, **(mixer or {})}, r)
             if theirs is None:
                 raise ConfigError(f"{name}: no {self.fmt} equivalent for this tensor")
+            theirs = _rename(lay.renames, theirs) or theirs
             self.entries.append(Entry((name,), (prefix + theirs,)))
         self._fill(i, prefix, mixer or {})
         if lay.mtp is not None and i >= self.cfg.model.n_layers:

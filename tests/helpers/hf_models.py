@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from moetrain.convert.families import DENSE, FORMATS
+from tests.helpers.random_constants import randomise_constants
 
 SMALL: dict[str, Any] = dict(
     vocab_size=320,
@@ -265,6 +266,43 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             topk_group=1,
             num_mtp_layers=0,
         ),
+        "dots1": lambda: transformers.Dots1Config(  # dots.llm1's flags, a window binding
+            **moe,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            n_routed_experts=4,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            n_group=2,
+            topk_group=1,
+            sliding_window=6,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+        ),
+        "minimax_m2": lambda: transformers.MiniMaxM2Config(  # MiniMax-M2's flags
+            **{
+                **moe,
+                "rope_parameters": {**SMALL["rope_parameters"], "partial_rotary_factor": 0.5},
+            },
+            intermediate_size=24,
+            num_local_experts=4,
+        ),
+        "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(  # Hunyuan-A13B's flags
+            **{
+                **{k: v for k, v in SMALL.items() if k != "rope_parameters"},
+                "rope_parameters": {
+                    "rope_type": "dynamic",
+                    "alpha": 8.0,
+                    "factor": 1.0,
+                    "rope_theta": 500.0,
+                },
+            },
+            intermediate_size=24,
+            num_experts=4,
+            moe_topk=[2, 2, 2],
+            tie_word_embeddings=True,
+        ),
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
             **_deepseek(moe, yarn=True),
             n_routed_experts=8,
@@ -385,8 +423,8 @@ def save_hf_model(
     tokenizer: Path | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """A random ``family`` model saved at ``out`` (norms, biases and selection biases made
-    non-trivial, so a swapped or dropped tensor shows); ``tokenizer``: a directory whose files
+    """A random ``family`` model saved at ``out`` (no tensor left constant: norms, biases,
+    selection biases, so a swapped or dropped tensor shows); ``tokenizer``: a directory whose files
     are copied in; ``overrides``: config attributes changed from the family's tiny config.
     Returns ``out``."""
     import transformers
@@ -396,17 +434,7 @@ def save_hf_model(
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith((".bias", "e_score_correction_bias")):  # (ERNIE's: a parameter)
-                p.uniform_(-0.2, 0.2)
-            elif name.endswith(("_proj_bias", ".sinks")):  # gpt-oss's expert biases, sinks
-                p.uniform_(-0.5, 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.uniform_(-0.2, 0.2)
+    randomise_constants(model, seed)  # no tensor left constant (random_constants.py)
     model.save_pretrained(out)
     if tokenizer is not None:
         for f in Path(tokenizer).iterdir():

@@ -31,6 +31,7 @@ from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.init_from.source import open_init_source
 from moetrain.model import Transformer
 from tests.helpers.hf_models import save_hf_tokenizer
+from tests.helpers.random_constants import randomise_constants
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,23 +90,17 @@ def transformers_config(hf: dict[str, Any]) -> Any:
 
 def save_released(hf: dict[str, Any], out: Path, tokenizer: Path) -> Path:
     """A random model of the released config ``hf`` saved as the release stores it: bf16
-    safetensors and the released ``config.json`` itself (norms and biases made non-trivial, so
-    a dropped or swapped tensor shows)."""
+    safetensors and the released ``config.json`` itself, no tensor left constant (norms,
+    biases, selection biases, a zero-initialised router: a dropped or swapped one shows)."""
     hf = _fits(hf)
     config = transformers_config(hf)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    drawn = set(randomise_constants(model))  # no tensor left constant (random_constants.py)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith((".bias", "e_score_correction_bias")):
-                p.uniform_(-0.2, 0.2)
-            elif p.dim() >= 2:  # logits well above bf16's rounding of the weights
+            if p.dim() >= 2 and name not in drawn:  # logits well above bf16's rounding
                 p.mul_(4.0)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.uniform_(-0.2, 0.2)
     model.to(torch.bfloat16).save_pretrained(out)
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     for f in tokenizer.iterdir():

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.config.model import FULL, SLIDING
 
 
 def hf_common(cfg: Config) -> dict[str, Any]:
@@ -150,6 +151,23 @@ def rope_parameters(model: ModelConfig) -> dict[str, Any]:
         if getattr(model, ours) is not None:
             out[theirs] = getattr(model, ours)
     return out
+
+
+def layer_types(model: ModelConfig) -> list[str]:
+    """transformers' ``layer_types`` of ``model``: sliding-window or full attention per layer."""
+    return [SLIDING if model.attention_window(i) else FULL for i in range(model.n_layers)]
+
+
+def windows_from_hf(hf: Any, model: ModelConfig) -> None:
+    """Set ``model``'s sliding-window layers from transformers' ``layer_types`` and
+    ``sliding_window`` (none sliding: the whole context everywhere); ConfigError naming
+    ``layer_types`` for a layer type moetrain does not compute."""
+    types = list(getattr(hf, "layer_types", None) or [FULL] * model.n_layers)
+    unknown = sorted(set(types) - {FULL, SLIDING})
+    if unknown:
+        raise ConfigError(f"layer_types: moetrain computes {FULL} and {SLIDING}; got {unknown}")
+    if SLIDING in types:
+        model.sliding_window, model.layer_types = hf.sliding_window, types
 
 
 def moe_from_hf(hf: Any) -> MoEConfig:

@@ -161,6 +161,7 @@ BASELINE: dict[str, Rule] = {
     "model.qkv_bias": only(False),
     "model.qk_norm": only(False),
     "model.qk_norm_scope": only("head", applies=lambda m, _: m.qk_norm),
+    "model.qk_norm_position": only("before_rope", applies=lambda m, _: m.qk_norm),
     # routing
     "moe.capacity_factor": only(0.0),
     "moe.router_type": only("topk"),
@@ -197,6 +198,10 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     "model.o_bias": {False: "has no output-projection bias"},
     "model.qk_norm": {False: "has no query/key norm", True: "always normalises queries and keys"},
     "model.qk_norm_scope": {"head": "normalises each head's query/key"},
+    "model.qk_norm_position": {
+        "before_rope": "normalises queries and keys before RoPE",
+        "after_rope": "normalises queries and keys after RoPE",
+    },
     "model.norm": {"rmsnorm": "has RMSNorm", "layernorm": "has LayerNorm"},
     "model.lm_head_bias": {False: "has no LM-head bias"},
     "model.attention_sinks": {False: "has no attention sinks", True: "has a sink per head"},

@@ -100,6 +100,9 @@ class Layout:
     qkv_bias_always: bool = False
     shared_expert_always: bool = False
     mtp: MtpNames | None = None  # None: the files hold no multi-token-prediction modules
+    # a block's module names where the files name them otherwise than Llama's (and the rules
+    # above), e.g. Hunyuan's ``{"self_attn.q_norm": "self_attn.query_layernorm"}``
+    renames: Mapping[str, str] = field(default_factory=dict)
     in_memory: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -22,7 +22,8 @@ or attention sinks (``model.attention_sinks``) attends through
 :mod:`moetrain.model.local_attention` instead (no S x S tensor either, packed documents and
 the KV cache included); the others run the paths above unchanged.
 
-Llama 4's pieces, per layer: a NoPE layer (``spec.rope`` False) skips RoPE; a RoPE layer with
+``model.qk_norm_position: after_rope`` applies the learned per-head query/key norms to the
+rotated heads instead (Hunyuan-A13B). Llama 4's pieces, per layer: a NoPE layer (``spec.rope`` False) skips RoPE; a RoPE layer with
 ``model.qk_norm_after_rope`` normalises each query and key head after RoPE (a weightless
 RMSNorm, eps ``model.norm_eps``, in fp32 and back to the input dtype); a NoPE layer with a
 temperature multiplies each query at position p by ``log1p(floor((p + 1) / floor)) * scale +
@@ -116,6 +117,7 @@ class Attention(TokenMixer):
         # per head: normalise each (Hd,) head vector; per projection (OLMoE): the whole
         # (heads * Hd,) projection, before it is split into heads
         self.qk_norm_per_head = cfg.qk_norm_scope == "head"
+        self.qk_norm_after_rope = cfg.qk_norm_position == "after_rope"  # (per head)
         q_dim, k_dim = (
             (hd, hd) if self.qk_norm_per_head else (self.n_heads * hd, self.n_kv_heads * hd)
         )
@@ -140,12 +142,14 @@ class Attention(TokenMixer):
         q = q.view(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
         v = self.wv(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
-        if norm and self.qk_norm_per_head:
+        if norm and self.qk_norm_per_head and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHSHd, k_BGSHd = q.transpose(1, 2), k.transpose(1, 2)
         if self.rope:
             q_BHSHd = apply_rope(q_BHSHd, cos_SHd, sin_SHd, self.rope_interleave)
             k_BGSHd = apply_rope(k_BGSHd, cos_SHd, sin_SHd, self.rope_interleave)
+        if norm and self.qk_norm_after_rope:
+            q_BHSHd, k_BGSHd = self.q_norm(q_BHSHd), self.k_norm(k_BGSHd)
         if self.post_rope_eps is not None:
             eps = self.post_rope_eps
             q_BHSHd, k_BGSHd = unit_rms(q_BHSHd, eps), unit_rms(k_BGSHd, eps)
