@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.config.layer_plan import layer_plan
+from moetrain.config.layer_plan import LINEAR, layer_plan, layer_types
 
 Test = Callable[[ModelConfig, MoEConfig], bool]
 
@@ -129,6 +129,10 @@ def _block_without_mixer(model: ModelConfig, moe: MoEConfig) -> bool:
     return any(layer.mixer is None for layer in layer_plan(model, moe))
 
 
+def _linear_layers(model: ModelConfig, _: MoEConfig) -> bool:
+    return LINEAR in layer_types(model)
+
+
 # --- what a family holds unless it declares otherwise, in the order refusals are named -----
 
 BASELINE: dict[str, Rule] = {
@@ -136,6 +140,9 @@ BASELINE: dict[str, Rule] = {
     "model.attention": only("gqa", why="{name} has grouped-query attention; must be gqa"),
     "model.layer_types": refused_when(
         _block_without_mixer, "{name} has attention in every layer; no layer type none"
+    ),
+    "model.linear_attention": refused_when(
+        _linear_layers, "{name} has attention in every layer; no linear_attention layers"
     ),
     "model.full_attention_interval": only(None),
     "model.rope_interleave": only(False),

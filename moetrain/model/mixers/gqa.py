@@ -82,6 +82,8 @@ class KVCache:
         self.v[:, :, pos:end] = v_BGsHd
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    bytes_per_sequence = 0  # (no fixed part)
+
     @property
     def bytes_per_token(self) -> int:
         """Keys and values of every K/V head."""
