@@ -153,14 +153,22 @@ class _Plan:
             rules[_rel(pn.shared_expert(0, w))] = f"{moe}.{lay.shared_expert}.{p}"
         rules[_rel(pn.router_gate(0))] = f"{moe}.{lay.router}"
         rules[_rel(pn.shared_gate(0))] = f"{moe}.{lay.shared_gate}"
-        if lay.mtp is not None and i >= self.cfg.model.n_layers:
-            for which in pn.MTP_NORMS:
-                rules[_rel(pn.mtp_norm(0, which))] = getattr(lay.mtp, which)
-            rules[_rel(pn.mtp_projection(0))] = lay.mtp.eh_proj
         return rules
 
+    def _mtp_rules(self, i: int) -> tuple[dict[str, str], str]:
+        """A multi-token-prediction block's own weights (norms, projection) and their prefix
+        (none for a decoder layer)."""
+        lay, n = self.layout.mtp, self.cfg.model.n_layers
+        if lay is None or i < n:
+            return {}, ""
+        rules = {_rel(pn.mtp_norm(0, which)): getattr(lay, which) for which in pn.MTP_NORMS}
+        rules[_rel(pn.mtp_projection(0))] = lay.eh_proj
+        return rules, lay.own_prefix(n, i)
+
     def _block(self, i: int, names: list[str]) -> None:
-        prefix, lay, moe = f"model.layers.{i}.", self.layout, self.cfg.moe
+        lay, moe, n = self.layout, self.cfg.moe, self.cfg.model.n_layers
+        mtp = lay.mtp is not None and i >= n
+        prefix = lay.mtp.block_prefix(n, i) if mtp else f"model.layers.{i}."
         shared = [pn.shared_expert(i, w) for w in pn.SWIGLU_WEIGHTS]
         if lay.shared_fused is not None and shared[0] in names:  # [gate; up] and down
             gate_up, down = (prefix + n for n in lay.shared_fused)
@@ -173,18 +181,21 @@ class _Plan:
             self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.num_experts))
         done = {bias, *shared} if lay.shared_fused is not None else {bias}
         rest = {n: n.removeprefix(f"layers.{i}.") for n in names if n not in done}
-        common = self._block_rules(i)
+        common, (own, own_prefix) = self._block_rules(i), self._mtp_rules(i)
+        known = {**common, **own}
         mixer = next(
-            (t for t in MIXER_NAMES if all(_rename({**common, **t}, r) for r in rest.values())),
+            (t for t in MIXER_NAMES if all(_rename({**known, **t}, r) for r in rest.values())),
             None,
         )
         for name, r in rest.items():
+            mine = _rename(own, r)
             theirs = _rename({**common, **(mixer or {})}, r)
-            if theirs is None:
+            if mine is None and theirs is None:
                 raise ConfigError(f"{name}: no {self.fmt} equivalent for this tensor")
-            self.entries.append(Entry((name,), (prefix + theirs,)))
+            full = own_prefix + mine if mine is not None else prefix + theirs
+            self.entries.append(Entry((name,), (full,)))
         self._fill(i, prefix, mixer or {})
-        if lay.mtp is not None and i >= self.cfg.model.n_layers:
+        if mtp and lay.mtp.embed_copy is not None:
             head = pn.EMBED if self.cfg.model.tie_embeddings else pn.LM_HEAD
             self.copies[prefix + lay.mtp.embed_copy] = pn.EMBED
             self.copies[prefix + lay.mtp.head_copy] = head
@@ -343,9 +354,9 @@ def stored_mtp_depth(layout: Layout, names: Iterable[str], n_layers: int, declar
     layers the tensor ``names`` hold (transformers' own saves have none)."""
     if layout.mtp is None:
         return 0
-    have, depth = set(names), 0
-    while (
-        depth < declared and f"model.layers.{n_layers + depth}.{layout.mtp.eh_proj}.weight" in have
+    have, depth, mtp = set(names), 0, layout.mtp
+    while depth < declared and (
+        f"{mtp.own_prefix(n_layers, n_layers + depth)}{mtp.eh_proj}.weight" in have
     ):
         depth += 1
     return depth

@@ -43,6 +43,13 @@ CASES = {
     },
     "gqa-projection-norm": {"model.qk_norm": True, "model.qk_norm_scope": "projection"},
     "gqa-one-kv-head": {"model.n_kv_heads": 1},
+    "gqa-output-gate": {  # Qwen3-Next's attention
+        "model.attention_output_gate": True,
+        "model.qk_norm": True,
+        "model.zero_centered_norm": True,
+        "model.head_dim": 16,
+        "model.partial_rotary_factor": 0.25,
+    },
     "mla": MLA,
     "mla-query-lora": {**MLA, "model.q_lora_rank": 24},
     "gated_deltanet": GDN,
@@ -124,7 +131,9 @@ class _RecordingExchange:
         return x_BShX[:, : x_BShX.shape[1] // self.size].repeat(1, 1, self.size, 1)
 
 
-@pytest.mark.parametrize("case", ["gqa", "gqa-one-kv-head", "mla", "gated_deltanet"])
+@pytest.mark.parametrize(
+    "case", ["gqa", "gqa-one-kv-head", "gqa-output-gate", "mla", "gated_deltanet"]
+)
 @pytest.mark.parametrize("sp", [2, 4])
 def test_exchange_bytes_are_what_sequence_parallelism_sends(case: str, sp: int) -> None:
     cfg = tiny_config(CASES[case])
