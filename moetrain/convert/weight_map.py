@@ -33,6 +33,7 @@ from moetrain.convert.weight_entries import (
     Entry,
     Experts,
     FusedFiles,
+    GroupedRows,
     Joined,
     NoSelectionBias,
     PerExpertFiles,
@@ -74,6 +75,8 @@ _MLA = {
     "wkv_b": "kv_b_proj",
     "wo": "o_proj",
 }
+# Gated DeltaNet: Qwen3.5's names (Qwen3-Next's fused projections: _fused_linear_attention)
+_GDN = {w: w for w in pn.GDN_WEIGHTS} | {"wo": "out_proj"}
 # A token mixer's weights: their names in a moetrain block -> in a Hugging Face decoder layer.
 # A block takes the first table that names every one of its mixer's weights; a new mixer kind
 # adds its table here.
@@ -85,6 +88,10 @@ MIXER_NAMES: tuple[dict[str, str], ...] = (
         _rel(pn.attn_sinks(0), None): "self_attn.sinks",
     },
     {_rel(pn.attn(0, ours)): f"self_attn.{theirs}" for ours, theirs in _MLA.items()},  # latent
+    {  # Gated DeltaNet
+        **{_rel(pn.attn(0, ours)): f"linear_attn.{theirs}" for ours, theirs in _GDN.items()},
+        **{_rel(pn.mixer_param(0, p), None): f"linear_attn.{p}" for p in pn.GDN_PARAMS},
+    },
 )
 
 
@@ -180,6 +187,8 @@ class _Plan:
         elif bias in names:
             self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.num_experts))
         done = {bias, *shared} if lay.shared_fused is not None else {bias}
+        if lay.linear_fused and pn.attn(i, "in_proj_qkv") in names:
+            done |= self._fused_linear_attention(i, prefix)
         rest = {n: n.removeprefix(f"layers.{i}.") for n in names if n not in done}
         common, (own, own_prefix) = self._block_rules(i), self._mtp_rules(i)
         known = {**common, **own}
@@ -199,6 +208,20 @@ class _Plan:
             head = pn.EMBED if self.cfg.model.tie_embeddings else pn.LM_HEAD
             self.copies[prefix + lay.mtp.embed_copy] = pn.EMBED
             self.copies[prefix + lay.mtp.head_copy] = head
+
+    def _fused_linear_attention(self, i: int, prefix: str) -> set[str]:
+        """Qwen3-Next's Gated DeltaNet projections, fused per query/key head (q, k, v, z and
+        b, a of each head's group together); the moetrain tensors they hold."""
+        m = self.cfg.model
+        hk, keys = m.linear_num_key_heads, m.linear_num_key_heads * m.linear_key_head_dim
+        values, hv = m.linear_num_value_heads * m.linear_value_head_dim, m.linear_num_value_heads
+        qkv, z, b, a = (pn.attn(i, w) for w in pn.GDN_WEIGHTS[:4])
+        theirs = f"{prefix}linear_attn.in_proj_"
+        self.entries += [
+            GroupedRows((qkv, z), (theirs + "qkvz.weight",), hk, ((keys, keys, values), (values,))),
+            GroupedRows((b, a), (theirs + "ba.weight",), hk, ((hv,), (hv,))),
+        ]
+        return {qkv, z, b, a}
 
     def _fill(self, i: int, prefix: str, mixer: dict[str, str]) -> None:
         """The zeros a family's class always holds: q/k/v biases, a shared expert of size 0."""

@@ -51,6 +51,7 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
         "granitemoeshared",
         "gpt_oss",
         "phimoe",
+        "qwen3_5_moe_text",
     )
     unused = {"dense_hidden": back_cfg.model.dense_hidden} if no_dense else {}
     assert back_cfg.model == dataclasses.replace(cfg.model, **unused)  # no dense FFN layer

@@ -164,6 +164,8 @@ BASELINE: dict[str, Rule] = {
     "model.attn_temperature_floor": only(None),
     "model.attention_chunk_size": only(None),
     "model.qk_norm_after_rope": only(False),
+    "model.attention_output_gate": only(False),
+    "model.zero_centered_norm": only(False),
     "model.head_dim": ANY,
     "model.qkv_bias": only(False),
     "model.qk_norm": only(False),
@@ -198,6 +200,15 @@ BASELINE: dict[str, Rule] = {
 # what a family computes when it holds only one value of a setting (the default ``why``)
 PHRASES: dict[str, Mapping[Any, str]] = {
     "model.full_attention_interval": {None: "has no layer pattern by interval"},
+    "model.linear_attention": {"gated_deltanet": "has Gated DeltaNet in its linear layers"},
+    "model.attention_output_gate": {
+        False: "has no attention output gate",
+        True: "always gates its attention output",
+    },
+    "model.zero_centered_norm": {
+        False: "has RMSNorm weights that scale directly",
+        True: "has zero-centred RMSNorm weights (1 + w)",
+    },
     "model.rope_interleave": {False: "rotates half-split heads", True: "rotates adjacent pairs"},
     "model.partial_rotary_factor": {1.0: "rotates whole heads"},
     "model.qkv_bias": {False: "has no q/k/v biases"},

@@ -114,6 +114,9 @@ class Layout:
     qkv_bias_always: bool = False
     shared_expert_always: bool = False
     mtp: MtpNames | None = None  # None: the files hold no multi-token-prediction modules
+    # Gated DeltaNet's projections fused per query/key head, ``linear_attn.in_proj_qkvz`` and
+    # ``linear_attn.in_proj_ba`` (Qwen3-Next's files); False: Qwen3.5's four projections
+    linear_fused: bool = False
     in_memory: Mapping[str, str] = field(default_factory=dict)
 
 
