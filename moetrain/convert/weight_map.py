@@ -172,10 +172,16 @@ class _Plan:
         rules[_rel(pn.mtp_projection(0))] = lay.eh_proj
         return rules, lay.own_prefix(n, i)
 
+    def _prefix(self, i: int) -> str:
+        """Block ``i``'s decoder layer in the files (a multi-token-prediction block's where the
+        layout puts it)."""
+        mtp, n = self.layout.mtp, self.cfg.model.n_layers
+        return mtp.block_prefix(n, i) if mtp is not None and i >= n else f"model.layers.{i}."
+
     def _block(self, i: int, names: list[str]) -> None:
-        lay, moe, n = self.layout, self.cfg.moe, self.cfg.model.n_layers
-        mtp = lay.mtp is not None and i >= n
-        prefix = lay.mtp.block_prefix(n, i) if mtp else f"model.layers.{i}."
+        lay, moe = self.layout, self.cfg.moe
+        mtp = lay.mtp is not None and i >= self.cfg.model.n_layers
+        prefix = self._prefix(i)
         shared = [pn.shared_expert(i, w) for w in pn.SWIGLU_WEIGHTS]
         if lay.shared_fused is not None and shared[0] in names:  # [gate; up] and down
             gate_up, down = (prefix + n for n in lay.shared_fused)
@@ -240,7 +246,7 @@ class _Plan:
 
     def _experts(self, i: int) -> Experts:
         ours = tuple(pn.experts(i, w) for w in expert_param_names(self.cfg.moe.expert_biases))
-        block, files = f"model.layers.{i}.{self.layout.moe_block}.", self.layout.experts
+        block, files = f"{self._prefix(i)}{self.layout.moe_block}.", self.layout.experts
         n = self.cfg.moe.num_experts
         if isinstance(files, PerExpert):
             theirs = tuple(
