@@ -442,8 +442,10 @@ def save_hf_model(
                 p.uniform_(-0.2, 0.2)
             elif name.endswith(("_proj_bias", ".sinks")):  # gpt-oss's expert biases, sinks
                 p.uniform_(-0.5, 0.5)
-            elif name.endswith(("A_log", "dt_bias")):  # Gated DeltaNet's decay: strong and weak
-                p.uniform_(-1.0, 1.5)
+            elif name.endswith("A_log"):  # Gated DeltaNet's decay, per step at a = 0 from
+                p.copy_(torch.linspace(-3.0, 1.5, p.numel()))  # ~0.006 (weak) to ~7.6 (strong)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.linspace(-2.0, 1.5, p.numel()))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.2, 0.2)
