@@ -49,7 +49,7 @@ def test_long_rows_both_ways(family: str, tmp_path) -> None:
     ckpt = import_hf_checkpoint(src, tmp_path / "ckpt", overrides=upcycle)
     model, cfg = load_model(ckpt)
     decay = [
-        -(b.attn.A_log.exp() * torch.nn.functional.softplus(b.attn.dt_bias))
+        -(b.attn.A_log.exp() * torch.nn.functional.softplus(b.attn.dt_bias)).detach()
         for b in model.layers
         if hasattr(b.attn, "A_log")
     ]
