@@ -19,8 +19,9 @@ LM-head bias, sparsemixer routing) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 Z
 ``llama4`` (chunked attention, a NoPE layer with its query temperature, the post-RoPE norm,
 top-k on the logits with sigmoid weights on the experts' inputs) on dp=2 ZeRO-0, ep=2 ZeRO-2 and
 dp=2 x ep=2 ZeRO-1; ``hybrid`` (Qwen3-Next's: a Gated DeltaNet layer and a gated-attention
-layer, zero-centred norms) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1. The default suite runs each variant on its dp=2 x ep=2 layout (both axes at
-once), the variants' world-2 layouts with -m long. The base configuration has a gated shared
+layer, zero-centred norms) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1. The default
+suite runs each variant on its dp=2 x ep=2 layout (both axes at once), the variants' world-2
+layouts with -m long. The base configuration has a gated shared
 expert. The reference is plain torch in
 one process with the per-expert loop (no DeepSpeed, no dispatcher swap); for capacity it decides
 capacity in world / ep_size parts of each global micro-batch, one per EP group, as the layout
