@@ -34,7 +34,8 @@ Expert all-to-all and the head all-to-alls of sequence parallelism: :mod:`moetra
 (fan-out per token and bytes per step).
 
 Generation cache: every layer's mixer state per token, in ``train.precision``
-(:func:`moetrain.model_numbers.cache_bytes_per_token`).
+(:func:`moetrain.model_numbers.cache_bytes_per_token`), and the recurrent layers' fixed state
+per sequence (:func:`moetrain.model_numbers.cache_bytes_per_sequence`).
 
 Speed: ``tokens/s = gpus * peak * mfu / flops_per_token``, the peak from
 :data:`moetrain.monitor.mfu.PEAK_TFLOPS` for ``train.precision`` (or ``logging.peak_tflops``),
@@ -51,7 +52,12 @@ from dataclasses import dataclass, field
 from moetrain.config import Config, ConfigError
 from moetrain.config.layout import check_layout
 from moetrain.model.mixers import mixer_class
-from moetrain.model_numbers import ModelNumbers, cache_bytes_per_token, model_numbers
+from moetrain.model_numbers import (
+    ModelNumbers,
+    cache_bytes_per_sequence,
+    cache_bytes_per_token,
+    model_numbers,
+)
 from moetrain.plan.activations import activation_bytes
 from moetrain.plan.gpus import GiB, GPUSpec, MiB, gpu_spec
 from moetrain.plan_traffic import HeadTraffic, Traffic, expert_traffic, head_traffic
@@ -99,6 +105,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     grad_dtype: str = "fp32"  # gradient accumulation and reduction (train.grad_dtype)
     cache_bytes_per_token: int = 0  # generation: every layer's mixer state, train.precision
+    cache_bytes_per_sequence: int = 0  # generation: the recurrent layers' fixed state
 
     @property
     def model_state_bytes(self) -> int:
@@ -250,6 +257,7 @@ def plan(
         gpus_per_node=gpus_per_node,
         grad_dtype=t.grad_dtype,
         cache_bytes_per_token=cache_bytes_per_token(cfg, wb),
+        cache_bytes_per_sequence=cache_bytes_per_sequence(cfg, wb),
     )
     capacity = spec.memory_mib * MiB
     if not result.fits:

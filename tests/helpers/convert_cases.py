@@ -43,6 +43,21 @@ LLAMA4_MODEL = dict(
 )
 
 
+# Qwen3-Next's hybrid attention: layers 0, 1 Gated DeltaNet, layer 2 gated attention with
+# zero-centred q/k norms, a quarter of each head rotated
+QWEN_HYBRID_MODEL = dict(
+    full_attention_interval=3,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    qk_norm=True,
+    attention_output_gate=True,
+    zero_centered_norm=True,
+    partial_rotary_factor=0.25,
+)
+QWEN_SHARED = dict(num_shared_experts=1, shared_expert_gate=True, shared_expert_hidden=40)
+
 # moetrain settings that each format represents exactly (and that auto picks).
 CASES = {
     "mixtral": dict(model={}, moe={}),
@@ -197,6 +212,10 @@ CASES = {
             rope_attention_factor=PHIMOE_ROPE["short_mscale"],
         ),
         moe=dict(router_type="sparsemixer", renormalize=False),
+    ),
+    "qwen3_5_moe_text": dict(model=QWEN_HYBRID_MODEL, moe=dict(QWEN_SHARED, renormalize=True)),
+    "qwen3_next": dict(  # (a dense first layer and no renormalisation: Qwen3.5 holds neither)
+        model=QWEN_HYBRID_MODEL, moe=dict(QWEN_SHARED, first_k_dense=1, renormalize=False)
     ),
     "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_models.LLAMA4_FLAGS)
         model=LLAMA4_MODEL,

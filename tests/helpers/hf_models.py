@@ -226,9 +226,43 @@ LLAMA4_FLAGS: dict[str, Any] = {
 }
 
 
+# Qwen3-Next's hybrid layers at the tiny sizes: layers 0, 1 Gated DeltaNet, layer 2 gated
+# attention; a quarter of each head rotated (as released), 64 positions
+QWEN_HYBRID: dict[str, Any] = dict(
+    full_attention_interval=3,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    head_dim=16,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.25},
+)
+# Qwen3.5's multimodal RoPE keys as released (in the released proportions; plain RoPE on text)
+QWEN3_5_ROPE: dict[str, Any] = dict(
+    QWEN_HYBRID["rope_parameters"], mrope_section=[0, 0, 2], mrope_interleaved=True
+)
+
+
 def _moe_configs(transformers: Any) -> dict[str, Any]:
     moe = dict(SMALL, num_experts_per_tok=2)
+    hybrid = {**moe, **QWEN_HYBRID}
     return {
+        "qwen3_next": lambda: transformers.Qwen3NextConfig(
+            **hybrid,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=4,
+            shared_expert_intermediate_size=36,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+        "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(
+            **{**hybrid, "rope_parameters": dict(QWEN3_5_ROPE)},
+            moe_intermediate_size=24,
+            num_experts=4,
+            shared_expert_intermediate_size=36,
+        ),
         "mixtral": lambda: transformers.MixtralConfig(
             **moe, intermediate_size=24, num_local_experts=4, sliding_window=None
         ),
@@ -397,6 +431,10 @@ def _dense_configs(transformers: Any) -> dict[str, Any]:
         ),
         "qwen2": lambda: transformers.Qwen2Config(**SMALL, intermediate_size=48),
         "qwen3": lambda: transformers.Qwen3Config(**SMALL, intermediate_size=48),
+        "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(
+            **{**SMALL, **QWEN_HYBRID, "rope_parameters": dict(QWEN3_5_ROPE)},
+            intermediate_size=48,
+        ),
     }
 
 
@@ -435,6 +473,12 @@ def save_hf_model(
         setattr(config, key, value)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     randomise_constants(model, seed)  # no tensor left constant (random_constants.py)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # Gated DeltaNet's decay, per step at a = 0 from
+                p.copy_(torch.linspace(-3.0, 1.5, p.numel()))  # ~0.006 (weak) to ~7.6 (strong)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.linspace(-2.0, 1.5, p.numel()))
     model.save_pretrained(out)
     if tokenizer is not None:
         for f in Path(tokenizer).iterdir():

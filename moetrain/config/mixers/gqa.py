@@ -51,6 +51,9 @@ class GQAKeys:
     # a weightless RMSNorm (eps norm_eps) over each query and key head after RoPE, on the layers
     # with RoPE only (Llama 4's use_qk_norm)
     qk_norm_after_rope: bool = field(default=False, metadata=FUNCTION)
+    # a sigmoid gate on each head's output, elementwise, computed by the query projection
+    # (Qwen3-Next's and Qwen3.5's gated attention: wq gives per head [query | gate])
+    attention_output_gate: bool = field(default=False, metadata=FUNCTION)
 
 
 class GQA(MixerKind):
@@ -67,6 +70,7 @@ class GQA(MixerKind):
         "partial_rotary_factor",
         "attention_scale",
         "qk_norm_after_rope",
+        "attention_output_gate",
     )
 
     @classmethod

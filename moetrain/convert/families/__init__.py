@@ -33,7 +33,10 @@ from moetrain.convert.families import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5_moe_text,
+    qwen3_5_text,
     qwen3_moe,
+    qwen3_next,
 )
 from moetrain.convert.families.base import Family
 from moetrain.convert.families.layout import Layout, Wrapper
@@ -58,10 +61,13 @@ FAMILIES: dict[str, Family] = {
         gpt_oss.FAMILY,
         phimoe.FAMILY,
         llama4_text.FAMILY,
+        qwen3_5_moe_text.FAMILY,
+        qwen3_next.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         qwen2.FAMILY,
         qwen3.FAMILY,
+        qwen3_5_text.FAMILY,
     )
 }
 FORMATS = tuple(name for name, f in FAMILIES.items() if not f.dense)  # export targets

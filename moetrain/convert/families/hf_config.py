@@ -53,6 +53,8 @@ def model_from_hf(hf: Any) -> ModelConfig:
             f"hidden_act: moetrain experts are SwiGLU (silu); got {get('hidden_act')}"
         )
     heads = hf.num_attention_heads
+    # (a class without dense layers may have no intermediate_size: Qwen3.5-MoE's)
+    dense = {"dense_hidden": hf.intermediate_size} if get("intermediate_size") else {}
     return ModelConfig(
         vocab_size=hf.vocab_size,
         d_model=hf.hidden_size,
@@ -65,8 +67,8 @@ def model_from_hf(hf: Any) -> ModelConfig:
         norm_eps=float(hf.rms_norm_eps),
         tie_embeddings=bool(get("tie_word_embeddings", False)),
         init_std=float(get("initializer_range", 0.02)),
-        dense_hidden=hf.intermediate_size,
         partial_rotary_factor=partial,
+        **dense,
         **scaling,
     )
 
