@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from side_by_side import alternating_rounds, print_table
+
 HK, H, D, CHUNK = 2, 4, 128, 64
 PATHS = ("moetrain", "transformers")
 _M_MMAP_THRESHOLD = -3
@@ -124,34 +126,15 @@ def main() -> None:
         res = _child(args.child, args.seq_lens[0], args.repeats, args.mild_decays)
         print("RESULT " + json.dumps(res))
         return
-    rows = []
-    for s in args.seq_lens:
-        runs = {p: [] for p in PATHS}
-        for r in range(args.rounds):
-            for path in PATHS if r % 2 == 0 else PATHS[::-1]:
-                runs[path].append(_run(path, s, args.repeats, args.mild_decays))
-                print(f"  S={s} round {r} {path}: {runs[path][-1]}", file=sys.stderr)
-        rows.append((s, runs))
+    rows = alternating_rounds(
+        PATHS, args.seq_lens, args.rounds, lambda n, s: _run(n, s, args.repeats, args.mild_decays)
+    )
     decays = "decays of at most e^-0.3 a step" if args.mild_decays else "Qwen3-Next's decays"
     print(
         f"\nfwd+bwd, batch 1, {HK} q/k heads and {H} v heads of {D}, chunks of {CHUNK}, {decays}, "
         f"fp32, 1 thread; {args.rounds} alternating rounds, median of {args.repeats} passes each\n"
     )
-    print(
-        "| S | moetrain s | transformers s | speed-up (range) | moetrain MiB | "
-        "transformers MiB | memory ratio (range) |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for s, runs in rows:
-        ours, peer = runs["moetrain"], runs["transformers"]
-        t = sorted(b["s"] / a["s"] for a, b in zip(ours, peer, strict=True))
-        m = sorted(a["mib"] / b["mib"] for a, b in zip(ours, peer, strict=True))
-        med = lambda xs, key: statistics.median(x[key] for x in xs)  # noqa: E731
-        print(
-            f"| {s} | {med(ours, 's'):.2f} | {med(peer, 's'):.2f} | "
-            f"{statistics.median(t):.2f}x ({t[0]:.2f}-{t[-1]:.2f}x) | {med(ours, 'mib'):.0f} | "
-            f"{med(peer, 'mib'):.0f} | {statistics.median(m):.2f}x ({m[0]:.2f}-{m[-1]:.2f}x) |"
-        )
+    print_table(rows, PATHS)
 
 
 if __name__ == "__main__":

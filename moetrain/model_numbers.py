@@ -96,6 +96,17 @@ def cache_bytes_per_token(cfg: Config, dtype_bytes: int) -> int:
     )
 
 
+def cache_bytes_per_sequence(cfg: Config, dtype_bytes: int) -> int:
+    """Bytes the generation cache takes per sequence whatever its length: the recurrent
+    mixers' fixed states (``Transformer.new_cache``)."""
+    m = cfg.model
+    return sum(
+        mixer_class(layer.mixer).cache_bytes_per_sequence(m, layer.mixer, dtype_bytes)
+        for layer in cfg.layer_plan()[: m.n_layers]
+        if layer.mixer is not None
+    )
+
+
 def human(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= scale:

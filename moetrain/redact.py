@@ -37,11 +37,13 @@ def secret_env_values(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def redact(obj: Any, secrets: list[str] | None = None) -> Any:
-    """A copy of a nested dict/list with secret-looking keys and secret values replaced."""
+    """A copy of a nested dict/list with secret-looking keys and secret values replaced. A
+    number or a boolean is kept under any key: a size or a switch (``model.linear_key_head_dim``),
+    never a credential."""
     secrets = secret_env_values() if secrets is None else secrets
     if isinstance(obj, Mapping):
         return {
-            k: REDACTED if is_secret_key(k) and v is not None else redact(v, secrets)
+            k: REDACTED if is_secret_key(k) and _may_hold_a_secret(v) else redact(v, secrets)
             for k, v in obj.items()
         }
     if isinstance(obj, (list, tuple)):
@@ -49,3 +51,7 @@ def redact(obj: Any, secrets: list[str] | None = None) -> Any:
     if isinstance(obj, str) and any(s in obj for s in secrets):
         return REDACTED
     return obj
+
+
+def _may_hold_a_secret(value: Any) -> bool:
+    return value is not None and not isinstance(value, (bool, int, float))

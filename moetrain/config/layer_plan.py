@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from moetrain.config.moe import MoEConfig
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
-LINEAR = "linear_attention"  # full_attention_interval's other layers (no mixer serves it yet)
+LINEAR = "linear_attention"  # a recurrent layer, of model.linear_attention's kind
 NO_MIXER = "none"  # a block without a mixer: its FFN alone (Nemotron-H's MLP and MoE layers)
 FFNKind = Literal["dense", "moe", "none"]
 
@@ -47,6 +47,7 @@ LAYER_TYPES = {
     FULL: LayerType("attention"),
     SLIDING: LayerType("attention", window=True),
     CHUNKED: LayerType("attention", chunk=True),
+    LINEAR: LayerType("linear_attention"),
     NO_MIXER: LayerType(None),
 }
 
@@ -78,14 +79,18 @@ class LayerPlanKeys:
 
     # each decoder layer's type (n_layers entries): "full_attention", "sliding_attention"
     # (with sliding_window), "chunked_attention" (with attention_chunk_size), all three of
-    # model.attention's kind, or "none" (no mixer: the block is its FFN alone). None: every
+    # model.attention's kind, "linear_attention" (model.linear_attention's kind) or "none"
+    # (no mixer: the block is its FFN alone). None: every
     # layer sliding with sliding_window set, chunked with attention_chunk_size set, the
     # pattern of full_attention_interval with it set, else every layer full (window and chunks
     # both set: required). Multi-token-prediction blocks attend to the full context
     layer_types: list[str] | None = field(default=None, metadata=FUNCTION)
     # Qwen3-Next's full_attention_interval k: layer i is full_attention where (i + 1) % k == 0
-    # and linear_attention elsewhere (needs a mixer for linear_attention layers)
+    # and linear_attention elsewhere (at most n_layers: the pattern's full layer is in the model)
     full_attention_interval: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    # the token mixer kind of the linear_attention layers (moetrain.config.mixers):
+    # "gated_deltanet" (Qwen3-Next's and Qwen3.5's Gated DeltaNet; config/mixers/gated_deltanet.py)
+    linear_attention: str = field(default="gated_deltanet", metadata=FUNCTION)
     # sliding-window attention: a query of a "sliding_attention" layer sees the last
     # sliding_window positions, itself included (transformers' rule); less than max_seq_len
     sliding_window: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
@@ -158,7 +163,13 @@ def validate_layer_plan(model: ModelConfig) -> None:
     for i in range(model.n_blocks):
         spec = mixer_spec(model, i, types)
         if spec is not None:
-            mixer_kind(spec.kind, _kind_key(types, i))
+            key = _kind_key(types, i)
+            kind = mixer_kind(spec.kind, key)
+            require(
+                kind.selected_by == key,
+                key,
+                f"{spec.kind} is a kind of {kind.selected_by}, not of {key}",
+            )
             used.setdefault(spec.kind, []).append(spec)
     for name, kind in MIXER_KINDS.items():
         if name in used:
@@ -190,10 +201,10 @@ def _validate_types(model: ModelConfig) -> None:
         require(not unknown, "model.layer_types", f"knows {', '.join(LAYER_TYPES)}; got {unknown}")
     if k is not None:
         require(
-            k == 1 or LINEAR in LAYER_TYPES,
+            k <= model.n_layers,
             "model.full_attention_interval",
-            f"its other layers are {LINEAR} layers, and no mixer kind serves them yet; "
-            "only 1 (every layer full attention) is possible",
+            f"the pattern is longer than the model: layer k - 1 is its first full-attention "
+            f"layer, and there are model.n_layers={model.n_layers}; got {k}",
         )
     resolved = layer_types(model)
     require(

@@ -22,7 +22,7 @@ from moetrain.config.layer_plan import (
     mixer_spec,
     validate_layer_plan,
 )
-from moetrain.config.mixers import GQAKeys, MLAKeys, mixer_kind
+from moetrain.config.mixers import GatedDeltaNetKeys, GQAKeys, MLAKeys, mixer_kind
 from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above, at_least
 
 __all__ = ["CHUNKED", "FULL", "FUNCTION", "LAYER_TYPES", "POSITIVE_INT", "SLIDING", "ModelConfig"]
@@ -53,7 +53,7 @@ class ModelShape:
 
 
 @dataclass
-class ModelConfig(LayerPlanKeys, MLAKeys, GQAKeys, ModelShape):
+class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape):
     """Transformer shape: the keys above, then each mixer kind's and the layer plan's, then
     these."""
 
@@ -64,6 +64,11 @@ class ModelConfig(LayerPlanKeys, MLAKeys, GQAKeys, ModelShape):
     # "layernorm" (mean and variance, a weight and a bias; Phi-3.5-MoE); eps is norm_eps. The
     # query/key norms and MLA's latent norms stay RMSNorm
     norm: Literal["rmsnorm", "layernorm"] = field(default="rmsnorm", metadata=FUNCTION)
+    # RMSNorm weights held as an offset from 1, the norm computing x / rms(x) * (1 + w) in fp32
+    # (Qwen3-Next's and Qwen3.5's zero-centred norm; zeros at initialisation): the block, final
+    # and MTP norms and the query/key norms (not latent attention's nor Gated DeltaNet's
+    # output norm)
+    zero_centered_norm: bool = field(default=False, metadata=FUNCTION)
     tie_embeddings: bool = field(default=False, metadata=FUNCTION)
     init_std: float = field(default=0.02, metadata=above(0))
     # training loss: cross-entropy over chunks of this many tokens, never the full fp32 logits;
@@ -176,6 +181,11 @@ class ModelConfig(LayerPlanKeys, MLAKeys, GQAKeys, ModelShape):
 
     def validate(self) -> None:
         mixer_kind(self.attention)
+        require(
+            not self.zero_centered_norm or self.norm == "rmsnorm",
+            "model.zero_centered_norm",
+            "applies to RMSNorm; must be false with model.norm=layernorm",
+        )
         self._validate_rope_scaling()
         require(
             (self.mtp_loss_weight_final is None) == (self.mtp_loss_weight_final_step is None),

@@ -20,11 +20,16 @@ from pathlib import Path
 
 import torch
 
-from moetrain.checkpoint.format import CheckpointError, tokenizer_path, verify_manifest
+from moetrain.checkpoint.format import (
+    CheckpointError,
+    TrainerState,
+    tokenizer_path,
+    verify_manifest,
+)
 from moetrain.checkpoint.read import checkpoint_config, expert_files, iter_layer_states
 from moetrain.config import Config
 from moetrain.convert.families import family
-from moetrain.convert.formats import choose_format, hf_config
+from moetrain.convert.formats import choose_format, family_of_architecture, hf_config
 from moetrain.convert.hf_files import HF_INDEX_FILE, HF_SINGLE_FILE
 from moetrain.convert.tokenizer_export import export_tokenizer
 from moetrain.convert.weight_map import WeightMap
@@ -176,8 +181,10 @@ def convert_checkpoint(
     ``tokenizer.json``, or a SentencePiece ``.model``) when the checkpoint carries none (one
     imported from a model directory without tokenizer files); default the checkpoint's own.
 
-    ``fmt``: auto, or one of :data:`~moetrain.convert.families.FORMATS` (ConfigError naming
-    the setting when the format cannot represent the model). Raises CheckpointError for a
+    ``fmt``: auto (the family of the Hugging Face model the run started from where it
+    represents the model, else the first that does), or one of
+    :data:`~moetrain.convert.families.FORMATS` (ConfigError naming the setting when the format
+    cannot represent the model). Raises CheckpointError for a
     missing, truncated or incomplete checkpoint, FileExistsError when ``out_dir`` is a
     non-empty directory and ``overwrite`` is false.
     """
@@ -192,7 +199,8 @@ def convert_checkpoint(
     cfg = stored
     if drop_mtp:
         cfg = dataclasses.replace(stored, model=dataclasses.replace(stored.model, mtp_depth=0))
-    fmt = choose_format(cfg, fmt)
+    init = TrainerState.read(ckpt).init or {}  # auto: the family the run started from, first
+    fmt = choose_format(cfg, fmt, prefer=family_of_architecture(init.get("architecture")))
     if tokenizer is not None:
         tokenizer = tokenizer_file(tokenizer)
         if not tokenizer.is_file():

@@ -27,12 +27,15 @@ def check_format(fmt: str, model: ModelConfig, moe: MoEConfig) -> None:
         raise ConfigError(f"{key}: cannot convert to {family(fmt).architecture}: {why}")
 
 
-def choose_format(cfg: Config, fmt: str = "auto") -> str:
-    """``fmt`` itself when it fits the model, or the first fitting format for ``auto``."""
+def choose_format(cfg: Config, fmt: str = "auto", prefer: str | None = None) -> str:
+    """``fmt`` itself when it fits the model, or for ``auto`` the format ``prefer`` (the family a
+    run started from) where it fits, else the first fitting one."""
     if fmt != "auto":
         check_format(fmt, cfg.model, cfg.moe)
         return fmt
     reasons = []
+    if prefer in FORMATS and not problems(prefer, cfg.model, cfg.moe):
+        return prefer
     for cand in FORMATS:
         found = problems(cand, cfg.model, cfg.moe)
         if not found:
@@ -66,6 +69,12 @@ def transformers_config(hf_dict: dict[str, Any], model_type: str) -> Any:
 
     fields = {k: v for k, v in hf_dict.items() if k != "model_type"}
     return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+def family_of_architecture(architecture: str | None) -> str | None:
+    """The registered family whose class (or wrapper, or released name) is ``architecture``."""
+    fam = of_hf_config({"architectures": [architecture]}) if architecture else None
+    return fam.name if fam is not None else None
 
 
 def not_supported(hf_dict: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """The entries of a weight map (:mod:`moetrain.convert.weight_map`): each relates some moetrain
 tensors (``ours``) to the Hugging Face tensors that hold them (``theirs``) and converts between
 the two, one class per transform: a rename, a selection bias stored as a row, tensors joined
-along their first dim, a tensor the files have no place for, and an MoE layer's experts per
+along their first dim, rows regrouped per head, a tensor the files have no place for, and an MoE layer's experts per
 expert, fused or stacked.
 
 Expert entries read any range of experts from a :class:`TensorSource` (the safetensors files, or
@@ -101,6 +101,41 @@ class Joined(Entry):
 
     def from_hf(self, tensors: Tensors) -> Tensors:
         return list(tensors[0].chunk(len(self.ours), dim=0))
+
+    def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        return [(sum(s[0] for s in shapes), *shapes[0][1:])]
+
+
+@dataclass(frozen=True)
+class GroupedRows(Entry):
+    """``ours`` (each (rows, in)) cut into row parts, every part into ``groups`` equal slices,
+    stored as one tensor of group 0's slices of every part in order, then group 1's, ...
+    (Qwen3-Next's ``in_proj_qkvz``: per query/key head its q, k, v and z rows; ``in_proj_ba``:
+    its b and a rows). ``parts``: each of ``ours``' row parts."""
+
+    groups: int = 1
+    parts: tuple[tuple[int, ...], ...] = ()
+
+    def _slices(self) -> list[int]:
+        return [n // self.groups for sizes in self.parts for n in sizes]
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
+        pieces = [
+            part.reshape(self.groups, -1, *t.shape[1:])
+            for t, sizes in zip(tensors, self.parts, strict=True)
+            for part in t.split(list(sizes))
+        ]
+        joined = torch.cat(pieces, dim=1)
+        return [joined.reshape(-1, *joined.shape[2:])]
+
+    def from_hf(self, tensors: Tensors) -> Tensors:
+        grouped = tensors[0].reshape(self.groups, -1, *tensors[0].shape[1:])
+        pieces = iter(grouped.split(self._slices(), dim=1))
+        out = []
+        for sizes in self.parts:
+            parts = [next(pieces).reshape(n, *grouped.shape[2:]) for n in sizes]
+            out.append(torch.cat(parts))
+        return out
 
     def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
         return [(sum(s[0] for s in shapes), *shapes[0][1:])]

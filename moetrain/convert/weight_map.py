@@ -34,6 +34,7 @@ from moetrain.convert.weight_entries import (
     Entry,
     Experts,
     FusedFiles,
+    GroupedRows,
     Joined,
     NoSelectionBias,
     PerExpertFiles,
@@ -75,6 +76,8 @@ _MLA = {
     "wkv_b": "kv_b_proj",
     "wo": "o_proj",
 }
+# Gated DeltaNet: Qwen3.5's names (Qwen3-Next's fused projections: _fused_linear_attention)
+_GDN = {w: w for w in pn.GDN_WEIGHTS} | {"wo": "out_proj"}
 # A token mixer's weights: their names in a moetrain block -> in a Hugging Face decoder layer.
 # A block takes the first table that names every one of its mixer's weights; a new mixer kind
 # adds its table here.
@@ -86,6 +89,10 @@ MIXER_NAMES: tuple[dict[str, str], ...] = (
         _rel(pn.attn_sinks(0), None): "self_attn.sinks",
     },
     {_rel(pn.attn(0, ours)): f"self_attn.{theirs}" for ours, theirs in _MLA.items()},  # latent
+    {  # Gated DeltaNet
+        **{_rel(pn.attn(0, ours)): f"linear_attn.{theirs}" for ours, theirs in _GDN.items()},
+        **{_rel(pn.mixer_param(0, p), None): f"linear_attn.{p}" for p in pn.GDN_PARAMS},
+    },
 )
 
 
@@ -154,14 +161,28 @@ class _Plan:
             rules[_rel(pn.shared_expert(0, w))] = f"{moe}.{lay.shared_expert}.{p}"
         rules[_rel(pn.router_gate(0))] = f"{moe}.{lay.router}"
         rules[_rel(pn.shared_gate(0))] = f"{moe}.{lay.shared_gate}"
-        if lay.mtp is not None and i >= self.cfg.model.n_layers:
-            for which in pn.MTP_NORMS:
-                rules[_rel(pn.mtp_norm(0, which))] = getattr(lay.mtp, which)
-            rules[_rel(pn.mtp_projection(0))] = lay.mtp.eh_proj
         return rules
 
+    def _mtp_rules(self, i: int) -> tuple[dict[str, str], str]:
+        """A multi-token-prediction block's own weights (norms, projection) and their prefix
+        (none for a decoder layer)."""
+        lay, n = self.layout.mtp, self.cfg.model.n_layers
+        if lay is None or i < n:
+            return {}, ""
+        rules = {_rel(pn.mtp_norm(0, which)): getattr(lay, which) for which in pn.MTP_NORMS}
+        rules[_rel(pn.mtp_projection(0))] = lay.eh_proj
+        return rules, lay.own_prefix(n, i)
+
+    def _prefix(self, i: int) -> str:
+        """Block ``i``'s decoder layer in the files (a multi-token-prediction block's where the
+        layout puts it)."""
+        mtp, n = self.layout.mtp, self.cfg.model.n_layers
+        return mtp.block_prefix(n, i) if mtp is not None and i >= n else f"model.layers.{i}."
+
     def _block(self, i: int, names: list[str]) -> None:
-        prefix, lay, moe = f"model.layers.{i}.", self.layout, self.cfg.moe
+        lay, moe = self.layout, self.cfg.moe
+        mtp = lay.mtp is not None and i >= self.cfg.model.n_layers
+        prefix = self._prefix(i)
         shared = [pn.shared_expert(i, w) for w in pn.SWIGLU_WEIGHTS]
         if lay.shared_fused is not None and shared[0] in names:  # [gate; up] and down
             gate_up, down = (prefix + n for n in lay.shared_fused)
@@ -173,22 +194,44 @@ class _Plan:
         elif bias in names:
             self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.num_experts))
         done = {bias, *shared} if lay.shared_fused is not None else {bias}
+        if lay.linear_fused and pn.attn(i, "in_proj_qkv") in names:
+            done |= self._fused_linear_attention(i, prefix)
         rest = {n: n.removeprefix(f"layers.{i}.") for n in names if n not in done}
-        common = self._block_rules(i)
+        common, (own, own_prefix) = self._block_rules(i), self._mtp_rules(i)
+        known = {**common, **own}
         mixer = next(
-            (t for t in MIXER_NAMES if all(_rename({**common, **t}, r) for r in rest.values())),
+            (t for t in MIXER_NAMES if all(_rename({**known, **t}, r) for r in rest.values())),
             None,
         )
         for name, r in rest.items():
+            mine = _rename(own, r)
             theirs = _rename({**common, **(mixer or {})}, r)
-            if theirs is None:
+            if mine is None and theirs is None:
                 raise ConfigError(f"{name}: no {self.fmt} equivalent for this tensor")
-            self.entries.append(Entry((name,), (prefix + theirs,)))
+            if mine is not None:
+                full = own_prefix + mine
+            else:
+                full = prefix + (_rename(lay.renames, theirs) or theirs)
+            self.entries.append(Entry((name,), (full,)))
         self._fill(i, prefix, mixer or {})
-        if lay.mtp is not None and i >= self.cfg.model.n_layers:
+        if mtp and lay.mtp.embed_copy is not None:
             head = pn.EMBED if self.cfg.model.tie_embeddings else pn.LM_HEAD
             self.copies[prefix + lay.mtp.embed_copy] = pn.EMBED
             self.copies[prefix + lay.mtp.head_copy] = head
+
+    def _fused_linear_attention(self, i: int, prefix: str) -> set[str]:
+        """Qwen3-Next's Gated DeltaNet projections, fused per query/key head (q, k, v, z and
+        b, a of each head's group together); the moetrain tensors they hold."""
+        m = self.cfg.model
+        hk, keys = m.linear_num_key_heads, m.linear_num_key_heads * m.linear_key_head_dim
+        values, hv = m.linear_num_value_heads * m.linear_value_head_dim, m.linear_num_value_heads
+        qkv, z, b, a = (pn.attn(i, w) for w in pn.GDN_WEIGHTS[:4])
+        theirs = f"{prefix}linear_attn.in_proj_"
+        self.entries += [
+            GroupedRows((qkv, z), (theirs + "qkvz.weight",), hk, ((keys, keys, values), (values,))),
+            GroupedRows((b, a), (theirs + "ba.weight",), hk, ((hv,), (hv,))),
+        ]
+        return {qkv, z, b, a}
 
     def _fill(self, i: int, prefix: str, mixer: dict[str, str]) -> None:
         """The zeros a family's class always holds: q/k/v biases, a shared expert of size 0."""
@@ -207,7 +250,7 @@ class _Plan:
 
     def _experts(self, i: int) -> Experts:
         ours = tuple(pn.experts(i, w) for w in expert_param_names(self.cfg.moe.expert_biases))
-        block, files = f"model.layers.{i}.{self.layout.moe_block}.", self.layout.experts
+        block, files = f"{self._prefix(i)}{self.layout.moe_block}.", self.layout.experts
         n = self.cfg.moe.num_experts
         if isinstance(files, PerExpert):
             theirs = tuple(
@@ -345,9 +388,9 @@ def stored_mtp_depth(layout: Layout, names: Iterable[str], n_layers: int, declar
     tensors but not its projection is a CheckpointError naming the missing tensor."""
     if layout.mtp is None:
         return 0
-    have, depth = set(names), 0
-    while (
-        depth < declared and f"model.layers.{n_layers + depth}.{layout.mtp.eh_proj}.weight" in have
+    have, depth, mtp = set(names), 0, layout.mtp
+    while depth < declared and (
+        f"{mtp.own_prefix(n_layers, n_layers + depth)}{mtp.eh_proj}.weight" in have
     ):
         depth += 1
     prefix = f"model.layers.{n_layers + depth}."

@@ -33,7 +33,7 @@ from moetrain.checkpoint.format import (
 )
 from moetrain.checkpoint.read import checkpoint_config, expert_files
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig, config_from_dict
-from moetrain.convert.families import of_hf_config, wrapper_of
+from moetrain.convert.families import of_hf_config, unwrap, wrapper_of
 from moetrain.convert.families.base import declared_mtp_layers
 from moetrain.convert.formats import config_from_hf, not_supported
 from moetrain.convert.hf_files import HFWeights
@@ -106,7 +106,7 @@ def _hf_source(spec: str, path: Path) -> InitSource:
             "is not taken"
         )
     if fam.layout.mtp is not None:  # the MTP modules its files hold (a run reads some or all)
-        n, declared = cfg.model.n_layers, declared_mtp_layers(hf)
+        n, declared = cfg.model.n_layers, declared_mtp_layers(unwrap(hf), fam.layout)
         try:
             cfg.model.mtp_depth = stored_mtp_depth(fam.layout, weights.names(), n, declared)
         except CheckpointError as e:

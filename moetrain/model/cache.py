@@ -24,3 +24,8 @@ class InferenceCache:
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes, all layers."""
         return sum(state.bytes_per_token for state in self.layers if state is not None)
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        """Cache bytes one sequence takes whatever its length (recurrent states), all layers."""
+        return sum(state.bytes_per_sequence for state in self.layers if state is not None)

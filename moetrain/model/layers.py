@@ -14,13 +14,17 @@ from moetrain.model.cpu_matmul import Linear
 class _RMSNormFunction(torch.autograd.Function):
     """``weight * (x * rsqrt(mean(x^2) + eps))`` (math in at least fp32, result in x's dtype),
     saving only ``x`` and the per-row rsqrt: autograd's composition also keeps an fp32 copy of x
-    (under bf16/fp16) and the normalised x."""
+    (under bf16/fp16) and the normalised x. With ``offset`` (a zero-centred norm, the weight an
+    offset from it) ``(x * rsqrt(...) * (offset + weight))`` all in fp32, rounded once."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):  # noqa: ANN001, ANN205
+    def forward(ctx, x, weight, eps, offset):  # noqa: ANN001, ANN205
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        if offset:
+            return (x32 * rstd * (weight.to(rstd.dtype) + offset)).to(x.dtype)
         return weight * (x32 * rstd).to(x.dtype)
 
     @staticmethod
@@ -28,28 +32,42 @@ class _RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         xhat32 = x.to(rstd.dtype) * rstd
         grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = (grad * xhat32.to(x.dtype)).to(rstd.dtype).flatten(0, -2).sum(0)
-            grad_w = grad_w.to(weight.dtype)
-        grad_xhat32 = (grad * weight).to(rstd.dtype)
+        if ctx.offset:
+            g32 = grad.to(rstd.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = (g32 * xhat32).flatten(0, -2).sum(0).to(weight.dtype)
+            grad_xhat32 = g32 * (weight.to(rstd.dtype) + ctx.offset)
+        else:
+            if ctx.needs_input_grad[1]:
+                grad_w = (grad * xhat32.to(x.dtype)).to(rstd.dtype).flatten(0, -2).sum(0)
+                grad_w = grad_w.to(weight.dtype)
+            grad_xhat32 = (grad * weight).to(rstd.dtype)
         dot = (grad_xhat32 * xhat32).mean(-1, keepdim=True)
         grad_x = grad_xhat32.sub_(xhat32.mul_(dot)).mul_(rstd).to(x.dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 and cast back to the input dtype."""
+    """Root-mean-square norm, computed in fp32 and cast back to the input dtype. ``offset``
+    1.0: zero-centred (``model.zero_centered_norm``), the weight an offset from 1."""
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The identity scale: ones, or zeros when zero-centred."""
+        self.weight.fill_(1.0 - self.offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.offset)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        centred = ", zero-centred" if self.offset else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}{centred}"
 
 
 class LayerNorm(nn.Module):
@@ -73,9 +91,16 @@ class LayerNorm(nn.Module):
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm | LayerNorm:
-    """A block, final or MTP norm of ``dim`` as ``model.norm`` says (eps ``model.norm_eps``)."""
-    kind = LayerNorm if cfg.norm == "layernorm" else RMSNorm
-    return kind(dim, cfg.norm_eps)
+    """A block, final or MTP norm of ``dim`` as ``model.norm`` says (eps ``model.norm_eps``;
+    zero-centred with ``model.zero_centered_norm``)."""
+    if cfg.norm == "layernorm":
+        return LayerNorm(dim, cfg.norm_eps)
+    return RMSNorm(dim, cfg.norm_eps, norm_offset(cfg))
+
+
+def norm_offset(cfg: ModelConfig) -> float:
+    """The offset an RMSNorm's weight is held from: 1.0 with ``model.zero_centered_norm``."""
+    return 1.0 if cfg.zero_centered_norm else 0.0
 
 
 def _silu_mul_backward(

@@ -12,7 +12,9 @@ selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.
 (``model.attention_sinks``), ``ffn.router.gate.bias`` (E,) (``moe.router_bias``) and the
 expert biases ``ffn.experts.w13_bias`` (E, 2F), ``ffn.experts.w2_bias`` (E, D)
 (``moe.expert_biases``; expert parameters, stacked and partitioned like w13 and w2).
-``lm_head.bias`` exists with ``model.lm_head_bias`` (tied or not).
+``lm_head.bias`` exists with ``model.lm_head_bias`` (tied or not). A Gated DeltaNet layer's
+mixer holds ``attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,conv1d,norm,wo}.weight`` and
+``attn.A_log``, ``attn.dt_bias`` (:data:`GDN_WEIGHTS`, :data:`GDN_PARAMS`).
 
 A multi-token-prediction module ``k`` (1-based) is block ``layers.<n_layers + k - 1>``, named
 as any block, plus ``enorm`` (the next token's embedding), ``hnorm`` (the previous depth's
@@ -64,6 +66,18 @@ def mtp_norm(layer: int, which: str, kind: str = "weight") -> str:
 def mtp_projection(layer: int) -> str:
     """A multi-token-prediction block's ``eh_proj`` (D, 2D): [embedding | hidden] -> D."""
     return f"layers.{layer}.eh_proj.weight"
+
+
+# Gated DeltaNet's weights (model/mixers/gated_deltanet.py), under layers.<i>.attn: its
+# projections and convolution (a ``.weight`` each), its per-head decay parameters (bare)
+GDN_WEIGHTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "wo")
+GDN_PARAMS = ("A_log", "dt_bias")
+
+
+def mixer_param(layer: int, name: str) -> str:
+    """A bare parameter of block ``layer``'s token mixer (Gated DeltaNet's ``A_log``,
+    ``dt_bias``)."""
+    return f"layers.{layer}.attn.{name}"
 
 
 def attn_sinks(layer: int) -> str:

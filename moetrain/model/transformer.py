@@ -123,7 +123,8 @@ class Transformer(nn.Module):
         """Normal(0, init_std) everywhere; output projections (attention ``wo``, FFN and expert
         ``w2``) use init_std / sqrt(2 * n_layers); norm weights are ones; norm biases, the
         selection bias and every projection bias (q/k/v, output, router, experts, LM head)
-        zeros; each mixer initialises the rest of its own (attention sinks: zeros)."""
+        zeros; each mixer initialises the rest of its own (attention sinks: zeros). A
+        zero-centred norm's weight (``model.zero_centered_norm``) is zeros: the same scale."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
@@ -134,10 +135,11 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, GroupedExperts):
                 module.reset_parameters(std, out_std)
-            elif isinstance(module, RMSNorm | LayerNorm):
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()  # ones (zeros when zero-centred)
+            elif isinstance(module, LayerNorm):
                 nn.init.ones_(module.weight)
-                if isinstance(module, LayerNorm):
-                    nn.init.zeros_(module.bias)
+                nn.init.zeros_(module.bias)
             elif isinstance(module, MoELayer):
                 module.router.expert_bias.zero_()
             elif isinstance(module, TokenMixer):

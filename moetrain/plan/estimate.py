@@ -36,7 +36,8 @@ Expert all-to-all and the head all-to-alls of sequence parallelism: :mod:`moetra
 (fan-out per token and bytes per step).
 
 Generation cache: every layer's mixer state per token, in ``train.precision``
-(:func:`moetrain.model_numbers.cache_bytes_per_token`).
+(:func:`moetrain.model_numbers.cache_bytes_per_token`), and the recurrent layers' fixed state
+per sequence (:func:`moetrain.model_numbers.cache_bytes_per_sequence`).
 
 Optimizer step: the FLOPs beyond the elementwise per GPU (Muon's Newton-Schulz,
 :mod:`moetrain.plan.optimizer`), reported with their time at the MFU of the fp32 peak.
@@ -56,7 +57,12 @@ from dataclasses import dataclass, field
 from moetrain.config import Config, ConfigError
 from moetrain.config.layout import check_layout
 from moetrain.model.mixers import mixer_class
-from moetrain.model_numbers import ModelNumbers, cache_bytes_per_token, model_numbers
+from moetrain.model_numbers import (
+    ModelNumbers,
+    cache_bytes_per_sequence,
+    cache_bytes_per_token,
+    model_numbers,
+)
 from moetrain.plan.activations import activation_bytes
 from moetrain.plan.gpus import GiB, GPUSpec, MiB, gpu_spec
 from moetrain.plan.optimizer import StateBytes, optimizer_step_flops, state_bytes_per_param
@@ -105,6 +111,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     grad_dtype: str = "fp32"  # gradient accumulation and reduction (train.grad_dtype)
     cache_bytes_per_token: int = 0  # generation: every layer's mixer state, train.precision
+    cache_bytes_per_sequence: int = 0  # generation: the recurrent layers' fixed state
     optimizer_name: str = "adamw"  # optim.name
     optimizer_state: StateBytes = StateBytes(8.0, 8.0)  # its state's bytes per parameter
     master_bytes: int = 0  # per parameter: the fp32 master copy the optimizer holds (0 or 4)
@@ -262,6 +269,7 @@ def plan(
         gpus_per_node=gpus_per_node,
         grad_dtype=t.grad_dtype,
         cache_bytes_per_token=cache_bytes_per_token(cfg, wb),
+        cache_bytes_per_sequence=cache_bytes_per_sequence(cfg, wb),
         optimizer_name=cfg.optim.name,
         optimizer_state=state,
         master_bytes=masters,

@@ -59,7 +59,13 @@ def format_plan(pl: Plan) -> str:
             else "none beyond the weights (fp32)"
         ),
         f"FLOPs per token (training): {n.flops_per_token:.4g}",
-        f"generation cache: {pl.cache_bytes_per_token:,} bytes per token ({pl.precision})",
+        f"generation cache: {pl.cache_bytes_per_token:,} bytes per token"
+        + (
+            f" + {pl.cache_bytes_per_sequence:,} per sequence (recurrent state)"
+            if pl.cache_bytes_per_sequence
+            else ""
+        )
+        + f" ({pl.precision})",
         f"at MFU {pl.mfu:.0%} of {pl.peak_tflops:g} TFLOP/s per GPU: "
         f"{pl.tokens_per_s:,.0f} tokens/s ({pl.tokens_per_s / pl.gpus:,.0f} per GPU), "
         f"{pl.step_time_s:.3f} s per optimizer step",

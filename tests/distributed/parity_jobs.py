@@ -43,6 +43,11 @@ GRAD_NAMES = (
     "layers.1.ffn.experts.w2_bias",
     "layers.0.attn_norm.bias",  # Phi-3.5-MoE's
     "lm_head.bias",
+    "layers.0.attn.in_proj_qkv.weight",  # Gated DeltaNet's (``hybrid``)
+    "layers.0.attn.conv1d.weight",
+    "layers.0.attn.A_log",
+    "layers.0.attn.dt_bias",
+    "layers.0.attn.norm.weight",
 )
 # Routing variants, each combining several settings on top of the base configuration (softmax
 # top-k, gated shared expert, aux-loss-free bias, global micro-batch balance statistics).
@@ -103,6 +108,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "moe.score_on_input": True,
         "moe.shared_expert_gate": False,
     },
+    # Qwen3-Next's: a Gated DeltaNet layer then a gated-attention layer, zero-centred norms
+    "hybrid": {
+        "model.layer_types": ["linear_attention", "full_attention"],
+        "model.linear_num_key_heads": 2,
+        "model.linear_num_value_heads": 4,
+        "model.linear_key_head_dim": 8,
+        "model.linear_value_head_dim": 8,
+        "model.attention_output_gate": True,
+        "model.zero_centered_norm": True,
+    },
     # Muon (tests/distributed/test_muon_parity.py), with a dense first layer so that ZeRO's
     # partition boundaries cut matrices (the two layers alike put them between the layers);
     # with QK-clip at a threshold the heads' largest logits cross within the 10 steps (from
@@ -111,7 +126,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "muonclip": {"optim.name": "muon", "moe.first_k_dense": 1, "optim.muon.qk_clip": 0.06},
 }
 # the variants whose one reference the world-1 job computes (capacity has one per group count)
-REFERENCES = ("routing", "mtp", "gptoss", "phimoe", "llama4")
+REFERENCES = ("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid")
 
 
 def parity_config(world: int, ep: int, stage: int, **extra: Any) -> Config:

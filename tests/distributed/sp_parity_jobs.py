@@ -35,6 +35,9 @@ GRAD_NAMES = (
     "layers.1.ffn.experts.w2",
     "layers.1.ffn.shared_expert.w2.weight",
     "lm_head.weight",
+    "layers.0.attn.in_proj_qkv.weight",  # Gated DeltaNet
+    "layers.0.attn.conv1d.weight",
+    "layers.0.attn.A_log",
 )
 VARIANTS: dict[str, dict[str, Any]] = {
     # blocks recomputed in backward: the head all-to-alls run again there
@@ -55,10 +58,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gptoss": PARITY_VARIANTS["gptoss"],
     # drops at capacity factor 1, counted over the EP group's whole rows
     "capacity": PARITY_VARIANTS["capacity"],
+    # Qwen3-Next's: a Gated DeltaNet layer (its query/key-head groups exchanged with their value
+    # heads and convolution channels; state and window restarting at the documents) and a
+    # gated-attention layer
+    "hybrid": PARITY_VARIANTS["hybrid"],
     "muon": PARITY_VARIANTS["muon"],
 }
 # the world-1 job's references (plain torch): the base model's and these variants'
-REFERENCES = (None, "mla", "gptoss", "capacity", "muon")
+REFERENCES = (None, "mla", "gptoss", "capacity", "hybrid", "muon")
 
 
 def sp_config(world: int, sp: int, ep: int, stage: int, variant: str | None = None) -> Config:

@@ -18,8 +18,10 @@ where it binds) on dp=2 ZeRO-2, ep=2 ZeRO-0 and dp=2 x ep=2 ZeRO-1; ``phimoe`` (
 LM-head bias, sparsemixer routing) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1;
 ``llama4`` (chunked attention, a NoPE layer with its query temperature, the post-RoPE norm,
 top-k on the logits with sigmoid weights on the experts' inputs) on dp=2 ZeRO-0, ep=2 ZeRO-2 and
-dp=2 x ep=2 ZeRO-1. The default suite runs each variant on its dp=2 x ep=2 layout (both axes at
-once), the variants' world-2 layouts with -m long. The base configuration has a gated shared
+dp=2 x ep=2 ZeRO-1; ``hybrid`` (Qwen3-Next's: a Gated DeltaNet layer and a gated-attention
+layer, zero-centred norms) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1. The default
+suite runs each variant on its dp=2 x ep=2 layout (both axes at once), the variants' world-2
+layouts with -m long. The base configuration has a gated shared
 expert. The reference is plain torch in
 one process with the per-expert loop (no DeepSpeed, no dispatcher swap); for capacity it decides
 capacity in world / ep_size parts of each global micro-batch, one per EP group, as the layout
@@ -85,6 +87,8 @@ JOBS = {
         (2, 2, "phimoe"),
         (1, 0, "llama4"),
         (2, 2, "llama4"),
+        (1, 0, "hybrid"),
+        (2, 2, "hybrid"),
     ],
     4: [
         (2, 0),
@@ -97,6 +101,7 @@ JOBS = {
         (2, 1, "gptoss"),
         (2, 1, "phimoe"),
         (2, 1, "llama4"),
+        (2, 1, "hybrid"),
     ],
 }
 

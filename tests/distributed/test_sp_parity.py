@@ -10,7 +10,9 @@ active every step, fp32, against one plain torch process on the whole batch
   latent attention at sp=2 (ep 1 ZeRO-1, ep 2 ZeRO-0), gpt-oss's attention sinks with a
   sliding window that crosses the slices (sp=2 x ep=2 ZeRO-1), a capacity factor that drops
   copies (sp=2 x ep=2 ZeRO-2: the EP group holds whole rows, so it drops what one process
-  does; over slices of rows it would not, and the config refuses that), and Muon at sp=2 x
+  does; over slices of rows it would not, and the config refuses that), Qwen3-Next's hybrid
+  layers (a Gated DeltaNet layer, its query/key-head groups exchanged with their value heads and
+  convolution channels, and a gated-attention layer) at sp=2 x ep=2 ZeRO-1, and Muon at sp=2 x
   ep=2 ZeRO-2;
 - world 4: dp=2 x sp=2 with ep=2 at ZeRO-1, and sp=4 x ep=2 at ZeRO-0, where the
   model's 2 key/value heads are repeated to 4 so that each rank gets the one its query head uses;
@@ -57,6 +59,7 @@ JOBS = {
         (2, 2, 0, "mla"),
         (2, 2, 1, "gptoss"),
         (2, 2, 2, "capacity"),
+        (2, 2, 1, "hybrid"),
         (2, 2, 2, "muon"),
         BF16[2],
     ],
@@ -76,9 +79,8 @@ def results() -> dict[int, list[dict]]:
 
 
 def _reference(results: dict[int, list[dict]], layout: tuple) -> dict:
-    variant = next(
-        (v for v in ("mla", "llama4", "gptoss", "capacity", "muon") if v in layout), None
-    )
+    variants = ("mla", "llama4", "gptoss", "capacity", "hybrid", "muon")
+    variant = next((v for v in variants if v in layout), None)
     return results[1][0][f"reference_{variant}" if variant else "reference"]
 
 

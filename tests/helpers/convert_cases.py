@@ -4,15 +4,19 @@ in transformers, generation compared step by step."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from safetensors.torch import save_file
 
-from moetrain.config import Config
+from moetrain.config import Config, ModelConfig
 from moetrain.convert.formats import hf_config
 from moetrain.convert.hf import to_hf_state_dict
 from moetrain.model import Transformer
+from moetrain.model import param_names as pn
 from tests.helpers.configs import tiny_config
 from tests.helpers.hf_models import PHIMOE_ROPE
+from tests.helpers.random_constants import randomise_constants
 
 # multi-head latent attention at the tiny shape (every head its own keys and values)
 MLA_SHAPE = dict(
@@ -39,6 +43,21 @@ LLAMA4_MODEL = dict(
 )
 
 
+# Qwen3-Next's hybrid attention: layers 0, 1 Gated DeltaNet, layer 2 gated attention with
+# zero-centred q/k norms, a quarter of each head rotated
+QWEN_HYBRID_MODEL = dict(
+    full_attention_interval=3,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    qk_norm=True,
+    attention_output_gate=True,
+    zero_centered_norm=True,
+    partial_rotary_factor=0.25,
+)
+QWEN_SHARED = dict(num_shared_experts=1, shared_expert_gate=True, shared_expert_hidden=40)
+
 # moetrain settings that each format represents exactly (and that auto picks).
 CASES = {
     "mixtral": dict(model={}, moe={}),
@@ -64,9 +83,33 @@ CASES = {
             bias_update_rate=1e-3,
         ),
     ),
+    "dots1": dict(  # dots.llm1's flags, a window and expert groups binding
+        model=dict(
+            qk_norm=True,
+            sliding_window=6,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+        ),
+        moe=dict(
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=2,
+            route_scale=2.5,
+            n_group=2,
+            topk_group=1,
+            bias_update_rate=1e-3,
+        ),
+    ),
     "olmoe": dict(
         model=dict(qk_norm=True, qk_norm_scope="projection", head_dim=None),
         moe=dict(renormalize=False),
+    ),
+    "minimax_m2": dict(  # MiniMax-M2's flags
+        model=dict(qk_norm=True, qk_norm_scope="projection", partial_rotary_factor=0.5),
+        moe=dict(score_func="sigmoid", bias_update_rate=1e-3),
+    ),
+    "hunyuan_v1_moe": dict(  # Hunyuan-A13B's flags (NTK-alpha: folded into rope_theta)
+        model=dict(qk_norm=True, qk_norm_position="after_rope", tie_embeddings=True),
+        moe=dict(num_shared_experts=1),
     ),
     "deepseek_v3": dict(
         model=dict(
@@ -170,6 +213,10 @@ CASES = {
         ),
         moe=dict(router_type="sparsemixer", renormalize=False),
     ),
+    "qwen3_5_moe_text": dict(model=QWEN_HYBRID_MODEL, moe=dict(QWEN_SHARED, renormalize=True)),
+    "qwen3_next": dict(  # (a dense first layer and no renormalisation: Qwen3.5 holds neither)
+        model=QWEN_HYBRID_MODEL, moe=dict(QWEN_SHARED, first_k_dense=1, renormalize=False)
+    ),
     "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_models.LLAMA4_FLAGS)
         model=LLAMA4_MODEL,
         moe=dict(
@@ -210,18 +257,22 @@ def tiny_cfg(fmt: str, extra: dict | None = None) -> Config:
     )
 
 
+def stored_model(cfg: Config) -> ModelConfig:
+    """``cfg.model`` as a format's config stores it: without a dense layer, the formats that
+    have none store no ``model.dense_hidden`` (an import takes the experts' size)."""
+    if any(not cfg.moe.is_moe_layer(i) for i in range(cfg.model.n_layers)):
+        return cfg.model
+    return dataclasses.replace(cfg.model, dense_hidden=cfg.moe.expert_hidden)
+
+
 def model_for(cfg: Config) -> Transformer:
+    """The model of ``cfg`` with random weights and no tensor left constant (norms, biases,
+    sinks; the selection bias where the model moves one, ``moe.bias_update_rate`` > 0, as the
+    families that store one hold), so that a swapped or dropped tensor shows."""
     torch.manual_seed(0)
     m = Transformer(cfg.model, cfg.moe).eval()
-    with torch.no_grad():  # non-trivial norms and biases, so a swapped tensor would show
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            if name.endswith((".bias", "_bias", ".sinks")):
-                p.uniform_(-0.5, 0.5)
-        if cfg.moe.bias_update_rate > 0:
-            for layer in m.moe_layers():
-                layer.router.expert_bias.uniform_(-0.3, 0.3)
+    no_bias = cfg.moe.bias_update_rate == 0
+    randomise_constants(m, keep=lambda name: no_bias and pn.is_expert_bias(name))
     return m
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from moetrain.convert.families import DENSE, FORMATS
+from tests.helpers.random_constants import randomise_constants
 
 SMALL: dict[str, Any] = dict(
     vocab_size=320,
@@ -225,9 +226,43 @@ LLAMA4_FLAGS: dict[str, Any] = {
 }
 
 
+# Qwen3-Next's hybrid layers at the tiny sizes: layers 0, 1 Gated DeltaNet, layer 2 gated
+# attention; a quarter of each head rotated (as released), 64 positions
+QWEN_HYBRID: dict[str, Any] = dict(
+    full_attention_interval=3,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    head_dim=16,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.25},
+)
+# Qwen3.5's multimodal RoPE keys as released (in the released proportions; plain RoPE on text)
+QWEN3_5_ROPE: dict[str, Any] = dict(
+    QWEN_HYBRID["rope_parameters"], mrope_section=[0, 0, 2], mrope_interleaved=True
+)
+
+
 def _moe_configs(transformers: Any) -> dict[str, Any]:
     moe = dict(SMALL, num_experts_per_tok=2)
+    hybrid = {**moe, **QWEN_HYBRID}
     return {
+        "qwen3_next": lambda: transformers.Qwen3NextConfig(
+            **hybrid,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=4,
+            shared_expert_intermediate_size=36,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+        "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(
+            **{**hybrid, "rope_parameters": dict(QWEN3_5_ROPE)},
+            moe_intermediate_size=24,
+            num_experts=4,
+            shared_expert_intermediate_size=36,
+        ),
         "mixtral": lambda: transformers.MixtralConfig(
             **moe, intermediate_size=24, num_local_experts=4, sliding_window=None
         ),
@@ -264,6 +299,43 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             n_group=1,
             topk_group=1,
             num_mtp_layers=0,
+        ),
+        "dots1": lambda: transformers.Dots1Config(  # dots.llm1's flags, a window binding
+            **moe,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            n_routed_experts=4,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            n_group=2,
+            topk_group=1,
+            sliding_window=6,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+        ),
+        "minimax_m2": lambda: transformers.MiniMaxM2Config(  # MiniMax-M2's flags
+            **{
+                **moe,
+                "rope_parameters": {**SMALL["rope_parameters"], "partial_rotary_factor": 0.5},
+            },
+            intermediate_size=24,
+            num_local_experts=4,
+        ),
+        "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(  # Hunyuan-A13B's flags
+            **{
+                **{k: v for k, v in SMALL.items() if k != "rope_parameters"},
+                "rope_parameters": {
+                    "rope_type": "dynamic",
+                    "alpha": 8.0,
+                    "factor": 1.0,
+                    "rope_theta": 500.0,
+                },
+            },
+            intermediate_size=24,
+            num_experts=4,
+            moe_topk=[2, 2, 2],
+            tie_word_embeddings=True,
         ),
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
             **_deepseek(moe, yarn=True),
@@ -359,6 +431,10 @@ def _dense_configs(transformers: Any) -> dict[str, Any]:
         ),
         "qwen2": lambda: transformers.Qwen2Config(**SMALL, intermediate_size=48),
         "qwen3": lambda: transformers.Qwen3Config(**SMALL, intermediate_size=48),
+        "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(
+            **{**SMALL, **QWEN_HYBRID, "rope_parameters": dict(QWEN3_5_ROPE)},
+            intermediate_size=48,
+        ),
     }
 
 
@@ -385,8 +461,8 @@ def save_hf_model(
     tokenizer: Path | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """A random ``family`` model saved at ``out`` (norms, biases and selection biases made
-    non-trivial, so a swapped or dropped tensor shows); ``tokenizer``: a directory whose files
+    """A random ``family`` model saved at ``out`` (no tensor left constant: norms, biases,
+    selection biases, so a swapped or dropped tensor shows); ``tokenizer``: a directory whose files
     are copied in; ``overrides``: config attributes changed from the family's tiny config.
     Returns ``out``."""
     import transformers
@@ -396,17 +472,13 @@ def save_hf_model(
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    randomise_constants(model, seed)  # no tensor left constant (random_constants.py)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith((".bias", "e_score_correction_bias")):  # (ERNIE's: a parameter)
-                p.uniform_(-0.2, 0.2)
-            elif name.endswith(("_proj_bias", ".sinks")):  # gpt-oss's expert biases, sinks
-                p.uniform_(-0.5, 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.uniform_(-0.2, 0.2)
+            if name.endswith("A_log"):  # Gated DeltaNet's decay, per step at a = 0 from
+                p.copy_(torch.linspace(-3.0, 1.5, p.numel()))  # ~0.006 (weak) to ~7.6 (strong)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.linspace(-2.0, 1.5, p.numel()))
     model.save_pretrained(out)
     if tokenizer is not None:
         for f in Path(tokenizer).iterdir():

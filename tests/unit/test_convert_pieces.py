@@ -106,10 +106,8 @@ def test_families_without_gpt_oss_pieces_refuse_them_by_key(setting: str) -> Non
     if setting == "moe.activation":
         extra |= {"moe.swiglu_alpha": 1.702, "moe.swiglu_limit": 7.0}
     for fmt in FORMATS:
-        if fmt == "gpt_oss" or (
-            setting == "model.o_bias" and family(fmt).can_hold("model.o_bias", True)
-        ):
-            continue  # (Phi-3.5-MoE has an output-projection bias too)
+        if family(fmt).can_hold(setting, GPT_OSS_PIECES[setting]):
+            continue  # (gpt-oss; Phi-3.5-MoE's output-projection bias, dots.llm1's windows)
         with pytest.raises(ConfigError, match=setting.replace(".", r"\.")):
             choose_format(tiny_cfg(fmt, extra), fmt)  # (latent attention: refused at validation)
 

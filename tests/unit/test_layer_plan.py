@@ -68,9 +68,12 @@ def test_full_attention_interval_is_qwen3_next_pattern() -> None:
     cfg = tiny_config({"model.n_layers": 8}).model
     cfg.full_attention_interval = 4
     assert layer_types(cfg) == [LINEAR, LINEAR, LINEAR, FULL] * 2
-    # its linear-attention layers need a mixer kind that serves them
-    with pytest.raises(ConfigError, match=r"model\.full_attention_interval: its other layers"):
+    # the pattern's first full-attention layer must be in the model
+    with pytest.raises(ConfigError, match=r"model\.full_attention_interval: the pattern is lo"):
         tiny_config({"model.full_attention_interval": 4})
+    # its linear_attention layers need their kind's keys
+    with pytest.raises(ConfigError, match=r"model\.linear_num_key_heads: must be set"):
+        tiny_config({"model.full_attention_interval": 2})
     assert _plan({"model.full_attention_interval": 1}) == _plan()
 
 

@@ -13,7 +13,7 @@ from moetrain.config.mixers import MIXER_KINDS, MixerKind
 from moetrain.model import Transformer
 from moetrain.model.mixers import MIXERS, MixerInputs, TokenMixer, build_mixer
 from moetrain.model.rope import model_rope_tables
-from moetrain.model_numbers import cache_bytes_per_token, model_numbers
+from moetrain.model_numbers import cache_bytes_per_sequence, cache_bytes_per_token, model_numbers
 from tests.helpers.configs import tiny_config
 
 MLA = {
@@ -23,6 +23,14 @@ MLA = {
     "model.qk_nope_head_dim": 8,
     "model.qk_rope_head_dim": 8,
     "model.v_head_dim": 12,
+}
+GDN = {  # two Gated DeltaNet layers, one attention layer
+    "model.n_layers": 3,
+    "model.full_attention_interval": 3,
+    "model.linear_num_key_heads": 4,
+    "model.linear_num_value_heads": 8,
+    "model.linear_key_head_dim": 8,
+    "model.linear_value_head_dim": 6,
 }
 CASES = {
     "gqa": {},
@@ -35,13 +43,27 @@ CASES = {
     },
     "gqa-projection-norm": {"model.qk_norm": True, "model.qk_norm_scope": "projection"},
     "gqa-one-kv-head": {"model.n_kv_heads": 1},
+    "gqa-output-gate": {  # Qwen3-Next's attention
+        "model.attention_output_gate": True,
+        "model.qk_norm": True,
+        "model.zero_centered_norm": True,
+        "model.head_dim": 16,
+        "model.partial_rotary_factor": 0.25,
+    },
     "mla": MLA,
     "mla-query-lora": {**MLA, "model.q_lora_rank": 24},
+    "gated_deltanet": GDN,
+    "gated_deltanet-one-head-wide-conv": {
+        **GDN,
+        "model.linear_num_key_heads": 1,
+        "model.linear_num_value_heads": 1,
+        "model.linear_conv_kernel_dim": 6,
+    },
 }
 
 
 def test_every_kind_is_registered_on_both_sides_and_implements_the_protocol() -> None:
-    assert set(MIXERS) == set(MIXER_KINDS) == {"gqa", "mla"}
+    assert set(MIXERS) == set(MIXER_KINDS) == {"gqa", "mla", "gated_deltanet"}
     required = [
         name
         for name, value in vars(TokenMixer).items()
@@ -80,11 +102,15 @@ def test_counts_are_what_the_module_builds_and_holds(case: str) -> None:
         state = mixer.new_state(2, 8, dtype, torch.device("cpu"))
         size = torch.tensor([], dtype=dtype).element_size()
         assert state.bytes_per_token == cls.cache_bytes_per_token(m, spec, size)
+        assert state.bytes_per_sequence == cls.cache_bytes_per_sequence(m, spec, size)
         stored = sum(t.numel() * t.element_size() for t in vars(state).values())
-        assert stored == 2 * 8 * state.bytes_per_token  # batch 2, 8 positions
+        # batch 2, 8 positions
+        assert stored == 2 * (8 * state.bytes_per_token + state.bytes_per_sequence)
     model = Transformer(m, cfg.moe)
     assert model_numbers(cfg).total_params == sum(p.numel() for p in model.parameters())
-    assert cache_bytes_per_token(cfg, 4) == model.new_cache(1, 8).bytes_per_token
+    cache = model.new_cache(1, 8)
+    assert cache_bytes_per_token(cfg, 4) == cache.bytes_per_token
+    assert cache_bytes_per_sequence(cfg, 4) == cache.bytes_per_sequence
 
 
 class _RecordingExchange:
@@ -105,7 +131,9 @@ class _RecordingExchange:
         return x_BShX[:, : x_BShX.shape[1] // self.size].repeat(1, 1, self.size, 1)
 
 
-@pytest.mark.parametrize("case", ["gqa", "gqa-one-kv-head", "mla"])
+@pytest.mark.parametrize(
+    "case", ["gqa", "gqa-one-kv-head", "gqa-output-gate", "mla", "gated_deltanet"]
+)
 @pytest.mark.parametrize("sp", [2, 4])
 def test_exchange_bytes_are_what_sequence_parallelism_sends(case: str, sp: int) -> None:
     cfg = tiny_config(CASES[case])
@@ -127,3 +155,13 @@ def test_sequence_parallelism_splits_the_heads_each_kind_names(case: str) -> Non
     assert MIXER_KINDS[cfg.model.attention].sp_heads(cfg.model) == (("model.n_heads", 4),)
     with pytest.raises(ConfigError, match=r"parallel\.sp_size: must divide model\.n_heads=4"):
         tiny_config(CASES[case], {"parallel.sp_size": 3, "data.seq_len": 30})
+
+
+def test_sequence_parallelism_splits_the_linear_heads_with_their_channels() -> None:
+    cfg = tiny_config(GDN)
+    heads = MIXER_KINDS["gated_deltanet"].sp_heads(cfg.model)
+    assert heads == (("model.linear_num_key_heads", 4), ("model.linear_num_value_heads", 8))
+    gqa_ok = {"model.n_heads": 8, "model.n_kv_heads": 8, "data.seq_len": 48}
+    msg = r"parallel\.sp_size: must divide model\.linear_num_key_heads=4"
+    with pytest.raises(ConfigError, match=msg):
+        tiny_config(GDN, gqa_ok, {"parallel.sp_size": 3, "model.max_seq_len": 96})

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moetrain.config import Config, WandbConfig
+from moetrain.config import Config, WandbConfig, config_from_dict
 from moetrain.monitor.wandb_run import (
     REDACTED,
     WandbSink,
@@ -19,6 +19,7 @@ from moetrain.monitor.wandb_run import (
     redact,
     resolve_mode,
 )
+from tests.helpers.configs import tiny_config
 
 SENTINEL = "SENTINELkey0123456789abcdefSENTINEL"
 
@@ -155,6 +156,26 @@ def test_redaction():
     assert redact(data, ["s3cr3tvalue!"]) == {
         "a": {"secret": REDACTED, "token": None, "path": REDACTED},
         "l": [REDACTED],
+    }
+
+
+def test_redaction_keeps_sizes_under_key_named_settings():
+    """Gated DeltaNet's head counts and dims (``linear_num_key_heads``, ``linear_key_head_dim``)
+    are numbers: a checkpoint's or run's redacted config still builds the same model."""
+    cfg = tiny_config(
+        {
+            "model.full_attention_interval": 2,
+            "model.linear_num_key_heads": 2,
+            "model.linear_num_value_heads": 4,
+            "model.linear_key_head_dim": 8,
+            "model.linear_value_head_dim": 8,
+        }
+    )
+    assert is_secret_key("linear_key_head_dim")  # (the name alone looks secret)
+    assert config_from_dict(redact(cfg.to_dict(), [])) == cfg
+    assert redact({"api_key": "abc", "auth": {"user": "u"}}, []) == {
+        "api_key": REDACTED,
+        "auth": REDACTED,
     }
 
 

@@ -1,6 +1,7 @@
 """Multi-token-prediction modules in and out of Hugging Face files, in the layout of DeepSeek-V3's
-released checkpoints (``model.layers.<n_layers + k - 1>.``): transformers loads the export and
-computes the main model; moetrain reads the MTP modules back exactly, or leaves them unread."""
+released checkpoints (``model.layers.<n_layers + k - 1>.``) and of Qwen3-Next's and Qwen3.5's
+(``mtp.*``): transformers loads the export and computes the main model; moetrain reads the MTP
+modules back exactly, or leaves them unread."""
 
 from __future__ import annotations
 
@@ -37,21 +38,35 @@ def _parts(model, cfg):
         )
 
 
-@pytest.mark.parametrize("fmt", ["deepseek_v3", "glm4_moe"])
+DEEPSEEK_MTP = [
+    f"model.layers.3.{n}.weight"
+    for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens")
+]
+QWEN_MTP = [
+    f"mtp.{n}.weight" for n in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+]
+# format -> (the MTP module's own tensors, its block's prefix, config.json's count key)
+LAYOUTS = {
+    "deepseek_v3": (DEEPSEEK_MTP, "model.layers.3.", "num_nextn_predict_layers"),
+    "glm4_moe": (DEEPSEEK_MTP, "model.layers.3.", "num_nextn_predict_layers"),
+    "qwen3_next": (QWEN_MTP, "mtp.layers.0.", "num_nextn_predict_layers"),
+    "qwen3_5_moe_text": (QWEN_MTP, "mtp.layers.0.", "mtp_num_hidden_layers"),
+}
+
+
+@pytest.mark.parametrize("fmt", LAYOUTS)
 def test_mtp_modules_export_in_the_released_layout_and_import_exactly(tmp_path, fmt) -> None:
     cfg = tiny_cfg(fmt, {"model.mtp_depth": 1, "model.vocab_size": VOCAB})
     model = model_for(cfg)
     tok = save_hf_tokenizer(["the cat sat on the mat"] * 20, VOCAB, tmp_path / "tok")
     ckpt = write_checkpoint(tmp_path / "ckpt", cfg, _parts(model, cfg), sorted(tok.iterdir()))
     out = convert_checkpoint(ckpt, tmp_path / "hf", fmt=fmt)
-    hf_cfg = json.loads((out / "config.json").read_text())
-    assert hf_cfg.get("num_nextn_predict_layers", hf_cfg.get("num_mtp_layers")) == 1
+    own, block, key = LAYOUTS[fmt]
+    assert json.loads((out / "config.json").read_text()).get(key) == 1
     names = set(HFWeights(out).names())
-    mtp = "model.layers.3."
-    for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head"):
-        assert f"{mtp}{name}.weight" in names, name
-    assert f"{mtp}embed_tokens.weight" in names
-    assert any(n.startswith(f"{mtp}mlp.experts.") for n in names)  # the MTP block is MoE
+    assert set(own) <= names
+    assert {f"{block}input_layernorm.weight", f"{block}self_attn.o_proj.weight"} <= names
+    assert any(n.startswith(f"{block}mlp.experts.") for n in names)  # the MTP block is MoE
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.randint(0, VOCAB, (2, 11))
@@ -75,9 +90,26 @@ def test_mtp_modules_export_in_the_released_layout_and_import_exactly(tmp_path, 
     main_only = import_hf_checkpoint(out, tmp_path / "main-only")
     _, main_cfg = load_model(main_only)
     assert main_cfg.model.mtp_depth == 0
-    with pytest.raises(CheckpointError, match="model.mtp_depth=2"):
+    with pytest.raises((CheckpointError, ConfigError), match="model.mtp_depth"):
         import_hf_checkpoint(out, tmp_path / "deeper", overrides=["model.mtp_depth=2"])
     assert not (tmp_path / "deeper").exists()
+
+
+def test_a_qwen3_next_directory_without_the_mtp_count_holds_its_module(tmp_path) -> None:
+    """Qwen3-Next's config.json has no MTP count: its ``mtp.*`` tensors are the one module vLLM
+    reads, imported on request; a second is refused by key."""
+    cfg = tiny_cfg("qwen3_next", {"model.mtp_depth": 1, "model.vocab_size": VOCAB})
+    model = model_for(cfg)
+    tok = save_hf_tokenizer(["the cat sat on the mat"] * 20, VOCAB, tmp_path / "tok")
+    ckpt = write_checkpoint(tmp_path / "ckpt", cfg, _parts(model, cfg), sorted(tok.iterdir()))
+    out = convert_checkpoint(ckpt, tmp_path / "hf", fmt="qwen3_next")
+    hf = json.loads((out / "config.json").read_text())
+    del hf["num_nextn_predict_layers"]
+    (out / "config.json").write_text(json.dumps(hf))
+    back = import_hf_checkpoint(out, tmp_path / "back", overrides=["model.mtp_depth=1"])
+    assert load_model(back)[1].model.mtp_depth == 1
+    with pytest.raises(ConfigError, match="model.mtp_depth: cannot convert"):
+        check_format("qwen3_next", tiny_cfg("qwen3_next", {"model.mtp_depth": 2}).model, cfg.moe)
 
 
 def test_a_family_without_mtp_layers_refuses_them_by_key() -> None:

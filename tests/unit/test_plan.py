@@ -213,6 +213,7 @@ def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> floa
             "moe.shared_expert_gate": True,
         },
         {"moe.recompute_act": True},
+        {"model.attention_output_gate": True, "model.qk_norm": True},
     ],
 )
 def test_activation_formula_matches_saved_tensors(

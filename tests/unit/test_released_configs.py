@@ -26,11 +26,13 @@ import torch
 from moetrain.checkpoint.read import load_model
 from moetrain.config import ConfigError
 from moetrain.convert.export import convert_checkpoint
-from moetrain.convert.families import FAMILIES, of_hf_config
+from moetrain.convert.families import FAMILIES, of_hf_config, unwrap, wrapper_of
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.init_from.source import open_init_source
 from moetrain.model import Transformer
+from moetrain.model.cpu_matmul import use_cpu_matmul
 from tests.helpers.hf_models import save_hf_tokenizer
+from tests.helpers.random_constants import randomise_constants
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,6 +60,17 @@ def _id(path: Path) -> str:
     return f"{path.parent.name}/{path.stem}"
 
 
+@pytest.fixture(autouse=True)
+def torch_matmul():
+    """moetrain multiplies with transformers' kernel (torch's) here, so that only the models'
+    computations differ: oneDNN's inner product, moetrain's default on CPU, sums in another
+    order, which moves the Gated DeltaNet hybrids' logits (weights x 4, strong decays, unit
+    L2-normalised keys of small vectors) by up to 2e-5 of their scale."""
+    use_cpu_matmul("torch")
+    yield
+    use_cpu_matmul("onednn")
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tok")
@@ -66,7 +79,11 @@ def tokenizer(tmp_path_factory) -> Path:
 
 def _fits(hf: dict[str, Any]) -> dict[str, Any]:
     """The released config with the special-token ids that fall outside the shrunk vocabulary
-    unset (an embedding's padding index must be one of its rows)."""
+    unset (an embedding's padding index must be one of its rows; a wrapper's in its family's
+    config)."""
+    w = wrapper_of(hf)
+    if w is not None:
+        return {**hf, w.config_key: _fits(hf[w.config_key])}
 
     def inside(v: Any) -> bool:
         return all(i < hf["vocab_size"] for i in (v if isinstance(v, list) else [v]))
@@ -89,23 +106,21 @@ def transformers_config(hf: dict[str, Any]) -> Any:
 
 def save_released(hf: dict[str, Any], out: Path, tokenizer: Path) -> Path:
     """A random model of the released config ``hf`` saved as the release stores it: bf16
-    safetensors and the released ``config.json`` itself (norms and biases made non-trivial, so
-    a dropped or swapped tensor shows)."""
+    safetensors and the released ``config.json`` itself, no tensor left constant (norms,
+    biases, selection biases, a zero-initialised router: a dropped or swapped one shows)."""
     hf = _fits(hf)
     config = transformers_config(hf)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    # a larger class holding the family's model (a vision tower beside it) is saved as it is
+    auto = transformers.AutoModelForImageTextToText if wrapper_of(hf) else None
+    model = (auto or transformers.AutoModelForCausalLM).from_config(config)
+    drawn = set(randomise_constants(model))  # no tensor left constant (random_constants.py)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith((".bias", "e_score_correction_bias")):
-                p.uniform_(-0.2, 0.2)
-            elif p.dim() >= 2:  # logits well above bf16's rounding of the weights
+            if name.endswith(("A_log", "dt_bias")):  # Gated DeltaNet's decay
+                p.uniform_(-1.0, 1.5)
+            elif p.dim() >= 2 and name not in drawn:  # logits well above bf16's rounding
                 p.mul_(4.0)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.uniform_(-0.2, 0.2)
     model.to(torch.bfloat16).save_pretrained(out)
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     for f in tokenizer.iterdir():
@@ -144,7 +159,8 @@ def test_released_config_imports_and_exports_with_transformers_logits(
             open_init_source(str(tmp_path / "src"))
         return
     src = save_released(hf, tmp_path / "src", tokenizer)
-    ids = torch.randint(0, hf["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
+    vocab = unwrap(hf)["vocab_size"]
+    ids = torch.randint(0, vocab, (2, 13), generator=torch.Generator().manual_seed(0))
     _, ref = hf_logits(src, ids)
     ckpt = import_hf_checkpoint(src, tmp_path / "ckpt", overrides=UPCYCLE if fam.dense else None)
     model, cfg = load_model(ckpt)
@@ -160,7 +176,8 @@ def test_released_config_imports_and_exports_with_transformers_logits(
     assert fam.dense or target is fam  # (its transformers class: Phi's remote-code name differs)
     # the class name as released (Phi-3.5-MoE's PhiMoEForCausalLM, vLLM's name for it), which
     # transformers loads as its own class (above)
-    assert fam.dense or written["architectures"] == [arch]
+    released_name = fam.architecture if wrapper_of(hf) else arch  # (an export is the text model)
+    assert fam.dense or written["architectures"] == [released_name]
     released = {k: hf[k] for k in ROUTING_KEYS if k in hf and not fam.dense}
     assert {k: written.get(k) for k in released} == released
     close(again, ref)
@@ -198,7 +215,8 @@ def test_llama4_released_configs_where_chunks_and_temperature_bind(
 
 def test_every_registered_family_has_a_released_config() -> None:
     """Adding a family means adding its released configs (or saying why there is none)."""
-    have = {p.parent.name for p in FILES}
+    families = [of_hf_config(json.loads(p.read_text())) for p in FILES]  # (a wrapper's too)
+    have = {f.name for f in families if f is not None}
     assert set(NO_RELEASE) <= set(FAMILIES) and not set(NO_RELEASE) & have
     assert set(FAMILIES) - set(NO_RELEASE) <= have, set(FAMILIES) - set(NO_RELEASE) - have
     listed = (CORPUS / "PROVENANCE.md").read_text()

@@ -29,6 +29,11 @@ class GQAKeys:
     # what that norm normalises: "head" (each head's vector; Qwen3-MoE, GLM-4-MoE) or
     # "projection" (the whole query / key projection, all heads together; OLMoE)
     qk_norm_scope: Literal["head", "projection"] = field(default="head", metadata=FUNCTION)
+    # where a per-head norm applies: "before_rope" (Qwen3-MoE, GLM-4-MoE) or "after_rope" (on
+    # the rotated heads; Hunyuan-A13B's query_layernorm / key_layernorm)
+    qk_norm_position: Literal["before_rope", "after_rope"] = field(
+        default="before_rope", metadata=FUNCTION
+    )
     # biases on the query / key / value projections (Qwen2, Qwen2-MoE)
     qkv_bias: bool = field(default=False, metadata=FUNCTION)
     # a bias on attention's output projection (gpt-oss, Phi-3.5-MoE)
@@ -46,6 +51,9 @@ class GQAKeys:
     # a weightless RMSNorm (eps norm_eps) over each query and key head after RoPE, on the layers
     # with RoPE only (Llama 4's use_qk_norm)
     qk_norm_after_rope: bool = field(default=False, metadata=FUNCTION)
+    # a sigmoid gate on each head's output, elementwise, computed by the query projection
+    # (Qwen3-Next's and Qwen3.5's gated attention: wq gives per head [query | gate])
+    attention_output_gate: bool = field(default=False, metadata=FUNCTION)
 
 
 class GQA(MixerKind):
@@ -55,12 +63,14 @@ class GQA(MixerKind):
     keys = (
         "head_dim",
         "qk_norm",
+        "qk_norm_position",
         "qkv_bias",
         "o_bias",
         "attention_sinks",
         "partial_rotary_factor",
         "attention_scale",
         "qk_norm_after_rope",
+        "attention_output_gate",
     )
 
     @classmethod
@@ -71,6 +81,13 @@ class GQA(MixerKind):
                 "model.n_heads",
                 f"must divide model.d_model={model.d_model} (or set model.head_dim); "
                 f"got {model.n_heads}",
+            )
+        if model.qk_norm_position == "after_rope":
+            require(
+                model.qk_norm and model.qk_norm_scope == "head",
+                "model.qk_norm_position",
+                "after_rope normalises each rotated head: needs model.qk_norm=true and "
+                f"model.qk_norm_scope=head; got {model.qk_norm} / {model.qk_norm_scope}",
             )
         hd, rope = cls.head_dim(model), cls.rope_dim(model)
         require(hd % 2 == 0, "model.head_dim", f"must be even for rotary embeddings; got {hd}")

@@ -17,12 +17,15 @@ from moetrain.config import ConfigError
 from moetrain.convert.families import (
     deepseek_v2,
     deepseek_v3,
+    dots1,
     ernie4_5_moe,
     glm4_moe,
     gpt_oss,
     granitemoe,
+    hunyuan_v1_moe,
     llama,
     llama4_text,
+    minimax_m2,
     mistral,
     mixtral,
     olmoe,
@@ -30,7 +33,10 @@ from moetrain.convert.families import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5_moe_text,
+    qwen3_5_text,
     qwen3_moe,
+    qwen3_next,
 )
 from moetrain.convert.families.base import Family
 from moetrain.convert.families.layout import Layout, Wrapper
@@ -42,20 +48,26 @@ FAMILIES: dict[str, Family] = {
         mixtral.FAMILY,
         qwen3_moe.FAMILY,
         qwen2_moe.FAMILY,
+        dots1.FAMILY,  # (before GLM-4.5's class, which holds its models but the window)
         glm4_moe.FAMILY,
         olmoe.FAMILY,
+        minimax_m2.FAMILY,
         deepseek_v3.FAMILY,
         deepseek_v2.FAMILY,
         ernie4_5_moe.FAMILY,
         granitemoe.FAMILY,
         granitemoe.SHARED_FAMILY,
+        hunyuan_v1_moe.FAMILY,
         gpt_oss.FAMILY,
         phimoe.FAMILY,
         llama4_text.FAMILY,
+        qwen3_5_moe_text.FAMILY,
+        qwen3_next.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         qwen2.FAMILY,
         qwen3.FAMILY,
+        qwen3_5_text.FAMILY,
     )
 }
 FORMATS = tuple(name for name, f in FAMILIES.items() if not f.dense)  # export targets

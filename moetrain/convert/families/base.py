@@ -21,12 +21,17 @@ from moetrain.convert.families.holds import ANY, BASELINE, Rule, refusals
 from moetrain.convert.families.layout import Layout, Wrapper
 
 # config.json's count of the multi-token-prediction layers stored after the decoder layers
-MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
+MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers")
 
 
-def declared_mtp_layers(hf: dict[str, Any]) -> int:
-    """How many multi-token-prediction layers a ``config.json`` says its files hold."""
-    return max(int(hf.get(key) or 0) for key in MTP_CONFIG_KEYS)
+def declared_mtp_layers(hf: dict[str, Any], layout: Layout | None = None) -> int:
+    """How many multi-token-prediction layers a ``config.json`` (a family's own, unwrapped)
+    says its files hold; where it says nothing, what ``layout``'s family holds then
+    (:attr:`~.layout.MtpNames.undeclared`)."""
+    declared = [int(hf[key] or 0) for key in MTP_CONFIG_KEYS if key in hf]
+    if declared:
+        return max(declared)
+    return layout.mtp.undeclared if layout is not None and layout.mtp is not None else 0
 
 
 @dataclass(frozen=True)

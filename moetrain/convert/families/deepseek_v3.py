@@ -53,13 +53,12 @@ LAYOUT = Layout(
 )
 
 
-def mla_hf(cfg: Config) -> dict[str, Any]:
-    """The transformers fields both DeepSeek families share (attention, RoPE, MoE shape)."""
-    model, moe = cfg.model, cfg.moe
-    fields = {k: v for k, v in hf_config.hf_common(cfg).items() if k != "head_dim"}
+def deepseek_moe_hf(cfg: Config) -> dict[str, Any]:
+    """The MoE fields of DeepSeek's MoE (V2's, V3's, GLM-4.5's, dots.llm1's): shape, shared
+    experts, route scale, groups, the first dense layers."""
+    moe = cfg.moe
     return dict(
-        fields,
-        intermediate_size=model.dense_hidden,
+        intermediate_size=cfg.model.dense_hidden,
         moe_intermediate_size=moe.expert_hidden,
         n_routed_experts=moe.num_experts,
         n_shared_experts=moe.num_shared_experts,
@@ -67,6 +66,29 @@ def mla_hf(cfg: Config) -> dict[str, Any]:
         n_group=moe.n_group,
         topk_group=moe.topk_group,
         first_k_dense_replace=moe.first_k_dense,
+    )
+
+
+def deepseek_moe_from_hf(hf: Any, moe: MoEConfig, n_layers: int) -> None:
+    """Set ``moe`` from the fields :func:`deepseek_moe_hf` writes (unset groups: none)."""
+
+    def get(name: str, default: Any) -> Any:
+        return getattr(hf, name, default) or default
+
+    moe.num_experts, moe.expert_hidden = hf.n_routed_experts, hf.moe_intermediate_size
+    moe.route_scale = float(get("routed_scaling_factor", 1.0))
+    moe.n_group, moe.topk_group = int(get("n_group", 1)), int(get("topk_group", 1))
+    moe.num_shared_experts = int(get("n_shared_experts", 0))
+    moe.first_k_dense = min(int(get("first_k_dense_replace", 0)), n_layers)
+
+
+def mla_hf(cfg: Config) -> dict[str, Any]:
+    """The transformers fields both DeepSeek families share (attention, RoPE, MoE shape)."""
+    model = cfg.model
+    fields = {k: v for k, v in hf_config.hf_common(cfg).items() if k != "head_dim"}
+    return dict(
+        fields,
+        **deepseek_moe_hf(cfg),
         moe_layer_freq=1,  # as released (every layer after the dense ones; vLLM reads it)
         q_lora_rank=model.q_lora_rank,
         kv_lora_rank=model.kv_lora_rank,
@@ -102,12 +124,7 @@ def mla_from_hf(hf: Any) -> tuple[ModelConfig, MoEConfig]:
     model.q_lora_rank, model.kv_lora_rank = get("q_lora_rank", None), hf.kv_lora_rank
     model.qk_nope_head_dim, model.qk_rope_head_dim = hf.qk_nope_head_dim, hf.qk_rope_head_dim
     model.v_head_dim = hf.v_head_dim
-    n_group = get("n_group", None) or 1
-    moe.n_group, moe.topk_group = int(n_group), int(get("topk_group", None) or 1)
-    moe.num_experts, moe.expert_hidden = hf.n_routed_experts, hf.moe_intermediate_size
-    moe.route_scale = float(get("routed_scaling_factor", 1.0))
-    moe.num_shared_experts = hf.n_shared_experts or 0
-    moe.first_k_dense = min(int(get("first_k_dense_replace", 0)), model.n_layers)
+    deepseek_moe_from_hf(hf, moe, model.n_layers)
     return model, moe
 
 

@@ -15,7 +15,13 @@ from typing import Any
 from moetrain.config import Config
 from moetrain.convert.families import hf_config
 from moetrain.convert.families.base import Family
-from moetrain.convert.families.deepseek_v3 import DEEPSEEK_MOE, LAYOUT, SIGMOID_GROUPS
+from moetrain.convert.families.deepseek_v3 import (
+    DEEPSEEK_MOE,
+    LAYOUT,
+    SIGMOID_GROUPS,
+    deepseek_moe_from_hf,
+    deepseek_moe_hf,
+)
 from moetrain.convert.families.holds import free, refused_when
 
 NAME = "Glm4MoeForCausalLM"
@@ -36,14 +42,7 @@ def to_hf(cfg: Config) -> dict[str, Any]:
     )
     return dict(
         fields,
-        intermediate_size=model.dense_hidden,
-        moe_intermediate_size=moe.expert_hidden,
-        n_routed_experts=moe.num_experts,
-        n_shared_experts=moe.num_shared_experts,
-        routed_scaling_factor=moe.route_scale,
-        n_group=moe.n_group,
-        topk_group=moe.topk_group,
-        first_k_dense_replace=moe.first_k_dense,
+        **deepseek_moe_hf(cfg),
         norm_topk_prob=moe.renormalize,
         use_qk_norm=model.qk_norm,
         attention_bias=model.qkv_bias,
@@ -56,13 +55,9 @@ def from_hf(hf: Any) -> Config:
         return getattr(hf, name, default)
 
     model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
-    moe.n_group, moe.topk_group = int(get("n_group", 1)), int(get("topk_group", 1))
+    deepseek_moe_from_hf(hf, moe, model.n_layers)
     model.qkv_bias = bool(get("attention_bias", False))
-    moe.num_experts, moe.expert_hidden = hf.n_routed_experts, hf.moe_intermediate_size
     moe.score_func, moe.renormalize = "sigmoid", bool(get("norm_topk_prob", True))
-    moe.route_scale = float(get("routed_scaling_factor", 1.0))
-    moe.num_shared_experts = hf.n_shared_experts
-    moe.first_k_dense = hf.first_k_dense_replace
     model.qk_norm = bool(get("use_qk_norm", False))
     return hf_config.finish(model, moe)
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetrain.config import Config, ConfigError, ModelConfig
-from moetrain.config.model import FULL, SLIDING
+from moetrain.config import Config
 from moetrain.convert.families import hf_config
 from moetrain.convert.families.base import Family
 from moetrain.convert.families.holds import ATTENTION_BIAS, free, only
@@ -36,11 +35,6 @@ HOLDS = {
 LAYOUT = Layout(router="router", experts=Stacked(interleaved=True))
 
 
-def layer_types(model: ModelConfig) -> list[str]:
-    """transformers' ``layer_types`` of ``model``."""
-    return [SLIDING if model.attention_window(i) else FULL for i in range(model.n_layers)]
-
-
 def to_hf(cfg: Config) -> dict[str, Any]:
     model, moe = cfg.model, cfg.moe
     return dict(
@@ -49,7 +43,7 @@ def to_hf(cfg: Config) -> dict[str, Any]:
         num_local_experts=moe.num_experts,
         attention_bias=model.qkv_bias,
         sliding_window=model.sliding_window,
-        layer_types=layer_types(model),
+        layer_types=hf_config.layer_types(model),
         swiglu_alpha=moe.swiglu_alpha,
         swiglu_limit=moe.swiglu_limit,
         hidden_act="silu",
@@ -63,12 +57,7 @@ def from_hf(hf: Any) -> Config:
     bias = bool(getattr(hf, "attention_bias", True))
     model.qkv_bias = model.o_bias = bias
     model.attention_sinks = True
-    types = list(getattr(hf, "layer_types", None) or [FULL] * model.n_layers)
-    unknown = sorted(set(types) - {FULL, SLIDING})
-    if unknown:
-        raise ConfigError(f"layer_types: moetrain computes {FULL} and {SLIDING}; got {unknown}")
-    if SLIDING in types:
-        model.sliding_window, model.layer_types = hf.sliding_window, types
+    hf_config.windows_from_hf(hf, model)
     moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
     moe.score_func, moe.topk_before_score = "softmax", True
     moe.router_bias = moe.expert_biases = True

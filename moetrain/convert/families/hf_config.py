@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
+from moetrain.config.model import FULL, SLIDING
 
 
 def hf_common(cfg: Config) -> dict[str, Any]:
@@ -52,6 +53,8 @@ def model_from_hf(hf: Any) -> ModelConfig:
             f"hidden_act: moetrain experts are SwiGLU (silu); got {get('hidden_act')}"
         )
     heads = hf.num_attention_heads
+    # (a class without dense layers may have no intermediate_size: Qwen3.5-MoE's)
+    dense = {"dense_hidden": hf.intermediate_size} if get("intermediate_size") else {}
     return ModelConfig(
         vocab_size=hf.vocab_size,
         d_model=hf.hidden_size,
@@ -64,8 +67,8 @@ def model_from_hf(hf: Any) -> ModelConfig:
         norm_eps=float(hf.rms_norm_eps),
         tie_embeddings=bool(get("tie_word_embeddings", False)),
         init_std=float(get("initializer_range", 0.02)),
-        dense_hidden=hf.intermediate_size,
         partial_rotary_factor=partial,
+        **dense,
         **scaling,
     )
 
@@ -150,6 +153,23 @@ def rope_parameters(model: ModelConfig) -> dict[str, Any]:
         if getattr(model, ours) is not None:
             out[theirs] = getattr(model, ours)
     return out
+
+
+def layer_types(model: ModelConfig) -> list[str]:
+    """transformers' ``layer_types`` of ``model``: sliding-window or full attention per layer."""
+    return [SLIDING if model.attention_window(i) else FULL for i in range(model.n_layers)]
+
+
+def windows_from_hf(hf: Any, model: ModelConfig) -> None:
+    """Set ``model``'s sliding-window layers from transformers' ``layer_types`` and
+    ``sliding_window`` (none sliding: the whole context everywhere); ConfigError naming
+    ``layer_types`` for a layer type moetrain does not compute."""
+    types = list(getattr(hf, "layer_types", None) or [FULL] * model.n_layers)
+    unknown = sorted(set(types) - {FULL, SLIDING})
+    if unknown:
+        raise ConfigError(f"layer_types: moetrain computes {FULL} and {SLIDING}; got {unknown}")
+    if SLIDING in types:
+        model.sliding_window, model.layer_types = hf.sliding_window, types
 
 
 def moe_from_hf(hf: Any) -> MoEConfig:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.config.layer_plan import layer_plan
+from moetrain.config.layer_plan import LINEAR, layer_plan, layer_types
 
 Test = Callable[[ModelConfig, MoEConfig], bool]
 
@@ -129,6 +129,10 @@ def _block_without_mixer(model: ModelConfig, moe: MoEConfig) -> bool:
     return any(layer.mixer is None for layer in layer_plan(model, moe))
 
 
+def _linear_layers(model: ModelConfig, _: MoEConfig) -> bool:
+    return LINEAR in layer_types(model)
+
+
 # --- what a family holds unless it declares otherwise, in the order refusals are named -----
 
 BASELINE: dict[str, Rule] = {
@@ -136,6 +140,9 @@ BASELINE: dict[str, Rule] = {
     "model.attention": only("gqa", why="{name} has grouped-query attention; must be gqa"),
     "model.layer_types": refused_when(
         _block_without_mixer, "{name} has attention in every layer; no layer type none"
+    ),
+    "model.linear_attention": refused_when(
+        _linear_layers, "{name} has attention in every layer; no linear_attention layers"
     ),
     "model.full_attention_interval": only(None),
     "model.rope_interleave": only(False),
@@ -157,10 +164,13 @@ BASELINE: dict[str, Rule] = {
     "model.attn_temperature_floor": only(None),
     "model.attention_chunk_size": only(None),
     "model.qk_norm_after_rope": only(False),
+    "model.attention_output_gate": only(False),
+    "model.zero_centered_norm": only(False),
     "model.head_dim": ANY,
     "model.qkv_bias": only(False),
     "model.qk_norm": only(False),
     "model.qk_norm_scope": only("head", applies=lambda m, _: m.qk_norm),
+    "model.qk_norm_position": only("before_rope", applies=lambda m, _: m.qk_norm),
     # routing
     "moe.capacity_factor": only(0.0),
     "moe.router_type": only("topk"),
@@ -191,12 +201,25 @@ BASELINE: dict[str, Rule] = {
 # what a family computes when it holds only one value of a setting (the default ``why``)
 PHRASES: dict[str, Mapping[Any, str]] = {
     "model.full_attention_interval": {None: "has no layer pattern by interval"},
+    "model.linear_attention": {"gated_deltanet": "has Gated DeltaNet in its linear layers"},
+    "model.attention_output_gate": {
+        False: "has no attention output gate",
+        True: "always gates its attention output",
+    },
+    "model.zero_centered_norm": {
+        False: "has RMSNorm weights that scale directly",
+        True: "has zero-centred RMSNorm weights (1 + w)",
+    },
     "model.rope_interleave": {False: "rotates half-split heads", True: "rotates adjacent pairs"},
     "model.partial_rotary_factor": {1.0: "rotates whole heads"},
     "model.qkv_bias": {False: "has no q/k/v biases"},
     "model.o_bias": {False: "has no output-projection bias"},
     "model.qk_norm": {False: "has no query/key norm", True: "always normalises queries and keys"},
     "model.qk_norm_scope": {"head": "normalises each head's query/key"},
+    "model.qk_norm_position": {
+        "before_rope": "normalises queries and keys before RoPE",
+        "after_rope": "normalises queries and keys after RoPE",
+    },
     "model.norm": {"rmsnorm": "has RMSNorm", "layernorm": "has LayerNorm"},
     "model.lm_head_bias": {False: "has no LM-head bias"},
     "model.attention_sinks": {False: "has no attention sinks", True: "has a sink per head"},

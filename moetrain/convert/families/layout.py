@@ -58,18 +58,32 @@ V5_FUSED = Fused()
 @dataclass(frozen=True)
 class MtpNames:
     """Where the files hold multi-token-prediction module ``k`` (moetrain's block
-    ``n_layers + k - 1``): DeepSeek-V3's released layout, the decoder layer
+    ``n_layers + k - 1``). DeepSeek-V3's released layout (the defaults): the decoder layer
     ``model.layers.<n_layers + k - 1>.`` with the block's usual names, the module's own weights
     (its norms of the next token's embedding and of the hidden state, their projection, the
-    norm before the head) and copies of the shared embedding and head, which inference engines
-    read there (an import reads the originals); names relative to that layer."""
+    norm before the head) in that layer too, and copies of the shared embedding and head, which
+    inference engines read there (an import reads the originals). Qwen3-Next's: the block under
+    ``mtp.layers.<k - 1>.``, its own weights under ``mtp.`` and no copies. Names relative to
+    ``block`` / ``own``, templates of ``{layer}`` (n_layers + k - 1) and ``{depth}`` (k - 1)."""
 
     enorm: str = "enorm"
     hnorm: str = "hnorm"
     eh_proj: str = "eh_proj"
     head_norm: str = "shared_head.norm"
-    embed_copy: str = "embed_tokens.weight"
-    head_copy: str = "shared_head.head.weight"
+    embed_copy: str | None = "embed_tokens.weight"
+    head_copy: str | None = "shared_head.head.weight"
+    block: str = "model.layers.{layer}."
+    own: str | None = None  # None: the block's prefix
+    # modules a config.json that declares none holds (Qwen3-Next's has no key; vLLM reads one)
+    undeclared: int = 0
+
+    def block_prefix(self, n_layers: int, layer: int) -> str:
+        """The name prefix of block ``layer``'s decoder layer."""
+        return self.block.format(layer=layer, depth=layer - n_layers)
+
+    def own_prefix(self, n_layers: int, layer: int) -> str:
+        """The name prefix of block ``layer``'s own weights (norms, projection)."""
+        return (self.own or self.block).format(layer=layer, depth=layer - n_layers)
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,12 @@ class Layout:
     qkv_bias_always: bool = False
     shared_expert_always: bool = False
     mtp: MtpNames | None = None  # None: the files hold no multi-token-prediction modules
+    # a block's module names where the files name them otherwise than Llama's (and the rules
+    # above), e.g. Hunyuan's ``{"self_attn.q_norm": "self_attn.query_layernorm"}``
+    renames: Mapping[str, str] = field(default_factory=dict)
+    # Gated DeltaNet's projections fused per query/key head, ``linear_attn.in_proj_qkvz`` and
+    # ``linear_attn.in_proj_ba`` (Qwen3-Next's files); False: Qwen3.5's four projections
+    linear_fused: bool = False
     in_memory: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -1,5 +1,6 @@
 """The token mixer modules, one per kind, behind one protocol (:mod:`.base`): grouped-query
-attention with its local variants (:mod:`.gqa`) and multi-head latent attention (:mod:`.mla`).
+attention with its local variants (:mod:`.gqa`), multi-head latent attention (:mod:`.mla`) and Gated
+DeltaNet (:mod:`.gated_deltanet`).
 Registered here by their ``kind``, the names :data:`moetrain.config.mixers.MIXER_KINDS` knows
 (the same set, checked by a test)."""
 
@@ -8,10 +9,13 @@ from __future__ import annotations
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
 from moetrain.model.mixers.base import MixerInputs, MixerState, TokenMixer
+from moetrain.model.mixers.gated_deltanet import GatedDeltaNet
 from moetrain.model.mixers.gqa import Attention
 from moetrain.model.mixers.mla import MLAttention
 
-MIXERS: dict[str, type[TokenMixer]] = {cls.kind: cls for cls in (Attention, MLAttention)}
+MIXERS: dict[str, type[TokenMixer]] = {
+    cls.kind: cls for cls in (Attention, MLAttention, GatedDeltaNet)
+}
 
 __all__ = [
     "MIXERS",

@@ -82,6 +82,12 @@ class MixerState(Protocol):
         """Bytes the state grows by per cached token (0 for a fixed-size state)."""
         ...
 
+    @property
+    def bytes_per_sequence(self) -> int:
+        """Bytes the state takes per sequence whatever its length (a recurrent state; 0 for a
+        cache of keys and values)."""
+        ...
+
 
 class TokenMixer(nn.Module):
     """The protocol every mixer kind implements (see the module docstring). The methods that
@@ -156,6 +162,12 @@ class TokenMixer(nn.Module):
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
         """Bytes its inference state grows by per token (:attr:`MixerState.bytes_per_token`)."""
         raise NotImplementedError
+
+    @classmethod
+    def cache_bytes_per_sequence(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
+        """Bytes its inference state takes per sequence whatever its length
+        (:attr:`MixerState.bytes_per_sequence`): 0 unless the kind keeps a recurrent state."""
+        return 0
 
     @classmethod
     def exchange_bytes_per_token(

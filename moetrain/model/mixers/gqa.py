@@ -22,6 +22,14 @@ or attention sinks (``model.attention_sinks``) attends through
 :mod:`moetrain.model.local_attention` instead (no S x S tensor either, packed documents and
 the KV cache included); the others run the paths above unchanged.
 
+Qwen3-Next's output gate (``model.attention_output_gate``): ``wq`` gives each head's query
+followed by as many gate values (transformers' ``q_proj`` of twice the size, per head
+``[query | gate]``), and every head's attention output is multiplied by the sigmoid of its gate
+before ``wo`` (under sequence parallelism after the exchange back: the gate stays local).
+
+``model.qk_norm_position: after_rope`` applies the learned per-head query/key norms to the
+rotated heads instead (Hunyuan-A13B).
+
 Llama 4's pieces, per layer: a NoPE layer (``spec.rope`` False) skips RoPE; a RoPE layer with
 ``model.qk_norm_after_rope`` normalises each query and key head after RoPE (a weightless
 RMSNorm, eps ``model.norm_eps``, in fp32 and back to the input dtype); a NoPE layer with a
@@ -50,7 +58,7 @@ from moetrain.model.attention import (
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents, document_attention
 from moetrain.model.head_exchange import exchange_to_heads, exchange_to_sequence, kv_repeats
-from moetrain.model.layers import RMSNorm
+from moetrain.model.layers import RMSNorm, norm_offset
 from moetrain.model.local_attention import cached_attention, chunked_attention, local_attention
 from moetrain.model.logit_max import observe_logits
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
@@ -83,6 +91,8 @@ class KVCache:
         self.v[:, :, pos:end] = v_BGsHd
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    bytes_per_sequence = 0  # (no fixed part)
+
     @property
     def bytes_per_token(self) -> int:
         """Keys and values of every K/V head."""
@@ -103,7 +113,10 @@ class Attention(TokenMixer):
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.attention_head_dim
         d, hd = cfg.d_model, self.head_dim
-        self.wq = Linear(d, self.n_heads * hd, bias=cfg.qkv_bias)
+        # with an output gate, each head's query followed by its gate (Qwen3-Next's q_proj)
+        self.output_gate = cfg.attention_output_gate
+        q_out = self.n_heads * hd * (2 if self.output_gate else 1)
+        self.wq = Linear(d, q_out, bias=cfg.qkv_bias)
         self.wk = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.wv = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.wo = Linear(self.n_heads * hd, d, bias=cfg.o_bias)
@@ -118,11 +131,13 @@ class Attention(TokenMixer):
         # per head: normalise each (Hd,) head vector; per projection (OLMoE): the whole
         # (heads * Hd,) projection, before it is split into heads
         self.qk_norm_per_head = cfg.qk_norm_scope == "head"
+        self.qk_norm_after_rope = cfg.qk_norm_position == "after_rope"  # (per head)
         q_dim, k_dim = (
             (hd, hd) if self.qk_norm_per_head else (self.n_heads * hd, self.n_kv_heads * hd)
         )
-        self.q_norm = RMSNorm(q_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_dim, cfg.norm_eps) if cfg.qk_norm else None
+        offset = norm_offset(cfg)
+        self.q_norm = RMSNorm(q_dim, cfg.norm_eps, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.norm_eps, offset) if cfg.qk_norm else None
         self.rope_interleave = cfg.rope_interleave
         self.scale = cfg.attention_scale  # the softmax scale; None = 1 / sqrt(head_dim)
         self.sdpa_kernel: str | None = None  # what the first call ran (see module docstring)
@@ -136,18 +151,24 @@ class Attention(TokenMixer):
         cos_SHd, sin_SHd, mask_B1SS = inputs.cos, inputs.sin, inputs.mask
         b, s, _ = x_BSD.shape
         q, k = self.wq(x_BSD), self.wk(x_BSD)
+        gate = None
+        if self.output_gate:  # per head [query | gate]
+            q, gate = q.view(b, s, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(b, s, -1), gate.reshape(b, s, -1)
         norm = self.q_norm is not None and self.k_norm is not None
         if norm and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(b, s, self.n_heads, self.head_dim)
+        q = q.reshape(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
         v = self.wv(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
-        if norm and self.qk_norm_per_head:
+        if norm and self.qk_norm_per_head and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHSHd, k_BGSHd = q.transpose(1, 2), k.transpose(1, 2)
         if self.rope:
             q_BHSHd = apply_rope(q_BHSHd, cos_SHd, sin_SHd, self.rope_interleave)
             k_BGSHd = apply_rope(k_BGSHd, cos_SHd, sin_SHd, self.rope_interleave)
+        if norm and self.qk_norm_after_rope:
+            q_BHSHd, k_BGSHd = self.q_norm(q_BHSHd), self.k_norm(k_BGSHd)
         if self.post_rope_eps is not None:
             eps = self.post_rope_eps
             q_BHSHd, k_BGSHd = unit_rms(q_BHSHd, eps), unit_rms(k_BGSHd, eps)
@@ -170,7 +191,7 @@ class Attention(TokenMixer):
             if self.chunk is not None and isinstance(mask_B1SS, Documents):
                 mask_B1SS = inputs.chunk_documents(self.chunk)  # documents cut at the chunks
             out_BHSHd = self._local(q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, state, inputs.pos, gqa)
-            return self._output(out_BHSHd, b, s)
+            return self._output(out_BHSHd, b, s, gate)
         if isinstance(mask_B1SS, Documents):  # packed documents: causal within each one
             if self.sdpa_kernel is None:
                 self.sdpa_kernel = record_kernel(
@@ -186,7 +207,7 @@ class Attention(TokenMixer):
             out_BHSHd = document_attention(
                 q_BHSHd, k_BGSHd, v_BGSHd, mask_B1SS, gqa, scale=self.scale
             )
-            return self._output(out_BHSHd, b, s)
+            return self._output(out_BHSHd, b, s, gate)
         causal = mask_B1SS is None
         if state is not None:
             k_BGSHd, v_BGSHd = state.append(inputs.pos, k_BGSHd, v_BGSHd)
@@ -214,27 +235,38 @@ class Attention(TokenMixer):
             enable_gqa=gqa,
             scale=self.scale,
         )
-        return self._output(out_BHSHd, b, s)
+        return self._output(out_BHSHd, b, s, gate)
 
     def qk_clip_scales(self, gamma_H: torch.Tensor) -> dict[str, torch.Tensor]:
         """Row multipliers of the query and key projections (weights, and biases with
         ``model.qkv_bias``) by which head h's logits scale by ``gamma_H[h]`` (QK-clip): a key
         head serves H / G query heads, so its rows take the square root of the smallest gamma
-        among them and each query head's rows the rest of its own."""
+        among them and each query head's rows the rest of its own. With an output gate (each
+        head's query rows followed by its gate's in ``wq``) the gate's rows keep 1."""
         gamma_GR = gamma_H.view(self.n_kv_heads, -1)
         key_G = gamma_GR.amin(dim=1).sqrt()
-        query = (gamma_GR / key_G[:, None]).reshape(-1).repeat_interleave(self.head_dim)
+        query_H = (gamma_GR / key_G[:, None]).reshape(-1)
+        if self.output_gate:  # per head [query | gate]
+            query_H = torch.stack([query_H, torch.ones_like(query_H)], dim=1).reshape(-1)
+        query = query_H.repeat_interleave(self.head_dim)
         key = key_G.repeat_interleave(self.head_dim)
         kinds = ("weight", "bias") if self.wq.bias is not None else ("weight",)
         return {f"{w}.{kind}": rows for w, rows in (("wq", query), ("wk", key)) for kind in kinds}
 
-    def _output(self, out_BHSHd: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    def _output(
+        self, out_BHSHd: torch.Tensor, b: int, s: int, gate_BSQ: torch.Tensor | None
+    ) -> torch.Tensor:
         """The output projection of every head's output, in sequence order (under sequence
-        parallelism first exchanged back to this rank's positions and every head)."""
+        parallelism first exchanged back to this rank's positions and every head), each
+        multiplied by the sigmoid of its gate first with ``model.attention_output_gate``."""
         ex = self.head_exchange
         if ex is not None:
-            return self.wo(exchange_to_sequence(ex, out_BHSHd).reshape(b, s, -1))
-        return self.wo(out_BHSHd.transpose(1, 2).reshape(b, s, -1))
+            out_BSQ = exchange_to_sequence(ex, out_BHSHd).reshape(b, s, -1)
+        else:
+            out_BSQ = out_BHSHd.transpose(1, 2).reshape(b, s, -1)
+        if gate_BSQ is not None:
+            out_BSQ = out_BSQ * torch.sigmoid(gate_BSQ)
+        return self.wo(out_BSQ)
 
     def _local(
         self,
@@ -303,7 +335,8 @@ class Attention(TokenMixer):
     @classmethod
     def matrices(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, int]]:
         d, h, g, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.attention_head_dim
-        return {"wq": (d, h * hd), "wk": (d, g * hd), "wv": (d, g * hd), "wo": (h * hd, d)}
+        q = h * hd * (2 if cfg.attention_output_gate else 1)
+        return {"wq": (d, q), "wk": (d, g * hd), "wv": (d, g * hd), "wo": (h * hd, d)}
 
     @classmethod
     def mixing_flops_per_token(cls, cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
@@ -318,7 +351,8 @@ class Attention(TokenMixer):
         """The projections' input ``aD``, the RoPE'd q ``aHq``, k and v ``2aHkv``, the SDPA
         (flash kernel) output ``aHq`` (also wo's input) and its logsumexp ``4H``; with
         ``model.qk_norm`` the norms' inputs ``a(Hq + Hkv)`` and an fp32 rsqrt per head (or per
-        projection). Under sequence parallelism (``sp`` > 1) also the output exchanged back to
+        projection); with ``model.attention_output_gate`` the gate's sigmoid and the gated
+        output ``2aHq``. Under sequence parallelism (``sp`` > 1) also the output exchanged back to
         sequence order ``aHq`` and the extra copies of the key/value heads repeated to split
         over ``sp`` ranks ``2aHkv(r - 1)`` (r = :func:`moetrain.model.head_exchange.
         kv_repeats`). Windows, chunks and sinks (``model/local_attention.py``) save what
@@ -331,6 +365,8 @@ class Attention(TokenMixer):
         if cfg.qk_norm:
             rows = h + g if cfg.qk_norm_scope == "head" else 2
             saved += a * (hq + hkv) + 4 * rows
+        if cfg.attention_output_gate:  # the gate's sigmoid and the gated output (wo's input)
+            saved += 2 * a * hq
         return saved
 
     @classmethod

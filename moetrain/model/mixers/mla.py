@@ -61,6 +61,8 @@ class LatentCache:
         self.latent = torch.zeros(batch, max_len, kv_lora_rank, dtype=dtype, device=device)
         self.k_rope = torch.zeros(batch, max_len, rope_dim, dtype=dtype, device=device)
 
+    bytes_per_sequence = 0  # (no fixed part)
+
     @property
     def bytes_per_token(self) -> int:
         """``C + R`` values."""

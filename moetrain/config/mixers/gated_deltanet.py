@@ -1,0 +1,97 @@
+"""Gated DeltaNet's keys and rules (Qwen3-Next's and Qwen3.5's linear attention: the layers of
+type ``linear_attention`` when ``model.linear_attention`` is ``gated_deltanet``): a short causal
+convolution over q, k, v, then the gated delta rule over ``linear_num_key_heads`` query/key
+heads and ``linear_num_value_heads`` value heads, a gated RMSNorm and the output projection.
+Its module is :mod:`moetrain.model.mixers.gated_deltanet`. The keys are transformers'
+(``Qwen3NextConfig``'s)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from moetrain.config.checks import require
+from moetrain.config.mixers.base import MixerKind
+from moetrain.config.ranges import FUNCTION, POSITIVE_INT
+
+if TYPE_CHECKING:
+    from moetrain.config.layer_plan import MixerSpec
+    from moetrain.config.model import ModelConfig
+
+
+@dataclass
+class GatedDeltaNetKeys:
+    """Gated DeltaNet's own ``model`` keys (the head counts and dims required with it)."""
+
+    # query/key heads of the rule, and value heads (a multiple: value head h reads query/key
+    # head h // (linear_num_value_heads / linear_num_key_heads))
+    linear_num_key_heads: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    linear_num_value_heads: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    linear_key_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    linear_value_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    # the width of the short causal convolution over q, k and v (1: no mixing of positions)
+    linear_conv_kernel_dim: int = field(default=4, metadata=POSITIVE_INT | FUNCTION)
+
+
+# the per-layer options of the layer plan a recurrent layer does not have: key, whether a spec
+# asks for it
+_NO_ATTENTION_OPTIONS = (
+    ("model.sliding_window", lambda s: s.window is not None),
+    ("model.attention_chunk_size", lambda s: s.chunk is not None),
+    ("model.nope_layers", lambda s: not s.rope),
+    ("model.attn_temperature_floor", lambda s: s.temperature is not None),
+)
+
+
+class GatedDeltaNet(MixerKind):
+    """Gated DeltaNet (the gated delta rule, Yang et al. 2024; Qwen3-Next's layout)."""
+
+    name = "gated_deltanet"
+    selected_by = "model.linear_attention"
+    keys = (
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+    )
+
+    @classmethod
+    def validate(cls, model: ModelConfig, specs: list[MixerSpec]) -> None:
+        for key, asks in _NO_ATTENTION_OPTIONS:
+            require(
+                not any(asks(s) for s in specs),
+                key,
+                "names attention layers; a linear_attention layer has no window, chunks or RoPE",
+            )
+        for key in cls.keys[:4]:
+            require(
+                getattr(model, key) is not None,
+                f"model.{key}",
+                f"must be set where layers are {cls.name} (model.linear_attention)",
+            )
+        hk, hv = model.linear_num_key_heads, model.linear_num_value_heads
+        require(
+            hv % hk == 0,
+            "model.linear_num_value_heads",
+            f"must be a multiple of model.linear_num_key_heads={hk} (each query/key head serves "
+            f"as many value heads); got {hv}",
+        )
+
+    @classmethod
+    def head_dim(cls, model: ModelConfig) -> int:
+        """A query / key head's dims (``linear_key_head_dim``)."""
+        return model.linear_key_head_dim or 0
+
+    @classmethod
+    def rope_dim(cls, model: ModelConfig) -> int:
+        return 0
+
+    @classmethod
+    def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:
+        """The query/key heads and the value heads: a rank takes whole groups of a query/key
+        head with its value heads, their convolution channels with them."""
+        return (
+            ("model.linear_num_key_heads", model.linear_num_key_heads),
+            ("model.linear_num_value_heads", model.linear_num_value_heads),
+        )
