@@ -201,7 +201,6 @@ BASELINE: dict[str, Rule] = {
 # what a family computes when it holds only one value of a setting (the default ``why``)
 PHRASES: dict[str, Mapping[Any, str]] = {
     "model.full_attention_interval": {None: "has no layer pattern by interval"},
-    "model.linear_attention": {"gated_deltanet": "has Gated DeltaNet in its linear layers"},
     "model.attention_output_gate": {
         False: "has no attention output gate",
         True: "always gates its attention output",
