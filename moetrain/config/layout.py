@@ -80,7 +80,8 @@ def check_zero3(cfg: Config) -> None:
     """What ZeRO-3 (``parallel.zero_stage=3``, :mod:`moetrain.parallel.zero3`) refuses: shadow
     experts (the dispatcher hands a replica its owner's stacked weights outside the experts'
     forward, where ZeRO-3 holds only a partition of them), fp16 (its loss scaling at ZeRO-3 is
-    not proven here; bf16 is) and optimizer offload (not proven here either)."""
+    not proven here; bf16 is), optimizer offload (not proven here either) and
+    ``checkpoint.init_from`` (its weights are not streamed into the partitions yet)."""
     p, t = cfg.parallel, cfg.train
     if p.zero_stage != 3:
         return
@@ -100,6 +101,13 @@ def check_zero3(cfg: Config) -> None:
         raise ConfigError(
             "parallel.offload_optimizer: not supported with parallel.zero_stage=3; set "
             "parallel.offload_optimizer=false or parallel.zero_stage=2"
+        )
+    if cfg.checkpoint.init_from is not None:
+        raise ConfigError(
+            f"checkpoint.init_from: not supported with parallel.zero_stage=3 yet (the weights "
+            f"are not streamed into the partitions); got {cfg.checkpoint.init_from!r}; start at "
+            f"parallel.zero_stage=2, save, and resume that checkpoint, or set "
+            f"checkpoint.init_from=null"
         )
 
 

@@ -23,8 +23,8 @@ divides by the whole world: the mean over the global batch.
 
 No rank materialises the whole model: :func:`build_partitioned` builds it on the meta device
 and, one unit at a time (the embedding, each block, the final norm, the head), allocates the
-unit, fills it (the model's own random init, drawn in the order of a whole-model init, or
-weights streamed from a source) and partitions it (``deepspeed.zero.Init(module=unit)``). The
+unit, fills it (the model's own random init, drawn in the order of a whole-model init) and
+partitions it (``deepspeed.zero.Init(module=unit)``). The
 peak is the largest unit besides the partitions.
 
 What every module must do at stage 3: read its parameters inside its own ``forward`` (the

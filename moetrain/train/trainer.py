@@ -12,7 +12,7 @@ the stateful objects it saves and restores.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,7 @@ class Trainer:
         if init is not None:
             self.progress.init = init_record(init, cfg)
         if cfg.parallel.zero_stage == 3:  # partitioned as it is built (parallel/zero3.py)
-            model = build_zero3_model(cfg, topology, self.ds_config, init, local)
+            model = build_zero3_model(cfg, topology, self.ds_config, local)
         else:
             if init is not None:  # before the engine: ZeRO's fp32 partitions start from these
                 model = build_model(cfg, init, local)
@@ -122,7 +122,11 @@ class Trainer:
 
     def checkpoint_weights(self) -> AbstractContextManager[int]:
         """Around ``engine.save_checkpoint``: the module holds the fp32 master weights, so the
-        checkpoint's model files do (:mod:`moetrain.parallel.master_weights`). Collective."""
+        checkpoint's model files do (:mod:`moetrain.parallel.master_weights`). Collective. At
+        ZeRO-3 nothing: the model files hold no weights, the optimizer files the fp32 masters'
+        partitions."""
+        if self.cfg.parallel.zero_stage == 3:
+            return nullcontext(0)
         return fp32_masters_in_module(self.model)
 
     def run_state(self, data: Any) -> RunState:

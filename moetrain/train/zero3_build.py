@@ -1,6 +1,7 @@
 """The model of a ZeRO-3 run, partitioned as it is built (:func:`moetrain.parallel.zero3.
-build_partitioned`): no rank ever holds the whole model, whether its weights are the model's
-own random init or a ``checkpoint.init_from`` source's, streamed one unit at a time."""
+build_partitioned`): no rank ever holds the whole model. Its weights are the model's own random
+init, drawn unit by unit in the order of a whole-model init (``checkpoint.init_from`` is refused
+at stage 3 by :func:`moetrain.config.layout.check_zero3`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 from torch import nn
 
 from moetrain.config import Config
-from moetrain.init_from.source import InitSource
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.apply import apply_parallelism
 from moetrain.parallel.topology import Topology
@@ -21,30 +21,18 @@ def build_zero3_model(
     cfg: Config,
     topology: Topology,
     ds_config: dict[str, Any],
-    init: InitSource | None,
     local_experts: tuple[int, int] | None,
 ) -> Transformer:
     """The run's model with parallelism applied and every parameter a ZeRO-3 partition, its
-    weights those of a whole-model build with the same seed (or ``init``'s)."""
+    weights those of a whole-model build with the same seed."""
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.moe, local_experts=local_experts)
     apply_parallelism(model, cfg.parallel, topology)
-    if init is None:
-        fill = _random_init(model)
-    else:
-        from moetrain.init_from.streamed import unit_filler
 
-        fill = unit_filler(cfg, init, local_experts)
-    build_partitioned(model, topology.device, ds_config, fill)
-    model.reset_rope()
-    return model
-
-
-def _random_init(model: Transformer) -> Any:
-    """Each unit's share of ``model.init_weights``, drawn in the same order."""
-
-    def fill(name: str, unit: nn.Module) -> None:
+    def fill(name: str, unit: nn.Module) -> None:  # this unit's share of init_weights
         for sub, module in unit.named_modules(prefix=name):
             model.init_module(sub, module)
 
-    return fill
+    build_partitioned(model, topology.device, ds_config, fill)
+    model.reset_rope()
+    return model
