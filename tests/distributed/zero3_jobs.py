@@ -14,6 +14,9 @@ CASES: dict[str, dict[str, Any]] = {
     "base": {},
     "mtp": VARIANTS["mtp"],
     "tied": {"model.tie_embeddings": True},
+    # blocks recomputed in backward (their weights gathered a third time), the experts' SwiGLU
+    "ckpt": {"parallel.activation_checkpointing": True, "moe.recompute_act": True},
+    "bf16": {"train.precision": "bf16"},  # fp32 masters, accumulation and reduction
 }
 
 
