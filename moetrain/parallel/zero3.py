@@ -160,6 +160,18 @@ def _materialise(unit: nn.Module, device: torch.device, made: dict[int, nn.Param
 Fill = Callable[[str, nn.Module], None]
 
 
+def training_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    """The weights' dtype in the engine's module: bf16 / fp16 when enabled, else fp32. (At
+    ZeRO-1/2 the engine casts the module; at ZeRO-3 it leaves a partitioned module as it is,
+    so the weights are partitioned in this dtype; buffers stay as they are, as the engine
+    keeps them.)"""
+    if ds_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
 def build_partitioned(
     model: nn.Module, device: torch.device, ds_config: dict[str, Any], fill: Fill
 ) -> nn.Module:
@@ -170,12 +182,16 @@ def build_partitioned(
     ``model``, every parameter a ZeRO-3 partition, its own buffers (RoPE tables) zeros."""
     import deepspeed
 
+    dtype = training_dtype(ds_config)
     made: dict[int, nn.Parameter] = {}
     for name, unit in units(model):
         _materialise(unit, device, made)
         earlier = [p for p in unit.parameters() if hasattr(p, "ds_id")]
         with deepspeed.zero.GatheredParameters(earlier, modifier_rank=0, enabled=bool(earlier)):
             fill(name, unit)
+        for param in unit.parameters():  # filled in fp32, rounded as the engine rounds at 1/2
+            if not hasattr(param, "ds_id"):
+                param.data = param.data.to(dtype)
         deepspeed.zero.Init(module=unit, config_dict_or_path=ds_config)
     for bname, buf in list(model._buffers.items()):
         if buf is not None and buf.device.type == "meta":

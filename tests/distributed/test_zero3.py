@@ -1,11 +1,13 @@
 """ZeRO-3 with expert parallelism (``parallel.zero_stage=3``, moetrain/parallel/zero3.py) trains
 as ZeRO-2 does: the same losses, global gradient norms (clipping active every step), first-step
-gradients (each gathered whole) and aux-loss-free biases, in fp32, on the parity tests'
+gradients (each gathered whole) and aux-loss-free biases, in fp32 and bf16, on the parity tests'
 configuration (tests/distributed/parity_jobs.py) with the loss in several chunks.
 
 Layouts on 2 ranks: dp=2 (every expert partitioned over both ranks, its expert-data-parallel
 group), dp=1 x ep=2 with two MTP modules (the dense weights partitioned over both ranks, each
-rank's experts whole), dp=1 x ep=2 with tied embeddings (one parameter in two modules). With -m
+rank's experts whole), dp=1 x ep=2 with tied embeddings (one parameter in two modules), dp=1 x
+ep=2 in bf16 (weights partitioned in bf16, fp32 masters and accumulation: a model left in fp32
+would give fp32's losses, 1e-4 away from bf16's by the third step). With -m
 long: dp=2 x ep=2 on 4 ranks (each expert partitioned over a group of 2), plain and with
 activation checkpointing (blocks recomputed in backward, the experts' SwiGLU too).
 
@@ -53,7 +55,7 @@ def _check(runs: dict) -> None:
 
 
 def test_zero3_matches_zero2_on_two_ranks() -> None:
-    layouts = [(1, "base"), (2, "mtp"), (2, "tied")]
+    layouts = [(1, "base"), (2, "mtp"), (2, "tied"), (2, "bf16")]
     out = run_distributed(stages_job, 2, layouts, STEPS, timeout=600)
     for rank_out in out:
         for key, runs in rank_out.items():
