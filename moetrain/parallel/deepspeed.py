@@ -34,7 +34,7 @@ from moetrain.checkpoint.format import deepspeed_expert_key
 from moetrain.config import Config, ConfigError
 from moetrain.fileio import write_json_atomic
 from moetrain.model.moe.experts import EXPERT_BIASES, EXPERT_WEIGHTS
-from moetrain.parallel.expert_parallel import moe_layers
+from moetrain.parallel.expert_parallel import sharded_experts
 from moetrain.parallel.fp32_partitions import share_fp32_partitions
 from moetrain.parallel.grad_partitions import flatten_grad_partitions_in_place
 from moetrain.parallel.topology import Topology
@@ -172,13 +172,7 @@ def _stack_experts_load_pre_hook(
 def mark_experts_for_deepspeed(model: nn.Module, topology: Topology) -> int:
     """Mark every MoE layer's experts for DeepSpeed (in place); returns the number marked."""
     count = 0
-    for _, layer in moe_layers(model):
-        experts = layer.experts
-        if experts.num_local_experts * topology.ep_size != experts.num_experts:
-            raise ValueError(
-                f"experts hold {experts.num_local_experts} of {experts.num_experts}: apply "
-                f"expert parallelism (ep_size={topology.ep_size}) before marking them"
-            )
+    for experts in sharded_experts(model, topology.ep_size, "marking them"):
         # DeepSpeed's MoE reads num_experts (global), num_local_experts, ep_size and the group
         experts.__class__ = _marker_class(type(experts))
         experts.ep_size = topology.ep_size

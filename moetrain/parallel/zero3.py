@@ -15,7 +15,7 @@ global norm over the expert-parallel group named by ``ds_zero_partition_group_na
 DeepSpeed MoE layers at stage 3, so the engine's MoE paths (the refusal among them) are not
 taken. :func:`check_placement` checks, after the engine starts, that DeepSpeed partitioned and
 reduces them that way, and stops the run when a DeepSpeed version no longer does
-(tests/distributed/test_zero3_engine.py runs it).
+(every stage-3 Trainer runs it; tests/distributed/test_zero3.py).
 
 Gradient scale: as at ZeRO-1/2 (:mod:`moetrain.parallel.deepspeed`), each expert's gradient
 sums every EP peer's tokens, and DeepSpeed sums it over the expert-data-parallel group and
@@ -23,9 +23,9 @@ divides by the whole world: the mean over the global batch.
 
 No rank materialises the whole model: :func:`build_partitioned` builds it on the meta device
 and, one unit at a time (the embedding, each block, the final norm, the head), allocates the
-unit, fills it (the model's own random init, drawn in the order of a whole-model init) and
-partitions it (``deepspeed.zero.Init(module=unit)``). The
-peak is the largest unit besides the partitions.
+unit, fills it (the model's own random init, drawn in the order of a whole-model init), rounds
+it to the training dtype and partitions it (``deepspeed.zero.Init(module=unit)``). The peak is
+the largest unit besides the partitions.
 
 What every module must do at stage 3: read its parameters inside its own ``forward`` (the
 router's gate and the LM head's chunked loss are modules for that reason,
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.config import ParallelConfig
-from moetrain.parallel.expert_parallel import moe_layers
+from moetrain.parallel.expert_parallel import sharded_experts
 from moetrain.parallel.topology import Topology
 
 EXPERT_FAMILY = "autoep_expert"
@@ -72,13 +72,7 @@ def place_experts(module: nn.Module, topology: Topology) -> int:
     name = topology.ep_group_name
     edp = groups._get_expert_data_parallel_group(name)
     count = 0
-    for _, layer in moe_layers(module):
-        experts = layer.experts
-        if experts.num_local_experts * topology.ep_size != experts.num_experts:
-            raise ValueError(
-                f"experts hold {experts.num_local_experts} of {experts.num_experts}: apply "
-                f"expert parallelism (ep_size={topology.ep_size}) before placing them"
-            )
+    for experts in sharded_experts(module, topology.ep_size, "placing them"):
         for wname in experts.param_names:
             param = getattr(experts, wname)
             param.allreduce = False

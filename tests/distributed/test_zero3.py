@@ -3,19 +3,20 @@ as ZeRO-2 does: the same losses, global gradient norms (clipping active every st
 gradients (each gathered whole) and aux-loss-free biases, in fp32 and bf16, on the parity tests'
 configuration (tests/distributed/parity_jobs.py) with the loss in several chunks.
 
-Layouts on 2 ranks: dp=2 (every expert partitioned over both ranks, its expert-data-parallel
-group), dp=1 x ep=2 with two MTP modules (the dense weights partitioned over both ranks, each
-rank's experts whole), dp=1 x ep=2 with tied embeddings (one parameter in two modules), dp=1 x
-ep=2 in bf16 (weights partitioned in bf16, fp32 masters and accumulation: a model left in fp32
-would give fp32's losses, 1e-4 away from bf16's by the third step). With -m
-long: dp=2 x ep=2 on 4 ranks (each expert partitioned over a group of 2), plain and with
-activation checkpointing (blocks recomputed in backward, the experts' SwiGLU too).
+Default suite, on 2 ranks: dp=2 in fp32 (every expert partitioned over both ranks, its
+expert-data-parallel group) and dp=1 x ep=2 in bf16 (the dense weights partitioned over both
+ranks, each rank's experts whole; weights partitioned in bf16 with fp32 masters and
+accumulation: a model left in fp32 would give fp32's losses, 1e-4 away from bf16's by the third
+step). With -m long: dp=1 x ep=2 with two MTP modules and with tied embeddings (one parameter in
+two modules), and dp=2 x ep=2 on 4 ranks (each expert partitioned over a group of 2), plain and
+with activation checkpointing (blocks recomputed in backward, the experts' SwiGLU too).
 
 ZeRO-2 is the reference: test_parity.py proves it equal to one process. Rounding: fp32 runs
 partitioned differently reduce in another order (about 1e-7 relative here); ``REL`` is 1e-5.
 Negative control: one step of difference (the run a step behind) moves the losses far more
-than ``REL`` (checked on the runs themselves); an expert partitioned or reduced over the wrong
-group stops the run at start (``check_placement``, tests/unit/test_zero3_placement.py).
+than ``REL`` (checked on the runs themselves). Every stage-3 Trainer runs
+``moetrain.parallel.zero3.check_placement`` after the engine starts: these tests fail when a
+DeepSpeed version stops partitioning or reducing the experts over their groups.
 """
 
 from __future__ import annotations
@@ -54,26 +55,27 @@ def _check(runs: dict) -> None:
     assert torch.allclose(torch.tensor(two["biases"]), torch.tensor(three["biases"]), atol=1e-9)
 
 
-def test_zero3_matches_zero2_on_two_ranks() -> None:
-    layouts = [(1, "base"), (2, "mtp"), (2, "tied"), (2, "bf16")]
-    out = run_distributed(stages_job, 2, layouts, STEPS, timeout=600)
+def _check_all(out: list[dict]) -> None:
     for rank_out in out:
         for key, runs in rank_out.items():
             try:
                 _check(runs)
             except AssertionError as err:
                 raise AssertionError(f"{key}: {err}") from err
+
+
+def test_zero3_matches_zero2_on_two_ranks() -> None:
+    _check_all(run_distributed(stages_job, 2, [(1, "base"), (2, "bf16")], STEPS, timeout=600))
+
+
+@pytest.mark.long
+def test_zero3_matches_zero2_with_mtp_and_tied_embeddings() -> None:
+    _check_all(run_distributed(stages_job, 2, [(2, "mtp"), (2, "tied")], STEPS, timeout=600))
 
 
 @pytest.mark.long
 def test_zero3_matches_zero2_dp2_ep2() -> None:
-    out = run_distributed(stages_job, 4, [(2, "base"), (2, "ckpt")], STEPS, timeout=900)
-    for rank_out in out:
-        for key, runs in rank_out.items():
-            try:
-                _check(runs)
-            except AssertionError as err:
-                raise AssertionError(f"{key}: {err}") from err
+    _check_all(run_distributed(stages_job, 4, [(2, "base"), (2, "ckpt")], STEPS, timeout=900))
 
 
 def test_zero3_resumes_exactly_and_refuses_reading_its_weights(tmp_path) -> None:
