@@ -241,7 +241,7 @@ def reference_run(
     }
 
 
-def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
+def _parallel_run(cfg: Config, rank: int, world: int, steps: int = STEPS) -> dict[str, Any]:
     from deepspeed.utils import safe_get_full_grad
 
     from moetrain.parallel.topology import init_distributed
@@ -264,7 +264,7 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
             ds_norm.append(float(clip_grad_norm_(tr.model.parameters(), max_norm=float("inf"))))
 
     losses, norms, dropped, replicas = [], [], 0.0, 0.0
-    for step in range(STEPS):
+    for step in range(steps):
         micro = [rank_slice(b, rank, world) for b in global_batches(step)]
         rec = trainer.train_step(micro, before_step=capture if step == 0 else None)
         losses.append(rec["loss"])
@@ -279,6 +279,7 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
         "biases": _biases(trainer.model),
         "experts": (lo, hi),
         "ds_moe": bool(trainer.engine.has_moe_layers),
+        "ds_stage": int(trainer.engine.zero_optimization_stage()),
         "deepspeed_stage0_norm": ds_norm[0] if ds_norm else None,
         "dropped": dropped,
         "replicas": replicas,
