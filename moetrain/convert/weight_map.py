@@ -73,6 +73,8 @@ _MLA = {
     "kv_norm": "kv_a_layernorm",
     "wkv_b": "kv_b_proj",
     "wo": "o_proj",
+    # sparse attention's indexer: the same names under it (wq_b, wk, k_norm, weights_proj)
+    "indexer": "indexer",
 }
 # A token mixer's weights: their names in a moetrain block -> in a Hugging Face decoder layer.
 # A block takes the first table that names every one of its mixer's weights; a new mixer kind

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
-from moetrain.model.mixers.base import MixerInputs, MixerState, TokenMixer
+from moetrain.model.mixers.base import MixerInputs, MixerLoss, MixerState, TokenMixer
 from moetrain.model.mixers.gqa import Attention
 from moetrain.model.mixers.mla import MLAttention
 
@@ -16,6 +16,7 @@ MIXERS: dict[str, type[TokenMixer]] = {cls.kind: cls for cls in (Attention, MLAt
 __all__ = [
     "MIXERS",
     "MixerInputs",
+    "MixerLoss",
     "MixerState",
     "TokenMixer",
     "attention_matrices",
