@@ -222,3 +222,29 @@ def sparse_mixing_flops(cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> floa
         return dense + kl
     k = min(cfg.index_topk, seq_len)
     return 6 * h * (2 * c + r) * k + 2 * index * seq_len + 6 * index * k
+
+
+def sparse_saved_bytes(cfg: ModelConfig, spec: MixerSpec, a: int) -> int:
+    """Bytes a sparse-attention layer saves for backward per token (``a`` per activation
+    value; checked against saved-tensor hooks). ``sparse`` stage: the projections' inputs
+    ``aD`` and ``2aQ + 4`` (the query latent and its norm's output), the ``wkv_a`` output
+    ``a(C + R) + 4``, the query projection's output ``aH(N + R)`` (its non-rotary part is
+    absorbed into ``q_abs``), the absorbed queries ``aH(C + R)`` and the keys ``a(C + R)``, the
+    latent outputs ``aHC`` and log-sum-exp ``4H``, the ``wo`` input ``aHVd``; a layer with its
+    own indexer also the selection ``9k`` (int64 positions, which are valid), the indexer's
+    key norm ``4Di + 8``, its fp32 queries, weights and keys ``4(Hi Di + Hi + Di)`` and its KL
+    over the selection ``9k`` (the target and log-probabilities, the mask), and a layer that
+    shares another's selection nothing of it (the same tensors). ``dense_warmup``: latent
+    attention's (``dense``) plus an own indexer's KL inputs, ``8Di + 8 + 4(Hi Di + Hi)`` and
+    the absorbed queries and keys; an upper bound, as the frozen main model saves nothing."""
+    h, c, r = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    hi, di, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+    index = 8 * di + 8 + 4 * (hi * di + hi) if spec.indexer else 0
+    absorbed = a * h * (c + r) + a * (c + r)
+    if cfg.index_stage == "dense_warmup":
+        return index + absorbed if spec.indexer else 0
+    projections = a * cfg.d_model + 2 * a * cfg.q_lora_rank + 4 + a * (c + r) + 4
+    queries = a * h * (cfg.qk_nope_head_dim + r)
+    attention = absorbed + a * h * c + 4 * h + a * h * cfg.v_head_dim
+    selection = 18 * k + index if spec.indexer else 0
+    return projections + queries + attention + selection

@@ -14,10 +14,14 @@ import torch
 from moetrain.config import ConfigError
 from moetrain.generate import generate_ids
 from moetrain.model import Transformer
+from moetrain.model.mixers import MixerInputs
 from moetrain.model.mixers.mla import LatentCache
+from moetrain.model.rope import model_rope_tables
 from moetrain.parallel.apply import checkpoint_blocks
+from moetrain.plan import attention_bytes_per_token
 from tests.helpers.configs import tiny_config
 from tests.helpers.convert_cases import load_hf, model_for, tiny_cfg
+from tests.helpers.memory import saved_storages
 
 transformers = pytest.importorskip("transformers")
 
@@ -235,3 +239,30 @@ DSA = {
 def test_unbuildable_sparse_attention_configs_are_refused_by_key(overrides, key) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         tiny_config(DSA, overrides)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layer", [0, 1], ids=["own-indexer", "shared"])
+def test_plan_activation_formula_matches_saved_tensors(dtype: torch.dtype, layer: int) -> None:
+    """What a sparse layer and its input norm save in training, against ``moetrain plan``'s
+    count; a shared layer's selection is its source's (recorded before, not counted)."""
+    cfg = tiny_config(
+        DSA,
+        {"model.q_lora_rank": 24, "model.index_topk": 16, "model.max_seq_len": 256},
+        {"model.indexer_types": ["full", "shared"], "model.index_recall_queries": 0},
+    )
+    m = cfg.model
+    torch.manual_seed(0)
+    model = Transformer(m, cfg.moe).to(dtype).train()
+    block = model.layers[layer]
+    cos, sin = (t.to(dtype) for t in model_rope_tables(m, 128))
+    x = torch.randn(4, 128, m.d_model, dtype=dtype, requires_grad=True)
+    inputs = MixerInputs(cos, sin)
+    if layer:
+        model.layers[0].attn(x, inputs)
+    owned = [*block.parameters(), cos, sin, *(t for sel in inputs.selections.values() for t in sel)]
+    with saved_storages(owned) as seen:
+        block.attn(block.attn_norm(x), inputs)
+    a = 4 if dtype == torch.float32 else 2
+    measured = sum(seen.values()) / x.shape[0] / x.shape[1]
+    assert measured == pytest.approx(attention_bytes_per_token(m, a, layer=layer), rel=0.01)

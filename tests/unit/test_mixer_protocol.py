@@ -37,6 +37,13 @@ CASES = {
     "gqa-one-kv-head": {"model.n_kv_heads": 1},
     "mla": MLA,
     "mla-query-lora": {**MLA, "model.q_lora_rank": 24},
+    "mla-sparse": {  # DeepSeek sparse attention: the indexer's parameters and cached keys
+        **MLA,
+        "model.q_lora_rank": 24,
+        "model.index_topk": 4,
+        "model.index_n_heads": 2,
+        "model.index_head_dim": 8,
+    },
 }
 
 

@@ -46,6 +46,7 @@ from moetrain.model.sparse_attention import sparse_latent_attention
 from moetrain.model.sparse_latent import (
     Absorbed,
     sparse_mixing_flops,
+    sparse_saved_bytes,
     query_keys,
     report_loss,
     run_indexer,
@@ -303,13 +304,16 @@ class MLAttention(TokenMixer):
         is zero-padded, which saves somewhat more. Under sequence parallelism the exchanged q,
         k and v take the places of the ones above, and the values are saved exchanged
         (``aHVd``) with the output in sequence order (``aHVd``) instead of the ``wkv_b``
-        output: ``aH(Vd - N)`` more."""
+        output: ``aH(Vd - N)`` more. Sparse attention: :func:`sparse_saved_bytes`."""
+        dsa = sparse_saved_bytes(cfg, spec, act_bytes) if spec.index_from is not None else 0
+        if dsa and cfg.index_stage == "sparse":
+            return dsa
         a, h, c, v = act_bytes, cfg.n_heads, cfg.kv_lora_rank, cfg.v_head_dim
         q_latent = 2 * a * cfg.q_lora_rank + 4 if cfg.q_lora_rank else 0
         latent = a * (c + cfg.qk_rope_head_dim) + 4 + a * c
         kv = a * h * (cfg.qk_nope_head_dim + v) + 2 * a * h * cfg.attention_head_dim
         exchanged = a * h * (v - cfg.qk_nope_head_dim) if sp > 1 else 0
-        return a * cfg.d_model + q_latent + latent + kv + a * h * v + 4 * h + exchanged
+        return a * cfg.d_model + q_latent + latent + kv + a * h * v + 4 * h + exchanged + dsa
 
     @classmethod
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
