@@ -266,3 +266,12 @@ def test_plan_activation_formula_matches_saved_tensors(dtype: torch.dtype, layer
     a = 4 if dtype == torch.float32 else 2
     measured = sum(seen.values()) / x.shape[0] / x.shape[1]
     assert measured == pytest.approx(attention_bytes_per_token(m, a, layer=layer), rel=0.01)
+
+
+def test_the_warmup_runs_at_zero_stage_0_where_the_model_has_experts() -> None:
+    warmup = {"model.index_stage": "dense_warmup"}
+    with pytest.raises(ConfigError, match=r"parallel\.zero_stage: sparse attention's dense"):
+        tiny_config(DSA, warmup, {"parallel.zero_stage": 2})
+    assert tiny_config(DSA, warmup, {"parallel.zero_stage": 0}).model.index_stage == "dense_warmup"
+    dense = {"moe.first_k_dense": 2}  # no MoE layer: ZeRO-1/2 hold the indexers alone
+    assert tiny_config(DSA, warmup, dense, {"parallel.zero_stage": 2}).parallel.zero_stage == 2
