@@ -18,13 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moetrain.model.sparse_index import BLOCK_VALUES, add_rows, gather_rows
-
-
-def _blocks(b: int, s: int, h: int, k: int, width: int) -> list[tuple[int, int]]:
-    """Query blocks whose gathered keys and scores fit :data:`BLOCK_VALUES`."""
-    q = max(1, BLOCK_VALUES // max(1, b * k * (width + 2 * h)))
-    return [(i0, min(s, i0 + q)) for i0 in range(0, s, q)]
+from moetrain.model.sparse_index import add_rows, gather_blocks, gather_rows
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +44,7 @@ class _SparseAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         lse = q.new_empty(b, s, h, dtype=acc)
         probs = q.new_zeros(b, s, idx.shape[-1], dtype=acc) if want_probs else None
-        blocks = _blocks(b, s, h, idx.shape[-1], width)
+        blocks = gather_blocks(s, b * idx.shape[-1] * (width + 2 * h))  # keys and scores
         for i0, i1 in blocks:
             kv_sel = gather_rows(kv, idx[:, i0:i1])  # (B, q, k, K)
             p, lse[:, i0:i1] = _probs(q[:, i0:i1], kv_sel, valid[:, i0:i1], scale)

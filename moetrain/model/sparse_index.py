@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_VALUES = 1 << 23  # values one block's largest intermediate may hold
+BLOCK_VALUES = 1 << 20  # values one block's largest intermediate may hold (4 MiB in fp32)
 
 
 class Keys:
@@ -119,7 +119,8 @@ def add_rows(grad_BTX: torch.Tensor, idx_Bqk: torch.Tensor, rows_BqkX: torch.Ten
     b, t, x = grad_BTX.shape
     offsets = torch.arange(b, device=idx_Bqk.device).view(b, 1, 1) * t
     flat = (idx_Bqk + offsets).reshape(-1)
-    grad_BTX.view(b * t, x).index_add_(0, flat, rows_BqkX.reshape(-1, x).to(grad_BTX.dtype))
+    rows = rows_BqkX.reshape(-1, x).to(grad_BTX.dtype)
+    grad_BTX.view(b * t, x).index_put_((flat,), rows, accumulate=True)
 
 
 def _relu_grads(
@@ -147,7 +148,7 @@ class _ScoresAt(torch.autograd.Function):
     def forward(ctx, qi, w, ki, idx):  # noqa: ANN001, ANN205
         b, s, h, d = qi.shape
         out = qi.new_empty(b, s, idx.shape[-1])
-        ctx.blocks = _gather_blocks(s, b * idx.shape[-1] * (h + d))
+        ctx.blocks = gather_blocks(s, b * idx.shape[-1] * (h + d))
         for i0, i1 in ctx.blocks:
             ki_sel = gather_rows(ki, idx[:, i0:i1])  # (B, q, k, D)
             s_BqHk = torch.matmul(qi[:, i0:i1], ki_sel.transpose(-1, -2))
@@ -167,8 +168,9 @@ class _ScoresAt(torch.autograd.Function):
         return grad_qi, grad_w, grad_ki, None
 
 
-def _gather_blocks(s: int, per_query: int) -> list[tuple[int, int]]:
-    """Query blocks ``[i0, i1)`` of at most :data:`BLOCK_VALUES` / ``per_query`` queries."""
+def gather_blocks(s: int, per_query: int) -> list[tuple[int, int]]:
+    """Query blocks ``[i0, i1)`` of at most :data:`BLOCK_VALUES` / ``per_query`` queries (at
+    least one), for work on each query's own selected keys."""
     q = max(1, BLOCK_VALUES // max(1, per_query))
     return [(i0, min(s, i0 + q)) for i0 in range(0, s, q)]
 
