@@ -1,6 +1,6 @@
 """Memory and time of ``moetrain train`` per rank, phase by phase, next to the bare step.
 
-    .venv/bin/python benchmarks/command_memory.py [--steps 20] [--shape bench] [--rounds 3]
+    .venv/bin/python benchmarks/command_memory.py [--steps 20] [--shape bench] [--rounds 3] [--ep 2]
 
 Runs the real command (``python -m moetrain train`` through ``torchrun``, 2 CPU ranks, one thread
 each, the shape and data of ``benchmarks/train_command.py``) with this file as the entry point:
@@ -210,13 +210,14 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     ap.add_argument("--docs", type=int, default=4000)
     ap.add_argument("--rounds", type=int, default=3, help="command / bare pairs, alternating")
+    ap.add_argument("--ep", type=int, default=2, help="parallel.ep_size")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     data = prepare(shape, args.docs)
     common = [
         *shape_overrides(shape),
         f"data.output_dir={data}",
-        "parallel.ep_size=2",
+        f"parallel.ep_size={args.ep}",
         "parallel.zero_stage=2",
         f"train.micro_batch_size={MICRO}",
         f"train.max_steps={args.steps}",

@@ -36,6 +36,7 @@ import argparse
 import functools
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -235,6 +236,9 @@ def main() -> None:
     shape = SHAPES[args.shape]
     data = prepare(shape, args.docs)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    # DeepSpeed's CPU op built once, here: a cache shared with other installs is rebuilt by
+    # whichever last built it, and a compiler inheriting RANK would count as a rank's memory
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(WORK / "torch-extensions"))
     tokens_per_step = 2 * MICRO * shape["seq"]
     builders = {"moetrain": moetrain_cmd, "peer": peer_cmd}
     if args.torch_matmul:
@@ -245,7 +249,7 @@ def main() -> None:
         builders["moetrain-shadow"] = functools.partial(
             moetrain_cmd, extra=(f"parallel.shadow_experts={args.shadow_experts}",)
         )
-    port = 29600
+    port = random.randrange(20000, 30000, 100)  # (launchers of other jobs on the machine)
     for side, build in builders.items():  # warm-up: caches, the compiled DeepSpeed op
         port += 1
         run(build(args, data, args.short, port), env)

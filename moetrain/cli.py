@@ -83,6 +83,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         fmt=args.format,
         overwrite=args.overwrite,
         tokenizer=args.tokenizer,
+        drop_mtp=args.drop_mtp,
     )
     print(f"moetrain: wrote {out}")
     return 0
@@ -175,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     p.add_argument("--tokenizer", help="the tokenizer to export when the checkpoint carries none")
+    p.add_argument(
+        "--drop-mtp",
+        action="store_true",
+        help="leave out the multi-token-prediction modules (the main model is unchanged), e.g. "
+        "for a family whose files cannot hold them",
+    )
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser(

@@ -60,8 +60,10 @@ from moetrain.checkpoint.format import (
 )
 from moetrain.checkpoint.rank_files import RankFiles
 from moetrain.checkpoint.reshard import SavedOptimizer, optimizer_param_names, restore_optimizer
+from moetrain.checkpoint.timeline import TIMELINES_FILE, plan_resume, record_timeline
 from moetrain.faults import fault_point
 from moetrain.fileio import atomic_file, fsync_dir, write_json_atomic
+from moetrain.model.mtp import MTP_CHAIN
 from moetrain.monitor.console import Printer, console
 from moetrain.redact import redact
 
@@ -190,6 +192,7 @@ class Checkpointer:
     def __init__(self, cfg: Config, topo: Topology, printer: Printer = console) -> None:
         self.cfg, self.topo, self.log = cfg, topo, printer
         self.root = checkpoint_root(cfg.run_dir)
+        self._new_timeline: Path | None = None  # (rank 0) a resume=PATH that starts one
 
     def _barrier(self, what: str) -> None:
         self.topo.phase(what)
@@ -272,6 +275,7 @@ class Checkpointer:
             extra=redact(extra or {}),
             optimizer_params=optimizer_param_names(run.engine),
             moetrain_version=moetrain.__version__,
+            mtp_chain=MTP_CHAIN,
         )
 
     def layout(self) -> dict[str, int]:
@@ -288,28 +292,38 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ resume
     def find_resume(self) -> Path | None:
-        """The checkpoint to resume from per ``checkpoint.resume`` (same answer on every rank).
+        """The checkpoint to resume from per ``checkpoint.resume`` (same answer on every rank;
+        :func:`~moetrain.checkpoint.timeline.plan_resume`).
 
-        ``auto``: the newest complete checkpoint under run_dir (incomplete ones are deleted);
-        ``none``: start fresh; anything else: that checkpoint directory, which must be complete.
+        ``none``: start fresh; ``auto``, or the PATH the current timeline started from: the
+        newest checkpoint of that timeline; any other PATH: that checkpoint directory, which
+        must be complete, and loading it starts a new timeline (:meth:`load`). Incomplete
+        checkpoints under run_dir are deleted first.
         """
         mode = self.cfg.checkpoint.resume
         found: str | None = None
         error: str | None = None
         if self.topo.is_main:
-            if mode == "auto":
-                for p in remove_incomplete(self.root):
-                    self.log(f"removed incomplete checkpoint {p}")
-                latest = latest_complete(self.root)
-                found = str(latest) if latest else None
-            elif mode != "none":
-                p = Path(mode)
-                if not is_complete(p):
-                    error = (
+            try:
+                if mode != "none":
+                    for p in remove_incomplete(self.root):
+                        self.log(f"removed incomplete checkpoint {p}")
+                plan = plan_resume(mode, self.root)
+                if plan.new and not is_complete(plan.path):
+                    raise CheckpointError(
                         f"checkpoint.resume={mode}: not a complete moetrain checkpoint "
                         f"(missing directory or {COMMIT_FILE})"
                     )
-                found = str(p)
+                if plan.continues is not None and mode != "auto":
+                    tl = plan.continues
+                    self.log(
+                        f"checkpoint.resume={mode} started timeline {tl['number']} (step "
+                        f"{tl['step']}); continuing it from its newest checkpoint {plan.path}"
+                    )
+                found = str(plan.path) if plan.path else None
+                self._new_timeline = plan.path if plan.new else None
+            except CheckpointError as e:
+                error = str(e)
         found, error = _broadcast(self.topo, (found, error))
         if error:
             raise CheckpointError(error)
@@ -382,14 +396,15 @@ class Checkpointer:
         run.data.load_state_dict(state.loader)
         if saved["world_size"] == now["world_size"]:
             _set_rng_state(safe_torch_load(path / rank_file(topo.rank)))
-        if topo.is_main:
-            self._start_timeline(state.step)
+        if topo.is_main and self._new_timeline == path:
+            self._start_timeline(path, state.step)
         return state
 
-    def _start_timeline(self, step: int) -> None:
-        """After a successful load: checkpoints newer than ``step`` belong to an abandoned
-        timeline (a rollback); they are moved aside, never deleted, and retention and
-        ``resume=auto`` see only the new timeline."""
+    def _start_timeline(self, path: Path, step: int) -> None:
+        """After a successful load of a new ``checkpoint.resume=PATH``: the run's checkpoints
+        newer than ``step`` belong to an abandoned timeline (a rollback); they are moved aside,
+        never deleted, then the new timeline is recorded (:mod:`moetrain.checkpoint.timeline`),
+        so that retention, ``resume=auto`` and the same command started again see only it."""
         moved_to = set_aside_newer(self.root, step)
         if moved_to is not None:
             names = ", ".join(sorted(p.name for p in moved_to.iterdir()))
@@ -398,3 +413,10 @@ class Checkpointer:
                 f"{moved_to}; they are kept, and neither checkpoint.keep_last nor "
                 "checkpoint.resume=auto considers them"
             )
+        entry = record_timeline(self.root, path, step, moved_to)
+        self._new_timeline = None
+        self.log(
+            f"timeline {entry['number']} starts at {path} (step {step}), recorded in "
+            f"{self.root / TIMELINES_FILE}: a restart continues it, also with the same "
+            f"checkpoint.resume"
+        )

@@ -147,6 +147,10 @@ class TrainerState:
     moetrain_version: str = ""
     loss_scale_overflows: int = 0
     loss_scaler: dict[str, float] | None = None
+    # how the multi-token-prediction depths were chained (moetrain.model.mtp.MTP_CHAIN);
+    # None: written before it was recorded (each depth got the previous one's state before
+    # its head norm)
+    mtp_chain: str | None = None
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:

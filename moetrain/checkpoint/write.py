@@ -28,6 +28,7 @@ from moetrain.config import Config
 from moetrain.fileio import building_dir, file_sha256, write_json_atomic
 from moetrain.model import param_names
 from moetrain.model.moe.experts import expert_param_names
+from moetrain.model.mtp import MTP_CHAIN
 
 
 def write_checkpoint(
@@ -81,6 +82,7 @@ def write_checkpoint(
             extra=extra or {},
             init=init,
             moetrain_version=moetrain.__version__,
+            mtp_chain=MTP_CHAIN,
         )
         write_json_atomic(tmp / STATE_FILE, state.to_json())
         write_json_atomic(tmp / COMMIT_FILE, manifest_of(tmp, step))

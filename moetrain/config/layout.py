@@ -34,7 +34,9 @@ def check_sequence_parallel(cfg: Config) -> None:
     :meth:`moetrain.config.mixers.MixerKind.sp_heads`: ``model.n_heads`` for attention, whose
     key/value heads are replicated where ``model.n_kv_heads`` is not a multiple of
     ``sp_size``). Refused: the per-sequence balance loss (a sequence's tokens are split over
-    ranks) and multi-token prediction (its shifts cross the ranks' slices).
+    ranks), multi-token prediction (its shifts cross the ranks' slices), and a capacity factor
+    unless each expert-parallel group holds whole sequence-parallel groups (capacity counts an
+    EP group's tokens: over slices of rows it would drop other copies than at sp_size 1).
     """
     sp = cfg.parallel.sp_size
     if sp == 1:
@@ -57,6 +59,14 @@ def check_sequence_parallel(cfg: Config) -> None:
             f"moe.aux_loss_scope: sequence is not supported with parallel.sp_size={sp} (a "
             "sequence's tokens are split over the sequence-parallel ranks); use "
             "global_micro_batch or global_batch, or parallel.sp_size=1"
+        )
+    ep = cfg.parallel.ep_size
+    if cfg.moe.capacity_factor > 0 and ep % sp:
+        raise ConfigError(
+            f"moe.capacity_factor: with parallel.sp_size={sp} an expert's capacity is counted "
+            f"over its expert-parallel group's tokens, which at parallel.ep_size={ep} are slices "
+            "of rows: the drops would differ from sp_size 1. Set parallel.ep_size to a multiple "
+            f"of {sp} (each EP group then holds whole rows), or moe.capacity_factor=0 (dropless)"
         )
     if m.mtp_depth > 0:
         raise ConfigError(

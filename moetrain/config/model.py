@@ -182,6 +182,12 @@ class ModelConfig(LayerPlanKeys, MLAKeys, GQAKeys, ModelShape):
             "model.mtp_loss_weight_final",
             "and model.mtp_loss_weight_final_step are set together (the weight from that step)",
         )
+        require(
+            self.mtp_loss_weight_final is None or self.mtp_depth > 0,
+            "model.mtp_loss_weight_final",
+            "weights the multi-token-prediction loss: set model.mtp_depth > 0, or leave it and "
+            "model.mtp_loss_weight_final_step unset",
+        )
         validate_layer_plan(self)
 
     def _validate_rope_scaling(self) -> None:
@@ -211,19 +217,21 @@ class ModelConfig(LayerPlanKeys, MLAKeys, GQAKeys, ModelShape):
         if scaling != "yarn":
             return
         fast, slow = self.yarn_betas
-        require(
-            fast > slow,
+        require(  # equal: one ramp step, as transformers computes it (Kimi K2's 1.0 and 1.0)
+            fast >= slow,
             "model.rope_beta_fast",
-            f"must be greater than model.rope_beta_slow={slow:g} (unset: 32 and 1); got {fast:g}",
+            f"must be at least model.rope_beta_slow={slow:g} (unset: 32 and 1); got {fast:g}",
         )
 
     def _validate_longrope(self) -> None:
         for key in ("rope_short_factor", "rope_long_factor"):
             factors = getattr(self, key)
             require(
-                len(factors) == self.rope_dim // 2 and all(f > 0 for f in factors),
+                len(factors) == self.rope_dim // 2
+                and all(math.isfinite(f) and f > 0 for f in factors),
                 f"model.{key}",
-                f"must hold rope_dim / 2 = {self.rope_dim // 2} positive factors; got {factors}",
+                f"must hold rope_dim / 2 = {self.rope_dim // 2} positive finite factors; got "
+                f"{factors}",
             )
 
     @property

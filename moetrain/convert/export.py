@@ -14,6 +14,7 @@ place; on any error the temporary directory is removed and ``out_dir`` is untouc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -164,8 +165,12 @@ def convert_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     tokenizer: str | Path | None = None,
+    drop_mtp: bool = False,
 ) -> Path:
     """Write a Hugging Face model directory for a committed checkpoint; return ``out_dir``.
+
+    ``drop_mtp``: export the model without its multi-token-prediction modules (they do not
+    change the main model's function), e.g. to a family whose files cannot hold them.
 
     ``tokenizer``: the tokenizer to export with it (a Hugging Face tokenizer directory or
     ``tokenizer.json``, or a SentencePiece ``.model``) when the checkpoint carries none (one
@@ -181,9 +186,12 @@ def convert_checkpoint(
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     ckpt, out = Path(ckpt_dir), Path(out_dir)
-    cfg = checkpoint_config(ckpt)
+    stored = checkpoint_config(ckpt)
     verify_manifest(ckpt)  # truncated or missing files, before anything is written
-    expert_files(ckpt, cfg)  # every expert of every MoE layer present
+    expert_files(ckpt, stored)  # every expert of every MoE layer present
+    cfg = stored
+    if drop_mtp:
+        cfg = dataclasses.replace(stored, model=dataclasses.replace(stored.model, mtp_depth=0))
     fmt = choose_format(cfg, fmt)
     if tokenizer is not None:
         tokenizer = tokenizer_file(tokenizer)
@@ -201,8 +209,10 @@ def convert_checkpoint(
     weights = WeightMap(cfg, fmt)
     with building_dir(out, replace=True) as tmp:  # an existing out was checked above
         writer = _ShardWriter(tmp, _plan(weights, DTYPES[dtype]), max_shard_bytes)
-        for where, part in iter_layer_states(ckpt, cfg):
-            writer.write_part(weights.to_hf(part), f"{ckpt} ({where})")
+        for where, part in iter_layer_states(ckpt, stored):
+            part = {k: v for k, v in part.items() if k in weights.shapes}  # (MTP when dropped)
+            if part:
+                writer.write_part(weights.to_hf(part), f"{ckpt} ({where})")
             del part
         writer.finish()
         _write_configs(cfg, fmt, tmp, dtype, tokenizer)

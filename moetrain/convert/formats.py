@@ -4,6 +4,7 @@ any family of the registry (:mod:`moetrain.convert.families`, where each family'
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
@@ -37,6 +38,15 @@ def choose_format(cfg: Config, fmt: str = "auto") -> str:
         if not found:
             return cand
         reasons.append(f"{family(cand).architecture}: {found[0][0]} ({found[0][1]})")
+    depth = cfg.model.mtp_depth
+    plain = dataclasses.replace(cfg.model, mtp_depth=0)
+    fits = [f for f in FORMATS if depth and not problems(f, plain, cfg.moe)]
+    if fits:
+        raise ConfigError(
+            f"model.mtp_depth={depth}: {family(fits[0]).architecture} computes this model's "
+            "function, but its files hold no multi-token-prediction layers; pass --drop-mtp to "
+            f"export the model without its {depth} MTP module(s) (they do not change its function)"
+        )
     raise ConfigError("no Hugging Face class computes this model's function: " + "; ".join(reasons))
 
 

@@ -91,7 +91,8 @@ class HFWeights:
         return list(self.weight_map)
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The named tensors, each file opened once."""
+        """The named tensors, each file opened once; a tensor holding NaN or inf is a
+        CheckpointError naming it."""
         from safetensors import safe_open
 
         by_file: dict[str, list[str]] = {}
@@ -100,12 +101,21 @@ class HFWeights:
         out = {}
         for file, keys in by_file.items():
             with safe_open(self.dir / file, "pt") as f:
-                out.update({k: f.get_tensor(self.stored[k]) for k in keys})
+                out.update({k: self._finite(k, f.get_tensor(self.stored[k])) for k in keys})
         return out
 
     def load_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of a tensor's first dimension, reading only those."""
+        """Rows ``[start, stop)`` of a tensor's first dimension, reading only those (checked
+        as :meth:`load` checks)."""
         from safetensors import safe_open
 
         with safe_open(self.dir / self.weight_map[name], "pt") as f:
-            return f.get_slice(self.stored[name])[start:stop].contiguous()
+            return self._finite(name, f.get_slice(self.stored[name])[start:stop].contiguous())
+
+    def _finite(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(
+                f"{self.dir / self.weight_map[name]}: tensor {self.stored[name]} holds non-finite "
+                "values (NaN or inf); a model cannot start from it"
+            )
+        return t

@@ -19,6 +19,7 @@ from collections.abc import Collection, Iterable
 
 import torch
 
+from moetrain.checkpoint.format import CheckpointError
 from moetrain.config import Config, ConfigError
 from moetrain.convert.families import family
 from moetrain.convert.families.layout import (
@@ -342,7 +343,8 @@ class WeightMap:
 
 def stored_mtp_depth(layout: Layout, names: Iterable[str], n_layers: int, declared: int) -> int:
     """How many of the ``declared`` multi-token-prediction layers after ``n_layers`` decoder
-    layers the tensor ``names`` hold (transformers' own saves have none)."""
+    layers the tensor ``names`` hold (transformers' own saves have none); a layer holding
+    tensors but not its projection is a CheckpointError naming the missing tensor."""
     if layout.mtp is None:
         return 0
     have, depth = set(names), 0
@@ -350,4 +352,11 @@ def stored_mtp_depth(layout: Layout, names: Iterable[str], n_layers: int, declar
         depth < declared and f"model.layers.{n_layers + depth}.{layout.mtp.eh_proj}.weight" in have
     ):
         depth += 1
+    prefix = f"model.layers.{n_layers + depth}."
+    partial = sorted(n for n in have if n.startswith(prefix))
+    if depth < declared and partial:  # a layer without its projection: not a module
+        raise CheckpointError(
+            f"tensor {prefix}{layout.mtp.eh_proj}.weight is missing: multi-token-prediction "
+            f"layer {n_layers + depth} holds {len(partial)} other tensors ({partial[0]}, ...)"
+        )
     return depth

@@ -30,12 +30,9 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import datasets
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from moetrain.config import DataConfig
 from moetrain.config.mixture import default_source_name
@@ -43,6 +40,9 @@ from moetrain.data.builtin import BUILTIN_STDLIB, ensure_builtin_corpus
 from moetrain.data.errors import DataError
 from moetrain.data.jsonl import JsonLines, is_json_lines
 from moetrain.fileio import file_sha256
+
+if TYPE_CHECKING:  # (imported where a source is read: training reads shards, never these)
+    import datasets
 
 _EXT_FORMAT = {
     ".txt": "text",
@@ -141,6 +141,9 @@ class ArrowDocuments:
 
     def sizes(self, where: str) -> np.ndarray:
         """UTF-8 bytes of every document's text, from the Arrow offsets."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
         out = []
         for table in self.dataset.iter(batch_size=1 << 16):
             column = table.column(self.text_field)
@@ -279,6 +282,8 @@ def open_source(ref: SourceRef, work_dir: Path | None = None) -> Corpus:
     if fmt == "json" and not spec.streaming and is_json_lines(ref.files):
         return _open_json_lines(ref, work_dir)
     kwargs = {"sample_by": "paragraph"} if fmt == "text" else {}
+    import datasets
+
     try:
         ds = datasets.load_dataset(
             _BUILDER[fmt],
@@ -318,6 +323,8 @@ def _load_hub(spec: SourceSpec, extra: dict) -> Corpus:
     name, _, config = spec.source[3:].partition(":")
     if not name:
         raise DataError(f"{spec.where}: {spec.source!r} names no dataset; use hf:NAME[:CONFIG]")
+    import datasets
+
     try:
         ds = datasets.load_dataset(name, config or None, split=spec.split, streaming=spec.streaming)
     except Exception as e:
@@ -341,6 +348,8 @@ def _finish(ds, spec: SourceSpec, text_field: str, fingerprint: str, desc: str) 
             f"{spec.where} {desc}: text field {text_field!r} not found "
             f"({spec.key_prefix}text_field); columns are {columns}"
         )
+    import datasets
+
     if isinstance(ds, datasets.IterableDataset):
         stream = ds.take(spec.max_docs) if spec.max_docs is not None else ds
         return Corpus(None, stream, text_field, fingerprint, desc)

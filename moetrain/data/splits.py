@@ -7,8 +7,10 @@ from pathlib import Path
 
 from moetrain.config import DataConfig
 from moetrain.data.blend import BlendedLoader, build_blended_loader
+from moetrain.data.errors import DataError
 from moetrain.data.loader import PackedLoader, check_tokenizer
 from moetrain.data.shards import INDEX_FILE, read_index
+from moetrain.data.source_sets import read_mixture_index
 
 
 def build_loader(
@@ -51,3 +53,14 @@ def build_loader(
     loader = open_split(out, index)
     loader.tokenizer_files = files
     return loader
+
+
+def prepared_tokenizer_sha256(data_cfg: DataConfig) -> str | None:
+    """The sha256 of the tokenizer ``data_cfg``'s prepared shards were tokenized with (a
+    mixture's: its one tokenizer); None where nothing is prepared yet."""
+    out = Path(data_cfg.output_dir)
+    read = read_mixture_index if data_cfg.sources else read_index
+    try:
+        return read(out)["tokenizer"]["sha256"]
+    except (OSError, KeyError, TypeError, DataError):
+        return None

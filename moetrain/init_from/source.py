@@ -16,13 +16,13 @@ else, naming the key and both values.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moetrain.checkpoint.catalog import latest_complete
+from moetrain.checkpoint.compat import function_keys
 from moetrain.checkpoint.format import (
     STATE_FILE,
     CheckpointError,
@@ -39,13 +39,6 @@ from moetrain.convert.formats import config_from_hf, not_supported
 from moetrain.convert.hf_files import HFWeights
 from moetrain.convert.weight_map import stored_mtp_depth
 from moetrain.init_from.upcycle import check_upcycle
-
-
-def function_keys(section: type) -> tuple[str, ...]:
-    """The fields of a config section that define the function the model computes (marked
-    ``function`` in their metadata): taken from a source, never contradicted."""
-    return tuple(f.name for f in dataclasses.fields(section) if f.metadata.get("function"))
-
 
 MODEL_KEYS = function_keys(ModelConfig)
 MOE_KEYS = function_keys(MoEConfig)
@@ -114,7 +107,10 @@ def _hf_source(spec: str, path: Path) -> InitSource:
         )
     if fam.layout.mtp is not None:  # the MTP modules its files hold (a run reads some or all)
         n, declared = cfg.model.n_layers, declared_mtp_layers(hf)
-        cfg.model.mtp_depth = stored_mtp_depth(fam.layout, weights.names(), n, declared)
+        try:
+            cfg.model.mtp_depth = stored_mtp_depth(fam.layout, weights.names(), n, declared)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     return InitSource(
         spec,
         path,

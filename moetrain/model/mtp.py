@@ -6,16 +6,25 @@ At position ``i`` it combines the previous depth's hidden state ``h^{k-1}_i`` wi
 of token ``t_{i+k}`` and predicts ``t_{i+k+1}``::
 
     x_i   = eh_proj([enorm(embed(t_{i+k})) ; hnorm(h^{k-1}_i)])
-    h^k   = block_k(x)                      (causal, the main model's document mask and positions)
-    p^k_i = softmax(lm_head(head_norm(h^k_i)))
+    h^k   = head_norm(block_k(x))           (causal, the main model's document mask and positions)
+    p^k_i = softmax(lm_head(h^k_i))
 
-``h^0`` is the main model's output after its final norm, and ``h^k`` the block's output before
-``head_norm``: what inference engines hand the MTP layers of a released DeepSeek-V3 checkpoint
-(the concatenation order, embedding first, is theirs too). Depth ``k``'s target at ``i`` is
+``h^0`` is the main model's output after its final norm, and ``h^k`` the block's output after
+``head_norm`` (the released files' ``shared_head.norm``): what transformers' ``MtpModel`` hands
+depth ``k + 1`` (its ``post_norm``), as Megatron-Core's MTP layers do; vLLM's DeepSeek MTP
+chains the output before that norm, which differs from depth 2 on (released DeepSeek-V3
+checkpoints have one depth). The concatenation order, embedding first, is theirs too. Depth
+``k``'s target at ``i`` is
 ``labels[i + k]``, kept only where position ``i + k`` is in the row and in ``i``'s document: the
 main loss predicts that label from there, so no depth crosses a boundary the main loss does not.
 The loss of depth ``k`` is the mean cross-entropy over its kept targets; the model's MTP loss is
 the mean over depths, weighted by ``model.mtp_loss_weight`` (:meth:`ModelConfig.mtp_weight`).
+
+Depth ``k`` runs on the row's first ``S - k`` positions only (no input token past the row's end
+reaches its block). With a document mask, the positions whose token ``k`` ahead opens the next
+document (``k`` per boundary) do run: their targets are dropped, but they pass through the
+block, and an MoE block routes them (its loads, balancing losses, selection-bias update and
+capacity count them), as a block's routing cannot tell which of its tokens carry a loss.
 
 Shape legend: B batch, S sequence, D d_model.
 """
@@ -30,6 +39,10 @@ from moetrain.model.block import Block
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import make_norm
 from moetrain.model.loss import IGNORE_INDEX
+
+# how depth k + 1 receives depth k's hidden state, recorded in every checkpoint (a checkpoint
+# without the record handed it over before head_norm)
+MTP_CHAIN = "after_head_norm"
 
 
 class MTPBlock(Block):

@@ -299,17 +299,24 @@ class Transformer(nn.Module):
     ) -> list[torch.Tensor]:
         """Each depth's cross-entropy (:mod:`moetrain.model.mtp`; ``chunked``: without its
         logits, as the main loss); the MTP blocks' MoE statistics are appended to
-        ``moe_outs``."""
-        losses = []
+        ``moe_outs``. Each depth hands the next its hidden state after its ``head_norm``.
+        Depth ``k`` runs on the positions whose input token is in the row (the first
+        ``S - k``: causal attention gives them the same outputs), so that no position past the
+        row's end reaches its MoE's routing statistics, bias update or capacity."""
+        losses, s = [], embed_BSD.shape[1]
         for k, block in enumerate(self.layers[self.cfg.n_layers :], start=1):
-            x_BSD = block.block_input(h_BSD, shift_left(embed_BSD, k, 0.0))
-            h_BSD, stats = block(x_BSD, inputs)
+            m = max(s - k, 1)
+            docs_BS = doc_ids_BS[:, :m] if doc_ids_BS is not None else None
+            docs = Documents.from_ids(docs_BS).to(h_BSD.device) if docs_BS is not None else None
+            rows = MixerInputs(inputs.cos[:m], inputs.sin[:m], docs, docs_BS)
+            x_BSD = block.block_input(h_BSD[:, :m], shift_left(embed_BSD, k, 0.0)[:, :m])
+            out_BSD, stats = block(x_BSD, rows)
             if stats is not None:
                 moe_outs.append(stats)
-            normed_BSD = block.head_norm(h_BSD)
-            logits_BSV = None if chunked else self.head(normed_BSD)
-            targets_BS = mtp_targets(labels_BS, doc_ids_BS, k)
-            losses.append(self._cross_entropy(normed_BSD, targets_BS, logits_BSV))
+            h_BSD = block.head_norm(out_BSD)
+            logits_BSV = None if chunked else self.head(h_BSD)
+            targets_BS = mtp_targets(labels_BS, doc_ids_BS, k)[:, :m]
+            losses.append(self._cross_entropy(h_BSD, targets_BS, logits_BSV))
         return losses
 
     def new_cache(self, batch: int, max_len: int | None = None) -> InferenceCache:

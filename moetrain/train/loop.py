@@ -33,7 +33,7 @@ from moetrain.train.cadence import Clock, Periodic
 from moetrain.train.host_allocator import tune_host_allocator
 from moetrain.train.launcher_env import launcher_disagreements
 from moetrain.train.signals import StopSignal, agree_any
-from moetrain.train.start import check_fresh_start, choose_start, open_start
+from moetrain.train.start import check_start, choose_start, open_start
 from moetrain.train.step import Batch
 from moetrain.train.trainer import Trainer
 
@@ -83,7 +83,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
     finished = False
     try:
         check_precision_supported(cfg.train.precision)  # before any process group starts
-        check_fresh_start(cfg)
+        check_start(cfg, reset_optimizer)  # a resume that cannot continue, refused here
         topo = init_distributed(cfg)
         source = open_start(cfg, topo)  # a bad init_from fails before anything is written
         t, c = cfg.train, cfg.checkpoint

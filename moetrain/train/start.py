@@ -1,13 +1,16 @@
 """Where a run starts: resume a checkpoint of its run_dir, or load ``checkpoint.init_from``.
 
-The rule, printed at start: a checkpoint to resume (``checkpoint.resume``: the newest complete
-one of run_dir for ``auto``, or the given path) wins, so a restarted job continues where it
-stopped; otherwise ``checkpoint.init_from`` is loaded (weights only: a fresh optimizer, schedule
-and data position); otherwise the weights are random. The source is opened and checked against
-the config (:mod:`moetrain.init_from.source`) before anything is written to run_dir.
-``checkpoint.resume=none`` in a run_dir that already holds a complete checkpoint is refused:
-the fresh run's saves would mix with the earlier run's, and ``checkpoint.keep_last`` would
-delete whichever have the lowest steps (the fresh run's own first ones).
+The rule, printed at start: a checkpoint to resume (``checkpoint.resume``: for ``auto`` the
+newest checkpoint of the run's current timeline, for a path that checkpoint, or when it is the
+one the current timeline started from, that timeline's newest: :mod:`moetrain.checkpoint.timeline`)
+wins, so a restarted job continues where it stopped; otherwise ``checkpoint.init_from`` is
+loaded (weights only: a fresh optimizer, schedule and data position); otherwise the weights
+are random. Before any process group starts, a resume is checked against the checkpoint's
+config (:mod:`moetrain.checkpoint.compat`) and a ``checkpoint.init_from`` source is opened and
+checked against the config (:mod:`moetrain.init_from.source`) before anything is written to
+run_dir. ``checkpoint.resume=none`` in a run_dir that already holds a complete checkpoint is
+refused: the fresh run's saves would mix with the earlier run's, and ``checkpoint.keep_last``
+would delete whichever have the lowest steps (the fresh run's own first ones).
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ from pathlib import Path
 
 from moetrain.checkpoint.catalog import latest_complete
 from moetrain.checkpoint.checkpointer import Checkpointer, verify_on_every_rank
-from moetrain.checkpoint.format import checkpoint_root
+from moetrain.checkpoint.compat import UNRESHARDABLE_KEYS, mtp_chain_note, resume_conflicts
+from moetrain.checkpoint.format import TrainerState, checkpoint_root, is_complete
+from moetrain.checkpoint.timeline import plan_resume
 from moetrain.config import Config, ConfigError
+from moetrain.data.splits import prepared_tokenizer_sha256
 from moetrain.init_from.source import InitSource, check_config_fits, open_init_source
 from moetrain.init_from.upcycle import inexact_reasons
 from moetrain.monitor.console import Printer, console
@@ -27,12 +33,7 @@ from moetrain.parallel.topology import Topology
 def resume_candidate(cfg: Config) -> Path | None:
     """The checkpoint ``checkpoint.resume`` will load, None for a fresh start (read-only:
     nothing is removed; the path is checked when it is loaded)."""
-    mode = cfg.checkpoint.resume
-    if mode == "none":
-        return None
-    if mode == "auto":
-        return latest_complete(checkpoint_root(cfg.run_dir))
-    return Path(mode)
+    return plan_resume(cfg.checkpoint.resume, checkpoint_root(cfg.run_dir)).path
 
 
 def will_resume(cfg: Config) -> bool:
@@ -40,9 +41,12 @@ def will_resume(cfg: Config) -> bool:
     return resume_candidate(cfg) is not None
 
 
-def check_fresh_start(cfg: Config) -> None:
-    """Refuse ``checkpoint.resume=none`` where run_dir already holds a complete checkpoint
-    (``ConfigError``). Read-only; call before any process group starts."""
+def check_start(cfg: Config, reset_optimizer: bool = False) -> None:
+    """Refuse what cannot start (``ConfigError``; read-only, before any process group starts):
+    ``checkpoint.resume=none`` where run_dir already holds a complete checkpoint, and a resume
+    whose config contradicts the checkpoint's (every key with both values; the keys of
+    :data:`~moetrain.checkpoint.compat.UNRESHARDABLE_KEYS` may change with
+    ``reset_optimizer``)."""
     root = checkpoint_root(cfg.run_dir)
     if cfg.checkpoint.resume == "none" and (earlier := latest_complete(root)) is not None:
         raise ConfigError(
@@ -50,6 +54,22 @@ def check_fresh_start(cfg: Config) -> None:
             f"{earlier.name}); a fresh run would save among them and checkpoint.keep_last would "
             "delete its own first ones. Use another run_dir, resume that run "
             "(checkpoint.resume=auto), or remove those checkpoints"
+        )
+    path = resume_candidate(cfg)
+    if path is None or not is_complete(path):
+        return  # (an incomplete checkpoint.resume=PATH is refused when it is looked for)
+    state = TrainerState.read(path)
+    tokenizer = prepared_tokenizer_sha256(cfg.data)
+    conflicts = resume_conflicts(cfg, state.config, state.tokenizer_sha256, tokenizer)
+    if reset_optimizer:
+        conflicts = [c for c in conflicts if not c.startswith(UNRESHARDABLE_KEYS)]
+    if conflicts:
+        raise ConfigError(
+            f"checkpoint.resume: {path} cannot be continued with this config:\n  "
+            + "\n  ".join(conflicts)
+            + "\nset them as the checkpoint has them (what a resume may change is in "
+            "docs/CHECKPOINTS.md), or start a new run from its weights with "
+            f"checkpoint.init_from={path}"
         )
 
 
@@ -74,6 +94,11 @@ def choose_start(
     resume = checkpointer.find_resume()
     if not checkpointer.topo.is_main:
         return resume
+    if resume is not None:
+        state = TrainerState.read(resume)
+        note = mtp_chain_note(state.config, state.mtp_chain)
+        if note is not None:
+            printer(f"warning: {resume}: {note}")
     init = cfg.checkpoint.init_from
     if resume is not None and init:
         printer(

@@ -186,11 +186,16 @@ def _biases(model: torch.nn.Module) -> list[list[float]]:
     ]
 
 
-def reference_run(variant: str | None = None, capacity_groups: int = 1) -> dict[str, Any]:
+def reference_run(
+    variant: str | None = None, capacity_groups: int = 1, rows_reversed: bool = False
+) -> dict[str, Any]:
     """One process, plain torch (no DeepSpeed), per-expert loop experts: the simplest reference.
 
     ``capacity_groups``: how many expert-parallel groups the layout splits each global
     micro-batch into (world / ep_size); each decides capacity over its own tokens.
+    ``rows_reversed``: the rows of every micro-batch in reverse order -- the same function, with every sum over tokens taken in another order:
+    the run differs from the plain one by rounding alone (the rounding floor of the parity
+    tests).
     """
     from moetrain.model.moe.dispatch import LocalDispatcher
     from moetrain.model.transformer import Transformer
@@ -217,6 +222,8 @@ def reference_run(variant: str | None = None, capacity_groups: int = 1) -> dict[
         for router in routers:
             router.begin_step()
         for batch in global_batches(step):
+            if rows_reversed:  # (each capacity group's rows stay one group)
+                batch = {k: v.flip(0) for k, v in batch.items()}
             weight = cfg.model.mtp_weight(step + 1)
             out = model(batch["input_ids"], None, batch["labels"], mtp_weight=weight)
             (out.loss / ACCUM).backward()
@@ -310,14 +317,16 @@ def reference_key(world: int, layout: tuple) -> str:
 def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
     """Run every ``(ep_size, zero_stage[, variant])`` in ``layouts`` on this group; the world-1
     job also runs the references (plain torch, one process): the base one, those of
-    :data:`REFERENCES` and capacity's."""
+    :data:`REFERENCES` and capacity's, and of each its rows-reversed twin (``twin_<key>``: the
+    rounding floor)."""
     out: dict[str, Any] = {}
     if world == 1:
-        out["reference"] = reference_run()
-        for variant in REFERENCES:
-            out[f"reference_{variant}"] = reference_run(variant)
-        for groups in (1, 2):
-            out[f"reference_capacity_g{groups}"] = reference_run("capacity", groups)
+        runs = {"reference": (None, 1)}
+        runs |= {f"reference_{variant}": (variant, 1) for variant in REFERENCES}
+        runs |= {f"reference_capacity_g{g}": ("capacity", g) for g in (1, 2)}
+        for key, (variant, groups) in runs.items():
+            out[key] = reference_run(variant, groups)
+            out[f"twin_{key}"] = reference_run(variant, groups, rows_reversed=True)
     for layout in layouts:
         ep, stage, *variant = layout
         extra = {}

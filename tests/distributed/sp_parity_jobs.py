@@ -51,7 +51,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Llama 4's pieces: the NoPE layer's temperature at the whole rows' positions, chunks
     # across the slices and cut at the documents
     "llama4": PARITY_VARIANTS["llama4"],
+    # gpt-oss's: sinks, a sliding window (6) whose reach crosses the slices, every bias
+    "gptoss": PARITY_VARIANTS["gptoss"],
+    # drops at capacity factor 1, counted over the EP group's whole rows
+    "capacity": PARITY_VARIANTS["capacity"],
 }
+# the world-1 job's references (plain torch): the base model's and these variants'
+REFERENCES = (None, "mla", "gptoss", "capacity")
 
 
 def sp_config(world: int, sp: int, ep: int, stage: int, variant: str | None = None) -> Config:
@@ -119,7 +125,7 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
     routers = [m.router for m in model.moe_layers()]
     params = dict(model.named_parameters())
     names = [n for n in GRAD_NAMES if n in params]
-    losses, norms, grads = [], [], {}
+    losses, norms, grads, dropped = [], [], {}, 0
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         total, loads = 0.0, None
@@ -131,6 +137,7 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
             for router in routers:
                 router.end_micro_batch()
             total += float(out.loss.detach()) / ACCUM
+            dropped += sum(int(m.dropped) for m in out.moe)
             step_loads = torch.stack([m.tokens_per_expert_E for m in out.moe])
             loads = step_loads if loads is None else loads + step_loads
         if step == 0:
@@ -142,7 +149,13 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
             router.update_bias(load)
         losses.append(total)
         norms.append(float(norm))
-    return {"losses": losses, "norms": norms, "grads": grads, "biases": _biases(model)}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "biases": _biases(model),
+        "dropped": dropped,
+    }
 
 
 def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
@@ -193,15 +206,15 @@ def layouts_job(
     rank: int, world: int, layouts: list[tuple], references: tuple[str, ...] | None = None
 ) -> dict[str, Any]:
     """Run every ``(sp, ep, stage[, variant])`` of ``layouts`` on this group; the world-1 job
-    runs the references (plain torch, one process): the base and MLA ones, or those of the
+    runs the references (plain torch, one process): :data:`REFERENCES`, or those of the
     variants ``references`` only."""
     out: dict[str, Any] = {}
     if world == 1 and references is not None:
         for variant in references:
             out[f"reference_{variant}"] = reference_run(variant)
     elif world == 1:
-        out["reference"] = reference_run()
-        out["reference_mla"] = reference_run("mla")
+        for variant in REFERENCES:
+            out[f"reference_{variant}" if variant else "reference"] = reference_run(variant)
     for layout in layouts:
         sp, ep, stage, *variant = layout
         cfg = sp_config(world, sp, ep, stage, variant[0] if variant else None)

@@ -32,6 +32,19 @@ does.
 This proves: no EP-scaled expert gradients, a correct global clipping norm under EP at every
 stage (moetrain's own at stage 0, where DeepSpeed's is wrong: the control run shows it), global
 aux-loss statistics, the same dropped copies, and an identical aux-loss-free bias on every rank.
+
+Rounding and systematic errors told apart: fp32 kernels round differently at different batch
+splits and summation orders, so every per-step loss, norm and gradient differs from the
+reference by rounding (about 1e-7 of it here; more on some hosts) under the per-step bound
+``REL``. A systematic error of 1e-6 (a balancing loss over a slightly wrong scope, a token
+missed in a reduction) would hide there. It cannot hide in the statistics that rounding
+averages out of: the mean relative difference over the steps (losses, norms) and the first
+step's gradient bias (each tensor's least-squares relative scale against the reference). These
+are held to ``FLOOR_FACTOR`` times this host's rounding floor, measured in the same run: each
+reference against its twin, the same function with every micro-batch's rows in reverse order
+(every sum over tokens in another order, nothing else). The negative control shifts a layout's
+losses, norms and gradients by 1e-6 and must be caught: where the floor cannot resolve that,
+the test fails saying so rather than passing blind.
 """
 
 from __future__ import annotations
@@ -110,6 +123,7 @@ LAYOUTS = [
     for lay in lays
 ]
 REL = 1e-5
+FLOOR_FACTOR, MIN_TOL, SYSTEMATIC = 3.0, 1e-7, 1e-6
 
 
 def _key(layout: tuple) -> str:
@@ -236,3 +250,71 @@ def test_deepspeed_stage0_norm_is_wrong_under_ep(results, reference, world: int,
             # deterministic: about 2e-4 here (dense gradients dominate the norm), i.e. far
             # outside the parity tolerance that moetrain's own norm meets
             assert err > 10 * REL, f"DeepSpeed's stage-0 norm {ds_norm} unexpectedly right"
+
+
+def _signed(a: list[float], b: list[float]) -> list[float]:
+    return [(x - y) / abs(y) for x, y in zip(a, b, strict=True)]
+
+
+def _grad_bias(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], lo: int, hi: int):
+    """The largest per-tensor least-squares relative scale ``<g - r, r> / <r, r>`` (this rank's
+    experts of the expert tensors)."""
+    worst = 0.0
+    for name, want in ref.items():
+        r = (want[lo:hi] if ".experts." in name else want).double()
+        g = grads[name].double()
+        worst = max(worst, abs(float(((g - r) * r).sum() / (r * r).sum())))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def floor(results) -> dict[str, float]:
+    """This host's rounding floor: over every reference and its rows-reversed twin, the RMS over
+    the steps of the relative difference of the losses and of the norms, and the first step's
+    gradient bias."""
+    runs = results[1][0]
+    out = {"losses": 0.0, "norms": 0.0, "grads": 0.0}
+    for key in [k for k in runs if k.startswith("twin_")]:
+        twin, ref = runs[key], runs[key.removeprefix("twin_")]
+        for q in ("losses", "norms"):
+            d = _signed(twin[q], ref[q])
+            out[q] = max(out[q], (sum(x * x for x in d) / len(d)) ** 0.5)
+        out["grads"] = max(out["grads"], _grad_bias(twin["grads"], ref["grads"], 0, None))
+    return out
+
+
+def check_no_systematic_difference(run: dict, reference: dict, floor: dict[str, float]) -> None:
+    """The mean relative difference over the steps (losses, norms) and the first step's gradient
+    bias within ``FLOOR_FACTOR`` x the rounding floor (at least ``MIN_TOL``)."""
+    for q in ("losses", "norms"):
+        mean = sum(_signed(run[q], reference[q])) / len(reference[q])
+        tol = max(FLOOR_FACTOR * floor[q], MIN_TOL)
+        assert abs(mean) <= tol, f"{q}: mean relative difference {mean:.2e} > {tol:.2e}"
+    bias = _grad_bias(run["grads"], reference["grads"], *run["experts"])
+    tol = max(FLOOR_FACTOR * floor["grads"], MIN_TOL)
+    assert bias <= tol, f"first-step gradient bias {bias:.2e} > {tol:.2e}"
+
+
+@pytest.mark.parametrize("world,layout", LAYOUTS)
+def test_no_systematic_difference(results, floor, world: int, layout: tuple) -> None:
+    reference = _reference(results, world, layout)
+    for rank, res in enumerate(results[world]):
+        try:
+            check_no_systematic_difference(res[_key(layout)], reference, floor)
+        except AssertionError as e:
+            raise AssertionError(f"rank {rank}: {e} (floor {floor})") from None
+
+
+def test_a_systematic_error_of_1e6_is_caught(results, floor) -> None:
+    """Negative control: dp=2 x ep=2 ZeRO-2's losses, norms or first-step gradients shifted by
+    1e-6 (each alone) fail the check that the unshifted run passes, on this host's floor."""
+    run, reference = results[4][0][_key((2, 2))], results[1][0]["reference"]
+    check_no_systematic_difference(run, reference, floor)
+    shifted = {
+        "losses": [x * (1 + SYSTEMATIC) for x in run["losses"]],
+        "norms": [x * (1 + SYSTEMATIC) for x in run["norms"]],
+        "grads": {k: g * (1 + SYSTEMATIC) for k, g in run["grads"].items()},
+    }
+    for q, value in shifted.items():
+        with pytest.raises(AssertionError, match=q if q != "grads" else "gradient bias"):
+            check_no_systematic_difference({**run, q: value}, reference, floor)

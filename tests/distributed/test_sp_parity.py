@@ -6,8 +6,11 @@ active every step, fp32, against one plain torch process on the whole batch
 (``sp_parity_jobs.reference_run``; no DeepSpeed, no process group). Layouts:
 
 - world 2: sp=2 (ep 1) at ZeRO-0, sp=2 with ep=2 on the same ranks at ZeRO-2 and, with
-  activation checkpointing (the exchanges run again in backward), at ZeRO-1, and multi-head
-  latent attention at sp=2 (ep 1 ZeRO-1, ep 2 ZeRO-0);
+  activation checkpointing (the exchanges run again in backward), at ZeRO-1, multi-head
+  latent attention at sp=2 (ep 1 ZeRO-1, ep 2 ZeRO-0), gpt-oss's attention sinks with a
+  sliding window that crosses the slices (sp=2 x ep=2 ZeRO-1), and a capacity factor that drops
+  copies (sp=2 x ep=2 ZeRO-2: the EP group holds whole rows, so it drops what one process
+  does; over slices of rows it would not, and the config refuses that);
 - world 4: dp=2 x sp=2 with ep=2 at ZeRO-1, and sp=4 x ep=2 at ZeRO-0, where the
   model's 2 key/value heads are repeated to 4 so that each rank gets the one its query head uses;
 - with -m long, Llama 4's pieces (``parity_jobs.VARIANTS["llama4"]``) at sp=2 x ep=2 ZeRO-1
@@ -45,7 +48,16 @@ pytestmark = pytest.mark.slow
 BF16 = {1: (1, 1, 1, "bf16"), 2: (2, 2, 2, "bf16")}  # the bf16 reference, the bf16 layout
 JOBS = {
     1: [BF16[1]],
-    2: [(2, 1, 0), (2, 2, 2), (2, 2, 1, "ckpt"), (2, 1, 1, "mla"), (2, 2, 0, "mla"), BF16[2]],
+    2: [
+        (2, 1, 0),
+        (2, 2, 2),
+        (2, 2, 1, "ckpt"),
+        (2, 1, 1, "mla"),
+        (2, 2, 0, "mla"),
+        (2, 2, 1, "gptoss"),
+        (2, 2, 2, "capacity"),
+        BF16[2],
+    ],
     4: [(2, 2, 1), (4, 2, 0)],
 }
 LAYOUTS = [(w, lay) for w, lays in JOBS.items() for lay in lays if "bf16" not in lay]
@@ -62,7 +74,7 @@ def results() -> dict[int, list[dict]]:
 
 
 def _reference(results: dict[int, list[dict]], layout: tuple) -> dict:
-    variant = next((v for v in ("mla", "llama4") if v in layout), None)
+    variant = next((v for v in ("mla", "llama4", "gptoss", "capacity") if v in layout), None)
     return results[1][0][f"reference_{variant}" if variant else "reference"]
 
 
@@ -82,6 +94,7 @@ def test_documents_cross_the_slices() -> None:
 
 
 def test_reference_clips_and_documents_matter(results) -> None:
+    assert results[1][0]["reference_capacity"]["dropped"] > 0  # the capacity case drops
     for key in ("reference", "reference_mla"):
         ref = results[1][0][key]
         assert min(ref["norms"]) > 1.5 * sp_config(1, 1, 1, 0).optim.grad_clip

@@ -1,8 +1,10 @@
 """Spawn real ranks on CPU with gloo: ``run_distributed(fn, world_size, *args)``.
 
 ``fn(rank, world_size, *args)`` runs in a fresh process per rank with the default process
-group initialised (gloo, a free local port, RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set, one
-thread). Returns the list of the ranks' return values (picklable), in rank order. An exception
+group initialised (gloo, RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set, one thread). The group's
+store is a TCPStore server the parent binds on port 0 (the kernel picks a free port and the
+server holds it from then on) and keeps until every rank has ended; the ranks join it as
+clients, so nothing chooses a port that another process could take first. Returns the list of the ranks' return values (picklable), in rank order. An exception
 on any rank fails the call with that rank's traceback; the process group is destroyed in
 ``finally``. ``fn`` must be importable by module name (a module-level function of a module
 under ``tests``, e.g. ``tests.distributed.parity_jobs``): spawned ranks unpickle it.
@@ -24,12 +26,11 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from tests.helpers.ports import free_port
-
 
 def _worker(
     rank: int, world_size: int, port: int, queue: Any, fn: Callable[..., Any], args: tuple
 ) -> None:
+    """Rank ``rank``: join the parent's store on ``port``, start the group, run ``fn``."""
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -43,9 +44,11 @@ def _worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    timeout = timedelta(seconds=300)
     try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300)
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()  # tensors travel as bytes, not as shared-memory handles
@@ -62,9 +65,20 @@ def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks."""
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = free_port()
+    # bound on port 0 here and kept until the ranks are gone: no port race
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+    )
+    port = store.port
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, queue, fn, args), daemon=False)
         for r in range(world_size)
@@ -100,6 +114,7 @@ def run_distributed(
         if p.is_alive():
             p.kill()
             p.join()
+    del store  # (the server closes once the ranks are gone)
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]

@@ -16,7 +16,7 @@ from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.init_from.source import open_init_source, resolve_config_data
 from moetrain.init_from.weights import build_model
 from moetrain.parallel.topology import Topology
-from moetrain.train.start import check_fresh_start, open_start, will_resume
+from moetrain.train.start import check_start, open_start, will_resume
 from tests.helpers.configs import tiny_args
 from tests.helpers.hf_models import MOE_FAMILIES, save_hf_model
 
@@ -372,12 +372,12 @@ def test_a_fresh_start_over_an_earlier_runs_checkpoints_is_refused(hf_dirs, tmp_
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
     cfg, _ = resolved("checkpoint.resume=none", f"run_dir={run_dir}")
     with pytest.raises(ConfigError, match=r"checkpoint.resume=none: .*\(newest step_00000003\)"):
-        check_fresh_start(cfg)
+        check_start(cfg)
     with pytest.raises(ConfigError, match="checkpoint.resume=none"):
         run_training(cfg)
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
     cfg, _ = resolved("checkpoint.resume=none", f"run_dir={tmp_path / 'other'}")
-    check_fresh_start(cfg)  # an empty run_dir starts fresh
+    check_start(cfg)  # an empty run_dir starts fresh
 
 
 def test_a_resuming_run_does_not_open_its_init_from(hf_dirs, tmp_path) -> None:

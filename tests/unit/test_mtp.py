@@ -15,16 +15,24 @@ from tests.helpers.configs import tiny_config
 
 
 def build(depth: int = 2, seed: int = 0, **kw) -> Transformer:
+    """The tiny model with ``depth`` MTP modules; norms not 1 (with unit weights a norm of a
+    normed state is the norm of the state, and the chaining would not show)."""
     cfg = tiny_config(model__mtp_depth=depth, model__loss_chunk_tokens=0, **kw)
     torch.manual_seed(seed)
-    return Transformer(cfg.model, cfg.moe)
+    model = Transformer(cfg.model, cfg.moe)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
 
 
 def reference_depth_sums(model: Transformer, ids_S: torch.Tensor, labels_S: torch.Tensor):
     """Per depth k: (summed cross-entropy, count) over one document, the equations as written:
     h'_i = M_k [RMSNorm(h^{k-1}_i) ; RMSNorm(Emb(t_{i+k}))] for i < S - k (embedding first in
-    M_k's columns, as the released weights), h^k = TRM_k(h'), P = OutHead(h^k) against
-    t_{i+k+1}, which is labels[i + k]."""
+    M_k's columns, as the released weights), h^k = TRM_k(h') after the shared head's norm (as
+    transformers' MtpModel chains it), P = OutHead(h^k) against t_{i+k+1}, which is
+    labels[i + k]."""
     n = model.cfg.n_layers
     s = ids_S.shape[0]
     emb_SD = model.embed(ids_S)
@@ -42,8 +50,8 @@ def reference_depth_sums(model: Transformer, ids_S: torch.Tensor, labels_S: torc
         joined = torch.cat([block.enorm(emb_SD[k:]), block.hnorm(h_SD[:m])], dim=-1)
         x_MD = joined @ block.eh_proj.weight.T
         y, _ = block(x_MD[None], MixerInputs(cos[:m], sin[:m]))
-        h_SD = y[0]
-        logits = block.head_norm(h_SD) @ model.lm_head.weight.T
+        h_SD = block.head_norm(y[0])
+        logits = h_SD @ model.lm_head.weight.T
         loss = F.cross_entropy(logits.float(), labels_S[k:], reduction="sum")
         out.append((loss, m))
     return out
@@ -83,10 +91,12 @@ def test_mtp_targets_never_cross_a_document_boundary():
 def test_chunked_loss_and_full_logits_agree_with_mtp():
     torch.manual_seed(3)
     ids, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-    full = build(depth=1).eval()(ids, labels_BS=labels)
+    model = build(depth=1).eval()
+    full = model(ids, labels_BS=labels)
     cfg = tiny_config(model__mtp_depth=1, model__loss_chunk_tokens=5)
-    torch.manual_seed(0)
-    chunked = Transformer(cfg.model, cfg.moe).eval()(ids, labels_BS=labels, return_logits=False)
+    chunked_model = Transformer(cfg.model, cfg.moe).eval()
+    chunked_model.load_state_dict(model.state_dict())
+    chunked = chunked_model(ids, labels_BS=labels, return_logits=False)
     torch.testing.assert_close(chunked.mtp_losses[0], full.mtp_losses[0], rtol=1e-6, atol=1e-6)
 
 
@@ -108,6 +118,18 @@ def test_mtp_trains_the_main_model_and_leaves_inference_alone():
     assert len(out.moe) == 3  # two decoder layers and the MTP block are MoE
 
 
+def test_no_position_past_the_row_end_reaches_an_mtp_moe():
+    """Depth k's MoE routes the S - k positions whose input token is in the row: its loads,
+    balancing loss and capacity count no padding (the depth's loss is unchanged)."""
+    model = build(depth=2).eval()
+    torch.manual_seed(5)
+    ids, labels = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12))
+    out = model(ids, labels_BS=labels)
+    top_k = model.moe_cfg.top_k
+    loads = [int(stats.tokens_per_expert_E.sum()) for stats in out.moe]
+    assert loads == [2 * 12 * top_k] * 2 + [2 * 11 * top_k, 2 * 10 * top_k]
+
+
 def test_mtp_weight_per_phase_and_its_keys():
     cfg = tiny_config(
         model__mtp_depth=1, model__mtp_loss_weight_final=0.1, model__mtp_loss_weight_final_step=5
@@ -117,3 +139,6 @@ def test_mtp_weight_per_phase_and_its_keys():
         tiny_config(model__mtp_depth=1, model__mtp_loss_weight_final=0.1)
     with pytest.raises(ConfigError, match="model.mtp_depth"):
         tiny_config(model__mtp_depth=-1)
+    # the final weight weights nothing without MTP modules
+    with pytest.raises(ConfigError, match=r"model\.mtp_loss_weight_final: .*model\.mtp_depth > 0"):
+        tiny_config(model__mtp_loss_weight_final=0.1, model__mtp_loss_weight_final_step=5)

@@ -14,7 +14,14 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from moetrain.config import ConfigError, ModelConfig
 from moetrain.model import Transformer
-from moetrain.model.rope import model_rope_tables, rope_tables, softmax_mscale, yarn_mscale
+from moetrain.model.rope import (
+    model_rope_tables,
+    rope_tables,
+    softmax_mscale,
+    yarn_attention_factor,
+    yarn_inv_freq,
+    yarn_mscale,
+)
 from tests.helpers.configs import tiny_config
 
 
@@ -47,6 +54,8 @@ CASES = [  # head dim, the YaRN keys (moetrain's rope_<key>; transformers' names
     (32, dict(factor=2.0, original_max_seq_len=64, beta_fast=24.0, beta_slow=2.0)),
     (64, dict(factor=4.0, original_max_seq_len=32768, mscale=0.8)),  # mscale alone
     (16, dict(factor=1.0, original_max_seq_len=64)),
+    # Kimi K2 as released: equal bounds (a one-dim ramp between the floored and ceiled dims)
+    (64, dict(factor=32.0, original_max_seq_len=4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0)),
 ]
 
 
@@ -61,6 +70,39 @@ def test_yarn_tables_equal_transformers(dim: int, keys: dict) -> None:
     cos, sin = model_rope_tables(cfg)
     torch.testing.assert_close(cos, want_cos, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(sin, want_sin, rtol=1e-6, atol=1e-6)
+
+
+# a beta whose correction dim is whole (8.0 exactly): floor == ceil with truncation
+WHOLE_DIM_BETA = 4096 / (2 * math.pi * 2**8)
+
+
+@pytest.mark.parametrize(
+    ("dim", "original", "theta", "beta", "truncate"),
+    [
+        (64, 4096, 50000.0, 1.0, True),  # Kimi K2's rotary dims, theta, context and betas
+        (64, 4096, 50000.0, 1.0, False),  # the bounds coincide
+        (32, 4096, 65536.0, WHOLE_DIM_BETA, True),  # floor and ceil of a whole dim coincide
+    ],
+)
+def test_yarn_equal_betas_compute_what_transformers_computes(
+    dim: int, original: int, theta: float, beta: float, truncate: bool
+) -> None:
+    """``beta_fast == beta_slow`` (Kimi K2, K2-Thinking, K2.5's text tower): the ramp between
+    equal bounds, bit for bit transformers' ``_compute_yarn_parameters`` (where the bounds
+    coincide both widen the ramp by 0.001)."""
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    keys = dict(rope_factor=32.0, rope_beta_fast=beta, rope_beta_slow=beta, rope_truncate=truncate)
+    cfg = _yarn_cfg(dim, rope_theta=theta, rope_original_max_seq_len=original, **keys)
+    rope = {"rope_type": "yarn", "rope_theta": theta, "factor": 32.0, "truncate": truncate}
+    rope |= {"beta_fast": beta, "beta_slow": beta, "original_max_position_embeddings": original}
+    hc = LlamaConfig(hidden_size=4 * dim, num_attention_heads=4, rope_parameters=rope)
+    want, factor = _compute_yarn_parameters(hc)
+    got = yarn_inv_freq(dim, theta, 32.0, original, beta, beta, truncate=truncate)
+    assert torch.equal(got, want)
+    assert yarn_attention_factor(cfg) == factor
+    plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    assert not torch.allclose(got, plain) and not torch.allclose(got, plain / 32)  # a ramp
 
 
 def test_yarn_factor_one_is_plain_rope_and_mscale_needs_mscale_all_dim() -> None:
@@ -119,8 +161,8 @@ def test_interleaved_pairs_are_the_half_layout_with_permuted_rows() -> None:
         ({"model.rope_factor": None}, "model.rope_factor"),
         ({"model.rope_original_max_seq_len": None}, "model.rope_original_max_seq_len"),
         ({"model.rope_original_max_seq_len": 0}, "model.rope_original_max_seq_len"),
-        ({"model.rope_beta_fast": 1.0}, "model.rope_beta_fast"),  # not above beta_slow (1)
-        ({"model.rope_beta_fast": 4.0, "model.rope_beta_slow": 4.0}, "model.rope_beta_fast"),
+        ({"model.rope_beta_fast": 0.5}, "model.rope_beta_fast"),  # below beta_slow (1)
+        ({"model.rope_beta_fast": 4.0, "model.rope_beta_slow": 8.0}, "model.rope_beta_fast"),
         ({"model.rope_beta_slow": 0.0}, "model.rope_beta_slow"),
         ({"model.rope_mscale": 0.0}, "model.rope_mscale"),
         ({"model.rope_mscale_all_dim": -1.0}, "model.rope_mscale_all_dim"),
@@ -222,6 +264,13 @@ def test_longrope_refuses_sequences_past_the_original_context_by_key() -> None:
         tiny_config(TINY_LONGROPE, {"model.rope_long_factor": None})
     with pytest.raises(ConfigError, match=r"model\.rope_short_factor"):
         tiny_config({"model.rope_short_factor": [1.0] * 4})  # (without longrope)
+
+
+@pytest.mark.parametrize("key", ["model.rope_short_factor", "model.rope_long_factor"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0.0, -1.0])
+def test_longrope_factors_must_be_positive_and_finite(key: str, bad: float) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.") + ": .*positive finite"):
+        tiny_config(TINY_LONGROPE, {key: [1.0, 1.0, bad, 1.0]})
 
 
 def test_rope_tables_are_built_for_the_positions_used() -> None:

@@ -34,11 +34,24 @@ def test_sp_size_default_is_one_and_valid() -> None:
         ),
         ({"parallel.sp_size": 2, "moe.aux_loss_scope": "sequence"}, r"moe\.aux_loss_scope"),
         ({"parallel.sp_size": 2, "model.mtp_depth": 1}, r"model\.mtp_depth"),
+        # capacity over slices of rows (tests/distributed/test_sp_parity.py: whole rows exact)
+        (
+            {"parallel.sp_size": 2, "moe.capacity_factor": 1.0},
+            r"moe\.capacity_factor: .*parallel\.ep_size=1 are slices of rows",
+        ),
+        (
+            {"parallel.sp_size": 4, "parallel.ep_size": 2, "moe.capacity_factor": 1.0},
+            r"moe\.capacity_factor",
+        ),
     ],
 )
 def test_refused_by_key(settings: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         tiny_config(settings)
+
+
+def test_a_capacity_factor_over_whole_rows_is_allowed() -> None:
+    tiny_config({"parallel.sp_size": 2, "parallel.ep_size": 2, "moe.capacity_factor": 1.0})
 
 
 def test_what_sp_1_allows_is_unchanged() -> None:

@@ -217,7 +217,10 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     "model.residual_multiplier": {1.0: "does not scale the residual branches"},
     "model.logits_scaling": {1.0: "does not scale the logits"},
     "model.attention_scale": {None: "scales attention by 1 / sqrt(head_dim)"},
-    "model.mtp_depth": {0: "files hold no multi-token-prediction layers"},
+    "model.mtp_depth": {
+        0: "files hold no multi-token-prediction layers (convert --drop-mtp exports the model "
+        "without them: they do not change its function)"
+    },
     "moe.capacity_factor": {0.0: "is dropless (tokens over capacity would be dropped only here)"},
     "moe.router_type": {"topk": "routes top-k", "sparsemixer": "routes with sparsemixer"},
     "moe.score_func": {"softmax": "routes with softmax", "sigmoid": "routes with sigmoid"},
