@@ -44,6 +44,8 @@ def _sharpened(model: Transformer) -> Transformer:
 
 def _model(fmt: str, **model_keys) -> tuple[Transformer, object]:
     extra = {f"model.{k}": v for k, v in model_keys.items()}
+    if model_keys.get("index_stage") == "dense_warmup":  # the indexers alone: no ZeRO optimizer
+        extra["parallel.zero_stage"] = 0
     cfg = tiny_cfg(fmt, extra)
     return _sharpened(model_for(cfg)), cfg
 
