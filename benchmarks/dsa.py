@@ -179,9 +179,7 @@ def main() -> None:
         f"v {V}, indexer {HI} heads of {DI}, fp32, 1 thread; median of {args.rounds} "
         "alternating rounds\n"
     )
-    header = "| S | " + " | ".join(
-        f"{p} k={k}" if p != "mla" else "dense MLA" for p, k in cases
-    )
+    header = "| S | " + " | ".join(f"{p} k={k}" if p != "mla" else "dense MLA" for p, k in cases)
     print(header + f" | transformers k={args.hf_topk} |")
     print("|---|" + "---:|" * (len(cases) + 1))
     for key, unit in (("s", "s"), ("mib", "MiB")):

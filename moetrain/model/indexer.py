@@ -49,7 +49,11 @@ class LightningIndexer(nn.Module):
     def matrices(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         """Its weight matrices, ``name -> (in, out)``."""
         h, d = cfg.index_n_heads, cfg.index_head_dim
-        return {"wq_b": (cfg.q_lora_rank, h * d), "wk": (cfg.d_model, d), "weights_proj": (cfg.d_model, h)}
+        return {
+            "wq_b": (cfg.q_lora_rank, h * d),
+            "wk": (cfg.d_model, d),
+            "weights_proj": (cfg.d_model, h),
+        }
 
     def keys(self, x_BSD: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
         """Every token's rotated key (B, S, Di), in x's dtype (what a cache keeps)."""

@@ -7,13 +7,16 @@ KL reaches only them), their metrics, and the config refused by key."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from moetrain.config import ConfigError
+from moetrain.convert.formats import config_from_hf, hf_config
 from moetrain.generate import generate_ids
-from moetrain.model import Transformer
+from moetrain.model import Transformer, sparse_index
 from moetrain.model.mixers import MixerInputs
 from moetrain.model.mixers.mla import LatentCache
 from moetrain.model.rope import model_rope_tables
@@ -21,7 +24,7 @@ from moetrain.parallel.apply import checkpoint_blocks
 from moetrain.plan import attention_bytes_per_token
 from tests.helpers.configs import tiny_config
 from tests.helpers.convert_cases import load_hf, model_for, tiny_cfg
-from tests.helpers.memory import saved_storages
+from tests.helpers.memory import LargestTensor, saved_storages
 
 transformers = pytest.importorskip("transformers")
 
@@ -277,3 +280,49 @@ def test_the_warmup_runs_at_zero_stage_0_where_the_model_has_experts() -> None:
     assert tiny_config(DSA, warmup, {"parallel.zero_stage": 0}).model.index_stage == "dense_warmup"
     dense = {"moe.first_k_dense": 2}  # no MoE layer: ZeRO-1/2 hold the indexers alone
     assert tiny_config(DSA, warmup, dense, {"parallel.zero_stage": 2}).parallel.zero_stage == 2
+
+
+@pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "control-one-block"])
+def test_no_s_by_s_tensor_exists_in_a_sparse_training_step(monkeypatch, blocked: bool) -> None:
+    """Forward and backward of sparse training at S = 2048 over two documents (index scores,
+    masks, selection, KL, gradients): no operator returns a tensor of S * S / 2 values or more.
+    Control: with one block of queries for the whole row (no memory bound), the index scores
+    are (B, S, Hi, S), which the check catches."""
+    s = 2048
+    if not blocked:
+        monkeypatch.setattr(sparse_index, "BLOCK_VALUES", 1 << 40)
+    cfg = tiny_config(DSA, {"model.n_layers": 1, "model.max_seq_len": s, "data.seq_len": s})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.moe).train()
+    ids = torch.randint(0, 64, (1, s))
+    doc_ids = (torch.arange(s) >= s // 3).long()[None]
+    with LargestTensor() as largest:
+        out = model(ids, labels_BS=ids, doc_ids_BS=doc_ids, return_logits=False)
+        out.loss.backward()
+    assert out.mixer_losses[0].metrics["kl"] > 0
+    if blocked:
+        assert largest.numel < s * s // 2, (largest.op, largest.shape)
+    else:
+        assert largest.numel >= s * s, (largest.op, largest.shape)
+
+
+GLM5 = Path(__file__).parents[1] / "fixtures" / "released_configs" / "glm_moe_dsa" / "GLM-5.json"
+
+
+@pytest.mark.parametrize(
+    ("keys", "types"),
+    [
+        ({}, None),  # as released: every layer runs its own indexer
+        ({"index_topk_freq": 2}, ["full", "full", "shared", "full", "shared", "full"]),
+        ({"index_topk_pattern": "FSSFFS"}, ["full", "shared", "shared", "full", "full", "shared"]),
+    ],
+    ids=["released", "freq", "pattern"],
+)
+def test_glm5_indexer_placement_per_layer_imports_and_exports(keys: dict, types) -> None:
+    """GLM-MoE-DSA's placement keys (``indexer_types``, or the schedule transformers derives it
+    from) become ``model.indexer_types`` and go back out as transformers reads them."""
+    hf_dict = {**json.loads(GLM5.read_text()), "num_hidden_layers": 6, **keys}
+    cfg = config_from_hf(hf_dict)
+    assert cfg.model.indexer_types == types
+    out = hf_config(cfg, "glm_moe_dsa")
+    assert out.indexer_types == (types or ["full"] * 6)

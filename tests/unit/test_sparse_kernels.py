@@ -161,7 +161,10 @@ def test_selected_kl_is_zero_only_for_equal_distributions() -> None:
     same = torch.softmax(scores.masked_fill(~valid, float("-inf")), -1)
     assert float(selected_kl(same, scores, valid)) == pytest.approx(0.0, abs=1e-12)
     other = torch.tensor([[[0.2, 0.3, 0.5, 0.0]]], dtype=torch.float64)
-    want = sum(float(a) * (torch.log(a) - torch.log(b)) for a, b in zip(other[0, 0, :3], same[0, 0, :3], strict=True))
+    want = sum(
+        float(a) * (torch.log(a) - torch.log(b))
+        for a, b in zip(other[0, 0, :3], same[0, 0, :3], strict=True)
+    )
     assert float(selected_kl(other, scores, valid)) == pytest.approx(want)
 
 

@@ -161,7 +161,9 @@ def _validate_dsa(model: ModelConfig) -> None:
         "must be set with model.index_topk (the indexer reads the query latent)",
     )
     for key in ("index_n_heads", "index_head_dim"):
-        require(getattr(model, key) is not None, f"model.{key}", "must be set with model.index_topk")
+        require(
+            getattr(model, key) is not None, f"model.{key}", "must be set with model.index_topk"
+        )
     require(
         model.index_head_dim >= model.qk_rope_head_dim,
         "model.index_head_dim",

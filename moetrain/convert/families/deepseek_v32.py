@@ -61,7 +61,9 @@ def dsa_from_hf(hf: Any, name: str) -> tuple[ModelConfig, MoEConfig]:
         )
     model.rope_interleave = True
     model.index_topk = hf_config.hf_number(hf, "index_topk", name, integer=True, positive=True)
-    model.index_n_heads = hf_config.hf_number(hf, "index_n_heads", name, integer=True, positive=True)
+    model.index_n_heads = hf_config.hf_number(
+        hf, "index_n_heads", name, integer=True, positive=True
+    )
     model.index_head_dim = hf_config.hf_number(
         hf, "index_head_dim", name, integer=True, positive=True
     )

@@ -45,13 +45,13 @@ from moetrain.model.rope import apply_rope, softmax_mscale
 from moetrain.model.sparse_attention import sparse_latent_attention
 from moetrain.model.sparse_latent import (
     Absorbed,
-    sparse_mixing_flops,
-    sparse_saved_bytes,
     query_keys,
     report_loss,
     run_indexer,
     selection,
     sparse_index_loss,
+    sparse_mixing_flops,
+    sparse_saved_bytes,
     warmup_index_loss,
 )
 
@@ -176,7 +176,9 @@ class MLAttention(TokenMixer):
             mask_B1SS, causal = cache_causal_mask(inputs.pos, s, latent_BSC.device), False
         if self.index_from is not None:
             q_rope_BSHR = q_rope_BHSR.transpose(1, 2)
-            absorbed = Absorbed.of(q_nope_BSHN, q_rope_BSHR, latent_BSC, k_rope_BSR, self.wkv_b.weight)
+            absorbed = Absorbed.of(
+                q_nope_BSHN, q_rope_BSHR, latent_BSC, k_rope_BSR, self.wkv_b.weight
+            )
             dsa = (x_BSD, q_latent_BSQ, absorbed, inputs, state)
             if self.sparse:
                 return self.wo(self._sparse(*dsa).reshape(b, s, -1))
