@@ -127,7 +127,9 @@ def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
     data-parallel rank (each rank's loss is the mean over its own tokens, and the average over
     every rank is the global mean). ZeRO-3 partitions the dense weights over every rank and
     each expert's over its expert-data-parallel group; :func:`check_zero3` says what it
-    refuses. Stage 0 runs fp32 only: the
+    refuses. Sparse attention's dense warm-up runs at stage 0 where the model has MoE layers
+    (its frozen experts leave DeepSpeed's ZeRO-1/2 MoE optimizer nothing to hold). Stage 0 runs
+    fp32 only: the
     bf16/fp16 numerics policy (fp32 gradient accumulation and reduction, exact skipped steps)
     needs DeepSpeed's ZeRO-1/2 optimizers (the stage's range is declared on the field, and
     checked here again for a config changed after loading).
@@ -148,6 +150,15 @@ def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
         raise ConfigError(
             "parallel.shadow_experts: not supported with moe.expert_biases (a replica is sent "
             "its expert's weights, not its biases); set parallel.shadow_experts=0"
+        )
+    warmup = cfg.model.index_stage == "dense_warmup"
+    if warmup and p.zero_stage > 0 and cfg.moe.moe_layers(cfg.model.n_blocks):
+        raise ConfigError(
+            f"parallel.zero_stage: sparse attention's dense warm-up (model.index_stage="
+            f"dense_warmup) trains the indexers alone, every other parameter frozen, and "
+            f"DeepSpeed's ZeRO-{p.zero_stage} optimizer needs trainable expert parameters in "
+            "a model with MoE layers; use parallel.zero_stage=0 (the optimizer then holds only "
+            "the indexers' state: nothing worth partitioning)"
         )
     if p.zero_stage == 0 and t.precision != "fp32":
         raise ConfigError(

@@ -21,7 +21,7 @@ from moetrain.model.doc_attention import Documents
 from moetrain.model.head_exchange import HeadExchange
 from moetrain.model.layers import LayerNorm, RMSNorm, make_norm
 from moetrain.model.loss import LMHead
-from moetrain.model.mixers import MixerInputs, TokenMixer
+from moetrain.model.mixers import MixerInputs, MixerLoss, TokenMixer
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
 from moetrain.model.mtp import MTPBlock, mtp_targets, shift_left
@@ -43,6 +43,9 @@ class TransformerOutput:
     moe: list[MoEOutput] = field(default_factory=list)
     mtp_loss: torch.Tensor | None = None
     mtp_losses: list[torch.Tensor] = field(default_factory=list)
+    # the mixers' own training losses (in ``loss``) with their metrics: sparse attention's
+    # indexer KL (only a training forward with labels computes them)
+    mixer_losses: list[MixerLoss] = field(default_factory=list)
 
 
 class Transformer(nn.Module):
@@ -84,6 +87,11 @@ class Transformer(nn.Module):
         if self.embed.weight.device.type != "meta":  # (a meta model is filled by loading)
             torch.set_rng_state(rng)
             self.init_weights()
+        alone = [m for b in self.layers if b.attn is not None for m in b.attn.trains_alone()]
+        if alone:  # a training stage of some mixer's own parts (their parameters alone train)
+            self.requires_grad_(False)
+            for module in alone:
+                module.requires_grad_(True)
 
     def set_head_exchange(self, ex: HeadExchange | None) -> None:
         """Sequence parallelism (:mod:`moetrain.model.head_exchange`): the model's inputs are
@@ -237,6 +245,10 @@ class Transformer(nn.Module):
         if out.mtp_loss is not None:
             weight = self.cfg.mtp_loss_weight if mtp_weight is None else mtp_weight
             out.loss = out.loss + weight * out.mtp_loss
+        # (a copy: recomputing a checkpointed block in backward reports again)
+        out.mixer_losses = list(inputs.losses)
+        for own in out.mixer_losses:
+            out.loss = out.loss + own.loss
         return out
 
     def _moe_loss(self, moe_outs: list[MoEOutput], like: torch.Tensor) -> torch.Tensor:

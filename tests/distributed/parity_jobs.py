@@ -47,7 +47,27 @@ GRAD_NAMES = (
     "layers.0.attn.A_log",
     "layers.0.attn.dt_bias",
     "layers.0.attn.norm.weight",
+    "layers.0.attn.wq_a.weight",  # latent attention with sparse attention's indexer
+    "layers.1.attn.wkv_b.weight",
+    "layers.0.attn.indexer.wq_b.weight",
+    "layers.0.attn.indexer.k_norm.bias",
+    "layers.1.attn.indexer.weights_proj.weight",
 )
+# DeepSeek sparse attention on latent attention: 4 of up to 16 keys per query
+DSA = {
+    "model.attention": "mla",
+    "model.n_kv_heads": 4,
+    "model.q_lora_rank": 16,
+    "model.kv_lora_rank": 16,
+    "model.qk_nope_head_dim": 8,
+    "model.qk_rope_head_dim": 8,
+    "model.v_head_dim": 8,
+    "model.rope_interleave": True,
+    "model.index_topk": 4,
+    "model.index_n_heads": 4,
+    "model.index_head_dim": 8,
+    "model.index_recall_queries": 4,
+}
 # Routing variants, each combining several settings on top of the base configuration (softmax
 # top-k, gated shared expert, aux-loss-free bias, global micro-batch balance statistics).
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -117,9 +137,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.attention_output_gate": True,
         "model.zero_centered_norm": True,
     },
+    # DeepSeek sparse attention's sparse stage: the second layer attends to the first's
+    # selection (GLM-5's shared indexer), the indexer trains on its KL alongside
+    "dsa": {**DSA, "model.indexer_types": ["full", "shared"]},
+    # its dense warm-up: the indexers alone train (every other parameter frozen)
+    "dsa_warmup": {**DSA, "model.index_stage": "dense_warmup"},
 }
 # the variants whose one reference the world-1 job computes (capacity has one per group count)
-REFERENCES = ("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid")
+REFERENCES = ("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "dsa", "dsa_warmup")
 
 
 def parity_config(world: int, ep: int, stage: int, **extra: Any) -> Config:
@@ -203,7 +228,7 @@ def reference_run(
     sched = LRSchedule(opt, o, STEPS, 0)
     routers = [m.router for m in model.moe_layers()]
     params = dict(model.named_parameters())
-    names = [n for n in GRAD_NAMES if n in params]
+    names = [n for n in GRAD_NAMES if n in params and params[n].requires_grad]
     losses, norms, grads, dropped = [], [], {}, 0
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -254,7 +279,7 @@ def _parallel_run(cfg: Config, rank: int, world: int, steps: int = STEPS) -> dic
 
     def capture(tr: Trainer) -> None:
         params = dict(tr.model.named_parameters())
-        for name in (n for n in GRAD_NAMES if n in params):
+        for name in (n for n in GRAD_NAMES if n in params and params[n].requires_grad):
             g = safe_get_full_grad(params[name])
             grads[name] = g.detach().clone().float()
         if cfg.parallel.zero_stage == 0:

@@ -225,9 +225,10 @@ class Router(nn.Module):
         """Aux-loss-free balancing: ``bias += rate * sign(mean(load) - load)``.
 
         Call once per optimizer step with the load summed over every rank; never in forward.
+        A frozen router (a training stage that trains other parts alone) keeps its bias.
         """
         rate = self.cfg.bias_update_rate
-        if rate <= 0:
+        if rate <= 0 or not self.gate.weight.requires_grad:
             return
         load_E = load_E.to(self.expert_bias)
         self.expert_bias.add_(rate * torch.sign(load_E.mean() - load_E))
