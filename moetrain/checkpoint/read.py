@@ -35,8 +35,23 @@ def checkpoint_config(ckpt: Path) -> Config:
     return config_from_dict(TrainerState.read(ckpt).config)
 
 
+def refuse_zero3(ckpt: Path) -> None:
+    """CheckpointError when ``ckpt`` was written at ``parallel.zero_stage=3``: its files are
+    DeepSpeed's per-rank partitions (no dense or per-expert weight files), which resume on the
+    layout that wrote them only."""
+    layout = TrainerState.read(ckpt).layout
+    if layout.get("zero_stage") == 3:
+        raise CheckpointError(
+            f"{ckpt}: written at parallel.zero_stage=3, whose weights are per-rank partitions; "
+            f"reading its weights (convert, export, init_from, another layout) is not supported "
+            f"yet: resume it on its own layout (world_size={layout.get('world_size')}, "
+            f"parallel.ep_size={layout.get('ep_size')}, parallel.zero_stage=3)"
+        )
+
+
 def dense_state(ckpt: Path) -> dict[str, torch.Tensor]:
     """Non-expert weights and buffers (embedding, attention, norms, routers, dense FFNs)."""
+    refuse_zero3(Path(ckpt))
     state = safe_torch_load(Path(ckpt) / DENSE_FILE)
     if not isinstance(state, dict) or "module" not in state:
         raise CheckpointError(f"{Path(ckpt) / DENSE_FILE}: no 'module' state dict inside")

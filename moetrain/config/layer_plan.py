@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 from moetrain.config.checks import require
 from moetrain.config.mixers import MIXER_KINDS, mixer_kind
+from moetrain.config.mixers.mla import index_source
 from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above
 
 if TYPE_CHECKING:
@@ -61,6 +62,10 @@ class MixerSpec:
     chunk: int | None = None  # chunked attention: positions of the same chunk of this size
     rope: bool = True  # False: a NoPE layer
     temperature: tuple[int, float] | None = None  # (floor, scale) of the query temperature
+    # sparse attention (model.index_topk): the layer whose indexer selects this layer's keys
+    # (None: dense), and whether that is this layer's own
+    index_from: int | None = None
+    indexer: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,8 +132,11 @@ def layer_types(model: ModelConfig) -> list[str]:
 def mixer_spec(model: ModelConfig, layer: int, types: list[str] | None = None) -> MixerSpec | None:
     """Block ``layer``'s mixer (None: the block has none); ``types``: :func:`layer_types`,
     when the caller has them."""
+    sparse = model.index_topk is not None
+    source = index_source(model, layer) if sparse else None
+    index = dict(index_from=source, indexer=source == layer)
     if layer >= model.n_layers:  # a multi-token-prediction block
-        return MixerSpec(model.attention)
+        return MixerSpec(model.attention, **index)
     entry = LAYER_TYPES[(types or layer_types(model))[layer]]
     if entry.kind_key is None:
         return None
@@ -140,6 +148,7 @@ def mixer_spec(model: ModelConfig, layer: int, types: list[str] | None = None) -
         chunk=model.attention_chunk_size if entry.chunk else None,
         rope=rope,
         temperature=None if rope or floor is None or scale is None else (floor, scale),
+        **(index if entry.kind_key == LAYER_TYPES[FULL].kind_key else {}),
     )
 
 

@@ -76,6 +76,47 @@ def check_sequence_parallel(cfg: Config) -> None:
         )
 
 
+def check_zero3(cfg: Config) -> None:
+    """What ZeRO-3 (``parallel.zero_stage=3``, :mod:`moetrain.parallel.zero3`) refuses: shadow
+    experts (the dispatcher hands a replica its owner's stacked weights outside the experts'
+    forward, where ZeRO-3 holds only a partition of them), fp16 (its loss scaling at ZeRO-3 is
+    not proven here; bf16 is), optimizer offload and sequence parallelism (not proven here
+    either) and ``checkpoint.init_from`` (its weights are not streamed into the partitions yet)."""
+    p, t = cfg.parallel, cfg.train
+    if p.zero_stage != 3:
+        return
+    if p.shadow_experts:
+        raise ConfigError(
+            f"parallel.shadow_experts: not supported with parallel.zero_stage=3 (a replica is sent "
+            f"its owner's whole stacked weights, which ZeRO-3 partitions); got "
+            f"{p.shadow_experts}; set parallel.shadow_experts=0 or parallel.zero_stage=2"
+        )
+    if t.precision == "fp16":
+        raise ConfigError(
+            "train.precision: fp16 is not supported with parallel.zero_stage=3; use bf16 (fp32 "
+            "master weights, fp32 gradient accumulation and reduction, exact skipped steps) or "
+            "parallel.zero_stage=2"
+        )
+    if p.offload_optimizer:
+        raise ConfigError(
+            "parallel.offload_optimizer: not supported with parallel.zero_stage=3; set "
+            "parallel.offload_optimizer=false or parallel.zero_stage=2"
+        )
+    if p.sp_size > 1:
+        raise ConfigError(
+            f"parallel.sp_size: sequence parallelism is not supported with parallel.zero_stage=3 "
+            f"yet (not proven against stage 2); got {p.sp_size}; set parallel.sp_size=1 or "
+            f"parallel.zero_stage=2"
+        )
+    if cfg.checkpoint.init_from is not None:
+        raise ConfigError(
+            f"checkpoint.init_from: not supported with parallel.zero_stage=3 yet (the weights "
+            f"are not streamed into the partitions); got {cfg.checkpoint.init_from!r}; start at "
+            f"parallel.zero_stage=2, save, and resume that checkpoint, or set "
+            f"checkpoint.init_from=null"
+        )
+
+
 def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
     """Check ``cfg``'s layout, and with ``world_size`` also against that world; return the
     data-parallel size (None without a world).
@@ -84,8 +125,11 @@ def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
     (expert-parallel peers are data-parallel for dense weights), so the data-parallel size for
     the batch is ``world / sp_size``; for the gradient reduction every rank counts as a
     data-parallel rank (each rank's loss is the mean over its own tokens, and the average over
-    every rank is the global mean). ZeRO-3 is refused: it would partition each
-    expert's weights across ranks that hold different experts. Stage 0 runs fp32 only: the
+    every rank is the global mean). ZeRO-3 partitions the dense weights over every rank and
+    each expert's over its expert-data-parallel group; :func:`check_zero3` says what it
+    refuses. Sparse attention's dense warm-up runs at stage 0 where the model has MoE layers
+    (its frozen experts leave DeepSpeed's ZeRO-1/2 MoE optimizer nothing to hold). Stage 0 runs
+    fp32 only: the
     bf16/fp16 numerics policy (fp32 gradient accumulation and reduction, exact skipped steps)
     needs DeepSpeed's ZeRO-1/2 optimizers (the stage's range is declared on the field, and
     checked here again for a config changed after loading).
@@ -94,6 +138,7 @@ def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
     check_ranges(p, "parallel")
     check_experts_divisible(cfg.moe.num_experts, p.ep_size)
     check_sequence_parallel(cfg)
+    check_zero3(cfg)
     if p.shadow_experts and cfg.moe.capacity_factor > 0:
         raise ConfigError(
             f"parallel.shadow_experts: needs dropless routing (moe.capacity_factor=0); got "
@@ -105,6 +150,15 @@ def check_layout(cfg: Config, world_size: int | None = None) -> int | None:
         raise ConfigError(
             "parallel.shadow_experts: not supported with moe.expert_biases (a replica is sent "
             "its expert's weights, not its biases); set parallel.shadow_experts=0"
+        )
+    warmup = cfg.model.index_stage == "dense_warmup"
+    if warmup and p.zero_stage > 0 and cfg.moe.moe_layers(cfg.model.n_blocks):
+        raise ConfigError(
+            f"parallel.zero_stage: sparse attention's dense warm-up (model.index_stage="
+            f"dense_warmup) trains the indexers alone, every other parameter frozen, and "
+            f"DeepSpeed's ZeRO-{p.zero_stage} optimizer needs trainable expert parameters in "
+            "a model with MoE layers; use parallel.zero_stage=0 (the optimizer then holds only "
+            "the indexers' state: nothing worth partitioning)"
         )
     if p.zero_stage == 0 and t.precision != "fp32":
         raise ConfigError(

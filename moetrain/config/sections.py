@@ -71,7 +71,6 @@ class DataConfig:
 
 
 GPU_BUCKET_ELEMENTS = 50_000_000
-NO_ZERO3 = "ZeRO-3 would partition each expert's weights across ranks that hold different experts"
 CPU_BUCKET_ELEMENTS = 2_000_000
 
 
@@ -85,11 +84,14 @@ class ParallelConfig:
     # heads for sequence (an all-to-all) so each rank mixes whole sequences for 1 / sp_size of
     # its heads (attention: n_heads / sp_size; moetrain/parallel/sequence_parallel.py)
     sp_size: int = field(default=1, metadata=at_least(1))
-    zero_stage: int = field(default=2, metadata=between(0, 2, note=NO_ZERO3))
+    # 3: weights partitioned too (dense over every rank, each expert over its expert-data-
+    # parallel group), gathered module by module for forward and backward
+    zero_stage: int = field(default=2, metadata=between(0, 3))
     activation_checkpointing: bool = False
     offload_optimizer: bool = False
-    # ZeRO-1/2: reduce gradient buckets while backward continues (DeepSpeed overlap_comm);
-    # None = on with CUDA, off on CPU
+    # ZeRO-1/2/3: reduce gradient buckets while backward continues, and at ZeRO-3 gather the
+    # next modules' weights while this one computes (DeepSpeed overlap_comm); None = on with
+    # CUDA, off on CPU
     overlap_comm: bool | None = None
     # ZeRO-1/2 reduce and all-gather bucket, in elements; None = 50M with CUDA, 2M on CPU
     # (DeepSpeed allocates the reduce bucket afresh every micro-step: small on CPU saves RSS)
@@ -99,6 +101,17 @@ class ParallelConfig:
     # (the owner's weights broadcast, their gradients summed back); 0 = off; dropless only
     shadow_experts: int = field(default=0, metadata=at_least(0, "0 = off"))
     timeout_minutes: float = field(default=30.0, metadata=above(0))
+    # ZeRO-3 (parallel/zero3.py, docs/CONFIG.md): elements of the coming modules' weights
+    # gathered ahead of their use (DeepSpeed stage3_prefetch_bucket_size); None = bucket_size
+    zero3_prefetch_elements: int | None = field(default=None, metadata=at_least(0))
+    # weights of at most this many elements are not partitioned (every rank keeps them whole,
+    # no gather): DeepSpeed stage3_param_persistence_threshold
+    zero3_persistence_elements: int = field(default=100_000, metadata=at_least(0))
+    # the most gathered weight elements alive at once (stage3_max_live_parameters)
+    zero3_max_live_elements: int = field(default=1_000_000_000, metadata=above(0))
+    # a gathered weight used again within this many elements of other gathers stays gathered
+    # (stage3_max_reuse_distance)
+    zero3_max_reuse_elements: int = field(default=1_000_000_000, metadata=at_least(0))
 
     def bucket_size(self, cuda: bool) -> int:
         """ZeRO-1/2 reduce / all-gather bucket in elements: ``bucket_elements``, else 50M with
@@ -317,6 +330,12 @@ class Config:
             f"got {self.data.seq_len}",
         )
         self._check_qk_clip()
+        require(
+            self.optim.name != "muon" or self.parallel.zero_stage < 3,
+            "optim.name",
+            "muon orthogonalises whole matrices, which it finds in ZeRO-1/2 partitions only; "
+            "ZeRO-3's are not read yet: use parallel.zero_stage 0, 1 or 2 with muon",
+        )
         check_layout(self)
 
     def _check_qk_clip(self) -> None:

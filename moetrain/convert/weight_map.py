@@ -75,6 +75,8 @@ _MLA = {
     "kv_norm": "kv_a_layernorm",
     "wkv_b": "kv_b_proj",
     "wo": "o_proj",
+    # sparse attention's indexer: the same names under it (wq_b, wk, k_norm, weights_proj)
+    "indexer": "indexer",
 }
 # Gated DeltaNet: Qwen3.5's names (Qwen3-Next's fused projections: _fused_linear_attention)
 _GDN = {w: w for w in pn.GDN_WEIGHTS} | {"wo": "out_proj"}

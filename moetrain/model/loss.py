@@ -6,6 +6,10 @@ loss math in fp32), except that all-ignored labels (or N = 0) give 0 instead of 
 pass computes, chunk by chunk, the logits, the loss and at once the gradients wrt h and W, so
 only one (C, V) block is alive; backward just scales the stored gradients.
 
+:class:`LMHead` is the LM head module: the logits, or this loss without them, both computed in
+its own ``forward``, so that nothing reads the head's weights outside it (ZeRO-3 gathers a
+module's parameters for its forward only).
+
 Shape legend: N rows (tokens), C rows of one chunk, D hidden size, V vocabulary.
 """
 
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from moetrain.model.cpu_matmul import add_product_, mm
+from moetrain.model.cpu_matmul import Linear, add_product_, mm
 
 IGNORE_INDEX = -100
 
@@ -135,3 +139,25 @@ def chunked_cross_entropy(
             rows = slice(start, start + chunk_rows)
             total += _chunk_loss(h_ND[rows], weight_VD, labels_N[rows], False, bias_V)[0]
     return total / (labels_N != IGNORE_INDEX).sum().clamp_min(1)
+
+
+class LMHead(Linear):
+    """The LM head: ``nn.Linear``'s parameters and state-dict keys. ``head(h_ND)`` gives the
+    logits; ``head(h_ND, labels_N, chunk_rows, scaling)`` the mean cross-entropy of the logits
+    divided by ``scaling`` (:func:`chunked_cross_entropy` of ``h / scaling`` and ``bias /
+    scaling``: the same logits, up to rounding) without building them."""
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        labels_N: torch.Tensor | None = None,
+        chunk_rows: int = 0,
+        scaling: float = 1.0,
+    ) -> torch.Tensor:
+        if labels_N is None:
+            return super().forward(h)
+        bias = self.bias
+        if scaling != 1.0:
+            h = h / scaling
+            bias = None if bias is None else bias / scaling
+        return chunked_cross_entropy(h, self.weight, labels_N, chunk_rows, bias)

@@ -50,7 +50,9 @@ def ffn_norm(layer: int, kind: str = "weight") -> str:
 
 def attn(layer: int, projection: str, kind: str = "weight") -> str:
     """``projection``: wq | wk | wv | wo, or with latent attention wq (or wq_a, q_norm, wq_b),
-    wkv_a, kv_norm, wkv_b, wo; ``kind``: weight | bias."""
+    wkv_a, kv_norm, wkv_b, wo, and under sparse attention its indexer's indexer.wq_b,
+    indexer.wk, indexer.k_norm (weight and bias), indexer.weights_proj; ``kind``: weight |
+    bias."""
     return f"layers.{layer}.attn.{projection}.{kind}"
 
 

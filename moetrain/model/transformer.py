@@ -17,12 +17,11 @@ from moetrain.config import ModelConfig, MoEConfig
 from moetrain.config.layer_plan import layer_plan
 from moetrain.model.block import Block
 from moetrain.model.cache import InferenceCache
-from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents
 from moetrain.model.head_exchange import HeadExchange
 from moetrain.model.layers import LayerNorm, RMSNorm, make_norm
-from moetrain.model.loss import chunked_cross_entropy
-from moetrain.model.mixers import MixerInputs, TokenMixer
+from moetrain.model.loss import LMHead
+from moetrain.model.mixers import MixerInputs, MixerLoss, TokenMixer
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
 from moetrain.model.mtp import MTPBlock, mtp_targets, shift_left
@@ -44,6 +43,9 @@ class TransformerOutput:
     moe: list[MoEOutput] = field(default_factory=list)
     mtp_loss: torch.Tensor | None = None
     mtp_losses: list[torch.Tensor] = field(default_factory=list)
+    # the mixers' own training losses (in ``loss``) with their metrics: sparse attention's
+    # indexer KL (only a training forward with labels computes them)
+    mixer_losses: list[MixerLoss] = field(default_factory=list)
 
 
 class Transformer(nn.Module):
@@ -62,6 +64,10 @@ class Transformer(nn.Module):
         local_experts: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
+        # the init draws start from the generator's state here, whatever the constructors of the
+        # pieces draw: a model built on the meta device and initialised unit by unit (ZeRO-3,
+        # parallel/zero3.py) gets the same weights
+        rng = torch.get_rng_state()
         self.cfg, self.moe_cfg = model_cfg, moe_cfg
         self.embed = nn.Embedding(model_cfg.vocab_size, model_cfg.d_model)
         self.plan = layer_plan(model_cfg, moe_cfg)
@@ -70,7 +76,7 @@ class Transformer(nn.Module):
             for spec in self.plan
         )
         self.norm = make_norm(model_cfg, model_cfg.d_model)
-        self.lm_head = Linear(model_cfg.d_model, model_cfg.vocab_size, bias=model_cfg.lm_head_bias)
+        self.lm_head = LMHead(model_cfg.d_model, model_cfg.vocab_size, bias=model_cfg.lm_head_bias)
         self.tie_weights()
         # the RoPE tables of the first positions, grown (exactly) when a forward needs more:
         # a long context (Llama 4 Scout's 10M positions) costs nothing until it is used
@@ -79,7 +85,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.head_exchange: HeadExchange | None = None  # sequence parallelism (set_head_exchange)
         if self.embed.weight.device.type != "meta":  # (a meta model is filled by loading)
+            torch.set_rng_state(rng)
             self.init_weights()
+        alone = [m for b in self.layers if b.attn is not None for m in b.attn.trains_alone()]
+        if alone:  # a training stage of some mixer's own parts (their parameters alone train)
+            self.requires_grad_(False)
+            for module in alone:
+                module.requires_grad_(True)
 
     def set_head_exchange(self, ex: HeadExchange | None) -> None:
         """Sequence parallelism (:mod:`moetrain.model.head_exchange`): the model's inputs are
@@ -124,27 +136,35 @@ class Transformer(nn.Module):
         ``w2``) use init_std / sqrt(2 * n_layers); norm weights are ones; norm biases, the
         selection bias and every projection bias (q/k/v, output, router, experts, LM head)
         zeros; each mixer initialises the rest of its own (attention sinks: zeros). A
-        zero-centred norm's weight (``model.zero_centered_norm``) is zeros: the same scale."""
+        zero-centred norm's weight (``model.zero_centered_norm``) is zeros: the same scale. One
+        module at a time, in ``named_modules`` order (:meth:`init_module`)."""
+        for name, module in self.named_modules():
+            self.init_module(name, module)
+        self.tie_weights()  # lm_head shares embed.weight; keep the embedding init
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """:meth:`init_weights`'s part for one module (``name``: its name in this model): its
+        own parameters (and the MoE layer's selection bias), drawn from the global RNG, so that
+        initialising every module in ``named_modules`` order is :meth:`init_weights`."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                is_out = name.endswith((".wo", ".w2"))
-                nn.init.normal_(module.weight, 0.0, out_std if is_out else std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, GroupedExperts):
-                module.reset_parameters(std, out_std)
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()  # ones (zeros when zero-centred)
-            elif isinstance(module, LayerNorm):
-                nn.init.ones_(module.weight)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            is_out = name.endswith((".wo", ".w2"))
+            nn.init.normal_(module.weight, 0.0, out_std if is_out else std)
+            if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
-            elif isinstance(module, MoELayer):
-                module.router.expert_bias.zero_()
-            elif isinstance(module, TokenMixer):
-                module.init_own_parameters()
-        self.tie_weights()  # lm_head shares embed.weight; keep the embedding init
+        elif isinstance(module, GroupedExperts):
+            module.reset_parameters(std, out_std)
+        elif isinstance(module, RMSNorm):
+            module.reset_parameters()  # ones (zeros when zero-centred)
+        elif isinstance(module, LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, MoELayer):
+            module.router.expert_bias.zero_()
+        elif isinstance(module, TokenMixer):
+            module.init_own_parameters()
 
     def forward(
         self,
@@ -225,6 +245,10 @@ class Transformer(nn.Module):
         if out.mtp_loss is not None:
             weight = self.cfg.mtp_loss_weight if mtp_weight is None else mtp_weight
             out.loss = out.loss + weight * out.mtp_loss
+        # (a copy: recomputing a checkpointed block in backward reports again)
+        out.mixer_losses = list(inputs.losses)
+        for own in out.mixer_losses:
+            out.loss = out.loss + own.loss
         return out
 
     def _moe_loss(self, moe_outs: list[MoEOutput], like: torch.Tensor) -> torch.Tensor:
@@ -253,18 +277,11 @@ class Transformer(nn.Module):
         bias) by ``model.logits_scaling`` instead of the logits (the same logits, up to
         rounding)."""
         if logits_BSV is None:
-            scaling = self.cfg.logits_scaling
-            if scaling != 1.0:
-                h_BSD = h_BSD / scaling
-            bias = self.lm_head.bias
-            if bias is not None and scaling != 1.0:
-                bias = bias / scaling
-            return chunked_cross_entropy(
+            return self.lm_head(
                 h_BSD.flatten(0, 1),
-                self.lm_head.weight,
                 labels_BS.flatten(),
                 self.cfg.loss_chunk_tokens,
-                bias,
+                self.cfg.logits_scaling,
             )
         labelled = (labels_BS != -100).sum().clamp_min(1)
         return (

@@ -3,7 +3,7 @@ statistics summed over every rank; :mod:`moetrain.monitor.records` flattens it i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -18,7 +18,8 @@ class StepTotals:
     all-to-alls' counters by name (empty without expert parallelism); ``loads`` (MoE layers, E):
     selections per expert; ``layer_sums`` (5, MoE layers): dropped copies, entropy, aux loss,
     z loss and routed copies summed over the micro-batches (``loads`` None without MoE layers);
-    ``mtp_losses``: each multi-token-prediction depth's loss, a mean as ``loss`` (empty without).
+    ``mtp_losses``: each multi-token-prediction depth's loss, a mean as ``loss`` (empty without);
+    ``mixer``: the mixers' own metrics by ``<name>/layer<i>/<metric>``, means as ``loss``.
     """
 
     loss: float
@@ -30,6 +31,7 @@ class StepTotals:
     loads: Tensor | None
     layer_sums: Tensor
     mtp_losses: tuple[float, ...] = ()
+    mixer: dict[str, float] = field(default_factory=dict)
 
 
 def moe_layer_record(
@@ -72,7 +74,7 @@ def step_record(
     skipped_steps, time/fwd_bwd_s, time/optimizer_s``, ``comm/a2a_<counter>`` under expert
     parallelism, ``loss_scale`` and ``loss_scale_overflows`` with a dynamic loss scale (fp16),
     ``mtp_loss`` (the mean over depths, unweighted) and ``mtp_loss/depth<k>`` with
-    multi-token prediction, and ``moe_layers`` (:func:`moe_layer_record`) when the model has MoE layers."""
+    multi-token prediction, the mixers' own metrics (:func:`mixer_metrics`), and ``moe_layers`` (:func:`moe_layer_record`) when the model has MoE layers."""
     rec: dict[str, Any] = {
         "step": step,
         "loss": totals.loss,
@@ -87,6 +89,7 @@ def step_record(
         "time/optimizer_s": times.get("optimizer", 0.0),
     }
     rec.update({f"comm/a2a_{name}": value for name, value in totals.traffic.items()})
+    rec.update(mixer_metrics(totals.mixer))
     if totals.mtp_losses:
         rec["mtp_loss"] = sum(totals.mtp_losses) / len(totals.mtp_losses)
         for k, value in enumerate(totals.mtp_losses, start=1):
@@ -97,3 +100,15 @@ def step_record(
     if moe_layers:
         rec["moe_layers"] = moe_layers
     return rec
+
+
+def mixer_metrics(per_layer: dict[str, float]) -> dict[str, float]:
+    """The mixers' own metrics: each ``<name>/layer<i>/<metric>`` as given, and
+    ``<name>/<metric>``, its mean over the layers (sparse attention: ``index/kl``, the
+    indexers' KL divergence, and ``index/recall``, their top-k recall against dense
+    attention)."""
+    groups: dict[str, list[float]] = {}
+    for key, value in per_layer.items():
+        name, _, metric = key.split("/")
+        groups.setdefault(f"{name}/{metric}", []).append(value)
+    return {**per_layer, **{k: sum(v) / len(v) for k, v in groups.items()}}

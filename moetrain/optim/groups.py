@@ -23,8 +23,9 @@ EMBEDDING_NAMES = (param_names.EMBED,)
 
 
 def is_no_decay(name: str, param: torch.Tensor, decay_embeddings: bool) -> bool:
-    """Norm weights and biases (anything 1-D) never decay; embeddings only if configured."""
-    if param.ndim < 2 or name.endswith(".bias"):
+    """Norm weights and biases (anything 1-D) never decay; embeddings only if configured. (A
+    ZeRO-3 partition's shape is its ``ds_shape``.)"""
+    if len(getattr(param, "ds_shape", param.shape)) < 2 or name.endswith(".bias"):
         return True
     return not decay_embeddings and name in EMBEDDING_NAMES
 

@@ -17,7 +17,7 @@ No correction is needed; tests/distributed/test_parity.py checks it against one 
 Clipping: ZeRO-1/2 compute the global norm correctly. Stage 0 does not (DeepSpeed issue #8475:
 it averages per-rank norms over ranks that hold different experts), so at stage 0 DeepSpeed's
 clipping is switched off and the trainer calls :func:`clip_grad_norm_global` before each step.
-ZeRO-3 is refused (config/layout.py).
+ZeRO-3 computes it correctly too; its expert placement is :mod:`moetrain.parallel.zero3`'s.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ from moetrain.checkpoint.format import deepspeed_expert_key
 from moetrain.config import Config, ConfigError
 from moetrain.fileio import write_json_atomic
 from moetrain.model.moe.experts import EXPERT_BIASES, EXPERT_WEIGHTS
-from moetrain.parallel.expert_parallel import moe_layers
+from moetrain.parallel.expert_parallel import sharded_experts
 from moetrain.parallel.fp32_partitions import share_fp32_partitions
 from moetrain.parallel.grad_partitions import flatten_grad_partitions_in_place
 from moetrain.parallel.topology import Topology
+from moetrain.parallel.zero3 import zero3_settings
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
@@ -53,6 +54,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
     }
+    if p.zero_stage == 3:
+        zero.update(zero3_settings(p, cuda))
     if p.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     ds: dict[str, Any] = {
@@ -81,7 +84,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict[str, Any]:
             "min_loss_scale": 1,
         },
         # the numerics policy (README "Mixed precision"): accumulate gradients over micro-batches
-        # and reduce them over ranks in train.grad_dtype (fp32 by default; ZeRO-1/2 only, which
+        # and reduce them over ranks in train.grad_dtype (fp32 by default; ZeRO-1/2/3 only, which
         # config/layout.py enforces for bf16/fp16)
         "data_types": {"grad_accum_dtype": t.grad_dtype},
         "communication_data_type": t.grad_dtype,
@@ -169,13 +172,7 @@ def _stack_experts_load_pre_hook(
 def mark_experts_for_deepspeed(model: nn.Module, topology: Topology) -> int:
     """Mark every MoE layer's experts for DeepSpeed (in place); returns the number marked."""
     count = 0
-    for _, layer in moe_layers(model):
-        experts = layer.experts
-        if experts.num_local_experts * topology.ep_size != experts.num_experts:
-            raise ValueError(
-                f"experts hold {experts.num_local_experts} of {experts.num_experts}: apply "
-                f"expert parallelism (ep_size={topology.ep_size}) before marking them"
-            )
+    for experts in sharded_experts(model, topology.ep_size, "marking them"):
         # DeepSpeed's MoE reads num_experts (global), num_local_experts, ep_size and the group
         experts.__class__ = _marker_class(type(experts))
         experts.ep_size = topology.ep_size

@@ -46,6 +46,22 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+def sharded_experts(model: nn.Module, ep_size: int, purpose: str) -> list[nn.Module]:
+    """The experts module of every MoE layer of ``model``, each checked to hold its EP rank's
+    share (``num_experts / ep_size``): ValueError naming ``purpose`` (what needs them) when
+    expert parallelism has not been applied yet."""
+    out = []
+    for _, layer in moe_layers(model):
+        experts = layer.experts
+        if experts.num_local_experts * ep_size != experts.num_experts:
+            raise ValueError(
+                f"experts hold {experts.num_local_experts} of {experts.num_experts}: apply "
+                f"expert parallelism (ep_size={ep_size}) before {purpose}"
+            )
+        out.append(experts)
+    return out
+
+
 def slice_experts(experts: nn.Module, start: int, stop: int) -> None:
     """Keep global experts ``[start, stop)`` of a module holding all of them (stacked weights
     ``w13 (E,D,2F)``, ``w2 (E,F,D)``, and their biases); ``num_experts`` stays the global

@@ -112,6 +112,11 @@ class Plan:
     grad_dtype: str = "fp32"  # gradient accumulation and reduction (train.grad_dtype)
     cache_bytes_per_token: int = 0  # generation: every layer's mixer state, train.precision
     cache_bytes_per_sequence: int = 0  # generation: the recurrent layers' fixed state
+    # ZeRO-3 (:func:`zero3_numbers`): weights gathered at once (the largest unit and the
+    # prefetch bucket), and the bytes each GPU all-gathers / reduce-scatters per optimizer step
+    gathered_bytes: int = 0
+    zero3_gather_bytes_per_step: float = 0.0
+    zero3_reduce_bytes_per_step: float = 0.0
     optimizer_name: str = "adamw"  # optim.name
     optimizer_state: StateBytes = StateBytes(8.0, 8.0)  # its state's bytes per parameter
     master_bytes: int = 0  # per parameter: the fp32 master copy the optimizer holds (0 or 4)
@@ -126,6 +131,7 @@ class Plan:
     def total_bytes(self) -> int:
         return (
             self.model_state_bytes
+            + self.gathered_bytes
             + self.activations_bytes
             + self.param_grad_transient_bytes
             + self.framework_bytes
@@ -161,6 +167,42 @@ def _largest_param(cfg: Config, ep: int) -> int:
     if e.moe_layers(m.n_layers):
         sizes.append(e.num_experts // ep * m.d_model * e.expert_hidden)
     return max(sizes)
+
+
+def _largest_unit(cfg: Config, ep: int) -> int:
+    """Parameters of the largest unit ZeRO-3 gathers whole on a GPU: the embedding, the LM head,
+    or a block (its dense weights, on average over the blocks, and one MoE layer's local
+    experts)."""
+    nums = model_numbers(cfg)
+    m = cfg.model
+    dense_blocks = nums.total_params - nums.expert_params - nums.embedding_params
+    layers = max(1, nums.num_moe_layers)
+    block = dense_blocks // max(1, m.n_blocks) + nums.expert_params // layers // ep
+    return max(m.vocab_size * m.d_model, block)
+
+
+def zero3_numbers(cfg: Config, world: int, wb: int, grad_bytes: int) -> tuple[int, float, float]:
+    """At ZeRO-3: the bytes of weights gathered at once on a GPU (the largest unit, and the next
+    units prefetched: ``stage3_prefetch_bucket_size``, at most ``stage3_max_live_parameters``),
+    and the bytes each GPU receives per optimizer step in the weight all-gathers (every
+    partitioned weight gathered for the forward and again for the backward, per micro-batch;
+    with activation checkpointing once more for the recompute) and sends in the gradient
+    reduce-scatters (once per micro-batch, ``train.grad_dtype``). Weights under
+    ``stage3_param_persistence_threshold`` elements are neither partitioned nor gathered (not
+    counted: they are small)."""
+    p, t = cfg.parallel, cfg.train
+    ep, xdp = p.ep_size, world // p.ep_size
+    nums = model_numbers(cfg)
+    dense, expert = nums.total_params - nums.expert_params, nums.expert_params // ep
+    prefetch = (
+        p.bucket_size(True) if p.zero3_prefetch_elements is None else p.zero3_prefetch_elements
+    )
+    live = min(_largest_unit(cfg, ep) + prefetch, p.zero3_max_live_elements)
+    gathers = 3 if p.activation_checkpointing else 2
+    received = dense * (world - 1) / world + expert * (xdp - 1) / xdp
+    gather = gathers * t.grad_accum_steps * wb * received
+    reduce = t.grad_accum_steps * grad_bytes * received
+    return live * wb, gather, reduce
 
 
 def _save_copies(cfg: Config, ep: int) -> int:
@@ -216,7 +258,7 @@ def plan(
             return int(per_param * dense / world + per_expert * expert / xdp)
         return int(per_param * dense + per_expert * expert)
 
-    weights = split(wb, False)
+    weights = split(wb, z >= 3)
     grads = split(_dtype_bytes(t.grad_dtype), z >= 2)
     masters = 4 if t.precision != "fp32" or (z >= 1 and p.offload_optimizer) else 0
     state = state_bytes_per_param(cfg)  # optim.name's state (AdamW: two fp32 moments)
@@ -275,13 +317,19 @@ def plan(
         master_bytes=masters,
         optimizer_flops=optimizer_step_flops(cfg, gpus),
     )
+    if z == 3:
+        gathered, gather, reduce = zero3_numbers(cfg, world, wb, _dtype_bytes(t.grad_dtype))
+        result.gathered_bytes = gathered
+        result.zero3_gather_bytes_per_step = gather
+        result.zero3_reduce_bytes_per_step = reduce
+        result.save_host_bytes = 0  # each rank writes its own partitions
     capacity = spec.memory_mib * MiB
     if not result.fits:
         hints = []
         if not ckpt:
             hints.append("parallel.activation_checkpointing=true")
-        if z < 2:
-            hints.append("parallel.zero_stage=2")
+        if z < 3:
+            hints.append(f"parallel.zero_stage={max(z + 1, 2)}")
         if ep < world and cfg.moe.num_experts % (ep * 2) == 0 and world % (ep * 2) == 0:
             hints.append(f"parallel.ep_size={ep * 2}")
         hints.append("a smaller train.micro_batch_size")

@@ -35,7 +35,13 @@ def format_plan(pl: Plan) -> str:
         + "; "
         f"{pl.tokens_per_step} tokens per optimizer step",
         "memory per GPU:",
-        f"  weights            {_gib(pl.weights_bytes)}",
+        f"  weights            {_gib(pl.weights_bytes)}"
+        + ("  (ZeRO-3 partitions)" if pl.zero_stage == 3 else ""),
+        *(
+            [f"  gathered weights   {_gib(pl.gathered_bytes)}  (ZeRO-3: largest unit + prefetch)"]
+            if pl.zero_stage == 3
+            else []
+        ),
         f"  gradients          {_gib(pl.grads_bytes)}  ({pl.grad_dtype} accumulation)",
         f"  optimizer states   {_gib(pl.optimizer_bytes)}"
         + (
@@ -77,6 +83,15 @@ def format_plan(pl: Plan) -> str:
             pl.gpu.peak_tflops("fp32"),
             pl.mfu,
             pl.step_time_s,
+        ),
+        *(
+            [
+                f"ZeRO-3 traffic per GPU and optimizer step: all-gather "
+                f"{pl.zero3_gather_bytes_per_step / GiB:,.1f} GiB received, reduce-scatter "
+                f"{pl.zero3_reduce_bytes_per_step / GiB:,.1f} GiB sent"
+            ]
+            if pl.zero_stage == 3
+            else []
         ),
         format_traffic(pl.traffic, pl.gpus_per_node),
         format_head_traffic(pl.head_traffic),

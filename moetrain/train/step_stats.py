@@ -15,7 +15,8 @@ from moetrain.parallel.all_to_all import TrafficMeter
 
 class StepStats:
     """Sums over the micro-batches of one step on this rank: loss / CE / MoE loss, each
-    multi-token-prediction depth's loss (``mtp_depth`` of them), whether this rank skipped the
+    multi-token-prediction depth's loss (``mtp_depth`` of them), the mixers' own metrics
+    (``TransformerOutput.mixer_losses``), whether this rank skipped the
     optimizer step (:meth:`mark_skipped`, so the reduction counts the ranks that
     did), the expert all-to-alls' traffic (:attr:`TrafficMeter.FIELDS`, counted only when
     ``traffic`` is on), and per MoE layer the expert loads and (dropped, entropy, aux, z, routed
@@ -30,6 +31,8 @@ class StepStats:
         self.traffic = [0] * len(TrafficMeter.FIELDS)
         self.layer_sums = torch.zeros(5, n_layers, dtype=torch.float64, device=device)
         self.loads: torch.Tensor | None = None
+        # the mixers' own metrics (``<name>/layer<i>/<metric>``: sparse attention's indexer)
+        self.mixer: dict[str, torch.Tensor] = {}
 
     def add(self, out: Any, routed: int) -> None:
         """One micro-batch's model output (``TransformerOutput``); ``routed`` = its tokens x
@@ -38,6 +41,10 @@ class StepStats:
         self.sums[:3] += torch.stack([t.detach().double() for t in losses[:3]])
         if self.mtp_depth:
             self.sums[4:] += torch.stack([t.detach().double() for t in losses[3:]])
+        for own in out.mixer_losses:
+            for metric, value in own.metrics.items():
+                key = f"{own.name}/layer{own.layer}/{metric}"
+                self.mixer[key] = self.mixer.get(key, 0.0) + value.detach().double()
         if not out.moe:
             return
         step_loads = torch.stack([m.tokens_per_expert_E for m in out.moe]).double()
@@ -66,7 +73,9 @@ class StepStats:
         """Sum over every rank in one all-reduce; ``micro_batches``: how many every rank's sums
         are over together (the losses' and statistics' denominators)."""
         traffic = torch.tensor(self.traffic, dtype=torch.float64, device=self.device)
-        parts = [self.layer_sums.reshape(-1), self.sums, traffic]
+        mixer_keys = sorted(self.mixer)  # (every rank reports the same)
+        mixer = [self.mixer[k].reshape(1).to(self.device) for k in mixer_keys]
+        parts = [self.layer_sums.reshape(-1), self.sums, traffic, *mixer]
         if self.loads is not None:
             parts.insert(0, self.loads.reshape(-1))
         flat = torch.cat(parts)
@@ -76,8 +85,9 @@ class StepStats:
         loads = None if self.loads is None else flat[:n_loads].view_as(self.loads)
         layers = flat[n_loads : n_loads + self.layer_sums.numel()].view_as(self.layer_sums)
         sums = flat[n_loads + self.layer_sums.numel() :].tolist()  # the host sync
-        d = 4 + self.mtp_depth
-        traffic_sums = dict(zip(TrafficMeter.FIELDS, sums[d:], strict=True))
+        d, n_traffic = 4 + self.mtp_depth, len(TrafficMeter.FIELDS)
+        traffic_sums = dict(zip(TrafficMeter.FIELDS, sums[d : d + n_traffic], strict=True))
+        mixer_sums = dict(zip(mixer_keys, sums[d + n_traffic :], strict=True))
         return StepTotals(
             loss=sums[0] / micro_batches,
             ce_loss=sums[1] / micro_batches,
@@ -88,4 +98,5 @@ class StepStats:
             traffic=traffic_sums if self.count_traffic else {},
             loads=loads,
             layer_sums=layers,
+            mixer={k: v / micro_batches for k, v in mixer_sums.items()},
         )

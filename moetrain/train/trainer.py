@@ -13,7 +13,7 @@ the stateful objects it saves and restores.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,11 @@ from moetrain.parallel.deepspeed import deepspeed_config, initialize_engine
 from moetrain.parallel.master_weights import fp32_masters_in_module
 from moetrain.parallel.sequence_parallel import shard_batch
 from moetrain.parallel.topology import Topology
+from moetrain.parallel.zero3 import check_placement
 from moetrain.train.nonfinite import LossScalerState, SkipCounter
 from moetrain.train.progress import Progress
 from moetrain.train.step import Batch, OptimizerStep, forward_loss
+from moetrain.train.zero3_build import build_zero3_model
 
 
 def tokens_per_step(cfg: Config, world_size: int) -> int:
@@ -69,18 +71,24 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         local = topology.local_experts(cfg.moe.num_experts) if topology.ep_size > 1 else None
         self.progress = Progress()
-        if init is not None:  # before the engine: ZeRO's fp32 partitions start from these
-            model = build_model(cfg, init, local)
-            self.progress.init = init_record(init, cfg)
-        else:
-            model = Transformer(cfg.model, cfg.moe, local_experts=local)
-        apply_parallelism(model, cfg.parallel, topology)
-        model.to(topology.device)
-        optimizer = build_optimizer(model, cfg.optim, topology.device)
         self.ds_config = deepspeed_config(cfg, topology.world_size)
+        if init is not None:
+            self.progress.init = init_record(init, cfg)
+        if cfg.parallel.zero_stage == 3:  # partitioned as it is built (parallel/zero3.py)
+            model = build_zero3_model(cfg, topology, self.ds_config, local)
+        else:
+            if init is not None:  # before the engine: ZeRO's fp32 partitions start from these
+                model = build_model(cfg, init, local)
+            else:
+                model = Transformer(cfg.model, cfg.moe, local_experts=local)
+            apply_parallelism(model, cfg.parallel, topology)
+            model.to(topology.device)
+        optimizer = build_optimizer(model, cfg.optim, topology.device)
         self.engine, self.optimizer, self.schedule = initialize_engine(
             model, optimizer, self._make_schedule, self.ds_config
         )
+        if cfg.parallel.zero_stage == 3:
+            check_placement(self.engine, topology)
         spec = optimizer_spec(cfg.optim.name)
         if spec.attach is not None:  # (after the engine: how ZeRO partitioned the groups)
             spec.attach(optimizer, self.optimizer)
@@ -124,7 +132,11 @@ class Trainer:
 
     def checkpoint_weights(self) -> AbstractContextManager[int]:
         """Around ``engine.save_checkpoint``: the module holds the fp32 master weights, so the
-        checkpoint's model files do (:mod:`moetrain.parallel.master_weights`). Collective."""
+        checkpoint's model files do (:mod:`moetrain.parallel.master_weights`). Collective. At
+        ZeRO-3 nothing: the model files hold no weights, the optimizer files the fp32 masters'
+        partitions."""
+        if self.cfg.parallel.zero_stage == 3:
+            return nullcontext(0)
         return fp32_masters_in_module(self.model)
 
     def run_state(self, data: Any) -> RunState:

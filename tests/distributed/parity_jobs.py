@@ -48,7 +48,27 @@ GRAD_NAMES = (
     "layers.0.attn.A_log",
     "layers.0.attn.dt_bias",
     "layers.0.attn.norm.weight",
+    "layers.0.attn.wq_a.weight",  # latent attention with sparse attention's indexer
+    "layers.1.attn.wkv_b.weight",
+    "layers.0.attn.indexer.wq_b.weight",
+    "layers.0.attn.indexer.k_norm.bias",
+    "layers.1.attn.indexer.weights_proj.weight",
 )
+# DeepSeek sparse attention on latent attention: 4 of up to 16 keys per query
+DSA = {
+    "model.attention": "mla",
+    "model.n_kv_heads": 4,
+    "model.q_lora_rank": 16,
+    "model.kv_lora_rank": 16,
+    "model.qk_nope_head_dim": 8,
+    "model.qk_rope_head_dim": 8,
+    "model.v_head_dim": 8,
+    "model.rope_interleave": True,
+    "model.index_topk": 4,
+    "model.index_n_heads": 4,
+    "model.index_head_dim": 8,
+    "model.index_recall_queries": 4,
+}
 # Routing variants, each combining several settings on top of the base configuration (softmax
 # top-k, gated shared expert, aux-loss-free bias, global micro-batch balance statistics).
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -118,6 +138,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.attention_output_gate": True,
         "model.zero_centered_norm": True,
     },
+    # DeepSeek sparse attention's sparse stage: the second layer attends to the first's
+    # selection (GLM-5's shared indexer), the indexer trains on its KL alongside
+    "dsa": {**DSA, "model.indexer_types": ["full", "shared"]},
+    # its dense warm-up: the indexers alone train (every other parameter frozen)
+    "dsa_warmup": {**DSA, "model.index_stage": "dense_warmup"},
     # Muon (tests/distributed/test_muon_parity.py), with a dense first layer so that ZeRO's
     # partition boundaries cut matrices (the two layers alike put them between the layers);
     # with QK-clip at a threshold the heads' largest logits cross within the 10 steps (from
@@ -126,7 +151,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "muonclip": {"optim.name": "muon", "moe.first_k_dense": 1, "optim.muon.qk_clip": 0.06},
 }
 # the variants whose one reference the world-1 job computes (capacity has one per group count)
-REFERENCES = ("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid")
+REFERENCES = ("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "dsa", "dsa_warmup")
 
 
 def parity_config(world: int, ep: int, stage: int, **extra: Any) -> Config:
@@ -251,7 +276,7 @@ def reference_run(
     sched = LRSchedule(opt, o, STEPS, 0)
     routers = [m.router for m in model.moe_layers()]
     params = dict(model.named_parameters())
-    names = [n for n in GRAD_NAMES if n in params]
+    names = [n for n in GRAD_NAMES if n in params and params[n].requires_grad]
     losses, norms, grads, dropped = [], [], {}, 0
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -294,7 +319,7 @@ def reference_run(
     }
 
 
-def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
+def _parallel_run(cfg: Config, rank: int, world: int, steps: int = STEPS) -> dict[str, Any]:
     from deepspeed.utils import safe_get_full_grad
 
     from moetrain.parallel.topology import init_distributed
@@ -307,7 +332,7 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
 
     def capture(tr: Trainer) -> None:
         params = dict(tr.model.named_parameters())
-        for name in (n for n in GRAD_NAMES if n in params):
+        for name in (n for n in GRAD_NAMES if n in params and params[n].requires_grad):
             g = safe_get_full_grad(params[name])
             grads[name] = g.detach().clone().float()
         if cfg.parallel.zero_stage == 0:
@@ -317,9 +342,9 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
             ds_norm.append(float(clip_grad_norm_(tr.model.parameters(), max_norm=float("inf"))))
 
     losses, norms, dropped, replicas, clipped = [], [], 0.0, 0.0, 0
-    for step in range(STEPS):
+    for step in range(steps):
         micro = [rank_slice(b, rank, world) for b in global_batches(step)]
-        hook, last = capture if step == 0 else None, step == STEPS - 1
+        hook, last = capture if step == 0 else None, step == steps - 1
         rec = trainer.train_step(micro, before_step=hook, track_logits=last)
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
@@ -336,6 +361,7 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
         "biases": _biases(trainer.model),
         "experts": (lo, hi),
         "ds_moe": bool(trainer.engine.has_moe_layers),
+        "ds_stage": int(trainer.engine.zero_optimization_stage()),
         "deepspeed_stage0_norm": ds_norm[0] if ds_norm else None,
         "dropped": dropped,
         "replicas": replicas,

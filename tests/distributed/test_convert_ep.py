@@ -3,7 +3,8 @@ ranks (torchrun, gloo), converted; transformers loads it, its logits equal moetr
 (fp32) on a batch of text, and greedy generation gives the same tokens. The DeepSeek-V3 run
 trains a multi-token-prediction module, exported after the decoder layers. One Mixtral run trains
 in bf16: its checkpoint holds the fp32 master weights, which the conversion exports (or rounds
-to the requested ``--dtype``)."""
+to the requested ``--dtype``). DeepSeek-V3.2 trains sparse attention with an MTP module, GLM-5's
+indexers (one layer sharing another's selection) train in bf16."""
 
 from __future__ import annotations
 
@@ -46,6 +47,18 @@ CONFIG = {  # on the tiny model
     "train.log_every": 1,
     "checkpoint.save_every_steps": 2,
 }
+# latent attention (with the query LoRA) and sparse attention's indexer at the tiny size
+MLA = [
+    "model.attention=mla",
+    "model.n_kv_heads=4",
+    "model.q_lora_rank=16",
+    "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=8",
+    "model.qk_rope_head_dim=8",
+    "model.v_head_dim=8",
+    "model.rope_interleave=true",
+]
+DSA = ["model.index_topk=8", "model.index_n_heads=8", "model.index_head_dim=16"]
 FORMATS = {
     "mixtral": [],
     "qwen2_moe": ["moe.first_k_dense=1", "moe.num_shared_experts=1", "moe.shared_expert_gate=true"],
@@ -81,6 +94,36 @@ FORMATS = {
         "model.mtp_depth=1",  # trained with an MTP module, exported in the released layout
         "train.max_steps=3",  # two steps move this bias there and back to zero
         "checkpoint.save_every_steps=3",
+    ],
+    "deepseek_v32": [  # DeepSeek sparse attention: 8 of up to 48 keys, an MTP module
+        *MLA,
+        "model.rope_scaling=yarn",
+        "model.rope_factor=2.0",
+        "model.rope_original_max_seq_len=32",
+        *DSA,
+        "moe.num_experts=8",
+        "moe.n_group=4",
+        "moe.topk_group=2",
+        "moe.score_func=sigmoid",
+        "moe.num_shared_experts=1",
+        "moe.first_k_dense=1",
+        "moe.bias_update_rate=0.05",
+        "moe.route_scale=2.5",
+        "model.mtp_depth=1",
+        "train.max_steps=3",
+        "checkpoint.save_every_steps=3",
+    ],
+    "glm_moe_dsa_bf16": [  # GLM-5's indexer (pairs, a shared layer), trained in bf16
+        *MLA,
+        *DSA,
+        "model.index_rope_interleave=true",
+        "model.indexer_types=[full,shared,full]",
+        "moe.num_experts=8",
+        "moe.score_func=sigmoid",
+        "moe.num_shared_experts=1",
+        "moe.first_k_dense=1",
+        "moe.route_scale=2.5",
+        "train.precision=bf16",
     ],
     "phimoe": [  # Phi-3.5-MoE's pieces: LayerNorm, every bias, sparsemixer, LongRoPE
         "model.norm=layernorm",
@@ -162,6 +205,8 @@ ARCH = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa_bf16": "GlmMoeDsaForCausalLM",
     "phimoe": "PhiMoEForCausalLM",  # the released config.json's name (transformers: Phimoe)
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
@@ -177,7 +222,7 @@ def _env() -> dict[str, str]:
 
 
 # the default suite's share (the other formats with -m long)
-QUICK = ("mixtral", "deepseek_v3", "phimoe", "mixtral_bf16")
+QUICK = ("mixtral", "deepseek_v3", "deepseek_v32", "phimoe", "mixtral_bf16")
 CASES = [f if f in QUICK else pytest.param(f, marks=pytest.mark.long) for f in FORMATS]
 
 
@@ -247,15 +292,19 @@ def test_trained_ep2_checkpoint_converts_exactly(tmp_path, trained, fmt: str) ->
     if fmt in (
         "glm4_moe",
         "deepseek_v3",
+        "deepseek_v32",
         "ernie4_5_moe",
     ):  # the bias moved: HF's selection bias is exercised
         assert any(m.router.expert_bias.abs().sum() > 0 for m in model.moe_layers())
     out = convert_checkpoint(ckpt, tmp_path / "hf", fmt="auto")
     assert json.loads((out / "config.json").read_text())["architectures"] == [ARCH[fmt]]
+    metrics = (ckpt.parents[1] / "metrics.jsonl").read_text()
     if cfg.model.mtp_depth:  # trained with its loss; transformers skips the layer on load
-        metrics = (ckpt.parents[1] / "metrics.jsonl").read_text()
         assert '"mtp_loss/depth1"' in metrics
         assert "model.layers.3.eh_proj.weight" in HFWeights(out).names()
+    if cfg.model.index_topk:  # the indexers trained on their KL, measured against dense
+        assert '"index/kl"' in metrics and '"index/layer0/recall"' in metrics
+        assert "model.layers.0.self_attn.indexer.wq_b.weight" in HFWeights(out).names()
     tok = transformers.AutoTokenizer.from_pretrained(out)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     text = corpus.read_text()

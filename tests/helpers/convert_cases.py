@@ -15,7 +15,7 @@ from moetrain.convert.hf import to_hf_state_dict
 from moetrain.model import Transformer
 from moetrain.model import param_names as pn
 from tests.helpers.configs import tiny_config
-from tests.helpers.hf_models import PHIMOE_ROPE
+from tests.helpers.hf_models import DSA, GLM_INDEXER_TYPES, PHIMOE_ROPE
 from tests.helpers.random_constants import randomise_constants
 
 # multi-head latent attention at the tiny shape (every head its own keys and values)
@@ -129,6 +129,47 @@ CASES = {
             num_shared_experts=1,
             n_group=4,
             topk_group=2,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
+    "deepseek_v32": dict(  # DeepSeek-V3.2's flags (hf_models.DSA)
+        model=dict(
+            **MLA_SHAPE,
+            **DSA,
+            q_lora_rank=12,
+            rope_interleave=True,
+            rope_scaling="yarn",
+            rope_factor=4.0,
+            rope_original_max_seq_len=16,
+            rope_mscale=1.0,
+            rope_mscale_all_dim=0.8,
+        ),
+        moe=dict(
+            num_experts=8,
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
+    "glm_moe_dsa": dict(  # GLM-5's flags, one shared-indexer layer
+        model=dict(
+            **MLA_SHAPE,
+            **DSA,
+            q_lora_rank=12,
+            rope_interleave=True,
+            index_rope_interleave=True,
+            indexer_types=GLM_INDEXER_TYPES,
+        ),
+        moe=dict(
+            num_experts=8,
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=1,
             route_scale=2.5,
             bias_update_rate=1e-3,
         ),

@@ -348,6 +348,29 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             rope_interleave=True,
             num_mtp_layers=0,
         ),
+        "deepseek_v32": lambda: transformers.DeepseekV32Config(  # DeepSeek-V3.2's flags
+            **_deepseek(moe, yarn=True),
+            **DSA,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            q_lora_rank=12,
+            num_nextn_predict_layers=0,
+        ),
+        "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(  # GLM-5's, one shared layer
+            **_deepseek(moe, yarn=False),
+            **DSA,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            q_lora_rank=12,
+            num_nextn_predict_layers=0,
+            indexer_types=GLM_INDEXER_TYPES,
+        ),
         "deepseek_v2": lambda: transformers.DeepseekV2Config(
             **_deepseek(moe, yarn=False),
             n_routed_experts=8,
@@ -410,6 +433,14 @@ DEEPSEEK_YARN: dict[str, Any] = {
     "mscale": 1.0,
     "mscale_all_dim": 0.8,
 }
+
+
+# DeepSeek sparse attention at the tiny sizes: 4 keys per query, so the tests' sequences are
+# sparse; 8 indexer heads, so that no two keys tie at a score of 0 (every head's product
+# negative) where the top 4 end
+DSA: dict[str, Any] = {"index_topk": 4, "index_n_heads": 8, "index_head_dim": 16}
+# GLM-MoE-DSA's per-layer indexers: the middle layer attends to the first layer's selection
+GLM_INDEXER_TYPES = ["full", "shared", "full"]
 
 
 def _deepseek(moe: dict[str, Any], yarn: bool) -> dict[str, Any]:

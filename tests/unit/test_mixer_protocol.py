@@ -59,6 +59,13 @@ CASES = {
         "model.linear_num_value_heads": 1,
         "model.linear_conv_kernel_dim": 6,
     },
+    "mla-sparse": {  # DeepSeek sparse attention: the indexer's parameters and cached keys
+        **MLA,
+        "model.q_lora_rank": 24,
+        "model.index_topk": 4,
+        "model.index_n_heads": 2,
+        "model.index_head_dim": 8,
+    },
 }
 
 

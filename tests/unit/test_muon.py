@@ -305,3 +305,10 @@ def test_plan_counts_muon_state_and_newton_schulz() -> None:
     )
     adamw_line = "optimizer (adamw): state 8.00 B per dense parameter, 8.00 B per expert parameter"
     assert f"{adamw_line} + 4 B fp32 master copy" in format_plan(adamw_plan)
+
+
+def test_muon_at_zero_stage_3_is_refused() -> None:
+    from moetrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="optim.name: muon .* parallel.zero_stage 0, 1 or 2"):
+        _cfg(**{"parallel.zero_stage": 3})

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.config import Config, ConfigError, apply_overrides, config_from_dict
+from moetrain.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
 from moetrain.model import Transformer
 from moetrain.plan import (
     GiB,
@@ -383,3 +383,35 @@ def test_expert_traffic_by_hand() -> None:
     text = format_plan(plan(_small(parallel__ep_size=8, moe__n_group=2), 8, gpus_per_node=4))
     assert "reach at most 2 of 8 EP ranks" in text and "at most 1 per token" in text
     assert "none (parallel.ep_size=1)" in format_plan(plan(_small(), 1))
+
+
+def test_zero3_partitions_weights_and_counts_gathers_by_hand() -> None:
+    from moetrain.plan.estimate import _largest_unit
+
+    kw = {"parallel__ep_size": 4, "train__precision": "bf16", "parallel__bucket_elements": 1000}
+    cfg = _small(parallel__zero_stage=3, **kw)
+    dense, expert = _dense_and_expert_params(cfg)
+    pl, two = plan(cfg, gpus=8, gpu="h100"), plan(_small(parallel__zero_stage=2, **kw), 8)
+    # 8 ranks, EP 4: dense weights over 8 ranks, each expert over its group of 2
+    assert pl.weights_bytes == pytest.approx(2 * (dense / 8 + expert / 4 / 2), abs=2)
+    assert (pl.grads_bytes, pl.optimizer_bytes) == (two.grads_bytes, two.optimizer_bytes)
+    # gathered at once: the largest unit and the prefetch bucket (parallel.bucket_elements)
+    assert pl.gathered_bytes == 2 * (_largest_unit(cfg, 4) + 1000)
+    received = dense * 7 / 8 + expert / 4 / 2
+    accum = cfg.train.grad_accum_steps
+    assert pl.zero3_gather_bytes_per_step == pytest.approx(2 * accum * 2 * received)
+    assert pl.zero3_reduce_bytes_per_step == pytest.approx(accum * 4 * received)
+    assert pl.total_bytes - two.total_bytes == (
+        pl.weights_bytes - two.weights_bytes + pl.gathered_bytes
+    )
+    text = format_plan(pl)
+    assert "ZeRO-3 partitions" in text and "ZeRO-3 traffic per GPU" in text
+
+
+def test_zero3_fits_deepseek_v3_on_256_h100() -> None:
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs" / "deepseek-v3-671b.yaml", [])
+    assert not plan(cfg, gpus=256).fits  # 94 GiB per GPU at ZeRO-2
+    cfg.parallel.zero_stage = 3
+    pl = plan(cfg, gpus=256)
+    assert pl.fits and pl.total_bytes < 70 * 2**30

@@ -47,13 +47,20 @@ def test_global_batch_mismatch() -> None:
         check_layout(cfg, 4)
 
 
-def test_zero3_refused() -> None:
-    with pytest.raises(ConfigError, match=r"parallel\.zero_stage"):
-        load_config(None, ["parallel.zero_stage=3"])
-    cfg = _cfg()
-    cfg.parallel.zero_stage = 3
-    with pytest.raises(ConfigError, match="ZeRO-3 would partition"):
-        check_layout(cfg, 2)
+@pytest.mark.parametrize(
+    ("setting", "match"),
+    [
+        ({"parallel.shadow_experts": 1}, r"parallel\.shadow_experts: not supported with parallel"),
+        ({"train.precision": "fp16"}, r"train\.precision: fp16 is not supported with parallel"),
+        ({"parallel.offload_optimizer": "true"}, r"parallel\.offload_optimizer: not supported"),
+        ({"parallel.sp_size": 2}, r"parallel\.sp_size: sequence parallelism is not supported"),
+        ({"checkpoint.init_from": "/x"}, r"checkpoint\.init_from: not supported with parallel"),
+    ],
+)
+def test_zero3_refuses_by_key(setting: dict, match: str) -> None:
+    check_layout(_cfg(**{"parallel.zero_stage": 3}), 2)  # ZeRO-3 itself is allowed
+    with pytest.raises(ConfigError, match=match):
+        check_layout(_cfg(**{"parallel.zero_stage": 3, **setting}), 2)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

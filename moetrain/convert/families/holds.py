@@ -138,6 +138,9 @@ def _linear_layers(model: ModelConfig, _: MoEConfig) -> bool:
 BASELINE: dict[str, Rule] = {
     # attention, then the pieces only some families have
     "model.attention": only("gqa", why="{name} has grouped-query attention; must be gqa"),
+    "model.index_topk": only(None),
+    "model.index_rope_interleave": only(False, applies=lambda m, _: m.index_topk is not None),
+    "model.indexer_types": only(None),
     "model.layer_types": refused_when(
         _block_without_mixer, "{name} has attention in every layer; no layer type none"
     ),
@@ -201,7 +204,6 @@ BASELINE: dict[str, Rule] = {
 # what a family computes when it holds only one value of a setting (the default ``why``)
 PHRASES: dict[str, Mapping[Any, str]] = {
     "model.full_attention_interval": {None: "has no layer pattern by interval"},
-    "model.linear_attention": {"gated_deltanet": "has Gated DeltaNet in its linear layers"},
     "model.attention_output_gate": {
         False: "has no attention output gate",
         True: "always gates its attention output",
@@ -210,6 +212,12 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         False: "has RMSNorm weights that scale directly",
         True: "has zero-centred RMSNorm weights (1 + w)",
     },
+    "model.index_topk": {None: "has no sparse attention"},
+    "model.index_rope_interleave": {
+        False: "rotates its indexer's heads half-split",
+        True: "rotates its indexer's heads in adjacent pairs",
+    },
+    "model.indexer_types": {None: "has an indexer in every layer"},
     "model.rope_interleave": {False: "rotates half-split heads", True: "rotates adjacent pairs"},
     "model.partial_rotary_factor": {1.0: "rotates whole heads"},
     "model.qkv_bias": {False: "has no q/k/v biases"},

@@ -41,7 +41,10 @@ LINEAR_KEYS = (
 )
 # what every Qwen3-Next / Qwen3.5 class holds of attention and norms
 HYBRID = {
-    "model.linear_attention": only("gated_deltanet"),
+    "model.linear_attention": only(
+        "gated_deltanet",
+        why="{name} has Gated DeltaNet in its linear layers; must be gated_deltanet",
+    ),
     **free("model.full_attention_interval", "model.partial_rotary_factor"),
     **ATTENTION_BIAS,
     "model.qk_norm": only(True),

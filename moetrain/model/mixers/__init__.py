@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
-from moetrain.model.mixers.base import MixerInputs, MixerState, TokenMixer
+from moetrain.model.mixers.base import MixerInputs, MixerLoss, MixerState, TokenMixer
 from moetrain.model.mixers.gated_deltanet import GatedDeltaNet
 from moetrain.model.mixers.gqa import Attention
 from moetrain.model.mixers.mla import MLAttention
@@ -20,6 +20,7 @@ MIXERS: dict[str, type[TokenMixer]] = {
 __all__ = [
     "MIXERS",
     "MixerInputs",
+    "MixerLoss",
     "MixerState",
     "TokenMixer",
     "attention_matrices",

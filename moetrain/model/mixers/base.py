@@ -50,6 +50,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(eq=False)
+class MixerLoss:
+    """A mixer's own training loss in one forward (DeepSeek sparse attention's indexer KL,
+    weighted), added to the model's loss, with its metrics (detached scalars), reported as
+    ``<name>/<metric>`` (the mean over the layers) and ``<name>/layer<i>/<metric>``."""
+
+    name: str
+    layer: int
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+@dataclass(eq=False)
 class MixerInputs:
     """What a forward hands every mixer besides its input (one object per forward)."""
 
@@ -60,6 +72,11 @@ class MixerInputs:
     mask: Documents | torch.Tensor | None = None
     doc_ids_BS: torch.Tensor | None = None  # the whole rows' document ids, when documents
     pos: int = 0  # tokens already in the inference state (the first token's row position)
+    # what the mixers report back: their own training losses (added to the model's loss) and,
+    # under sparse attention, each indexer layer's selection (idx_BSk, valid_BSk), which the
+    # layers that share it read
+    losses: list[MixerLoss] = field(default_factory=list)
+    selections: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _cut: dict[int, Documents] = field(default_factory=dict, repr=False)
 
     def chunk_documents(self, chunk: int) -> Documents:
@@ -128,6 +145,11 @@ class TokenMixer(nn.Module):
         (out rows,)``) by which head h's logits scale by ``gamma_H[h]`` (QK-clip); only a kind
         with :attr:`query_key_logits`."""
         raise TypeError(f"the {self.kind} mixer has no query-key logits to clip")
+
+    def trains_alone(self) -> list[nn.Module]:
+        """Its parts that a training stage trains alone, every other parameter of the model
+        frozen (sparse attention's dense warm-up: the indexer); by default none."""
+        return []
 
     # counts from the config alone (classmethods: no module is built)
 

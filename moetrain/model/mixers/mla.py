@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
@@ -37,17 +38,32 @@ from moetrain.model.attention import cache_causal_mask, record_kernel, sdpa_kern
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.doc_attention import Documents, document_attention
 from moetrain.model.head_exchange import exchange_to_heads, exchange_to_sequence
+from moetrain.model.indexer import LightningIndexer
 from moetrain.model.layers import RMSNorm
 from moetrain.model.logit_max import observe_logits
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
 from moetrain.model.rope import apply_rope, softmax_mscale
+from moetrain.model.sparse_attention import sparse_latent_attention
+from moetrain.model.sparse_latent import (
+    Absorbed,
+    query_keys,
+    report_loss,
+    run_indexer,
+    selection,
+    sparse_index_loss,
+    sparse_mixing_flops,
+    sparse_saved_bytes,
+    warmup_index_loss,
+)
 
 LATENT_NORM_EPS = 1e-6
 
 
 class LatentCache:
     """One layer's generation cache of latent attention: the normalised KV latent ``latent``
-    (B, max_len, C) and the rotated rope key ``k_rope`` (B, max_len, R) of every token."""
+    (B, max_len, C) and the rotated rope key ``k_rope`` (B, max_len, R) of every token, and
+    under sparse attention its indexer's rotated key ``index_k`` (B, max_len, Di) (Di 0 for a
+    layer without an indexer of its own)."""
 
     def __init__(
         self,
@@ -57,17 +73,25 @@ class LatentCache:
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        index_dim: int = 0,
     ) -> None:
         self.latent = torch.zeros(batch, max_len, kv_lora_rank, dtype=dtype, device=device)
         self.k_rope = torch.zeros(batch, max_len, rope_dim, dtype=dtype, device=device)
+        self.index_k = torch.zeros(batch, max_len, index_dim, dtype=dtype, device=device)
 
     bytes_per_sequence = 0  # (no fixed part)
 
     @property
     def bytes_per_token(self) -> int:
-        """``C + R`` values."""
-        values = self.latent.shape[2] + self.k_rope.shape[2]
+        """``C + R`` values, and ``Di`` for an indexer's keys."""
+        values = self.latent.shape[2] + self.k_rope.shape[2] + self.index_k.shape[2]
         return values * self.latent.element_size()
+
+    def append_index(self, pos: int, index_k_BsD: torch.Tensor) -> torch.Tensor:
+        """Store the indexer's keys of ``s`` new positions at ``pos``; return all so far."""
+        end = pos + index_k_BsD.shape[1]
+        self.index_k[:, pos:end] = index_k_BsD
+        return self.index_k[:, :end]
 
     def append(
         self, pos: int, latent_BsC: torch.Tensor, k_rope_BsR: torch.Tensor
@@ -106,12 +130,32 @@ class MLAttention(TokenMixer):
         self.scale = qk_dim**-0.5 * softmax_mscale(cfg)
         self.rope_interleave = cfg.rope_interleave
         self.sdpa_kernel: str | None = None  # what the first call ran (as ``Attention``)
+        # sparse attention (model/sparse_latent.py): the layer whose selection it attends to
+        self.index_from, self.index_topk = spec.index_from, cfg.index_topk
+        self.sparse = spec.index_from is not None and cfg.index_stage == "sparse"
+        self.index_weight, self.recall_queries = cfg.index_loss_weight, cfg.index_recall_queries
+        self.warmup = spec.indexer and cfg.index_stage == "dense_warmup"
+        self.indexer = LightningIndexer(cfg) if spec.indexer else None
 
-    def queries(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        """Every head's query (B, S, H(N+R)), before RoPE."""
+    def queries(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every head's query (B, S, H(N+R)), before RoPE, and with ``q_lora_rank`` the
+        normalised query latent (B, S, Q) it came from."""
         if self.q_lora_rank is None:
-            return self.wq(x_BSD)
-        return self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+            return self.wq(x_BSD), None
+        q_latent_BSQ = self.q_norm(self.wq_a(x_BSD))
+        return self.wq_b(q_latent_BSQ), q_latent_BSQ
+
+    def trains_alone(self) -> list[nn.Module]:
+        """In the dense warm-up, its indexer trains and nothing else of the model does."""
+        return [self.indexer] if self.warmup else []
+
+    def _trains_indexer(self) -> bool:
+        return (
+            self.indexer is not None
+            and self.index_weight > 0
+            and self.training
+            and torch.is_grad_enabled()
+        )
 
     def qk_clip_scales(self, gamma_H: torch.Tensor) -> dict[str, torch.Tensor]:
         """Row multipliers by which head h's logits scale by ``gamma_H[h]`` (QK-clip, as Kimi K2
@@ -137,7 +181,8 @@ class MLAttention(TokenMixer):
         b, s, _ = x_BSD.shape
         # q and k are assembled (B, S, H, .) in memory, seen as (B, H, S, .): SDPA's output
         # takes q's layout, so wo's input below is a view, not a copy (as grouped-query)
-        q_BSHK = self.queries(x_BSD).view(b, s, self.n_heads, -1)
+        q_BSHK, q_latent_BSQ = self.queries(x_BSD)
+        q_BSHK = q_BSHK.view(b, s, self.n_heads, -1)
         q_nope_BSHN, q_rope_BSHR = q_BSHK.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope_BHSR = apply_rope(q_rope_BSHR.transpose(1, 2), cos_SR, sin_SR, self.rope_interleave)
         latent_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_rank, self.rope_dim], dim=-1)
@@ -147,6 +192,16 @@ class MLAttention(TokenMixer):
         if state is not None:
             latent_BSC, k_rope_BSR = state.append(inputs.pos, latent_BSC, k_rope_BSR)
             mask_B1SS, causal = cache_causal_mask(inputs.pos, s, latent_BSC.device), False
+        if self.index_from is not None:
+            q_rope_BSHR = q_rope_BHSR.transpose(1, 2)
+            absorbed = Absorbed.of(
+                q_nope_BSHN, q_rope_BSHR, latent_BSC, k_rope_BSR, self.wkv_b.weight
+            )
+            dsa = (x_BSD, q_latent_BSQ, absorbed, inputs, state)
+            if self.sparse:
+                return self.wo(self._sparse(*dsa).reshape(b, s, -1))
+            if self._trains_indexer():
+                self._warmup_loss(*dsa)
         t = latent_BSC.shape[1]  # key positions (cached + new)
         kv_BTHX = self.wkv_b(latent_BSC).view(b, t, self.n_heads, -1)
         k_nope_BTHN, v_BTHV = kv_BTHX.split([self.nope_dim, self.v_dim], dim=-1)
@@ -164,10 +219,55 @@ class MLAttention(TokenMixer):
         out_BHSV = self._attend(q_BHSK, k_BHTK, v_BHTV, mask_B1SS, causal)
         return self.wo(out_BHSV.transpose(1, 2).reshape(b, s, -1))
 
+    def _sparse(
+        self,
+        x_BSD: torch.Tensor,
+        q_latent_BSQ: torch.Tensor,
+        absorbed: Absorbed,
+        inputs: MixerInputs,
+        state: LatentCache | None,
+    ) -> torch.Tensor:
+        """Attention over the selected keys (B, S, H, Vd); a layer with its own indexer selects
+        them (and in training reports its KL)."""
+        if self.head_exchange is not None:
+            raise ValueError("sparse attention runs without a head exchange")
+        b, s, _ = x_BSD.shape
+        keys = query_keys(inputs, b, s, x_BSD.device)
+        own = None
+        if self.indexer is not None:
+            own = run_indexer(self.indexer, x_BSD, q_latent_BSQ, inputs, state)
+        idx_BSk, valid_BSk = selection(own, keys, self.index_topk, inputs, self.index_from)
+        train = own is not None and self._trains_indexer()
+        out_BSHC, p_BSk = sparse_latent_attention(
+            absorbed.q_BSHK, absorbed.kv_BTK, idx_BSk, valid_BSk, self.scale, self.kv_rank, train
+        )
+        if train:
+            args = (own, idx_BSk, valid_BSk, p_BSk, absorbed, self.scale, keys)
+            kl_BS, recall = sparse_index_loss(*args, self.recall_queries)
+            report_loss(inputs, self.index_from, kl_BS, self.index_weight, recall)
+        return absorbed.values(out_BSHC)
+
+    def _warmup_loss(
+        self,
+        x_BSD: torch.Tensor,
+        q_latent_BSQ: torch.Tensor,
+        absorbed: Absorbed,
+        inputs: MixerInputs,
+        state: LatentCache | None,
+    ) -> None:
+        """Dense warm-up: the indexer's KL over every key, reported."""
+        b, s, _ = x_BSD.shape
+        keys = query_keys(inputs, b, s, x_BSD.device)
+        own = run_indexer(self.indexer, x_BSD, q_latent_BSQ, inputs, state)
+        args = (own, absorbed, self.scale, keys, self.index_topk, self.recall_queries)
+        kl_BS, recall = warmup_index_loss(*args)
+        report_loss(inputs, self.index_from, kl_BS, self.index_weight, recall)
+
     def new_state(
         self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
     ) -> LatentCache:
-        return LatentCache(batch, self.kv_rank, self.rope_dim, max_len, dtype, device)
+        index_dim = self.indexer.head_dim if self.indexer is not None else 0
+        return LatentCache(batch, self.kv_rank, self.rope_dim, max_len, dtype, device, index_dim)
 
     # counts (the protocol's; checked against the built module and saved-tensor hooks)
 
@@ -180,6 +280,8 @@ class MLAttention(TokenMixer):
                 out["q_norm.weight"] = (cfg.q_lora_rank,)
             if name == "wkv_a":
                 out["kv_norm.weight"] = (cfg.kv_lora_rank,)
+            if name == "indexer.wk":  # a LayerNorm: weight and bias
+                out |= dict.fromkeys(("indexer.k_norm.weight", "indexer.k_norm.bias"), (n_out,))
         return out
 
     @classmethod
@@ -190,16 +292,23 @@ class MLAttention(TokenMixer):
             if cfg.q_lora_rank is None
             else {"wq_a": (d, cfg.q_lora_rank), "wq_b": (cfg.q_lora_rank, h * qk)}
         )
+        indexer = LightningIndexer.matrices(cfg) if spec.indexer else {}
         return {
             **q,
             "wkv_a": (d, c + cfg.qk_rope_head_dim),
             "wkv_b": (c, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
             "wo": (h * cfg.v_head_dim, d),
+            **{f"indexer.{name}": shape for name, shape in indexer.items()},
         }
 
     @classmethod
     def mixing_flops_per_token(cls, cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
-        """Scores ``(N + R)`` and values ``Vd`` wide per head over the whole sequence."""
+        """Dense: scores ``(N + R)`` and values ``Vd`` wide per head over the whole sequence.
+        Sparse attention (:func:`sparse_mixing_flops`): scores ``C + R`` and values ``C``
+        wide per head (the shared-key form) over ``min(k, seq_len)`` keys, and the indexer's
+        work."""
+        if spec.index_from is not None:
+            return sparse_mixing_flops(cfg, spec, seq_len)
         return 6 * cfg.n_heads * (cfg.attention_head_dim + cfg.v_head_dim) * seq_len
 
     @classmethod
@@ -215,17 +324,21 @@ class MLAttention(TokenMixer):
         is zero-padded, which saves somewhat more. Under sequence parallelism the exchanged q,
         k and v take the places of the ones above, and the values are saved exchanged
         (``aHVd``) with the output in sequence order (``aHVd``) instead of the ``wkv_b``
-        output: ``aH(Vd - N)`` more."""
+        output: ``aH(Vd - N)`` more. Sparse attention: :func:`sparse_saved_bytes`."""
+        dsa = sparse_saved_bytes(cfg, spec, act_bytes) if spec.index_from is not None else 0
+        if dsa and cfg.index_stage == "sparse":
+            return dsa
         a, h, c, v = act_bytes, cfg.n_heads, cfg.kv_lora_rank, cfg.v_head_dim
         q_latent = 2 * a * cfg.q_lora_rank + 4 if cfg.q_lora_rank else 0
         latent = a * (c + cfg.qk_rope_head_dim) + 4 + a * c
         kv = a * h * (cfg.qk_nope_head_dim + v) + 2 * a * h * cfg.attention_head_dim
         exchanged = a * h * (v - cfg.qk_nope_head_dim) if sp > 1 else 0
-        return a * cfg.d_model + q_latent + latent + kv + a * h * v + 4 * h + exchanged
+        return a * cfg.d_model + q_latent + latent + kv + a * h * v + 4 * h + exchanged + dsa
 
     @classmethod
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
-        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+        index = cfg.index_head_dim if spec.indexer else 0
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim + index) * dtype_bytes
 
     @classmethod
     def exchange_bytes_per_token(

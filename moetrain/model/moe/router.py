@@ -92,6 +92,16 @@ def limit_to_groups(
     return grouped_TGX.masked_fill(~allowed_TG.unsqueeze(-1), float("-inf")).view(t, e)
 
 
+class RouterGate(nn.Linear):
+    """The router's linear gate (``nn.Linear``'s parameters and keys): fp32 logits of any input,
+    computed from fp32 copies of the weight and bias inside this module's forward (ZeRO-3
+    gathers a module's parameters for its forward only)."""
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()  # moe.router_bias
+        return linear(x_TD.float(), self.weight.float(), bias)
+
+
 class Router(nn.Module):
     """Linear gate ``router.gate.weight`` (E, D) (and ``router.gate.bias`` (E,) with
     ``moe.router_bias``: part of the logits) + top-k selection + balancing losses.
@@ -107,7 +117,7 @@ class Router(nn.Module):
         self.cfg = cfg
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
-        self.gate = nn.Linear(d_model, cfg.num_experts, bias=cfg.router_bias)
+        self.gate = RouterGate(d_model, cfg.num_experts, bias=cfg.router_bias)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         self.register_buffer(
             "step_counts_E", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False
@@ -121,8 +131,7 @@ class Router(nn.Module):
         cfg, e = self.cfg, self.num_experts
         if self.training and cfg.jitter > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
-        bias = None if self.gate.bias is None else self.gate.bias.float()  # moe.router_bias
-        logits_TE = linear(x_TD.float(), self.gate.weight.float(), bias)
+        logits_TE = self.gate(x_TD)
         if cfg.score_func == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
             probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
@@ -216,9 +225,10 @@ class Router(nn.Module):
         """Aux-loss-free balancing: ``bias += rate * sign(mean(load) - load)``.
 
         Call once per optimizer step with the load summed over every rank; never in forward.
+        A frozen router (a training stage that trains other parts alone) keeps its bias.
         """
         rate = self.cfg.bias_update_rate
-        if rate <= 0:
+        if rate <= 0 or not self.gate.weight.requires_grad:
             return
         load_E = load_E.to(self.expert_bias)
         self.expert_bias.add_(rate * torch.sign(load_E.mean() - load_E))

@@ -1,0 +1,67 @@
+"""Rank functions for the ZeRO-3 tests (importable by spawned processes): the parity layouts'
+training run (:mod:`tests.distributed.parity_jobs`) at ZeRO-2 and at ZeRO-3 in one group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.distributed.parity_jobs import VARIANTS, _parallel_run, parity_config
+
+# what the stage-3 runs add to the parity configuration: the chunked loss in several chunks
+# (the LM head's weight read in its own forward) and tied embeddings (one parameter, two modules)
+STAGE3_EXTRA = {"model.loss_chunk_tokens": 8}
+CASES: dict[str, dict[str, Any]] = {
+    "base": {},
+    "mtp": VARIANTS["mtp"],
+    "tied": {"model.tie_embeddings": True},
+    # blocks recomputed in backward (their weights gathered a third time), the experts' SwiGLU
+    "ckpt": {"parallel.activation_checkpointing": True, "moe.recompute_act": True},
+    "bf16": {"train.precision": "bf16"},  # fp32 masters, accumulation and reduction
+}
+
+
+def stages_job(
+    rank: int, world: int, layouts: list[tuple[int, str]], steps: int
+) -> dict[str, dict[str, Any]]:
+    """Each ``(ep_size, case)`` of ``layouts`` trained ``steps`` steps at ZeRO-2 and ZeRO-3:
+    ``{"ep2_mtp": {"zero2": run, "zero3": run}, ...}`` (runs as ``parity_jobs._parallel_run``'s,
+    with ``ds_stage`` the stage DeepSpeed's engine ran)."""
+    out: dict[str, dict[str, Any]] = {}
+    for ep, case in layouts:
+        runs = {}
+        for stage in (2, 3):
+            cfg = parity_config(world, ep, stage, **STAGE3_EXTRA, **CASES[case])
+            runs[f"zero{stage}"] = _parallel_run(cfg, rank, world, steps)
+        out[f"ep{ep}_{case}"] = runs
+    return out
+
+
+def resume_and_refusals_job(rank: int, world: int, run_dir: str, steps: int, stop: int) -> dict:
+    """The same-layout resume of :func:`checkpoint_jobs.resume_job` at ZeRO-3 (dp=1 x ep=2),
+    then what a stage-3 checkpoint refuses: reading its weights (``moetrain convert``'s reader)
+    and resuming at stage 2 -> ``{"resume": ..., "read": error, "stage2": error}``."""
+    from pathlib import Path
+
+    from moetrain.checkpoint.catalog import latest_complete
+    from moetrain.checkpoint.checkpointer import Checkpointer
+    from moetrain.checkpoint.format import CheckpointError
+    from moetrain.checkpoint.read import load_model
+    from moetrain.parallel.topology import init_distributed
+    from moetrain.train.trainer import Trainer
+    from tests.distributed.checkpoint_jobs import StreamPosition, resume_job
+
+    out: dict[str, Any] = {"resume": resume_job(rank, world, [(2, 3)], run_dir, steps, stop)}
+    cfg3 = parity_config(world, 2, 3, run_dir=str(Path(run_dir) / "ep2_zero3"))
+    path = latest_complete(Checkpointer(cfg3, init_distributed(cfg3)).root)
+    try:
+        load_model(path)
+    except CheckpointError as err:
+        out["read"] = str(err)
+    cfg2 = parity_config(world, 2, 2, run_dir=str(Path(run_dir) / "ep2_zero3"))
+    topo = init_distributed(cfg2)
+    trainer = Trainer(cfg2, topo)
+    try:
+        Checkpointer(cfg2, topo).load(path, trainer.run_state(StreamPosition()))
+    except CheckpointError as err:
+        out["stage2"] = str(err)
+    return out
