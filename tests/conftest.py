@@ -5,6 +5,7 @@ The helpers themselves live in tests/helpers/ (``from tests.helpers.configs impo
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -19,14 +20,17 @@ pytest_plugins = ["tests.helpers.corpus"]  # its fixtures (tiny_data) for every 
 # Some tests put the virtualenv's bin first on PATH (they need its torchrun and deepspeed), others
 # inherited pytest's PATH, so a suite run alternated between the two and rebuilt several times.
 # One PATH for every child (the virtualenv's bin first) and a build folder of the tests' own, so
-# that other work on the machine with another ninja does not invalidate it either.
+# that other work on the machine with another ninja does not invalidate it either. The folder is
+# one per virtualenv: the build commands name the virtualenv's torch headers, so two checkouts
+# sharing a folder would rebuild it for each other.
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+_VENV_TAG = hashlib.sha1(sys.prefix.encode()).hexdigest()[:8]
 os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR",
     str(
         Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
         / "torch_extensions"
-        / f"moetrain-tests-py{sys.version_info.major}{sys.version_info.minor}"
+        / f"moetrain-tests-py{sys.version_info.major}{sys.version_info.minor}-{_VENV_TAG}"
     ),
 )
 
@@ -51,3 +55,21 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker(marker) is not None:
                 item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Build DeepSpeed's shm comm op once, before any test starts ranks that load it.
+
+    Inside a test, the first ranks to start would compile it under their job's timeout while the
+    others wait on its file lock, and a rank killed mid-build leaves the lock behind for every
+    later test. Built here, a compiler failure shows once, plainly, before the first test."""
+    if not any(
+        part in ("distributed", "e2e") for item in session.items for part in item.path.parts
+    ):
+        return
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        builder.load(verbose=False)  # as deepspeed.comm.torch.build_shm_op loads it
