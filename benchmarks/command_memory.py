@@ -1,6 +1,6 @@
 """Memory and time of ``moetrain train`` per rank, phase by phase, next to the bare step.
 
-    .venv/bin/python benchmarks/command_memory.py [--steps 20] [--shape bench] [--rounds 3] [--ep 2]
+    .venv/bin/python benchmarks/command_memory.py [--steps 20] [--shape bench] [--rounds 3] [--ep 1]
 
 Runs the real command (``python -m moetrain train`` through ``torchrun``, 2 CPU ranks, one thread
 each, the shape and data of ``benchmarks/train_command.py``) with this file as the entry point:
@@ -210,7 +210,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     ap.add_argument("--docs", type=int, default=4000)
     ap.add_argument("--rounds", type=int, default=3, help="command / bare pairs, alternating")
-    ap.add_argument("--ep", type=int, default=2, help="parallel.ep_size")
+    ap.add_argument("--ep", type=int, default=1, help="parallel.ep_size")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     data = prepare(shape, args.docs)

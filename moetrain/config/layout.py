@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from moetrain.config.checks import ConfigError
+from moetrain.config.layer_plan import LINEAR, layer_types
 from moetrain.config.mixers import mixer_kind
 from moetrain.config.ranges import check_ranges
 
@@ -81,7 +82,8 @@ def check_zero3(cfg: Config) -> None:
     experts (the dispatcher hands a replica its owner's stacked weights outside the experts'
     forward, where ZeRO-3 holds only a partition of them), fp16 (its loss scaling at ZeRO-3 is
     not proven here; bf16 is), optimizer offload and sequence parallelism (not proven here
-    either) and ``checkpoint.init_from`` (its weights are not streamed into the partitions yet)."""
+    either), ``checkpoint.init_from`` (its weights are not streamed into the partitions yet),
+    sparse attention and linear-attention layers (not proven against stage 2 yet)."""
     p, t = cfg.parallel, cfg.train
     if p.zero_stage != 3:
         return
@@ -111,9 +113,21 @@ def check_zero3(cfg: Config) -> None:
     if cfg.checkpoint.init_from is not None:
         raise ConfigError(
             f"checkpoint.init_from: not supported with parallel.zero_stage=3 yet (the weights "
-            f"are not streamed into the partitions); got {cfg.checkpoint.init_from!r}; start at "
-            f"parallel.zero_stage=2, save, and resume that checkpoint, or set "
-            f"checkpoint.init_from=null"
+            f"are not streamed into the partitions); got {cfg.checkpoint.init_from!r}; set "
+            f"parallel.zero_stage=2 or checkpoint.init_from=null"
+        )
+    if cfg.model.index_topk is not None:
+        raise ConfigError(
+            f"model.index_topk: sparse attention is not supported with parallel.zero_stage=3 "
+            f"yet (not proven against stage 2); got {cfg.model.index_topk}; set "
+            f"parallel.zero_stage=2"
+        )
+    linear = [i for i, kind in enumerate(layer_types(cfg.model)) if kind == LINEAR]
+    if linear:
+        raise ConfigError(
+            f"model.layer_types: linear-attention layers ({cfg.model.linear_attention}, layers "
+            f"{linear}) are not supported with parallel.zero_stage=3 yet (not proven against "
+            f"stage 2); set parallel.zero_stage=2"
         )
 
 

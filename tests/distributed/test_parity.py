@@ -141,7 +141,11 @@ def _key(layout: tuple) -> str:
 def results(request) -> dict[int, list[dict]]:
     """world -> per-rank results; the three process groups run at the same time."""
     jobs = JOBS if "long" in (request.config.getoption("markexpr") or "") else QUICK_JOBS
-    done = run_distributed_concurrently([(layouts_job, w, lays) for w, lays in jobs.items()])
+    # every layout of a world runs in its one process group, the three groups side by side:
+    # minutes on 2 cores, under pytest's 600 s for the test that sets this fixture up
+    done = run_distributed_concurrently(
+        [(layouts_job, w, lays) for w, lays in jobs.items()], timeout=540.0
+    )
     return dict(zip(jobs, done, strict=True))
 
 

@@ -55,6 +55,31 @@ def test_global_batch_mismatch() -> None:
         ({"parallel.offload_optimizer": "true"}, r"parallel\.offload_optimizer: not supported"),
         ({"parallel.sp_size": 2}, r"parallel\.sp_size: sequence parallelism is not supported"),
         ({"checkpoint.init_from": "/x"}, r"checkpoint\.init_from: not supported with parallel"),
+        (
+            {
+                "model.attention": "mla",
+                "model.n_kv_heads": 4,
+                "model.q_lora_rank": 16,
+                "model.kv_lora_rank": 16,
+                "model.qk_nope_head_dim": 8,
+                "model.qk_rope_head_dim": 8,
+                "model.v_head_dim": 8,
+                "model.index_topk": 4,
+                "model.index_n_heads": 2,
+                "model.index_head_dim": 8,
+            },
+            r"model\.index_topk: sparse attention is not supported with parallel",
+        ),
+        (
+            {
+                "model.full_attention_interval": 2,
+                "model.linear_num_key_heads": 2,
+                "model.linear_num_value_heads": 2,
+                "model.linear_key_head_dim": 8,
+                "model.linear_value_head_dim": 8,
+            },
+            r"model\.layer_types: linear-attention layers \(gated_deltanet, layers \[0, 2\]\)",
+        ),
     ],
 )
 def test_zero3_refuses_by_key(setting: dict, match: str) -> None:
