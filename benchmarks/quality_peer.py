@@ -84,8 +84,8 @@ def hf_from_moetrain_init(cfg, out: Path):  # noqa: ANN001, ANN201
 
 
 def param_groups(model, optim):  # noqa: ANN001, ANN201
-    """moetrain's rule (train/optim.py): 1-D tensors, biases and the embedding do not decay."""
-    from moetrain.train.optim import is_no_decay
+    """moetrain.s rule (optim/groups.py): 1-D tensors, biases and the embedding do not decay."""
+    from moetrain.optim.groups import is_no_decay
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -108,8 +108,8 @@ def main() -> None:
 
     from moetrain.config import load_config
     from moetrain.data.splits import build_loader
+    from moetrain.optim.schedule import LRSchedule
     from moetrain.parallel.deepspeed import deepspeed_config
-    from moetrain.train.optim import LRSchedule
     from moetrain.train.trainer import tokens_per_step, total_steps
 
     cfg = load_config(args.config, args.overrides)

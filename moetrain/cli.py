@@ -40,6 +40,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_print_config(args: argparse.Namespace) -> int:
     from moetrain.model_numbers import human, model_numbers
+    from moetrain.optim.summary import update_table
 
     cfg = load_config(args.config, args.overrides)
     print(cfg.to_yaml(), end="")
@@ -54,6 +55,9 @@ def _cmd_print_config(args: argparse.Namespace) -> int:
         f"train_flops_per_token: {n.flops_per_token:.4g}  "
         f"# 6 x active matmul params + attention, at seq_len={cfg.data.seq_len}"
     )
+    print(f"# updates (optim.name={cfg.optim.name}): parameters per update rule, by kind")
+    for line in update_table(cfg):
+        print(f"update_{line}")
     return 0
 
 

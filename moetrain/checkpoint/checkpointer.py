@@ -16,7 +16,8 @@ checkpoint directory must be trusted like code; moetrain's own files are JSON or
 
 Resharding: model weights always reshard (per-expert files), and the optimizer state is
 re-partitioned for another world size, EP size or ZeRO stage (:mod:`moetrain.checkpoint.reshard`);
-``--reset-optimizer`` loads weights, schedule and data position and restarts the moments.
+``--reset-optimizer`` loads weights, schedule and data position and restarts the optimizer state
+(also the way from one ``optim.name`` to another).
 """
 
 from __future__ import annotations
@@ -60,7 +61,11 @@ from moetrain.checkpoint.format import (
 )
 from moetrain.checkpoint.rank_files import RankFiles
 from moetrain.checkpoint.read import refuse_zero3
-from moetrain.checkpoint.reshard import SavedOptimizer, optimizer_param_names, restore_optimizer
+from moetrain.checkpoint.reshard import (
+    SavedOptimizer,
+    optimizer_param_names,
+    restore_optimizer,
+)
 from moetrain.checkpoint.timeline import TIMELINES_FILE, plan_resume, record_timeline
 from moetrain.faults import fault_point
 from moetrain.fileio import atomic_file, fsync_dir, write_json_atomic
@@ -381,7 +386,9 @@ class Checkpointer:
             saved_optimizer = SavedOptimizer(path, state)  # read (and checked) before loading
         if topo.is_main:
             if reset_optimizer:
-                self.log("warning: --reset-optimizer: loading weights only; Adam moments restart")
+                self.log(
+                    "warning: --reset-optimizer: loading weights only; the optimizer state restarts"
+                )
             elif not same_layout:
                 self.log(
                     f"resharding {path.name} from world_size={saved['world_size']}, "

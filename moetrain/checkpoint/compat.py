@@ -8,7 +8,9 @@ saved. It is refused, naming each key with both values, when the config changes:
   multi-token-prediction modules (``model.mtp_depth``, whose weights the checkpoint holds);
 - a key the saved data position depends on (:data:`DATA_POSITION_KEYS`: the loader continues
   the same permutation of the same sequences);
-- a key whose optimizer files cannot be read on another setting (:data:`UNRESHARDABLE_KEYS`);
+- a key whose optimizer files cannot be read on another setting (:data:`UNRESHARDABLE_KEYS`:
+  the precision, and ``optim.name``, whose state another optimizer cannot continue; both may
+  change with ``--reset-optimizer``, which reads no optimizer file);
 - the tokenizer the data was tokenized with (its sha256).
 
 Everything else may change between a save and a resume (CHECKPOINTS.md lists them): the
@@ -27,7 +29,7 @@ from moetrain.config import Config, ModelConfig, MoEConfig
 from moetrain.model.mtp import MTP_CHAIN
 
 DATA_POSITION_KEYS = ("seed", "data.seq_len")
-UNRESHARDABLE_KEYS = ("train.precision",)
+UNRESHARDABLE_KEYS = ("train.precision", "optim.name")
 
 
 def function_keys(section: type) -> tuple[str, ...]:

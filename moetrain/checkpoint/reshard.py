@@ -3,8 +3,10 @@
 DeepSpeed's own loader only reloads optimizer shards on the layout that wrote them, and its
 universal checkpoint knows only its own (AutoEP) expert layers. moetrain re-partitions instead:
 
-1. Read, per parameter, the fp32 master weight and the Adam moments from the saved layout's
-   files (:class:`SavedOptimizer`). ZeRO-1/2 files hold each rank's flat partition of every
+1. Read, per parameter, the fp32 master weight and the optimizer's state tensors (named by the
+   optimizer that wrote them, ``OptimizerSpec.state_keys`` of each param group: AdamW's two
+   moments, Muon's momentum) from the saved layout's files (:class:`SavedOptimizer`). ZeRO-1/2
+   files hold each rank's flat partition of every
    parameter group plus DeepSpeed's map of which slice of the partition belongs to which named
    parameter (``param_slice_mappings``); a parameter is its slices, in partition order, over the
    ranks that partitioned its group: every rank for dense groups, the expert-data-parallel
@@ -14,12 +16,16 @@ universal checkpoint knows only its own (AutoEP) expert layers. moetrain re-part
 2. Write them into the new engine (:func:`restore_optimizer`), whose model weights were loaded
    from the per-expert files: ZeRO-1/2 (and DeepSpeed's bf16 optimizer) get, for every
    parameter slice this rank now owns, the master weight copied into its flat fp32 partition
-   and the moments into flat state buffers of the partition's size; stage 0 gets the torch
+   and the state tensors into flat buffers of the partition's size; stage 0 gets the torch
    optimizer's per-parameter state. Every rank gets only its own experts (its slice of the stack).
 
-The step count is the same for every group and is restored with the moments, so Adam's bias
-correction continues where it stopped. The files are read with ``weights_only=True`` (three
-DeepSpeed classes allowed: the slice map, the loss scaler and the stage enum).
+The step count is the same for every group and is restored with the state, so Adam's bias
+correction continues where it stopped. The optimizer (``optim.name``) must be the one that
+wrote the checkpoint (a resume that changes it is refused before it starts,
+:mod:`moetrain.checkpoint.compat`): another one starts from the weights with
+``--reset-optimizer``. The files
+are read with ``weights_only=True`` (three DeepSpeed classes allowed: the slice map, the loss
+scaler and the stage enum).
 """
 
 from __future__ import annotations
@@ -37,9 +43,14 @@ from moetrain.checkpoint.format import (
     zero_optimizer_file,
 )
 from moetrain.model import param_names
+from moetrain.optim.registry import OptimizerSpec, optimizer_spec
 
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 MASTER = "fp32"
+
+
+def saved_optimizer_name(state: TrainerState) -> str:
+    """``optim.name`` of the run that wrote a checkpoint (AdamW before the name was recorded)."""
+    return (state.config.get("optim") or {}).get("name", "adamw")
 
 
 def is_expert_param(name: str) -> bool:
@@ -75,6 +86,7 @@ class SavedOptimizer:
 
     def __init__(self, ckpt: Path, state: TrainerState) -> None:
         self.ckpt, self.layout = Path(ckpt), state.layout
+        self.spec: OptimizerSpec = optimizer_spec(saved_optimizer_name(state))
         world, self.ep = self.layout["world_size"], self.layout["ep_size"]
         dense = _load(self.ckpt / DENSE_FILE)
         self.counters = {
@@ -119,7 +131,8 @@ class SavedOptimizer:
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{where}: not a ZeRO-1/2 optimizer file ({e})") from None
         for g, mapping in enumerate(mappings):
-            sources = {MASTER: masters[g], **{k: states[g][k] for k in ADAM_KEYS}}
+            keys = self.spec.state_keys(groups[g])
+            sources = {MASTER: masters[g], **{k: states[g][k] for k in keys}}
             self._set_step(states[g]["step"], where)
             ep_rank = rank % self.ep if groups[g].get("moe") else None
             for name, address in mapping.items():
@@ -142,14 +155,16 @@ class SavedOptimizer:
         if [len(g["params"]) for g in opt["param_groups"]] != [len(g) for g in names]:
             raise CheckpointError(f"{where}: its param groups do not match the recorded names")
         for group, group_names in zip(opt["param_groups"], names, strict=True):
+            keys = self.spec.state_keys(group)
             for index, name in zip(group["params"], group_names, strict=True):
                 state = opt["state"][index]
                 self._set_step(state["step"], str(where))
                 key = (name, ep_rank if is_expert_param(name) else None)
                 if key not in self._pieces:  # dense state: identical in every EP rank's file
-                    self._shapes[name] = tuple(state["exp_avg"].shape)
-                    sources = {k: state[k].reshape(-1) for k in ADAM_KEYS}
-                    self._pieces[key] = [(sources, 0, 0, state["exp_avg"].numel())]
+                    first = state[keys[0]]
+                    self._shapes[name] = tuple(first.shape)
+                    sources = {k: state[k].reshape(-1) for k in keys}
+                    self._pieces[key] = [(sources, 0, 0, first.numel())]
 
     # ---------------------------------------------------------------- per-parameter values
     def has_master(self) -> bool:
@@ -172,8 +187,8 @@ class SavedOptimizer:
         return flat.view(shape)
 
     def full(self, name: str, key: str) -> torch.Tensor:
-        """``key`` (``fp32``, ``exp_avg``, ``exp_avg_sq``) of parameter ``name``; an expert
-        weight as the global stack of every expert, (E, ...)."""
+        """``key`` (``fp32``, or a state key of the optimizer: ``exp_avg``, ...) of parameter
+        ``name``; an expert weight as the global stack of every expert, (E, ...)."""
         if not is_expert_param(name):
             return self._one(name, None, key)
         return torch.cat([self._one(name, e, key) for e in range(self.ep)])
@@ -192,17 +207,21 @@ def restore_optimizer(engine: Any, saved: SavedOptimizer, experts: tuple[int, in
     """Put ``saved``'s optimizer state into ``engine`` (built for the new layout, model weights
     already loaded); ``experts``: the global experts ``[start, stop)`` this rank holds."""
     params = dict(engine.module.named_parameters())
-    step = saved.step
+    step, spec = saved.step, saved.spec
     if hasattr(engine.optimizer, "_param_slice_mappings"):  # ZeRO-1/2, DeepSpeed's bf16
         inner = engine.optimizer.optimizer
         flats = [group["params"][0] for group in inner.param_groups]
-        moments = {i: {k: torch.zeros_like(f) for k in ADAM_KEYS} for i, f in enumerate(flats)}
+        moments = {
+            i: {k: torch.zeros_like(f) for k in spec.state_keys(group)}
+            for i, (f, group) in enumerate(zip(flats, inner.param_groups, strict=True))
+        }
         for name, p in params.items():
             mapping = getattr(p, "_hp_mapping", None)
             if mapping is None:  # no slice of this parameter in this rank's partition
                 continue
             lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
-            keys = ([MASTER] if saved.has_master() else []) + list(ADAM_KEYS)
+            group_keys = list(moments[mapping.param_group_index])
+            keys = ([MASTER] if saved.has_master() else []) + group_keys
             for key in keys:
                 src = _value(saved, name, key, experts).reshape(-1)[lp.start : lp.start + lp.numel]
                 dst = (
@@ -216,9 +235,10 @@ def restore_optimizer(engine: Any, saved: SavedOptimizer, experts: tuple[int, in
     else:  # ZeRO stage 0: the torch optimizer, one state per parameter
         names = {id(p): n for n, p in params.items()}
         for group in engine.optimizer.param_groups:
+            keys = spec.state_keys(group)
             for p in group["params"]:
                 name = names[id(p)]
-                state = {k: _value(saved, name, k, experts).to(p).clone() for k in ADAM_KEYS}
+                state = {k: _value(saved, name, k, experts).to(p).clone() for k in keys}
                 engine.optimizer.state[p] = {"step": step.to(p.device).clone(), **state}
     for attr, value in saved.counters.items():
         if value is not None:

@@ -123,10 +123,44 @@ class ParallelConfig:
         return GPU_BUCKET_ELEMENTS if cuda else CPU_BUCKET_ELEMENTS
 
 
+MUON_MATRIX_KINDS = Literal[
+    "embedding",
+    "lm_head",
+    "router",
+    "shared_gate",
+    "attention",
+    "experts",
+    "mtp_projection",
+    "ffn",
+]
+
+
+@dataclass
+class MuonConfig:
+    """Muon's settings (``optim.name: muon``, moetrain/optim/muon.py): the update of the matrices;
+    every other parameter takes AdamW with the ``optim`` settings, and so do the kinds of matrix
+    listed in ``adamw_matrices``."""
+
+    momentum: float = field(default=0.95, metadata=between(0, 1, high_open=True))
+    nesterov: bool = True
+    ns_steps: int = field(default=5, metadata=between(1, 20))  # Newton-Schulz iterations
+    # each matrix's orthogonalised update times update_scale * sqrt(max(rows, cols)) (Moonlight):
+    # an RMS of about update_scale, as AdamW's, so optim.lr and optim.weight_decay carry over
+    update_scale: float = field(default=0.2, metadata=above(0))
+    # the kinds of matrix that take AdamW instead (moetrain/optim/kinds.py)
+    adamw_matrices: list[MUON_MATRIX_KINDS] = field(
+        default_factory=lambda: ["embedding", "lm_head", "router", "shared_gate"]
+    )
+    # MuonClip (Kimi K2's QK-clip): after each step, a head whose largest pre-softmax logit
+    # exceeded this has its query and key weights rescaled to bring it back; 0 = off (K2: 100)
+    qk_clip: float = field(default=0.0, metadata=at_least(0, "0 = off"))
+
+
 @dataclass
 class OptimConfig:
-    """AdamW and the learning-rate schedule."""
+    """The optimizer (``name``: moetrain/optim/registry.py) and the learning-rate schedule."""
 
+    name: Literal["adamw", "muon"] = "adamw"
     lr: float = field(default=3e-4, metadata=above(0))
     min_lr_ratio: float = field(default=0.1, metadata=between(0, 1))
     weight_decay: float = field(default=0.1, metadata=at_least(0))
@@ -141,6 +175,7 @@ class OptimConfig:
     # WSD: fraction of training spent decaying
     decay_fraction: float = field(default=0.2, metadata=between(0, 1, low_open=True))
     decay_embeddings: bool = False  # apply weight decay to embeddings
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 @dataclass
@@ -294,4 +329,31 @@ class Config:
             "with model.rope_scaling=longrope (moetrain computes LongRoPE's short factors only); "
             f"got {self.data.seq_len}",
         )
+        self._check_qk_clip()
+        require(
+            self.optim.name != "muon" or self.parallel.zero_stage < 3,
+            "optim.name",
+            "muon orthogonalises whole matrices, which it finds in ZeRO-1/2 partitions only; "
+            "ZeRO-3's are not read yet: use parallel.zero_stage 0, 1 or 2 with muon",
+        )
         check_layout(self)
+
+    def _check_qk_clip(self) -> None:
+        """QK-clip rescales query and key projections: a norm after them would undo it."""
+        if self.optim.muon.qk_clip <= 0:
+            return
+        require(
+            self.optim.name == "muon",
+            "optim.muon.qk_clip",
+            f"is MuonClip's, for optim.name=muon; got optim.name={self.optim.name}",
+        )
+        for key, on in (
+            ("model.qk_norm", self.model.qk_norm),
+            ("model.qk_norm_after_rope", self.model.qk_norm_after_rope),
+        ):
+            require(
+                not on,
+                "optim.muon.qk_clip",
+                f"cannot bound the logits with {key}=true (the norm undoes a rescaled "
+                "projection; the norm itself bounds them): set one of the two",
+            )

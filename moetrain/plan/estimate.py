@@ -12,8 +12,10 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
   experts over X). Under bf16/fp16 DeepSpeed adds each micro-batch's low-precision gradient to
   the fp32 buffer as soon as it is ready (ZeRO-1) or reduces it into the fp32 partition
   (ZeRO-2), so the low-precision gradients are transient (the largest one is counted below).
-- optimizer: AdamW 8 B/param, + 4 B for the fp32 master copy under bf16/fp16 (and under fp32
-  with ``parallel.offload_optimizer``; otherwise fp32 masters share the weights' storage,
+- optimizer: its state (``optim.name``'s bytes per parameter, dense and expert,
+  :mod:`moetrain.plan.optimizer`; AdamW 8 B/param, Muon 4 B on its matrices and 8 B on the rest),
+  + 4 B for the fp32 master copy under bf16/fp16 (and under fp32 with
+  ``parallel.offload_optimizer``; otherwise fp32 masters share the weights' storage,
   :mod:`moetrain.parallel.fp32_partitions`), partitioned under ZeRO-1/2 (dense over W, experts
   over X); ``parallel.offload_optimizer`` moves it to CPU.
 - activations (:mod:`moetrain.plan.activations`): every block's bytes per token times the
@@ -36,6 +38,9 @@ Expert all-to-all and the head all-to-alls of sequence parallelism: :mod:`moetra
 Generation cache: every layer's mixer state per token, in ``train.precision``
 (:func:`moetrain.model_numbers.cache_bytes_per_token`), and the recurrent layers' fixed state
 per sequence (:func:`moetrain.model_numbers.cache_bytes_per_sequence`).
+
+Optimizer step: the FLOPs beyond the elementwise per GPU (Muon's Newton-Schulz,
+:mod:`moetrain.plan.optimizer`), reported with their time at the MFU of the fp32 peak.
 
 Speed: ``tokens/s = gpus * peak * mfu / flops_per_token``, the peak from
 :data:`moetrain.monitor.mfu.PEAK_TFLOPS` for ``train.precision`` (or ``logging.peak_tflops``),
@@ -60,6 +65,7 @@ from moetrain.model_numbers import (
 )
 from moetrain.plan.activations import activation_bytes
 from moetrain.plan.gpus import GiB, GPUSpec, MiB, gpu_spec
+from moetrain.plan.optimizer import StateBytes, optimizer_step_flops, state_bytes_per_param
 from moetrain.plan_traffic import HeadTraffic, Traffic, expert_traffic, head_traffic
 
 FRAMEWORK_BYTES = 1 * GiB  # CUDA context + cuBLAS workspace + NCCL + allocator slack
@@ -111,6 +117,10 @@ class Plan:
     gathered_bytes: int = 0
     zero3_gather_bytes_per_step: float = 0.0
     zero3_reduce_bytes_per_step: float = 0.0
+    optimizer_name: str = "adamw"  # optim.name
+    optimizer_state: StateBytes = StateBytes(8.0, 8.0)  # its state's bytes per parameter
+    master_bytes: int = 0  # per parameter: the fp32 master copy the optimizer holds (0 or 4)
+    optimizer_flops: int = 0  # per GPU and step beyond the elementwise (Muon's Newton-Schulz)
 
     @property
     def model_state_bytes(self) -> int:
@@ -242,15 +252,17 @@ def plan(
     wb = _dtype_bytes(t.precision)
     z = p.zero_stage
 
-    def split(per_param: float, partitioned: bool) -> int:
+    def split(per_param: float, partitioned: bool, expert_per_param: float | None = None) -> int:
+        per_expert = per_param if expert_per_param is None else expert_per_param
         if partitioned:
-            return int(per_param * (dense / world + expert / xdp))
-        return int(per_param * (dense + expert))
+            return int(per_param * dense / world + per_expert * expert / xdp)
+        return int(per_param * dense + per_expert * expert)
 
     weights = split(wb, z >= 3)
     grads = split(_dtype_bytes(t.grad_dtype), z >= 2)
-    opt_per_param = 8 + (4 if t.precision != "fp32" or (z >= 1 and p.offload_optimizer) else 0)
-    opt = split(opt_per_param, z >= 1)
+    masters = 4 if t.precision != "fp32" or (z >= 1 and p.offload_optimizer) else 0
+    state = state_bytes_per_param(cfg)  # optim.name's state (AdamW: two fp32 moments)
+    opt = split(state.dense + masters, z >= 1, state.expert + masters)
     opt_gpu, opt_cpu = (0, opt) if p.offload_optimizer else (opt, 0)
 
     sp = p.sp_size
@@ -300,6 +312,10 @@ def plan(
         grad_dtype=t.grad_dtype,
         cache_bytes_per_token=cache_bytes_per_token(cfg, wb),
         cache_bytes_per_sequence=cache_bytes_per_sequence(cfg, wb),
+        optimizer_name=cfg.optim.name,
+        optimizer_state=state,
+        master_bytes=masters,
+        optimizer_flops=optimizer_step_flops(cfg, gpus),
     )
     if z == 3:
         gathered, gather, reduce = zero3_numbers(cfg, world, wb, _dtype_bytes(t.grad_dtype))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from moetrain.model_numbers import human
 from moetrain.plan.estimate import Plan
 from moetrain.plan.gpus import GiB, MiB
+from moetrain.plan.optimizer import optimizer_lines
 from moetrain.plan_traffic import format_head_traffic, format_traffic
 
 
@@ -74,6 +75,15 @@ def format_plan(pl: Plan) -> str:
         f"at MFU {pl.mfu:.0%} of {pl.peak_tflops:g} TFLOP/s per GPU: "
         f"{pl.tokens_per_s:,.0f} tokens/s ({pl.tokens_per_s / pl.gpus:,.0f} per GPU), "
         f"{pl.step_time_s:.3f} s per optimizer step",
+        *optimizer_lines(
+            pl.optimizer_name,
+            pl.optimizer_state,
+            pl.master_bytes,
+            pl.optimizer_flops,
+            pl.gpu.peak_tflops("fp32"),
+            pl.mfu,
+            pl.step_time_s,
+        ),
         *(
             [
                 f"ZeRO-3 traffic per GPU and optimizer step: all-gather "

@@ -139,7 +139,7 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
             t0 = time.perf_counter()
             micro = _take(it, t.grad_accum_steps)
             data_s = time.perf_counter() - t0
-            rec = trainer.train_step(micro)
+            rec = trainer.train_step(micro, track_logits=log.due(progress.step + 1))
             if progress.step == start_step + 1:
                 monitor.say(f"attention: {attention_report(trainer.model)}")
             first_loss = rec["loss"] if first_loss is None else first_loss

@@ -64,12 +64,14 @@ def check_start(cfg: Config, reset_optimizer: bool = False) -> None:
     if reset_optimizer:
         conflicts = [c for c in conflicts if not c.startswith(UNRESHARDABLE_KEYS)]
     if conflicts:
+        reset = [key for key in UNRESHARDABLE_KEYS if any(c.startswith(key) for c in conflicts)]
+        hint = f" (for {', '.join(reset)} alone: --reset-optimizer)" if reset else ""
         raise ConfigError(
             f"checkpoint.resume: {path} cannot be continued with this config:\n  "
             + "\n  ".join(conflicts)
             + "\nset them as the checkpoint has them (what a resume may change is in "
             "docs/CHECKPOINTS.md), or start a new run from its weights with "
-            f"checkpoint.init_from={path}"
+            f"checkpoint.init_from={path}{hint}"
         )
 
 

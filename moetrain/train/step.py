@@ -15,6 +15,10 @@ all-reduce that carries the statistics checks that every rank agreed. A skipped 
 nothing but the data position: no weight, fp32 master, Adam moment or step count, aux-loss-free
 bias or learning-rate schedule position moves (the schedule is stepped here, only after a step
 that was applied). Accounting and fp16 loss-scale calibration: :mod:`moetrain.train.nonfinite`.
+
+On a step that asks for them, and on every step with QK-clip, the attention modules track each
+head's largest logit (:mod:`moetrain.train.attention_logits`): the record gets them, and QK-clip
+hands the optimizer its row multipliers before the update.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from moetrain.monitor.step_timer import StepTimer
 from moetrain.parallel.deepspeed import clip_grad_norm_global, global_grad_norm
 from moetrain.parallel.sequence_parallel import shard_batch
 from moetrain.parallel.topology import Topology
+from moetrain.train.attention_logits import AttentionLogits
 from moetrain.train.nonfinite import LossScale, SkipCounter, read_loss_scale
 from moetrain.train.progress import Progress
 from moetrain.train.step_stats import StepStats
@@ -74,11 +79,13 @@ class _Backward:
     grad_norm: float | None  # moetrain's own (stage 0), else None: DeepSpeed's
     skipped_stage0: bool
     scale: LossScale | None  # the loss scale before the optimizer step (fp16)
+    logits: dict[str, Any] | None = None  # the largest attention logits, when tracked
 
 
 class OptimizerStep:
     """One optimizer step of ``engine`` (a DeepSpeed engine around a ``Transformer``), advancing
-    ``progress``; ``skips`` accounts for skipped steps. Call it with a step's micro-batches."""
+    ``progress``; ``skips`` accounts for skipped steps. Call it with a step's micro-batches.
+    ``qk_clip``: QK-clip's threshold (0: off), whose row multipliers go to ``row_scales_to``."""
 
     def __init__(
         self,
@@ -89,9 +96,13 @@ class OptimizerStep:
         progress: Progress,
         skips: SkipCounter,
         tokens_per_step: int,
+        qk_clip: float = 0.0,
+        row_scales_to: Callable[[dict[str, torch.Tensor]], None] | None = None,
     ) -> None:
         self.cfg, self.topo, self.engine, self.schedule = cfg, topo, engine, schedule
         self.progress, self.skips, self.tokens_per_step = progress, skips, tokens_per_step
+        self.logits = AttentionLogits(engine.module, topo.world_size)
+        self.qk_clip, self.row_scales_to = qk_clip, row_scales_to
         moe = engine.module.moe_layers()
         self.routers = [layer.router for layer in moe]
         self.layer_ids = [layer.layer for layer in moe]
@@ -101,14 +112,20 @@ class OptimizerStep:
         ]
 
     def __call__(
-        self, micro_batches: Iterable[Batch], before_step: Callable[[], None] | None = None
+        self,
+        micro_batches: Iterable[Batch],
+        before_step: Callable[[], None] | None = None,
+        track_logits: bool = False,
     ) -> dict[str, Any]:
         """Run ``grad_accum_steps`` micro-steps and the optimizer step; return the step's record
         (:func:`moetrain.monitor.step_record.step_record`). ``before_step()`` runs after the
-        last backward (gradients reduced, not yet clipped), before the optimizer step."""
+        last backward (gradients reduced, not yet clipped), before the optimizer step.
+        ``track_logits``: record the largest attention logits (always with QK-clip; every
+        rank must agree)."""
         lr = float(self.schedule.get_last_lr()[0])
         skipped_before = self.engine.skipped_steps
-        done = self._micro_steps(micro_batches, before_step)
+        track = track_logits or self.qk_clip > 0
+        done = self._micro_steps(micro_batches, before_step, track)
         skipped = done.skipped_stage0 or self.engine.skipped_steps > skipped_before
         if not skipped:
             self.schedule.step()
@@ -121,13 +138,15 @@ class OptimizerStep:
             for router, load_E in zip(self.routers, totals.loads, strict=True):
                 router.update_bias(load_E.float())
         times = done.timer.read()  # after the step's results reached the host: no extra wait
-        return self._finish(totals, lr, grad_norm, skipped, done.scale, times)
+        rec = self._finish(totals, lr, grad_norm, skipped, done.scale, times)
+        return rec | (done.logits or {})
 
     def _micro_steps(
-        self, micro_batches: Iterable[Batch], before_step: Callable[[], None] | None
+        self, micro_batches: Iterable[Batch], before_step: Callable[[], None] | None, track: bool
     ) -> _Backward:
         """Forward and backward of every micro-batch, DeepSpeed's ``step`` after each (it steps
-        the optimizer after the last); stage 0 clips before that."""
+        the optimizer after the last); stage 0 clips before that; with ``track``, the largest
+        attention logits are reduced (and QK-clip's multipliers handed over) before it."""
         cfg, engine, device = self.cfg, self.engine, self.topo.device
         accum = cfg.train.grad_accum_steps
         engine.train()
@@ -149,6 +168,7 @@ class OptimizerStep:
             meter.take()  # drop what evaluation sent since the last step
         n = 0
         mtp_weight = cfg.model.mtp_weight(self.progress.step + 1)
+        self.logits.track(track)
         for batch in micro_batches:
             n += 1
             done.timer.start()
@@ -170,12 +190,25 @@ class OptimizerStep:
                         engine.module, cfg.optim.grad_clip, self.topo
                     )
                 done.scale = read_loss_scale(engine.optimizer)
+                if track:
+                    done.logits = self._logits()
             engine.step()
             if n == accum:
                 done.timer.lap("optimizer")
         if n != accum:
             raise ValueError(f"train_step got {n} micro-batches, expected {accum}")
         return done
+
+    def _logits(self) -> dict[str, Any]:
+        """The step's largest attention logits over every rank (collective), for the record;
+        QK-clip's row multipliers to the optimizer."""
+        maxima = self.logits.reduce(self.topo.device)
+        self.logits.track(False)
+        out = self.logits.record(maxima)
+        if self.qk_clip > 0 and self.row_scales_to is not None:
+            self.row_scales_to(self.logits.row_scales(maxima, self.qk_clip))
+            out["attn/clipped_heads"] = int((maxima > self.qk_clip).sum())
+        return out
 
     def _reduce(self, stats: StepStats, skipped: bool) -> StepTotals:
         """The statistics over every rank, which must all have taken the same skip decision."""

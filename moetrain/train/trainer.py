@@ -3,7 +3,8 @@
 Every rank builds the same model with the same seed (or from ``checkpoint.init_from``), holding
 only its own experts; parallelism
 is applied (:func:`moetrain.parallel.apply.apply_parallelism`); the optimizer and the
-learning-rate schedule are built here (:mod:`moetrain.train.optim`) and handed to the engine.
+learning-rate schedule are built here (``optim.name``'s optimizer, :mod:`moetrain.optim`) and handed
+to the engine.
 One optimizer step is :class:`moetrain.train.step.OptimizerStep`; the run's progress is a
 :class:`~moetrain.train.progress.Progress`, and :meth:`Trainer.run_state` hands a checkpointer
 the stateful objects it saves and restores.
@@ -24,6 +25,8 @@ from moetrain.checkpoint.checkpointer import RunState
 from moetrain.config import Config
 from moetrain.init_from.source import InitSource
 from moetrain.init_from.weights import build_model, init_record
+from moetrain.optim.registry import build_optimizer, optimizer_spec
+from moetrain.optim.schedule import LRSchedule
 from moetrain.parallel.apply import apply_parallelism
 from moetrain.parallel.deepspeed import deepspeed_config, initialize_engine
 from moetrain.parallel.master_weights import fp32_masters_in_module
@@ -31,7 +34,6 @@ from moetrain.parallel.sequence_parallel import shard_batch
 from moetrain.parallel.topology import Topology
 from moetrain.parallel.zero3 import check_placement
 from moetrain.train.nonfinite import LossScalerState, SkipCounter
-from moetrain.train.optim import LRSchedule, build_optimizer
 from moetrain.train.progress import Progress
 from moetrain.train.step import Batch, OptimizerStep, forward_loss
 from moetrain.train.zero3_build import build_zero3_model
@@ -87,6 +89,10 @@ class Trainer:
         )
         if cfg.parallel.zero_stage == 3:
             check_placement(self.engine, topology)
+        spec = optimizer_spec(cfg.optim.name)
+        if spec.attach is not None:  # (after the engine: how ZeRO partitioned the groups)
+            spec.attach(optimizer, self.optimizer)
+        qk_clip = spec.qk_clip(cfg.optim)
         self.model: nn.Module = self.engine.module
         self._step = OptimizerStep(
             cfg,
@@ -96,6 +102,8 @@ class Trainer:
             self.progress,
             SkipCounter(cfg.train.max_nonfinite_in_a_row),
             self.tokens_per_step,
+            qk_clip,
+            optimizer.set_row_scales if qk_clip > 0 else None,
         )
         self.routers = self._step.routers
         self.loss_scaler = LossScalerState(self.engine.optimizer)
@@ -113,12 +121,14 @@ class Trainer:
         self,
         micro_batches: Iterable[Batch],
         before_step: Callable[[Trainer], None] | None = None,
+        track_logits: bool = False,
     ) -> dict[str, Any]:
         """One optimizer step (:class:`moetrain.train.step.OptimizerStep`); returns its record.
         ``before_step(trainer)`` runs after the last backward (gradients reduced, not yet
-        clipped) and before the optimizer step (tests read or poison gradients there)."""
+        clipped) and before the optimizer step (tests read or poison gradients there);
+        ``track_logits``: the record holds the largest attention logits (``attn/...``)."""
         hook = None if before_step is None else lambda: before_step(self)
-        return self._step(micro_batches, hook)
+        return self._step(micro_batches, hook, track_logits)
 
     def checkpoint_weights(self) -> AbstractContextManager[int]:
         """Around ``engine.save_checkpoint``: the module holds the fp32 master weights, so the

@@ -246,36 +246,60 @@ def resume_job(
 
 
 def reshard_source_job(
-    rank: int, world: int, ep: int, stage: int, run_dir: str, steps: int, stop: int
+    rank: int,
+    world: int,
+    ep: int,
+    stage: int,
+    run_dir: str,
+    steps: int,
+    stop: int,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The reference on layout A: ``steps`` uninterrupted steps, with a checkpoint after
-    ``stop`` of them -> ``{"records", "checkpoint"}``."""
-    cfg, topo, trainer, ckpt = _setup(world, ep, stage, Path(run_dir), **RESHARD_SETTINGS)
+    ``stop`` of them -> ``{"records", "checkpoint"}``. ``extra``: more settings."""
+    settings = {**RESHARD_SETTINGS, **(extra or {})}
+    cfg, topo, trainer, ckpt = _setup(world, ep, stage, Path(run_dir), **settings)
     pos = StreamPosition()
     records = _run_steps(trainer, rank, world, range(stop), pos)
     path = ckpt.save(trainer.run_state(pos))
     records += _run_steps(trainer, rank, world, range(stop, steps), pos)
-    return {"records": records, "checkpoint": str(path)}
+    return {"records": records, "checkpoint": str(path), **final_weights(trainer, topo, cfg)}
+
+
+def final_weights(trainer: Any, topo: Any, cfg: Any) -> dict[str, Any]:
+    """The weights at the end of a run (expert stacks: this rank's experts, and their range)."""
+    return {
+        "weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        "experts": topo.local_experts(cfg.moe.num_experts),
+    }
 
 
 def reshard_target_job(
-    rank: int, world: int, targets: list[tuple[int, int, str, bool]], run_dir: str, steps: int
+    rank: int,
+    world: int,
+    targets: list[tuple[int, int, str, bool]],
+    run_dir: str,
+    steps: int,
+    extra: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """For each ``(ep, stage, checkpoint, reset_optimizer)``: resume on layout ``world`` x
-    ``ep`` x ``stage`` and train to ``steps`` -> the step records after the resume."""
+    ``ep`` x ``stage`` and train to ``steps`` -> the step records after the resume.
+    ``extra``: more settings."""
     from moetrain.checkpoint.checkpointer import Checkpointer
     from moetrain.parallel.topology import init_distributed
     from moetrain.train.trainer import Trainer
 
+    settings = {**RESHARD_SETTINGS, **(extra or {})}
     out = []
     for i, (ep, stage, path, reset) in enumerate(targets):
-        cfg = parity_config(world, ep, stage, run_dir=f"{run_dir}/t{i}", **RESHARD_SETTINGS)
+        cfg = parity_config(world, ep, stage, run_dir=f"{run_dir}/t{i}", **settings)
         topo = init_distributed(cfg)
         trainer, pos = Trainer(cfg, topo), StreamPosition()
         state = Checkpointer(cfg, topo).load(
             Path(path), trainer.run_state(pos), reset_optimizer=reset
         )
         records = _run_steps(trainer, rank, world, range(state.step, steps), pos)
-        out.append({"records": records, "step": state.step, "consumed": pos.consumed})
+        done = {"records": records, "step": state.step, "consumed": pos.consumed}
+        out.append(done | final_weights(trainer, topo, cfg))
         del trainer
     return out

@@ -32,6 +32,7 @@ GRAD_NAMES = (
     "layers.1.ffn.shared_expert.w2.weight",
     "layers.1.ffn.shared_gate.weight",
     "layers.0.ffn.w1.weight",  # a dense first layer (moe.first_k_dense)
+    "layers.0.ffn.w3.weight",  # (with Muon, a matrix ZeRO-1/2 cut at dp=2)
     "lm_head.weight",
     "layers.2.eh_proj.weight",  # the multi-token-prediction modules (model.mtp_depth)
     "layers.3.ffn.experts.w2",
@@ -142,6 +143,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "dsa": {**DSA, "model.indexer_types": ["full", "shared"]},
     # its dense warm-up: the indexers alone train (every other parameter frozen)
     "dsa_warmup": {**DSA, "model.index_stage": "dense_warmup"},
+    # Muon (tests/distributed/test_muon_parity.py), with a dense first layer so that ZeRO's
+    # partition boundaries cut matrices (the two layers alike put them between the layers);
+    # with QK-clip at a threshold the heads' largest logits cross within the 10 steps (from
+    # about 0.05 at the start)
+    "muon": {"optim.name": "muon", "moe.first_k_dense": 1},
+    "muonclip": {"optim.name": "muon", "moe.first_k_dense": 1, "optim.muon.qk_clip": 0.06},
 }
 # the variants whose one reference the world-1 job computes (capacity has one per group count)
 REFERENCES = ("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "dsa", "dsa_warmup")
@@ -201,6 +208,48 @@ def _biases(model: torch.nn.Module) -> list[list[float]]:
     ]
 
 
+def reference_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """The reference's optimizer: torch's per-op AdamW; with ``optim.name: muon``, moetrain's
+    Muon on the whole parameters of one process (its update against a written-out float64
+    reference: tests/unit/test_muon.py)."""
+    from moetrain.optim.groups import decay_groups
+    from moetrain.optim.registry import build_optimizer
+
+    o = cfg.optim
+    if o.name == "muon":
+        return build_optimizer(model, o, torch.device("cpu"))
+    return torch.optim.AdamW(
+        decay_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False
+    )
+
+
+class ReferenceQKClip:
+    """The largest attention logits in the reference, tracked on the forwards of the last step
+    (the layouts log them there) and, with QK-clip (``optim.muon.qk_clip``), of every step, whose
+    row multipliers go to the optimizer before its step."""
+
+    def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
+        from moetrain.train.attention_logits import AttentionLogits
+
+        self.threshold = cfg.optim.muon.qk_clip
+        self.logits = AttentionLogits(model, world_size=1)
+        self.clipped, self.tracking, self.max_logit = 0, False, None
+
+    def begin_step(self, last: bool) -> None:
+        self.tracking = self.threshold > 0 or last
+        self.logits.track(self.tracking)
+
+    def before_update(self, opt: torch.optim.Optimizer) -> None:
+        if not self.tracking:
+            return
+        maxima = self.logits.reduce(torch.device("cpu"))
+        self.logits.track(False)
+        self.max_logit = float(maxima.max())
+        if self.threshold > 0:
+            opt.set_row_scales(self.logits.row_scales(maxima, self.threshold))
+            self.clipped += int((maxima > self.threshold).sum())
+
+
 def reference_run(
     variant: str | None = None, capacity_groups: int = 1, rows_reversed: bool = False
 ) -> dict[str, Any]:
@@ -214,7 +263,7 @@ def reference_run(
     """
     from moetrain.model.moe.dispatch import LocalDispatcher
     from moetrain.model.transformer import Transformer
-    from moetrain.train.optim import LRSchedule, param_groups
+    from moetrain.optim.schedule import LRSchedule
 
     cfg = parity_config(1, 1, 0, **{"moe.grouped_mm": False, **VARIANTS.get(variant, {})})
     torch.manual_seed(cfg.seed)
@@ -222,9 +271,8 @@ def reference_run(
     for layer in model.moe_layers():
         layer.dispatcher = LocalDispatcher(cfg.moe.num_experts, capacity_groups)
     o = cfg.optim
-    opt = torch.optim.AdamW(
-        param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False
-    )
+    opt = reference_optimizer(model, cfg)
+    clip = ReferenceQKClip(model, cfg)
     sched = LRSchedule(opt, o, STEPS, 0)
     routers = [m.router for m in model.moe_layers()]
     params = dict(model.named_parameters())
@@ -236,6 +284,7 @@ def reference_run(
         loads = None
         for router in routers:
             router.begin_step()
+        clip.begin_step(last=step == STEPS - 1)
         for batch in global_batches(step):
             if rows_reversed:  # (each capacity group's rows stay one group)
                 batch = {k: v.flip(0) for k, v in batch.items()}
@@ -251,6 +300,7 @@ def reference_run(
         if step == 0:
             grads = {n: params[n].grad.clone() for n in names}
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        clip.before_update(opt)
         opt.step()
         sched.step()
         for router, load in zip(routers, loads, strict=True):
@@ -261,8 +311,11 @@ def reference_run(
         "losses": losses,
         "norms": norms,
         "grads": grads,
+        "weights": {n: params[n].detach().clone() for n in names},
         "biases": _biases(model),
         "dropped": dropped,
+        "clipped": clip.clipped,
+        "max_logit": clip.max_logit,
     }
 
 
@@ -288,19 +341,23 @@ def _parallel_run(cfg: Config, rank: int, world: int, steps: int = STEPS) -> dic
 
             ds_norm.append(float(clip_grad_norm_(tr.model.parameters(), max_norm=float("inf"))))
 
-    losses, norms, dropped, replicas = [], [], 0.0, 0.0
+    losses, norms, dropped, replicas, clipped = [], [], 0.0, 0.0, 0
     for step in range(steps):
         micro = [rank_slice(b, rank, world) for b in global_batches(step)]
-        rec = trainer.train_step(micro, before_step=capture if step == 0 else None)
+        hook, last = capture if step == 0 else None, step == steps - 1
+        rec = trainer.train_step(micro, before_step=hook, track_logits=last)
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
         dropped += sum(v["dropped"] for v in rec["moe_layers"].values())
         replicas += rec.get("comm/a2a_replicas", 0.0)
+        clipped += rec.get("attn/clipped_heads", 0)
     lo, hi = topo.local_experts(cfg.moe.num_experts)
+    params = dict(trainer.model.named_parameters())
     result = {
         "losses": losses,
         "norms": norms,
         "grads": grads,
+        "weights": {n: params[n].detach().float().clone() for n in grads},
         "biases": _biases(trainer.model),
         "experts": (lo, hi),
         "ds_moe": bool(trainer.engine.has_moe_layers),
@@ -308,9 +365,19 @@ def _parallel_run(cfg: Config, rank: int, world: int, steps: int = STEPS) -> dic
         "deepspeed_stage0_norm": ds_norm[0] if ds_norm else None,
         "dropped": dropped,
         "replicas": replicas,
+        "clipped": clipped,
+        "max_logit": rec["attn/max_logit"],
+        "cut": cut_matrix_values(trainer),
     }
     del trainer
     return result
+
+
+def cut_matrix_values(trainer: Any) -> int:
+    """How many values of Muon's matrices this rank's ZeRO partitions cut (the exchange's
+    size; 0 for another optimizer)."""
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return sum(ex.size for _, ex in getattr(opt, "pieces", {}).values() if ex is not None)
 
 
 def layout_key(layout: tuple) -> str:
@@ -330,13 +397,18 @@ def reference_key(world: int, layout: tuple) -> str:
     return f"reference_{variant}"
 
 
-def layouts_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, Any]:
+def layouts_job(
+    rank: int, world: int, layouts: list[tuple], references: tuple[str, ...] | None = None
+) -> dict[str, Any]:
     """Run every ``(ep_size, zero_stage[, variant])`` in ``layouts`` on this group; the world-1
     job also runs the references (plain torch, one process): the base one, those of
     :data:`REFERENCES` and capacity's, and of each its rows-reversed twin (``twin_<key>``: the
-    rounding floor)."""
+    rounding floor); or those of the variants ``references`` only (no twins)."""
     out: dict[str, Any] = {}
-    if world == 1:
+    if world == 1 and references is not None:
+        for variant in references:
+            out[f"reference_{variant}"] = reference_run(variant)
+    elif world == 1:
         runs = {"reference": (None, 1)}
         runs |= {f"reference_{variant}": (variant, 1) for variant in REFERENCES}
         runs |= {f"reference_capacity_g{g}": ("capacity", g) for g in (1, 2)}

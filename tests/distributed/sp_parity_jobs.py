@@ -15,7 +15,7 @@ import torch
 
 from moetrain.config import Config
 from tests.distributed.parity_jobs import VARIANTS as PARITY_VARIANTS
-from tests.distributed.parity_jobs import parity_config
+from tests.distributed.parity_jobs import parity_config, reference_optimizer
 
 GLOBAL_MICRO = 4
 ACCUM = 2
@@ -62,9 +62,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # heads and convolution channels; state and window restarting at the documents) and a
     # gated-attention layer
     "hybrid": PARITY_VARIANTS["hybrid"],
+    "muon": PARITY_VARIANTS["muon"],
 }
 # the world-1 job's references (plain torch): the base model's and these variants'
-REFERENCES = (None, "mla", "gptoss", "capacity", "hybrid")
+REFERENCES = (None, "mla", "gptoss", "capacity", "hybrid", "muon")
 
 
 def sp_config(world: int, sp: int, ep: int, stage: int, variant: str | None = None) -> Config:
@@ -117,7 +118,7 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
     """One process, plain torch (no DeepSpeed, no process group), the whole global batch."""
     from moetrain.model.moe.dispatch import LocalDispatcher
     from moetrain.model.transformer import Transformer
-    from moetrain.train.optim import LRSchedule, param_groups
+    from moetrain.optim.schedule import LRSchedule
 
     cfg = sp_config(1, 1, 1, 0, variant)
     torch.manual_seed(cfg.seed)
@@ -125,9 +126,7 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
     for layer in model.moe_layers():
         layer.dispatcher = LocalDispatcher(cfg.moe.num_experts, 1)
     o = cfg.optim
-    opt = torch.optim.AdamW(
-        param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False
-    )
+    opt = reference_optimizer(model, cfg)
     sched = LRSchedule(opt, o, cfg.train.max_steps, 0)
     routers = [m.router for m in model.moe_layers()]
     params = dict(model.named_parameters())

@@ -32,7 +32,8 @@ one process with the per-expert loop (no DeepSpeed, no dispatcher swap); for cap
 capacity in world / ep_size parts of each global micro-batch, one per EP group, as the layout
 does.
 
-This proves: no EP-scaled expert gradients, a correct global clipping norm under EP at every
+This proves: no EP-scaled expert gradients, the step's largest attention logit (a metric for
+every optimizer) as one process sees it, a correct global clipping norm under EP at every
 stage (moetrain's own at stage 0, where DeepSpeed's is wrong: the control run shows it), global
 aux-loss statistics, the same dropped copies, and an identical aux-loss-free bias on every rank.
 
@@ -235,6 +236,20 @@ def check_first_step_gradients(results: dict[int, list[dict]], world: int, layou
 @pytest.mark.parametrize("world,layout", LAYOUTS)
 def test_bias_identical_on_every_rank(results, world: int, layout: tuple) -> None:
     check_biases(results, world, layout)
+
+
+@pytest.mark.parametrize("world,layout", LAYOUTS)
+def test_largest_attention_logit_matches(results, world: int, layout: tuple) -> None:
+    check_max_logit(results, world, layout)
+
+
+def check_max_logit(results: dict[int, list[dict]], world: int, layout: tuple) -> None:
+    """The last step's ``attn/max_logit`` (tracked on the forwards, the maximum over every head,
+    micro-batch and rank) is the reference's."""
+    want = _reference(results, world, layout)["max_logit"]
+    for rank, res in enumerate(results[world]):
+        got = res[_key(layout)]["max_logit"]
+        assert abs(got - want) <= REL * abs(want), (rank, got, want)
 
 
 def check_biases(results: dict[int, list[dict]], world: int, layout: tuple) -> None:

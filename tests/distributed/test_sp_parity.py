@@ -8,11 +8,12 @@ active every step, fp32, against one plain torch process on the whole batch
 - world 2: sp=2 (ep 1) at ZeRO-0, sp=2 with ep=2 on the same ranks at ZeRO-2 and, with
   activation checkpointing (the exchanges run again in backward), at ZeRO-1, multi-head
   latent attention at sp=2 (ep 1 ZeRO-1, ep 2 ZeRO-0), gpt-oss's attention sinks with a
-  sliding window that crosses the slices (sp=2 x ep=2 ZeRO-1), and a capacity factor that drops
+  sliding window that crosses the slices (sp=2 x ep=2 ZeRO-1), a capacity factor that drops
   copies (sp=2 x ep=2 ZeRO-2: the EP group holds whole rows, so it drops what one process
   does; over slices of rows it would not, and the config refuses that), Qwen3-Next's hybrid
   layers (a Gated DeltaNet layer, its query/key-head groups exchanged with their value heads and
-  convolution channels, and a gated-attention layer) at sp=2 x ep=2 ZeRO-1;
+  convolution channels, and a gated-attention layer) at sp=2 x ep=2 ZeRO-1, and Muon at sp=2 x
+  ep=2 ZeRO-2;
 - world 4: dp=2 x sp=2 with ep=2 at ZeRO-1, and sp=4 x ep=2 at ZeRO-0, where the
   model's 2 key/value heads are repeated to 4 so that each rank gets the one its query head uses;
 - with -m long, Llama 4's pieces (``parity_jobs.VARIANTS["llama4"]``) at sp=2 x ep=2 ZeRO-1
@@ -59,6 +60,7 @@ JOBS = {
         (2, 2, 1, "gptoss"),
         (2, 2, 2, "capacity"),
         (2, 2, 1, "hybrid"),
+        (2, 2, 2, "muon"),
         BF16[2],
     ],
     4: [(2, 2, 1), (4, 2, 0)],
@@ -77,7 +79,7 @@ def results() -> dict[int, list[dict]]:
 
 
 def _reference(results: dict[int, list[dict]], layout: tuple) -> dict:
-    variants = ("mla", "llama4", "gptoss", "capacity", "hybrid")
+    variants = ("mla", "llama4", "gptoss", "capacity", "hybrid", "muon")
     variant = next((v for v in variants if v in layout), None)
     return results[1][0][f"reference_{variant}" if variant else "reference"]
 

@@ -21,6 +21,8 @@ def test_print_config_shows_resolved_values_and_derived_numbers(capsys):
     assert f"total_params: {n.total_params}" in out
     assert f"active_params_per_token: {n.active_params}" in out
     assert "train_flops_per_token:" in out
+    # which update every parameter takes: AdamW, all of them
+    assert f"update_adamw: {n.total_params}  # " in out
 
 
 def test_config_error_exits_2_with_the_key(capsys):

@@ -30,6 +30,7 @@ LAYERS = (
     "plan_traffic",
     "data",
     "monitor",
+    "optim",
     "checkpoint",
     "parallel",
     "convert.families",
@@ -53,6 +54,7 @@ FORBIDDEN = {  # a package (or module) -> what it may not import
     "parallel": {"train", "data", "convert", "init_from", "monitor"},
     "data": {"model", "train", "parallel", "convert", "init_from", "monitor"},
     "monitor": {"train", "parallel", "checkpoint", "data", "convert", "init_from"},
+    "optim": {"train", "parallel", "checkpoint", "data", "convert", "init_from"},
     "convert": {"train", "parallel", "monitor"},
     # the format layer, which init_from builds on: families read only the config
     "convert.families": {"model", "checkpoint", "data", "init_from", "fileio"},

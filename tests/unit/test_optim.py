@@ -1,4 +1,4 @@
-"""Optimiser parameter groups and learning-rate schedules."""
+"""Optimizers by name (the registry, AdamW's parameter groups) and learning-rate schedules."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from moetrain.config import OptimConfig
 from moetrain.model.transformer import Transformer
-from moetrain.train.optim import LRSchedule, lr_factor, param_groups, warmup_steps_for
+from moetrain.optim.groups import decay_groups as param_groups
+from moetrain.optim.schedule import LRSchedule, lr_factor, warmup_steps_for
 from tests.helpers.configs import tiny_config
 
 
@@ -147,7 +148,7 @@ def _fake_fused_adam(monkeypatch: pytest.MonkeyPatch, error: Exception | None) -
 def test_the_optimizer_that_runs_is_logged(
     builds: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from moetrain.train.optim import build_optimizer
+    from moetrain.optim.registry import build_optimizer
 
     _fake_fused_adam(monkeypatch, None if builds else RuntimeError("nvcc not found"))
     opt = build_optimizer(_tiny_model(), _opt(), torch.device("cuda"))
@@ -161,3 +162,51 @@ def test_the_optimizer_that_runs_is_logged(
         assert "using torch.optim.AdamW(fused=True)" in err
     build_optimizer(_tiny_model(), _opt(), torch.device("cpu"))
     assert capsys.readouterr().out == "moetrain: optimizer: torch.optim.AdamW(fused=True)\n"
+
+
+def test_config_offers_every_registered_optimizer() -> None:
+    import typing
+
+    from moetrain.optim.registry import OPTIMIZERS
+
+    choices = typing.get_args(typing.get_type_hints(OptimConfig)["name"])
+    assert set(choices) == set(OPTIMIZERS) and OptimConfig().name == "adamw"
+
+
+def test_unknown_optimizer_is_refused_naming_the_key() -> None:
+    from moetrain.config import ConfigError
+    from moetrain.optim.registry import optimizer_spec
+
+    with pytest.raises(ConfigError, match="optim.name: unknown optimizer 'sgd'; known: adamw"):
+        optimizer_spec("sgd")
+    with pytest.raises(ConfigError, match="optim.name"):
+        tiny_config({"optim.name": "sgd"})
+
+
+def test_a_resume_under_another_optimizer_is_refused_before_it_starts(tmp_path) -> None:
+    """``optim.name`` is one of the keys a resume may change only with ``--reset-optimizer``
+    (checkpoint/compat.py), refused before any process group starts; a checkpoint written
+    before the name was recorded is AdamW's."""
+    import json
+
+    from moetrain.checkpoint.format import COMMIT_FILE, TrainerState
+    from moetrain.checkpoint.reshard import saved_optimizer_name
+    from moetrain.config import ConfigError
+    from moetrain.train.start import check_start
+
+    run = {"run_dir": str(tmp_path / "run")}
+    saved = tiny_config(run).to_dict()
+    del saved["optim"]["name"]  # (written before the name was recorded)
+    path = tmp_path / "run" / "checkpoints" / "step_00000002"
+    path.mkdir(parents=True)
+    state = TrainerState(2, 0, 0, None, None, {}, saved)
+    (path / "trainer_state.json").write_text(json.dumps(state.to_json()))
+    (path / COMMIT_FILE).write_text(json.dumps({"step": 2, "files": {}}))
+    assert saved_optimizer_name(state) == "adamw"
+    check_start(tiny_config(run))
+    muon = tiny_config({**run, "optim.name": "muon"})
+    with pytest.raises(ConfigError) as e:
+        check_start(muon)
+    assert "optim.name: the checkpoint has 'adamw', the config sets 'muon'" in str(e.value)
+    assert "(for optim.name alone: --reset-optimizer)" in str(e.value)
+    check_start(muon, reset_optimizer=True)

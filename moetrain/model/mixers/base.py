@@ -20,6 +20,9 @@ recurrence). Each kind is one module of this package, a :class:`TokenMixer` subc
   attached, its input is this rank's slice of every sequence and it exchanges its per-head
   tensors to whole sequences and ``1 / size`` of its heads (:mod:`moetrain.model.head_exchange`)
   and back before its output projection;
+- if it has per-head query-key logits (attention; :attr:`TokenMixer.query_key_logits`): it
+  reports each head's largest one when asked (:mod:`moetrain.model.logit_max`) and says which
+  query / key rows scale a head's logits (:meth:`TokenMixer.qk_clip_scales`, MuonClip's QK-clip);
 - its counts from the config alone, for ``model_numbers`` and ``moetrain plan``: parameters
   (:meth:`TokenMixer.param_shapes`), matrices and FLOPs, bytes saved for backward, cache bytes
   and the bytes sequence parallelism exchanges, per token.
@@ -108,6 +111,8 @@ class TokenMixer(nn.Module):
     raise NotImplementedError here are required; a test checks every registered kind."""
 
     kind: ClassVar[str]  # its name in MIXER_KINDS and MIXERS
+    # per-head query-key logits: observe_logits on the forward, qk_clip_scales (attention)
+    query_key_logits: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -134,6 +139,12 @@ class TokenMixer(nn.Module):
     def init_own_parameters(self) -> None:
         """Initialise the parameters that are not a ``Linear``'s or a norm's (the transformer
         initialises those); by default there are none."""
+
+    def qk_clip_scales(self, gamma_H: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Multipliers of rows of its query and key parameters (``name relative to the mixer ->
+        (out rows,)``) by which head h's logits scale by ``gamma_H[h]`` (QK-clip); only a kind
+        with :attr:`query_key_logits`."""
+        raise TypeError(f"the {self.kind} mixer has no query-key logits to clip")
 
     def trains_alone(self) -> list[nn.Module]:
         """Its parts that a training stage trains alone, every other parameter of the model

@@ -60,6 +60,7 @@ from moetrain.model.doc_attention import Documents, document_attention
 from moetrain.model.head_exchange import exchange_to_heads, exchange_to_sequence, kv_repeats
 from moetrain.model.layers import RMSNorm, norm_offset
 from moetrain.model.local_attention import cached_attention, chunked_attention, local_attention
+from moetrain.model.logit_max import observe_logits
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
 from moetrain.model.rope import apply_rope
 
@@ -104,6 +105,7 @@ class Attention(TokenMixer):
     per-layer options of its ``spec`` (window, chunks, NoPE, temperature)."""
 
     kind = "gqa"
+    query_key_logits = True
 
     def __init__(self, cfg: ModelConfig, spec: MixerSpec) -> None:
         super().__init__()
@@ -182,6 +184,9 @@ class Attention(TokenMixer):
             floor, scale = self.temperature
             t_S = temperature(inputs.pos, q_BHSHd.shape[2], floor, scale, q_BHSHd.device)
             q_BHSHd = (q_BHSHd * t_S[:, None]).to(q_BHSHd.dtype)  # (in fp32, as transformers)
+        if state is None:  # the per-head largest logit, when tracked (model/logit_max.py)
+            scale = self.scale if self.scale is not None else self.head_dim**-0.5
+            observe_logits(self, q_BHSHd, k_BGSHd, scale, mask_B1SS, self.window, self.chunk)
         if self.window is not None or self.chunk is not None or self.sinks is not None:
             if self.chunk is not None and isinstance(mask_B1SS, Documents):
                 mask_B1SS = inputs.chunk_documents(self.chunk)  # documents cut at the chunks
@@ -231,6 +236,22 @@ class Attention(TokenMixer):
             scale=self.scale,
         )
         return self._output(out_BHSHd, b, s, gate)
+
+    def qk_clip_scales(self, gamma_H: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Row multipliers of the query and key projections (weights, and biases with
+        ``model.qkv_bias``) by which head h's logits scale by ``gamma_H[h]`` (QK-clip): a key
+        head serves H / G query heads, so its rows take the square root of the smallest gamma
+        among them and each query head's rows the rest of its own. With an output gate (each
+        head's query rows followed by its gate's in ``wq``) the gate's rows keep 1."""
+        gamma_GR = gamma_H.view(self.n_kv_heads, -1)
+        key_G = gamma_GR.amin(dim=1).sqrt()
+        query_H = (gamma_GR / key_G[:, None]).reshape(-1)
+        if self.output_gate:  # per head [query | gate]
+            query_H = torch.stack([query_H, torch.ones_like(query_H)], dim=1).reshape(-1)
+        query = query_H.repeat_interleave(self.head_dim)
+        key = key_G.repeat_interleave(self.head_dim)
+        kinds = ("weight", "bias") if self.wq.bias is not None else ("weight",)
+        return {f"{w}.{kind}": rows for w, rows in (("wq", query), ("wk", key)) for kind in kinds}
 
     def _output(
         self, out_BHSHd: torch.Tensor, b: int, s: int, gate_BSQ: torch.Tensor | None

@@ -40,6 +40,7 @@ from moetrain.model.doc_attention import Documents, document_attention
 from moetrain.model.head_exchange import exchange_to_heads, exchange_to_sequence
 from moetrain.model.indexer import LightningIndexer
 from moetrain.model.layers import RMSNorm
+from moetrain.model.logit_max import observe_logits
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
 from moetrain.model.rope import apply_rope, softmax_mscale
 from moetrain.model.sparse_attention import sparse_latent_attention
@@ -106,6 +107,7 @@ class MLAttention(TokenMixer):
     """Causal multi-head latent attention (see the module docstring)."""
 
     kind = "mla"
+    query_key_logits = True
 
     def __init__(self, cfg: ModelConfig, spec: MixerSpec) -> None:
         super().__init__()
@@ -154,6 +156,20 @@ class MLAttention(TokenMixer):
             and self.training
             and torch.is_grad_enabled()
         )
+
+    def qk_clip_scales(self, gamma_H: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Row multipliers by which head h's logits scale by ``gamma_H[h]`` (QK-clip, as Kimi K2
+        applies it to MLA): the head's non-rotary query and key rows (``wq`` or ``wq_b``;
+        ``wkv_b``'s key part) by its square root, its rotary query rows by gamma; the values and
+        the rotary key, shared by every head, unscaled."""
+        h, root = self.n_heads, gamma_H.sqrt()
+        query = torch.cat(
+            [root[:, None].expand(h, self.nope_dim), gamma_H[:, None].expand(h, self.rope_dim)],
+            dim=1,
+        )
+        key = torch.cat([root[:, None].expand(h, self.nope_dim), root.new_ones(h, self.v_dim)], 1)
+        wq = "wq" if self.q_lora_rank is None else "wq_b"
+        return {f"{wq}.weight": query.reshape(-1), "wkv_b.weight": key.reshape(-1)}
 
     def forward(
         self, x_BSD: torch.Tensor, inputs: MixerInputs, state: LatentCache | None = None
@@ -347,6 +363,8 @@ class MLAttention(TokenMixer):
         (which keeps (B, H, S, T) probabilities; CPU flash attention wants equal dims), the
         smaller side is zero-padded to the larger (same scores with the explicit scale, the
         value's padding sliced off)."""
+        # the per-head largest logit, when tracked (model/logit_max.py)
+        observe_logits(self, q_BHSK, k_BHTK, self.scale, mask)
         docs = mask if isinstance(mask, Documents) else None
         if docs is not None:
             mask, causal = None, True  # causal within each document (doc_attention.py)
