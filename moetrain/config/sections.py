@@ -357,3 +357,9 @@ class Config:
                 f"cannot bound the logits with {key}=true (the norm undoes a rescaled "
                 "projection; the norm itself bounds them): set one of the two",
             )
+        require(
+            self.model.index_topk is None,
+            "optim.muon.qk_clip",
+            "cannot bound the logits with sparse attention (model.index_topk): its layers do "
+            "not track their largest attention logit yet; set optim.muon.qk_clip=0",
+        )

@@ -249,6 +249,9 @@ def check_max_logit(results: dict[int, list[dict]], world: int, layout: tuple) -
     want = _reference(results, world, layout)["max_logit"]
     for rank, res in enumerate(results[world]):
         got = res[_key(layout)]["max_logit"]
+        if want == float("-inf"):  # no layer tracks one (sparse attention's do not yet)
+            assert got == want, (rank, got, want)
+            continue
         assert abs(got - want) <= REL * abs(want), (rank, got, want)
 
 
@@ -293,19 +296,24 @@ def _grad_bias(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], lo:
 
 
 @pytest.fixture(scope="module")
-def floor(results) -> dict[str, float]:
-    """This host's rounding floor: over every reference and its rows-reversed twin, the RMS over
-    the steps of the relative difference of the losses and of the norms, and the first step's
-    gradient bias."""
+def floor(results) -> dict[str, dict[str, float]]:
+    """This host's rounding floor of each reference (by its key): against its rows-reversed
+    twin, the RMS over the steps of the relative difference of the losses and of the norms, and
+    the first step's gradient bias. Each layout is held to its own reference's floor: a variant
+    whose function rounds more (a top-k selection, a recurrence) does not loosen the others'."""
     runs = results[1][0]
-    out = {"losses": 0.0, "norms": 0.0, "grads": 0.0}
+    out = {}
     for key in [k for k in runs if k.startswith("twin_")]:
         twin, ref = runs[key], runs[key.removeprefix("twin_")]
-        for q in ("losses", "norms"):
-            d = _signed(twin[q], ref[q])
-            out[q] = max(out[q], (sum(x * x for x in d) / len(d)) ** 0.5)
-        out["grads"] = max(out["grads"], _grad_bias(twin["grads"], ref["grads"], 0, None))
+        out[key.removeprefix("twin_")] = {
+            **{q: _rms(_signed(twin[q], ref[q])) for q in ("losses", "norms")},
+            "grads": _grad_bias(twin["grads"], ref["grads"], 0, None),
+        }
     return out
+
+
+def _rms(values: list[float]) -> float:
+    return (sum(x * x for x in values) / len(values)) ** 0.5
 
 
 def check_no_systematic_difference(run: dict, reference: dict, floor: dict[str, float]) -> None:
@@ -322,18 +330,19 @@ def check_no_systematic_difference(run: dict, reference: dict, floor: dict[str, 
 
 @pytest.mark.parametrize("world,layout", LAYOUTS)
 def test_no_systematic_difference(results, floor, world: int, layout: tuple) -> None:
-    reference = _reference(results, world, layout)
+    reference, own = _reference(results, world, layout), floor[reference_key(world, layout)]
     for rank, res in enumerate(results[world]):
         try:
-            check_no_systematic_difference(res[_key(layout)], reference, floor)
+            check_no_systematic_difference(res[_key(layout)], reference, own)
         except AssertionError as e:
-            raise AssertionError(f"rank {rank}: {e} (floor {floor})") from None
+            raise AssertionError(f"rank {rank}: {e} (floor {own})") from None
 
 
 def test_a_systematic_error_of_1e6_is_caught(results, floor) -> None:
     """Negative control: dp=2 x ep=2 ZeRO-2's losses, norms or first-step gradients shifted by
     1e-6 (each alone) fail the check that the unshifted run passes, on this host's floor."""
     run, reference = results[4][0][_key((2, 2))], results[1][0]["reference"]
+    floor = floor["reference"]
     check_no_systematic_difference(run, reference, floor)
     shifted = {
         "losses": [x * (1 + SYSTEMATIC) for x in run["losses"]],

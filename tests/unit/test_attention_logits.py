@@ -107,3 +107,13 @@ def test_qk_clip_fires_where_forced_and_nowhere_else(attention: str) -> None:
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, weights[n])}
     assert changed == set(scales)
     assert clip_factors(torch.tensor([0.5, 2.0, float("-inf")]), 1.0).tolist() == [1.0, 0.5, 1.0]
+
+
+def test_qk_clip_is_refused_with_sparse_attention() -> None:
+    """Sparse attention's layers track no largest logit: MuonClip there would never clip."""
+    from moetrain.config import ConfigError
+
+    sparse = {**MLA, "model.index_topk": 4, "model.index_n_heads": 2, "model.index_head_dim": 16}
+    tiny_config(sparse, {"optim.name": "muon"})  # sparse attention under Muon is fine
+    with pytest.raises(ConfigError, match=r"optim\.muon\.qk_clip: cannot bound .* sparse"):
+        tiny_config(sparse, {"optim.name": "muon", "optim.muon.qk_clip": 1.0})
