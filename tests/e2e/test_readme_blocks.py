@@ -131,6 +131,7 @@ def after_quickstart(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, di
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the quickstart (its fixture) and every workflow block, in turn
 def test_every_workflow_block_runs_as_written(
     after_quickstart: tuple[Path, dict[str, str]],
 ) -> None:
