@@ -75,6 +75,7 @@ def from_hf(hf: Any) -> Config:
     model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
     hybrid_from_hf(hf, model, NAME)
     moe.num_experts, moe.expert_hidden = hf.num_experts, hf.moe_intermediate_size
+    model.dense_hidden = moe.expert_hidden  # (no dense layer: the experts' size, as Mixtral's)
     moe.renormalize = True
     shared = hf.shared_expert_intermediate_size  # 0: none
     moe.num_shared_experts, moe.shared_expert_gate = int(shared > 0), shared > 0
