@@ -64,13 +64,14 @@ def test_bf16_model_matmuls_in_bf16_losses_in_fp32() -> None:
         return hook
 
     model.layers[0].attn.wq.register_forward_hook(record("wq"))
-    model.lm_head.register_forward_hook(record("lm_head"))
     model.moe_layers()[0].experts.register_forward_hook(record("experts"))
     ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
     labels = ids.roll(-1, 1)
     out = model(ids, labels_BS=labels, return_logits=False)  # the trainer's call: chunked CE
     assert out.loss.dtype == out.ce_loss.dtype == out.moe_loss.dtype == torch.float32
     assert all(m.aux_loss.dtype == m.z_loss.dtype == torch.float32 for m in out.moe)
+    # (the head's chunked call returns the fp32 loss itself: its logits are recorded below)
+    model.lm_head.register_forward_hook(record("lm_head"))
     full = model(ids, labels_BS=labels)  # full bf16 logits, cross-entropy in fp32
     assert full.logits.dtype == torch.bfloat16 and full.ce_loss.dtype == torch.float32
     assert seen == {"wq": torch.bfloat16, "experts": torch.bfloat16, "lm_head": torch.bfloat16}
