@@ -33,6 +33,7 @@ from moetrain.parallel.master_weights import fp32_masters_in_module
 from moetrain.parallel.sequence_parallel import shard_batch
 from moetrain.parallel.topology import Topology
 from moetrain.parallel.zero3 import check_placement
+from moetrain.train.host_allocator import settle_host_allocator
 from moetrain.train.nonfinite import LossScalerState, SkipCounter
 from moetrain.train.progress import Progress
 from moetrain.train.step import Batch, OptimizerStep, forward_loss
@@ -128,7 +129,9 @@ class Trainer:
         clipped) and before the optimizer step (tests read or poison gradients there);
         ``track_logits``: the record holds the largest attention logits (``attn/...``)."""
         hook = None if before_step is None else lambda: before_step(self)
-        return self._step(micro_batches, hook, track_logits)
+        record = self._step(micro_batches, hook, track_logits)
+        settle_host_allocator()  # (the run's lasting buffers exist now)
+        return record
 
     def checkpoint_weights(self) -> AbstractContextManager[int]:
         """Around ``engine.save_checkpoint``: the module holds the fp32 master weights, so the
