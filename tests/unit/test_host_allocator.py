@@ -1,6 +1,6 @@
 """moetrain.train.host_allocator, each case in a fresh interpreter (this process's allocator is
-left alone): one arena for every thread; ``keep`` reuses freed buffers without page faults; an
-environment setting wins."""
+left alone): one arena for every thread; ``keep`` maps large blocks on their own until it is
+settled, then reuses freed buffers without page faults; an environment setting wins."""
 
 from __future__ import annotations
 
@@ -20,25 +20,27 @@ PAGES_64MIB = 64 * 2**20 // 4096
 PROBE = """
 import ctypes, json, sys, threading
 import torch
-from moetrain.train.host_allocator import tune_host_allocator
+from moetrain.train.host_allocator import settle_host_allocator, tune_host_allocator
 
 def minor_faults():
     return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[7])
 
 note = tune_host_allocator(sys.argv[1])
-faults = []
-for _ in range(20):  # a step's pattern: 64 MiB (above glibc's largest mmap threshold) and others
+faults, settled = [], []
+for i in range(20):  # a step's pattern: 64 MiB (above glibc's largest mmap threshold) and others
     before = minor_faults()
     x, h = torch.ones(4 * 2**20), torch.ones(16 * 2**20)
     y = (h * 2).sum() + (torch.ones(9 * 2**20) * x.sum()).sum()
     del x, h, y
     faults.append(minor_faults() - before)
+    if i == 2:  # (the trainer settles after its first step)
+        settled += [settle_host_allocator(), settle_host_allocator()]
 threads = [threading.Thread(target=lambda: torch.ones(2**16).sum()) for _ in range(4)]
 for t in threads:
     t.start()
 for t in threads:
     t.join()
-print(json.dumps({"note": note, "faults": faults}), flush=True)
+print(json.dumps({"note": note, "faults": faults, "settled": settled}), flush=True)
 ctypes.CDLL("libc.so.6").malloc_stats()  # per arena, on stderr
 """
 
@@ -72,6 +74,9 @@ def test_keep_reuses_freed_buffers_without_page_faults() -> None:
     system, kept = _probe("system"), _probe("keep")
     assert min(system["faults"][5:]) > PAGES_64MIB  # mapped and faulted in again every time
     assert kept["arenas"] == 1 and "kept on the heap" in kept["note"]
+    # until settled, large blocks are mapped on their own (and given back when freed)
+    assert min(kept["faults"][1:3]) > PAGES_64MIB
+    assert kept["settled"] == [True, False] and system["settled"] == [False, False]
     # once the heap holds the pattern's blocks (a few rounds; how many varies) they are reused
     # as they are: the last ten rounds together fault fewer pages than two rounds by default
     assert sum(kept["faults"][10:]) < 2 * PAGES_64MIB
