@@ -202,8 +202,9 @@ class TrainConfig:
     # torch.set_num_threads on CPU
     threads_per_rank: int | None = field(default=None, metadata=at_least(1))
     # CPU training on Linux/glibc (train/host_allocator.py): keep = one malloc arena for every
-    # thread and freed memory kept on the heap (no page faults per step); one_arena = the arena
-    # only (a little less memory, slower); system = glibc's defaults
+    # thread and, after the first step, freed memory kept on the heap (no page faults per step;
+    # the run's lasting buffers mapped apart); one_arena = the arena only (a little less memory,
+    # slower); system = glibc's defaults
     host_allocator: Literal["keep", "one_arena", "system"] = "keep"
     # fp32 matrix multiplies on CPU (model/cpu_matmul.py): onednn = oneDNN's kernels, which use
     # AVX-512 where the CPU has it (torch's MKL runs AVX2 kernels on AMD CPUs); torch = torch's own
