@@ -95,6 +95,7 @@ class LayerPlanKeys:
     full_attention_interval: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # the token mixer kind of the linear_attention layers (moetrain.config.mixers):
     # "gated_deltanet" (Qwen3-Next's and Qwen3.5's Gated DeltaNet; config/mixers/gated_deltanet.py)
+    # or "mamba2" (Granite 4.0-H's and Nemotron-H's Mamba-2; config/mixers/mamba2.py)
     linear_attention: str = field(default="gated_deltanet", metadata=FUNCTION)
     # sliding-window attention: a query of a "sliding_attention" layer sees the last
     # sliding_window positions, itself included (transformers' rule); less than max_seq_len

@@ -59,6 +59,26 @@ CASES = {
         "model.linear_num_value_heads": 1,
         "model.linear_conv_kernel_dim": 6,
     },
+    "mamba2": {  # two Mamba-2 layers (4 heads in 2 groups), one attention layer
+        "model.n_layers": 3,
+        "model.layer_types": ["linear_attention", "linear_attention", "full_attention"],
+        "model.linear_attention": "mamba2",
+        "model.mamba_num_heads": 4,
+        "model.mamba_head_dim": 8,
+        "model.mamba_n_groups": 2,
+        "model.mamba_state_dim": 6,
+    },
+    "mamba2-biases-one-group": {
+        "model.n_layers": 2,
+        "model.layer_types": ["linear_attention", "full_attention"],
+        "model.linear_attention": "mamba2",
+        "model.mamba_num_heads": 2,
+        "model.mamba_head_dim": 16,
+        "model.mamba_state_dim": 4,
+        "model.mamba_conv_kernel": 2,
+        "model.mamba_conv_bias": False,
+        "model.mamba_proj_bias": True,
+    },
     "mla-sparse": {  # DeepSeek sparse attention: the indexer's parameters and cached keys
         **MLA,
         "model.q_lora_rank": 24,
@@ -70,7 +90,7 @@ CASES = {
 
 
 def test_every_kind_is_registered_on_both_sides_and_implements_the_protocol() -> None:
-    assert set(MIXERS) == set(MIXER_KINDS) == {"gqa", "mla", "gated_deltanet"}
+    assert set(MIXERS) == set(MIXER_KINDS) == {"gqa", "mla", "gated_deltanet", "mamba2"}
     required = [
         name
         for name, value in vars(TokenMixer).items()
