@@ -80,6 +80,7 @@ _MLA = {
 }
 # Gated DeltaNet: Qwen3.5's names (Qwen3-Next's fused projections: _fused_linear_attention)
 _GDN = {w: w for w in pn.GDN_WEIGHTS} | {"wo": "out_proj"}
+_MAMBA2 = {w: w for w in pn.MAMBA2_WEIGHTS} | {"wo": "out_proj"}
 # A token mixer's weights: their names in a moetrain block -> in a Hugging Face decoder layer.
 # A block takes the first table that names every one of its mixer's weights; a new mixer kind
 # adds its table here.
@@ -94,6 +95,10 @@ MIXER_NAMES: tuple[dict[str, str], ...] = (
     {  # Gated DeltaNet
         **{_rel(pn.attn(0, ours)): f"linear_attn.{theirs}" for ours, theirs in _GDN.items()},
         **{_rel(pn.mixer_param(0, p), None): f"linear_attn.{p}" for p in pn.GDN_PARAMS},
+    },
+    {  # Mamba-2 (Granite 4.0-H's names)
+        **{_rel(pn.attn(0, ours)): f"mamba.{theirs}" for ours, theirs in _MAMBA2.items()},
+        **{_rel(pn.mixer_param(0, p), None): f"mamba.{p}" for p in pn.MAMBA2_PARAMS},
     },
 )
 

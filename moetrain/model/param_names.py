@@ -74,11 +74,15 @@ def mtp_projection(layer: int) -> str:
 # projections and convolution (a ``.weight`` each), its per-head decay parameters (bare)
 GDN_WEIGHTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "wo")
 GDN_PARAMS = ("A_log", "dt_bias")
+# Mamba-2's (model/mixers/mamba2.py): its projections, convolution and gated norm (a
+# ``.weight`` each, biases where configured), its per-head parameters (bare)
+MAMBA2_WEIGHTS = ("in_proj", "conv1d", "norm", "wo")
+MAMBA2_PARAMS = ("A_log", "dt_bias", "D")
 
 
 def mixer_param(layer: int, name: str) -> str:
     """A bare parameter of block ``layer``'s token mixer (Gated DeltaNet's ``A_log``,
-    ``dt_bias``)."""
+    ``dt_bias``; Mamba-2's and its ``D``)."""
     return f"layers.{layer}.attn.{name}"
 
 

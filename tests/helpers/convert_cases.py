@@ -216,6 +216,23 @@ CASES = {
         ),
         moe=dict(topk_before_score=True, num_shared_experts=1, shared_expert_hidden=40),
     ),
+    "granitemoehybrid": dict(  # Granite 4.0-H's (tests/helpers/hf_models.py), Mamba-2 chunks of 8
+        model=dict(
+            tie_embeddings=True,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_scale=0.015625,
+            logits_scaling=6.0,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_attention="mamba2",
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            mamba_n_groups=2,
+            mamba_state_dim=8,
+            mamba_chunk_size=8,
+        ),
+        moe=dict(topk_before_score=True, num_shared_experts=1, shared_expert_hidden=40),
+    ),
     "gpt_oss": dict(  # gpt-oss-20b's flags (tests/helpers/hf_models.py), the window binding
         model=dict(
             qkv_bias=True,

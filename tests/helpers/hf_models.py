@@ -244,6 +244,21 @@ QWEN3_5_ROPE: dict[str, Any] = dict(
 )
 
 
+# Granite 4.0-H's hybrid layers at the tiny sizes: layers 0 and 2 Mamba-2 (4 heads of 16 in two
+# groups, state 8, chunks of 8), layer 1 attention, with RoPE
+GRANITE_HYBRID: dict[str, Any] = dict(
+    layer_types=["mamba", "attention", "mamba"],
+    position_embedding_type="rope",
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_n_groups=2,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=8,
+)
+
+
 def _moe_configs(transformers: Any) -> dict[str, Any]:
     moe = dict(SMALL, num_experts_per_tok=2)
     hybrid = {**moe, **QWEN_HYBRID}
@@ -406,6 +421,15 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             num_local_experts=4,
             shared_intermediate_size=40,
             **GRANITE_FLAGS,
+        ),
+        # Granite 4.0-H's flags, its layers Mamba-2 (several chunks of 8) and attention
+        "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(
+            **moe,
+            intermediate_size=24,
+            num_local_experts=4,
+            shared_intermediate_size=40,
+            **GRANITE_FLAGS,
+            **GRANITE_HYBRID,
         ),
         "gpt_oss": lambda: transformers.GptOssConfig(  # gpt-oss-20b's flags
             **{**moe, **GPT_OSS_FLAGS}, intermediate_size=24, num_local_experts=4

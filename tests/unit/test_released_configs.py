@@ -25,6 +25,7 @@ import torch
 
 from moetrain.checkpoint.read import load_model
 from moetrain.config import ConfigError
+from moetrain.convert import formats
 from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.families import FAMILIES, of_hf_config, unwrap, wrapper_of
 from moetrain.convert.importer import import_hf_checkpoint
@@ -100,8 +101,7 @@ def transformers_type(hf: dict[str, Any]) -> str:
 
 
 def transformers_config(hf: dict[str, Any]) -> Any:
-    fields = {k: v for k, v in hf.items() if k != "model_type"}
-    return transformers.AutoConfig.for_model(transformers_type(hf), **fields)
+    return formats.transformers_config(hf, transformers_type(hf))
 
 
 def save_released(hf: dict[str, Any], out: Path, tokenizer: Path) -> Path:

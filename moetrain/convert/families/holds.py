@@ -147,6 +147,7 @@ BASELINE: dict[str, Rule] = {
     "model.linear_attention": refused_when(
         _linear_layers, "{name} has attention in every layer; no linear_attention layers"
     ),
+    "model.mamba_head_dim": ANY,  # (its families' size rule)
     "model.full_attention_interval": only(None),
     "model.rope_interleave": only(False),
     "model.partial_rotary_factor": only(1.0),
