@@ -15,6 +15,18 @@ from tests.helpers.convert_cases import (
 
 transformers = pytest.importorskip("transformers")
 
+# Granite 4.0-H's layers: a Mamba-2 layer (4 heads of 16, state 8, as wide as the model), an
+# attention layer
+GRANITE_HYBRID = dict(
+    d_model=64,
+    n_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    linear_attention="mamba2",
+    mamba_num_heads=4,
+    mamba_head_dim=16,
+    mamba_state_dim=8,
+)
+
 
 @pytest.mark.parametrize(
     ("fmt", "model_kw", "moe_kw", "key"),
@@ -160,6 +172,30 @@ transformers = pytest.importorskip("transformers")
             "moe.shared_expert_gate",
         ),
         ("granitemoeshared", {}, {}, "moe.topk_before_score"),
+        (
+            "granitemoehybrid",
+            dict(GRANITE_HYBRID, nope_layers=[0]),
+            dict(topk_before_score=True, num_shared_experts=1),
+            "model.nope_layers",
+        ),
+        (
+            "granitemoehybrid",
+            dict(GRANITE_HYBRID, mamba_head_dim=12),
+            dict(topk_before_score=True, num_shared_experts=1),
+            "model.mamba_head_dim",
+        ),
+        (
+            "granitemoehybrid",
+            GRANITE_HYBRID,
+            dict(topk_before_score=True),
+            "moe.num_shared_experts",
+        ),
+        (
+            "granitemoehybrid",
+            dict(n_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+            dict(topk_before_score=True, num_shared_experts=1),
+            "model.layer_types",
+        ),
         ("mixtral", dict(embedding_multiplier=12.0), {}, "model.embedding_multiplier"),
         ("qwen3_moe", dict(residual_multiplier=0.22), {}, "model.residual_multiplier"),
         ("olmoe", dict(attention_scale=0.015625), {}, "model.attention_scale"),
