@@ -51,13 +51,11 @@ def attention_multiplier(model: ModelConfig) -> float:
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
-    """The transformers fields of Granite-MoE, which every Granite MoE class shares: the common ones, the experts,
-    the muP-style scalars and the attention biases."""
-    model, moe = cfg.model, cfg.moe
-    return dict(
-        hf_config.hf_common(cfg),
-        intermediate_size=moe.expert_hidden,
-        num_local_experts=moe.num_experts,
+    """The transformers fields of Granite-MoE, which every Granite MoE class shares: the common
+    ones, the experts, the muP-style scalars and the attention biases."""
+    model = cfg.model
+    return hf_config.local_experts_hf(
+        cfg,
         embedding_multiplier=model.embedding_multiplier,
         residual_multiplier=model.residual_multiplier,
         attention_multiplier=attention_multiplier(model),
@@ -99,7 +97,7 @@ def granite_from_hf(hf: Any, name: str) -> tuple[ModelConfig, MoEConfig]:
     """The model and MoE sections of any Granite MoE class's config ``hf`` (read from
     ``name``'s): the shape, the attention biases, the muP-style scalars, the experts and their
     routing (top-k on the logits, then softmax over the k)."""
-    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
+    model, moe = hf_config.local_experts_from_hf(hf)
     model.qkv_bias = model.o_bias = bool(getattr(hf, "attention_bias", False))
     hf_config.refuse_partial_rotary(model, name)
 
@@ -110,7 +108,6 @@ def granite_from_hf(hf: Any, name: str) -> tuple[ModelConfig, MoEConfig]:
     model.residual_multiplier = positive("residual_multiplier")
     model.attention_scale = positive("attention_multiplier")
     model.logits_scaling = positive("logits_scaling")
-    moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
     moe.score_func, moe.topk_before_score = "softmax", True
     return model, moe
 
