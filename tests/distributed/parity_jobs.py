@@ -138,6 +138,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.attention_output_gate": True,
         "model.zero_centered_norm": True,
     },
+    # Granite 4.0-H's: a Mamba-2 layer (two groups, chunks of 4: several per row) then an
+    # attention layer
+    "mamba": {
+        "model.layer_types": ["linear_attention", "full_attention"],
+        "model.linear_attention": "mamba2",
+        "model.mamba_num_heads": 4,
+        "model.mamba_head_dim": 8,
+        "model.mamba_n_groups": 2,
+        "model.mamba_state_dim": 8,
+        "model.mamba_chunk_size": 4,
+    },
     # DeepSeek sparse attention's sparse stage: the second layer attends to the first's
     # selection (GLM-5's shared indexer), the indexer trains on its KL alongside
     "dsa": {**DSA, "model.indexer_types": ["full", "shared"]},
@@ -151,7 +162,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "muonclip": {"optim.name": "muon", "moe.first_k_dense": 1, "optim.muon.qk_clip": 0.06},
 }
 # the variants whose one reference the world-1 job computes (capacity has one per group count)
-REFERENCES = ("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "dsa", "dsa_warmup")
+REFERENCES = (
+    "routing",
+    "mtp",
+    "gptoss",
+    "phimoe",
+    "llama4",
+    "hybrid",
+    "mamba",
+    "dsa",
+    "dsa_warmup",
+)
 
 
 def parity_config(world: int, ep: int, stage: int, **extra: Any) -> Config:
