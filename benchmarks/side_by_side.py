@@ -48,3 +48,52 @@ def print_table(rows: list[tuple[int, Runs]], names: tuple[str, str]) -> None:
             f"{statistics.median(t):.2f}x ({t[0]:.2f}-{t[-1]:.2f}x) | {med(ours, 'mib'):.0f} | "
             f"{med(peer, 'mib'):.0f} | {statistics.median(m):.2f}x ({m[0]:.2f}-{m[-1]:.2f}x) |"
         )
+
+
+def measure_step(step: Callable[[], None], repeats: int) -> dict:
+    """In a fresh process (glibc's mmap threshold set to 64 KiB before torch is imported, so
+    that RSS follows live tensors): one warm-up ``step``, the peak RSS of one step over the RSS
+    just before it (peak reset through /proc/self/clear_refs), then under the allocator
+    ``moetrain train`` sets on CPU one warm-up step and the median CPU time of ``repeats``."""
+    import time
+    from pathlib import Path
+
+    from moetrain.train.host_allocator import tune_host_allocator
+
+    def rss_kib(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        raise RuntimeError(field)
+
+    step()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = rss_kib("VmRSS")
+    step()
+    mib = (rss_kib("VmHWM") - base) / 1024
+    tune_host_allocator("keep")
+    step()
+    times = []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        step()
+        times.append(time.process_time() - c0)
+    return {"mib": mib, "s": statistics.median(times)}
+
+
+def run_child(script: str, args: list[str]) -> dict:
+    """``script --child ...args`` in a fresh one-thread process; its ``RESULT {json}`` line."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = str(Path(script).resolve().parents[1])
+    proc = subprocess.run(
+        [sys.executable, script, *args], env=env, capture_output=True, text=True, check=False
+    )
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"{args} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[0][len("RESULT ") :])

@@ -11,8 +11,8 @@ Per head, with a = dt * A (A < 0, dt > 0 the step size of the token) and the sta
 The chunked form computes, per chunk, the outputs within it as a masked "attention"
 ``(C_l . B_s) exp(a_{s+1} + ... + a_l) dt_s x_s``, the state at its end from its tokens, and
 carries the states from chunk to chunk; it is exact (the same sums in another order). The
-decays between two positions are sums over a masked (Q, Q) matrix (no difference of large
-cumulative sums), every product in fp32 or wider.
+decay between two positions of a chunk is a difference of its cumulative sums taken in fp64 (in
+fp32 it would lose ~1e-7 of the chunk's total decay), every product in fp32 or wider.
 
 Packed documents: a document start drops the state before it (the position's own input is
 kept), so a packed row computes what its documents compute one by one: decays that cross a
@@ -66,12 +66,14 @@ def ssd_scan(
     a = a.view(b, nc, q, g, r).permute(0, 1, 3, 4, 2)  # (B, c, G, r, Q)
     Bw, Cw = Bw.view(b, nc, q, g, n), Cw.view(b, nc, q, g, n)
     seg = seg.view(b, nc, q)
-    same = seg[:, :, :, None] == seg[:, :, None, :]  # (B, c, Q, Q) l and s in one document
-    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
-    keep = (same & causal)[:, :, None, None]  # (B, c, 1, 1, Q, Q)
-    # decay from s to l: sum of a over s+1..l (masked cumulative sums down each column)
-    strict = torch.ones(q, q, dtype=torch.bool, device=x.device).tril(-1)
-    segsum = a[..., :, None].expand(*a.shape, q).masked_fill(~strict, 0).cumsum(-2)
+    keep = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()  # causal
+    if starts is not None:  # and l, s in one document
+        keep = (seg[:, :, :, None] == seg[:, :, None, :]) & keep  # (B, c, Q, Q)
+        keep = keep[:, :, None, None]
+    # decay from s to l: the sum of a over s+1..l, a difference of cumulative sums taken in
+    # fp64 (exact to ~1e-16 of the chunk's total, where fp32 would lose ~1e-7 of it)
+    total = a.to(torch.float64).cumsum(-1)
+    segsum = (total[..., :, None] - total[..., None, :]).to(wide)
     decay = segsum.masked_fill(~keep, float("-inf")).exp()  # (B, c, G, r, Q, Q)
     # within each chunk: y_l = sum_s (C_l . B_s) decay(s -> l) dt_s x_s
     Bg, Cg = Bw.transpose(2, 3)[:, :, :, None], Cw.transpose(2, 3)[:, :, :, None]  # (B,c,G,1,Q,N)

@@ -210,8 +210,7 @@ class Mamba2(TokenMixer):
         after SiLU (kept through x) ``4(I + Ch + H) + 4 Ch``, under bf16 fp32 copies of z and
         x ``8I``; the step's softplus in and out ``8H``; the gated norm's scan output, gate,
         product, normalised values and rsqrt ``16I + 4G`` and its output ``aI``; the chunked
-        scan's per-token share of its (Q, Q) mask, decays, masked scores and scores
-        ``Q + 8HQ + 4GQ``, the operands of its products ``8GN + 8HN + 16I``, the decays from
+        scan's per-token share of its (Q, Q) decays, masked scores and scores ``8HQ + 4GQ``, the operands of its products ``8GN + 8HN + 16I``, the decays from
         each chunk's start ``8H + 4`` and the chunks' states ``8HPN / Q``. Rows a multiple
         of Q, without documents."""
         a, d, ch = act_bytes, cfg.d_model, cls.channels(cfg)
@@ -219,7 +218,7 @@ class Mamba2(TokenMixer):
         n, q, inner = cfg.mamba_state_dim, cfg.mamba_chunk_size, h * p
         kept = 4 * (inner + ch + h) + 4 * ch if a == 4 else 8 * inner
         norm = 16 * inner + 4 * g + a * inner
-        scan = q + 8 * h * q + 4 * g * q + 8 * g * n + 8 * h * n + 16 * inner
+        scan = 8 * h * q + 4 * g * q + 8 * g * n + 8 * h * n + 16 * inner
         scan += 8 * h + 4 + 8 * h * p * n // q
         return a * d + 2 * a * ch + kept + 8 * h + norm + scan
 
