@@ -37,7 +37,10 @@ def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
-@pytest.mark.parametrize("position", ["rope", "nope"])
+@pytest.mark.parametrize(
+    "position",
+    [pytest.param("rope", marks=pytest.mark.long), "nope"],  # (nope as released)
+)
 def test_long_rows_and_packed_documents_both_ways(position: str, tmp_path) -> None:
     """Rows of 150 tokens (19 chunks of 8) both ways; a row packing documents of 60, 1 and 89
     tokens equals transformers' logits of each document alone."""
