@@ -55,7 +55,9 @@ HOLDS = {
         "(position_embedding_type); must be null or every full_attention layer",
     ),
     "model.mamba_head_dim": refused_when(
-        lambda m, _: _has_mamba(m) and m.mamba_num_heads * m.mamba_head_dim % m.d_model != 0,
+        lambda m, _: (
+            m.mamba_num_heads is not None and m.mamba_num_heads * m.mamba_head_dim % m.d_model != 0
+        ),
         "{name} sizes its Mamba-2 layers as mamba_expand * hidden_size; "
         "model.mamba_num_heads * model.mamba_head_dim must be a multiple of model.d_model",
     ),
