@@ -64,6 +64,10 @@ class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape
     # "layernorm" (mean and variance, a weight and a bias; Phi-3.5-MoE); eps is norm_eps. The
     # query/key norms and MLA's latent norms stay RMSNorm
     norm: Literal["rmsnorm", "layernorm"] = field(default="rmsnorm", metadata=FUNCTION)
+    # where a block normalises: "pre" (the mixer's and the FFN's inputs) or "sandwich" (also
+    # each branch's output, before its residual add: layers.<i>.attn_post_norm and
+    # ffn_post_norm, of model.norm's kind; Trinity's, Gemma's)
+    block_norms: Literal["pre", "sandwich"] = field(default="pre", metadata=FUNCTION)
     # RMSNorm weights held as an offset from 1, the norm computing x / rms(x) * (1 + w) in fp32
     # (Qwen3-Next's and Qwen3.5's zero-centred norm; zeros at initialisation): the block, final
     # and MTP norms and the query/key norms (not latent attention's nor Gated DeltaNet's

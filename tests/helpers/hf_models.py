@@ -322,6 +322,18 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             intermediate_size=24,
             num_local_experts=4,
         ),
+        "afmoe": lambda: transformers.AfmoeConfig(  # Trinity's flags, a window binding
+            **moe,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_shared_experts=1,
+            num_dense_layers=1,
+            route_scale=2.5,
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            mup_enabled=True,
+        ),
         "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(  # Hunyuan-A13B's flags
             **{
                 **{k: v for k, v in SMALL.items() if k != "rope_parameters"},

@@ -15,6 +15,7 @@ from typing import Any
 
 from moetrain.config import ConfigError
 from moetrain.convert.families import (
+    afmoe,
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
@@ -54,6 +55,7 @@ FAMILIES: dict[str, Family] = {
         glm4_moe.FAMILY,
         olmoe.FAMILY,
         minimax_m2.FAMILY,
+        afmoe.FAMILY,
         deepseek_v32.FAMILY,
         glm_moe_dsa.FAMILY,
         deepseek_v3.FAMILY,

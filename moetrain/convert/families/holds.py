@@ -158,6 +158,7 @@ BASELINE: dict[str, Rule] = {
     "model.mtp_depth": only(0),
     "model.o_bias": only(False),
     "model.norm": only("rmsnorm"),
+    "model.block_norms": only("pre"),
     "model.lm_head_bias": only(False),
     "model.attention_sinks": only(False),
     "model.sliding_window": only(None),
@@ -229,6 +230,10 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         "after_rope": "normalises queries and keys after RoPE",
     },
     "model.norm": {"rmsnorm": "has RMSNorm", "layernorm": "has LayerNorm"},
+    "model.block_norms": {
+        "pre": "normalises each block's branch inputs only",
+        "sandwich": "normalises each block's branch inputs and outputs (sandwich norms)",
+    },
     "model.lm_head_bias": {False: "has no LM-head bias"},
     "model.attention_sinks": {False: "has no attention sinks", True: "has a sink per head"},
     "model.sliding_window": {None: "attends to the whole context"},
