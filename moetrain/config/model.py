@@ -91,13 +91,18 @@ class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape
     rope_factor: float | None = field(default=None, metadata=at_least(1) | FUNCTION)
     rope_original_max_seq_len: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # longrope: each rotary frequency is divided by its short factor (rope_dim / 2 of them,
-    # required), and cos/sin are multiplied by rope_attention_factor (null: transformers'
-    # default sqrt(1 + ln(s) / ln(original)) with s = max_seq_len / original, 1 when s <= 1).
-    # moetrain computes positions below rope_original_max_seq_len only (the short factors);
-    # the long factors (required, same length) are the model's beyond it, kept for export
+    # required) while the sequence (its last position + 1) stays within
+    # rope_original_max_seq_len, by its long factor (required, same length) in a longer one,
+    # every position of it; cos/sin are multiplied by rope_attention_factor (null:
+    # transformers' default sqrt(1 + ln(s) / ln(original)) with s = max_seq_len / original, 1
+    # when s <= 1)
     rope_short_factor: list[float] | None = field(default=None, metadata=FUNCTION)
     rope_long_factor: list[float] | None = field(default=None, metadata=FUNCTION)
     rope_attention_factor: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # longrope: the factors of a sequence longer than rope_original_max_seq_len: "long" (null
+    # alike: transformers' LongRoPE) or "short" (the short ones kept: transformers 5.25's
+    # Phi-3.5-MoE class, which recomputes its frequencies without the sequence length)
+    rope_long_regime: Literal["long", "short"] | None = field(default=None, metadata=FUNCTION)
     # YaRN's ramp: dims rotating more than beta_fast times in the original context keep their
     # frequency, fewer than beta_slow times are interpolated (unset: 32 and 1)
     rope_beta_fast: float | None = field(default=None, metadata=above(0) | FUNCTION)
@@ -259,13 +264,14 @@ class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape
         scale = self.max_seq_len / original
         return 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
 
-    @property
-    def rope_positions(self) -> int:
-        """How many positions the model computes: ``max_seq_len``, or with LongRoPE at most
-        ``rope_original_max_seq_len`` (the short factors' range)."""
-        if self.rope_scaling == "longrope":
-            return min(self.max_seq_len, self.rope_original_max_seq_len)
-        return self.max_seq_len
+    def longrope_long(self, seq_len: int) -> bool:
+        """Whether a sequence of ``seq_len`` positions (its last position + 1) takes LongRoPE's
+        long factors (``model.rope_long_regime``)."""
+        return (
+            self.rope_scaling == "longrope"
+            and self.rope_long_regime != "short"
+            and seq_len > self.rope_original_max_seq_len
+        )
 
 
 # each RoPE-scaling key -> the scalings it applies to; the keys each scaling requires
@@ -275,6 +281,7 @@ _SCALING_KEYS = {
     "rope_short_factor": ("longrope",),
     "rope_long_factor": ("longrope",),
     "rope_attention_factor": ("longrope",),
+    "rope_long_regime": ("longrope",),
     "rope_beta_fast": ("yarn",),
     "rope_beta_slow": ("yarn",),
     "rope_mscale": ("yarn",),

@@ -213,6 +213,23 @@ def test_llama4_released_configs_where_chunks_and_temperature_bind(
             assert (plain(ids).logits - got).abs().max() > 1e-3 * ref.abs().max(), off
 
 
+@pytest.mark.long  # (test_convert_rope.py's Phi-3.5-MoE case binds it past 32 positions)
+def test_phi_moe_continues_past_its_original_context(tokenizer: Path, tmp_path: Path) -> None:
+    """Phi-3.5-MoE's LongRoPE past original_max_position_embeddings (4096, as released), as
+    transformers 5.25's class computes it (the short factors kept, times long_mscale): 4100
+    tokens imported with transformers' logits. (The fixture's factors, the released lists'
+    first eight, are all 1.0: the two regimes coincide here.)"""
+    hf = json.loads((CORPUS / "phimoe" / "Phi-3.5-MoE-instruct.json").read_text())
+    assert hf["rope_scaling"]["original_max_position_embeddings"] == 4096
+    src = save_released(hf, tmp_path / "src", tokenizer)
+    ids = torch.randint(0, hf["vocab_size"], (1, 4100), generator=torch.Generator().manual_seed(2))
+    _, ref = hf_logits(src, ids)
+    model, cfg = load_model(import_hf_checkpoint(src, tmp_path / "ckpt"))
+    assert cfg.model.rope_long_regime == "short"
+    with torch.no_grad():
+        close(model.eval()(ids).logits, ref)
+
+
 def test_every_registered_family_has_a_released_config() -> None:
     """Adding a family means adding its released configs (or saying why there is none)."""
     families = [of_hf_config(json.loads(p.read_text())) for p in FILES]  # (a wrapper's too)

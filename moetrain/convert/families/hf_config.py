@@ -241,7 +241,7 @@ def finish(model: ModelConfig, moe: MoEConfig) -> Config:
     """The validated Config of an imported model (``data.seq_len`` capped at the positions it
     computes)."""
     cfg = Config(model=model, moe=moe)
-    cfg.data.seq_len = min(cfg.data.seq_len, model.rope_positions)
+    cfg.data.seq_len = min(cfg.data.seq_len, model.max_seq_len)
     cfg.validate()
     return cfg
 

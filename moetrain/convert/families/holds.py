@@ -151,6 +151,12 @@ BASELINE: dict[str, Rule] = {
     "model.rope_interleave": only(False),
     "model.partial_rotary_factor": only(1.0),
     "model.rope_scaling": ANY,
+    "model.rope_long_regime": only(
+        None,
+        "long",
+        applies=lambda m, _: m.rope_scaling == "longrope",
+        why="{name} takes LongRoPE's long factors past the original context; must be null or long",
+    ),
     "model.embedding_multiplier": only(1.0),
     "model.residual_multiplier": only(1.0),
     "model.logits_scaling": only(1.0),
