@@ -269,6 +269,7 @@ CASES = {
             rope_short_factor=PHIMOE_ROPE["short_factor"] * 2,
             rope_long_factor=PHIMOE_ROPE["long_factor"] * 2,
             rope_attention_factor=PHIMOE_ROPE["short_mscale"],
+            rope_long_regime="short",
         ),
         moe=dict(router_type="sparsemixer", renormalize=False),
     ),

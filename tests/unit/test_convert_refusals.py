@@ -286,6 +286,18 @@ TRINITY_MOE = dict(score_func="sigmoid", num_shared_experts=1, route_scale=2.5)
         ("afmoe", TRINITY, dict(TRINITY_MOE, renormalize=False), "moe.renormalize"),
         ("afmoe", TRINITY, dict(TRINITY_MOE, num_shared_experts=0), "moe.num_shared_experts"),
         ("afmoe", dict(TRINITY, qkv_bias=True), TRINITY_MOE, "model.qkv_bias"),
+        (  # the long factors past the original context: every LongRoPE family but Phi-3.5-MoE
+            "mixtral",
+            dict(
+                rope_scaling="longrope",
+                rope_original_max_seq_len=64,
+                rope_short_factor=[1.0] * 32,
+                rope_long_factor=[2.0] * 32,
+                rope_long_regime="short",
+            ),
+            {},
+            "model.rope_long_regime",
+        ),
         ("mixtral", dict(attention_chunk_size=6), {}, "model.attention_chunk_size"),
         ("qwen3_moe", dict(qk_norm=True, nope_layers=[1]), {}, "model.nope_layers"),
         ("olmoe", dict(qk_norm_after_rope=True), {}, "model.qk_norm_after_rope"),
@@ -356,6 +368,8 @@ def test_deepseek_formats_refuse_naming_the_setting(fmt, model_kw, moe_kw, key) 
         ({"moe.num_shared_experts": 1}, "moe.num_shared_experts"),
         ({"moe.route_scale": 2.0}, "moe.route_scale"),
         ({"moe.capacity_factor": 1.0}, "moe.capacity_factor"),
+        ({"model.rope_long_regime": "long"}, "model.rope_long_regime"),
+        ({"model.rope_long_regime": None}, "model.rope_long_regime"),
     ],
 )
 def test_phimoe_refuses_what_its_class_does_not_compute_by_key(changes, key) -> None:

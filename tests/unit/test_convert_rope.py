@@ -81,8 +81,6 @@ def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, sc
     if scaling != "yarn":
         yarn_only += ("rope_factor",) if "model.rope_factor" not in keys else ()
         off = {f"model.{k}": None for k in yarn_only if k in CASES[fmt]["model"]}
-    if fmt == "phimoe":  # (its class in transformers 5.25 keeps the short factors)
-        keys["model.rope_long_regime"] = "short"
     cfg = tiny_cfg(fmt, {**keys, **sharp, **off})
     model = sharpened(model_for(cfg))  # positions show in the logits (gpt-oss's windows)
     hf = load_hf(cfg, model, fmt, tmp_path)
