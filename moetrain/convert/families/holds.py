@@ -148,6 +148,7 @@ BASELINE: dict[str, Rule] = {
         _linear_layers, "{name} has attention in every layer; no linear_attention layers"
     ),
     "model.full_attention_interval": only(None),
+    "model.linear_allow_neg_eigval": only(False),
     "model.rope_interleave": only(False),
     "model.partial_rotary_factor": only(1.0),
     "model.rope_scaling": ANY,
@@ -215,6 +216,7 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         False: "has no attention output gate",
         True: "always gates its attention output",
     },
+    "model.linear_allow_neg_eigval": {False: "writes its Gated DeltaNet state with beta in (0, 1)"},
     "model.zero_centered_norm": {
         False: "has RMSNorm weights that scale directly",
         True: "has zero-centred RMSNorm weights (1 + w)",
