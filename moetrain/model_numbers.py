@@ -36,7 +36,6 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     m, e = cfg.model, cfg.moe
     d = m.d_model
     norm = 2 * d if m.norm == "layernorm" else d  # one norm's parameters (weight, bias)
-    branch_norms = norm * (2 if m.block_norms == "sandwich" else 1)  # + a post norm
     seq_len = seq_len or cfg.data.seq_len
     dense_ffn = 3 * d * m.dense_hidden
     expert = 3 * d * e.expert_hidden
@@ -49,7 +48,9 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     for layer in cfg.layer_plan():
         if layer.index == m.n_layers:
             mtp = total
-        if layer.mixer is not None:  # its input norm (and post norm), its parameters
+        # a branch's norms: before or after it, or both (sandwich)
+        branch_norms = norm * (2 if m.norm_placement(layer.index) == "sandwich" else 1)
+        if layer.mixer is not None:  # its norms, its parameters
             kind = mixer_class(layer.mixer)
             params = branch_norms + kind.param_count(m, layer.mixer)
             total, active = total + params, active + params

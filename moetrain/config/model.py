@@ -19,6 +19,7 @@ from moetrain.config.layer_plan import (
     LAYER_TYPES,
     SLIDING,
     LayerPlanKeys,
+    layer_types,
     mixer_spec,
     validate_layer_plan,
 )
@@ -64,10 +65,17 @@ class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape
     # "layernorm" (mean and variance, a weight and a bias; Phi-3.5-MoE); eps is norm_eps. The
     # query/key norms and MLA's latent norms stay RMSNorm
     norm: Literal["rmsnorm", "layernorm"] = field(default="rmsnorm", metadata=FUNCTION)
-    # where a block normalises: "pre" (the mixer's and the FFN's inputs) or "sandwich" (also
+    # where a block normalises: "pre" (the mixer's and the FFN's inputs), "sandwich" (also
     # each branch's output, before its residual add: layers.<i>.attn_post_norm and
-    # ffn_post_norm, of model.norm's kind; Trinity's, Gemma's)
-    block_norms: Literal["pre", "sandwich"] = field(default="pre", metadata=FUNCTION)
+    # ffn_post_norm, of model.norm's kind; Trinity's, Gemma's) or "post" (each branch's output
+    # only: OLMo-2's, Olmo-Hybrid's attention layers)
+    block_norms: Literal["pre", "sandwich", "post"] = field(default="pre", metadata=FUNCTION)
+    # the attention layers' placement where it differs from model.block_norms' (the other
+    # layers keep that: Olmo-Hybrid's post-norm attention beside pre-norm Gated DeltaNet
+    # layers); null: model.block_norms everywhere
+    attention_block_norms: Literal["pre", "sandwich", "post"] | None = field(
+        default=None, metadata=FUNCTION
+    )
     # RMSNorm weights held as an offset from 1, the norm computing x / rms(x) * (1 + w) in fp32
     # (Qwen3-Next's and Qwen3.5's zero-centred norm; zeros at initialisation): the block, final
     # and MTP norms and the query/key norms (not latent attention's nor Gated DeltaNet's
@@ -150,6 +158,16 @@ class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape
         """The chunk size of block ``layer``'s chunked attention, None for other attention."""
         spec = mixer_spec(self, layer)
         return spec.chunk if spec is not None else None
+
+    def norm_placement(self, layer: int) -> str:
+        """Block ``layer``'s norms: ``model.attention_block_norms`` on an attention layer (a
+        multi-token-prediction block's too) where set, else ``model.block_norms``."""
+        own = self.attention_block_norms
+        if own is None:
+            return self.block_norms
+        if layer >= self.n_layers or LAYER_TYPES[layer_types(self)[layer]].kind_key == "attention":
+            return own
+        return self.block_norms
 
     def has_rope(self, layer: int) -> bool:
         """Whether block ``layer`` rotates its queries and keys (multi-token-prediction blocks

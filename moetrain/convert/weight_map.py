@@ -159,7 +159,7 @@ class _Plan:
         lay, moe = self.layout, self.layout.moe_block
         rules = {_rel(pn.attn_norm(0)): "input_layernorm"}
         ffn_norm = "post_attention_layernorm"
-        if self.cfg.model.block_norms == "sandwich":
+        if self.cfg.model.norm_placement(i) != "pre":  # sandwich or post norms
             mixer_out, ffn_norm, ffn_out = lay.sandwich_norms
             rules[_rel(pn.post_norm(0, "attn"))] = mixer_out
             rules[_rel(pn.post_norm(0, "ffn"))] = ffn_out
