@@ -39,6 +39,7 @@ from moetrain.convert.weight_entries import (
     Joined,
     NoSelectionBias,
     PerExpertFiles,
+    RowParts,
     SelectionBias,
     Shape,
     StackedFiles,
@@ -202,8 +203,17 @@ class _Plan:
         elif bias in names:
             self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.num_experts))
         done = {bias, *shared} if lay.shared_fused is not None else {bias}
-        if lay.linear_fused and pn.attn(i, "in_proj_qkv") in names:
+        qkv = pn.attn(i, "in_proj_qkv")
+        if lay.linear_fused and qkv in names:
             done |= self._fused_linear_attention(i, prefix)
+        if lay.linear_qkv_apart and qkv in names:  # its q, k, v projections and convolutions
+            m, conv = self.cfg.model, pn.attn(i, "conv1d")
+            keys = m.linear_num_key_heads * m.linear_key_head_dim
+            sizes = (keys, keys, self.shapes[qkv][0] - 2 * keys)
+            for ours, theirs in ((qkv, "{}_proj"), (conv, "{}_conv1d")):
+                files = tuple(f"{prefix}linear_attn.{theirs.format(p)}.weight" for p in "qkv")
+                self.entries.append(RowParts((ours,), files, sizes))
+            done |= {qkv, conv}
         wq = pn.attn(i, "wq")
         if lay.attention_gate and self.cfg.model.attention_output_gate and wq in names:
             theirs = (f"{prefix}self_attn.q_proj.weight", f"{prefix}{lay.attention_gate}.weight")

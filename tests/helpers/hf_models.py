@@ -478,6 +478,16 @@ def _dense_configs(transformers: Any) -> dict[str, Any]:
             **{**SMALL, **QWEN_HYBRID, "rope_parameters": dict(QWEN3_5_ROPE)},
             intermediate_size=48,
         ),
+        "olmo_hybrid": lambda: transformers.OlmoHybridConfig(  # Olmo-Hybrid's flags
+            **{k: v for k, v in SMALL.items() if k not in ("head_dim", "rope_parameters")},
+            rope_parameters={"rope_type": "default", "rope_theta": None},  # NoPE, as released
+            intermediate_size=48,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_allow_neg_eigval=True,
+        ),
     }
 
 

@@ -31,6 +31,7 @@ from moetrain.convert.families import (
     minimax_m2,
     mistral,
     mixtral,
+    olmo_hybrid,
     olmoe,
     phimoe,
     qwen2,
@@ -74,6 +75,7 @@ FAMILIES: dict[str, Family] = {
         qwen2.FAMILY,
         qwen3.FAMILY,
         qwen3_5_text.FAMILY,
+        olmo_hybrid.FAMILY,
     )
 }
 FORMATS = tuple(name for name, f in FAMILIES.items() if not f.dense)  # export targets

@@ -37,6 +37,17 @@ def dense_layers(cfg: Config) -> list[int]:
     return [i for i in range(cfg.model.n_layers) if not cfg.moe.is_moe_layer(i)]
 
 
+class WithRope:
+    """A transformers config seen with other ``rope_parameters`` (Hunyuan's NTK-alpha folded
+    into a plain ``rope_theta``; a NoPE model's placeholder)."""
+
+    def __init__(self, hf: Any, rope: dict[str, Any]) -> None:
+        self._hf, self.rope_parameters = hf, rope
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._hf, name)
+
+
 def model_from_hf(hf: Any) -> ModelConfig:
     """The transformer shape of a transformers config object (any Llama-like family), its RoPE
     scaling included (:func:`rope_scaling_from_hf`); raises ConfigError naming the field

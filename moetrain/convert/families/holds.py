@@ -149,6 +149,7 @@ BASELINE: dict[str, Rule] = {
     ),
     "model.full_attention_interval": only(None),
     "model.linear_allow_neg_eigval": only(False),
+    "model.linear_norm_eps": only(None),
     "model.rope_interleave": only(False),
     "model.partial_rotary_factor": only(1.0),
     "model.rope_scaling": ANY,
@@ -218,6 +219,7 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         True: "always gates its attention output",
     },
     "model.linear_allow_neg_eigval": {False: "writes its Gated DeltaNet state with beta in (0, 1)"},
+    "model.linear_norm_eps": {None: "takes its Gated DeltaNet output norm's eps from rms_norm_eps"},
     "model.zero_centered_norm": {
         False: "has RMSNorm weights that scale directly",
         True: "has zero-centred RMSNorm weights (1 + w)",

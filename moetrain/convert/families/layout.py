@@ -132,6 +132,10 @@ class Layout:
     # Gated DeltaNet's projections fused per query/key head, ``linear_attn.in_proj_qkvz`` and
     # ``linear_attn.in_proj_ba`` (Qwen3-Next's files); False: Qwen3.5's four projections
     linear_fused: bool = False
+    # Gated DeltaNet's in_proj_qkv and its convolution as three each, ``linear_attn.{q,k,v}_
+    # proj`` and ``linear_attn.{q,k,v}_conv1d`` (Olmo-Hybrid's files; its other names by
+    # ``renames``)
+    linear_qkv_apart: bool = False
     in_memory: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -19,6 +19,7 @@ value head. A causal depthwise convolution of width W with SiLU runs over the q,
                                                                     head h // r
     y    = wo(norm(o) * silu(z))                    RMSNorm over each head's V dims, a weight
                                                     of V shared by the heads, eps norm_eps
+                                                    (or model.linear_norm_eps)
 
 (:mod:`moetrain.model.delta_rule`: the chunked form for training and prefill, the token
 recurrence for a decode step). Packed documents restart the convolution's window and the
@@ -161,7 +162,8 @@ class GatedDeltaNet(TokenMixer):
         self.in_proj_b = Linear(d, self.hv, bias=False)
         self.in_proj_a = Linear(d, self.hv, bias=False)
         self.conv1d = nn.Conv1d(ch, ch, self.width, groups=ch, bias=False)
-        self.norm = GatedRMSNorm(self.dv, cfg.norm_eps)
+        eps = cfg.norm_eps if cfg.linear_norm_eps is None else cfg.linear_norm_eps
+        self.norm = GatedRMSNorm(self.dv, eps)
         self.wo = Linear(self.hv * self.dv, d, bias=False)
         self._rank_rows: dict[tuple[int, int], torch.Tensor] = {}
 
