@@ -286,6 +286,8 @@ TRINITY_MOE = dict(score_func="sigmoid", num_shared_experts=1, route_scale=2.5)
         ("afmoe", TRINITY, dict(TRINITY_MOE, renormalize=False), "moe.renormalize"),
         ("afmoe", TRINITY, dict(TRINITY_MOE, num_shared_experts=0), "moe.num_shared_experts"),
         ("afmoe", dict(TRINITY, qkv_bias=True), TRINITY_MOE, "model.qkv_bias"),
+        ("afmoe", dict(TRINITY, attention_block_norms="post"), TRINITY_MOE, "block_norms"),
+        ("mixtral", dict(block_norms="post"), {}, "model.block_norms"),
         (  # the long factors past the original context: every LongRoPE family but Phi-3.5-MoE
             "mixtral",
             dict(

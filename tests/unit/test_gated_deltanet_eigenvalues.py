@@ -123,3 +123,14 @@ def test_the_key_is_refused_where_nothing_holds_it() -> None:
     cfg = tiny_config(NEGATIVE, {"model.attention_output_gate": True, "model.qk_norm": True})
     with pytest.raises(ConfigError, match=r"model\.linear_allow_neg_eigval"):
         choose_format(cfg, "qwen3_next")
+    with pytest.raises(ConfigError, match=r"model\.linear_norm_eps"):
+        tiny_config({"model.linear_norm_eps": 1e-5})  # (no Gated DeltaNet layer)
+    with pytest.raises(ConfigError, match=r"model\.linear_norm_eps"):
+        tiny_config(HYBRID, {"model.linear_norm_eps": 0.0})
+    cfg = tiny_config(
+        HYBRID,
+        {"model.linear_norm_eps": 1e-5, "model.attention_output_gate": True},
+        {"model.qk_norm": True, "model.zero_centered_norm": True},
+    )
+    with pytest.raises(ConfigError, match=r"model\.linear_norm_eps"):
+        choose_format(cfg, "qwen3_next")
