@@ -165,7 +165,8 @@ class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape
         own = self.attention_block_norms
         if own is None:
             return self.block_norms
-        if layer >= self.n_layers or LAYER_TYPES[layer_types(self)[layer]].kind_key == "attention":
+        attention = LAYER_TYPES[FULL].kind_key  # (the key naming the attention layers)
+        if layer >= self.n_layers or LAYER_TYPES[layer_types(self)[layer]].kind_key == attention:
             return own
         return self.block_norms
 
