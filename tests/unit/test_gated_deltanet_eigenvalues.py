@@ -21,9 +21,9 @@ from tests.unit.test_gated_deltanet import (  # (torch_matmul: the fixture)
     HYBRID,
     _inputs,
     _rel,
-    randomise,
     torch_matmul,  # noqa: F401
 )
+from tests.unit.test_gated_deltanet import _layer_pair as qwen_layer_pair
 
 # (Olmo-Hybrid's output norm has eps 1e-5 whatever rms_norm_eps says)
 NEGATIVE = {**HYBRID, "model.linear_allow_neg_eigval": True, "model.norm_eps": 1e-5}
@@ -53,16 +53,10 @@ def _olmo_names(ours: GatedDeltaNet) -> dict[str, torch.Tensor]:
 
 
 def _layer_pair(neg: bool = True) -> tuple[GatedDeltaNet, OlmoHybridGatedDeltaNet]:
+    """Qwen3.5's test layer's weights (strong and weak decays) in a layer with the option."""
     cfg = tiny_config(NEGATIVE, {"model.linear_allow_neg_eigval": neg}).model
-    torch.manual_seed(0)
     ours = build_mixer(cfg, mixer_spec(cfg, 0))
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.normal_(0, 0.3)
-    randomise(ours)
-    with torch.no_grad():  # weak to strong decays
-        ours.A_log.copy_(torch.tensor([-2.0, 0.0, 1.0, 1.5]))
-        ours.dt_bias.copy_(torch.tensor([-1.0, 0.5, 1.0, 2.0]))
+    ours.load_state_dict(qwen_layer_pair()[0].state_dict())
     hf = OlmoHybridConfig(
         hidden_size=cfg.d_model,
         num_hidden_layers=cfg.n_layers,

@@ -220,7 +220,6 @@ def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> floa
             "moe.first_k_dense": 1,
             "model.dense_hidden": 160,
         },
-        {"model.block_norms": "post", "moe.first_k_dense": 1},  # post norms only
     ],
 )
 def test_activation_formula_matches_saved_tensors(
