@@ -35,9 +35,11 @@ from moetrain.convert.weight_entries import (
     Experts,
     FusedFiles,
     GroupedRows,
+    HeadHalves,
     Joined,
     NoSelectionBias,
     PerExpertFiles,
+    RowParts,
     SelectionBias,
     Shape,
     StackedFiles,
@@ -157,7 +159,12 @@ class _Plan:
         """A block's names that are the same whatever its mixer: norms, FFN, MTP's own."""
         lay, moe = self.layout, self.layout.moe_block
         rules = {_rel(pn.attn_norm(0)): "input_layernorm"}
-        rules[_rel(pn.ffn_norm(0))] = "post_attention_layernorm"
+        ffn_norm = "post_attention_layernorm"
+        if self.cfg.model.norm_placement(i) != "pre":  # sandwich or post norms
+            mixer_out, ffn_norm, ffn_out = lay.sandwich_norms
+            rules[_rel(pn.post_norm(0, "attn"))] = mixer_out
+            rules[_rel(pn.post_norm(0, "ffn"))] = ffn_out
+        rules[_rel(pn.ffn_norm(0))] = ffn_norm
         for w, p in SWIGLU.items():
             rules[_rel(pn.dense_ffn(0, w))] = f"{lay.dense_block}.{p}"
             rules[_rel(pn.shared_expert(0, w))] = f"{moe}.{lay.shared_expert}.{p}"
@@ -196,8 +203,22 @@ class _Plan:
         elif bias in names:
             self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.num_experts))
         done = {bias, *shared} if lay.shared_fused is not None else {bias}
-        if lay.linear_fused and pn.attn(i, "in_proj_qkv") in names:
+        qkv = pn.attn(i, "in_proj_qkv")
+        if lay.linear_fused and qkv in names:
             done |= self._fused_linear_attention(i, prefix)
+        if lay.linear_qkv_apart and qkv in names:  # its q, k, v projections and convolutions
+            m, conv = self.cfg.model, pn.attn(i, "conv1d")
+            keys = m.linear_num_key_heads * m.linear_key_head_dim
+            sizes = (keys, keys, self.shapes[qkv][0] - 2 * keys)
+            for ours, theirs in ((qkv, "{}_proj"), (conv, "{}_conv1d")):
+                files = tuple(f"{prefix}linear_attn.{theirs.format(p)}.weight" for p in "qkv")
+                self.entries.append(RowParts((ours,), files, sizes))
+            done |= {qkv, conv}
+        wq = pn.attn(i, "wq")
+        if lay.attention_gate and self.cfg.model.attention_output_gate and wq in names:
+            theirs = (f"{prefix}self_attn.q_proj.weight", f"{prefix}{lay.attention_gate}.weight")
+            self.entries.append(HeadHalves((wq,), theirs, self.cfg.model.n_heads))
+            done.add(wq)
         rest = {n: n.removeprefix(f"layers.{i}.") for n in names if n not in done}
         common, (own, own_prefix) = self._block_rules(i), self._mtp_rules(i)
         known = {**common, **own}

@@ -3,7 +3,8 @@ and nowhere else: converters, checkpoint readers and writers call these.
 
 Layer ``i`` holds ``layers.<i>.attn_norm`` / ``attn.{wq,wk,wv,wo}`` (biases on wq/wk/wv with
 ``model.qkv_bias``, on wo with ``model.o_bias``; ``attn.q_norm`` / ``attn.k_norm`` with
-``model.qk_norm``) / ``ffn_norm`` (each norm a ``.weight``, and a ``.bias`` with
+``model.qk_norm``) / ``ffn_norm`` (and with ``model.block_norms: sandwich``
+``attn_post_norm`` / ``ffn_post_norm``; each norm a ``.weight``, and a ``.bias`` with
 ``model.norm: layernorm``, as ``norm`` and the MTP norms),
 then either a dense SwiGLU ``ffn.{w1,w3,w2}`` or an MoE block: ``ffn.router.gate`` (E, D), the
 selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.experts.w13``
@@ -46,6 +47,12 @@ def attn_norm(layer: int, kind: str = "weight") -> str:
 def ffn_norm(layer: int, kind: str = "weight") -> str:
     """``kind``: weight | bias (``model.norm: layernorm``)."""
     return f"layers.{layer}.ffn_norm.{kind}"
+
+
+def post_norm(layer: int, branch: str, kind: str = "weight") -> str:
+    """A sandwich block's norm of a branch's output (``model.block_norms: sandwich``;
+    ``branch``: attn | ffn; ``kind``: weight | bias)."""
+    return f"layers.{layer}.{branch}_post_norm.{kind}"
 
 
 def attn(layer: int, projection: str, kind: str = "weight") -> str:

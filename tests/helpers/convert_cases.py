@@ -107,6 +107,24 @@ CASES = {
         model=dict(qk_norm=True, qk_norm_scope="projection", partial_rotary_factor=0.5),
         moe=dict(score_func="sigmoid", bias_update_rate=1e-3),
     ),
+    "afmoe": dict(  # Trinity's flags, a window binding (hf_models.py: layer 2 global, NoPE)
+        model=dict(
+            qk_norm=True,
+            attention_output_gate=True,
+            block_norms="sandwich",
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            nope_layers=[2],
+            embedding_multiplier=32**0.5,
+        ),
+        moe=dict(
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=1,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
     "hunyuan_v1_moe": dict(  # Hunyuan-A13B's flags (NTK-alpha: folded into rope_theta)
         model=dict(qk_norm=True, qk_norm_position="after_rope", tie_embeddings=True),
         moe=dict(num_shared_experts=1),
@@ -251,6 +269,7 @@ CASES = {
             rope_short_factor=PHIMOE_ROPE["short_factor"] * 2,
             rope_long_factor=PHIMOE_ROPE["long_factor"] * 2,
             rope_attention_factor=PHIMOE_ROPE["short_mscale"],
+            rope_long_regime="short",
         ),
         moe=dict(router_type="sparsemixer", renormalize=False),
     ),

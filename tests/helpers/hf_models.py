@@ -322,6 +322,18 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             intermediate_size=24,
             num_local_experts=4,
         ),
+        "afmoe": lambda: transformers.AfmoeConfig(  # Trinity's flags, a window binding
+            **moe,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_shared_experts=1,
+            num_dense_layers=1,
+            route_scale=2.5,
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            mup_enabled=True,
+        ),
         "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(  # Hunyuan-A13B's flags
             **{
                 **{k: v for k, v in SMALL.items() if k != "rope_parameters"},
@@ -465,6 +477,16 @@ def _dense_configs(transformers: Any) -> dict[str, Any]:
         "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(
             **{**SMALL, **QWEN_HYBRID, "rope_parameters": dict(QWEN3_5_ROPE)},
             intermediate_size=48,
+        ),
+        "olmo_hybrid": lambda: transformers.OlmoHybridConfig(  # Olmo-Hybrid's flags
+            **{k: v for k, v in SMALL.items() if k not in ("head_dim", "rope_parameters")},
+            rope_parameters={"rope_type": "default", "rope_theta": None},  # NoPE, as released
+            intermediate_size=48,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_allow_neg_eigval=True,
         ),
     }
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from moetrain.config.checks import require
 from moetrain.config.mixers.base import MixerKind
-from moetrain.config.ranges import FUNCTION, POSITIVE_INT
+from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above
 
 if TYPE_CHECKING:
     from moetrain.config.layer_plan import MixerSpec
@@ -31,6 +31,12 @@ class GatedDeltaNetKeys:
     linear_value_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # the width of the short causal convolution over q, k and v (1: no mixing of positions)
     linear_conv_kernel_dim: int = field(default=4, metadata=POSITIVE_INT | FUNCTION)
+    # beta = 2 sigmoid(b), in (0, 2): the rule's transition I - beta k k^T may have negative
+    # eigenvalues (Olmo-Hybrid's linear_allow_neg_eigval); false: sigmoid(b), in (0, 1)
+    linear_allow_neg_eigval: bool = field(default=False, metadata=FUNCTION)
+    # the eps of the gated output norm; null: model.norm_eps (Olmo-Hybrid's is 1e-5 whatever
+    # its rms_norm_eps)
+    linear_norm_eps: float | None = field(default=None, metadata=above(0) | FUNCTION)
 
 
 # the per-layer options of the layer plan a recurrent layer does not have: key, whether a spec
@@ -54,6 +60,8 @@ class GatedDeltaNet(MixerKind):
         "linear_key_head_dim",
         "linear_value_head_dim",
         "linear_conv_kernel_dim",
+        "linear_allow_neg_eigval",
+        "linear_norm_eps",
     )
 
     @classmethod

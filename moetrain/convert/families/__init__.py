@@ -15,6 +15,7 @@ from typing import Any
 
 from moetrain.config import ConfigError
 from moetrain.convert.families import (
+    afmoe,
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
@@ -30,6 +31,7 @@ from moetrain.convert.families import (
     minimax_m2,
     mistral,
     mixtral,
+    olmo_hybrid,
     olmoe,
     phimoe,
     qwen2,
@@ -54,6 +56,7 @@ FAMILIES: dict[str, Family] = {
         glm4_moe.FAMILY,
         olmoe.FAMILY,
         minimax_m2.FAMILY,
+        afmoe.FAMILY,
         deepseek_v32.FAMILY,
         glm_moe_dsa.FAMILY,
         deepseek_v3.FAMILY,
@@ -72,6 +75,7 @@ FAMILIES: dict[str, Family] = {
         qwen2.FAMILY,
         qwen3.FAMILY,
         qwen3_5_text.FAMILY,
+        olmo_hybrid.FAMILY,
     )
 }
 FORMATS = tuple(name for name, f in FAMILIES.items() if not f.dense)  # export targets

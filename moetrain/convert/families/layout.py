@@ -117,9 +117,25 @@ class Layout:
     # a block's module names where the files name them otherwise than Llama's (and the rules
     # above), e.g. Hunyuan's ``{"self_attn.q_norm": "self_attn.query_layernorm"}``
     renames: Mapping[str, str] = field(default_factory=dict)
+    # a sandwich block's norms (model.block_norms: sandwich): its mixer's output norm, its
+    # FFN's input norm (Llama's post_attention_layernorm in a pre-norm block) and its FFN's
+    # output norm; Gemma's names unless the family says otherwise
+    sandwich_norms: tuple[str, str, str] = (
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    )
+    # the attention output gate (model.attention_output_gate) as a projection of its own, its
+    # heads in order (Trinity's ``self_attn.gate_proj``); None: in ``q_proj``, each head's
+    # query followed by its gate (Qwen3-Next's)
+    attention_gate: str | None = None
     # Gated DeltaNet's projections fused per query/key head, ``linear_attn.in_proj_qkvz`` and
     # ``linear_attn.in_proj_ba`` (Qwen3-Next's files); False: Qwen3.5's four projections
     linear_fused: bool = False
+    # Gated DeltaNet's in_proj_qkv and its convolution as three each, ``linear_attn.{q,k,v}_
+    # proj`` and ``linear_attn.{q,k,v}_conv1d`` (Olmo-Hybrid's files; its other names by
+    # ``renames``)
+    linear_qkv_apart: bool = False
     in_memory: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -13,11 +13,13 @@ value head. A causal depthwise convolution of width W with SiLU runs over the q,
 (:func:`moetrain.model.short_conv.short_conv`), then
 
     g    = -exp(A_log) * softplus(a + dt_bias)      the log decay of each value head (fp32)
-    beta = sigmoid(b)                               its write strength (fp32)
+    beta = sigmoid(b)                               its write strength (fp32); x 2, in
+                                                    (0, 2), with model.linear_allow_neg_eigval
     o    = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta)      value head h reads q/k
                                                                     head h // r
     y    = wo(norm(o) * silu(z))                    RMSNorm over each head's V dims, a weight
                                                     of V shared by the heads, eps norm_eps
+                                                    (or model.linear_norm_eps)
 
 (:mod:`moetrain.model.delta_rule`: the chunked form for training and prefill, the token
 recurrence for a decode step). Packed documents restart the convolution's window and the
@@ -151,6 +153,7 @@ class GatedDeltaNet(TokenMixer):
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.width = cfg.linear_conv_kernel_dim
+        self.beta_scale = 2.0 if cfg.linear_allow_neg_eigval else 1.0  # beta in (0, 2) or (0, 1)
         ch = self.channels(cfg)
         self.A_log = nn.Parameter(torch.empty(self.hv))
         self.dt_bias = nn.Parameter(torch.empty(self.hv))
@@ -159,7 +162,8 @@ class GatedDeltaNet(TokenMixer):
         self.in_proj_b = Linear(d, self.hv, bias=False)
         self.in_proj_a = Linear(d, self.hv, bias=False)
         self.conv1d = nn.Conv1d(ch, ch, self.width, groups=ch, bias=False)
-        self.norm = GatedRMSNorm(self.dv, cfg.norm_eps)
+        eps = cfg.norm_eps if cfg.linear_norm_eps is None else cfg.linear_norm_eps
+        self.norm = GatedRMSNorm(self.dv, eps)
         self.wo = Linear(self.hv * self.dv, d, bias=False)
         self._rank_rows: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -227,6 +231,8 @@ class GatedDeltaNet(TokenMixer):
         v = v.view(b, s, hv, self.dv)
         g = -a_log.float().exp() * F.softplus(a_raw.float() + dt_bias.float())
         beta = b_raw.float().sigmoid()
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         rule = gated_delta_rule_recurrent if state is not None and s == 1 else gated_delta_rule
         args = {} if rule is gated_delta_rule_recurrent else {"chunk_size": CHUNK}
         o, rule_state = rule(
