@@ -235,3 +235,59 @@ def test_the_shared_convolution_width_is_kept_with_kda_alone() -> None:
     """``linear_conv_kernel_dim`` (declared by Gated DeltaNet) sets KDA's width too."""
     cfg = tiny_config(HYBRID, {"model.linear_conv_kernel_dim": 2}).model
     assert build_mixer(cfg, mixer_spec(cfg, 0)).q_conv1d.weight.shape == (32, 1, 2)
+
+
+MLA_NOPE = {  # Kimi Linear's latent attention: no RoPE in any layer
+    "model.attention": "mla",
+    "model.n_kv_heads": 4,
+    "model.kv_lora_rank": 16,
+    "model.qk_nope_head_dim": 8,
+    "model.qk_rope_head_dim": 4,
+    "model.v_head_dim": 6,
+    "model.nope_layers": [0, 1],
+}
+
+
+def test_latent_attention_without_rope_equals_kimi_linears() -> None:
+    """A NoPE latent attention layer (``model.nope_layers``) equals transformers'
+    ``KimiLinearAttention`` (its rope part computed, never rotated); the same layer with RoPE
+    does not."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
+
+    cfg = tiny_config(MLA_NOPE).model
+    torch.manual_seed(0)
+    ours = build_mixer(cfg, mixer_spec(cfg, 0))
+    hf = KimiLinearConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+    )
+    hf._attn_implementation = "eager"
+    theirs = KimiLinearAttention(hf, 0)
+    names = {"wq": "q_proj", "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm"}
+    names |= {"wkv_b": "kv_b_proj", "wo": "o_proj"}
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            p.copy_(torch.randn(p.shape) * 0.3 + (1 if "norm" in name else 0))
+            theirs.get_parameter(names[name.split(".")[0]] + ".weight").copy_(p)
+    x = torch.randn(2, 20, 32)
+    mask = torch.full((20, 20), float("-inf")).triu(1)[None, None]
+    cos, sin = torch.randn(20, 2), torch.randn(20, 2)
+    expected = theirs(x, mask)[0]
+    assert _rel(ours(x, MixerInputs(cos, sin)), expected) <= 1e-5
+    rotated = build_mixer(
+        cfg, mixer_spec(tiny_config(MLA_NOPE, {"model.nope_layers": [1]}).model, 0)
+    )
+    rotated.load_state_dict(ours.state_dict())
+    assert _rel(rotated(x, MixerInputs(cos, sin)), expected) > 1e-2
+
+
+def test_latent_attention_without_rope_refuses_sparse_attention_by_key() -> None:
+    sparse = {"model.index_topk": 4, "model.index_n_heads": 2, "model.index_head_dim": 8}
+    with pytest.raises(ConfigError, match=r"model\.nope_layers"):
+        tiny_config(MLA_NOPE, sparse | {"model.q_lora_rank": 24})
