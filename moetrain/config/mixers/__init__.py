@@ -12,9 +12,19 @@ from moetrain.config.mixers.gqa import GQA, GQAKeys
 from moetrain.config.mixers.kda import KDA, KDAKeys
 from moetrain.config.mixers.mla import MLA, MLAKeys
 
-MIXER_KINDS: dict[str, type[MixerKind]] = {kind.name: kind for kind in (GQA, MLA, GatedDeltaNet, KDA)}
+MIXER_KINDS: dict[str, type[MixerKind]] = {
+    kind.name: kind for kind in (GQA, MLA, GatedDeltaNet, KDA)
+}
 
-__all__ = ["MIXER_KINDS", "GQAKeys", "GatedDeltaNetKeys", "KDAKeys", "MLAKeys", "MixerKind", "mixer_kind"]
+__all__ = [
+    "MIXER_KINDS",
+    "GQAKeys",
+    "GatedDeltaNetKeys",
+    "KDAKeys",
+    "MLAKeys",
+    "MixerKind",
+    "mixer_kind",
+]
 
 
 def mixer_kind(name: str, key: str = "model.attention") -> type[MixerKind]:

@@ -121,6 +121,15 @@ class Layout:
     # ``linear_attn.in_proj_ba`` (Qwen3-Next's files); False: Qwen3.5's four projections
     linear_fused: bool = False
     in_memory: Mapping[str, str] = field(default_factory=dict)
+    # a block's 1-D tensors the files store as (1, 1, n, 1) (Kimi Linear's ``self_attn.A_log``)
+    columns: tuple[str, ...] = ()
+    # a block's tensors transformers v5 holds in memory under other module names (the files'
+    # name -> memory's: Kimi Linear's forget gate) and joined along their first dim (memory's
+    # name -> the files' names: its q, k, v convolutions); ``joined``: this layout holds them
+    # joined (set by ``weight_map.in_memory``)
+    in_memory_renames: Mapping[str, str] = field(default_factory=dict)
+    in_memory_joined: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    joined: bool = False
 
 
 @dataclass(frozen=True)
