@@ -122,6 +122,7 @@ def in_memory(layout: Layout) -> Layout:
         renames={**layout.renames, **layout.in_memory_renames},
         joined=bool(layout.in_memory_joined),
         moe_block=r.get(layout.moe_block, layout.moe_block),
+        dense_block=r.get(layout.dense_block, layout.dense_block),
         router=r.get(layout.router, layout.router),
         selection_bias=r.get(bias, bias) if bias else None,
         experts=layout.experts if isinstance(layout.experts, Stacked) else V5_FUSED,

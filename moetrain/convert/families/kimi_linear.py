@@ -10,7 +10,8 @@ the first ``first_k_dense_replace`` layers dense).
 Weights: per-expert ``block_sparse_moe.experts.<e>.{w1,w3,w2}`` and ``self_attn.{q,k,v}_conv1d``,
 ``self_attn.A_log`` stored (1, 1, H, 1); transformers v5 holds the experts fused under ``mlp``,
 the convolutions joined (``self_attn.conv1d``) and ``f_a_proj``, ``f_b_proj``, ``A_log``,
-``dt_bias`` under ``self_attn.forget_gate``."""
+``dt_bias`` under ``self_attn.forget_gate``, and its ``save_pretrained`` writes the dense
+layers' ``mlp`` as ``block_sparse_moe``: each is read where a source has it."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ LAYOUT = Layout(
     experts=PerExpert({"w1": "w1", "w3": "w3", "w2": "w2"}),
     shared_expert="shared_experts",
     selection_bias="gate.e_score_correction_bias",
-    in_memory={"block_sparse_moe": "mlp"},
+    # (transformers saves the dense layers under block_sparse_moe too: its renaming backwards)
+    in_memory={"block_sparse_moe": "mlp", "mlp": "block_sparse_moe"},
     columns=("self_attn.A_log",),
     in_memory_renames={f"self_attn.{p}": f"self_attn.forget_gate.{p}" for p in FORGET_GATE},
     in_memory_joined={"self_attn.conv1d": tuple(f"self_attn.{p}_conv1d" for p in "qkv")},
