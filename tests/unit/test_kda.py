@@ -291,3 +291,42 @@ def test_latent_attention_without_rope_refuses_sparse_attention_by_key() -> None
     sparse = {"model.index_topk": 4, "model.index_n_heads": 2, "model.index_head_dim": 8}
     with pytest.raises(ConfigError, match=r"model\.nope_layers"):
         tiny_config(MLA_NOPE, sparse | {"model.q_lora_rank": 24})
+
+
+def test_kimi_linear_family_over_several_chunks_and_packed_both_ways(
+    tmp_path,
+    torch_matmul,  # noqa: F811
+) -> None:
+    """The tiny Kimi Linear case (two KDA layers, NoPE latent attention, group-limited sigmoid
+    routing) over 200 tokens (four chunks of the rule): moetrain's logits equal transformers'
+    on moetrain's export, and moetrain's import of transformers' own weights equals it too
+    (1e-5 of the logits' scale, fp32); a packed row of three documents equals each document
+    through transformers alone."""
+    from moetrain.convert.hf import from_hf_state_dict
+    from tests.helpers.convert_cases import load_hf, model_for, tiny_cfg
+
+    cfg = tiny_cfg("kimi_linear", {"model.max_seq_len": 256})
+    model = model_for(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):  # decays per step from ~0.9 to ~e^-10
+                p.uniform_(-1.0, 1.5)
+    hf = load_hf(cfg, model, "kimi_linear", tmp_path)
+    ids = torch.randint(0, 96, (2, 200), generator=torch.Generator().manual_seed(0))
+
+    def close(got: torch.Tensor, ref: torch.Tensor) -> None:
+        assert ref.abs().max() > 0.1
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        close(model(ids).logits, ref)
+        imported = Transformer(cfg.model, cfg.moe).eval()
+        imported.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg, "kimi_linear"))
+        close(imported(ids).logits, ref)
+        lengths = [70, 1, 129]
+        docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+        packed = model(ids[:1], doc_ids_BS=docs).logits
+        alone = [hf(input_ids=piece).logits for piece in ids[:1].split(lengths, dim=1)]
+        close(packed, torch.cat(alone, dim=1))
+        assert _rel(model(ids[:1]).logits, torch.cat(alone, dim=1)) > 1e-2  # (no documents)
