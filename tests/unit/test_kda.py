@@ -330,3 +330,35 @@ def test_kimi_linear_family_over_several_chunks_and_packed_both_ways(
         alone = [hf(input_ids=piece).logits for piece in ids[:1].split(lengths, dim=1)]
         close(packed, torch.cat(alone, dim=1))
         assert _rel(model(ids[:1]).logits, torch.cat(alone, dim=1)) > 1e-2  # (no documents)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "changes", "key"),
+    [
+        ("kimi_linear", {"model.nope_layers": None}, "model.nope_layers"),
+        ("kimi_linear", {"moe.score_func": "softmax"}, "moe.score_func"),
+        ("qwen3_next", None, "model.linear_attention"),  # (KDA beside grouped-query attention)
+        ("deepseek_v3", {}, "model.linear_attention"),
+    ],
+)
+def test_formats_refuse_what_they_cannot_hold_by_key(fmt: str, changes: dict, key: str) -> None:
+    """Kimi Linear's class holds NoPE latent attention only; the other classes no KDA."""
+    from moetrain.convert.formats import choose_format
+    from tests.helpers.convert_cases import tiny_cfg
+
+    cfg = tiny_config(HYBRID) if changes is None else tiny_cfg("kimi_linear", changes)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(cfg, fmt)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("mla_use_nope", False), ("moe_router_activation_func", "softmax")],
+)
+def test_kimi_linear_configs_it_cannot_represent_are_refused_by_field(field, value) -> None:
+    from moetrain.convert.families import kimi_linear
+    from tests.helpers.convert_cases import tiny_cfg
+
+    fields = kimi_linear.to_hf(tiny_cfg("kimi_linear")) | {field: value}
+    with pytest.raises(ConfigError, match=field):
+        kimi_linear.from_hf(KimiLinearConfig(**fields))
