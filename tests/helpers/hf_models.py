@@ -525,7 +525,8 @@ def save_hf_model(
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):  # Gated DeltaNet's decay, per step at a = 0 from
-                p.copy_(torch.linspace(-3.0, 1.5, p.numel()))  # ~0.006 (weak) to ~7.6 (strong)
+                decays = torch.linspace(-3.0, 1.5, p.numel())  # ~0.006 (weak) to ~7.6 (strong)
+                p.copy_(decays.view(p.shape))  # (Kimi Linear's is (1, 1, H, 1))
             elif name.endswith("dt_bias"):
                 p.copy_(torch.linspace(-2.0, 1.5, p.numel()))
     model.save_pretrained(out)
