@@ -17,7 +17,7 @@ from moetrain.generate import generate_ids
 from moetrain.model import Transformer
 from moetrain.model import delta_rule as rules
 from moetrain.model.mixers import MixerInputs, build_mixer
-from moetrain.model.mixers import kda as kda_module
+from moetrain.model.mixers import gated_deltanet as gdn_module
 from moetrain.model.mixers.gated_deltanet import RecurrentState
 from moetrain.model.mixers.kda import KimiDeltaAttention
 from moetrain.plan import activation_bytes_per_token, head_bytes_per_token
@@ -136,7 +136,7 @@ def test_chunked_equals_recurrent_in_fp64_values_and_gradients(monkeypatch) -> N
         return y.detach(), [xg.grad, *(p.grad.clone() for p in ours.parameters())]
 
     chunked, chunked_grads = run()
-    monkeypatch.setattr(kda_module, "gated_delta_rule", rules.gated_delta_rule_recurrent)
+    monkeypatch.setattr(gdn_module, "gated_delta_rule", rules.gated_delta_rule_recurrent)
     recurrent, grads = run()
     assert _rel(chunked, recurrent) <= 1e-12
     for a, b in zip(chunked_grads, grads, strict=True):

@@ -45,10 +45,13 @@ from torch import nn
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
 from moetrain.model.cpu_matmul import Linear
-from moetrain.model.delta_rule import gated_delta_rule, gated_delta_rule_recurrent
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
-from moetrain.model.mixers.gated_deltanet import CHUNK, DT_FLOOR, DT_MAX, DT_MIN, RecurrentState
-from moetrain.model.short_conv import short_conv
+from moetrain.model.mixers.gated_deltanet import (
+    CHUNK,
+    RecurrentState,
+    conv_and_rule,
+    init_dt_bias,
+)
 
 A_RANGE = (1.0, 16.0)  # exp(A_log) at initialisation, as Kimi Linear draws it
 PROJECTIONS = ("q", "k", "v")  # each with its projection and its convolution
@@ -131,36 +134,11 @@ class KimiDeltaAttention(TokenMixer):
         shape = (b, s, self.h, self.dk)
         qkv = torch.cat([getattr(self, f"{p}_proj")(x_BSD) for p in PROJECTIONS], dim=-1)
         weight_CW = torch.cat([getattr(self, f"{p}_conv1d").weight for p in PROJECTIONS])
-        docs = inputs.doc_ids_BS
-        mixed, conv_state = short_conv(
-            qkv,
-            weight_CW.squeeze(1),
-            activation="silu",
-            initial_state=None if state is None else state.conv,
-            output_final_state=state is not None,
-            doc_ids=docs,
-        )
-        q, k, v = (t.view(shape) for t in mixed.chunk(3, dim=-1))
         f = self.f_b_proj(self.f_a_proj(x_BSD)).float() + self.dt_bias.float()
         g = -self.A_log.float().exp()[:, None] * F.softplus(f.view(shape))
         beta = self.b_proj(x_BSD).float().sigmoid()
-        rule = gated_delta_rule_recurrent if state is not None and s == 1 else gated_delta_rule
-        args = {} if rule is gated_delta_rule_recurrent else {"chunk_size": CHUNK}
-        o, rule_state = rule(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state=None if state is None else state.rule,
-            output_final_state=state is not None,
-            doc_ids=docs,
-            qk_l2norm=True,
-            **args,
-        )
-        if state is not None:
-            state.conv.copy_(conv_state)
-            state.rule.copy_(rule_state)
+        heads = ((self.h, self.dk),) * 3
+        o = conv_and_rule(qkv, weight_CW.squeeze(1), heads, g, beta, inputs.doc_ids_BS, state)
         gate = self.g_b_proj(self.g_a_proj(x_BSD)).view(shape)
         return self.wo(self.o_norm(o, gate).reshape(b, s, -1))
 
@@ -179,9 +157,7 @@ class KimiDeltaAttention(TokenMixer):
         for p in PROJECTIONS:
             getattr(self, f"{p}_conv1d").weight.uniform_(-bound, bound)
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(*A_RANGE).log())
-        log_dt = torch.empty_like(self.dt_bias).uniform_(math.log(DT_MIN), math.log(DT_MAX))
-        dt = log_dt.exp().clamp(min=DT_FLOOR)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        init_dt_bias(self.dt_bias)
         self.o_norm.weight.fill_(1.0)
 
     # counts (the protocol's; checked against the built module and saved-tensor hooks)
