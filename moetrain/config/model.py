@@ -23,7 +23,7 @@ from moetrain.config.layer_plan import (
     mixer_spec,
     validate_layer_plan,
 )
-from moetrain.config.mixers import GatedDeltaNetKeys, GQAKeys, MLAKeys, mixer_kind
+from moetrain.config.mixers import GatedDeltaNetKeys, GQAKeys, KDAKeys, MLAKeys, mixer_kind
 from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above, at_least
 
 __all__ = ["CHUNKED", "FULL", "FUNCTION", "LAYER_TYPES", "POSITIVE_INT", "SLIDING", "ModelConfig"]
@@ -54,7 +54,7 @@ class ModelShape:
 
 
 @dataclass
-class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape):
+class ModelConfig(LayerPlanKeys, KDAKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape):
     """Transformer shape: the keys above, then each mixer kind's and the layer plan's, then
     these."""
 

@@ -147,6 +147,20 @@ class HeadHalves(Entry):
 
 
 @dataclass(frozen=True)
+class Column(Entry):
+    """A vector (n,) stored as (1, 1, n, 1) (Kimi Linear's per-head ``A_log``)."""
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
+        return [tensors[0].reshape(1, 1, -1, 1)]
+
+    def from_hf(self, tensors: Tensors) -> Tensors:
+        return [tensors[0].reshape(-1)]
+
+    def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        return [(1, 1, *shapes[0], 1)]
+
+
+@dataclass(frozen=True)
 class GroupedRows(Entry):
     """``ours`` (each (rows, in)) cut into row parts, every part into ``groups`` equal slices,
     stored as one tensor of group 0's slices of every part in order, then group 1's, ...

@@ -31,6 +31,7 @@ from moetrain.convert.families.layout import (
     Stacked,
 )
 from moetrain.convert.weight_entries import (
+    Column,
     Entry,
     Experts,
     FusedFiles,
@@ -82,6 +83,8 @@ _MLA = {
 }
 # Gated DeltaNet: Qwen3.5's names (Qwen3-Next's fused projections: _fused_linear_attention)
 _GDN = {w: w for w in pn.GDN_WEIGHTS} | {"wo": "out_proj"}
+# Kimi Delta Attention: Kimi Linear's files' names
+_KDA = {w: w for w in pn.KDA_WEIGHTS} | {"wo": "o_proj"}
 # A token mixer's weights: their names in a moetrain block -> in a Hugging Face decoder layer.
 # A block takes the first table that names every one of its mixer's weights; a new mixer kind
 # adds its table here.
@@ -96,6 +99,10 @@ MIXER_NAMES: tuple[dict[str, str], ...] = (
     {  # Gated DeltaNet
         **{_rel(pn.attn(0, ours)): f"linear_attn.{theirs}" for ours, theirs in _GDN.items()},
         **{_rel(pn.mixer_param(0, p), None): f"linear_attn.{p}" for p in pn.GDN_PARAMS},
+    },
+    {  # Kimi Delta Attention
+        **{_rel(pn.attn(0, ours)): f"self_attn.{theirs}" for ours, theirs in _KDA.items()},
+        **{_rel(pn.mixer_param(0, p), None): f"self_attn.{p}" for p in pn.GDN_PARAMS},
     },
 )
 
@@ -114,7 +121,10 @@ def in_memory(layout: Layout) -> Layout:
     r, bias = layout.in_memory, layout.selection_bias
     return dataclasses.replace(
         layout,
+        renames={**layout.renames, **layout.in_memory_renames},
+        joined=bool(layout.in_memory_joined),
         moe_block=r.get(layout.moe_block, layout.moe_block),
+        dense_block=r.get(layout.dense_block, layout.dense_block),
         router=r.get(layout.router, layout.router),
         selection_bias=r.get(bias, bias) if bias else None,
         experts=layout.experts if isinstance(layout.experts, Stacked) else V5_FUSED,
@@ -235,7 +245,9 @@ class _Plan:
                 full = own_prefix + mine
             else:
                 full = prefix + (_rename(lay.renames, theirs) or theirs)
-            self.entries.append(Entry((name,), (full,)))
+            kind = Column if (theirs or "") in lay.columns else Entry
+            self.entries.append(kind((name,), (full,)))
+        self._join(prefix)
         self._fill(i, prefix, mixer or {})
         if mtp and lay.mtp.embed_copy is not None:
             head = pn.EMBED if self.cfg.model.tie_embeddings else pn.LM_HEAD
@@ -255,6 +267,19 @@ class _Plan:
             GroupedRows((b, a), (theirs + "ba.weight",), hk, ((hv,), (hv,))),
         ]
         return {qkv, z, b, a}
+
+    def _join(self, prefix: str) -> None:
+        """The tensors of ``Layout.in_memory_joined`` in this block as one entry each (joined
+        in memory, apart in the files)."""
+        for memory, files in self.layout.in_memory_joined.items():
+            names = [f"{prefix}{f}.weight" for f in files]
+            parts = [e for e in self.entries if e.theirs[0] in names]
+            if len(parts) != len(names):
+                continue
+            self.entries = [e for e in self.entries if e not in parts]
+            ours = tuple(p.ours[0] for p in sorted(parts, key=lambda e: names.index(e.theirs[0])))
+            joined = (f"{prefix}{memory}.weight",)
+            self.entries.append(Joined(ours, joined) if self.layout.joined else Entry(ours, names))
 
     def _fill(self, i: int, prefix: str, mixer: dict[str, str]) -> None:
         """The zeros a family's class always holds: q/k/v biases, a shared expert of size 0."""

@@ -80,7 +80,12 @@ def mtp_projection(layer: int) -> str:
 # Gated DeltaNet's weights (model/mixers/gated_deltanet.py), under layers.<i>.attn: its
 # projections and convolution (a ``.weight`` each), its per-head decay parameters (bare)
 GDN_WEIGHTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "wo")
-GDN_PARAMS = ("A_log", "dt_bias")
+GDN_PARAMS = ("A_log", "dt_bias")  # (Kimi Delta Attention's too)
+# Kimi Delta Attention's weights (model/mixers/kda.py), under layers.<i>.attn (a ``.weight`` each)
+KDA_WEIGHTS = (
+    *(f"{p}_{w}" for w in ("proj", "conv1d") for p in "qkv"),
+    *("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "wo"),
+)
 
 
 def mixer_param(layer: int, name: str) -> str:

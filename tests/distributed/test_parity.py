@@ -19,7 +19,8 @@ LM-head bias, sparsemixer routing) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 Z
 ``llama4`` (chunked attention, a NoPE layer with its query temperature, the post-RoPE norm,
 top-k on the logits with sigmoid weights on the experts' inputs) on dp=2 ZeRO-0, ep=2 ZeRO-2 and
 dp=2 x ep=2 ZeRO-1; ``hybrid`` (Qwen3-Next's: a Gated DeltaNet layer and a gated-attention
-layer, zero-centred norms) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``dsa`` (DeepSeek
+layer, zero-centred norms) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``kda`` (Kimi Linear's: a Kimi Delta Attention layer and an attention
+layer) on ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``dsa`` (DeepSeek
 sparse attention's sparse stage on latent attention, the second layer sharing the first's
 selection, the indexer's KL in the loss) on ep=2 ZeRO-2, dp=2 ZeRO-0 with activation
 checkpointing and dp=2 x ep=2 ZeRO-1, and ``dsa_warmup`` (its dense warm-up: only the indexers
@@ -94,6 +95,7 @@ JOBS = {
         (2, 2, "llama4"),
         (1, 0, "hybrid"),
         (2, 2, "hybrid"),
+        (1, 2, "kda"),
         (1, 2, "dsa"),
         (2, 0, "dsa", "ckpt"),
         (1, 0, "dsa_warmup"),
@@ -110,6 +112,7 @@ JOBS = {
         (2, 1, "phimoe"),
         (2, 1, "llama4"),
         (2, 1, "hybrid"),
+        (2, 1, "kda"),
         (2, 1, "dsa"),
         (2, 0, "dsa_warmup"),
     ],

@@ -151,6 +151,28 @@ CASES = {
             bias_update_rate=1e-3,
         ),
     ),
+    "kimi_linear": dict(  # Kimi Linear's (hf_models.KIMI_LINEAR_ATTENTION)
+        model=dict(
+            **MLA_SHAPE,
+            q_lora_rank=12,
+            layer_types=["linear_attention"] * 2 + ["full_attention"],
+            linear_attention="kda",
+            linear_num_heads=2,
+            linear_head_dim=8,
+            linear_conv_kernel_dim=3,
+            nope_layers=[2],
+        ),
+        moe=dict(
+            num_experts=8,
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
     "deepseek_v32": dict(  # DeepSeek-V3.2's flags (hf_models.DSA)
         model=dict(
             **MLA_SHAPE,

@@ -40,8 +40,8 @@ class GatedDeltaNetKeys:
 
 
 # the per-layer options of the layer plan a recurrent layer does not have: key, whether a spec
-# asks for it
-_NO_ATTENTION_OPTIONS = (
+# asks for it (every recurrent kind's)
+NO_ATTENTION_OPTIONS = (
     ("model.sliding_window", lambda s: s.window is not None),
     ("model.attention_chunk_size", lambda s: s.chunk is not None),
     ("model.nope_layers", lambda s: not s.rope),
@@ -66,7 +66,7 @@ class GatedDeltaNet(MixerKind):
 
     @classmethod
     def validate(cls, model: ModelConfig, specs: list[MixerSpec]) -> None:
-        for key, asks in _NO_ATTENTION_OPTIONS:
+        for key, asks in NO_ATTENTION_OPTIONS:
             require(
                 not any(asks(s) for s in specs),
                 key,

@@ -92,7 +92,8 @@ class Layout:
     a decoder layer (``model.layers.<i>.``) or to its MoE block.
 
     ``in_memory``: transformers v5's in-memory module names where they differ from the files'
-    (the MoE block, the router, the selection bias: file name -> memory name); a source saved
+    (the MoE block, the dense block, the router, the selection bias: file name -> memory
+    name); a source saved
     from memory uses them, with a per-expert or fused family's experts as :data:`V5_FUSED`.
     """
 
@@ -137,6 +138,15 @@ class Layout:
     # ``renames``)
     linear_qkv_apart: bool = False
     in_memory: Mapping[str, str] = field(default_factory=dict)
+    # a block's 1-D tensors the files store as (1, 1, n, 1) (Kimi Linear's ``self_attn.A_log``)
+    columns: tuple[str, ...] = ()
+    # a block's tensors transformers v5 holds in memory under other module names (the files'
+    # name -> memory's: Kimi Linear's forget gate) and joined along their first dim (memory's
+    # name -> the files' names: its q, k, v convolutions); ``joined``: this layout holds them
+    # joined (set by ``weight_map.in_memory``)
+    in_memory_renames: Mapping[str, str] = field(default_factory=dict)
+    in_memory_joined: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    joined: bool = False
 
 
 @dataclass(frozen=True)
