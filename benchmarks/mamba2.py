@@ -17,18 +17,22 @@ rounds of each round's ratio, with their range.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 
-from side_by_side import alternating_rounds, measure_step, print_table, run_child
+from side_by_side import (
+    alternating_rounds,
+    map_large_blocks,
+    measure_step,
+    print_table,
+    run_child,
+)
 
 D, HEADS, HEAD_DIM, STATE, CHUNK = 256, 8, 64, 128, 256
 PATHS = ("moetrain", "transformers")
-_M_MMAP_THRESHOLD = -3
 
 
 def _child(path: str, s: int, repeats: int) -> dict:
-    ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 65536)
+    map_large_blocks()
     import torch
     from transformers.models.granitemoehybrid.configuration_granitemoehybrid import (
         GraniteMoeHybridConfig,
@@ -102,7 +106,7 @@ def main() -> None:
 
     def run(name: str, s: int) -> dict:
         child = ["--child", name, "--seq-lens", str(s), "--repeats", str(args.repeats)]
-        return run_child(__file__, child)
+        return run_child(__file__, child, f"{name} at S={s}")
 
     rows = alternating_rounds(PATHS, args.seq_lens, args.rounds, run)
     print(

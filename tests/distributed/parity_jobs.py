@@ -48,6 +48,9 @@ GRAD_NAMES = (
     "layers.0.attn.A_log",
     "layers.0.attn.dt_bias",
     "layers.0.attn.norm.weight",
+    "layers.0.attn.f_b_proj.weight",  # Kimi Delta Attention's (``kda``)
+    "layers.0.attn.q_conv1d.weight",
+    "layers.0.attn.o_norm.weight",
     "layers.0.attn.wq_a.weight",  # latent attention with sparse attention's indexer
     "layers.1.attn.wkv_b.weight",
     "layers.0.attn.indexer.wq_b.weight",
@@ -138,6 +141,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.attention_output_gate": True,
         "model.zero_centered_norm": True,
     },
+    # Kimi Linear's: a Kimi Delta Attention layer then an attention layer
+    "kda": {
+        "model.layer_types": ["linear_attention", "full_attention"],
+        "model.linear_attention": "kda",
+        "model.linear_num_heads": 2,
+        "model.linear_head_dim": 8,
+    },
     # Granite 4.0-H's: a Mamba-2 layer (two groups, chunks of 4: several per row) then an
     # attention layer
     "mamba": {
@@ -163,14 +173,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 # the variants whose one reference the world-1 job computes (capacity has one per group count)
 REFERENCES = (
-    "routing",
-    "mtp",
-    "gptoss",
-    "phimoe",
-    "llama4",
-    "hybrid",
-    "mamba",
-    "dsa",
+    *("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "kda", "mamba", "dsa"),
     "dsa_warmup",
 )
 
@@ -419,16 +422,22 @@ def reference_key(world: int, layout: tuple) -> str:
 
 
 def layouts_job(
-    rank: int, world: int, layouts: list[tuple], references: tuple[str, ...] | None = None
+    rank: int,
+    world: int,
+    layouts: list[tuple],
+    references: tuple[str, ...] | None = None,
+    twins: bool = False,
 ) -> dict[str, Any]:
     """Run every ``(ep_size, zero_stage[, variant])`` in ``layouts`` on this group; the world-1
     job also runs the references (plain torch, one process): the base one, those of
     :data:`REFERENCES` and capacity's, and of each its rows-reversed twin (``twin_<key>``: the
-    rounding floor); or those of the variants ``references`` only (no twins)."""
+    rounding floor); or those of the variants ``references`` only (their twins with ``twins``)."""
     out: dict[str, Any] = {}
     if world == 1 and references is not None:
         for variant in references:
             out[f"reference_{variant}"] = reference_run(variant)
+            if twins:
+                out[f"twin_reference_{variant}"] = reference_run(variant, rows_reversed=True)
     elif world == 1:
         runs = {"reference": (None, 1)}
         runs |= {f"reference_{variant}": (variant, 1) for variant in REFERENCES}
