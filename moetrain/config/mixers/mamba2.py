@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from moetrain.config.checks import ConfigError, require
 from moetrain.config.mixers.base import MixerKind
-from moetrain.config.mixers.gated_deltanet import _NO_ATTENTION_OPTIONS
+from moetrain.config.mixers.gated_deltanet import NO_ATTENTION_OPTIONS
 from moetrain.config.ranges import FUNCTION, POSITIVE_INT, at_least
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class Mamba2(MixerKind):
 
     @classmethod
     def validate(cls, model: ModelConfig, specs: list[MixerSpec]) -> None:
-        for key, asks in _NO_ATTENTION_OPTIONS:
+        for key, asks in NO_ATTENTION_OPTIONS:
             require(
                 not any(asks(s) for s in specs),
                 key,
