@@ -15,7 +15,7 @@ from moetrain.convert.hf import to_hf_state_dict
 from moetrain.model import Transformer
 from moetrain.model import param_names as pn
 from tests.helpers.configs import tiny_config
-from tests.helpers.hf_models import DSA, GLM_INDEXER_TYPES, PHIMOE_ROPE
+from tests.helpers.hf_flags import DSA, GLM_INDEXER_TYPES, PHIMOE_ROPE
 from tests.helpers.random_constants import randomise_constants
 
 # multi-head latent attention at the tiny shape (every head its own keys and values)
@@ -151,7 +151,7 @@ CASES = {
             bias_update_rate=1e-3,
         ),
     ),
-    "kimi_linear": dict(  # Kimi Linear's (hf_models.KIMI_LINEAR_ATTENTION)
+    "kimi_linear": dict(  # Kimi Linear's (hf_flags.KIMI_LINEAR_ATTENTION)
         model=dict(
             **MLA_SHAPE,
             q_lora_rank=12,
@@ -173,7 +173,7 @@ CASES = {
             bias_update_rate=1e-3,
         ),
     ),
-    "deepseek_v32": dict(  # DeepSeek-V3.2's flags (hf_models.DSA)
+    "deepseek_v32": dict(  # DeepSeek-V3.2's flags (hf_flags.DSA)
         model=dict(
             **MLA_SHAPE,
             **DSA,
@@ -316,7 +316,7 @@ CASES = {
     "qwen3_next": dict(  # (a dense first layer and no renormalisation: Qwen3.5 holds neither)
         model=QWEN_HYBRID_MODEL, moe=dict(QWEN_SHARED, first_k_dense=1, renormalize=False)
     ),
-    "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_models.LLAMA4_FLAGS)
+    "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_flags.LLAMA4_FLAGS)
         model=LLAMA4_MODEL,
         moe=dict(
             score_func="sigmoid",
