@@ -60,7 +60,6 @@ from moetrain.checkpoint.format import (
     verify_manifest,
 )
 from moetrain.checkpoint.rank_files import RankFiles
-from moetrain.checkpoint.read import refuse_zero3
 from moetrain.checkpoint.reshard import (
     SavedOptimizer,
     optimizer_param_names,
@@ -374,7 +373,6 @@ class Checkpointer:
                 f"{self.cfg.data.output_dir} uses {run.tokenizer_sha256}"
             )
         if not same_layout and 3 in (saved["zero_stage"], now["zero_stage"]):
-            refuse_zero3(path)  # (a stage-3 checkpoint resumes on its own layout only)
             raise CheckpointError(
                 f"{path}: written at world_size={saved['world_size']}, ep_size="
                 f"{saved['ep_size']}, zero_stage={saved['zero_stage']}; resuming it at "
