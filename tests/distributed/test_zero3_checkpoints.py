@@ -19,7 +19,7 @@ import torch
 from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.hf_files import HFWeights
 from tests.distributed.checkpoint_jobs import fixed_batch
-from tests.distributed.zero3_jobs import export_source_job
+from tests.distributed.zero3_jobs import export_source_job, reshard_job
 from tests.helpers.distributed import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -65,3 +65,43 @@ def test_zero3_checkpoint_converts_to_stage2s_export_and_transformers_logits(
     with torch.no_grad():
         logits = hf.eval()(input_ids=fixed_batch()).logits
     torch.testing.assert_close(logits, runs["zero3"]["logits"], atol=1e-4, rtol=1e-4)
+
+
+STEPS, STOP = 5, 2  # 3 steps after the resume
+REL = 1e-5  # the layout-parity tolerance (test_zero3.py)
+# (layout A's stage, then layout B: ep, stage, reset_optimizer) on 2 ranks
+TARGETS = [
+    ("zero2", 2, 3, False),  # 2 -> 3
+    ("zero2", 1, 3, False),  # 2 -> 3 at another EP size
+    ("zero3", 2, 2, False),  # 3 -> 2
+    ("zero3", 1, 2, False),  # 3 -> 2 at another EP size
+    ("zero3", 1, 3, False),  # 3 -> 3 at another EP size
+    ("zero2", 2, 3, True),  # the control: 2 -> 3 with the moments reset
+]
+
+
+def _rel_max(a: list[float], b: list[float]) -> float:
+    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float(((ta - tb).abs() / tb.abs()).max())
+
+
+def test_reshard_to_and_from_zero3_continues_exactly(tmp_path) -> None:
+    """A run stopped after ``STOP`` steps on layout A (ZeRO-2 or ZeRO-3 at ep=2), resumed on
+    layout B (the other stage, another EP size) with its weights and Adam moments re-partitioned,
+    logs the uninterrupted layout-A run's losses (to ``REL``), learning rates and selection
+    biases for 3 more steps; the control that resets the moments misses by far more."""
+    out = run_distributed(reshard_job, 2, str(tmp_path), STEPS, STOP, TARGETS, timeout=900)
+    for rank_out in out:
+        assert rank_out["targets"] == out[0]["targets"]  # every rank of layout B agrees
+    for (source, ep, stage, reset), got in zip(TARGETS, out[0]["targets"], strict=True):
+        case = f"{source} -> ep{ep} zero{stage}" + (" reset" if reset else "")
+        want, records = out[0]["source"][source][STOP:], got["records"]
+        assert got["step"] == STOP and len(records) == len(want), case
+        err = _rel_max([r["loss"] for r in records], [r["loss"] for r in want])
+        if reset:
+            assert err > 100 * REL, f"{case}: the moments did not matter ({err:.1e})"
+            continue
+        assert err < REL, f"{case}: losses {err:.2e} apart"
+        assert [r["lr"] for r in records] == pytest.approx([r["lr"] for r in want], rel=1e-12)
+        bias = torch.tensor([r["bias"] for r in records])
+        assert torch.allclose(bias, torch.tensor([r["bias"] for r in want]), atol=1e-7), case

@@ -42,32 +42,6 @@ def stages_job(
     return out
 
 
-def resume_and_refusals_job(rank: int, world: int, run_dir: str, steps: int, stop: int) -> dict:
-    """The same-layout resume of :func:`checkpoint_jobs.resume_job` at ZeRO-3 (dp=1 x ep=2),
-    then what a stage-3 checkpoint refuses: resuming at stage 2 -> ``{"resume": ...,
-    "stage2": error}``."""
-    from pathlib import Path
-
-    from moetrain.checkpoint.catalog import latest_complete
-    from moetrain.checkpoint.checkpointer import Checkpointer
-    from moetrain.checkpoint.format import CheckpointError
-    from moetrain.parallel.topology import init_distributed
-    from moetrain.train.trainer import Trainer
-    from tests.distributed.checkpoint_jobs import StreamPosition, resume_job
-
-    out: dict[str, Any] = {"resume": resume_job(rank, world, [(2, 3)], run_dir, steps, stop)}
-    cfg3 = parity_config(world, 2, 3, run_dir=str(Path(run_dir) / "ep2_zero3"))
-    path = latest_complete(Checkpointer(cfg3, init_distributed(cfg3)).root)
-    cfg2 = parity_config(world, 2, 2, run_dir=str(Path(run_dir) / "ep2_zero3"))
-    topo = init_distributed(cfg2)
-    trainer = Trainer(cfg2, topo)
-    try:
-        Checkpointer(cfg2, topo).load(path, trainer.run_state(StreamPosition()))
-    except CheckpointError as err:
-        out["stage2"] = str(err)
-    return out
-
-
 def export_source_job(rank: int, world: int, run_dir: str, ep: int) -> dict[str, Any]:
     """The same training at ZeRO-2 and at ZeRO-3 (``ep``, 2 steps, a checkpoint after each;
     :data:`GLM4_MOE`) -> per stage ``{"checkpoints": [step 1, step 2], "logits": the live model's on a fixed
@@ -87,3 +61,28 @@ def export_source_job(rank: int, world: int, run_dir: str, ep: int) -> dict[str,
         out[f"zero{stage}"] = {"checkpoints": paths, "logits": _logits(trainer)}
         del trainer
     return out
+
+
+def reshard_job(
+    rank: int, world: int, run_dir: str, steps: int, stop: int, targets: list[tuple]
+) -> dict[str, Any]:
+    """Layout A runs of ``steps`` steps with a checkpoint after ``stop`` (``"zero2"``: ZeRO-2,
+    ``"zero3"``: ZeRO-3, both at ep=2), then each target ``(source, ep, stage, reset)`` resumed
+    from that checkpoint on this world and trained to ``steps`` -> ``{"source": {name: A's
+    records}, "targets": [records after each resume]}``."""
+    from tests.distributed.checkpoint_jobs import reshard_source_job, reshard_target_job
+
+    sources = {
+        f"zero{stage}": reshard_source_job(
+            rank, world, 2, stage, f"{run_dir}/a{stage}", steps, stop
+        )
+        for stage in (2, 3)
+    }
+    resumes = [
+        (ep, stage, sources[source]["checkpoint"], reset) for source, ep, stage, reset in targets
+    ]
+    done = reshard_target_job(rank, world, resumes, f"{run_dir}/b", steps)
+    return {
+        "source": {k: v["records"] for k, v in sources.items()},
+        "targets": [{"records": d["records"], "step": d["step"]} for d in done],
+    }
