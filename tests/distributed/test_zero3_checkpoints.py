@@ -18,9 +18,9 @@ import torch
 
 from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.hf_files import HFWeights
-from tests.distributed.checkpoint_jobs import fixed_batch
+from tests.distributed.checkpoint_jobs import fixed_batch, reshard_source_job, reshard_target_job
 from tests.distributed.zero3_jobs import export_source_job, reshard_job
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import run_distributed, run_distributed_concurrently
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -105,3 +105,30 @@ def test_reshard_to_and_from_zero3_continues_exactly(tmp_path) -> None:
         assert [r["lr"] for r in records] == pytest.approx([r["lr"] for r in want], rel=1e-12)
         bias = torch.tensor([r["bias"] for r in records])
         assert torch.allclose(bias, torch.tensor([r["bias"] for r in want]), atol=1e-7), case
+
+
+@pytest.mark.long
+def test_reshard_to_and_from_zero3_at_another_world_size(tmp_path) -> None:
+    """4 ranks at ZeRO-3 -> 2 ranks at ZeRO-3 and at ZeRO-2; 2 ranks at ZeRO-2 -> 4 ranks at
+    ZeRO-3 (ep=2 throughout): each continues its uninterrupted layout-A run to ``REL``."""
+    a4, a2 = run_distributed_concurrently(
+        [
+            (reshard_source_job, 4, 2, 3, str(tmp_path / "a4"), STEPS, STOP),
+            (reshard_source_job, 2, 2, 2, str(tmp_path / "a2"), STEPS, STOP),
+        ],
+        timeout=900,
+    )
+    on2 = [(2, 3, a4[0]["checkpoint"], False), (2, 2, a4[0]["checkpoint"], False)]
+    on4 = [(2, 3, a2[0]["checkpoint"], False)]
+    b2, b4 = run_distributed_concurrently(
+        [
+            (reshard_target_job, 2, on2, str(tmp_path / "b2"), STEPS),
+            (reshard_target_job, 4, on4, str(tmp_path / "b4"), STEPS),
+        ],
+        timeout=900,
+    )
+    cases = [("4 -> 2 zero3", a4, b2[0][0]), ("4 -> 2 zero2", a4, b2[0][1])]
+    for case, source, got in [*cases, ("2 -> 4 zero3", a2, b4[0][0])]:
+        want = source[0]["records"][STOP:]
+        err = _rel_max([r["loss"] for r in got["records"]], [r["loss"] for r in want])
+        assert got["step"] == STOP and err < REL, f"{case}: losses {err:.2e} apart"
