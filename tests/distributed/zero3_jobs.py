@@ -69,19 +69,22 @@ def reshard_job(
     """Layout A runs of ``steps`` steps with a checkpoint after ``stop`` (``"zero2"``: ZeRO-2,
     ``"zero3"``: ZeRO-3, both at ep=2), then each target ``(source, ep, stage, reset)`` resumed
     from that checkpoint on this world and trained to ``steps`` -> ``{"source": {name: A's
-    records}, "targets": [records after each resume]}``."""
+    records}, "targets": [records after each resume]}``. Every weight partitioned (none kept
+    whole at stage 3: the tiny model's weights are all below
+    ``parallel.zero3_persistence_elements``' default)."""
     from tests.distributed.checkpoint_jobs import reshard_source_job, reshard_target_job
 
+    extra = {"parallel.zero3_persistence_elements": 0}
     sources = {
         f"zero{stage}": reshard_source_job(
-            rank, world, 2, stage, f"{run_dir}/a{stage}", steps, stop
+            rank, world, 2, stage, f"{run_dir}/a{stage}", steps, stop, extra
         )
         for stage in (2, 3)
     }
     resumes = [
         (ep, stage, sources[source]["checkpoint"], reset) for source, ep, stage, reset in targets
     ]
-    done = reshard_target_job(rank, world, resumes, f"{run_dir}/b", steps)
+    done = reshard_target_job(rank, world, resumes, f"{run_dir}/b", steps, extra)
     return {
         "source": {k: v["records"] for k, v in sources.items()},
         "targets": [{"records": d["records"], "step": d["step"]} for d in done],
