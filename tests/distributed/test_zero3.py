@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.distributed.checkpoint_jobs import resume_job
-from tests.distributed.zero3_jobs import stages_job
+from tests.distributed.zero3_jobs import sp_stages_job, stages_job
 from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -42,6 +42,10 @@ def _check(runs: dict) -> None:
     two, three = runs["zero2"], runs["zero3"]
     assert (two["ds_stage"], three["ds_stage"]) == (2, 3)
     assert not three["ds_moe"]  # experts placed by tag, not as DeepSpeed MoE layers
+    _check_training(two, three)
+
+
+def _check_training(two: dict, three: dict) -> None:
     for what in ("losses", "norms"):
         for step, (a, b) in enumerate(zip(two[what], three[what], strict=True)):
             assert _close(a, b), f"{what}[{step}]: zero2 {a} vs zero3 {b}"
@@ -56,11 +60,11 @@ def _check(runs: dict) -> None:
     assert torch.allclose(torch.tensor(two["biases"]), torch.tensor(three["biases"]), atol=1e-9)
 
 
-def _check_all(out: list[dict]) -> None:
+def _check_all(out: list[dict], check=_check) -> None:  # noqa: ANN001
     for rank_out in out:
         for key, runs in rank_out.items():
             try:
-                _check(runs)
+                check(runs)
             except AssertionError as err:
                 raise AssertionError(f"{key}: {err}") from err
 
@@ -72,6 +76,19 @@ def test_zero3_matches_zero2_on_two_ranks() -> None:
 @pytest.mark.long
 def test_zero3_matches_zero2_with_mtp_and_tied_embeddings() -> None:
     _check_all(run_distributed(stages_job, 2, [(2, "mtp"), (2, "tied")], STEPS, timeout=600))
+
+
+def test_zero3_matches_zero2_with_sequence_parallelism() -> None:
+    """sp=2 on 2 ranks (packed documents crossing the slices), plain and with latent attention
+    (MLA): the dense weights partitioned over the sequence-parallel ranks too."""
+    out = run_distributed(sp_stages_job, 2, [(2, 1, None), (2, 1, "mla")], timeout=600)
+    _check_all(out, lambda runs: _check_training(runs["zero2"], runs["zero3"]))
+
+
+@pytest.mark.long
+def test_zero3_matches_zero2_sp2_ep2() -> None:
+    out = run_distributed(sp_stages_job, 4, [(2, 2, None)], timeout=900)
+    _check_all(out, lambda runs: _check_training(runs["zero2"], runs["zero3"]))
 
 
 @pytest.mark.long

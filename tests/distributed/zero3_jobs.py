@@ -89,3 +89,19 @@ def reshard_job(
         "source": {k: v["records"] for k, v in sources.items()},
         "targets": [{"records": d["records"], "step": d["step"]} for d in done],
     }
+
+
+def sp_stages_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, dict[str, Any]]:
+    """Each ``(sp, ep, variant or None)`` of ``layouts`` trained at ZeRO-2 and ZeRO-3 on the
+    sequence-parallel parity tests' packed documents (:mod:`tests.distributed.sp_parity_jobs`)
+    -> ``{"sp2_ep1_mla": {"zero2": run, "zero3": run}, ...}``."""
+    from tests.distributed.sp_parity_jobs import _parallel_run as sp_run
+    from tests.distributed.sp_parity_jobs import sp_config
+
+    out: dict[str, dict[str, Any]] = {}
+    for sp, ep, variant in layouts:
+        runs = {
+            f"zero{s}": sp_run(sp_config(world, sp, ep, s, variant), rank, world) for s in (2, 3)
+        }
+        out[f"sp{sp}_ep{ep}_{variant or 'base'}"] = runs
+    return out
