@@ -79,9 +79,11 @@ def test_zero3_matches_zero2_with_mtp_and_tied_embeddings() -> None:
 
 
 def test_zero3_matches_zero2_with_sequence_parallelism() -> None:
-    """sp=2 on 2 ranks (packed documents crossing the slices), plain and with latent attention
-    (MLA): the dense weights partitioned over the sequence-parallel ranks too."""
-    out = run_distributed(sp_stages_job, 2, [(2, 1, None), (2, 1, "mla")], timeout=600)
+    """sp=2 on 2 ranks (packed documents crossing the slices), plain, with latent attention
+    (MLA) and with gpt-oss's pieces (a sliding window crossing the slices, sinks, every bias):
+    the dense weights partitioned over the sequence-parallel ranks too."""
+    layouts = [(2, 1, None), (2, 1, "mla"), (2, 1, "gptoss")]
+    out = run_distributed(sp_stages_job, 2, layouts, timeout=600)
     _check_all(out, lambda runs: _check_training(runs["zero2"], runs["zero3"]))
 
 
