@@ -8,8 +8,8 @@ fp32 with fp32 accumulation; only the order of the additions differs.
 
 :func:`mm`, :func:`linear` (and :class:`Linear`) and :func:`grouped_mm` run oneDNN's inner
 product, forward and backward, when every operand is an fp32 CPU tensor, torch has oneDNN and
-the choice is ``"onednn"`` (:func:`use_cpu_matmul`, from ``train.cpu_matmul``; the default).
-Anywhere else (GPUs, bf16, ``"torch"``) they are torch's own ``@``, ``F.linear`` and
+the choice is ``"onednn"`` (:func:`use_cpu_matmul`, from ``train.cpu_matmul``; the default),
+except the small products of inference (:func:`kernel_per_shape_pays`). Anywhere else (GPUs, bf16, ``"torch"``) they are torch's own ``@``, ``F.linear`` and
 ``F.grouped_mm`` with torch's autograd. :func:`add_product_` stays on torch's kernel.
 
 Shape legend: N rows, K inner dimension, O output columns, L groups (experts).
@@ -111,9 +111,19 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+def kernel_per_shape_pays(rows: int) -> bool:
+    """Whether a product of ``rows`` rows is worth oneDNN's kernel for its shape: always with
+    autograd on (training's shapes repeat every step and their kernels are kept); without it,
+    from :data:`TILE_ROWS` rows up. Inference (``generate``) changes the row count on every
+    token, so oneDNN would build a new kernel (milliseconds) for nearly every product, each
+    of which takes microseconds on torch's kernel."""
+    return torch.is_grad_enabled() or rows >= TILE_ROWS
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, b)``."""
-    if onednn_runs(x, w, *(() if b is None else (b,))):
+    rows = x.numel() // max(x.shape[-1], 1)
+    if kernel_per_shape_pays(rows) and onednn_runs(x, w, *(() if b is None else (b,))):
         return _Linear.apply(x, w, b)
     return F.linear(x, w, b)
 
@@ -216,7 +226,7 @@ class _GroupedMM(torch.autograd.Function):
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs_L: torch.Tensor) -> torch.Tensor:
     """``F.grouped_mm(a, b, offs=offs_L)`` for a (N, K) x b (L, K, O) -> (N, O) (with autograd)
     and a (K, N) x b (N, O) -> (L, K, O) (without)."""
-    if not onednn_runs(a, b):
+    if not onednn_runs(a, b) or (b.dim() == 3 and not kernel_per_shape_pays(a.shape[0])):
         return F.grouped_mm(a, b, offs=offs_L)
     if b.dim() == 3 and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return _GroupedMM.apply(a, b, offs_L)

@@ -398,16 +398,22 @@ def reference_key(world: int, layout: tuple) -> str:
 
 
 def layouts_job(
-    rank: int, world: int, layouts: list[tuple], references: tuple[str, ...] | None = None
+    rank: int,
+    world: int,
+    layouts: list[tuple],
+    references: tuple[str, ...] | None = None,
+    twins: bool = False,
 ) -> dict[str, Any]:
     """Run every ``(ep_size, zero_stage[, variant])`` in ``layouts`` on this group; the world-1
     job also runs the references (plain torch, one process): the base one, those of
     :data:`REFERENCES` and capacity's, and of each its rows-reversed twin (``twin_<key>``: the
-    rounding floor); or those of the variants ``references`` only (no twins)."""
+    rounding floor); or those of the variants ``references`` only (their twins with ``twins``)."""
     out: dict[str, Any] = {}
     if world == 1 and references is not None:
         for variant in references:
             out[f"reference_{variant}"] = reference_run(variant)
+            if twins:
+                out[f"twin_reference_{variant}"] = reference_run(variant, rows_reversed=True)
     elif world == 1:
         runs = {"reference": (None, 1)}
         runs |= {f"reference_{variant}": (variant, 1) for variant in REFERENCES}

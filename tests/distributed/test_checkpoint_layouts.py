@@ -169,6 +169,17 @@ def test_barrier_timeout_names_what_it_waited_for(tmp_path):
     assert "1" in msg.split("write shards", 1)[1]  # gloo's monitored barrier names rank 1
 
 
+def test_resume_with_gated_deltanet_layers_is_bit_exact(tmp_path):
+    """A hybrid model (a Gated DeltaNet layer, a gated full-attention layer, zero-centred
+    norms): its decays, gates, convolution and norms resume with the rest."""
+    from tests.distributed.parity_jobs import VARIANTS
+
+    results = run_distributed(resume_job, 2, [(2, 2)], str(tmp_path), 4, 2, VARIANTS["hybrid"])
+    for rank, res in enumerate(results):
+        run = res["ep2_zero2"]
+        assert run["resumed"] == run["uninterrupted"], f"rank {rank}"
+
+
 def test_resume_with_mtp_is_bit_exact(tmp_path):
     mtp = {"model.mtp_depth": 2, "model.mtp_loss_weight_final": 0.1}
     mtp["model.mtp_loss_weight_final_step"] = 3  # the weight changes phase after the resume

@@ -12,7 +12,7 @@ by ``launch/train.sh``. Checked:
 - killing one node's agent and workers mid-run, then starting the job again on both nodes,
   resumes from the last complete checkpoint (MAX_RESTARTS=0: the job is restarted by hand, as a
   scheduler would; one worker killed and restarted in place by its agent under MAX_RESTARTS=1
-  is tests/e2e/test_fault_loops.py's two-node test).
+  is tests/e2e/test_fault_loops.py's two-node test). With ``-m long`` (minutes).
 
 Tiny shapes, one thread per process, a generated 600-document corpus with a 512-piece tokenizer.
 """
@@ -239,6 +239,7 @@ def test_one_process_on_the_global_batch_matches(first_runs, single_node):
         assert abs(one[step] - loss) <= 1e-5 * max(1.0, abs(loss)), (step, one[step], loss)
 
 
+@pytest.mark.long  # (a killed worker restarted and resumed is in the default suite: test_resume.py)
 def test_killed_node_restarts_and_resumes_from_last_checkpoint(data_overrides, tmp_path):
     """Node 1's agent and workers are killed (SIGKILL, as a node failure) between the first
     and the second checkpoint; node 0's workers lose their peers and its agent gives up. The job is

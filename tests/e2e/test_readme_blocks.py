@@ -8,7 +8,8 @@ the repository's configs where the quickstart's artifacts already exist: its cor
 and shards (``data/``), a trained ``runs/tiny-cpu`` and its Hugging Face export
 ``runs/tiny-cpu/hf``. Those are made with the quickstart's own commands, shortened to a few
 steps; the quickstart's setup (``.venv``) is the environment the tests run in. A block that
-exits non-zero fails the test with its output. The serving blocks start their server in the
+exits non-zero fails the test with its output. The default suite runs the blocks that train
+nothing (each training block is minutes on 2 cores); ``-m long`` runs every block. The serving blocks start their server in the
 background, use it and stop it; they run the same way, on a free port, with the opt-in serving
 tests (``-m serving``, which need ``.venv-serving``).
 """
@@ -37,6 +38,7 @@ SHELLS = ("bash", "sh", "shell", "zsh", "console")
 QUICKSTART_STEPS = "train.max_steps=20"  # the quickstart's artifacts, from a short run
 SERVING_VENV = ROOT / ".venv-serving"
 PORT = re.compile(r"\b8000\b")  # the serving blocks' port
+TRAINS = re.compile(r"\bmoetrain train\b")  # a block that launches a training run
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str, str]]:
@@ -130,17 +132,36 @@ def after_quickstart(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, di
     return work, env
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # the quickstart (its fixture) and every workflow block, in turn
-def test_every_workflow_block_runs_as_written(
-    after_quickstart: tuple[Path, dict[str, str]],
-) -> None:
-    work, env = after_quickstart
+def _run_workflows(work: Path, env: dict[str, str], train: bool) -> int:
+    """Run the workflow blocks in order (those that train too, with ``train``); -> how many."""
+    ran = 0
     for i, body in enumerate(workflow_blocks(), 1):
+        if not train and TRAINS.search(body):
+            continue
         first = body.strip().splitlines()[0]
         _run(
             ["bash", "-e", "-o", "pipefail", "-c", body], work, env, f"workflow block {i} ({first})"
         )
+        ran += 1
+    return ran
+
+
+@pytest.mark.slow
+def test_workflow_blocks_that_train_nothing_run_as_written(
+    after_quickstart: tuple[Path, dict[str, str]],
+) -> None:
+    """The default suite's case: the quickstart (its fixture) and the blocks that only use its
+    artifacts (convert, generate, transformers); every block runs with -m long."""
+    assert _run_workflows(*after_quickstart, train=False) >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(1800)  # the quickstart (its fixture) and every workflow block, in turn
+def test_every_workflow_block_runs_as_written(
+    after_quickstart: tuple[Path, dict[str, str]],
+) -> None:
+    assert _run_workflows(*after_quickstart, train=True) == len(workflow_blocks())
 
 
 @pytest.mark.serving

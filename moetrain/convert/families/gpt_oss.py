@@ -37,10 +37,8 @@ LAYOUT = Layout(router="router", experts=Stacked(interleaved=True))
 
 def to_hf(cfg: Config) -> dict[str, Any]:
     model, moe = cfg.model, cfg.moe
-    return dict(
-        hf_config.hf_common(cfg),
-        intermediate_size=moe.expert_hidden,
-        num_local_experts=moe.num_experts,
+    return hf_config.local_experts_hf(
+        cfg,
         attention_bias=model.qkv_bias,
         sliding_window=model.sliding_window,
         layer_types=hf_config.layer_types(model),
@@ -52,13 +50,12 @@ def to_hf(cfg: Config) -> dict[str, Any]:
 
 def from_hf(hf: Any) -> Config:
     hf_config.refuse_attention_dropout(hf)
-    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
+    model, moe = hf_config.local_experts_from_hf(hf)
     hf_config.refuse_partial_rotary(model, NAME)
     bias = bool(getattr(hf, "attention_bias", True))
     model.qkv_bias = model.o_bias = bias
     model.attention_sinks = True
     hf_config.windows_from_hf(hf, model)
-    moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
     moe.score_func, moe.topk_before_score = "softmax", True
     moe.router_bias = moe.expert_biases = True
     moe.activation = "clamped_swiglu"

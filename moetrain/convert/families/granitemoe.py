@@ -51,11 +51,9 @@ def attention_multiplier(model: ModelConfig) -> float:
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
-    model, moe = cfg.model, cfg.moe
-    return dict(
-        hf_config.hf_common(cfg),
-        intermediate_size=moe.expert_hidden,
-        num_local_experts=moe.num_experts,
+    model = cfg.model
+    return hf_config.local_experts_hf(
+        cfg,
         embedding_multiplier=model.embedding_multiplier,
         residual_multiplier=model.residual_multiplier,
         attention_multiplier=attention_multiplier(model),
@@ -94,14 +92,13 @@ def shared_from_hf(hf: Any) -> Config:
 
 
 def _from_hf(hf: Any) -> Config:
-    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
+    model, moe = hf_config.local_experts_from_hf(hf)
     model.qkv_bias = model.o_bias = bool(getattr(hf, "attention_bias", False))
     hf_config.refuse_partial_rotary(model, NAME)
     model.embedding_multiplier = _positive(hf, "embedding_multiplier")
     model.residual_multiplier = _positive(hf, "residual_multiplier")
     model.attention_scale = _positive(hf, "attention_multiplier")
     model.logits_scaling = _positive(hf, "logits_scaling")
-    moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
     moe.score_func, moe.topk_before_score = "softmax", True
     return hf_config.finish(model, moe)
 

@@ -177,6 +177,20 @@ def moe_from_hf(hf: Any) -> MoEConfig:
     return MoEConfig(top_k=hf.num_experts_per_tok, aux_loss_coef=0.0, z_loss_coef=0.0)
 
 
+def local_experts_hf(cfg: Config, **fields: Any) -> dict[str, Any]:
+    """:func:`hf_common` with Mixtral's expert keys (``num_local_experts`` experts of
+    ``intermediate_size``), then ``fields`` (which may override any of them)."""
+    experts = dict(intermediate_size=cfg.moe.expert_hidden, num_local_experts=cfg.moe.num_experts)
+    return {**hf_common(cfg), **experts, **fields}
+
+
+def local_experts_from_hf(hf: Any) -> tuple[ModelConfig, MoEConfig]:
+    """The model and MoE sections of a source with Mixtral's expert keys, before its own."""
+    model, moe = model_from_hf(hf), moe_from_hf(hf)
+    moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
+    return model, moe
+
+
 def hf_number(
     hf: Any,
     key: str,

@@ -85,11 +85,9 @@ def to_hf(cfg: Config) -> dict[str, Any]:
     model, moe = cfg.model, cfg.moe
     n, nope = model.n_layers, set(model.nope_layers or ())
     tuned = model.attn_temperature_floor is not None
-    fields = dict(
-        hf_config.hf_common(cfg),
-        intermediate_size=moe.expert_hidden,
+    fields = hf_config.local_experts_hf(
+        cfg,
         intermediate_size_mlp=model.dense_hidden,
-        num_local_experts=moe.num_experts,
         moe_layers=moe.moe_layers(n),
         no_rope_layers=[int(i not in nope) for i in range(n)],
         attention_chunk_size=model.attention_chunk_size,
@@ -159,13 +157,12 @@ def _placement(hf: Any, n: int) -> tuple[int, int]:
 
 def from_hf(hf: Any) -> Config:
     hf_config.refuse_attention_dropout(hf)
-    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
+    model, moe = hf_config.local_experts_from_hf(hf)
     hf_config.refuse_partial_rotary(model, NAME)
     model.rope_interleave = True
     model.qkv_bias = model.o_bias = bool(getattr(hf, "attention_bias", False))
     model.dense_hidden = hf.intermediate_size_mlp
     _attention(hf, model)
-    moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
     moe.score_func, moe.topk_before_score, moe.renormalize = "sigmoid", True, False
     moe.score_on_input, moe.num_shared_experts = True, 1
     moe.first_k_dense, moe.moe_every = _placement(hf, model.n_layers)

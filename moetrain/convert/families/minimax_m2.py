@@ -41,10 +41,8 @@ LAYOUT = Layout(
 
 def to_hf(cfg: Config) -> dict[str, Any]:
     model, moe = cfg.model, cfg.moe
-    return dict(
-        hf_config.hf_common(cfg),
-        intermediate_size=moe.expert_hidden,
-        num_local_experts=moe.num_experts,
+    return hf_config.local_experts_hf(
+        cfg,
         router_jitter_noise=moe.jitter,
         # as released: read by serving engines (vLLM), not by transformers' class
         rotary_dim=model.rope_dim,
@@ -72,9 +70,8 @@ def from_hf(hf: Any) -> Config:
             f"shared_intermediate_size: {NAME}'s class has no shared experts; got "
             f"{hf.shared_intermediate_size}"
         )
-    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
+    model, moe = hf_config.local_experts_from_hf(hf)
     model.qk_norm, model.qk_norm_scope = True, "projection"
-    moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
     moe.score_func, moe.renormalize = "sigmoid", True
     return hf_config.finish(model, moe)
 

@@ -22,10 +22,8 @@ LAYOUT = Layout(
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
-    return dict(
-        hf_config.hf_common(cfg),
-        intermediate_size=cfg.moe.expert_hidden,
-        num_local_experts=cfg.moe.num_experts,
+    return hf_config.local_experts_hf(
+        cfg,
         router_jitter_noise=cfg.moe.jitter,
         sliding_window=None,
     )
@@ -34,8 +32,7 @@ def to_hf(cfg: Config) -> dict[str, Any]:
 def from_hf(hf: Any) -> Config:
     if getattr(hf, "sliding_window", None):
         raise ConfigError("sliding_window: moetrain attends to the whole context")
-    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
-    moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
+    model, moe = hf_config.local_experts_from_hf(hf)
     return hf_config.finish(model, moe)
 
 

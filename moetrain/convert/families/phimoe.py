@@ -62,11 +62,9 @@ def _rope(model: ModelConfig) -> dict[str, Any]:
 
 def to_hf(cfg: Config) -> dict[str, Any]:
     model, moe = cfg.model, cfg.moe
-    return dict(
-        hf_config.hf_common(cfg),
+    return hf_config.local_experts_hf(
+        cfg,
         rope_parameters=_rope(model),
-        intermediate_size=moe.expert_hidden,
-        num_local_experts=moe.num_experts,
         attention_bias=model.qkv_bias,
         lm_head_bias=model.lm_head_bias,
         router_jitter_noise=moe.router_jitter_eps,
@@ -102,7 +100,7 @@ def from_hf(hf: Any) -> Config:
             f"num_experts_per_tok: {NAME}'s sparsemixer always picks 2 experts; got "
             f"{hf.num_experts_per_tok}"
         )
-    model, moe = hf_config.model_from_hf(hf), hf_config.moe_from_hf(hf)
+    model, moe = hf_config.local_experts_from_hf(hf)
     window = getattr(hf, "sliding_window", None)
     if window is not None and window < model.max_seq_len:
         raise ConfigError(
@@ -115,7 +113,6 @@ def from_hf(hf: Any) -> Config:
     model.norm = "layernorm"
     model.qkv_bias = model.o_bias = bool(getattr(hf, "attention_bias", False))
     model.lm_head_bias = bool(getattr(hf, "lm_head_bias", False))
-    moe.num_experts, moe.expert_hidden = hf.num_local_experts, hf.intermediate_size
     moe.router_type, moe.renormalize = "sparsemixer", False
     moe.router_jitter_eps = float(hf.router_jitter_noise)
     return hf_config.finish(model, moe)
