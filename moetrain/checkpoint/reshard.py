@@ -11,10 +11,14 @@ universal checkpoint knows only its own (AutoEP) expert layers. moetrain re-part
    parameter (``param_slice_mappings``); a parameter is its slices, in partition order, over the
    ranks that partitioned its group: every rank for dense groups, the expert-data-parallel
    ranks ``e, e + ep, ...`` of expert-parallel rank ``e`` for expert groups. Expert stacks of the
-   EP ranks are concatenated into the global (E, ...) stack. Stage-0 files hold the torch
+   EP ranks are concatenated into the global (E, ...) stack. ZeRO-3 files hold, per optimizer
+   sub-group, each rank's partition of every parameter in turn (names and shapes in the rank's
+   model file, the ranks it is partitioned over in DeepSpeed's ``ds_zero_partition_groups``):
+   a parameter is its partitions in rank order, less the padding. Stage-0 files hold the torch
    optimizer's per-parameter state of each EP rank, named through ``TrainerState.optimizer_params``.
-2. Write them into the new engine (:func:`restore_optimizer`), whose model weights were loaded
-   from the per-expert files: ZeRO-1/2 (and DeepSpeed's bf16 optimizer) get, for every
+2. Write them into the new engine (:func:`restore_optimizer`; a ZeRO-3 engine:
+   :func:`moetrain.checkpoint.zero3_restore.restore_zero3_optimizer`), whose model weights were
+   loaded from the per-expert files: ZeRO-1/2 (and DeepSpeed's bf16 optimizer) get, for every
    parameter slice this rank now owns, the master weight copied into its flat fp32 partition
    and the state tensors into flat buffers of the partition's size; stage 0 gets the torch
    optimizer's per-parameter state. Every rank gets only its own experts (its slice of the stack).
