@@ -59,8 +59,8 @@ def hf_config(cfg: Config, fmt: str, **extra: Any):  # noqa: ANN201 (a transform
     import transformers
 
     check_format(fmt, cfg.model, cfg.moe)
-    fields = family(fmt).to_hf(cfg)
-    return transformers.AutoConfig.for_model(fmt, **fields, **extra)
+    fields = family(fmt).to_hf(cfg) | extra  # (extra's token ids over a family's unset ones)
+    return transformers.AutoConfig.for_model(fmt, **fields)
 
 
 def transformers_config(hf_dict: dict[str, Any], model_type: str) -> Any:

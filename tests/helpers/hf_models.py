@@ -322,6 +322,18 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             intermediate_size=24,
             num_local_experts=4,
         ),
+        "afmoe": lambda: transformers.AfmoeConfig(  # Trinity's flags, a window binding
+            **moe,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_shared_experts=1,
+            num_dense_layers=1,
+            route_scale=2.5,
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            mup_enabled=True,
+        ),
         "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(  # Hunyuan-A13B's flags
             **{
                 **{k: v for k, v in SMALL.items() if k != "rope_parameters"},
@@ -370,6 +382,16 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             q_lora_rank=12,
             num_nextn_predict_layers=0,
             indexer_types=GLM_INDEXER_TYPES,
+        ),
+        "kimi_linear": lambda: transformers.KimiLinearConfig(  # Kimi Linear's pattern and MoE
+            **{k: v for k, v in _deepseek(moe, yarn=False).items() if k != "rope_parameters"},
+            num_local_experts=8,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            q_lora_rank=12,
+            linear_attn_config=KIMI_LINEAR_ATTENTION,
         ),
         "deepseek_v2": lambda: transformers.DeepseekV2Config(
             **_deepseek(moe, yarn=False),
@@ -439,6 +461,14 @@ DEEPSEEK_YARN: dict[str, Any] = {
 # sparse; 8 indexer heads, so that no two keys tie at a score of 0 (every head's product
 # negative) where the top 4 end
 DSA: dict[str, Any] = {"index_topk": 4, "index_n_heads": 8, "index_head_dim": 16}
+# Kimi Linear's layers at the tiny sizes: two Kimi Delta Attention layers, then latent attention
+KIMI_LINEAR_ATTENTION: dict[str, Any] = {
+    "kda_layers": [1, 2],
+    "full_attn_layers": [3],
+    "num_heads": 2,
+    "head_dim": 8,
+    "short_conv_kernel_size": 3,
+}
 # GLM-MoE-DSA's per-layer indexers: the middle layer attends to the first layer's selection
 GLM_INDEXER_TYPES = ["full", "shared", "full"]
 
@@ -465,6 +495,16 @@ def _dense_configs(transformers: Any) -> dict[str, Any]:
         "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(
             **{**SMALL, **QWEN_HYBRID, "rope_parameters": dict(QWEN3_5_ROPE)},
             intermediate_size=48,
+        ),
+        "olmo_hybrid": lambda: transformers.OlmoHybridConfig(  # Olmo-Hybrid's flags
+            **{k: v for k, v in SMALL.items() if k not in ("head_dim", "rope_parameters")},
+            rope_parameters={"rope_type": "default", "rope_theta": None},  # NoPE, as released
+            intermediate_size=48,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_allow_neg_eigval=True,
         ),
     }
 
@@ -507,7 +547,8 @@ def save_hf_model(
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):  # Gated DeltaNet's decay, per step at a = 0 from
-                p.copy_(torch.linspace(-3.0, 1.5, p.numel()))  # ~0.006 (weak) to ~7.6 (strong)
+                decays = torch.linspace(-3.0, 1.5, p.numel())  # ~0.006 (weak) to ~7.6 (strong)
+                p.copy_(decays.view(p.shape))  # (Kimi Linear's is (1, 1, H, 1))
             elif name.endswith("dt_bias"):
                 p.copy_(torch.linspace(-2.0, 1.5, p.numel()))
     model.save_pretrained(out)

@@ -245,15 +245,15 @@ def phimoe_released(**changes) -> dict:
 
 def test_phimoe_released_config_imports() -> None:
     """Phi-3.5-MoE-instruct's flags: LayerNorm, all attention biases, a head bias, sparsemixer
-    at its eps, LongRoPE with its mscale as the attention factor over the original 4096
-    positions (sliding_window 131072 spans the whole context)."""
+    at its eps, LongRoPE with its mscale as the attention factor, the short factors past the
+    original 4096 positions too (sliding_window 131072 spans the whole context)."""
     cfg = config_from_hf(phimoe_released())
     m, moe = cfg.model, cfg.moe
     assert (m.norm, m.qkv_bias, m.o_bias, m.lm_head_bias) == ("layernorm", True, True, True)
-    assert (m.rope_scaling, m.rope_original_max_seq_len, m.rope_positions) == (
+    assert (m.rope_scaling, m.rope_original_max_seq_len, m.rope_long_regime) == (
         "longrope",
         4096,
-        4096,
+        "short",
     )
     assert m.rope_attention_factor == 1.243163121016122 and len(m.rope_short_factor) == 4
     assert (moe.router_type, moe.router_jitter_eps, moe.renormalize) == ("sparsemixer", 0.01, False)

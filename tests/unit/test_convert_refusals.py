@@ -16,6 +16,19 @@ from tests.helpers.convert_cases import (
 transformers = pytest.importorskip("transformers")
 
 
+# Trinity's model (ModelConfig's 4 layers: three sliding, one global without RoPE) and MoE
+TRINITY = dict(
+    qk_norm=True,
+    attention_output_gate=True,
+    block_norms="sandwich",
+    sliding_window=6,
+    layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    nope_layers=[3],
+    embedding_multiplier=256**0.5,
+)
+TRINITY_MOE = dict(score_func="sigmoid", num_shared_experts=1, route_scale=2.5)
+
+
 @pytest.mark.parametrize(
     ("fmt", "model_kw", "moe_kw", "key"),
     [
@@ -264,6 +277,29 @@ transformers = pytest.importorskip("transformers")
             dict(num_shared_experts=1, shared_expert_gate=True),
             "moe.shared_expert_gate",
         ),
+        ("afmoe", dict(TRINITY, block_norms="pre"), TRINITY_MOE, "model.block_norms"),
+        ("qwen3_moe", dict(qk_norm=True, block_norms="sandwich"), {}, "model.block_norms"),
+        ("afmoe", dict(TRINITY, attention_output_gate=False), TRINITY_MOE, "output_gate"),
+        ("afmoe", dict(TRINITY, nope_layers=[2]), TRINITY_MOE, "model.nope_layers"),
+        ("afmoe", dict(TRINITY, nope_layers=None), TRINITY_MOE, "model.nope_layers"),
+        ("afmoe", dict(TRINITY, embedding_multiplier=2.0), TRINITY_MOE, "embedding_multiplier"),
+        ("afmoe", TRINITY, dict(TRINITY_MOE, renormalize=False), "moe.renormalize"),
+        ("afmoe", TRINITY, dict(TRINITY_MOE, num_shared_experts=0), "moe.num_shared_experts"),
+        ("afmoe", dict(TRINITY, qkv_bias=True), TRINITY_MOE, "model.qkv_bias"),
+        ("afmoe", dict(TRINITY, attention_block_norms="post"), TRINITY_MOE, "block_norms"),
+        ("mixtral", dict(block_norms="post"), {}, "model.block_norms"),
+        (  # the long factors past the original context: every LongRoPE family but Phi-3.5-MoE
+            "mixtral",
+            dict(
+                rope_scaling="longrope",
+                rope_original_max_seq_len=64,
+                rope_short_factor=[1.0] * 32,
+                rope_long_factor=[2.0] * 32,
+                rope_long_regime="short",
+            ),
+            {},
+            "model.rope_long_regime",
+        ),
         ("mixtral", dict(attention_chunk_size=6), {}, "model.attention_chunk_size"),
         ("qwen3_moe", dict(qk_norm=True, nope_layers=[1]), {}, "model.nope_layers"),
         ("olmoe", dict(qk_norm_after_rope=True), {}, "model.qk_norm_after_rope"),
@@ -334,6 +370,8 @@ def test_deepseek_formats_refuse_naming_the_setting(fmt, model_kw, moe_kw, key) 
         ({"moe.num_shared_experts": 1}, "moe.num_shared_experts"),
         ({"moe.route_scale": 2.0}, "moe.route_scale"),
         ({"moe.capacity_factor": 1.0}, "moe.capacity_factor"),
+        ({"model.rope_long_regime": "long"}, "model.rope_long_regime"),
+        ({"model.rope_long_regime": None}, "model.rope_long_regime"),
     ],
 )
 def test_phimoe_refuses_what_its_class_does_not_compute_by_key(changes, key) -> None:

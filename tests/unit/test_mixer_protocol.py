@@ -59,6 +59,14 @@ CASES = {
         "model.linear_num_value_heads": 1,
         "model.linear_conv_kernel_dim": 6,
     },
+    "kda": {  # two Kimi Delta Attention layers, one attention layer
+        "model.n_layers": 3,
+        "model.full_attention_interval": 3,
+        "model.linear_attention": "kda",
+        "model.linear_num_heads": 2,
+        "model.linear_head_dim": 8,
+        "model.linear_conv_kernel_dim": 3,
+    },
     "mla-sparse": {  # DeepSeek sparse attention: the indexer's parameters and cached keys
         **MLA,
         "model.q_lora_rank": 24,
@@ -70,7 +78,7 @@ CASES = {
 
 
 def test_every_kind_is_registered_on_both_sides_and_implements_the_protocol() -> None:
-    assert set(MIXERS) == set(MIXER_KINDS) == {"gqa", "mla", "gated_deltanet"}
+    assert set(MIXERS) == set(MIXER_KINDS) == {"gqa", "mla", "gated_deltanet", "kda"}
     required = [
         name
         for name, value in vars(TokenMixer).items()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from moetrain.config.checks import require
 from moetrain.config.mixers.base import MixerKind
-from moetrain.config.ranges import FUNCTION, POSITIVE_INT
+from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above
 
 if TYPE_CHECKING:
     from moetrain.config.layer_plan import MixerSpec
@@ -31,11 +31,17 @@ class GatedDeltaNetKeys:
     linear_value_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # the width of the short causal convolution over q, k and v (1: no mixing of positions)
     linear_conv_kernel_dim: int = field(default=4, metadata=POSITIVE_INT | FUNCTION)
+    # beta = 2 sigmoid(b), in (0, 2): the rule's transition I - beta k k^T may have negative
+    # eigenvalues (Olmo-Hybrid's linear_allow_neg_eigval); false: sigmoid(b), in (0, 1)
+    linear_allow_neg_eigval: bool = field(default=False, metadata=FUNCTION)
+    # the eps of the gated output norm; null: model.norm_eps (Olmo-Hybrid's is 1e-5 whatever
+    # its rms_norm_eps)
+    linear_norm_eps: float | None = field(default=None, metadata=above(0) | FUNCTION)
 
 
 # the per-layer options of the layer plan a recurrent layer does not have: key, whether a spec
-# asks for it
-_NO_ATTENTION_OPTIONS = (
+# asks for it (every recurrent kind's)
+NO_ATTENTION_OPTIONS = (
     ("model.sliding_window", lambda s: s.window is not None),
     ("model.attention_chunk_size", lambda s: s.chunk is not None),
     ("model.nope_layers", lambda s: not s.rope),
@@ -54,11 +60,13 @@ class GatedDeltaNet(MixerKind):
         "linear_key_head_dim",
         "linear_value_head_dim",
         "linear_conv_kernel_dim",
+        "linear_allow_neg_eigval",
+        "linear_norm_eps",
     )
 
     @classmethod
     def validate(cls, model: ModelConfig, specs: list[MixerSpec]) -> None:
-        for key, asks in _NO_ATTENTION_OPTIONS:
+        for key, asks in NO_ATTENTION_OPTIONS:
             require(
                 not any(asks(s) for s in specs),
                 key,
