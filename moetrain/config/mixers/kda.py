@@ -11,13 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from moetrain.config.checks import ConfigError, require
-from moetrain.config.mixers.base import MixerKind
-from moetrain.config.mixers.gated_deltanet import NO_ATTENTION_OPTIONS
+from moetrain.config.checks import ConfigError
+from moetrain.config.mixers.linear import LinearMixerKind
 from moetrain.config.ranges import FUNCTION, POSITIVE_INT
 
 if TYPE_CHECKING:
-    from moetrain.config.layer_plan import MixerSpec
     from moetrain.config.model import ModelConfig
 
 
@@ -30,37 +28,14 @@ class KDAKeys:
     linear_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
 
 
-class KDA(MixerKind):
+class KDA(LinearMixerKind):
     """Kimi Delta Attention (Kimi Linear's layout: a per-channel forget gate from a low-rank
     projection, a sigmoid output gate from another)."""
 
     name = "kda"
-    selected_by = "model.linear_attention"
     keys = ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")
-
-    @classmethod
-    def validate(cls, model: ModelConfig, specs: list[MixerSpec]) -> None:
-        for key, asks in NO_ATTENTION_OPTIONS:
-            require(
-                not any(asks(s) for s in specs),
-                key,
-                "names attention layers; a linear_attention layer has no window, chunks or RoPE",
-            )
-        for key in cls.keys[:2]:
-            require(
-                getattr(model, key) is not None,
-                f"model.{key}",
-                f"must be set where layers are {cls.name} (model.linear_attention)",
-            )
-
-    @classmethod
-    def head_dim(cls, model: ModelConfig) -> int:
-        """A query / key head's dims (``linear_head_dim``)."""
-        return model.linear_head_dim or 0
-
-    @classmethod
-    def rope_dim(cls, model: ModelConfig) -> int:
-        return 0
+    required = ("linear_num_heads", "linear_head_dim")
+    head_dim_key = "linear_head_dim"
 
     @classmethod
     def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from moetrain.config.checks import ConfigError, require
-from moetrain.config.mixers.base import MixerKind
-from moetrain.config.mixers.gated_deltanet import NO_ATTENTION_OPTIONS
+from moetrain.config.mixers.linear import LinearMixerKind
 from moetrain.config.ranges import FUNCTION, POSITIVE_INT, at_least
 
 if TYPE_CHECKING:
@@ -42,11 +41,10 @@ class Mamba2Keys:
     mamba_chunk_size: int = field(default=256, metadata=POSITIVE_INT)
 
 
-class Mamba2(MixerKind):
+class Mamba2(LinearMixerKind):
     """Mamba-2 (the selective state-space model, Dao & Gu 2024; transformers' layout)."""
 
     name = "mamba2"
-    selected_by = "model.linear_attention"
     keys = (
         "mamba_num_heads",
         "mamba_head_dim",
@@ -59,21 +57,12 @@ class Mamba2(MixerKind):
         "mamba_dt_max",
         "mamba_chunk_size",
     )
+    required = ("mamba_num_heads", "mamba_head_dim", "mamba_state_dim")
+    head_dim_key = "mamba_head_dim"
 
     @classmethod
     def validate(cls, model: ModelConfig, specs: list[MixerSpec]) -> None:
-        for key, asks in NO_ATTENTION_OPTIONS:
-            require(
-                not any(asks(s) for s in specs),
-                key,
-                "names attention layers; a linear_attention layer has no window, chunks or RoPE",
-            )
-        for key in ("mamba_num_heads", "mamba_head_dim", "mamba_state_dim"):
-            require(
-                getattr(model, key) is not None,
-                f"model.{key}",
-                f"must be set where layers are {cls.name} (model.linear_attention)",
-            )
+        super().validate(model, specs)
         heads, groups = model.mamba_num_heads, model.mamba_n_groups
         require(
             heads % groups == 0,
@@ -87,15 +76,6 @@ class Mamba2(MixerKind):
             "model.mamba_dt_max",
             f"must be above model.mamba_dt_min={model.mamba_dt_min} (null: no limit); got {high}",
         )
-
-    @classmethod
-    def head_dim(cls, model: ModelConfig) -> int:
-        """A head's dims (``mamba_head_dim``)."""
-        return model.mamba_head_dim or 0
-
-    @classmethod
-    def rope_dim(cls, model: ModelConfig) -> int:
-        return 0
 
     @classmethod
     def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:
