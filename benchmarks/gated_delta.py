@@ -22,35 +22,18 @@ CPU's multiplications; the rule flushes those below 5e-30 to zero, transformers'
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
-import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-from side_by_side import alternating_rounds, print_table
+from side_by_side import alternating_rounds, map_large_blocks, measure_step, print_table, run_child
 
 HK, H, D, CHUNK = 2, 4, 128, 64
 PATHS = ("moetrain", "transformers")
-_M_MMAP_THRESHOLD = -3
-
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(field)
 
 
 def _child(path: str, s: int, repeats: int, mild: bool) -> dict:
-    ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 65536)
+    map_large_blocks()
     import torch
     import torch.nn.functional as F
-
-    from moetrain.train.host_allocator import tune_host_allocator
 
     torch.set_num_threads(1)
     if path == "moetrain":
@@ -87,31 +70,12 @@ def _child(path: str, s: int, repeats: int, mild: bool) -> dict:
         for t in leaves:
             t.grad = None
 
-    step()
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _rss_kib("VmRSS")
-    step()
-    mib = (_rss_kib("VmHWM") - base) / 1024
-    tune_host_allocator("keep")
-    step()
-    times = []
-    for _ in range(repeats):
-        c0 = time.process_time()
-        step()
-        times.append(time.process_time() - c0)
-    return {"mib": mib, "s": statistics.median(times)}
+    return measure_step(step, repeats)
 
 
 def _run(path: str, s: int, repeats: int, mild: bool) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    cmd = [sys.executable, __file__, "--child", path, "--seq-lens", str(s)]
-    cmd += ["--repeats", str(repeats)] + (["--mild-decays"] if mild else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not line:
-        raise RuntimeError(f"{path} at S={s} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(line[0][len("RESULT ") :])
+    args = ["--child", path, "--seq-lens", str(s), "--repeats", str(repeats)]
+    return run_child(__file__, args + (["--mild-decays"] if mild else []), f"{path} at S={s}")
 
 
 def main() -> None:

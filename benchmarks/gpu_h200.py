@@ -36,6 +36,9 @@ fails, with the error):
    ``train_mla_mtp``: the same at the DeepSeek-V3 architecture (``MLA_MTP``: latent attention,
    grouped sigmoid routing, a shared expert, a dense first layer, one multi-token-prediction
    module), against its own plan.
+   ``train_zero3``: the ``train`` run at ZeRO-3 (``parallel.zero_stage=3``, every weight
+   partitioned; on one GPU the gathers are local): the same figures, against its own plan, and
+   its losses against the ZeRO-1 run's (``losses_rel_diff_vs_zero1``).
 7. ``precision``: the bf16/fp16 numerics policy on the device, through ``Trainer.train_step``
    on the tiny model. bf16 at ZeRO-1 and ZeRO-2: bf16 weights, fp32 losses and aux-loss-free
    bias, fp32 gradient buffers (no bf16 gradient left alive), and a NaN gradient that skips the
@@ -110,6 +113,8 @@ TRAIN_SHAPE = {
     "optim.warmup_steps": 2,
 }
 DRY_TRAIN_SHAPE = {**TINY, "train.precision": "fp32", "parallel.zero_stage": 1}
+# ZeRO-3 with every weight partitioned (none kept whole below the persistence threshold)
+ZERO3 = {"parallel.zero_stage": 3, "parallel.zero3_persistence_elements": 0}
 # The DeepSeek-V3 architecture at TRAIN_SHAPE's width: latent attention with a query LoRA,
 # sigmoid routing in groups with the aux-loss-free bias, a shared expert, a dense first layer,
 # one multi-token-prediction module.
@@ -742,6 +747,17 @@ def main(argv: list[str] | None = None) -> int:
                 (MLA_MTP_TRAIN_SHAPE, DRY_MLA_MTP_TRAIN_SHAPE),
             ),
         ),
+        (  # the train section's run with every weight a ZeRO-3 partition (one GPU: the
+            # gathers are local), its losses beside the ZeRO-1 run's
+            "train_zero3",
+            lambda: train(
+                device,
+                dry,
+                steps,
+                info.get("peak_bf16_tflops"),
+                (TRAIN_SHAPE | ZERO3, DRY_TRAIN_SHAPE | ZERO3),
+            ),
+        ),
         ("precision", lambda: precision(device, dry)),
         ("nccl", lambda: nccl(device)),
     ]
@@ -753,7 +769,12 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"ok": False, "error": repr(exc), "trace": traceback.format_exc()}
         results[name]["seconds"] = time.perf_counter() - t0
         print(f"[{name}] {time.perf_counter() - t0:.1f}s ok={results[name].get('ok')}", flush=True)
-    for tr in (results.get("train", {}), results.get("train_mla_mtp", {})):
+    zero1, zero3 = results.get("train", {}), results.get("train_zero3", {})
+    if "losses" in zero1 and "losses" in zero3:
+        zero3["losses_rel_diff_vs_zero1"] = max(
+            abs(a - b) / abs(b) for a, b in zip(zero3["losses"], zero1["losses"], strict=True)
+        )
+    for tr in (zero1, results.get("train_mla_mtp", {}), zero3):
         if "model_tflops" in tr and "tflops" in results.get("matmul", {}):
             tr["mfu_vs_measured_matmul"] = tr["model_tflops"] / results["matmul"]["tflops"]
     (out / "gpu_h200.json").write_text(json.dumps(results, indent=2, default=str))
@@ -803,7 +824,7 @@ def summary(r: dict[str, Any]) -> str:
                 f"host syncs, one MoE layer fwd+bwd {key}: ops {h[key]['ops']}, "
                 f"CUDA sync calls {h[key].get('cuda_syncs', 'n/a')} ({h[key]['experts_path']})"
             )
-    for section in ("train", "train_mla_mtp"):
+    for section in ("train", "train_mla_mtp", "train_zero3"):
         t = r.get(section, {})
         if "tokens_per_s" in t:
             mfu = t.get("mfu_vs_table_peak")

@@ -1,12 +1,21 @@
 """Two implementations measured side by side at several sequence lengths: alternating rounds
 (each round runs both, the order reversed from round to round) and the table of their times,
-peak memory and per-round ratios (median over rounds, with the range)."""
+peak memory and per-round ratios (median over rounds, with the range); and the measurement of
+one fwd+bwd step in a fresh process (:func:`measure_step`, :func:`run_child`)."""
 
 from __future__ import annotations
 
+import ctypes
+import json
+import os
 import statistics
+import subprocess
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
+
+_M_MMAP_THRESHOLD = -3
 
 Runs = dict[str, list[dict]]  # name -> one result per round: {"s": seconds, "mib": peak MiB}
 
@@ -48,3 +57,48 @@ def print_table(rows: list[tuple[int, Runs]], names: tuple[str, str]) -> None:
             f"{statistics.median(t):.2f}x ({t[0]:.2f}-{t[-1]:.2f}x) | {med(ours, 'mib'):.0f} | "
             f"{med(peer, 'mib'):.0f} | {statistics.median(m):.2f}x ({m[0]:.2f}-{m[-1]:.2f}x) |"
         )
+
+
+def map_large_blocks() -> None:
+    """glibc serves allocations >= 64 KiB by mmap, so that RSS follows live tensors (call first
+    in a measuring child)."""
+    ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 65536)
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def measure_step(step: Callable[[], None], repeats: int) -> dict:
+    """One warm-up ``step``, then the peak RSS of one over the RSS just before it (peak reset
+    through /proc/self/clear_refs); then, under ``moetrain train``'s CPU allocator setting
+    (``keep``), one warm-up and the median CPU time of ``repeats`` steps."""
+    from moetrain.train.host_allocator import tune_host_allocator
+
+    step()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _rss_kib("VmRSS")
+    step()
+    mib = (_rss_kib("VmHWM") - base) / 1024
+    tune_host_allocator("keep")
+    step()
+    times = []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        step()
+        times.append(time.process_time() - c0)
+    return {"mib": mib, "s": statistics.median(times)}
+
+
+def run_child(script: str, args: list[str], what: str) -> dict:
+    """``script --child ...args`` in a fresh process, one thread; its ``RESULT {json}`` line."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[0][len("RESULT ") :])

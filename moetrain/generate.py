@@ -3,7 +3,7 @@
 Prompts are encoded as in training (the tokenizer's ``encode(text)``, as ``prepare`` encodes a
 document; documents end with EOS), and
 an empty prompt starts after an EOS, i.e. at a document boundary. Generation stops at EOS, after
-``max_new_tokens`` or at ``model.max_seq_len`` (LongRoPE: ``model.rope_original_max_seq_len``). ``temperature = 0`` is greedy; otherwise logits
+``max_new_tokens`` or at ``model.max_seq_len``. ``temperature = 0`` is greedy; otherwise logits
 are divided by the temperature, cut to the ``top_k`` largest (0 = all) and to the smallest set
 whose probability reaches ``top_p`` (1 = all), and sampled with a generator seeded by ``seed``.
 """
@@ -87,11 +87,11 @@ def generate_ids(
         )
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
-    max_len = model.cfg.rope_positions
+    max_len = model.cfg.max_seq_len
     if len(prompt_ids) >= max_len:
         raise ValueError(
             f"prompt has {len(prompt_ids)} tokens; the model computes {max_len} positions "
-            "(model.max_seq_len, or LongRoPE's model.rope_original_max_seq_len)"
+            "(model.max_seq_len)"
         )
     budget = min(max_new_tokens, max_len - len(prompt_ids))
     device = model.embed.weight.device

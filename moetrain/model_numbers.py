@@ -48,20 +48,23 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     for layer in cfg.layer_plan():
         if layer.index == m.n_layers:
             mtp = total
-        if layer.mixer is not None:  # its input norm, its parameters
+        # a branch's norms: before or after it, or both (sandwich)
+        branch_norms = norm * (2 if m.norm_placement(layer.index) == "sandwich" else 1)
+        if layer.mixer is not None:  # its norms, its parameters
             kind = mixer_class(layer.mixer)
-            params = norm + kind.param_count(m, layer.mixer)
+            params = branch_norms + kind.param_count(m, layer.mixer)
             total, active = total + params, active + params
             matmul_active += sum(i * o for i, o in kind.matrices(m, layer.mixer).values())
             mixing += kind.mixing_flops_per_token(m, layer.mixer, seq_len)
         if layer.ffn == "moe":
             n_moe += 1
             ffn_active = router + e.top_k * expert + shared + shared_gate
-            total += norm + router + e.num_experts * expert + shared + shared_gate
-            active += norm + ffn_active
+            total += branch_norms + router + e.num_experts * expert + shared + shared_gate
+            active += branch_norms + ffn_active
             matmul_active += ffn_active
         elif layer.ffn == "dense":
-            total, active = total + norm + dense_ffn, active + norm + dense_ffn
+            dense = branch_norms + dense_ffn
+            total, active = total + dense, active + dense
             matmul_active += dense_ffn
     if m.mtp_depth:  # each module: its block (above), enorm, hnorm, head_norm, eh_proj
         extra = 3 * norm + 2 * d * d

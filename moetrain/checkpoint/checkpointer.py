@@ -14,8 +14,9 @@ manifest before DeepSpeed unpickles anything. DeepSpeed's own loader unpickles i
 checkpoint directory must be trusted like code; moetrain's own files are JSON or are read with
 ``torch.load(weights_only=True)``.
 
-Resharding: model weights always reshard (per-expert files), and the optimizer state is
-re-partitioned for another world size, EP size or ZeRO stage (:mod:`moetrain.checkpoint.reshard`);
+Resharding: model weights always reshard (per-expert files; at ZeRO-3 each rank's partitions,
+:mod:`moetrain.checkpoint.zero3_restore`), and the optimizer state is re-partitioned for another
+world size, EP size or ZeRO stage (:mod:`moetrain.checkpoint.reshard`);
 ``--reset-optimizer`` loads weights, schedule and data position and restarts the optimizer state
 (also the way from one ``optim.name`` to another).
 """
@@ -60,13 +61,13 @@ from moetrain.checkpoint.format import (
     verify_manifest,
 )
 from moetrain.checkpoint.rank_files import RankFiles
-from moetrain.checkpoint.read import refuse_zero3
 from moetrain.checkpoint.reshard import (
     SavedOptimizer,
     optimizer_param_names,
     restore_optimizer,
 )
 from moetrain.checkpoint.timeline import TIMELINES_FILE, plan_resume, record_timeline
+from moetrain.checkpoint.zero3_restore import load_weights, restore_zero3_optimizer
 from moetrain.faults import fault_point
 from moetrain.fileio import atomic_file, fsync_dir, write_json_atomic
 from moetrain.model.mtp import MTP_CHAIN
@@ -373,14 +374,9 @@ class Checkpointer:
                 f"{path} was trained with tokenizer sha256 {sha}, but the data in "
                 f"{self.cfg.data.output_dir} uses {run.tokenizer_sha256}"
             )
-        if not same_layout and 3 in (saved["zero_stage"], now["zero_stage"]):
-            refuse_zero3(path)  # (a stage-3 checkpoint resumes on its own layout only)
-            raise CheckpointError(
-                f"{path}: written at world_size={saved['world_size']}, ep_size="
-                f"{saved['ep_size']}, zero_stage={saved['zero_stage']}; resuming it at "
-                f"parallel.zero_stage=3 on another layout is not supported yet: resume on its "
-                f"own layout, or with parallel.zero_stage=3 at its world and EP sizes"
-            )
+        # DeepSpeed's loader cannot read a stage-3 checkpoint's weights on another layout, nor
+        # put another layout's into stage-3 partitions: moetrain's reader and writer do
+        zero3 = not same_layout and 3 in (saved["zero_stage"], now["zero_stage"])
         saved_optimizer = None
         if not same_layout and not reset_optimizer:
             saved_optimizer = SavedOptimizer(path, state)  # read (and checked) before loading
@@ -396,16 +392,20 @@ class Checkpointer:
                     f"world_size={now['world_size']}, ep_size={now['ep_size']}, "
                     f"zero_stage={now['zero_stage']} (optimizer state re-partitioned)"
                 )
-        run.engine.load_checkpoint(
-            str(path.parent),
-            tag=path.name,
-            load_optimizer_states=same_layout and not reset_optimizer,
-            load_lr_scheduler_states=False,
-            load_module_only=not same_layout or reset_optimizer,
-        )
+        experts = topo.local_experts(self.cfg.moe.num_experts)
+        if zero3:
+            load_weights(run.engine, path, self.cfg, experts)
+        else:
+            run.engine.load_checkpoint(
+                str(path.parent),
+                tag=path.name,
+                load_optimizer_states=same_layout and not reset_optimizer,
+                load_lr_scheduler_states=False,
+                load_module_only=not same_layout or reset_optimizer,
+            )
         if saved_optimizer is not None:
-            experts = topo.local_experts(self.cfg.moe.num_experts)
-            restore_optimizer(run.engine, saved_optimizer, experts)
+            restore = restore_zero3_optimizer if now["zero_stage"] == 3 else restore_optimizer
+            restore(run.engine, saved_optimizer, experts)
         run.progress.load_state_dict(state.progress())
         run.loss_scaler.load_state_dict(state.loss_scaler)  # also after --reset-optimizer
         run.schedule.load_state_dict(state.schedule)

@@ -14,6 +14,11 @@
   (``bf16_`` prefix under DeepSpeed's bf16 optimizer);
   ``expp_rank_<e>_mp_rank_00_optim_states.pt``: at ZeRO stage 0, the optimizer state of each
   expert-parallel rank.
+- at ZeRO-3 (``parallel.zero_stage=3``) there are no dense or per-expert files:
+  ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` holds rank ``r``'s buffers and the parameter
+  names and shapes of each optimizer sub-group, and its ``..._optim_states.pt`` the rank's
+  partition of every parameter (fp32 master weights and optimizer state) with the ranks each
+  sub-group is partitioned over (:mod:`moetrain.checkpoint.reshard` reads them).
 - ``rank_<r>.pt``: that rank's RNG states (tensors only).
 - the tokenizer the data was tokenized with: ``tokenizer.model`` (SentencePiece), or a Hugging
   Face tokenizer's ``tokenizer.json`` with the files that configure it (``TOKENIZER_FILES``).
@@ -94,6 +99,12 @@ def zero_optimizer_file(ckpt: Path, rank: int) -> Path:
     name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
     bf16 = Path(ckpt) / f"bf16_{name}"
     return bf16 if bf16.is_file() else Path(ckpt) / name
+
+
+def zero3_model_file(ckpt: Path, rank: int) -> Path:
+    """DeepSpeed's ZeRO-3 model file of ``rank``: its module's buffers (the weights are empty
+    there) and the names and shapes of the parameters of each optimizer sub-group."""
+    return Path(ckpt) / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 
 
 def stage0_optimizer_file(ckpt: Path, ep_rank: int) -> Path:

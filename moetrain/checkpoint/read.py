@@ -1,5 +1,10 @@
-"""Reading weights: a committed moetrain checkpoint (whatever its world / EP size) into a
-single-device model.
+"""Reading weights: a committed moetrain checkpoint (whatever its world / EP size and ZeRO
+stage) into a single-device model.
+
+At ZeRO stages 0-2 the weights are DeepSpeed's dense file and one file per expert. At ZeRO-3
+they are the fp32 master weights in each rank's partitions (:class:`moetrain.checkpoint.reshard.
+SavedOptimizer` reads them, memory-mapped): each tensor is assembled from its partitions alone,
+so reading never holds more than what it yields (the dense weights, then one layer's experts).
 
 Only safe paths: every checkpoint file is read with ``torch.load(weights_only=True)``
 (DeepSpeed's model files hold only tensors and plain containers), the commit manifest is checked
@@ -24,6 +29,7 @@ from moetrain.checkpoint.format import (
     safe_torch_load,
     verify_manifest,
 )
+from moetrain.checkpoint.reshard import MASTER, SavedOptimizer, is_expert_param
 from moetrain.config import Config, config_from_dict
 from moetrain.model import param_names
 from moetrain.model.moe.experts import EXPERT_WEIGHTS, expert_param_names
@@ -35,27 +41,50 @@ def checkpoint_config(ckpt: Path) -> Config:
     return config_from_dict(TrainerState.read(ckpt).config)
 
 
-def refuse_zero3(ckpt: Path) -> None:
-    """CheckpointError when ``ckpt`` was written at ``parallel.zero_stage=3``: its files are
-    DeepSpeed's per-rank partitions (no dense or per-expert weight files), which resume on the
-    layout that wrote them only."""
-    layout = TrainerState.read(ckpt).layout
-    if layout.get("zero_stage") == 3:
-        raise CheckpointError(
-            f"{ckpt}: written at parallel.zero_stage=3, whose weights are per-rank partitions; "
-            f"reading its weights (convert, export, init_from, another layout) is not supported "
-            f"yet: resume it on its own layout (world_size={layout.get('world_size')}, "
-            f"parallel.ep_size={layout.get('ep_size')}, parallel.zero_stage=3)"
-        )
+def zero3_partitions(ckpt: Path) -> SavedOptimizer | None:
+    """The partitions of a checkpoint written at ``parallel.zero_stage=3``; None for another
+    stage."""
+    state = TrainerState.read(ckpt)
+    return SavedOptimizer(ckpt, state) if state.layout.get("zero_stage") == 3 else None
+
+
+def _zero3_dense(saved: SavedOptimizer) -> dict[str, torch.Tensor]:
+    dense = {n: saved.full(n, MASTER) for n in saved.param_names() if not is_expert_param(n)}
+    for alias, name in saved.aliases.items():  # a tied head: one parameter, two names
+        dense[alias] = dense[name]
+    return dense | saved.buffers
+
+
+def _expert_names(saved: SavedOptimizer, layer: int) -> list[str]:
+    names = [n for n in saved.param_names() if (param_names.parse_experts(n) or (-1,))[0] == layer]
+    if not names:
+        raise CheckpointError(f"{saved.ckpt}: no expert weights of transformer layer {layer}")
+    return names
 
 
 def dense_state(ckpt: Path) -> dict[str, torch.Tensor]:
     """Non-expert weights and buffers (embedding, attention, norms, routers, dense FFNs)."""
-    refuse_zero3(Path(ckpt))
+    saved = zero3_partitions(Path(ckpt))
+    if saved is not None:
+        return _zero3_dense(saved)
     state = safe_torch_load(Path(ckpt) / DENSE_FILE)
     if not isinstance(state, dict) or "module" not in state:
         raise CheckpointError(f"{Path(ckpt) / DENSE_FILE}: no 'module' state dict inside")
     return dict(state["module"])
+
+
+def check_experts(ckpt: Path, cfg: Config) -> None:
+    """CheckpointError when an expert of an MoE layer is missing (any ZeRO stage)."""
+    saved = zero3_partitions(Path(ckpt))
+    if saved is None:
+        expert_files(ckpt, cfg)
+        return
+    for layer in cfg.moe.moe_layers(cfg.model.n_blocks):
+        for name in _expert_names(saved, layer):
+            if (shape := saved.full_shape(name))[0] != cfg.moe.num_experts:
+                raise CheckpointError(
+                    f"{ckpt}: {name} holds {shape[0]} experts, the config {cfg.moe.num_experts}"
+                )
 
 
 def expert_files(ckpt: Path, cfg: Config) -> dict[int, list[Path]]:
@@ -115,6 +144,12 @@ def iter_layer_states(ckpt: Path, cfg: Config) -> Iterator[tuple[str, dict[str, 
 
     Memory stays near the dense weights plus one layer's experts (the converter streams this).
     """
+    saved = zero3_partitions(Path(ckpt))
+    if saved is not None:
+        yield "dense", _zero3_dense(saved)
+        for layer in cfg.moe.moe_layers(cfg.model.n_blocks):
+            yield f"layers.{layer}", {n: saved.full(n, MASTER) for n in _expert_names(saved, layer)}
+        return
     yield "dense", dense_state(ckpt)
     for layer, files in expert_files(ckpt, cfg).items():
         names = expert_param_names(cfg.moe.expert_biases)

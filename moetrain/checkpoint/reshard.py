@@ -11,10 +11,14 @@ universal checkpoint knows only its own (AutoEP) expert layers. moetrain re-part
    parameter (``param_slice_mappings``); a parameter is its slices, in partition order, over the
    ranks that partitioned its group: every rank for dense groups, the expert-data-parallel
    ranks ``e, e + ep, ...`` of expert-parallel rank ``e`` for expert groups. Expert stacks of the
-   EP ranks are concatenated into the global (E, ...) stack. Stage-0 files hold the torch
+   EP ranks are concatenated into the global (E, ...) stack. ZeRO-3 files hold, per optimizer
+   sub-group, each rank's partition of every parameter in turn (names and shapes in the rank's
+   model file, the ranks it is partitioned over in DeepSpeed's ``ds_zero_partition_groups``):
+   a parameter is its partitions in rank order, less the padding. Stage-0 files hold the torch
    optimizer's per-parameter state of each EP rank, named through ``TrainerState.optimizer_params``.
-2. Write them into the new engine (:func:`restore_optimizer`), whose model weights were loaded
-   from the per-expert files: ZeRO-1/2 (and DeepSpeed's bf16 optimizer) get, for every
+2. Write them into the new engine (:func:`restore_optimizer`; a ZeRO-3 engine:
+   :func:`moetrain.checkpoint.zero3_restore.restore_zero3_optimizer`), whose model weights were
+   loaded from the per-expert files: ZeRO-1/2 (and DeepSpeed's bf16 optimizer) get, for every
    parameter slice this rank now owns, the master weight copied into its flat fp32 partition
    and the state tensors into flat buffers of the partition's size; stage 0 gets the torch
    optimizer's per-parameter state. Every rank gets only its own experts (its slice of the stack).
@@ -40,6 +44,7 @@ from moetrain.checkpoint.format import (
     CheckpointError,
     TrainerState,
     stage0_optimizer_file,
+    zero3_model_file,
     zero_optimizer_file,
 )
 from moetrain.model import param_names
@@ -88,7 +93,8 @@ class SavedOptimizer:
         self.ckpt, self.layout = Path(ckpt), state.layout
         self.spec: OptimizerSpec = optimizer_spec(saved_optimizer_name(state))
         world, self.ep = self.layout["world_size"], self.layout["ep_size"]
-        dense = _load(self.ckpt / DENSE_FILE)
+        stage3 = self.layout["zero_stage"] == 3
+        dense = _load(zero3_model_file(self.ckpt, 0) if stage3 else self.ckpt / DENSE_FILE)
         self.counters = {
             k: dense.get(k) for k in ("global_steps", "global_samples", "skipped_steps")
         }
@@ -96,7 +102,16 @@ class SavedOptimizer:
         self._pieces: dict[tuple[str, int | None], list[tuple[Any, int, int, int]]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self.step: torch.Tensor | None = None
-        if self.layout["zero_stage"] > 0:
+        # at ZeRO-3: the buffers (whole in every rank's model file) and tied names (alias: name)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.aliases: dict[str, str] = {}
+        if stage3:
+            names = set(dense.get("buffer_names") or [])
+            self.buffers = {k: v for k, v in dense["module"].items() if k in names}
+            self.aliases = dict(dense.get("shared_params") or {})
+            for rank in range(world):
+                self._add_zero3_rank(rank)
+        elif self.layout["zero_stage"] > 0:
             for group in dense.get("param_shapes") or []:
                 self._shapes.update({n: tuple(s) for n, s in group.items()})
             for rank in range(world):
@@ -140,6 +155,52 @@ class SavedOptimizer:
                     (sources, g, address.start, address.numel)
                 )
 
+    def _add_zero3_rank(self, rank: int) -> None:
+        """Rank ``rank``'s ZeRO-3 partitions: sub-group ``i`` of its optimizer file is the flat
+        run of the partitions of the parameters named in ``param_shapes[i]`` of its model
+        file, each ``ceil(numel / partition count)`` long (the last one padded), over the
+        sub-group's ``partition_ranks`` in rank order."""
+        where = f"{zero_optimizer_file(self.ckpt, rank)}"
+        try:
+            shapes = _load(zero3_model_file(self.ckpt, rank))["param_shapes"]
+            osd = _load(zero_optimizer_file(self.ckpt, rank))["optimizer_state_dict"]
+            flats, base = osd["fp32_flat_groups"], osd["optimizer_state_dict"]
+            meta = osd.get("ds_zero_partition_groups") or [
+                {"partition_count": osd["partition_count"], "partition_rank": rank,
+                 "partition_ranks": list(range(osd["partition_count"])), "families": []}
+                for _ in flats
+            ]  # fmt: skip
+            states, groups = base["state"], base["param_groups"]
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"{where}: not a ZeRO-3 optimizer file ({e})") from None
+        group_of = {i: g for g in groups for i in g["params"]}
+        for i, (names, flat, part) in enumerate(zip(shapes, flats, meta, strict=True)):
+            count, prank, ranks = (
+                part["partition_count"],
+                part["partition_rank"],
+                part["partition_ranks"],
+            )
+            if ranks != sorted(ranks) or ranks[prank] != rank:
+                raise CheckpointError(
+                    f"{where}: sub-group {i} partitioned over {ranks} out of order"
+                )
+            sources = {MASTER: flat, **{k: states[i][k] for k in self.spec.state_keys(group_of[i])}}
+            self._set_step(states[i]["step"], where)
+            expert = "autoep_expert" in part["families"]
+            start = 0
+            for name, shape in names.items():
+                numel, size = torch.Size(shape).numel(), -(-torch.Size(shape).numel() // count)
+                piece = max(0, min(size, numel - prank * size))
+                self._shapes[name] = tuple(shape)
+                key = (name, rank % self.ep if expert else None)
+                self._pieces.setdefault(key, []).append((sources, i, start, piece))
+                start += size
+            if start > flat.numel():
+                raise CheckpointError(
+                    f"{where}: sub-group {i} holds {flat.numel()} values, its "
+                    f"parameters need {start}"
+                )
+
     def _add_stage0_rank(self, ep_rank: int, sd: Any) -> None:
         self._stage0 = getattr(self, "_stage0", {})
         try:
@@ -168,8 +229,17 @@ class SavedOptimizer:
 
     # ---------------------------------------------------------------- per-parameter values
     def has_master(self) -> bool:
-        """Whether the saved files hold fp32 master weights (ZeRO-1/2) or only moments."""
+        """Whether the saved files hold fp32 master weights (ZeRO-1/2/3) or only moments."""
         return self.layout["zero_stage"] > 0
+
+    def param_names(self) -> list[str]:
+        """Every parameter the saved optimizer holds, in a stable order."""
+        return sorted({name for name, _ in self._pieces})
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of :meth:`full`'s tensor (an expert weight: the global stack's)."""
+        shape = self._shapes[name]
+        return (shape[0] * self.ep, *shape[1:]) if is_expert_param(name) else shape
 
     def _one(self, name: str, ep_rank: int | None, key: str) -> torch.Tensor:
         pieces = self._pieces.get((name, ep_rank))

@@ -95,6 +95,8 @@ class LayerPlanKeys:
     full_attention_interval: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # the token mixer kind of the linear_attention layers (moetrain.config.mixers):
     # "gated_deltanet" (Qwen3-Next's and Qwen3.5's Gated DeltaNet; config/mixers/gated_deltanet.py)
+    # "kda" (Kimi Linear's Kimi Delta Attention; config/mixers/kda.py) or "mamba2" (Granite 4.0-H's
+    # Mamba-2; config/mixers/mamba2.py)
     linear_attention: str = field(default="gated_deltanet", metadata=FUNCTION)
     # sliding-window attention: a query of a "sliding_attention" layer sees the last
     # sliding_window positions, itself included (transformers' rule); less than max_seq_len
@@ -180,11 +182,12 @@ def validate_layer_plan(model: ModelConfig) -> None:
                 f"{spec.kind} is a kind of {kind.selected_by}, not of {key}",
             )
             used.setdefault(spec.kind, []).append(spec)
+    shared = {key for name in used for key in MIXER_KINDS[name].keys}
     for name, kind in MIXER_KINDS.items():
         if name in used:
             kind.validate(model, used[name])
         else:
-            kind.refuse_own_keys(model)
+            kind.refuse_own_keys(model, shared)
 
 
 def _kind_key(types: list[str], layer: int) -> str:

@@ -81,9 +81,10 @@ def check_zero3(cfg: Config) -> None:
     """What ZeRO-3 (``parallel.zero_stage=3``, :mod:`moetrain.parallel.zero3`) refuses: shadow
     experts (the dispatcher hands a replica its owner's stacked weights outside the experts'
     forward, where ZeRO-3 holds only a partition of them), fp16 (its loss scaling at ZeRO-3 is
-    not proven here; bf16 is), optimizer offload and sequence parallelism (not proven here
-    either), ``checkpoint.init_from`` (its weights are not streamed into the partitions yet),
-    sparse attention and linear-attention layers (not proven against stage 2 yet)."""
+    not proven here; bf16 is), optimizer offload (not proven here either),
+    ``checkpoint.init_from`` (its weights are not streamed into the partitions yet), sparse
+    attention and linear-attention layers (not proven against stage 2 yet). Sequence
+    parallelism is supported (tests/distributed/test_zero3.py)."""
     p, t = cfg.parallel, cfg.train
     if p.zero_stage != 3:
         return
@@ -103,12 +104,6 @@ def check_zero3(cfg: Config) -> None:
         raise ConfigError(
             "parallel.offload_optimizer: not supported with parallel.zero_stage=3; set "
             "parallel.offload_optimizer=false or parallel.zero_stage=2"
-        )
-    if p.sp_size > 1:
-        raise ConfigError(
-            f"parallel.sp_size: sequence parallelism is not supported with parallel.zero_stage=3 "
-            f"yet (not proven against stage 2); got {p.sp_size}; set parallel.sp_size=1 or "
-            f"parallel.zero_stage=2"
         )
     if cfg.checkpoint.init_from is not None:
         raise ConfigError(

@@ -19,10 +19,18 @@ from moetrain.config.layer_plan import (
     LAYER_TYPES,
     SLIDING,
     LayerPlanKeys,
+    layer_types,
     mixer_spec,
     validate_layer_plan,
 )
-from moetrain.config.mixers import GatedDeltaNetKeys, GQAKeys, MLAKeys, mixer_kind
+from moetrain.config.mixers import (
+    GatedDeltaNetKeys,
+    GQAKeys,
+    KDAKeys,
+    Mamba2Keys,
+    MLAKeys,
+    mixer_kind,
+)
 from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above, at_least
 
 __all__ = ["CHUNKED", "FULL", "FUNCTION", "LAYER_TYPES", "POSITIVE_INT", "SLIDING", "ModelConfig"]
@@ -53,7 +61,9 @@ class ModelShape:
 
 
 @dataclass
-class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape):
+class ModelConfig(
+    LayerPlanKeys, KDAKeys, GatedDeltaNetKeys, Mamba2Keys, MLAKeys, GQAKeys, ModelShape
+):
     """Transformer shape: the keys above, then each mixer kind's and the layer plan's, then
     these."""
 
@@ -64,6 +74,17 @@ class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape
     # "layernorm" (mean and variance, a weight and a bias; Phi-3.5-MoE); eps is norm_eps. The
     # query/key norms and MLA's latent norms stay RMSNorm
     norm: Literal["rmsnorm", "layernorm"] = field(default="rmsnorm", metadata=FUNCTION)
+    # where a block normalises: "pre" (the mixer's and the FFN's inputs), "sandwich" (also
+    # each branch's output, before its residual add: layers.<i>.attn_post_norm and
+    # ffn_post_norm, of model.norm's kind; Trinity's, Gemma's) or "post" (each branch's output
+    # only: OLMo-2's, Olmo-Hybrid's attention layers)
+    block_norms: Literal["pre", "sandwich", "post"] = field(default="pre", metadata=FUNCTION)
+    # the attention layers' placement where it differs from model.block_norms' (the other
+    # layers keep that: Olmo-Hybrid's post-norm attention beside pre-norm Gated DeltaNet
+    # layers); null: model.block_norms everywhere
+    attention_block_norms: Literal["pre", "sandwich", "post"] | None = field(
+        default=None, metadata=FUNCTION
+    )
     # RMSNorm weights held as an offset from 1, the norm computing x / rms(x) * (1 + w) in fp32
     # (Qwen3-Next's and Qwen3.5's zero-centred norm; zeros at initialisation): the block, final
     # and MTP norms and the query/key norms (not latent attention's nor Gated DeltaNet's
@@ -87,13 +108,18 @@ class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape
     rope_factor: float | None = field(default=None, metadata=at_least(1) | FUNCTION)
     rope_original_max_seq_len: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # longrope: each rotary frequency is divided by its short factor (rope_dim / 2 of them,
-    # required), and cos/sin are multiplied by rope_attention_factor (null: transformers'
-    # default sqrt(1 + ln(s) / ln(original)) with s = max_seq_len / original, 1 when s <= 1).
-    # moetrain computes positions below rope_original_max_seq_len only (the short factors);
-    # the long factors (required, same length) are the model's beyond it, kept for export
+    # required) while the sequence (its last position + 1) stays within
+    # rope_original_max_seq_len, by its long factor (required, same length) in a longer one,
+    # every position of it; cos/sin are multiplied by rope_attention_factor (null:
+    # transformers' default sqrt(1 + ln(s) / ln(original)) with s = max_seq_len / original, 1
+    # when s <= 1)
     rope_short_factor: list[float] | None = field(default=None, metadata=FUNCTION)
     rope_long_factor: list[float] | None = field(default=None, metadata=FUNCTION)
     rope_attention_factor: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # longrope: the factors of a sequence longer than rope_original_max_seq_len: "long" (null
+    # alike: transformers' LongRoPE) or "short" (the short ones kept: transformers 5.25's
+    # Phi-3.5-MoE class, which recomputes its frequencies without the sequence length)
+    rope_long_regime: Literal["long", "short"] | None = field(default=None, metadata=FUNCTION)
     # YaRN's ramp: dims rotating more than beta_fast times in the original context keep their
     # frequency, fewer than beta_slow times are interpolated (unset: 32 and 1)
     rope_beta_fast: float | None = field(default=None, metadata=above(0) | FUNCTION)
@@ -141,6 +167,17 @@ class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape
         """The chunk size of block ``layer``'s chunked attention, None for other attention."""
         spec = mixer_spec(self, layer)
         return spec.chunk if spec is not None else None
+
+    def norm_placement(self, layer: int) -> str:
+        """Block ``layer``'s norms: ``model.attention_block_norms`` on an attention layer (a
+        multi-token-prediction block's too) where set, else ``model.block_norms``."""
+        own = self.attention_block_norms
+        if own is None:
+            return self.block_norms
+        attention = LAYER_TYPES[FULL].kind_key  # (the key naming the attention layers)
+        if layer >= self.n_layers or LAYER_TYPES[layer_types(self)[layer]].kind_key == attention:
+            return own
+        return self.block_norms
 
     def has_rope(self, layer: int) -> bool:
         """Whether block ``layer`` rotates its queries and keys (multi-token-prediction blocks
@@ -255,13 +292,14 @@ class ModelConfig(LayerPlanKeys, GatedDeltaNetKeys, MLAKeys, GQAKeys, ModelShape
         scale = self.max_seq_len / original
         return 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
 
-    @property
-    def rope_positions(self) -> int:
-        """How many positions the model computes: ``max_seq_len``, or with LongRoPE at most
-        ``rope_original_max_seq_len`` (the short factors' range)."""
-        if self.rope_scaling == "longrope":
-            return min(self.max_seq_len, self.rope_original_max_seq_len)
-        return self.max_seq_len
+    def longrope_long(self, seq_len: int) -> bool:
+        """Whether a sequence of ``seq_len`` positions (its last position + 1) takes LongRoPE's
+        long factors (``model.rope_long_regime``)."""
+        return (
+            self.rope_scaling == "longrope"
+            and self.rope_long_regime != "short"
+            and seq_len > self.rope_original_max_seq_len
+        )
 
 
 # each RoPE-scaling key -> the scalings it applies to; the keys each scaling requires
@@ -271,6 +309,7 @@ _SCALING_KEYS = {
     "rope_short_factor": ("longrope",),
     "rope_long_factor": ("longrope",),
     "rope_attention_factor": ("longrope",),
+    "rope_long_regime": ("longrope",),
     "rope_beta_fast": ("yarn",),
     "rope_beta_slow": ("yarn",),
     "rope_mscale": ("yarn",),

@@ -323,13 +323,6 @@ class Config:
             "data.seq_len",
             f"must be <= model.max_seq_len={self.model.max_seq_len}; got {self.data.seq_len}",
         )
-        require(
-            self.data.seq_len <= self.model.rope_positions,
-            "data.seq_len",
-            f"must be <= model.rope_original_max_seq_len={self.model.rope_original_max_seq_len} "
-            "with model.rope_scaling=longrope (moetrain computes LongRoPE's short factors only); "
-            f"got {self.data.seq_len}",
-        )
         self._check_qk_clip()
         require(
             self.optim.name != "muon" or self.parallel.zero_stage < 3,

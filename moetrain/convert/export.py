@@ -1,7 +1,7 @@
 """Checkpoint -> Hugging Face model directory, streaming one layer at a time.
 
 ``convert_checkpoint`` reads a committed moetrain checkpoint written with any world and EP size
-(the per-expert DeepSpeed files), maps it to the chosen format's per-expert keys and writes:
+and ZeRO stage (the per-expert DeepSpeed files; at ZeRO-3 each rank's partitions), maps it to the chosen format's per-expert keys and writes:
 ``config.json`` (with ``architectures``), ``generation_config.json`` (bos/eos/pad ids),
 safetensors weights (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
 when above ``max_shard_bytes``, else ``model.safetensors``) and the tokenizer files.
@@ -26,7 +26,7 @@ from moetrain.checkpoint.format import (
     tokenizer_path,
     verify_manifest,
 )
-from moetrain.checkpoint.read import checkpoint_config, expert_files, iter_layer_states
+from moetrain.checkpoint.read import check_experts, checkpoint_config, iter_layer_states
 from moetrain.config import Config
 from moetrain.convert.families import family
 from moetrain.convert.formats import choose_format, family_of_architecture, hf_config
@@ -195,7 +195,7 @@ def convert_checkpoint(
     ckpt, out = Path(ckpt_dir), Path(out_dir)
     stored = checkpoint_config(ckpt)
     verify_manifest(ckpt)  # truncated or missing files, before anything is written
-    expert_files(ckpt, stored)  # every expert of every MoE layer present
+    check_experts(ckpt, stored)  # every expert of every MoE layer present
     cfg = stored
     if drop_mtp:
         cfg = dataclasses.replace(stored, model=dataclasses.replace(stored.model, mtp_depth=0))

@@ -59,15 +59,17 @@ def hf_config(cfg: Config, fmt: str, **extra: Any):  # noqa: ANN201 (a transform
     import transformers
 
     check_format(fmt, cfg.model, cfg.moe)
-    fields = family(fmt).to_hf(cfg)
-    return transformers.AutoConfig.for_model(fmt, **fields, **extra)
+    fields = family(fmt).to_hf(cfg) | extra  # (extra's token ids over a family's unset ones)
+    return transformers.AutoConfig.for_model(fmt, **fields)
 
 
 def transformers_config(hf_dict: dict[str, Any], model_type: str) -> Any:
-    """The transformers config object of a ``config.json`` dict (attribute aliases resolved)."""
+    """The transformers config object of a ``config.json`` dict (attribute aliases resolved;
+    infinities as transformers writes them, ``{"__float__": "Infinity"}``, read back)."""
     import transformers
 
     fields = {k: v for k, v in hf_dict.items() if k != "model_type"}
+    fields = transformers.PreTrainedConfig._decode_special_floats(fields)
     return transformers.AutoConfig.for_model(model_type, **fields)
 
 

@@ -1,7 +1,7 @@
 """The entries of a weight map (:mod:`moetrain.convert.weight_map`): each relates some moetrain
 tensors (``ours``) to the Hugging Face tensors that hold them (``theirs``) and converts between
 the two, one class per transform: a rename, a selection bias stored as a row, tensors joined
-along their first dim, rows regrouped per head, a tensor the files have no place for, and an MoE layer's experts per
+along their first dim, rows regrouped per head, each head's two halves apart, row parts apart, a tensor the files have no place for, and an MoE layer's experts per
 expert, fused or stacked.
 
 Expert entries read any range of experts from a :class:`TensorSource` (the safetensors files, or
@@ -104,6 +104,60 @@ class Joined(Entry):
 
     def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
         return [(sum(s[0] for s in shapes), *shapes[0][1:])]
+
+
+@dataclass(frozen=True)
+class RowParts(Entry):
+    """One moetrain tensor whose rows the files hold as parts of ``sizes`` rows, one tensor
+    each (Olmo-Hybrid's ``q_proj``, ``k_proj``, ``v_proj`` of Gated DeltaNet's
+    ``in_proj_qkv``)."""
+
+    sizes: tuple[int, ...] = ()
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
+        return list(tensors[0].split(list(self.sizes)))
+
+    def from_hf(self, tensors: Tensors) -> Tensors:
+        return [torch.cat(tensors)]
+
+    def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        return [(n, *shapes[0][1:]) for n in self.sizes]
+
+
+@dataclass(frozen=True)
+class HeadHalves(Entry):
+    """One moetrain tensor (rows, ...) holding per head two halves of rows, ``[a | b]`` (the
+    gated query projection: each head's query, then its gate) <-> two tensors of the files, the
+    a rows and the b rows, heads in order (Trinity's ``q_proj`` and ``gate_proj``)."""
+
+    heads: int = 1
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
+        t = tensors[0]
+        halves = t.reshape(self.heads, 2, -1, *t.shape[1:]).unbind(1)
+        return [h.reshape(-1, *t.shape[1:]) for h in halves]
+
+    def from_hf(self, tensors: Tensors) -> Tensors:
+        a, b = (t.reshape(self.heads, -1, *t.shape[1:]) for t in tensors)
+        return [torch.stack((a, b), dim=1).reshape(-1, *a.shape[2:])]
+
+    def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        rows, *rest = shapes[0]
+        return [(rows // 2, *rest)] * 2
+
+
+@dataclass(frozen=True)
+class Column(Entry):
+    """A vector (n,) stored as (1, 1, n, 1) (Kimi Linear's per-head ``A_log``)."""
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
+        return [tensors[0].reshape(1, 1, -1, 1)]
+
+    def from_hf(self, tensors: Tensors) -> Tensors:
+        return [tensors[0].reshape(-1)]
+
+    def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        return [(1, 1, *shapes[0], 1)]
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,16 @@ from moetrain.convert.families.layout import (
     Stacked,
 )
 from moetrain.convert.weight_entries import (
+    Column,
     Entry,
     Experts,
     FusedFiles,
     GroupedRows,
+    HeadHalves,
     Joined,
     NoSelectionBias,
     PerExpertFiles,
+    RowParts,
     SelectionBias,
     Shape,
     StackedFiles,
@@ -80,6 +83,9 @@ _MLA = {
 }
 # Gated DeltaNet: Qwen3.5's names (Qwen3-Next's fused projections: _fused_linear_attention)
 _GDN = {w: w for w in pn.GDN_WEIGHTS} | {"wo": "out_proj"}
+# Kimi Delta Attention: Kimi Linear's files' names
+_KDA = {w: w for w in pn.KDA_WEIGHTS} | {"wo": "o_proj"}
+_MAMBA2 = {w: w for w in pn.MAMBA2_WEIGHTS} | {"wo": "out_proj"}
 # A token mixer's weights: their names in a moetrain block -> in a Hugging Face decoder layer.
 # A block takes the first table that names every one of its mixer's weights; a new mixer kind
 # adds its table here.
@@ -94,6 +100,14 @@ MIXER_NAMES: tuple[dict[str, str], ...] = (
     {  # Gated DeltaNet
         **{_rel(pn.attn(0, ours)): f"linear_attn.{theirs}" for ours, theirs in _GDN.items()},
         **{_rel(pn.mixer_param(0, p), None): f"linear_attn.{p}" for p in pn.GDN_PARAMS},
+    },
+    {  # Kimi Delta Attention
+        **{_rel(pn.attn(0, ours)): f"self_attn.{theirs}" for ours, theirs in _KDA.items()},
+        **{_rel(pn.mixer_param(0, p), None): f"self_attn.{p}" for p in pn.GDN_PARAMS},
+    },
+    {  # Mamba-2 (Granite 4.0-H's names)
+        **{_rel(pn.attn(0, ours)): f"mamba.{theirs}" for ours, theirs in _MAMBA2.items()},
+        **{_rel(pn.mixer_param(0, p), None): f"mamba.{p}" for p in pn.MAMBA2_PARAMS},
     },
 )
 
@@ -112,7 +126,10 @@ def in_memory(layout: Layout) -> Layout:
     r, bias = layout.in_memory, layout.selection_bias
     return dataclasses.replace(
         layout,
+        renames={**layout.renames, **layout.in_memory_renames},
+        joined=bool(layout.in_memory_joined),
         moe_block=r.get(layout.moe_block, layout.moe_block),
+        dense_block=r.get(layout.dense_block, layout.dense_block),
         router=r.get(layout.router, layout.router),
         selection_bias=r.get(bias, bias) if bias else None,
         experts=layout.experts if isinstance(layout.experts, Stacked) else V5_FUSED,
@@ -157,7 +174,12 @@ class _Plan:
         """A block's names that are the same whatever its mixer: norms, FFN, MTP's own."""
         lay, moe = self.layout, self.layout.moe_block
         rules = {_rel(pn.attn_norm(0)): "input_layernorm"}
-        rules[_rel(pn.ffn_norm(0))] = "post_attention_layernorm"
+        ffn_norm = "post_attention_layernorm"
+        if self.cfg.model.norm_placement(i) != "pre":  # sandwich or post norms
+            mixer_out, ffn_norm, ffn_out = lay.sandwich_norms
+            rules[_rel(pn.post_norm(0, "attn"))] = mixer_out
+            rules[_rel(pn.post_norm(0, "ffn"))] = ffn_out
+        rules[_rel(pn.ffn_norm(0))] = ffn_norm
         for w, p in SWIGLU.items():
             rules[_rel(pn.dense_ffn(0, w))] = f"{lay.dense_block}.{p}"
             rules[_rel(pn.shared_expert(0, w))] = f"{moe}.{lay.shared_expert}.{p}"
@@ -196,8 +218,22 @@ class _Plan:
         elif bias in names:
             self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.num_experts))
         done = {bias, *shared} if lay.shared_fused is not None else {bias}
-        if lay.linear_fused and pn.attn(i, "in_proj_qkv") in names:
+        qkv = pn.attn(i, "in_proj_qkv")
+        if lay.linear_fused and qkv in names:
             done |= self._fused_linear_attention(i, prefix)
+        if lay.linear_qkv_apart and qkv in names:  # its q, k, v projections and convolutions
+            m, conv = self.cfg.model, pn.attn(i, "conv1d")
+            keys = m.linear_num_key_heads * m.linear_key_head_dim
+            sizes = (keys, keys, self.shapes[qkv][0] - 2 * keys)
+            for ours, theirs in ((qkv, "{}_proj"), (conv, "{}_conv1d")):
+                files = tuple(f"{prefix}linear_attn.{theirs.format(p)}.weight" for p in "qkv")
+                self.entries.append(RowParts((ours,), files, sizes))
+            done |= {qkv, conv}
+        wq = pn.attn(i, "wq")
+        if lay.attention_gate and self.cfg.model.attention_output_gate and wq in names:
+            theirs = (f"{prefix}self_attn.q_proj.weight", f"{prefix}{lay.attention_gate}.weight")
+            self.entries.append(HeadHalves((wq,), theirs, self.cfg.model.n_heads))
+            done.add(wq)
         rest = {n: n.removeprefix(f"layers.{i}.") for n in names if n not in done}
         common, (own, own_prefix) = self._block_rules(i), self._mtp_rules(i)
         known = {**common, **own}
@@ -214,7 +250,9 @@ class _Plan:
                 full = own_prefix + mine
             else:
                 full = prefix + (_rename(lay.renames, theirs) or theirs)
-            self.entries.append(Entry((name,), (full,)))
+            kind = Column if (theirs or "") in lay.columns else Entry
+            self.entries.append(kind((name,), (full,)))
+        self._join(prefix)
         self._fill(i, prefix, mixer or {})
         if mtp and lay.mtp.embed_copy is not None:
             head = pn.EMBED if self.cfg.model.tie_embeddings else pn.LM_HEAD
@@ -234,6 +272,19 @@ class _Plan:
             GroupedRows((b, a), (theirs + "ba.weight",), hk, ((hv,), (hv,))),
         ]
         return {qkv, z, b, a}
+
+    def _join(self, prefix: str) -> None:
+        """The tensors of ``Layout.in_memory_joined`` in this block as one entry each (joined
+        in memory, apart in the files)."""
+        for memory, files in self.layout.in_memory_joined.items():
+            names = [f"{prefix}{f}.weight" for f in files]
+            parts = [e for e in self.entries if e.theirs[0] in names]
+            if len(parts) != len(names):
+                continue
+            self.entries = [e for e in self.entries if e not in parts]
+            ours = tuple(p.ours[0] for p in sorted(parts, key=lambda e: names.index(e.theirs[0])))
+            joined = (f"{prefix}{memory}.weight",)
+            self.entries.append(Joined(ours, joined) if self.layout.joined else Entry(ours, names))
 
     def _fill(self, i: int, prefix: str, mixer: dict[str, str]) -> None:
         """The zeros a family's class always holds: q/k/v biases, a shared expert of size 0."""

@@ -3,7 +3,8 @@ and nowhere else: converters, checkpoint readers and writers call these.
 
 Layer ``i`` holds ``layers.<i>.attn_norm`` / ``attn.{wq,wk,wv,wo}`` (biases on wq/wk/wv with
 ``model.qkv_bias``, on wo with ``model.o_bias``; ``attn.q_norm`` / ``attn.k_norm`` with
-``model.qk_norm``) / ``ffn_norm`` (each norm a ``.weight``, and a ``.bias`` with
+``model.qk_norm``) / ``ffn_norm`` (and with ``model.block_norms: sandwich``
+``attn_post_norm`` / ``ffn_post_norm``; each norm a ``.weight``, and a ``.bias`` with
 ``model.norm: layernorm``, as ``norm`` and the MTP norms),
 then either a dense SwiGLU ``ffn.{w1,w3,w2}`` or an MoE block: ``ffn.router.gate`` (E, D), the
 selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.experts.w13``
@@ -48,6 +49,12 @@ def ffn_norm(layer: int, kind: str = "weight") -> str:
     return f"layers.{layer}.ffn_norm.{kind}"
 
 
+def post_norm(layer: int, branch: str, kind: str = "weight") -> str:
+    """A sandwich block's norm of a branch's output (``model.block_norms: sandwich``;
+    ``branch``: attn | ffn; ``kind``: weight | bias)."""
+    return f"layers.{layer}.{branch}_post_norm.{kind}"
+
+
 def attn(layer: int, projection: str, kind: str = "weight") -> str:
     """``projection``: wq | wk | wv | wo, or with latent attention wq (or wq_a, q_norm, wq_b),
     wkv_a, kv_norm, wkv_b, wo, and under sparse attention its indexer's indexer.wq_b,
@@ -73,12 +80,21 @@ def mtp_projection(layer: int) -> str:
 # Gated DeltaNet's weights (model/mixers/gated_deltanet.py), under layers.<i>.attn: its
 # projections and convolution (a ``.weight`` each), its per-head decay parameters (bare)
 GDN_WEIGHTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "wo")
-GDN_PARAMS = ("A_log", "dt_bias")
+GDN_PARAMS = ("A_log", "dt_bias")  # (Kimi Delta Attention's too)
+# Kimi Delta Attention's weights (model/mixers/kda.py), under layers.<i>.attn (a ``.weight`` each)
+KDA_WEIGHTS = (
+    *(f"{p}_{w}" for w in ("proj", "conv1d") for p in "qkv"),
+    *("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "wo"),
+)
+# Mamba-2's (model/mixers/mamba2.py): its projections, convolution and gated norm (a
+# ``.weight`` each, biases where configured), its per-head parameters (bare)
+MAMBA2_WEIGHTS = ("in_proj", "conv1d", "norm", "wo")
+MAMBA2_PARAMS = ("A_log", "dt_bias", "D")
 
 
 def mixer_param(layer: int, name: str) -> str:
     """A bare parameter of block ``layer``'s token mixer (Gated DeltaNet's ``A_log``,
-    ``dt_bias``)."""
+    ``dt_bias``; Mamba-2's and its ``D``)."""
     return f"layers.{layer}.attn.{name}"
 
 

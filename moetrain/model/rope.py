@@ -30,9 +30,10 @@ each inverse frequency is divided by its own factor, ``1 / (factor_i * theta ** 
 and cos/sin are multiplied by the attention factor (``model.rope_attention_factor``; unset,
 ``sqrt(1 + ln(s) / ln(original))`` with ``s = max_seq_len / original``, 1 for ``s <= 1``).
 transformers picks the short factors while the sequence (its largest position + 1) stays within
-``original_max_position_embeddings`` and the long ones beyond; moetrain builds the short
-factors' table only, over the first ``original`` positions, and refuses longer sequences
-(``ModelConfig.rope_positions``), so one table serves training and a KV cache alike.
+``original_max_position_embeddings`` and the long ones, for every position, beyond
+(``ModelConfig.longrope_long``; ``model.rope_long_regime: short`` keeps the short ones, as
+transformers 5.25's Phi-3.5-MoE class does): ``rope_tables(..., long=True)`` is the long
+factors' table.
 """
 
 from __future__ import annotations
@@ -100,11 +101,12 @@ def longrope_inv_freq(dim: int, theta: float, factors: list[float]) -> torch.Ten
 
 
 def rope_tables(
-    dim: int, max_seq_len: int, theta: float, cfg: ModelConfig | None = None
+    dim: int, max_seq_len: int, theta: float, cfg: ModelConfig | None = None, long: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos_SR, sin_SR)`` in fp32 for positions ``0 .. max_seq_len - 1`` of ``dim`` rotary
     dims; with ``cfg``, the frequencies (and YaRN's attention factor) of
-    ``cfg.rope_scaling`` (``cfg``'s other keys are not read)."""
+    ``cfg.rope_scaling`` (``cfg``'s other keys are not read); ``long``: LongRoPE's long
+    factors instead of its short ones."""
     factor = 1.0
     if cfg is not None and cfg.rope_scaling == "llama3":
         inv_freq = llama3_inv_freq(
@@ -126,7 +128,8 @@ def rope_tables(
         )
         factor = yarn_attention_factor(cfg)
     elif cfg is not None and cfg.rope_scaling == "longrope":
-        inv_freq = longrope_inv_freq(dim, theta, cfg.rope_short_factor)
+        factors = cfg.rope_long_factor if long else cfg.rope_short_factor
+        inv_freq = longrope_inv_freq(dim, theta, factors)
         factor = cfg.longrope_attention_factor
     else:
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
@@ -138,13 +141,13 @@ def rope_tables(
 
 
 def model_rope_tables(
-    cfg: ModelConfig, positions: int | None = None
+    cfg: ModelConfig, positions: int | None = None, long: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's RoPE tables: ``cfg.rope_dim`` dims, the first ``positions`` positions
-    (default ``cfg.rope_positions``: the context; LongRoPE's original one), scaled as
-    ``cfg.rope_scaling`` says. A position's row does not depend on how many are built."""
-    n = cfg.rope_positions if positions is None else positions
-    return rope_tables(cfg.rope_dim, n, cfg.rope_theta, cfg)
+    (default ``cfg.max_seq_len``: the context), scaled as ``cfg.rope_scaling`` says (``long``:
+    with LongRoPE's long factors). A position's row does not depend on how many are built."""
+    n = cfg.max_seq_len if positions is None else positions
+    return rope_tables(cfg.rope_dim, n, cfg.rope_theta, cfg, long)
 
 
 def yarn_attention_factor(cfg: ModelConfig) -> float:

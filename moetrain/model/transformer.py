@@ -80,7 +80,7 @@ class Transformer(nn.Module):
         self.tie_weights()
         # the RoPE tables of the first positions, grown (exactly) when a forward needs more:
         # a long context (Llama 4 Scout's 10M positions) costs nothing until it is used
-        cos, sin = model_rope_tables(model_cfg, min(model_cfg.rope_positions, ROPE_TABLE_ROWS))
+        cos, sin = model_rope_tables(model_cfg, min(model_cfg.max_seq_len, ROPE_TABLE_ROWS))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.head_exchange: HeadExchange | None = None  # sequence parallelism (set_head_exchange)
@@ -121,14 +121,25 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def rope_rows(self, n: int) -> None:
-        """Make the RoPE tables hold at least ``n`` positions (at most ``rope_positions``),
+        """Make the RoPE tables hold at least ``n`` positions (at most ``max_seq_len``),
         doubling them; the new tables keep the old ones' dtype and device."""
         have = self.rope_cos.shape[0]
         if n <= have:
             return
-        size = min(self.cfg.rope_positions, max(n, 2 * have))
+        size = min(self.cfg.max_seq_len, max(n, 2 * have))
         cos, sin = model_rope_tables(self.cfg, size)
         self.rope_cos, self.rope_sin = cos.to(self.rope_cos), sin.to(self.rope_sin)
+
+    def _rope(self, start: int, s: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE rows of positions ``start .. start + s - 1`` of a sequence of ``seq_len``:
+        the tables' (grown as needed), or LongRoPE's long factors' where the sequence takes
+        them (``ModelConfig.longrope_long``; computed for the call, as the model keeps no
+        table of them)."""
+        if not self.cfg.longrope_long(seq_len):
+            self.rope_rows(start + s)
+            return self.rope_cos[start : start + s], self.rope_sin[start : start + s]
+        cos, sin = model_rope_tables(self.cfg, start + s, long=True)
+        return cos[start:].to(self.rope_cos), sin[start:].to(self.rope_sin)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -198,19 +209,16 @@ class Transformer(nn.Module):
                     f"{ex.size} positions); got {doc_ids_BS.shape[1]}"
                 )
             start = ex.rank * s
-        if start + s > self.cfg.rope_positions:
-            limit = (
-                "max_seq_len"
-                if self.cfg.rope_scaling != "longrope"
-                else "rope_original_max_seq_len"
-            )
+        # the sequence's length (the whole rows' under sequence parallelism), which picks
+        # LongRoPE's factors for every position of it
+        seq_len = start + s if ex is None else s * ex.size
+        if seq_len > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence length {start + s} exceeds model.{limit}={self.cfg.rope_positions}"
+                f"sequence length {seq_len} exceeds model.max_seq_len={self.cfg.max_seq_len}"
             )
         if cache is not None and (doc_ids_BS is not None or start + s > cache.max_len):
             raise ValueError("cache: no document mask, and at most cache.max_len positions")
-        self.rope_rows(start + s)
-        cos, sin = self.rope_cos[start : start + s], self.rope_sin[start : start + s]
+        cos, sin = self._rope(start, s, seq_len)
         x_BSD = self.embed(input_ids_BS)
         if self.cfg.embedding_multiplier != 1.0:
             x_BSD = x_BSD * self.cfg.embedding_multiplier
@@ -328,9 +336,9 @@ class Transformer(nn.Module):
 
     def new_cache(self, batch: int, max_len: int | None = None) -> InferenceCache:
         """An empty generation cache for ``batch`` sequences of up to ``max_len`` tokens (default
-        ``rope_positions``): each decoder layer's mixer state (keys and values, latents, ...),
+        ``max_seq_len``): each decoder layer's mixer state (keys and values, latents, ...),
         in the model's dtype and device."""
-        n = max_len or self.cfg.rope_positions
+        n = max_len or self.cfg.max_seq_len
         w = self.embed.weight
         states = [
             None if b.attn is None else b.attn.new_state(batch, n, w.dtype, w.device)

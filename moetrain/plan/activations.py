@@ -2,7 +2,8 @@
 per token of a layer and for a whole micro-batch, counted from what moetrain's modules save
 (checked against saved-tensor hooks and measured memory in ``tests/unit/test_plan.py``).
 
-A block keeps its input norms (RMSNorm: the input in dtype and an fp32 rsqrt per row), what its
+A block keeps its input norms (RMSNorm: the input in dtype and an fp32 rsqrt per row; with
+sandwich norms its branches' output norms too; a post-norm block its output norms instead), what its
 token mixer saves (each mixer kind's own count:
 :meth:`moetrain.model.mixers.TokenMixer.saved_bytes_per_token`) and what its FFN saves
 (:func:`ffn_bytes_per_token`); the head and the loss keep theirs (:func:`head_bytes_per_token`,
@@ -21,14 +22,20 @@ def _rmsnorm_bytes(d: int, a: int) -> int:
     return a * d + 4
 
 
+def _branch_norms_bytes(m: ModelConfig, a: int, layer: int) -> int:
+    """A branch's norms in block ``layer``: its input's or its output's, both with sandwich
+    norms (each saves its input)."""
+    return _rmsnorm_bytes(m.d_model, a) * (2 if m.norm_placement(layer) == "sandwich" else 1)
+
+
 def attention_bytes_per_token(m: ModelConfig, a: int, sp: int = 1, layer: int = 0) -> int:
-    """Bytes block ``layer``'s token mixer and its input norm save for backward per token of
-    this GPU's slice (a = activation bytes; ``sp``: ``parallel.sp_size``); 0 without a mixer."""
+    """Bytes block ``layer``'s token mixer and its norms save for backward per token of this
+    GPU's slice (a = activation bytes; ``sp``: ``parallel.sp_size``); 0 without a mixer."""
     spec = mixer_spec(m, layer)
     if spec is None:
         return 0
     saved = mixer_class(spec).saved_bytes_per_token(m, spec, a, sp)
-    return _rmsnorm_bytes(m.d_model, a) + saved
+    return _branch_norms_bytes(m, a, layer) + saved
 
 
 def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
@@ -51,10 +58,10 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
     if layer.ffn == "none":
         return 0
     if layer.ffn == "dense":
-        return _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
+        return _branch_norms_bytes(m, a, layer.index) + a * d + 3 * a * m.dense_hidden
     k = e.top_k
     kept = k * min(e.capacity_factor, 1.0) if e.capacity_factor > 0 else k
-    ffn = _rmsnorm_bytes(d, a) + 4 * d + 8 * e.num_experts + 12 * k + 8 + 16 * k
+    ffn = _branch_norms_bytes(m, a, layer.index) + 4 * d + 8 * e.num_experts + 12 * k + 8 + 16 * k
     swiglu = (2 if e.recompute_act else 3) * a * e.expert_hidden
     ffn += kept * (a * d + swiglu + a)
     if e.num_shared_experts:

@@ -105,6 +105,13 @@ def reshard_job(rank: int, world: int, ckpt_path: str, run_dir: str) -> dict[str
 GROUP_TIMEOUT_MIN = 1.5  # not torch's default (30): shows that every group got the setting
 
 
+def _weights(trainer: Any) -> dict[str, torch.Tensor]:
+    """This rank's weights: whole, or at ZeRO-3 its partitions (what the optimizer updates; a
+    parameter's own tensor is empty or a gathered copy there)."""
+    params = trainer.model.named_parameters()
+    return {n: getattr(p, "ds_tensor", p).detach().clone() for n, p in params}
+
+
 def nan_job(rank: int, world: int, stage: int, run_dir: str, poison_steps: list[int]) -> dict:
     """Make rank 1's loss NaN at ``poison_steps``; record what every rank decided."""
     settings = {"train.max_nonfinite_in_a_row": 2, "parallel.timeout_minutes": GROUP_TIMEOUT_MIN}
@@ -116,7 +123,7 @@ def nan_job(rank: int, world: int, stage: int, run_dir: str, poison_steps: list[
         handle = None
         if rank == 1 and step in poison_steps:
             handle = trainer.model.embed.register_forward_hook(lambda m, i, o: o * float("nan"))
-        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        before = _weights(trainer)
         micro = [rank_slice(b, rank, world) for b in global_batches(step)]
         try:
             rec = trainer.train_step(micro)
@@ -127,13 +134,13 @@ def nan_job(rank: int, world: int, stage: int, run_dir: str, poison_steps: list[
             if handle is not None:
                 handle.remove()
         records.append({k: rec[k] for k in ("step", "loss", "skipped", "skipped_steps")})
-        after = dict(trainer.model.named_parameters())
+        after = _weights(trainer)
         unchanged.append(all(torch.equal(before[n], after[n]) for n in before))
     return {
         "records": records,
         "unchanged": unchanged,
         "error": error,
-        "finite": all(torch.isfinite(p).all() for p in trainer.model.parameters()),
+        "finite": all(torch.isfinite(p).all() for p in _weights(trainer).values()),
     }
 
 

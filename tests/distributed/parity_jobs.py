@@ -48,6 +48,9 @@ GRAD_NAMES = (
     "layers.0.attn.A_log",
     "layers.0.attn.dt_bias",
     "layers.0.attn.norm.weight",
+    "layers.0.attn.f_b_proj.weight",  # Kimi Delta Attention's (``kda``)
+    "layers.0.attn.q_conv1d.weight",
+    "layers.0.attn.o_norm.weight",
     "layers.0.attn.wq_a.weight",  # latent attention with sparse attention's indexer
     "layers.1.attn.wkv_b.weight",
     "layers.0.attn.indexer.wq_b.weight",
@@ -138,6 +141,24 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.attention_output_gate": True,
         "model.zero_centered_norm": True,
     },
+    # Kimi Linear's: a Kimi Delta Attention layer then an attention layer
+    "kda": {
+        "model.layer_types": ["linear_attention", "full_attention"],
+        "model.linear_attention": "kda",
+        "model.linear_num_heads": 2,
+        "model.linear_head_dim": 8,
+    },
+    # Granite 4.0-H's: a Mamba-2 layer (two groups, chunks of 4: several per row) then an
+    # attention layer
+    "mamba": {
+        "model.layer_types": ["linear_attention", "full_attention"],
+        "model.linear_attention": "mamba2",
+        "model.mamba_num_heads": 4,
+        "model.mamba_head_dim": 8,
+        "model.mamba_n_groups": 2,
+        "model.mamba_state_dim": 8,
+        "model.mamba_chunk_size": 4,
+    },
     # DeepSeek sparse attention's sparse stage: the second layer attends to the first's
     # selection (GLM-5's shared indexer), the indexer trains on its KL alongside
     "dsa": {**DSA, "model.indexer_types": ["full", "shared"]},
@@ -151,7 +172,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "muonclip": {"optim.name": "muon", "moe.first_k_dense": 1, "optim.muon.qk_clip": 0.06},
 }
 # the variants whose one reference the world-1 job computes (capacity has one per group count)
-REFERENCES = ("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "dsa", "dsa_warmup")
+REFERENCES = (
+    *("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "kda", "mamba", "dsa"),
+    "dsa_warmup",
+)
 
 
 def parity_config(world: int, ep: int, stage: int, **extra: Any) -> Config:

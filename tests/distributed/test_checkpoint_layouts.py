@@ -113,7 +113,12 @@ def test_reshard_to_a_smaller_layout(saved, resharded, world):
 
 
 # (zero_stage, steps at which rank 1's loss is NaN); the one that stops training runs last
-NAN_SCENARIOS = {"stage0": (0, [2]), "stage2": (2, [2]), "too_many": (2, [1, 2, 3])}
+NAN_SCENARIOS = {
+    "stage0": (0, [2]),
+    "stage2": (2, [2]),
+    "stage3": (3, [2]),
+    "too_many": (2, [1, 2, 3]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +131,7 @@ def nan_runs(tmp_path_factory) -> dict[str, list[dict]]:
     return runs
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_nan_on_one_rank_is_skipped_everywhere(nan_runs, stage):
     results = nan_runs[f"stage{stage}"]
     for r in results:

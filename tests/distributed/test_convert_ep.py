@@ -137,6 +137,7 @@ FORMATS = {
         "model.rope_short_factor=[1.0,1.5,2.0,4.0]",
         "model.rope_long_factor=[2.0,3.0,4.0,8.0]",
         "model.rope_attention_factor=1.25",
+        "model.rope_long_regime=short",
     ],
     "ernie4_5_moe": [  # ERNIE-4.5's pieces: interleaved pairs, selection bias, tied embeddings
         "model.rope_interleave=true",

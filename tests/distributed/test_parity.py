@@ -19,7 +19,9 @@ LM-head bias, sparsemixer routing) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 Z
 ``llama4`` (chunked attention, a NoPE layer with its query temperature, the post-RoPE norm,
 top-k on the logits with sigmoid weights on the experts' inputs) on dp=2 ZeRO-0, ep=2 ZeRO-2 and
 dp=2 x ep=2 ZeRO-1; ``hybrid`` (Qwen3-Next's: a Gated DeltaNet layer and a gated-attention
-layer, zero-centred norms) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``dsa`` (DeepSeek
+layer, zero-centred norms) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``kda`` (Kimi Linear's: a Kimi Delta Attention layer and an attention
+layer) on ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``mamba`` (Granite 4.0-H's: a Mamba-2 layer over
+several chunks per row, an attention layer) on ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``dsa`` (DeepSeek
 sparse attention's sparse stage on latent attention, the second layer sharing the first's
 selection, the indexer's KL in the loss) on ep=2 ZeRO-2, dp=2 ZeRO-0 with activation
 checkpointing and dp=2 x ep=2 ZeRO-1, and ``dsa_warmup`` (its dense warm-up: only the indexers
@@ -94,6 +96,8 @@ JOBS = {
         (2, 2, "llama4"),
         (1, 0, "hybrid"),
         (2, 2, "hybrid"),
+        (1, 2, "kda"),
+        (1, 2, "mamba"),
         (1, 2, "dsa"),
         (2, 0, "dsa", "ckpt"),
         (1, 0, "dsa_warmup"),
@@ -110,6 +114,8 @@ JOBS = {
         (2, 1, "phimoe"),
         (2, 1, "llama4"),
         (2, 1, "hybrid"),
+        (2, 1, "kda"),
+        (2, 1, "mamba"),
         (2, 1, "dsa"),
         (2, 0, "dsa_warmup"),
     ],
@@ -122,12 +128,12 @@ def _long(world: int, layout: tuple) -> bool:
 
 
 QUICK_JOBS = {w: [lay for lay in lays if not _long(w, lay)] for w, lays in JOBS.items()}
-# Known defect, open and intermittent: once, run in this fixture, MTP's losses drifted from the
-# reference by 5e-5 by step 10 (once they matched). Not reproduced in isolation: the layout run
-# after each of the shadow, capacity and dp=2 x ep=2 ZeRO-0 layouts in one process group, and
-# alone, gives the same losses to the last bit (5e-7 from the reference), and the reference
-# after the others equals the reference alone. Not found yet.
-KNOWN = {(4, (2, 1, "mtp")): "MTP at dp=2 x ep=2 after other layouts in one process: 5e-5 drift"}
+# Known defect, open: in this fixture (the world-4 group running beside the world-1 and world-2
+# groups) MTP's losses drift from the reference by 5e-5 by step 10 in most runs, and its largest
+# attention logit with them. The same world-4 layouts run in the same order in a group of their
+# own give the same losses to the last bit as the MTP layout alone (5e-7 from the reference):
+# the drift depends on timing, not on what an earlier layout leaves behind. Not found yet.
+KNOWN = {(4, (2, 1, "mtp")): "MTP at dp=2 x ep=2 drifts 5e-5 beside the other groups (timing)"}
 
 
 def _marks(world: int, layout: tuple) -> list:

@@ -10,6 +10,12 @@ from tests.distributed.parity_jobs import VARIANTS, _parallel_run, parity_config
 # what the stage-3 runs add to the parity configuration: the chunked loss in several chunks
 # (the LM head's weight read in its own forward) and tied embeddings (one parameter, two modules)
 STAGE3_EXTRA = {"model.loss_chunk_tokens": 8}
+# what GLM-4.5's format holds: sigmoid scores with a moving selection bias, an ungated shared expert
+GLM4_MOE = {
+    "moe.score_func": "sigmoid",
+    "moe.shared_expert_gate": False,
+    "moe.shared_expert_hidden": 32,
+}
 CASES: dict[str, dict[str, Any]] = {
     "base": {},
     "mtp": VARIANTS["mtp"],
@@ -36,32 +42,66 @@ def stages_job(
     return out
 
 
-def resume_and_refusals_job(rank: int, world: int, run_dir: str, steps: int, stop: int) -> dict:
-    """The same-layout resume of :func:`checkpoint_jobs.resume_job` at ZeRO-3 (dp=1 x ep=2),
-    then what a stage-3 checkpoint refuses: reading its weights (``moetrain convert``'s reader)
-    and resuming at stage 2 -> ``{"resume": ..., "read": error, "stage2": error}``."""
+def export_source_job(rank: int, world: int, run_dir: str, ep: int) -> dict[str, Any]:
+    """The same training at ZeRO-2 and at ZeRO-3 (``ep``, 2 steps, a checkpoint after each;
+    :data:`GLM4_MOE`) -> per stage ``{"checkpoints": [step 1, step 2], "logits": the live model's on a fixed
+    batch after step 2}``."""
     from pathlib import Path
 
-    from moetrain.checkpoint.catalog import latest_complete
-    from moetrain.checkpoint.checkpointer import Checkpointer
-    from moetrain.checkpoint.format import CheckpointError
-    from moetrain.checkpoint.read import load_model
-    from moetrain.parallel.topology import init_distributed
-    from moetrain.train.trainer import Trainer
-    from tests.distributed.checkpoint_jobs import StreamPosition, resume_job
+    from tests.distributed.checkpoint_jobs import StreamPosition, _logits, _setup, _train
 
-    out: dict[str, Any] = {"resume": resume_job(rank, world, [(2, 3)], run_dir, steps, stop)}
-    cfg3 = parity_config(world, 2, 3, run_dir=str(Path(run_dir) / "ep2_zero3"))
-    path = latest_complete(Checkpointer(cfg3, init_distributed(cfg3)).root)
-    try:
-        load_model(path)
-    except CheckpointError as err:
-        out["read"] = str(err)
-    cfg2 = parity_config(world, 2, 2, run_dir=str(Path(run_dir) / "ep2_zero3"))
-    topo = init_distributed(cfg2)
-    trainer = Trainer(cfg2, topo)
-    try:
-        Checkpointer(cfg2, topo).load(path, trainer.run_state(StreamPosition()))
-    except CheckpointError as err:
-        out["stage2"] = str(err)
+    out: dict[str, Any] = {}
+    for stage in (2, 3):
+        d = Path(run_dir) / f"zero{stage}"
+        _, _, trainer, ckpt = _setup(world, ep, stage, d, **GLM4_MOE)
+        pos, paths = StreamPosition(), []
+        for step in range(2):
+            _train(trainer, rank, world, range(step, step + 1), pos)
+            paths.append(str(ckpt.save(trainer.run_state(pos))))
+        out[f"zero{stage}"] = {"checkpoints": paths, "logits": _logits(trainer)}
+        del trainer
+    return out
+
+
+def reshard_job(
+    rank: int, world: int, run_dir: str, steps: int, stop: int, targets: list[tuple]
+) -> dict[str, Any]:
+    """Layout A runs of ``steps`` steps with a checkpoint after ``stop`` (``"zero2"``: ZeRO-2,
+    ``"zero3"``: ZeRO-3, both at ep=2), then each target ``(source, ep, stage, reset)`` resumed
+    from that checkpoint on this world and trained to ``steps`` -> ``{"source": {name: A's
+    records}, "targets": [records after each resume]}``. Every weight partitioned (none kept
+    whole at stage 3: the tiny model's weights are all below
+    ``parallel.zero3_persistence_elements``' default)."""
+    from tests.distributed.checkpoint_jobs import reshard_source_job, reshard_target_job
+
+    extra = {"parallel.zero3_persistence_elements": 0}
+    sources = {
+        f"zero{stage}": reshard_source_job(
+            rank, world, 2, stage, f"{run_dir}/a{stage}", steps, stop, extra
+        )
+        for stage in (2, 3)
+    }
+    resumes = [
+        (ep, stage, sources[source]["checkpoint"], reset) for source, ep, stage, reset in targets
+    ]
+    done = reshard_target_job(rank, world, resumes, f"{run_dir}/b", steps, extra)
+    return {
+        "source": {k: v["records"] for k, v in sources.items()},
+        "targets": [{"records": d["records"], "step": d["step"]} for d in done],
+    }
+
+
+def sp_stages_job(rank: int, world: int, layouts: list[tuple]) -> dict[str, dict[str, Any]]:
+    """Each ``(sp, ep, variant or None)`` of ``layouts`` trained at ZeRO-2 and ZeRO-3 on the
+    sequence-parallel parity tests' packed documents (:mod:`tests.distributed.sp_parity_jobs`)
+    -> ``{"sp2_ep1_mla": {"zero2": run, "zero3": run}, ...}``."""
+    from tests.distributed.sp_parity_jobs import _parallel_run as sp_run
+    from tests.distributed.sp_parity_jobs import sp_config
+
+    out: dict[str, dict[str, Any]] = {}
+    for sp, ep, variant in layouts:
+        runs = {
+            f"zero{s}": sp_run(sp_config(world, sp, ep, s, variant), rank, world) for s in (2, 3)
+        }
+        out[f"sp{sp}_ep{ep}_{variant or 'base'}"] = runs
     return out

@@ -38,13 +38,8 @@ import torch
 
 from moetrain.cli import main as moetrain_cli
 from moetrain.convert.families import FORMATS
-from tests.helpers.hf_models import (
-    DEEPSEEK_YARN,
-    PHIMOE_ROPE,
-    SMALL,
-    save_hf_model,
-    save_hf_tokenizer,
-)
+from tests.helpers.hf_flags import DEEPSEEK_YARN, PHIMOE_ROPE
+from tests.helpers.hf_models import SMALL, save_hf_model, save_hf_tokenizer
 from tests.helpers.launch import ROOT
 from tests.helpers.ports import free_port
 

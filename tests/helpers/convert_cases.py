@@ -15,7 +15,7 @@ from moetrain.convert.hf import to_hf_state_dict
 from moetrain.model import Transformer
 from moetrain.model import param_names as pn
 from tests.helpers.configs import tiny_config
-from tests.helpers.hf_models import DSA, GLM_INDEXER_TYPES, PHIMOE_ROPE
+from tests.helpers.hf_flags import DSA, GLM_INDEXER_TYPES, PHIMOE_ROPE
 from tests.helpers.random_constants import randomise_constants
 
 # multi-head latent attention at the tiny shape (every head its own keys and values)
@@ -107,6 +107,24 @@ CASES = {
         model=dict(qk_norm=True, qk_norm_scope="projection", partial_rotary_factor=0.5),
         moe=dict(score_func="sigmoid", bias_update_rate=1e-3),
     ),
+    "afmoe": dict(  # Trinity's flags, a window binding (hf_models.py: layer 2 global, NoPE)
+        model=dict(
+            qk_norm=True,
+            attention_output_gate=True,
+            block_norms="sandwich",
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            nope_layers=[2],
+            embedding_multiplier=32**0.5,
+        ),
+        moe=dict(
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=1,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
     "hunyuan_v1_moe": dict(  # Hunyuan-A13B's flags (NTK-alpha: folded into rope_theta)
         model=dict(qk_norm=True, qk_norm_position="after_rope", tie_embeddings=True),
         moe=dict(num_shared_experts=1),
@@ -133,7 +151,29 @@ CASES = {
             bias_update_rate=1e-3,
         ),
     ),
-    "deepseek_v32": dict(  # DeepSeek-V3.2's flags (hf_models.DSA)
+    "kimi_linear": dict(  # Kimi Linear's (hf_flags.KIMI_LINEAR_ATTENTION)
+        model=dict(
+            **MLA_SHAPE,
+            q_lora_rank=12,
+            layer_types=["linear_attention"] * 2 + ["full_attention"],
+            linear_attention="kda",
+            linear_num_heads=2,
+            linear_head_dim=8,
+            linear_conv_kernel_dim=3,
+            nope_layers=[2],
+        ),
+        moe=dict(
+            num_experts=8,
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
+    "deepseek_v32": dict(  # DeepSeek-V3.2's flags (hf_flags.DSA)
         model=dict(
             **MLA_SHAPE,
             **DSA,
@@ -216,6 +256,23 @@ CASES = {
         ),
         moe=dict(topk_before_score=True, num_shared_experts=1, shared_expert_hidden=40),
     ),
+    "granitemoehybrid": dict(  # Granite 4.0-H's (tests/helpers/hf_models.py), Mamba-2 chunks of 8
+        model=dict(
+            tie_embeddings=True,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_scale=0.015625,
+            logits_scaling=6.0,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_attention="mamba2",
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            mamba_n_groups=2,
+            mamba_state_dim=8,
+            mamba_chunk_size=8,
+        ),
+        moe=dict(topk_before_score=True, num_shared_experts=1, shared_expert_hidden=40),
+    ),
     "gpt_oss": dict(  # gpt-oss-20b's flags (tests/helpers/hf_models.py), the window binding
         model=dict(
             qkv_bias=True,
@@ -251,6 +308,7 @@ CASES = {
             rope_short_factor=PHIMOE_ROPE["short_factor"] * 2,
             rope_long_factor=PHIMOE_ROPE["long_factor"] * 2,
             rope_attention_factor=PHIMOE_ROPE["short_mscale"],
+            rope_long_regime="short",
         ),
         moe=dict(router_type="sparsemixer", renormalize=False),
     ),
@@ -258,7 +316,7 @@ CASES = {
     "qwen3_next": dict(  # (a dense first layer and no renormalisation: Qwen3.5 holds neither)
         model=QWEN_HYBRID_MODEL, moe=dict(QWEN_SHARED, first_k_dense=1, renormalize=False)
     ),
-    "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_models.LLAMA4_FLAGS)
+    "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_flags.LLAMA4_FLAGS)
         model=LLAMA4_MODEL,
         moe=dict(
             score_func="sigmoid",

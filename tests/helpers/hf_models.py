@@ -15,6 +15,19 @@ from typing import Any
 import torch
 
 from moetrain.convert.families import DENSE, FORMATS
+from tests.helpers.hf_flags import (
+    DEEPSEEK_YARN,
+    DSA,
+    GLM_INDEXER_TYPES,
+    GPT_OSS_FLAGS,
+    GRANITE_FLAGS,
+    GRANITE_HYBRID,
+    KIMI_LINEAR_ATTENTION,
+    LLAMA4_FLAGS,
+    PHIMOE_FLAGS,
+    QWEN3_5_ROPE,
+    QWEN_HYBRID,
+)
 from tests.helpers.random_constants import randomise_constants
 
 SMALL: dict[str, Any] = dict(
@@ -32,216 +45,6 @@ SMALL: dict[str, Any] = dict(
     pad_token_id=0,
 )
 EOS_TOKEN = "<|endoftext|>"
-# ERNIE-4.5-21B-A3B-PT's config.json as released (legacy top-level rope_theta, no
-# moe_layer_end_index, Paddle's moe_* keys transformers does not read, one declared MTP layer),
-# at the tiny ERNIE model's sizes
-ERNIE_RELEASED_CONFIG: dict[str, Any] = {
-    "architectures": ["Ernie4_5_MoeForCausalLM"],
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "hidden_act": "silu",
-    "hidden_size": 32,
-    "intermediate_size": 40,
-    "max_position_embeddings": 64,
-    "model_type": "ernie4_5_moe",
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 3,
-    "rms_norm_eps": 1e-05,
-    "use_cache": False,
-    "vocab_size": 320,
-    "rope_theta": 500000,
-    "use_bias": False,
-    "moe_num_experts": 4,
-    "moe_num_shared_experts": 2,
-    "moe_layer_start_index": 1,
-    "moe_intermediate_size": 24,
-    "moe_capacity": [4, 4, 4],
-    "moe_gate": "topk",
-    "moe_k": 2,
-    "moe_layer_interval": 1,
-    "moe_use_aux_free": True,
-    "dtype": "bfloat16",
-    "num_nextn_predict_layers": 1,
-    "multi_token_pred_lambda": 0.3,
-    "tie_word_embeddings": True,
-}
-
-# The flags of granite-3.0-1b-a400m's config.json as released (from memory of that file, with
-# transformers' GraniteMoeConfig defaults where it has no key; granite-3.1-3b-a800m's are the
-# same but for its sizes): the muP scalars (embedding x 12, residual branches x 0.22, attention
-# scale 1/64 = 1/head_dim at its head_dim 64, logits / 6), tied embeddings, attention dropout
-# 0.1 (training only), legacy top-level rope_theta, bf16; sizes shrunk to the tiny models'
-GRANITE_RELEASED_CONFIG: dict[str, Any] = {
-    "architectures": ["GraniteMoeForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.1,
-    "attention_multiplier": 0.015625,
-    "bos_token_id": 0,
-    "embedding_multiplier": 12.0,
-    "eos_token_id": 0,
-    "hidden_act": "silu",
-    "hidden_size": 32,
-    "initializer_range": 0.02,
-    "intermediate_size": 24,
-    "logits_scaling": 6.0,
-    "max_position_embeddings": 64,
-    "model_type": "granitemoe",
-    "num_attention_heads": 4,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 3,
-    "num_key_value_heads": 2,
-    "num_local_experts": 4,
-    "output_router_logits": False,
-    "pad_token_id": 0,
-    "residual_multiplier": 0.22,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 10000,
-    "router_aux_loss_coef": 0.01,
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "vocab_size": 320,
-}
-# the flags above as GraniteMoeConfig arguments
-GRANITE_FLAGS: dict[str, Any] = {
-    k: GRANITE_RELEASED_CONFIG[k]
-    for k in (
-        "attention_dropout",
-        "attention_multiplier",
-        "embedding_multiplier",
-        "logits_scaling",
-        "residual_multiplier",
-        "router_aux_loss_coef",
-        "tie_word_embeddings",
-    )
-}
-
-# microsoft/Phi-3.5-MoE-instruct's flags: its rope_scaling (longrope, both mscales
-# 1.243163121016122, original 4096; the first head_dim / 2 of its factor lists) as public copies
-# of its config.json spell it; attention_bias, lm_head_bias, max_position_embeddings =
-# sliding_window = 131072, router_jitter_noise = input_jitter_noise = 0.01,
-# router_aux_loss_coef 0.0 and rope_theta 10000 from memory of that file; sizes shrunk
-PHIMOE_ROPE: dict[str, Any] = {
-    "rope_type": "longrope",
-    "rope_theta": 10000.0,
-    "short_factor": [1.0, 1.0399999618530273, 1.0399999618530273, 1.0399999618530273],
-    "long_factor": [1.0199999809265137, 1.0299999713897705, 1.0399999618530273, 1.05],
-    "short_mscale": 1.243163121016122,
-    "long_mscale": 1.243163121016122,
-    "original_max_position_embeddings": 4096,
-}
-PHIMOE_FLAGS: dict[str, Any] = {
-    "rope_parameters": PHIMOE_ROPE,
-    "max_position_embeddings": 131072,
-    "sliding_window": 131072,
-    "attention_bias": True,
-    "lm_head_bias": True,
-    "router_jitter_noise": 0.01,
-    "input_jitter_noise": 0.01,
-    "router_aux_loss_coef": 0.0,
-    "tie_word_embeddings": False,
-}
-
-
-# gpt-oss-20b's config.json flags as released (from memory of that file: no hub access here),
-# at the tiny sizes: alternating sliding / full layers (transformers' default layer_types),
-# q/k/v/o biases, YaRN without truncation; the window is shorter than the tests' sequences
-GPT_OSS_FLAGS: dict[str, Any] = {
-    "attention_bias": True,
-    "sliding_window": 6,
-    "rope_parameters": {
-        "rope_type": "yarn",
-        "rope_theta": 150000.0,
-        "factor": 32.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "original_max_position_embeddings": 4096,
-        "truncate": False,
-    },
-    "swiglu_limit": 7.0,
-    "tie_word_embeddings": False,
-}
-
-
-# gpt-oss-20b's config.json as released (from memory: legacy rope_scaling and top-level
-# rope_theta, its experts_per_token / initial_context_length keys, no swiglu_alpha (1.702 is
-# transformers' default), MXFP4 quantization_config left out), at the tiny sizes
-GPT_OSS_RELEASED_CONFIG: dict[str, Any] = {
-    "architectures": ["GptOssForCausalLM"],
-    "attention_bias": True,
-    "attention_dropout": 0.0,
-    "eos_token_id": 3,
-    "experts_per_token": 2,
-    "head_dim": 8,
-    "hidden_act": "silu",
-    "hidden_size": 32,
-    "initial_context_length": 4096,
-    "initializer_range": 0.02,
-    "intermediate_size": 24,
-    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-    "max_position_embeddings": 64,
-    "model_type": "gpt_oss",
-    "num_attention_heads": 4,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 3,
-    "num_key_value_heads": 2,
-    "num_local_experts": 4,
-    "output_router_logits": False,
-    "pad_token_id": 0,
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": {
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "factor": 32.0,
-        "original_max_position_embeddings": 4096,
-        "rope_type": "yarn",
-        "truncate": False,
-    },
-    "rope_theta": 150000,
-    "router_aux_loss_coef": 0.9,
-    "sliding_window": 6,
-    "swiglu_limit": 7.0,
-    "tie_word_embeddings": False,
-    "use_cache": True,
-    "vocab_size": 320,
-}
-
-
-# Llama 4's flags at the tiny sizes, each where it binds in 19 tokens: MoE every second layer
-# (Maverick's interleave_moe_layer_step), the last layer NoPE (as every fourth is in the
-# releases) with its query temperature (floor_scale 8192 -> 4), the others chunked
-# (attention_chunk_size 8192 -> 6) with the post-RoPE query/key norm (Scout's use_qk_norm)
-LLAMA4_FLAGS: dict[str, Any] = {
-    "no_rope_layers": [1, 1, 0],
-    "interleave_moe_layer_step": 2,
-    "attention_chunk_size": 6,
-    "use_qk_norm": True,
-    "attn_temperature_tuning": True,
-    "floor_scale": 4,
-    "attn_scale": 0.5,
-    "tie_word_embeddings": False,
-}
-
-
-# Qwen3-Next's hybrid layers at the tiny sizes: layers 0, 1 Gated DeltaNet, layer 2 gated
-# attention; a quarter of each head rotated (as released), 64 positions
-QWEN_HYBRID: dict[str, Any] = dict(
-    full_attention_interval=3,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
-    head_dim=16,
-    rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.25},
-)
-# Qwen3.5's multimodal RoPE keys as released (in the released proportions; plain RoPE on text)
-QWEN3_5_ROPE: dict[str, Any] = dict(
-    QWEN_HYBRID["rope_parameters"], mrope_section=[0, 0, 2], mrope_interleaved=True
-)
 
 
 def _moe_configs(transformers: Any) -> dict[str, Any]:
@@ -322,6 +125,18 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             intermediate_size=24,
             num_local_experts=4,
         ),
+        "afmoe": lambda: transformers.AfmoeConfig(  # Trinity's flags, a window binding
+            **moe,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_shared_experts=1,
+            num_dense_layers=1,
+            route_scale=2.5,
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            mup_enabled=True,
+        ),
         "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(  # Hunyuan-A13B's flags
             **{
                 **{k: v for k, v in SMALL.items() if k != "rope_parameters"},
@@ -371,6 +186,16 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             num_nextn_predict_layers=0,
             indexer_types=GLM_INDEXER_TYPES,
         ),
+        "kimi_linear": lambda: transformers.KimiLinearConfig(  # Kimi Linear's pattern and MoE
+            **{k: v for k, v in _deepseek(moe, yarn=False).items() if k != "rope_parameters"},
+            num_local_experts=8,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            q_lora_rank=12,
+            linear_attn_config=KIMI_LINEAR_ATTENTION,
+        ),
         "deepseek_v2": lambda: transformers.DeepseekV2Config(
             **_deepseek(moe, yarn=False),
             n_routed_experts=8,
@@ -407,6 +232,15 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             shared_intermediate_size=40,
             **GRANITE_FLAGS,
         ),
+        # Granite 4.0-H's flags, its layers Mamba-2 (several chunks of 8) and attention
+        "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(
+            **moe,
+            intermediate_size=24,
+            num_local_experts=4,
+            shared_intermediate_size=40,
+            **GRANITE_FLAGS,
+            **GRANITE_HYBRID,
+        ),
         "gpt_oss": lambda: transformers.GptOssConfig(  # gpt-oss-20b's flags
             **{**moe, **GPT_OSS_FLAGS}, intermediate_size=24, num_local_experts=4
         ),
@@ -420,27 +254,6 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             num_local_experts=4,
         ),
     }
-
-
-# YaRN as DeepSeek-V2 / V3 are released (both mscales), over 16 original positions
-DEEPSEEK_YARN: dict[str, Any] = {
-    "rope_type": "yarn",
-    "rope_theta": 5000.0,
-    "factor": 4.0,
-    "original_max_position_embeddings": 16,
-    "beta_fast": 24.0,
-    "beta_slow": 2.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.8,
-}
-
-
-# DeepSeek sparse attention at the tiny sizes: 4 keys per query, so the tests' sequences are
-# sparse; 8 indexer heads, so that no two keys tie at a score of 0 (every head's product
-# negative) where the top 4 end
-DSA: dict[str, Any] = {"index_topk": 4, "index_n_heads": 8, "index_head_dim": 16}
-# GLM-MoE-DSA's per-layer indexers: the middle layer attends to the first layer's selection
-GLM_INDEXER_TYPES = ["full", "shared", "full"]
 
 
 def _deepseek(moe: dict[str, Any], yarn: bool) -> dict[str, Any]:
@@ -465,6 +278,16 @@ def _dense_configs(transformers: Any) -> dict[str, Any]:
         "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(
             **{**SMALL, **QWEN_HYBRID, "rope_parameters": dict(QWEN3_5_ROPE)},
             intermediate_size=48,
+        ),
+        "olmo_hybrid": lambda: transformers.OlmoHybridConfig(  # Olmo-Hybrid's flags
+            **{k: v for k, v in SMALL.items() if k not in ("head_dim", "rope_parameters")},
+            rope_parameters={"rope_type": "default", "rope_theta": None},  # NoPE, as released
+            intermediate_size=48,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_allow_neg_eigval=True,
         ),
     }
 
@@ -507,7 +330,8 @@ def save_hf_model(
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):  # Gated DeltaNet's decay, per step at a = 0 from
-                p.copy_(torch.linspace(-3.0, 1.5, p.numel()))  # ~0.006 (weak) to ~7.6 (strong)
+                decays = torch.linspace(-3.0, 1.5, p.numel())  # ~0.006 (weak) to ~7.6 (strong)
+                p.copy_(decays.view(p.shape))  # (Kimi Linear's is (1, 1, H, 1))
             elif name.endswith("dt_bias"):
                 p.copy_(torch.linspace(-2.0, 1.5, p.numel()))
     model.save_pretrained(out)

@@ -11,7 +11,7 @@ from moetrain.config import ConfigError
 from moetrain.config.model import FULL
 from moetrain.convert.families import family
 from moetrain.convert.formats import choose_format, config_from_hf, hf_config
-from tests.helpers.hf_models import PHIMOE_ROPE
+from tests.helpers.hf_flags import PHIMOE_ROPE
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 def test_granite_released_config_imports() -> None:
     """granite-3.0-1b-a400m's config.json as released (legacy rope_theta, dropout, bf16):
     its routing, scalars and head."""
-    from tests.helpers.hf_models import GRANITE_RELEASED_CONFIG
+    from tests.helpers.hf_flags import GRANITE_RELEASED_CONFIG
 
     cfg = config_from_hf(GRANITE_RELEASED_CONFIG)
     m, moe = cfg.model, cfg.moe
@@ -54,7 +54,7 @@ def test_granite_released_config_imports() -> None:
     ],
 )
 def test_granite_configs_moetrain_cannot_compute_are_refused(changes, key) -> None:
-    from tests.helpers.hf_models import GRANITE_RELEASED_CONFIG
+    from tests.helpers.hf_flags import GRANITE_RELEASED_CONFIG
 
     d = {
         k: v
@@ -119,7 +119,7 @@ def test_deepseek_configs_moetrain_cannot_compute_are_refused(family_name, chang
 def test_ernie_released_config_imports() -> None:
     """ERNIE-4.5-21B-A3B's config.json as released (legacy rope_theta, no end index, keys
     transformers does not read): its routing, placement, RoPE and head."""
-    from tests.helpers.hf_models import ERNIE_RELEASED_CONFIG
+    from tests.helpers.hf_flags import ERNIE_RELEASED_CONFIG
 
     cfg = config_from_hf(ERNIE_RELEASED_CONFIG)
     m, moe = cfg.model, cfg.moe
@@ -162,7 +162,7 @@ def test_ernie_released_config_imports() -> None:
     ],
 )
 def test_ernie_configs_moetrain_cannot_compute_are_refused(changes, key) -> None:
-    from tests.helpers.hf_models import ERNIE_RELEASED_CONFIG
+    from tests.helpers.hf_flags import ERNIE_RELEASED_CONFIG
 
     d = {
         k: v
@@ -175,7 +175,7 @@ def test_ernie_configs_moetrain_cannot_compute_are_refused(changes, key) -> None
 
 def test_gpt_oss_released_config_imports() -> None:
     """gpt-oss-20b's config.json as released (legacy rope keys): every piece of its model."""
-    from tests.helpers.hf_models import GPT_OSS_RELEASED_CONFIG
+    from tests.helpers.hf_flags import GPT_OSS_RELEASED_CONFIG
 
     cfg = config_from_hf(GPT_OSS_RELEASED_CONFIG)
     m, moe = cfg.model, cfg.moe
@@ -208,7 +208,7 @@ def test_gpt_oss_released_config_imports() -> None:
     ],
 )
 def test_gpt_oss_configs_moetrain_cannot_compute_are_refused(changes, key) -> None:
-    from tests.helpers.hf_models import GPT_OSS_RELEASED_CONFIG
+    from tests.helpers.hf_flags import GPT_OSS_RELEASED_CONFIG
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_from_hf({**GPT_OSS_RELEASED_CONFIG, **changes})
@@ -217,7 +217,7 @@ def test_gpt_oss_configs_moetrain_cannot_compute_are_refused(changes, key) -> No
 def phimoe_released(**changes) -> dict:
     """Phi-3.5-MoE-instruct's config.json (its legacy rope_scaling and top-level rope_theta) at
     the tiny sizes, with ``changes``."""
-    from tests.helpers.hf_models import PHIMOE_FLAGS
+    from tests.helpers.hf_flags import PHIMOE_FLAGS
 
     rope = {k: v for k, v in PHIMOE_ROPE.items() if k not in ("rope_type", "rope_theta")}
     d = {
@@ -245,15 +245,15 @@ def phimoe_released(**changes) -> dict:
 
 def test_phimoe_released_config_imports() -> None:
     """Phi-3.5-MoE-instruct's flags: LayerNorm, all attention biases, a head bias, sparsemixer
-    at its eps, LongRoPE with its mscale as the attention factor over the original 4096
-    positions (sliding_window 131072 spans the whole context)."""
+    at its eps, LongRoPE with its mscale as the attention factor, the short factors past the
+    original 4096 positions too (sliding_window 131072 spans the whole context)."""
     cfg = config_from_hf(phimoe_released())
     m, moe = cfg.model, cfg.moe
     assert (m.norm, m.qkv_bias, m.o_bias, m.lm_head_bias) == ("layernorm", True, True, True)
-    assert (m.rope_scaling, m.rope_original_max_seq_len, m.rope_positions) == (
+    assert (m.rope_scaling, m.rope_original_max_seq_len, m.rope_long_regime) == (
         "longrope",
         4096,
-        4096,
+        "short",
     )
     assert m.rope_attention_factor == 1.243163121016122 and len(m.rope_short_factor) == 4
     assert (moe.router_type, moe.router_jitter_eps, moe.renormalize) == ("sparsemixer", 0.01, False)

@@ -15,6 +15,31 @@ from tests.helpers.convert_cases import (
 
 transformers = pytest.importorskip("transformers")
 
+# Granite 4.0-H's layers: a Mamba-2 layer (4 heads of 16, state 8, as wide as the model), an
+# attention layer
+GRANITE_HYBRID = dict(
+    d_model=64,
+    n_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    linear_attention="mamba2",
+    mamba_num_heads=4,
+    mamba_head_dim=16,
+    mamba_state_dim=8,
+)
+
+
+# Trinity's model (ModelConfig's 4 layers: three sliding, one global without RoPE) and MoE
+TRINITY = dict(
+    qk_norm=True,
+    attention_output_gate=True,
+    block_norms="sandwich",
+    sliding_window=6,
+    layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    nope_layers=[3],
+    embedding_multiplier=256**0.5,
+)
+TRINITY_MOE = dict(score_func="sigmoid", num_shared_experts=1, route_scale=2.5)
+
 
 @pytest.mark.parametrize(
     ("fmt", "model_kw", "moe_kw", "key"),
@@ -160,6 +185,30 @@ transformers = pytest.importorskip("transformers")
             "moe.shared_expert_gate",
         ),
         ("granitemoeshared", {}, {}, "moe.topk_before_score"),
+        (
+            "granitemoehybrid",
+            dict(GRANITE_HYBRID, nope_layers=[0]),
+            dict(topk_before_score=True, num_shared_experts=1),
+            "model.nope_layers",
+        ),
+        (
+            "granitemoehybrid",
+            dict(GRANITE_HYBRID, mamba_head_dim=12),
+            dict(topk_before_score=True, num_shared_experts=1),
+            "model.mamba_head_dim",
+        ),
+        (
+            "granitemoehybrid",
+            GRANITE_HYBRID,
+            dict(topk_before_score=True),
+            "moe.num_shared_experts",
+        ),
+        (
+            "granitemoehybrid",
+            dict(n_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+            dict(topk_before_score=True, num_shared_experts=1),
+            "model.layer_types",
+        ),
         ("mixtral", dict(embedding_multiplier=12.0), {}, "model.embedding_multiplier"),
         ("qwen3_moe", dict(residual_multiplier=0.22), {}, "model.residual_multiplier"),
         ("olmoe", dict(attention_scale=0.015625), {}, "model.attention_scale"),
@@ -264,6 +313,29 @@ transformers = pytest.importorskip("transformers")
             dict(num_shared_experts=1, shared_expert_gate=True),
             "moe.shared_expert_gate",
         ),
+        ("afmoe", dict(TRINITY, block_norms="pre"), TRINITY_MOE, "model.block_norms"),
+        ("qwen3_moe", dict(qk_norm=True, block_norms="sandwich"), {}, "model.block_norms"),
+        ("afmoe", dict(TRINITY, attention_output_gate=False), TRINITY_MOE, "output_gate"),
+        ("afmoe", dict(TRINITY, nope_layers=[2]), TRINITY_MOE, "model.nope_layers"),
+        ("afmoe", dict(TRINITY, nope_layers=None), TRINITY_MOE, "model.nope_layers"),
+        ("afmoe", dict(TRINITY, embedding_multiplier=2.0), TRINITY_MOE, "embedding_multiplier"),
+        ("afmoe", TRINITY, dict(TRINITY_MOE, renormalize=False), "moe.renormalize"),
+        ("afmoe", TRINITY, dict(TRINITY_MOE, num_shared_experts=0), "moe.num_shared_experts"),
+        ("afmoe", dict(TRINITY, qkv_bias=True), TRINITY_MOE, "model.qkv_bias"),
+        ("afmoe", dict(TRINITY, attention_block_norms="post"), TRINITY_MOE, "block_norms"),
+        ("mixtral", dict(block_norms="post"), {}, "model.block_norms"),
+        (  # the long factors past the original context: every LongRoPE family but Phi-3.5-MoE
+            "mixtral",
+            dict(
+                rope_scaling="longrope",
+                rope_original_max_seq_len=64,
+                rope_short_factor=[1.0] * 32,
+                rope_long_factor=[2.0] * 32,
+                rope_long_regime="short",
+            ),
+            {},
+            "model.rope_long_regime",
+        ),
         ("mixtral", dict(attention_chunk_size=6), {}, "model.attention_chunk_size"),
         ("qwen3_moe", dict(qk_norm=True, nope_layers=[1]), {}, "model.nope_layers"),
         ("olmoe", dict(qk_norm_after_rope=True), {}, "model.qk_norm_after_rope"),
@@ -334,6 +406,8 @@ def test_deepseek_formats_refuse_naming_the_setting(fmt, model_kw, moe_kw, key) 
         ({"moe.num_shared_experts": 1}, "moe.num_shared_experts"),
         ({"moe.route_scale": 2.0}, "moe.route_scale"),
         ({"moe.capacity_factor": 1.0}, "moe.capacity_factor"),
+        ({"model.rope_long_regime": "long"}, "model.rope_long_regime"),
+        ({"model.rope_long_regime": None}, "model.rope_long_regime"),
     ],
 )
 def test_phimoe_refuses_what_its_class_does_not_compute_by_key(changes, key) -> None:

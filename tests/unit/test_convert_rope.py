@@ -3,6 +3,7 @@ logits, and the rope_parameters back as they went; an unknown rope type refused 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -38,9 +39,9 @@ SCALED_ROPE = {
         "model.rope_low_freq_factor": 1.0,
         "model.rope_high_freq_factor": 4.0,
     },
-    "longrope": {  # (moetrain computes the short factors, within the original context)
+    "longrope": {  # (60 tokens take the long factors, the first 30 alone the short ones)
         "model.rope_scaling": "longrope",
-        "model.rope_original_max_seq_len": 64,
+        "model.rope_original_max_seq_len": 32,
         "model.rope_short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0],
         "model.rope_long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0],
         "model.rope_attention_factor": 1.3,
@@ -96,11 +97,28 @@ def test_scaled_rope_matches_transformers_and_round_trips(tmp_path, fmt: str, sc
         ref, got = hf(input_ids=ids).logits, model(ids).logits
         assert (plain(ids).logits - got).abs().max() > 1e-4  # well above the tolerance below
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    if scaling == "longrope":  # a sequence within the original context: the short factors
+        _longrope_regimes_match(model, hf, ids, cfg)
     back = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
     assert back.model == stored_model(cfg)
     for key in SCALED_ROPE[scaling]:
         name = key.removeprefix("model.")
         assert getattr(back.model, name) == getattr(cfg.model, name), key
+
+
+def _longrope_regimes_match(model: Transformer, hf, ids: torch.Tensor, cfg) -> None:  # noqa: ANN001
+    """Within the original context (30 of 32 positions) transformers' logits too; past it (60),
+    the other regime would differ well above the tolerance."""
+    with torch.no_grad():
+        within = ids[:, :30]
+        torch.testing.assert_close(
+            model(within).logits, hf(input_ids=within).logits, atol=1e-5, rtol=1e-5
+        )
+        other = "long" if cfg.model.rope_long_regime == "short" else "short"
+        swapped = dataclasses.replace(cfg.model, rope_long_regime=other)
+        twin = Transformer(swapped, cfg.moe).eval()
+        twin.load_state_dict(model.state_dict())
+        assert (twin(ids).logits - model(ids).logits).abs().max() > 1e-4
 
 
 def test_unknown_rope_type_is_refused_by_name() -> None:

@@ -44,6 +44,9 @@ def test_gpu_script_dry_run(tmp_path: Path) -> None:
     assert 0.85 <= train["timer_vs_wall"] <= 1.05
     assert train["plan_predicted_bytes"] > 0
     assert train["optimizer"] == "DeepSpeedZeroOptimizer" and train["grad_accum_dtype"] == "fp32"
+    zero3 = res["train_zero3"]  # every weight a partition, one rank: the ZeRO-1 run's losses
+    assert zero3["zero_stage"] == 3 and zero3["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+    assert zero3["losses_rel_diff_vs_zero1"] <= 1e-5, zero3
     prec = res["precision"]  # bf16 runs on CPU too; fp16 needs the GPU
     assert prec["ok"], prec
     assert prec["bf16_zero1"]["optimizer"] == "BF16_Optimizer"

@@ -211,7 +211,7 @@ def test_an_ernie_directory_as_released(hf_dirs, tmp_path) -> None:
     refused by name."""
     from safetensors.torch import load_file, save_file
 
-    from tests.helpers.hf_models import ERNIE_RELEASED_CONFIG
+    from tests.helpers.hf_flags import ERNIE_RELEASED_CONFIG
 
     src = tmp_path / "released"
     bf16 = transformers.AutoModelForCausalLM.from_pretrained(
@@ -265,7 +265,7 @@ def test_a_granite_directory_as_released(hf_dirs, tmp_path) -> None:
 
     from moetrain.convert.hf import to_hf_state_dict
     from moetrain.convert.importer import load_hf_state_dict
-    from tests.helpers.hf_models import GRANITE_RELEASED_CONFIG
+    from tests.helpers.hf_flags import GRANITE_RELEASED_CONFIG
 
     src = tmp_path / "released"
     bf16 = transformers.AutoModelForCausalLM.from_pretrained(

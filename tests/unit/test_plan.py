@@ -214,6 +214,12 @@ def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> floa
         },
         {"moe.recompute_act": True},
         {"model.attention_output_gate": True, "model.qk_norm": True},
+        {  # sandwich norms around a dense and an MoE FFN
+            "model.block_norms": "sandwich",
+            "model.n_layers": 3,
+            "moe.first_k_dense": 1,
+            "model.dense_hidden": 160,
+        },
     ],
 )
 def test_activation_formula_matches_saved_tensors(

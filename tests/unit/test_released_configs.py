@@ -7,7 +7,8 @@ from is in ``PROVENANCE.md`` there). Each is built by transformers as the releas
   weights in fp32, and exported (``moetrain convert``) to a directory transformers loads with
   the same logits;
 - a registered dense family: upcycled on import to 8 experts, top-2, computing the dense model,
-  and exported to an MoE class that computes it too;
+  and exported to an MoE class that computes it too (refused where none does:
+  :data:`NO_MOE_CLASS`);
 - a family moetrain does not register: refused on import, naming its architecture.
 
 Adding a family means adding its released configs: every registered family has one here.
@@ -25,6 +26,7 @@ import torch
 
 from moetrain.checkpoint.read import load_model
 from moetrain.config import ConfigError
+from moetrain.convert import formats
 from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.families import FAMILIES, of_hf_config, unwrap, wrapper_of
 from moetrain.convert.importer import import_hf_checkpoint
@@ -41,6 +43,10 @@ FILES = sorted(CORPUS.glob("*/*.json"))
 UPCYCLE = ["moe.num_experts=8", "moe.top_k=2"]
 # registered families without a released checkpoint known for certain (tiny configs only)
 NO_RELEASE = {"granitemoeshared": "no released GraniteMoeSharedForCausalLM checkpoint is known"}
+# dense families whose upcycled model no transformers MoE class computes (its export is refused)
+NO_MOE_CLASS = {
+    "olmo_hybrid": "Gated DeltaNet with negative eigenvalues beside post-norm attention layers"
+}
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # routing keys that transformers' classes do not all read but serving engines do (vLLM's
 # DeepSeek model takes the selection bias only with topk_method noaux_tc): an export writes
@@ -100,8 +106,7 @@ def transformers_type(hf: dict[str, Any]) -> str:
 
 
 def transformers_config(hf: dict[str, Any]) -> Any:
-    fields = {k: v for k, v in hf.items() if k != "model_type"}
-    return transformers.AutoConfig.for_model(transformers_type(hf), **fields)
+    return formats.transformers_config(hf, transformers_type(hf))
 
 
 def save_released(hf: dict[str, Any], out: Path, tokenizer: Path) -> Path:
@@ -168,6 +173,10 @@ def test_released_config_imports_and_exports_with_transformers_logits(
         close(model.eval()(ids).logits, ref)
     if fam.dense:
         assert len(model.moe_layers()) == cfg.model.n_layers  # every FFN upcycled
+    if fam.name in NO_MOE_CLASS:
+        with pytest.raises(ConfigError, match="no Hugging Face class computes"):
+            convert_checkpoint(ckpt, tmp_path / "hf")
+        return
     out = convert_checkpoint(ckpt, tmp_path / "hf")
     exported, again = hf_logits(out, ids)
     written = json.loads((out / "config.json").read_text())
@@ -211,6 +220,23 @@ def test_llama4_released_configs_where_chunks_and_temperature_bind(
             plain = Transformer(dataclasses.replace(cfg.model, **off), cfg.moe).eval()
             plain.load_state_dict(model.state_dict())
             assert (plain(ids).logits - got).abs().max() > 1e-3 * ref.abs().max(), off
+
+
+@pytest.mark.long  # (test_convert_rope.py's Phi-3.5-MoE case binds it past 32 positions)
+def test_phi_moe_continues_past_its_original_context(tokenizer: Path, tmp_path: Path) -> None:
+    """Phi-3.5-MoE's LongRoPE past original_max_position_embeddings (4096, as released), as
+    transformers 5.25's class computes it (the short factors kept, times long_mscale): 4100
+    tokens imported with transformers' logits. (The fixture's factors, the released lists'
+    first eight, are all 1.0: the two regimes coincide here.)"""
+    hf = json.loads((CORPUS / "phimoe" / "Phi-3.5-MoE-instruct.json").read_text())
+    assert hf["rope_scaling"]["original_max_position_embeddings"] == 4096
+    src = save_released(hf, tmp_path / "src", tokenizer)
+    ids = torch.randint(0, hf["vocab_size"], (1, 4100), generator=torch.Generator().manual_seed(2))
+    _, ref = hf_logits(src, ids)
+    model, cfg = load_model(import_hf_checkpoint(src, tmp_path / "ckpt"))
+    assert cfg.model.rope_long_regime == "short"
+    with torch.no_grad():
+        close(model.eval()(ids).logits, ref)
 
 
 def test_every_registered_family_has_a_released_config() -> None:

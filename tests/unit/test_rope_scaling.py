@@ -23,6 +23,7 @@ from moetrain.model.rope import (
     yarn_mscale,
 )
 from tests.helpers.configs import tiny_config
+from tests.helpers.convert_cases import sharpened
 
 
 def _yarn_cfg(dim: int, **keys: object) -> ModelConfig:
@@ -200,10 +201,10 @@ def _longrope_cfg(**keys: object) -> ModelConfig:
 
 
 @pytest.mark.parametrize("attention_factor", [None, 1.243163121016122])
-def test_longrope_tables_equal_transformers_short_factors(attention_factor) -> None:
+def test_longrope_tables_equal_transformers_short_and_long_factors(attention_factor) -> None:
     """LongRoPE's tables are transformers' for sequences within the original context (the short
-    factors), with its default attention factor sqrt(1 + ln(s) / ln(original)) or a given one;
-    the table stops at the original context."""
+    factors) and beyond it (the long ones, at every position), with its default attention
+    factor sqrt(1 + ln(s) / ln(original)) or a given one."""
     from transformers.modeling_rope_utils import _compute_longrope_parameters
 
     cfg = _longrope_cfg(rope_attention_factor=attention_factor)
@@ -228,13 +229,20 @@ def test_longrope_tables_equal_transformers_short_factors(attention_factor) -> N
     assert factor == attention_factor or factor == pytest.approx(
         math.sqrt(1 + math.log(4) / math.log(256))
     )
-    cos, sin = model_rope_tables(cfg)
-    assert cos.shape == (256, 16)
-    want_cos, want_sin = LlamaRotaryEmbedding(hc)(torch.zeros(1), torch.arange(256)[None])
-    torch.testing.assert_close(cos, want_cos[0], atol=0, rtol=0)
-    torch.testing.assert_close(sin, want_sin[0], atol=0, rtol=0)
-    freqs = torch.outer(torch.arange(256.0), inv_freq)  # the formula, by hand
-    torch.testing.assert_close(cos, torch.cat((freqs, freqs), -1).cos() * factor)
+    emb = LlamaRotaryEmbedding(hc)
+    for n, long in ((256, False), (300, True)):  # within the original context, then past it
+        assert cfg.longrope_long(n) is long
+        cos, sin = model_rope_tables(cfg, n, long=long)
+        assert cos.shape == (n, 16)
+        want_cos, want_sin = emb(torch.zeros(1), torch.arange(n)[None])
+        torch.testing.assert_close(cos, want_cos[0], atol=0, rtol=0)
+        torch.testing.assert_close(sin, want_sin[0], atol=0, rtol=0)
+    freqs = torch.outer(torch.arange(256.0), inv_freq)  # the short table by hand
+    torch.testing.assert_close(
+        model_rope_tables(cfg, 256)[0], torch.cat((freqs, freqs), -1).cos() * factor
+    )
+    short, long = model_rope_tables(cfg, 300), model_rope_tables(cfg, 300, long=True)
+    assert (short[0] - long[0]).abs().max() > 0.1  # the factors differ where it matters
 
 
 TINY_LONGROPE = {
@@ -243,27 +251,52 @@ TINY_LONGROPE = {
     "model.rope_original_max_seq_len": 16,
     "model.rope_short_factor": [1.0] * 4,
     "model.rope_long_factor": [4.0] * 4,
-    "data.seq_len": 16,
+    "model.rope_attention_factor": 1.2,
+    "data.seq_len": 32,
 }
 
 
-def test_longrope_refuses_sequences_past_the_original_context_by_key() -> None:
-    """moetrain computes the short factors only: a longer sequence or cache, a longer
-    data.seq_len and a wrong factor count are refused naming the key."""
-    cfg = tiny_config(TINY_LONGROPE)
+def _logits(cfg, state: dict, ids: torch.Tensor) -> torch.Tensor:
     model = Transformer(cfg.model, cfg.moe).eval()
-    model(torch.zeros(1, 16, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"model\.rope_original_max_seq_len=16"):
-        model(torch.zeros(1, 17, dtype=torch.long))
-    assert model.new_cache(1).max_len == 16
-    with pytest.raises(ConfigError, match=r"data\.seq_len"):
-        tiny_config(TINY_LONGROPE, {"data.seq_len": 32})
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_longrope_picks_its_factors_by_the_sequence_length() -> None:
+    """A sequence within the original context computes with the short factors, a longer one
+    with the long factors at every position (the same model with those as its short factors
+    and a longer original context), or with the short ones still under
+    ``model.rope_long_regime: short``."""
+    cfg = tiny_config(TINY_LONGROPE)
+    torch.manual_seed(0)
+    state = sharpened(Transformer(cfg.model, cfg.moe)).state_dict()  # positions show
+    ids = torch.randint(
+        0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)
+    )
+    wide = {"model.rope_original_max_seq_len": 64}  # 24 tokens within it: its short factors
+    short = tiny_config(TINY_LONGROPE, wide)
+    long = tiny_config(TINY_LONGROPE, wide, {"model.rope_short_factor": [4.0] * 4})
+    got = _logits(cfg, state, ids)
+    torch.testing.assert_close(got, _logits(long, state, ids), rtol=0, atol=0)
+    assert (got - _logits(short, state, ids)).abs().max() > 1e-3
+    within = _logits(cfg, state, ids[:, :16])  # 16 positions: the short factors
+    torch.testing.assert_close(within, _logits(short, state, ids[:, :16]), rtol=0, atol=0)
+    kept = tiny_config(TINY_LONGROPE, {"model.rope_long_regime": "short"})
+    torch.testing.assert_close(_logits(kept, state, ids), _logits(short, state, ids))
+
+
+def test_longrope_keys_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match=r"model\.rope_short_factor"):
         tiny_config(TINY_LONGROPE, {"model.rope_short_factor": [1.0] * 3})
     with pytest.raises(ConfigError, match=r"model\.rope_long_factor"):
         tiny_config(TINY_LONGROPE, {"model.rope_long_factor": None})
     with pytest.raises(ConfigError, match=r"model\.rope_short_factor"):
         tiny_config({"model.rope_short_factor": [1.0] * 4})  # (without longrope)
+    with pytest.raises(ConfigError, match=r"model\.rope_long_regime"):
+        tiny_config({"model.rope_long_regime": "short"})  # (without longrope)
+    with pytest.raises(ConfigError, match=r"model\.rope_long_regime"):
+        tiny_config(TINY_LONGROPE, {"model.rope_long_regime": "middle"})
 
 
 @pytest.mark.parametrize("key", ["model.rope_short_factor", "model.rope_long_factor"])

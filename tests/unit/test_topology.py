@@ -53,7 +53,6 @@ def test_global_batch_mismatch() -> None:
         ({"parallel.shadow_experts": 1}, r"parallel\.shadow_experts: not supported with parallel"),
         ({"train.precision": "fp16"}, r"train\.precision: fp16 is not supported with parallel"),
         ({"parallel.offload_optimizer": "true"}, r"parallel\.offload_optimizer: not supported"),
-        ({"parallel.sp_size": 2}, r"parallel\.sp_size: sequence parallelism is not supported"),
         ({"checkpoint.init_from": "/x"}, r"checkpoint\.init_from: not supported with parallel"),
         (
             {

@@ -10,6 +10,7 @@ inherits, so they are flat ``model.<key>`` keys like the others.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import TYPE_CHECKING, ClassVar
 
 from moetrain.config.checks import require
@@ -51,10 +52,11 @@ class MixerKind:
         raise NotImplementedError
 
     @classmethod
-    def refuse_own_keys(cls, model: ModelConfig) -> None:
-        """Where no layer uses the kind: every one of its keys must keep its default."""
+    def refuse_own_keys(cls, model: ModelConfig, shared: Collection[str] = ()) -> None:
+        """Where no layer uses the kind: every one of its keys must keep its default, but those
+        in ``shared`` (keys a kind in use has too)."""
         defaults = {f.name: f.default for f in dataclasses.fields(model)}
-        for key in cls.keys:
+        for key in (k for k in cls.keys if k not in shared):
             require(
                 getattr(model, key) == defaults[key],
                 f"model.{key}",

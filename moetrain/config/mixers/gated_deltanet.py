@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from moetrain.config.checks import require
-from moetrain.config.mixers.base import MixerKind
-from moetrain.config.ranges import FUNCTION, POSITIVE_INT
+from moetrain.config.mixers.linear import LinearMixerKind
+from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above
 
 if TYPE_CHECKING:
     from moetrain.config.layer_plan import MixerSpec
@@ -31,45 +31,38 @@ class GatedDeltaNetKeys:
     linear_value_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # the width of the short causal convolution over q, k and v (1: no mixing of positions)
     linear_conv_kernel_dim: int = field(default=4, metadata=POSITIVE_INT | FUNCTION)
+    # beta = 2 sigmoid(b), in (0, 2): the rule's transition I - beta k k^T may have negative
+    # eigenvalues (Olmo-Hybrid's linear_allow_neg_eigval); false: sigmoid(b), in (0, 1)
+    linear_allow_neg_eigval: bool = field(default=False, metadata=FUNCTION)
+    # the eps of the gated output norm; null: model.norm_eps (Olmo-Hybrid's is 1e-5 whatever
+    # its rms_norm_eps)
+    linear_norm_eps: float | None = field(default=None, metadata=above(0) | FUNCTION)
 
 
-# the per-layer options of the layer plan a recurrent layer does not have: key, whether a spec
-# asks for it
-_NO_ATTENTION_OPTIONS = (
-    ("model.sliding_window", lambda s: s.window is not None),
-    ("model.attention_chunk_size", lambda s: s.chunk is not None),
-    ("model.nope_layers", lambda s: not s.rope),
-    ("model.attn_temperature_floor", lambda s: s.temperature is not None),
-)
-
-
-class GatedDeltaNet(MixerKind):
+class GatedDeltaNet(LinearMixerKind):
     """Gated DeltaNet (the gated delta rule, Yang et al. 2024; Qwen3-Next's layout)."""
 
     name = "gated_deltanet"
-    selected_by = "model.linear_attention"
     keys = (
         "linear_num_key_heads",
         "linear_num_value_heads",
         "linear_key_head_dim",
         "linear_value_head_dim",
         "linear_conv_kernel_dim",
+        "linear_allow_neg_eigval",
+        "linear_norm_eps",
     )
+    required = (
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+    )
+    head_dim_key = "linear_key_head_dim"
 
     @classmethod
     def validate(cls, model: ModelConfig, specs: list[MixerSpec]) -> None:
-        for key, asks in _NO_ATTENTION_OPTIONS:
-            require(
-                not any(asks(s) for s in specs),
-                key,
-                "names attention layers; a linear_attention layer has no window, chunks or RoPE",
-            )
-        for key in cls.keys[:4]:
-            require(
-                getattr(model, key) is not None,
-                f"model.{key}",
-                f"must be set where layers are {cls.name} (model.linear_attention)",
-            )
+        super().validate(model, specs)
         hk, hv = model.linear_num_key_heads, model.linear_num_value_heads
         require(
             hv % hk == 0,
@@ -77,15 +70,6 @@ class GatedDeltaNet(MixerKind):
             f"must be a multiple of model.linear_num_key_heads={hk} (each query/key head serves "
             f"as many value heads); got {hv}",
         )
-
-    @classmethod
-    def head_dim(cls, model: ModelConfig) -> int:
-        """A query / key head's dims (``linear_key_head_dim``)."""
-        return model.linear_key_head_dim or 0
-
-    @classmethod
-    def rope_dim(cls, model: ModelConfig) -> int:
-        return 0
 
     @classmethod
     def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:

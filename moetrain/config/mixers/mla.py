@@ -77,7 +77,6 @@ DSA_KEYS = (
 _NO_LOCAL = (
     ("model.sliding_window", lambda s: s.window is not None),
     ("model.attention_chunk_size", lambda s: s.chunk is not None),
-    ("model.nope_layers", lambda s: not s.rope),
     ("model.attn_temperature_floor", lambda s: s.temperature is not None),
 )
 
@@ -102,8 +101,14 @@ class MLA(MixerKind):
                 not any(asks(s) for s in specs),
                 key,
                 "only applies with model.attention=gqa (latent attention layers attend to "
-                "the full context with RoPE)",
+                "the full context)",
             )
+        require(
+            model.index_topk is None or all(s.rope for s in specs),
+            "model.nope_layers",
+            "latent attention layers without RoPE cannot use sparse attention "
+            "(model.index_topk): the indexer's keys are rotated",
+        )
         for key in cls.keys[1:5]:
             require(
                 getattr(model, key) is not None,

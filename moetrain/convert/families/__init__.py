@@ -15,6 +15,7 @@ from typing import Any
 
 from moetrain.config import ConfigError
 from moetrain.convert.families import (
+    afmoe,
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
@@ -24,12 +25,15 @@ from moetrain.convert.families import (
     glm_moe_dsa,
     gpt_oss,
     granitemoe,
+    granitemoehybrid,
     hunyuan_v1_moe,
+    kimi_linear,
     llama,
     llama4_text,
     minimax_m2,
     mistral,
     mixtral,
+    olmo_hybrid,
     olmoe,
     phimoe,
     qwen2,
@@ -54,6 +58,7 @@ FAMILIES: dict[str, Family] = {
         glm4_moe.FAMILY,
         olmoe.FAMILY,
         minimax_m2.FAMILY,
+        afmoe.FAMILY,
         deepseek_v32.FAMILY,
         glm_moe_dsa.FAMILY,
         deepseek_v3.FAMILY,
@@ -61,17 +66,20 @@ FAMILIES: dict[str, Family] = {
         ernie4_5_moe.FAMILY,
         granitemoe.FAMILY,
         granitemoe.SHARED_FAMILY,
+        granitemoehybrid.FAMILY,
         hunyuan_v1_moe.FAMILY,
         gpt_oss.FAMILY,
         phimoe.FAMILY,
         llama4_text.FAMILY,
         qwen3_5_moe_text.FAMILY,
         qwen3_next.FAMILY,
+        kimi_linear.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         qwen2.FAMILY,
         qwen3.FAMILY,
         qwen3_5_text.FAMILY,
+        olmo_hybrid.FAMILY,
     )
 }
 FORMATS = tuple(name for name, f in FAMILIES.items() if not f.dense)  # export targets

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from moetrain.config import Config, ConfigError, ModelConfig
+from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.families import hf_config
 from moetrain.convert.families.base import Family
 from moetrain.convert.families.holds import ANY, ATTENTION_BIAS, free, only
@@ -51,6 +51,8 @@ def attention_multiplier(model: ModelConfig) -> float:
 
 
 def to_hf(cfg: Config) -> dict[str, Any]:
+    """The transformers fields of Granite-MoE, which every Granite MoE class shares: the common
+    ones, the experts, the muP-style scalars and the attention biases."""
     model = cfg.model
     return hf_config.local_experts_hf(
         cfg,
@@ -68,10 +70,6 @@ def shared_to_hf(cfg: Config) -> dict[str, Any]:
     return dict(
         to_hf(cfg), shared_intermediate_size=moe.shared_hidden if moe.num_shared_experts else 0
     )
-
-
-def _positive(hf: Any, key: str) -> float:
-    return float(hf_config.hf_number(hf, key, NAME, 1.0, positive=True))
 
 
 def from_hf(hf: Any) -> Config:
@@ -92,15 +90,26 @@ def shared_from_hf(hf: Any) -> Config:
 
 
 def _from_hf(hf: Any) -> Config:
+    return hf_config.finish(*granite_from_hf(hf, NAME))
+
+
+def granite_from_hf(hf: Any, name: str) -> tuple[ModelConfig, MoEConfig]:
+    """The model and MoE sections of any Granite MoE class's config ``hf`` (read from
+    ``name``'s): the shape, the attention biases, the muP-style scalars, the experts and their
+    routing (top-k on the logits, then softmax over the k)."""
     model, moe = hf_config.local_experts_from_hf(hf)
     model.qkv_bias = model.o_bias = bool(getattr(hf, "attention_bias", False))
-    hf_config.refuse_partial_rotary(model, NAME)
-    model.embedding_multiplier = _positive(hf, "embedding_multiplier")
-    model.residual_multiplier = _positive(hf, "residual_multiplier")
-    model.attention_scale = _positive(hf, "attention_multiplier")
-    model.logits_scaling = _positive(hf, "logits_scaling")
+    hf_config.refuse_partial_rotary(model, name)
+
+    def positive(key: str) -> float:
+        return float(hf_config.hf_number(hf, key, name, 1.0, positive=True))
+
+    model.embedding_multiplier = positive("embedding_multiplier")
+    model.residual_multiplier = positive("residual_multiplier")
+    model.attention_scale = positive("attention_multiplier")
+    model.logits_scaling = positive("logits_scaling")
     moe.score_func, moe.topk_before_score = "softmax", True
-    return hf_config.finish(model, moe)
+    return model, moe
 
 
 FAMILY = Family("granitemoe", NAME, from_hf, to_hf, holds=HOLDS, layout=LAYOUT)

@@ -37,6 +37,17 @@ def dense_layers(cfg: Config) -> list[int]:
     return [i for i in range(cfg.model.n_layers) if not cfg.moe.is_moe_layer(i)]
 
 
+class WithRope:
+    """A transformers config seen with other ``rope_parameters`` (Hunyuan's NTK-alpha folded
+    into a plain ``rope_theta``; a NoPE model's placeholder)."""
+
+    def __init__(self, hf: Any, rope: dict[str, Any]) -> None:
+        self._hf, self.rope_parameters = hf, rope
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._hf, name)
+
+
 def model_from_hf(hf: Any) -> ModelConfig:
     """The transformer shape of a transformers config object (any Llama-like family), its RoPE
     scaling included (:func:`rope_scaling_from_hf`); raises ConfigError naming the field
@@ -241,7 +252,7 @@ def finish(model: ModelConfig, moe: MoEConfig) -> Config:
     """The validated Config of an imported model (``data.seq_len`` capped at the positions it
     computes)."""
     cfg = Config(model=model, moe=moe)
-    cfg.data.seq_len = min(cfg.data.seq_len, model.rope_positions)
+    cfg.data.seq_len = min(cfg.data.seq_len, model.max_seq_len)
     cfg.validate()
     return cfg
 

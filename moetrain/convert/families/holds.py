@@ -147,10 +147,19 @@ BASELINE: dict[str, Rule] = {
     "model.linear_attention": refused_when(
         _linear_layers, "{name} has attention in every layer; no linear_attention layers"
     ),
+    "model.mamba_head_dim": ANY,  # (its families' size rule)
     "model.full_attention_interval": only(None),
+    "model.linear_allow_neg_eigval": only(False),
+    "model.linear_norm_eps": only(None),
     "model.rope_interleave": only(False),
     "model.partial_rotary_factor": only(1.0),
     "model.rope_scaling": ANY,
+    "model.rope_long_regime": only(
+        None,
+        "long",
+        applies=lambda m, _: m.rope_scaling == "longrope",
+        why="{name} takes LongRoPE's long factors past the original context; must be null or long",
+    ),
     "model.embedding_multiplier": only(1.0),
     "model.residual_multiplier": only(1.0),
     "model.logits_scaling": only(1.0),
@@ -158,6 +167,8 @@ BASELINE: dict[str, Rule] = {
     "model.mtp_depth": only(0),
     "model.o_bias": only(False),
     "model.norm": only("rmsnorm"),
+    "model.block_norms": only("pre"),
+    "model.attention_block_norms": only(None),
     "model.lm_head_bias": only(False),
     "model.attention_sinks": only(False),
     "model.sliding_window": only(None),
@@ -208,6 +219,8 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         False: "has no attention output gate",
         True: "always gates its attention output",
     },
+    "model.linear_allow_neg_eigval": {False: "writes its Gated DeltaNet state with beta in (0, 1)"},
+    "model.linear_norm_eps": {None: "takes its Gated DeltaNet output norm's eps from rms_norm_eps"},
     "model.zero_centered_norm": {
         False: "has RMSNorm weights that scale directly",
         True: "has zero-centred RMSNorm weights (1 + w)",
@@ -229,6 +242,11 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         "after_rope": "normalises queries and keys after RoPE",
     },
     "model.norm": {"rmsnorm": "has RMSNorm", "layernorm": "has LayerNorm"},
+    "model.block_norms": {
+        "pre": "normalises each block's branch inputs only",
+        "sandwich": "normalises each block's branch inputs and outputs (sandwich norms)",
+    },
+    "model.attention_block_norms": {None: "places every layer's norms alike"},
     "model.lm_head_bias": {False: "has no LM-head bias"},
     "model.attention_sinks": {False: "has no attention sinks", True: "has a sink per head"},
     "model.sliding_window": {None: "attends to the whole context"},

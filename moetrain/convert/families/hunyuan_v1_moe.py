@@ -41,16 +41,6 @@ LAYOUT = Layout(
 )
 
 
-class _FoldedRope:
-    """A transformers config seen with its NTK-alpha folded into a plain ``rope_theta``."""
-
-    def __init__(self, hf: Any, rope: dict[str, Any]) -> None:
-        self._hf, self.rope_parameters = hf, rope
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._hf, name)
-
-
 def _per_layer(hf: Any, key: str) -> int:
     """``hf.<key>``, an int or a list of one value per layer (the same in every layer)."""
     value = getattr(hf, key)
@@ -90,7 +80,7 @@ def from_hf(hf: Any) -> Config:
     if rope.get("rope_type") == "dynamic" and rope.get("alpha"):
         hd = get("head_dim", None) or hf.hidden_size // hf.num_attention_heads
         theta = float(rope["rope_theta"]) * float(rope["alpha"]) ** (hd / (hd - 2))
-        hf = _FoldedRope(hf, {"rope_type": "default", "rope_theta": theta})
+        hf = hf_config.WithRope(hf, {"rope_type": "default", "rope_theta": theta})
     model = hf_config.model_from_hf(hf)
     moe = MoEConfig(top_k=_per_layer(hf, "moe_topk"), aux_loss_coef=0.0, z_loss_coef=0.0)
     hf_config.refuse_partial_rotary(model, NAME)

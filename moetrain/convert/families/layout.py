@@ -92,7 +92,8 @@ class Layout:
     a decoder layer (``model.layers.<i>.``) or to its MoE block.
 
     ``in_memory``: transformers v5's in-memory module names where they differ from the files'
-    (the MoE block, the router, the selection bias: file name -> memory name); a source saved
+    (the MoE block, the dense block, the router, the selection bias: file name -> memory
+    name); a source saved
     from memory uses them, with a per-expert or fused family's experts as :data:`V5_FUSED`.
     """
 
@@ -117,10 +118,35 @@ class Layout:
     # a block's module names where the files name them otherwise than Llama's (and the rules
     # above), e.g. Hunyuan's ``{"self_attn.q_norm": "self_attn.query_layernorm"}``
     renames: Mapping[str, str] = field(default_factory=dict)
+    # a sandwich block's norms (model.block_norms: sandwich): its mixer's output norm, its
+    # FFN's input norm (Llama's post_attention_layernorm in a pre-norm block) and its FFN's
+    # output norm; Gemma's names unless the family says otherwise
+    sandwich_norms: tuple[str, str, str] = (
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    )
+    # the attention output gate (model.attention_output_gate) as a projection of its own, its
+    # heads in order (Trinity's ``self_attn.gate_proj``); None: in ``q_proj``, each head's
+    # query followed by its gate (Qwen3-Next's)
+    attention_gate: str | None = None
     # Gated DeltaNet's projections fused per query/key head, ``linear_attn.in_proj_qkvz`` and
     # ``linear_attn.in_proj_ba`` (Qwen3-Next's files); False: Qwen3.5's four projections
     linear_fused: bool = False
+    # Gated DeltaNet's in_proj_qkv and its convolution as three each, ``linear_attn.{q,k,v}_
+    # proj`` and ``linear_attn.{q,k,v}_conv1d`` (Olmo-Hybrid's files; its other names by
+    # ``renames``)
+    linear_qkv_apart: bool = False
     in_memory: Mapping[str, str] = field(default_factory=dict)
+    # a block's 1-D tensors the files store as (1, 1, n, 1) (Kimi Linear's ``self_attn.A_log``)
+    columns: tuple[str, ...] = ()
+    # a block's tensors transformers v5 holds in memory under other module names (the files'
+    # name -> memory's: Kimi Linear's forget gate) and joined along their first dim (memory's
+    # name -> the files' names: its q, k, v convolutions); ``joined``: this layout holds them
+    # joined (set by ``weight_map.in_memory``)
+    in_memory_renames: Mapping[str, str] = field(default_factory=dict)
+    in_memory_joined: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    joined: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ Its LongRoPE multiplies cos and sin by ``short_mscale`` while the sequence stays
 ``original_max_position_embeddings`` (``model.rope_attention_factor``; ``attention_factor`` is not
 read) and by ``long_mscale`` beyond; transformers 5.25 then keeps the short factors' frequencies
 (its forward recomputes them without the sequence length) where the original code takes the
-long ones. moetrain computes the short regime only (``ModelConfig.rope_positions``), so it
-keeps one mscale: a ``long_mscale`` other than ``short_mscale`` is refused (the released model's
-are equal). Files name the MoE block ``block_sparse_moe`` with Mixtral's per-expert
+long ones: ``model.rope_long_regime: short``, so the 128k context computes as transformers does.
+moetrain keeps one mscale for both: a ``long_mscale`` other than ``short_mscale`` is refused (the
+released model's are equal). Files name the MoE block ``block_sparse_moe`` with Mixtral's per-expert
 ``experts.<e>.{w1,w3,w2}`` and router ``gate`` (transformers v5: ``mlp``, ``mlp.router``).
 
 ``input_jitter_noise`` (the released 0.01) is training-time noise on the MoE block's input,
@@ -37,6 +37,12 @@ HOLDS = {
         "none",
         "longrope",
         why="{name} multiplies any scaled RoPE by its short_mscale; must be none or longrope",
+    ),
+    "model.rope_long_regime": only(
+        "short",
+        applies=lambda m, _: m.rope_scaling == "longrope",
+        why="{name} (transformers 5.25) keeps LongRoPE's short factors past the original "
+        "context; must be short",
     ),
     **ATTENTION_BIAS,
     "model.norm": only("layernorm"),
@@ -87,9 +93,8 @@ def _mscale(rope: dict[str, Any]) -> float | None:
     short, long = rope.get("short_mscale"), rope.get("long_mscale")
     if long != short:
         raise ConfigError(
-            f"rope_parameters.long_mscale: moetrain computes LongRoPE within "
-            f"original_max_position_embeddings only and keeps one mscale; must equal "
-            f"short_mscale={short}, got {long}"
+            f"rope_parameters.long_mscale: moetrain keeps one LongRoPE mscale within and past "
+            f"original_max_position_embeddings; must equal short_mscale={short}, got {long}"
         )
     return float(short)
 
@@ -109,7 +114,7 @@ def from_hf(hf: Any) -> Config:
         )
     mscale = _mscale(hf.rope_parameters or {})
     if mscale is not None:
-        model.rope_attention_factor = mscale
+        model.rope_attention_factor, model.rope_long_regime = mscale, "short"
     model.norm = "layernorm"
     model.qkv_bias = model.o_bias = bool(getattr(hf, "attention_bias", False))
     model.lm_head_bias = bool(getattr(hf, "lm_head_bias", False))

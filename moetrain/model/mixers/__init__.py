@@ -1,6 +1,6 @@
 """The token mixer modules, one per kind, behind one protocol (:mod:`.base`): grouped-query
-attention with its local variants (:mod:`.gqa`), multi-head latent attention (:mod:`.mla`) and Gated
-DeltaNet (:mod:`.gated_deltanet`).
+attention with its local variants (:mod:`.gqa`), multi-head latent attention (:mod:`.mla`), Gated
+DeltaNet (:mod:`.gated_deltanet`), Kimi Delta Attention (:mod:`.kda`) and Mamba-2 (:mod:`.mamba2`).
 Registered here by their ``kind``, the names :data:`moetrain.config.mixers.MIXER_KINDS` knows
 (the same set, checked by a test)."""
 
@@ -11,10 +11,12 @@ from moetrain.config.layer_plan import MixerSpec
 from moetrain.model.mixers.base import MixerInputs, MixerLoss, MixerState, TokenMixer
 from moetrain.model.mixers.gated_deltanet import GatedDeltaNet
 from moetrain.model.mixers.gqa import Attention
+from moetrain.model.mixers.kda import KimiDeltaAttention
+from moetrain.model.mixers.mamba2 import Mamba2
 from moetrain.model.mixers.mla import MLAttention
 
 MIXERS: dict[str, type[TokenMixer]] = {
-    cls.kind: cls for cls in (Attention, MLAttention, GatedDeltaNet)
+    cls.kind: cls for cls in (Attention, MLAttention, GatedDeltaNet, KimiDeltaAttention, Mamba2)
 }
 
 __all__ = [

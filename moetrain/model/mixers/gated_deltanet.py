@@ -13,11 +13,13 @@ value head. A causal depthwise convolution of width W with SiLU runs over the q,
 (:func:`moetrain.model.short_conv.short_conv`), then
 
     g    = -exp(A_log) * softplus(a + dt_bias)      the log decay of each value head (fp32)
-    beta = sigmoid(b)                               its write strength (fp32)
+    beta = sigmoid(b)                               its write strength (fp32); x 2, in
+                                                    (0, 2), with model.linear_allow_neg_eigval
     o    = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta)      value head h reads q/k
                                                                     head h // r
     y    = wo(norm(o) * silu(z))                    RMSNorm over each head's V dims, a weight
                                                     of V shared by the heads, eps norm_eps
+                                                    (or model.linear_norm_eps)
 
 (:mod:`moetrain.model.delta_rule`: the chunked form for training and prefill, the token
 recurrence for a decode step). Packed documents restart the convolution's window and the
@@ -140,6 +142,60 @@ class GatedRMSNorm(nn.Module):
         return gated_rms_norm(o, z, self.weight, self.eps)
 
 
+@torch.no_grad()
+def init_dt_bias(dt_bias: torch.Tensor) -> None:
+    """The inverse softplus of step sizes drawn log-uniformly in [1e-3, 0.1] (Mamba's and
+    fla's), in place."""
+    log_dt = torch.empty_like(dt_bias).uniform_(math.log(DT_MIN), math.log(DT_MAX))
+    dt = log_dt.exp().clamp(min=DT_FLOOR)
+    dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+
+def conv_and_rule(
+    qkv: torch.Tensor,
+    weight_CW: torch.Tensor,
+    heads: tuple[tuple[int, int], ...],
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    docs: torch.Tensor | None,
+    state: RecurrentState | None,
+) -> torch.Tensor:
+    """The short convolution with SiLU over ``qkv``'s ``[q | k | v]`` channels, then the gated
+    delta rule over L2-normalised q and k (chunked; one recurrence step for a single token with
+    a state), both restarting at ``docs``' documents; ``heads``: q's, k's and v's (heads, dim);
+    with ``state`` the tokens continue it and it takes them in. (B, S, H, V) out (Gated
+    DeltaNet's, and Kimi Delta Attention's with a per-channel ``g``)."""
+    b, s, _ = qkv.shape
+    mixed, conv_state = short_conv(
+        qkv,
+        weight_CW,
+        activation="silu",
+        initial_state=None if state is None else state.conv,
+        output_final_state=state is not None,
+        doc_ids=docs,
+    )
+    parts = mixed.split([h * d for h, d in heads], dim=-1)
+    q, k, v = (t.view(b, s, h, d) for t, (h, d) in zip(parts, heads, strict=True))
+    rule = gated_delta_rule_recurrent if state is not None and s == 1 else gated_delta_rule
+    args = {} if rule is gated_delta_rule_recurrent else {"chunk_size": CHUNK}
+    o, rule_state = rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=None if state is None else state.rule,
+        output_final_state=state is not None,
+        doc_ids=docs,
+        qk_l2norm=True,
+        **args,
+    )
+    if state is not None:
+        state.conv.copy_(conv_state)
+        state.rule.copy_(rule_state)
+    return o
+
+
 class GatedDeltaNet(TokenMixer):
     """Gated DeltaNet (see the module docstring)."""
 
@@ -151,6 +207,7 @@ class GatedDeltaNet(TokenMixer):
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.width = cfg.linear_conv_kernel_dim
+        self.beta_scale = 2.0 if cfg.linear_allow_neg_eigval else 1.0  # beta in (0, 2) or (0, 1)
         ch = self.channels(cfg)
         self.A_log = nn.Parameter(torch.empty(self.hv))
         self.dt_bias = nn.Parameter(torch.empty(self.hv))
@@ -159,7 +216,8 @@ class GatedDeltaNet(TokenMixer):
         self.in_proj_b = Linear(d, self.hv, bias=False)
         self.in_proj_a = Linear(d, self.hv, bias=False)
         self.conv1d = nn.Conv1d(ch, ch, self.width, groups=ch, bias=False)
-        self.norm = GatedRMSNorm(self.dv, cfg.norm_eps)
+        eps = cfg.norm_eps if cfg.linear_norm_eps is None else cfg.linear_norm_eps
+        self.norm = GatedRMSNorm(self.dv, eps)
         self.wo = Linear(self.hv * self.dv, d, bias=False)
         self._rank_rows: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -209,42 +267,14 @@ class GatedDeltaNet(TokenMixer):
     ) -> torch.Tensor:
         """The convolution and the rule over whole rows of some heads (all, or this rank's):
         (B, S, h V) out."""
-        b, s, _ = qkv.shape
         hv = b_raw.shape[2]
         hk = hv * self.hk // self.hv
-        docs = inputs.doc_ids_BS
-        mixed, conv_state = short_conv(
-            qkv,
-            weight_CW,
-            activation="silu",
-            initial_state=None if state is None else state.conv,
-            output_final_state=state is not None,
-            doc_ids=docs,
-        )
-        keys = hk * self.dk
-        q, k, v = mixed.split([keys, keys, hv * self.dv], dim=-1)
-        q, k = q.view(b, s, hk, self.dk), k.view(b, s, hk, self.dk)
-        v = v.view(b, s, hv, self.dv)
         g = -a_log.float().exp() * F.softplus(a_raw.float() + dt_bias.float())
         beta = b_raw.float().sigmoid()
-        rule = gated_delta_rule_recurrent if state is not None and s == 1 else gated_delta_rule
-        args = {} if rule is gated_delta_rule_recurrent else {"chunk_size": CHUNK}
-        o, rule_state = rule(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state=None if state is None else state.rule,
-            output_final_state=state is not None,
-            doc_ids=docs,
-            qk_l2norm=True,
-            **args,
-        )
-        if state is not None:
-            state.conv.copy_(conv_state)
-            state.rule.copy_(rule_state)
-        return o
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
+        heads = ((hk, self.dk), (hk, self.dk), (hv, self.dv))
+        return conv_and_rule(qkv, weight_CW, heads, g, beta, inputs.doc_ids_BS, state)
 
     def _to_heads(
         self, ex: HeadExchange, qkv: torch.Tensor, b_raw: torch.Tensor, a_raw: torch.Tensor
@@ -287,9 +317,7 @@ class GatedDeltaNet(TokenMixer):
         bound = 1 / math.sqrt(self.width)
         self.conv1d.weight.uniform_(-bound, bound)
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(*A_RANGE).log())
-        log_dt = torch.empty_like(self.dt_bias).uniform_(math.log(DT_MIN), math.log(DT_MAX))
-        dt = log_dt.exp().clamp(min=DT_FLOOR)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        init_dt_bias(self.dt_bias)
         self.norm.weight.fill_(1.0)
 
     # counts (the protocol's; checked against the built module and saved-tensor hooks)

@@ -7,7 +7,8 @@ Vd v_head_dim.
 
 Per token: ``wkv_a`` maps x to ``[latent_C | k_rope_R]``; the latent is RMS-normalised
 (``kv_norm``) and ``wkv_b`` expands it into every head's non-rotary key ``N`` and value ``Vd``;
-``k_rope`` is one rotary key shared by all heads. Queries come from ``wq`` (D -> H(N+R)), or,
+``k_rope`` is one rotary key shared by all heads (a NoPE layer, ``model.nope_layers``, rotates
+neither it nor the queries' rope part: Kimi Linear's latent attention). Queries come from ``wq`` (D -> H(N+R)), or,
 with ``model.q_lora_rank``, from the low-rank path ``wq_b(q_norm(wq_a(x)))``. A head's query and
 key are ``[nope_N | rope_R]``; the softmax scale is ``(N + R) ** -0.5`` times YaRN's
 ``softmax_mscale`` (``model/rope.py``). The latent norms use eps 1e-6 whatever
@@ -129,6 +130,7 @@ class MLAttention(TokenMixer):
         self.wo = Linear(h * self.v_dim, d, bias=False)
         self.scale = qk_dim**-0.5 * softmax_mscale(cfg)
         self.rope_interleave = cfg.rope_interleave
+        self.rope = spec.rope  # False: a NoPE layer (Kimi Linear's)
         self.sdpa_kernel: str | None = None  # what the first call ran (as ``Attention``)
         # sparse attention (model/sparse_latent.py): the layer whose selection it attends to
         self.index_from, self.index_topk = spec.index_from, cfg.index_topk
@@ -184,10 +186,13 @@ class MLAttention(TokenMixer):
         q_BSHK, q_latent_BSQ = self.queries(x_BSD)
         q_BSHK = q_BSHK.view(b, s, self.n_heads, -1)
         q_nope_BSHN, q_rope_BSHR = q_BSHK.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rope_BHSR = apply_rope(q_rope_BSHR.transpose(1, 2), cos_SR, sin_SR, self.rope_interleave)
+        q_rope_BHSR = q_rope_BSHR.transpose(1, 2)
         latent_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_rank, self.rope_dim], dim=-1)
         latent_BSC = self.kv_norm(latent_BSC)
-        k_rope_BSR = apply_rope(k_rope_BSR[:, None], cos_SR, sin_SR, self.rope_interleave)[:, 0]
+        if self.rope:  # (a NoPE layer keeps the shared key and the queries' part unrotated)
+            q_rope_BHSR = apply_rope(q_rope_BHSR, cos_SR, sin_SR, self.rope_interleave)
+            k_rope_BSR = apply_rope(k_rope_BSR[:, None], cos_SR, sin_SR, self.rope_interleave)
+            k_rope_BSR = k_rope_BSR[:, 0]
         causal = mask_B1SS is None
         if state is not None:
             latent_BSC, k_rope_BSR = state.append(inputs.pos, latent_BSC, k_rope_BSR)

@@ -1,0 +1,45 @@
+"""Kimi Delta Attention's keys and rules (Kimi Linear's linear attention: the layers of type
+``linear_attention`` when ``model.linear_attention`` is ``kda``): a short causal convolution
+over q, k, v, then the gated delta rule with a decay per key channel over ``linear_num_heads``
+heads of ``linear_head_dim`` dims (keys and values alike), a sigmoid-gated RMSNorm and the
+output projection. Its module is :mod:`moetrain.model.mixers.kda`. The keys are transformers'
+(``KimiLinearConfig``'s); the convolution's width ``linear_conv_kernel_dim`` is the one Gated
+DeltaNet declares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from moetrain.config.checks import ConfigError
+from moetrain.config.mixers.linear import LinearMixerKind
+from moetrain.config.ranges import FUNCTION, POSITIVE_INT
+
+if TYPE_CHECKING:
+    from moetrain.config.model import ModelConfig
+
+
+@dataclass
+class KDAKeys:
+    """Kimi Delta Attention's own ``model`` keys (required with it)."""
+
+    # the rule's heads (each its own query, key and value) and their dims (keys and values)
+    linear_num_heads: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    linear_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+
+
+class KDA(LinearMixerKind):
+    """Kimi Delta Attention (Kimi Linear's layout: a per-channel forget gate from a low-rank
+    projection, a sigmoid output gate from another)."""
+
+    name = "kda"
+    keys = ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")
+    required = ("linear_num_heads", "linear_head_dim")
+    head_dim_key = "linear_head_dim"
+
+    @classmethod
+    def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:
+        raise ConfigError(
+            "parallel.sp_size: Kimi Delta Attention layers (model.linear_attention=kda) do not "
+            "run under sequence parallelism yet (their heads are not exchanged); set it to 1"
+        )

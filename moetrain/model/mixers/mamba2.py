@@ -1,0 +1,242 @@
+"""Mamba-2 (Dao & Gu 2024), the ``mamba2`` token mixer, as Granite 4.0-H and Nemotron-H compute
+it in their recurrent layers (its keys and rules: :mod:`moetrain.config.mixers.mamba2`).
+
+Shape legend: B batch, S sequence, D d_model, H heads, P head dim, I = H P, G groups, N state
+dim, Ch = I + 2 G N convolution channels, W the convolution's width.
+
+Per token: ``in_proj`` gives ``[z | x B C | dt]`` (I, Ch, H channels); a causal depthwise
+convolution of width W with a bias and SiLU runs over x, B, C
+(:func:`moetrain.model.short_conv.short_conv`), then
+
+    dt = clamp(softplus(dt + dt_bias), mamba_dt_min, mamba_dt_max)    per head (fp32)
+    A  = -exp(A_log)
+    y  = ssd(x, dt, A, B, C) + D x           the selective scan, head h reads group h // (H/G)
+    out = wo(norm(y * silu(z)))              RMSNorm over each group's I / G channels (fp32),
+                                             a weight of I
+
+(:mod:`moetrain.model.ssd_scan`: the chunked form for training and prefill, the token
+recurrence for a decode step). Packed documents restart the convolution's window and the
+scan's state at every document start, so a packed row equals its documents one by one.
+
+Numerics: dt, the scan and the gated norm compute in fp32 under bf16, the result rounded
+once; the convolution in the activations' dtype.
+
+Generation: :class:`~moetrain.model.mixers.gated_deltanet.RecurrentState`, the last W - 1
+convolution inputs (B, W - 1, Ch) in the model's dtype and the scan's state (B, H, P, N) in
+fp32.
+
+Parameter names are transformers' (``in_proj``, ``conv1d`` (Ch, 1, W) with its bias,
+``dt_bias``, ``A_log``, ``D``, ``norm``), the output projection ``wo`` (``out_proj``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.config import ModelConfig
+from moetrain.config.layer_plan import MixerSpec
+from moetrain.model.cpu_matmul import Linear
+from moetrain.model.mixers.base import MixerInputs, TokenMixer
+from moetrain.model.mixers.gated_deltanet import DT_FLOOR, DT_MAX, DT_MIN, RecurrentState
+from moetrain.model.short_conv import short_conv
+from moetrain.model.ssd_scan import ssd_recurrent, ssd_scan
+
+A_RANGE = (1.0, 16.0)  # -A at initialisation (Mamba-2's)
+
+
+def gated_group_norm(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float
+) -> torch.Tensor:
+    """Mamba-2's gated norm ``weight * rmsnorm(y * silu(z))``, the statistics over each of
+    ``groups`` equal groups of the last dim, in fp32; y, z (..., I), weight (I,)."""
+    wide = torch.promote_types(y.dtype, torch.float32)
+    gated = y.to(wide) * F.silu(z.to(wide))
+    grouped = gated.unflatten(-1, (groups, -1))
+    normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(wide) * normed.flatten(-2)).to(z.dtype)
+
+
+class GatedGroupNorm(nn.Module):
+    """The gated norm's weight (I,) (ones at initialisation)."""
+
+    def __init__(self, dim: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.groups, self.eps = groups, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return gated_group_norm(y, z, self.weight, self.groups, self.eps)
+
+
+class Mamba2(TokenMixer):
+    """Mamba-2 (see the module docstring)."""
+
+    kind = "mamba2"
+
+    def __init__(self, cfg: ModelConfig, spec: MixerSpec) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.heads, self.head_dim = cfg.mamba_num_heads, cfg.mamba_head_dim
+        self.groups, self.state_dim = cfg.mamba_n_groups, cfg.mamba_state_dim
+        self.width, self.chunk = cfg.mamba_conv_kernel, cfg.mamba_chunk_size
+        self.dt_limit = (cfg.mamba_dt_min, cfg.mamba_dt_max)
+        inner, ch = self.heads * self.head_dim, self.channels(cfg)
+        self.in_proj = Linear(d, inner + ch + self.heads, bias=cfg.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(ch, ch, self.width, groups=ch, bias=cfg.mamba_conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(self.heads))
+        self.A_log = nn.Parameter(torch.empty(self.heads))
+        self.D = nn.Parameter(torch.empty(self.heads))
+        self.norm = GatedGroupNorm(inner, self.groups, cfg.norm_eps)
+        self.wo = Linear(inner, d, bias=cfg.mamba_proj_bias)
+
+    @staticmethod
+    def channels(cfg: ModelConfig) -> int:
+        """The convolution's channels ``I + 2 G N``."""
+        return cfg.mamba_num_heads * cfg.mamba_head_dim + 2 * cfg.mamba_n_groups * (
+            cfg.mamba_state_dim
+        )
+
+    def forward(
+        self, x_BSD: torch.Tensor, inputs: MixerInputs, state: RecurrentState | None = None
+    ) -> torch.Tensor:
+        """Mix causally, restarting at ``inputs.doc_ids_BS``'s documents; with ``state`` the
+        tokens continue the state's and it takes them in."""
+        if self.head_exchange is not None:
+            raise ValueError("Mamba-2 does not run under sequence parallelism (parallel.sp_size)")
+        b, s, _ = x_BSD.shape
+        h, p, g, n = self.heads, self.head_dim, self.groups, self.state_dim
+        z, xbc, dt = self.in_proj(x_BSD).split([h * p, self.conv1d.weight.shape[0], h], dim=-1)
+        docs = inputs.doc_ids_BS
+        xbc, conv_state = short_conv(
+            xbc,
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            activation="silu",
+            initial_state=None if state is None else state.conv,
+            output_final_state=state is not None,
+            doc_ids=docs,
+        )
+        xs, B, C = xbc.split([h * p, g * n, g * n], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        low, high = self.dt_limit
+        if low > 0 or high is not None:
+            dt = dt.clamp(min=low, max=high)
+        A = -self.A_log.float().exp()
+        args = dict(
+            initial_state=None if state is None else state.rule,
+            output_final_state=state is not None,
+            doc_ids=docs,
+        )
+        if state is None or s > 1:
+            args["chunk_size"] = self.chunk
+        scan = ssd_recurrent if state is not None and s == 1 else ssd_scan
+        y, ssm_state = scan(
+            xs.view(b, s, h, p), dt, A, B.view(b, s, g, n), C.view(b, s, g, n), self.D, **args
+        )
+        if state is not None:
+            state.conv.copy_(conv_state)
+            state.rule.copy_(ssm_state)
+        return self.wo(self.norm(y.reshape(b, s, h * p), z))
+
+    def new_state(
+        self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> RecurrentState:
+        conv = (self.width - 1, self.conv1d.weight.shape[0])
+        shape = (self.heads, self.head_dim, self.state_dim)
+        return RecurrentState(batch, conv, shape, dtype, device)
+
+    @torch.no_grad()
+    def init_own_parameters(self) -> None:
+        """The convolution as torch initialises one (uniform within ``1 / sqrt(W)``); ``-A``
+        uniform in [1, 16] and ``dt_bias`` the inverse softplus of step sizes drawn
+        log-uniformly in [1e-3, 0.1] (Mamba-2's); ``D`` and the norm's weight ones."""
+        bound = 1 / math.sqrt(self.width)
+        self.conv1d.weight.uniform_(-bound, bound)
+        if self.conv1d.bias is not None:
+            self.conv1d.bias.uniform_(-bound, bound)
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(*A_RANGE).log())
+        log_dt = torch.empty_like(self.dt_bias).uniform_(math.log(DT_MIN), math.log(DT_MAX))
+        dt = log_dt.exp().clamp(min=DT_FLOOR)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.D.fill_(1.0)
+        self.norm.weight.fill_(1.0)
+
+    # counts (the protocol's; checked against the built module and saved-tensor hooks)
+
+    @classmethod
+    def param_shapes(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, ...]]:
+        d, h, ch = cfg.d_model, cfg.mamba_num_heads, cls.channels(cfg)
+        inner = h * cfg.mamba_head_dim
+        out: dict[str, tuple[int, ...]] = {"dt_bias": (h,), "A_log": (h,), "D": (h,)}
+        out["in_proj.weight"] = (inner + ch + h, d)
+        if cfg.mamba_proj_bias:
+            out["in_proj.bias"] = (inner + ch + h,)
+        out["conv1d.weight"] = (ch, 1, cfg.mamba_conv_kernel)
+        if cfg.mamba_conv_bias:
+            out["conv1d.bias"] = (ch,)
+        out["norm.weight"] = (inner,)
+        out["wo.weight"] = (d, inner)
+        if cfg.mamba_proj_bias:
+            out["wo.bias"] = (d,)
+        return out
+
+    @classmethod
+    def matrices(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, int]]:
+        d, h = cfg.d_model, cfg.mamba_num_heads
+        inner = h * cfg.mamba_head_dim
+        return {"in_proj": (d, inner + cls.channels(cfg) + h), "wo": (inner, d)}
+
+    @classmethod
+    def mixing_flops_per_token(cls, cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
+        """The chunked scan (chunks of Q = ``mamba_chunk_size``, forward: per group ``C B^T`` in
+        its chunk ``2QN``; per head the masked scores times the values ``2QP``, its chunk
+        state ``2PN`` and the entering state's output ``2PN``) and the convolution (``2W`` per
+        channel), backward twice forward; independent of ``seq_len``."""
+        q, p, n = cfg.mamba_chunk_size, cfg.mamba_head_dim, cfg.mamba_state_dim
+        scan = cfg.mamba_n_groups * 2 * q * n + cfg.mamba_num_heads * (2 * q * p + 4 * p * n)
+        conv = 2 * cfg.mamba_conv_kernel * cls.channels(cfg)
+        return 3.0 * (scan + conv)
+
+    @classmethod
+    def saved_bytes_per_token(
+        cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
+    ) -> int:
+        """Its input ``aD``; the convolution's padded input and its output before SiLU
+        ``2a Ch``; under fp32 the projection's output (kept through z) and the convolution's
+        after SiLU (kept through x) ``4(I + Ch + H) + 4 Ch``, under bf16 fp32 copies of z and
+        x ``8I``; the step's softplus in and out ``8H``; the gated norm's scan output, gate,
+        product, normalised values and rsqrt ``16I + 4G`` and its output ``aI``; the chunked
+        scan's per-token share of its (Q, Q) decays, masked scores and scores ``8HQ + 4GQ``, the operands of its products ``8GN + 8HN + 16I``, the decays from
+        each chunk's start ``8H + 4`` and the chunks' states ``8HPN / Q``. Rows a multiple
+        of Q, without documents."""
+        a, d, ch = act_bytes, cfg.d_model, cls.channels(cfg)
+        h, p, g = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_n_groups
+        n, q, inner = cfg.mamba_state_dim, cfg.mamba_chunk_size, h * p
+        kept = 4 * (inner + ch + h) + 4 * ch if a == 4 else 8 * inner
+        norm = 16 * inner + 4 * g + a * inner
+        scan = 8 * h * q + 4 * g * q + 8 * g * n + 8 * h * n + 16 * inner
+        scan += 8 * h + 4 + 8 * h * p * n // q
+        return a * d + 2 * a * ch + kept + 8 * h + norm + scan
+
+    @classmethod
+    def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
+        """0: the state does not grow (:meth:`cache_bytes_per_sequence`)."""
+        return 0
+
+    @classmethod
+    def cache_bytes_per_sequence(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
+        """The convolution's ``(W - 1) Ch`` inputs in the model's dtype and the scan's
+        ``H P N`` fp32 state."""
+        conv = (cfg.mamba_conv_kernel - 1) * cls.channels(cfg) * dtype_bytes
+        return conv + 4 * cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.mamba_state_dim
+
+    @classmethod
+    def exchange_bytes_per_token(
+        cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
+    ) -> float:
+        """0: Mamba-2 does not run under sequence parallelism (refused by the config)."""
+        return 0.0
