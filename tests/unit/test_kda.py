@@ -13,16 +13,18 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDelta
 
 from moetrain.config import ConfigError
 from moetrain.config.layer_plan import mixer_spec
-from moetrain.generate import generate_ids
 from moetrain.model import Transformer
 from moetrain.model import delta_rule as rules
 from moetrain.model.mixers import MixerInputs, build_mixer
 from moetrain.model.mixers import gated_deltanet as gdn_module
 from moetrain.model.mixers.gated_deltanet import RecurrentState
 from moetrain.model.mixers.kda import KimiDeltaAttention
-from moetrain.plan import activation_bytes_per_token, head_bytes_per_token
 from tests.helpers.configs import tiny_config
-from tests.helpers.memory import saved_storages
+from tests.helpers.recurrent_models import (
+    check_generation,
+    check_packed_documents,
+    check_plan_saved_tensors,
+)
 from tests.unit.test_gated_deltanet import randomise, torch_matmul  # noqa: F401 (a fixture)
 
 # a hybrid model: layers 0, 1 Kimi Delta Attention, 2 full attention
@@ -151,30 +153,7 @@ def test_packed_documents_equal_each_document_alone_through_the_hybrid_model() -
     every gradient equal those of the documents one by one; without document ids they do
     not."""
     cfg = tiny_config(HYBRID, {"model.loss_chunk_tokens": 0})
-    torch.manual_seed(0)
-    model = Transformer(cfg.model, cfg.moe)
-    randomise(model)
-    lengths = [70, 1, 57]
-    ids = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
-    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
-
-    def run(ids: torch.Tensor, docs: torch.Tensor | None) -> tuple[torch.Tensor, list]:
-        model.zero_grad()
-        logits = model(ids, doc_ids_BS=docs).logits
-        logits.square().sum().backward()
-        return logits.detach(), [p.grad.clone() for p in model.parameters()]
-
-    packed, packed_grads = run(ids, doc_ids)
-    alone, grads = [], None
-    for piece in ids.split(lengths, dim=1):
-        logits, g = run(piece, None)
-        alone.append(logits)
-        grads = g if grads is None else [a + b for a, b in zip(grads, g, strict=True)]
-    assert _rel(packed, torch.cat(alone, dim=1)) <= 1e-5
-    for (name, _), a, b in zip(model.named_parameters(), packed_grads, grads, strict=True):
-        assert _rel(a, b) <= 1e-4, name
-    leaked, _ = run(ids, None)
-    assert _rel(leaked, torch.cat(alone, dim=1)) > 1e-2
+    check_packed_documents(cfg, randomise, [70, 1, 57])
 
 
 def test_generation_from_the_recurrent_state_equals_full_recomputation() -> None:
@@ -185,34 +164,13 @@ def test_generation_from_the_recurrent_state_equals_full_recomputation() -> None
     cache = model.new_cache(1, 100)
     assert sum(isinstance(s, RecurrentState) for s in cache.layers) == 2
     assert cache.bytes_per_sequence == 2 * (3 * 3 * 32 * 4 + 4 * 8 * 8 * 4)
-    prompt = torch.randint(0, 64, (66,), generator=torch.Generator().manual_seed(5)).tolist()
-    new = generate_ids(model, prompt, max_new_tokens=8, temperature=0)
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(8):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-        assert seq[len(prompt) :] == new
-        full = model(torch.tensor([seq])).logits
-        cache = model.new_cache(1, len(seq))
-        first = model(torch.tensor([seq[:60]]), cache=cache).logits
-        second = model(torch.tensor([seq[60:70]]), cache=cache).logits
-        rest = [model(torch.tensor([[t]]), cache=cache).logits for t in seq[70:]]
-    assert _rel(torch.cat([first, second, *rest], dim=1), full) <= 1e-5
+    check_generation(model, 66, (60, 70))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plan_activation_formula_matches_saved_tensors(dtype: torch.dtype) -> None:
     cfg = tiny_config(HYBRID, {"data.seq_len": 128, "model.loss_chunk_tokens": 128})
-    model = Transformer(cfg.model, cfg.moe).to(dtype)
-    ids = torch.randint(0, 64, (4, 128))
-    with saved_storages([*model.parameters(), *model.buffers()]) as seen:
-        model(ids, labels_BS=ids, return_logits=False)
-    a = 4 if dtype == torch.float32 else 2
-    tokens = ids.numel()
-    predicted = sum(activation_bytes_per_token(cfg, i, a) for i in range(cfg.model.n_layers))
-    predicted += head_bytes_per_token(cfg, a) - 16
-    predicted += 4 * cfg.model.vocab_size * cfg.model.d_model / tokens
-    assert sum(seen.values()) / tokens == pytest.approx(predicted, rel=0.01)
+    check_plan_saved_tensors(cfg, dtype)
 
 
 @pytest.mark.parametrize(

@@ -18,16 +18,18 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
 
 from moetrain.config import ConfigError
 from moetrain.config.layer_plan import FULL, LINEAR, mixer_spec
-from moetrain.generate import generate_ids
 from moetrain.model import Transformer
 from moetrain.model.mixers import MixerInputs, build_mixer
 from moetrain.model.mixers.gated_deltanet import RecurrentState
 from moetrain.model.mixers.mamba2 import Mamba2
 from moetrain.model.ssd_scan import ssd_recurrent, ssd_scan
-from moetrain.parallel.apply import checkpoint_blocks
-from moetrain.plan import activation_bytes_per_token, head_bytes_per_token
 from tests.helpers.configs import tiny_config
-from tests.helpers.memory import saved_storages
+from tests.helpers.recurrent_models import (
+    check_checkpointing_and_bf16,
+    check_generation,
+    check_packed_documents,
+    check_plan_saved_tensors,
+)
 
 # a hybrid model: layers 0, 1 Mamba-2 (4 heads of 8 in 2 groups, state 6), 2 full attention
 HYBRID = {
@@ -181,30 +183,7 @@ def test_packed_documents_equal_each_document_alone_through_the_hybrid_model() -
     Mamba-2 layers and a full-attention layer: logits and every parameter's gradient equal
     those of the documents run one by one; without document ids they do not."""
     cfg = tiny_config(HYBRID, {"model.loss_chunk_tokens": 0})
-    torch.manual_seed(0)
-    model = Transformer(cfg.model, cfg.moe)
-    randomise(model)
-    lengths = [40, 1, 57]
-    ids = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
-    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
-
-    def run(ids: torch.Tensor, docs: torch.Tensor | None) -> tuple[torch.Tensor, list]:
-        model.zero_grad()
-        logits = model(ids, doc_ids_BS=docs).logits
-        logits.square().sum().backward()
-        return logits.detach(), [p.grad.clone() for p in model.parameters()]
-
-    packed, packed_grads = run(ids, doc_ids)
-    alone, grads = [], None
-    for piece in ids.split(lengths, dim=1):
-        logits, g = run(piece, None)
-        alone.append(logits)
-        grads = g if grads is None else [a + b for a, b in zip(grads, g, strict=True)]
-    assert _rel(packed, torch.cat(alone, dim=1)) <= 1e-5
-    for (name, _), a, b in zip(model.named_parameters(), packed_grads, grads, strict=True):
-        assert _rel(a, b) <= 1e-4, name
-    leaked, _ = run(ids, None)  # control: the state and window carried across documents
-    assert _rel(leaked, torch.cat(alone, dim=1)) > 1e-2
+    check_packed_documents(cfg, randomise, [40, 1, 57])
 
 
 def test_generation_from_the_recurrent_state_equals_full_recomputation() -> None:
@@ -216,45 +195,11 @@ def test_generation_from_the_recurrent_state_equals_full_recomputation() -> None
     assert sum(isinstance(s, RecurrentState) for s in cache.layers) == 2
     ch = 4 * 8 + 2 * 2 * 6
     assert cache.bytes_per_sequence == 2 * (3 * ch * 4 + 4 * 8 * 6 * 4)
-    prompt = torch.randint(0, 64, (37,), generator=torch.Generator().manual_seed(5)).tolist()
-    new = generate_ids(model, prompt, max_new_tokens=8, temperature=0)  # a prefill of 3 chunks
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(8):  # greedy by full recomputation
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-        assert seq[len(prompt) :] == new
-        full = model(torch.tensor([seq])).logits
-        cache = model.new_cache(1, len(seq))
-        first = model(torch.tensor([seq[:30]]), cache=cache).logits  # prefill, then a chunk
-        second = model(torch.tensor([seq[30:40]]), cache=cache).logits  # continuing the state
-        rest = [model(torch.tensor([[t]]), cache=cache).logits for t in seq[40:]]
-    assert _rel(torch.cat([first, second, *rest], dim=1), full) <= 1e-5
+    check_generation(model, 37, (30, 40))
 
 
 def test_checkpointing_and_bf16_work_unchanged() -> None:
-    cfg = tiny_config(HYBRID)
-    torch.manual_seed(4)
-    model = Transformer(cfg.model, cfg.moe)
-    randomise(model)
-    ids, labels = torch.randint(0, 64, (2, 96)), torch.randint(0, 64, (2, 96))
-    doc_ids = torch.tensor([[0] * 40 + [1] * 56, [0] * 96])
-
-    def grads(m: Transformer) -> tuple[float, list[torch.Tensor]]:
-        m.zero_grad()
-        loss = m(ids, doc_ids_BS=doc_ids, labels_BS=labels, return_logits=False).loss
-        loss.backward()
-        return loss.item(), [p.grad.float().clone() for p in m.parameters()]
-
-    loss, ref = grads(model)
-    half = Transformer(cfg.model, cfg.moe)
-    half.load_state_dict(model.state_dict())
-    checkpoint_blocks(model)
-    loss_ckpt, ckpt = grads(model)
-    assert loss_ckpt == pytest.approx(loss, rel=1e-6)
-    assert all(_rel(a, b) <= 1e-5 for a, b in zip(ckpt, ref, strict=True))
-    loss_bf16, bf16 = grads(half.to(torch.bfloat16))
-    assert loss_bf16 == pytest.approx(loss, rel=2e-2)
-    assert all(torch.isfinite(g).all() for g in bf16)
+    check_checkpointing_and_bf16(tiny_config(HYBRID), randomise)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -262,16 +207,7 @@ def test_plan_activation_formula_matches_saved_tensors(dtype: torch.dtype) -> No
     """The whole hybrid model's saved tensors against the plan's per-layer counts (rows a
     multiple of the scan's chunk)."""
     cfg = tiny_config(HYBRID, {"data.seq_len": 128, "model.loss_chunk_tokens": 128})
-    model = Transformer(cfg.model, cfg.moe).to(dtype)
-    ids = torch.randint(0, 64, (4, 128))
-    with saved_storages([*model.parameters(), *model.buffers()]) as seen:
-        model(ids, labels_BS=ids, return_logits=False)
-    a = 4 if dtype == torch.float32 else 2
-    tokens = ids.numel()
-    predicted = sum(activation_bytes_per_token(cfg, i, a) for i in range(cfg.model.n_layers))
-    predicted += head_bytes_per_token(cfg, a) - 16  # (the labels are the ids here)
-    predicted += 4 * cfg.model.vocab_size * cfg.model.d_model / tokens  # chunked loss
-    assert sum(seen.values()) / tokens == pytest.approx(predicted, rel=0.01)
+    check_plan_saved_tensors(cfg, dtype)
 
 
 @pytest.mark.parametrize(
