@@ -62,7 +62,9 @@ SCALED_CASES = [
 
 # Granite's released attention scale (1/64) leaves the tiny random model's attention nearly
 # uniform, where positions hardly show: a sharper one, so that the scaling changes the logits
-SHARP_ATTENTION = dict.fromkeys(("granitemoe", "granitemoeshared"), {"model.attention_scale": 16.0})
+SHARP_ATTENTION = dict.fromkeys(
+    ("granitemoe", "granitemoeshared", "granitemoehybrid"), {"model.attention_scale": 16.0}
+)
 
 
 @pytest.mark.parametrize(("fmt", "scaling"), SCALED_CASES)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from moetrain.config.checks import ConfigError, require
 from moetrain.config.mixers.linear import LinearMixerKind
-from moetrain.config.ranges import FUNCTION, POSITIVE_INT, at_least
+from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above, at_least
 
 if TYPE_CHECKING:
     from moetrain.config.layer_plan import MixerSpec
@@ -36,7 +36,7 @@ class Mamba2Keys:
     # the step size dt = softplus(raw + dt_bias) clamped to [mamba_dt_min, mamba_dt_max]
     # (transformers' time_step_limit; null: no upper limit)
     mamba_dt_min: float = field(default=0.0, metadata=at_least(0) | FUNCTION)
-    mamba_dt_max: float | None = field(default=None, metadata=FUNCTION)
+    mamba_dt_max: float | None = field(default=None, metadata=above(0) | FUNCTION)
     # the chunk length of the training scan (the function does not depend on it)
     mamba_chunk_size: int = field(default=256, metadata=POSITIVE_INT)
 
