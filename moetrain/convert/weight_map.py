@@ -30,6 +30,7 @@ from moetrain.convert.families.layout import (
     PerExpert,
     Stacked,
 )
+from moetrain.convert.mixer_names import MIXER_NAMES, block_name, rename
 from moetrain.convert.weight_entries import (
     Column,
     Entry,
@@ -59,65 +60,6 @@ def decoder_layer(name: str) -> int:
     """The decoder-layer index of a Hugging Face tensor name (-1 outside the layers)."""
     m = _LAYER.match(name)
     return int(m.group(1)) if m else -1
-
-
-def _rel(name: str, kind: str | None = "weight") -> str:
-    """A parameter name of block 0 (``model.param_names``) relative to its block, without its
-    ``kind``: ``layers.0.attn.wq.weight`` -> ``attn.wq``."""
-    name = name.removeprefix("layers.0.")
-    return name.removesuffix(f".{kind}") if kind else name
-
-
-_GQA = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
-_MLA = {
-    "wq": "q_proj",
-    "wq_a": "q_a_proj",
-    "q_norm": "q_a_layernorm",
-    "wq_b": "q_b_proj",
-    "wkv_a": "kv_a_proj_with_mqa",
-    "kv_norm": "kv_a_layernorm",
-    "wkv_b": "kv_b_proj",
-    "wo": "o_proj",
-    # sparse attention's indexer: the same names under it (wq_b, wk, k_norm, weights_proj)
-    "indexer": "indexer",
-}
-# Gated DeltaNet: Qwen3.5's names (Qwen3-Next's fused projections: _fused_linear_attention)
-_GDN = {w: w for w in pn.GDN_WEIGHTS} | {"wo": "out_proj"}
-# Kimi Delta Attention: Kimi Linear's files' names
-_KDA = {w: w for w in pn.KDA_WEIGHTS} | {"wo": "o_proj"}
-_MAMBA2 = {w: w for w in pn.MAMBA2_WEIGHTS} | {"wo": "out_proj"}
-# A token mixer's weights: their names in a moetrain block -> in a Hugging Face decoder layer.
-# A block takes the first table that names every one of its mixer's weights; a new mixer kind
-# adds its table here.
-MIXER_NAMES: tuple[dict[str, str], ...] = (
-    {  # grouped-query attention
-        **{_rel(pn.attn(0, ours)): f"self_attn.{theirs}" for ours, theirs in _GQA.items()},
-        _rel(pn.qk_norm(0, "q")): "self_attn.q_norm",
-        _rel(pn.qk_norm(0, "k")): "self_attn.k_norm",
-        _rel(pn.attn_sinks(0), None): "self_attn.sinks",
-    },
-    {_rel(pn.attn(0, ours)): f"self_attn.{theirs}" for ours, theirs in _MLA.items()},  # latent
-    {  # Gated DeltaNet
-        **{_rel(pn.attn(0, ours)): f"linear_attn.{theirs}" for ours, theirs in _GDN.items()},
-        **{_rel(pn.mixer_param(0, p), None): f"linear_attn.{p}" for p in pn.GDN_PARAMS},
-    },
-    {  # Kimi Delta Attention
-        **{_rel(pn.attn(0, ours)): f"self_attn.{theirs}" for ours, theirs in _KDA.items()},
-        **{_rel(pn.mixer_param(0, p), None): f"self_attn.{p}" for p in pn.GDN_PARAMS},
-    },
-    {  # Mamba-2 (Granite 4.0-H's names)
-        **{_rel(pn.attn(0, ours)): f"mamba.{theirs}" for ours, theirs in _MAMBA2.items()},
-        **{_rel(pn.mixer_param(0, p), None): f"mamba.{p}" for p in pn.MAMBA2_PARAMS},
-    },
-)
-
-
-def _rename(rules: dict[str, str], rest: str) -> str | None:
-    """``rest`` (a name in a block) renamed by the first rule whose module it is or lies in."""
-    for ours, theirs in rules.items():
-        if rest == ours or rest.startswith(ours + "."):
-            return theirs + rest[len(ours) :]
-    return None
 
 
 def in_memory(layout: Layout) -> Layout:
@@ -173,18 +115,18 @@ class _Plan:
     def _block_rules(self, i: int) -> dict[str, str]:
         """A block's names that are the same whatever its mixer: norms, FFN, MTP's own."""
         lay, moe = self.layout, self.layout.moe_block
-        rules = {_rel(pn.attn_norm(0)): "input_layernorm"}
+        rules = {block_name(pn.attn_norm(0)): "input_layernorm"}
         ffn_norm = "post_attention_layernorm"
         if self.cfg.model.norm_placement(i) != "pre":  # sandwich or post norms
             mixer_out, ffn_norm, ffn_out = lay.sandwich_norms
-            rules[_rel(pn.post_norm(0, "attn"))] = mixer_out
-            rules[_rel(pn.post_norm(0, "ffn"))] = ffn_out
-        rules[_rel(pn.ffn_norm(0))] = ffn_norm
+            rules[block_name(pn.post_norm(0, "attn"))] = mixer_out
+            rules[block_name(pn.post_norm(0, "ffn"))] = ffn_out
+        rules[block_name(pn.ffn_norm(0))] = ffn_norm
         for w, p in SWIGLU.items():
-            rules[_rel(pn.dense_ffn(0, w))] = f"{lay.dense_block}.{p}"
-            rules[_rel(pn.shared_expert(0, w))] = f"{moe}.{lay.shared_expert}.{p}"
-        rules[_rel(pn.router_gate(0))] = f"{moe}.{lay.router}"
-        rules[_rel(pn.shared_gate(0))] = f"{moe}.{lay.shared_gate}"
+            rules[block_name(pn.dense_ffn(0, w))] = f"{lay.dense_block}.{p}"
+            rules[block_name(pn.shared_expert(0, w))] = f"{moe}.{lay.shared_expert}.{p}"
+        rules[block_name(pn.router_gate(0))] = f"{moe}.{lay.router}"
+        rules[block_name(pn.shared_gate(0))] = f"{moe}.{lay.shared_gate}"
         return rules
 
     def _mtp_rules(self, i: int) -> tuple[dict[str, str], str]:
@@ -193,8 +135,8 @@ class _Plan:
         lay, n = self.layout.mtp, self.cfg.model.n_layers
         if lay is None or i < n:
             return {}, ""
-        rules = {_rel(pn.mtp_norm(0, which)): getattr(lay, which) for which in pn.MTP_NORMS}
-        rules[_rel(pn.mtp_projection(0))] = lay.eh_proj
+        rules = {block_name(pn.mtp_norm(0, which)): getattr(lay, which) for which in pn.MTP_NORMS}
+        rules[block_name(pn.mtp_projection(0))] = lay.eh_proj
         return rules, lay.own_prefix(n, i)
 
     def _prefix(self, i: int) -> str:
@@ -238,18 +180,18 @@ class _Plan:
         common, (own, own_prefix) = self._block_rules(i), self._mtp_rules(i)
         known = {**common, **own}
         mixer = next(
-            (t for t in MIXER_NAMES if all(_rename({**known, **t}, r) for r in rest.values())),
+            (t for t in MIXER_NAMES if all(rename({**known, **t}, r) for r in rest.values())),
             None,
         )
         for name, r in rest.items():
-            mine = _rename(own, r)
-            theirs = _rename({**common, **(mixer or {})}, r)
+            mine = rename(own, r)
+            theirs = rename({**common, **(mixer or {})}, r)
             if mine is None and theirs is None:
                 raise ConfigError(f"{name}: no {self.fmt} equivalent for this tensor")
             if mine is not None:
                 full = own_prefix + mine
             else:
-                full = prefix + (_rename(lay.renames, theirs) or theirs)
+                full = prefix + (rename(lay.renames, theirs) or theirs)
             kind = Column if (theirs or "") in lay.columns else Entry
             self.entries.append(kind((name,), (full,)))
         self._join(prefix)
@@ -292,7 +234,7 @@ class _Plan:
         if lay.qkv_bias_always and not model.qkv_bias:
             for p in ("wq", "wk", "wv"):
                 weight = pn.attn(i, p)
-                theirs = prefix + mixer[_rel(pn.attn(0, p))] + ".bias"
+                theirs = prefix + mixer[block_name(pn.attn(0, p))] + ".bias"
                 self.fillers[theirs] = ((self.shapes[weight][0],), weight)
         if lay.shared_expert_always and not moe.num_shared_experts and moe.is_moe_layer(i):
             block, d = f"{prefix}{lay.moe_block}.", model.d_model

@@ -6,7 +6,7 @@ export, import and ``checkpoint.init_from`` share); imports neither torch nor tr
 Llama's names, which every family has unless its layout says otherwise:
 ``model.embed_tokens``, ``model.norm``, ``lm_head``; per decoder layer ``model.layers.<i>.``
 ``input_layernorm``, ``post_attention_layernorm``, the token mixer's weights (named by
-:data:`moetrain.convert.weight_map.MIXER_NAMES`, by what the model's parameter names say), a
+:data:`moetrain.convert.mixer_names.MIXER_NAMES`, by what the model's parameter names say), a
 dense layer's ``mlp.{gate,up,down}_proj``, an MoE layer's ``mlp.gate`` (router),
 ``mlp.experts.<e>.{gate,up,down}_proj`` and ``mlp.shared_expert.{gate,up,down}_proj`` with
 ``mlp.shared_expert_gate``.
