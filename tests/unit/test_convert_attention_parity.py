@@ -137,3 +137,19 @@ def test_export_matches_with_attention_far_from_uniform(tmp_path, monkeypatch, f
         with torch.no_grad():
             moved = float((other.eval()(input_ids=ids).logits - want).abs().max())
         assert moved > CONTROL_FACTOR * tol, (change, moved, tol)
+
+
+def test_a_wrongly_scored_indexer_fails_the_tie_check(tmp_path, monkeypatch) -> None:
+    """Negative control of the sparse-attention selection check: moetrain's selections taken
+    from a model whose first indexer's key projection is perturbed (transformers keeps the
+    exported, correct weights) are not explained by ties, and the check says so."""
+    cfg = tiny_cfg("deepseek_v32", {"model.init_std": INIT_STD})
+    model = model_for(cfg)
+    hf = load_hf(cfg, model, "deepseek_v32", tmp_path)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, S), generator=torch.Generator().manual_seed(0))
+    wk = next(p for n, p in model.named_parameters() if n.endswith("indexer.wk.weight"))
+    with torch.no_grad():
+        wk.add_(0.1 * torch.randn(wk.shape, generator=torch.Generator().manual_seed(1)))
+    _same_selection_unless_tied(hf, _moetrain_selections(monkeypatch, model, ids))
+    with torch.no_grad(), pytest.raises(AssertionError, match=r"^\d+:\d+,\d+"):
+        hf(input_ids=ids)
