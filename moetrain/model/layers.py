@@ -1,5 +1,5 @@
 """Building blocks shared by attention and FFNs: RMSNorm, LayerNorm (``model.norm``), the SwiGLU
-activation and MLP."""
+and squared-ReLU activations and MLPs (``model.ffn_activation``)."""
 
 from __future__ import annotations
 
@@ -291,3 +291,39 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.up(x))
+
+
+def relu2_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """The squared ReLU ``relu(h)^2`` (not gated: h is the up projection alone, last dim F),
+    each row scaled by ``w`` (h.shape[:-1]) when given, in the wider of their dtypes and
+    rounded to h's once."""
+    y = torch.relu(h).square()
+    if w is None:
+        return y
+    return (y.to(torch.promote_types(h.dtype, w.dtype)) * w.unsqueeze(-1)).to(h.dtype)
+
+
+class ReluSquaredMLP(nn.Module):
+    """``w2(relu(w1 x)^2)``: Nemotron-H's dense FFN and shared expert, not gated (``w1`` the up
+    projection)."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = Linear(d_model, hidden, bias=False)
+        self.w2 = Linear(hidden, d_model, bias=False)
+
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        """The hidden activation ``relu(w1 x)^2``."""
+        return relu2_packed(self.w1(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.up(x))
+
+
+MLP = SwiGLU | ReluSquaredMLP
+
+
+def make_mlp(activation: str, d_model: int, hidden: int) -> MLP:
+    """A dense FFN or shared expert of ``hidden`` with ``model.ffn_activation``'s
+    ``activation``."""
+    return (ReluSquaredMLP if activation == "relu2" else SwiGLU)(d_model, hidden)
