@@ -263,8 +263,9 @@ GLM_INDEXER_TYPES = ["full", "shared", "full"]
 
 # Nemotron 3's flags at the tiny sizes (NVIDIA-Nemotron-3-Nano-30B-A3B's config.json, from memory
 # of that file: its pattern's block kinds, sigmoid routing with a selection bias,
-# routed_scaling_factor 2.5, norm_topk_prob, squared-ReLU MLPs): Mamba-2 (4 heads of 8 in two
-# groups, state 8, chunks of 8), MoE, attention, MoE, dense MLP, Mamba-2; experts in groups of 2
+# routed_scaling_factor 2.5, norm_topk_prob, squared-ReLU MLPs), with the latent MoE of the
+# larger Nemotron 3 models: Mamba-2 (4 heads of 8 in two groups, state 8, chunks of 8), MoE,
+# attention, MoE, dense MLP, Mamba-2; experts in groups of 2 computing in a latent of 16
 NEMOTRON_H: dict[str, Any] = dict(
     hybrid_override_pattern="ME*E-M",
     mamba_num_heads=4,
@@ -280,6 +281,7 @@ NEMOTRON_H: dict[str, Any] = dict(
     num_experts_per_tok=2,
     moe_intermediate_size=24,
     moe_shared_expert_intermediate_size=40,
+    moe_latent_size=16,
     intermediate_size=48,
     routed_scaling_factor=2.5,
     n_group=2,
