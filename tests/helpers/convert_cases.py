@@ -260,6 +260,7 @@ CASES = {
         model=dict(
             n_layers=5,
             rope_theta=10000.0,  # (no RoPE: the default, which its files do not store)
+            init_std=0.1,  # (squared-ReLU experts of 0.02 weights barely move the logits)
             layer_types=["linear_attention", "none", "full_attention", "none", "none"],
             nope_layers=[2],
             ffn_activation="relu2",

@@ -289,4 +289,7 @@ NEMOTRON_H: dict[str, Any] = dict(
     norm_topk_prob=True,
     layer_norm_epsilon=1e-5,
     tie_word_embeddings=False,
+    # (released 0.02: weights that small leave the squared-ReLU experts' share of the logits
+    # below the tests' tolerance)
+    initializer_range=0.1,
 )
