@@ -22,6 +22,7 @@ from moetrain.model.cpu_matmul import use_cpu_matmul
 from moetrain.model.layers import ReluSquaredMLP
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer
+from moetrain.model_numbers import model_numbers
 from tests.helpers.configs import tiny_config
 from tests.helpers.convert_cases import tiny_cfg
 from tests.helpers.hf_models import hf_config, save_hf_model, save_hf_tokenizer
@@ -178,6 +179,20 @@ def test_each_block_is_one_sublayer_of_the_pattern() -> None:
     assert {"layers.4.ffn.w1.weight", "layers.4.ffn.w2.weight"} <= names
     assert "layers.4.ffn.w3.weight" not in names  # (not gated)
     assert {"layers.1.ffn.latent_in.weight", "layers.1.ffn.latent_out.weight"} <= names
+
+
+def test_parameter_counts_match_the_built_model() -> None:
+    """model_numbers counts the squared-ReLU MLPs and experts (two matrices each) and the
+    latent MoE's projections and latent experts as built."""
+    cfg = tiny_cfg("nemotron_h")
+    model = Transformer(cfg.model, cfg.moe)
+    n = model_numbers(cfg)
+    assert n.total_params == sum(p.numel() for p in model.parameters())
+    named = dict(model.named_parameters())
+    assert n.expert_params == sum(p.numel() for k, p in named.items() if ".experts." in k)
+    e = cfg.moe
+    idle = n.num_moe_layers * (e.num_experts - e.top_k) * 2 * e.latent_dim * e.expert_hidden
+    assert n.active_params == n.total_params - idle
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
