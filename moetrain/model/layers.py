@@ -293,14 +293,41 @@ class SwiGLU(nn.Module):
         return self.w2(self.up(x))
 
 
+class _Relu2Weighted(torch.autograd.Function):
+    """``relu(h)^2 * w[..., None]`` saving only h and w (autograd's composition keeps the
+    squared values and their widened copy too), its math in the wider of their dtypes a block
+    of rows at a time, rounded to h's dtype once; the weight's gradient stays in its dtype."""
+
+    @staticmethod
+    def forward(ctx, h, w):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(h, w)
+        out = torch.empty_like(h)
+        for rows in _row_blocks(h):
+            r = torch.relu(h[rows].to(w.dtype))
+            out[rows] = r.square_().mul_(w[rows].unsqueeze(-1))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        h, w = ctx.saved_tensors
+        grad_h = torch.empty_like(h)
+        grad_w = torch.empty_like(w) if ctx.needs_input_grad[1] else None
+        for rows in _row_blocks(h):
+            r = torch.relu(h[rows].to(w.dtype))
+            g = grad[rows].to(w.dtype)
+            if grad_w is not None:
+                grad_w[rows] = (g * r * r).sum(-1)
+            grad_h[rows] = r.mul_(g).mul_(2 * w[rows].unsqueeze(-1))
+        return grad_h, grad_w
+
+
 def relu2_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
     """The squared ReLU ``relu(h)^2`` (not gated: h is the up projection alone, last dim F),
-    each row scaled by ``w`` (h.shape[:-1]) when given, in the wider of their dtypes and
-    rounded to h's once."""
-    y = torch.relu(h).square()
+    each row scaled by ``w`` (h.shape[:-1]; h's dtype or wider) when given, computed in w's
+    dtype and rounded to h's once."""
     if w is None:
-        return y
-    return (y.to(torch.promote_types(h.dtype, w.dtype)) * w.unsqueeze(-1)).to(h.dtype)
+        return torch.relu(h).square()
+    return _Relu2Weighted.apply(h, w)
 
 
 class ReluSquaredMLP(nn.Module):

@@ -68,6 +68,27 @@ def test_relu2_experts_match_a_per_expert_reference(grouped: bool, recompute: bo
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_weighted_relu2_in_bf16_computes_in_the_weights_dtype() -> None:
+    """bf16 rows with fp32 routing weights: the squared ReLU and its weighting in fp32,
+    rounded once; the gradients are the fp32 composition's (h's rounded to bf16)."""
+    from moetrain.model.layers import relu2_packed
+
+    h = (torch.randn(40, 12) * 2).bfloat16().requires_grad_()
+    w = torch.rand(40, requires_grad=True)
+    out = relu2_packed(h, w)
+    h32 = h.detach().float().requires_grad_()
+    want = _relu2(h32) * w.detach()[:, None]
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want.bfloat16(), atol=0, rtol=0)
+    g = torch.randn(40, 12)
+    out.float().backward(g)
+    w32 = w.detach().clone().requires_grad_()
+    (_relu2(h32) * w32[:, None]).backward(g.bfloat16().float())
+    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    torch.testing.assert_close(h.grad, h32.grad.bfloat16(), atol=0, rtol=0)
+    torch.testing.assert_close(w.grad, w32.grad, atol=1e-6, rtol=1e-6)
+
+
 def test_relu2_mlp_is_the_written_formula() -> None:
     torch.manual_seed(0)
     mlp = ReluSquaredMLP(8, 12)
