@@ -216,6 +216,32 @@ def test_parameter_counts_match_the_built_model() -> None:
     assert n.active_params == n.total_params - idle
 
 
+@pytest.mark.parametrize(("dtype", "recompute"), [(torch.float32, False), (torch.bfloat16, True)])
+def test_plan_activations_match_saved_tensors(dtype: torch.dtype, recompute: bool) -> None:
+    """``moetrain plan``'s bytes per token of the squared-ReLU MLPs and experts and the latent
+    MoE equal what autograd saves (as tests/unit/test_plan.py measures them)."""
+    from moetrain.plan.activations import activation_bytes_per_token, head_bytes_per_token
+    from tests.unit.test_plan import _saved_bytes_per_token, _small
+
+    cfg = _small(
+        {
+            "model.n_layers": 3,
+            "model.ffn_activation": "relu2",
+            "model.dense_hidden": 160,
+            "moe.layer_ffns": ["dense", "moe", "moe"],
+            "moe.activation": "relu2",
+            "moe.recompute_act": recompute,
+            "moe.num_shared_experts": 1,
+            "moe.latent_dim": 48,
+            "model.loss_chunk_tokens": 0,
+        }
+    )
+    a, tokens = (4 if dtype == torch.float32 else 2), 512
+    predicted = sum(activation_bytes_per_token(cfg, i, a) for i in range(cfg.model.n_layers))
+    predicted += head_bytes_per_token(cfg, a)
+    assert _saved_bytes_per_token(cfg, dtype, tokens) == pytest.approx(predicted, rel=0.01)
+
+
 def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
     """Within 1e-5 of the logits' scale (fp32)."""
     assert ref.abs().max() > 0.1
