@@ -299,6 +299,16 @@ def _refusal_case(**changes: object) -> Config:
         (dict(ffn_activation="swiglu"), "model.ffn_activation"),
         (dict(nope_layers=None), "model.nope_layers"),
         (dict(tie_embeddings=True), "model.tie_embeddings"),
+        (
+            dict(
+                rope_scaling="llama3",
+                rope_factor=8.0,
+                rope_original_max_seq_len=16,
+                rope_low_freq_factor=1.0,
+                rope_high_freq_factor=4.0,
+            ),
+            "model.rope_scaling",
+        ),
         (dict(moe_num_shared_experts=0, moe_shared_expert_hidden=None), "moe.num_shared_experts"),
         (dict(moe_score_func="softmax"), "moe.score_func"),
         (  # an attention block with an FFN: not one of its block kinds

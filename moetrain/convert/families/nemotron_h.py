@@ -77,6 +77,9 @@ HOLDS = {
         lambda m, _: m.nope_layers != (_attention_layers(m) or None),
         "{name}'s attention has no positional encoding; must list every full_attention layer",
     ),
+    "model.rope_scaling": only(
+        "none", why="{name}'s attention has no positional encoding; must be none"
+    ),
     "model.tie_embeddings": only(False, why="{name} has its own LM head; must be false"),
     "model.ffn_activation": only("relu2"),
     "moe.activation": only("relu2"),
