@@ -38,6 +38,13 @@ def _sliding(model: ModelConfig) -> bool:
     return SLIDING in layer_types(model)
 
 
+def _dense_first(kinds: list[str]) -> int | None:
+    """How many dense layers ``kinds`` (``dense`` / ``moe`` per layer) begins with, where the
+    rest are MoE; None for another pattern."""
+    dense = kinds.index("moe") if "moe" in kinds else len(kinds)
+    return dense if kinds == ["dense"] * dense + ["moe"] * (len(kinds) - dense) else None
+
+
 HOLDS = {
     **free(
         "model.sliding_window",
@@ -65,8 +72,12 @@ HOLDS = {
     ),
     "model.attention_sinks_layers": only("sliding", applies=lambda m, _: m.attention_sinks),
     "moe.layer_ffns": refused_when(
-        lambda _, moe: "none" in (moe.layer_ffns or ()),
-        "{name} has a dense MLP or an MoE in every layer: no layer_ffns entry none",
+        lambda _, moe: (
+            moe.layer_ffns is not None
+            and ("none" in moe.layer_ffns or _dense_first(moe.layer_ffns) is not None)
+        ),
+        "{name} has a dense MLP or an MoE in every layer, dense first layers by "
+        "moe.first_k_dense: layer_ffns only for another pattern, without none",
     ),
     **SIGMOID_GROUPS,
 }
@@ -167,16 +178,18 @@ def _rope_from_hf(hf: Any, model: ModelConfig) -> None:
 
 
 def _ffns_from_hf(hf: Any, n_layers: int, moe: Any) -> None:
-    """``mlp_layer_types``: dense first layers (``moe.first_k_dense``), else each layer's."""
+    """``mlp_layer_types``: dense first layers (``moe.first_k_dense``), else each layer's
+    (``moe.layer_ffns``)."""
     types = list(getattr(hf, "mlp_layer_types", None) or ["dense"] + ["sparse"] * (n_layers - 1))
     unknown = sorted(set(types) - set(_MLP_TYPES))
     if unknown or len(types) != n_layers:
         raise ConfigError(f"mlp_layer_types: {n_layers} entries of dense / sparse; got {types!r}")
-    dense = types.index("sparse") if "sparse" in types else n_layers
-    if types == ["dense"] * dense + ["sparse"] * (n_layers - dense):
+    kinds = [_MLP_TYPES[t] for t in types]
+    dense = _dense_first(kinds)
+    if dense is not None:
         moe.first_k_dense = dense
     else:
-        moe.layer_ffns = [_MLP_TYPES[t] for t in types]
+        moe.layer_ffns = kinds
 
 
 def from_hf(hf: Any) -> Config:

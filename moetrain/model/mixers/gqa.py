@@ -27,6 +27,11 @@ followed by as many gate values (transformers' ``q_proj`` of twice the size, per
 ``[query | gate]``), and every head's attention output is multiplied by the sigmoid of its gate
 before ``wo`` (under sequence parallelism after the exchange back: the gate stays local).
 
+MiMo-V2-Flash's pieces: value heads of ``model.v_head_dim`` (the output into ``wo`` as wide),
+the values multiplied by ``model.attention_value_scale``, and on a sliding layer
+``model.sliding_n_kv_heads`` key/value heads, sinks only there (``model.attention_sinks_layers:
+sliding``) and the tables of ``model.sliding_rope_theta`` (``MixerInputs.local_rope``).
+
 ``model.qk_norm_position: after_rope`` applies the learned per-head query/key norms to the
 rotated heads instead (Hunyuan-A13B).
 
