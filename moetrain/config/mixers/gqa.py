@@ -163,12 +163,6 @@ class GQA(MixerKind):
         return model.attention_sinks and scope
 
     @classmethod
-    def theta(cls, model: ModelConfig, spec: MixerSpec) -> float:
-        """The RoPE theta of a layer with ``spec``."""
-        sliding = spec.window is not None and model.sliding_rope_theta is not None
-        return model.sliding_rope_theta if sliding else model.rope_theta
-
-    @classmethod
     def head_dim(cls, model: ModelConfig) -> int:
         """``model.head_dim``, or ``d_model // n_heads`` when it is not set."""
         return model.head_dim if model.head_dim is not None else model.d_model // model.n_heads
