@@ -360,8 +360,8 @@ class Attention(TokenMixer):
 
     @classmethod
     def mixing_flops_per_token(cls, cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
-        """Scores and values over the whole sequence, ``12 H Hd seq_len`` (the causal mask, a
-        window or chunks not discounted)."""
+        """Scores and values over the whole sequence, ``6 H (Hd + Vd) seq_len`` (Vd the value
+        head's dims; the causal mask, a window or chunks not discounted)."""
         return 6 * cfg.n_heads * (cfg.attention_head_dim + GQA.v_dim(cfg)) * seq_len
 
     @classmethod
