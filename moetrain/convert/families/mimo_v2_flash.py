@@ -85,7 +85,7 @@ HOLDS = {
 LAYOUT = Layout(
     selection_bias="gate.e_score_correction_bias",
     renames={"self_attn.sinks": "self_attn.attention_sink_bias"},
-    in_memory_renames={"self_attn.attention_sink_bias": "self_attn.sinks"},
+    in_memory_renames={"self_attn.sinks": "self_attn.sinks"},
 )
 
 
