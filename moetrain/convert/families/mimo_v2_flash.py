@@ -150,6 +150,8 @@ def _serving_keys(
             swa_head_dim=model.attention_head_dim,
             swa_v_head_dim=v_dim,
             swa_rope_theta=sliding_theta,
+            # the window before the query (transformers reads it back as that + 1)
+            sliding_window_size=model.sliding_window - 1,
         )
     return out
 
