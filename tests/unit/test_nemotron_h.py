@@ -7,6 +7,8 @@ packed documents; what moetrain refuses, by key."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.families import nemotron_h
 from moetrain.convert.formats import choose_format
 from moetrain.convert.importer import import_hf_checkpoint
+from moetrain.init_from.upcycle import check_upcycle
 from moetrain.model import Transformer
 from moetrain.model.cpu_matmul import use_cpu_matmul
 from moetrain.model.layers import ReluSquaredMLP
@@ -270,7 +273,9 @@ def test_long_rows_and_packed_documents_both_ways(tmp_path) -> None:
         alone = torch.cat([hf(input_ids=d).logits for d in ids[:1].split(lengths, dim=1)], 1)
         _close(packed, alone)
         assert (packed - ref[:1]).abs().max() > 1e-3 * ref.abs().max()  # (documents bind)
-        ungrouped = Transformer(cfg.model, _replace(cfg.moe, n_group=1, topk_group=1)).eval()
+        ungrouped = Transformer(
+            cfg.model, dataclasses.replace(cfg.moe, n_group=1, topk_group=1)
+        ).eval()
         ungrouped.load_state_dict(model.state_dict())
         assert (ungrouped(ids).logits - ref).abs().max() > 1e-3 * ref.abs().max()
     out = convert_checkpoint(ckpt, tmp_path / "hf")
@@ -279,17 +284,13 @@ def test_long_rows_and_packed_documents_both_ways(tmp_path) -> None:
         _close(again(input_ids=ids).logits, ref)
 
 
-def _replace(section, **kw):  # noqa: ANN001, ANN202
-    import dataclasses
-
-    return dataclasses.replace(section, **kw)
-
-
 def _refusal_case(**changes: object) -> Config:
     cfg = tiny_cfg("nemotron_h")
     model = {k: v for k, v in changes.items() if not k.startswith("moe_")}
     moe = {k[4:]: v for k, v in changes.items() if k.startswith("moe_")}
-    return Config(model=_replace(cfg.model, **model), moe=_replace(cfg.moe, **moe))
+    return Config(
+        model=dataclasses.replace(cfg.model, **model), moe=dataclasses.replace(cfg.moe, **moe)
+    )
 
 
 @pytest.mark.parametrize(
@@ -369,8 +370,6 @@ def test_training_refuses_what_it_cannot_run_by_key(extra: dict, key: str) -> No
 
 
 def test_upcycling_into_relu2_or_latent_experts_is_refused_by_key() -> None:
-    from moetrain.init_from.upcycle import check_upcycle
-
     for extra, key in (
         ({"moe.latent_dim": 8}, "moe.latent_dim"),
         ({"moe.activation": "relu2"}, "moe.activation"),
