@@ -71,15 +71,17 @@ def model_state(trainer) -> dict[str, int]:  # noqa: ANN001
     opt = trainer.engine.optimizer
     params = list(trainer.model.parameters())
     if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3
-        weights = _bytes(p.ds_tensor for p in params)
+        held = [p.ds_tensor for p in params]
         masters = list(opt.fp32_partitioned_groups_flat)
         grads = _bytes([opt.grad_partitions_flat_buffer])
     else:  # ZeRO-2
-        weights = _bytes(params)
+        held = params
         masters = list(opt.single_partition_of_fp32_groups)
-        held = {p.untyped_storage().data_ptr() for p in params}
-        masters = [m for m in masters if m.untyped_storage().data_ptr() not in held]
         grads = _bytes(t for ts in opt.averaged_gradients.values() if ts for t in ts)
+    weights = _bytes(held)
+    # fp32 masters that share the weights' storage (moetrain.parallel.fp32_partitions)
+    shared = {t.untyped_storage().data_ptr() for t in held}
+    masters = [m for m in masters if m.untyped_storage().data_ptr() not in shared]
     moments = [t for s in opt.optimizer.state.values() for t in s.values() if t.dim()]
     return {"weights": weights, "optimizer": _bytes(masters) + _bytes(moments), "grads": grads}
 
