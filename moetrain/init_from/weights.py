@@ -263,22 +263,36 @@ def build_model(
     model.reset_rope()
     targets = model.state_dict(keep_vars=True)
     filled: set[str] = set()
-    with torch.no_grad():
-        for where, part in source_parts(source, cfg, local_experts, into=targets):
-            for name, tensor in part.items():
-                target = targets.get(name)
-                if target is None:
-                    raise CheckpointError(f"{source.path} ({where}): unexpected tensor {name}")
-                if target.shape != tensor.shape:
-                    raise CheckpointError(
-                        f"{source.path} ({where}): {name} has shape {list(tensor.shape)}; the "
-                        f"model needs {list(target.shape)}"
-                    )
-                if tensor is not target:  # (filled in place already)
-                    target.copy_(tensor)
-                filled.add(name)
-            del part
+    for where, part in source_parts(source, cfg, local_experts, into=targets):
+        filled |= copy_part(part, targets, f"{source.path} ({where})")
+        del part
+    check_filled(targets, filled, source.path)
+    return model
+
+
+@torch.no_grad()
+def copy_part(
+    part: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], where: str
+) -> set[str]:
+    """Copy a part of the source's weights into the model's ``targets`` (tensors the source
+    filled in place are left as they are); -> the names copied. CheckpointError naming a
+    tensor the model has none of or one of the wrong shape (``where``: the part)."""
+    for name, tensor in part.items():
+        target = targets.get(name)
+        if target is None:
+            raise CheckpointError(f"{where}: unexpected tensor {name}")
+        if target.shape != tensor.shape:
+            raise CheckpointError(
+                f"{where}: {name} has shape {list(tensor.shape)}; the model needs "
+                f"{list(target.shape)}"
+            )
+        if tensor is not target:
+            target.copy_(tensor)
+    return set(part)
+
+
+def check_filled(targets: dict[str, torch.Tensor], filled: set[str], path: Any) -> None:
+    """CheckpointError naming the first tensors of ``targets`` the source had no weights for."""
     missing = sorted(set(targets) - filled)
     if missing:
-        raise CheckpointError(f"{source.path}: no weights for {missing[:5]}")
-    return model
+        raise CheckpointError(f"{path}: no weights for {missing[:5]}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["share_fp32_partitions", "share_zero3_fp32_partitions"]
@@ -41,16 +42,7 @@ def share_fp32_partitions(zero_optimizer: Any) -> int:
     masters = zero_optimizer.single_partition_of_fp32_groups
     for i, master in enumerate(masters):
         rank = dist.get_rank(group=zero_optimizer.real_dp_process_group[i])
-        weights = zero_optimizer.parallel_partitioned_bit16_groups[i][rank]
-        if (
-            weights.dtype != master.dtype
-            or weights.device != master.device
-            or weights.shape != master.shape
-        ):
-            continue
-        if weights.data_ptr() != master.data_ptr():
-            freed += master.numel() * master.element_size()
-            master.data = weights.data  # same values: the clone was taken from this slice
+        freed += _share(zero_optimizer.parallel_partitioned_bit16_groups[i][rank], master)
     if freed:
         # DeepSpeed's per-parameter views of the masters (safe_get_full_fp32_param, universal
         # checkpoints) point at the clones: link them to the shared storage, as DeepSpeed does
@@ -68,21 +60,24 @@ def share_zero3_fp32_partitions(zero3_optimizer: Any) -> int:
         return 0
     if zero3_optimizer.offload_optimizer or zero3_optimizer.offload_param:
         return 0
-    freed = 0
     pairs = zip(
         zero3_optimizer.fp16_partitioned_groups_flat,
         zero3_optimizer.fp32_partitioned_groups_flat,
         strict=True,
     )
-    for weights, master in pairs:
-        if (
-            weights is None
-            or weights.dtype != master.dtype
-            or weights.device != master.device
-            or weights.shape != master.shape
-        ):
-            continue
-        if weights.data_ptr() != master.data_ptr():
-            freed += master.numel() * master.element_size()
-            master.data = weights.data  # same values: the clone was taken from these partitions
-    return freed
+    return sum(_share(weights, master) for weights, master in pairs if weights is not None)
+
+
+def _share(weights: torch.Tensor, master: torch.Tensor) -> int:
+    """Point ``master`` at ``weights``' storage (the values it was cloned from) when both have
+    the same dtype, device and shape; -> the bytes freed."""
+    if (weights.dtype, weights.device, weights.shape) != (
+        master.dtype,
+        master.device,
+        master.shape,
+    ):
+        return 0
+    if weights.data_ptr() == master.data_ptr():
+        return 0
+    master.data = weights.data
+    return master.numel() * master.element_size()

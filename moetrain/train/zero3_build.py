@@ -28,6 +28,7 @@ from moetrain.checkpoint.format import CheckpointError
 from moetrain.config import Config
 from moetrain.init_from.source import InitSource
 from moetrain.init_from.unit_reads import UnitReads
+from moetrain.init_from.weights import check_filled, copy_part
 from moetrain.model import param_names as pn
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.apply import apply_parallelism
@@ -92,7 +93,9 @@ def _source_fill(reads: UnitReads, topology: Topology) -> Fill:
         failure: Exception | None = None
         try:
             got = reads.read(dense, layer, len(dense) < len(mine)) if mine else {}
-            _copy(got, mine, reads.source.path, name)
+            check_filled(
+                mine, copy_part(got, mine, f"{reads.source.path} ({name})"), reads.source.path
+            )
         except Exception as err:  # noqa: BLE001 (every rank stops, this one with its error)
             failure = err
         flag = torch.tensor([failure is not None], dtype=torch.int32, device=topology.device)
@@ -105,23 +108,3 @@ def _source_fill(reads: UnitReads, topology: Topology) -> Fill:
             )
 
     return fill
-
-
-def _copy(
-    got: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], path: Any, unit: str
-) -> None:
-    """Write ``got`` into ``targets``: every target filled, nothing else, shapes equal
-    (CheckpointError naming the tensor)."""
-    for key, tensor in got.items():
-        target = targets.get(key)
-        if target is None:
-            raise CheckpointError(f"{path} ({unit}): unexpected tensor {key}")
-        if target.shape != tensor.shape:
-            raise CheckpointError(
-                f"{path} ({unit}): {key} has shape {list(tensor.shape)}; the model needs "
-                f"{list(target.shape)}"
-            )
-        target.copy_(tensor)
-    missing = sorted(set(targets) - set(got))
-    if missing:
-        raise CheckpointError(f"{path}: no weights for {missing[:5]}")
