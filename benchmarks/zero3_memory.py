@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,26 +130,28 @@ def worker(args: argparse.Namespace) -> None:
         "growth": _status("VmHWM") - base,
         "tokens_per_s": WORLD * SEQ / statistics.median(times[1:] or times),
     }
-    print("RESULT " + json.dumps(out), flush=True)
+    Path(args.out, f"rank{topo.rank}.json").write_text(json.dumps(out))
 
 
 def launch(stage: int, steps: int) -> list[dict]:
+    """Each rank's figures (written by the rank to a file of its own: the ranks' output
+    interleaves)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [
-        str(Path(sys.executable).parent / "torchrun"),
-        "--standalone",
-        f"--nproc_per_node={WORLD}",
-        __file__,
-        "worker",
-        f"--stage={stage}",
-        f"--steps={steps}",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
-    lines = (proc.stdout + proc.stderr).splitlines()
-    found = [json.loads(x.split("RESULT ", 1)[1]) for x in lines if "RESULT " in x]
-    return sorted(found, key=lambda r: r["rank"])
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--standalone",
+            f"--nproc_per_node={WORLD}",
+            __file__,
+            "worker",
+            f"--stage={stage}",
+            f"--steps={steps}",
+            f"--out={out}",
+        ]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
 def main() -> None:
@@ -158,6 +161,7 @@ def main() -> None:
     for p in (ap, w):
         p.add_argument("--steps", type=int, default=4)
     w.add_argument("--stage", type=int, required=True)
+    w.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.cmd == "worker":
         worker(args)
