@@ -159,13 +159,19 @@ def launcher(kind: str, port: int, target: list[str]) -> list[str]:
     return head + target
 
 
+def run_dir_of(steps: int) -> Path:
+    """A fresh ``steps``-step moetrain run's directory, one folder per benchmark script: two
+    scripts running at once never empty or read each other's runs."""
+    return WORK / Path(sys.argv[0]).stem / f"moetrain-{steps}"
+
+
 def moetrain_cmd(
     args: argparse.Namespace, data: Path, steps: int, port: int, extra: tuple[str, ...] = ()
 ) -> list[str]:
     """The command of a fresh ``steps``-step moetrain run (``extra``: more overrides); its
     run_dir is emptied here (moetrain refuses to start fresh over an earlier run's
     checkpoints)."""
-    run_dir = WORK / f"moetrain-{steps}"
+    run_dir = run_dir_of(steps)
     shutil.rmtree(run_dir, ignore_errors=True)
     ov = [
         *shape_overrides(SHAPES[args.shape]),
@@ -201,7 +207,7 @@ def inside_tokens_per_s(side: str, result: dict, steps: int, tokens_per_step: in
     if side.startswith("moetrain"):
         rows = [
             json.loads(line)
-            for line in (WORK / f"moetrain-{steps}" / "metrics.jsonl").read_text().splitlines()
+            for line in (run_dir_of(steps) / "metrics.jsonl").read_text().splitlines()
         ]
         return statistics.median(
             r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 2
