@@ -86,6 +86,14 @@ def free(*keys: str) -> dict[str, Rule]:
     return dict.fromkeys(keys, ANY)
 
 
+# latent attention in place of the baseline's grouped-query attention (its value heads' width
+# is one of its own dims)
+LATENT_ATTENTION: dict[str, Rule] = {
+    "model.attention": only("mla", why="{name} has latent attention; must be mla"),
+    "model.v_head_dim": ANY,
+}
+
+
 # --- the relations several families share -------------------------------------------------
 
 # transformers' attention_bias: biases on all four attention projections or none
@@ -175,7 +183,7 @@ BASELINE: dict[str, Rule] = {
     "model.sliding_window": only(None),
     "model.sliding_n_kv_heads": only(None),
     "model.sliding_rope_theta": only(None),
-    "model.v_head_dim": only(None, applies=lambda m, _: m.attention == "gqa"),
+    "model.v_head_dim": only(None),
     "model.attention_value_scale": only(1.0),
     "model.nope_layers": refused_when(
         _no_nope_layers, "{name} rotates every layer's queries and keys; must be null"
