@@ -90,6 +90,9 @@ KDA_WEIGHTS = (
 # ``.weight`` each, biases where configured), its per-head parameters (bare)
 MAMBA2_WEIGHTS = ("in_proj", "conv1d", "norm", "wo")
 MAMBA2_PARAMS = ("A_log", "dt_bias", "D")
+# the gated short convolution's (model/mixers/gated_conv.py): a ``.weight`` each, biases where
+# configured
+GATED_CONV_WEIGHTS = ("in_proj", "conv", "wo")
 
 
 def mixer_param(layer: int, name: str) -> str:

@@ -3,7 +3,8 @@ gated_conv``, LFM2's ``conv`` layers): the layer against a written-out token-by-
 in fp64 (values and gradients, packed documents, a bias; a window leaking across documents
 fails it), against transformers' LFM2-MoE layer both ways, packed documents through the
 hybrid model, generation from its state, bf16, activation checkpointing, its saved tensors
-against the plan's count, and its config refused by key."""
+against the plan's count, and its config refused by key (the LFM2-MoE family:
+test_lfm2_moe.py)."""
 
 from __future__ import annotations
 

@@ -192,6 +192,7 @@ BASELINE: dict[str, Rule] = {
     "moe.topk_before_score": only(False),
     "moe.renormalize": ANY,
     "moe.renormalize_min": only(0.0),
+    "moe.renormalize_eps": only(0.0),
     "moe.score_on_input": only(False),
     "moe.route_scale": only(1.0),
     "moe.bias_update_rate": only(0.0),
@@ -273,6 +274,7 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         False: "does not renormalise the top-k weights",
     },
     "moe.renormalize_min": {0.0: "renormalises by the plain sum of the top-k weights"},
+    "moe.renormalize_eps": {0.0: "renormalises by the plain sum of the top-k weights"},
     "moe.score_on_input": {
         False: "weights the experts' outputs",
         True: "scales each expert's input by its weight",
