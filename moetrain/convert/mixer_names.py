@@ -26,6 +26,7 @@ _MLA = {
     "wo": "o_proj",
     # sparse attention's indexer: the same names under it (wq_b, wk, k_norm, weights_proj)
     "indexer": "indexer",
+    "g_proj": "g_proj",  # Ling 3.0's per-head output gate (model.mla_head_gate)
 }
 # Gated DeltaNet: Qwen3.5's names (Qwen3-Next's fused projections: _fused_linear_attention)
 _GDN = {w: w for w in pn.GDN_WEIGHTS} | {"wo": "out_proj"}

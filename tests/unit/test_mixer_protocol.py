@@ -67,6 +67,16 @@ CASES = {
         "model.linear_head_dim": 8,
         "model.linear_conv_kernel_dim": 3,
     },
+    "kda-ling": {  # Ling 3.0's: full-rank gates, the bounded forget gate
+        "model.n_layers": 3,
+        "model.full_attention_interval": 3,
+        "model.linear_attention": "kda",
+        "model.linear_num_heads": 2,
+        "model.linear_head_dim": 8,
+        "model.kda_full_rank_gates": True,
+        "model.kda_gate_lower_bound": -5.0,
+    },
+    "mla-head-gate": {**MLA, "model.mla_head_gate": True},  # Ling 3.0's
     "mamba2": {  # two Mamba-2 layers (4 heads in 2 groups), one attention layer
         "model.n_layers": 3,
         "model.layer_types": ["linear_attention", "linear_attention", "full_attention"],
