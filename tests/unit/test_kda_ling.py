@@ -275,3 +275,20 @@ def test_latent_attention_with_a_head_gate_equals_ling_3s() -> None:
     with torch.no_grad():
         assert rel(ours(x, MixerInputs(our_cos, our_sin)), yb) > 1e-2
     ours.g_proj = gate
+
+
+@pytest.mark.parametrize(
+    ("fmt", "changes", "key"),
+    [
+        ("kimi_linear", {"model.kda_full_rank_gates": True}, "model.kda_full_rank_gates"),
+        ("kimi_linear", {"model.kda_gate_lower_bound": -5.0}, "model.kda_gate_lower_bound"),
+        ("kimi_linear", {"model.mla_head_gate": True}, "model.mla_head_gate"),
+        ("deepseek_v3", {"model.mla_head_gate": True}, "model.mla_head_gate"),
+    ],
+)
+def test_the_families_that_cannot_hold_them_refuse_them_by_key(fmt, changes, key) -> None:
+    from moetrain.convert.formats import choose_format
+    from tests.helpers.convert_cases import tiny_cfg
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        choose_format(tiny_cfg(fmt, changes), fmt)

@@ -148,6 +148,9 @@ BASELINE: dict[str, Rule] = {
         _linear_layers, "{name} has attention in every layer; no linear_attention layers"
     ),
     "model.mamba_head_dim": ANY,  # (its families' size rule)
+    "model.kda_full_rank_gates": only(False),
+    "model.kda_gate_lower_bound": only(None),
+    "model.mla_head_gate": only(False),
     "model.full_attention_interval": only(None),
     "model.linear_allow_neg_eigval": only(False),
     "model.linear_norm_eps": only(None),
@@ -226,6 +229,9 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         False: "has RMSNorm weights that scale directly",
         True: "has zero-centred RMSNorm weights (1 + w)",
     },
+    "model.kda_full_rank_gates": {False: "has Kimi Delta Attention's low-rank gates"},
+    "model.kda_gate_lower_bound": {None: "has Kimi Delta Attention's unbounded forget gate"},
+    "model.mla_head_gate": {False: "has no per-head gate on its latent attention"},
     "model.index_topk": {None: "has no sparse attention"},
     "model.index_rope_interleave": {
         False: "rotates its indexer's heads half-split",
