@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from moetrain.config.checks import ConfigError, require
+from moetrain.config.checks import ConfigError
 from moetrain.config.mixers.linear import LinearMixerKind
-from moetrain.config.ranges import FUNCTION, POSITIVE_INT
+from moetrain.config.ranges import FUNCTION, POSITIVE_INT, RANGE, Range
 
 if TYPE_CHECKING:
-    from moetrain.config.layer_plan import MixerSpec
     from moetrain.config.model import ModelConfig
 
 
@@ -33,7 +32,9 @@ class KDAKeys:
     kda_full_rank_gates: bool = field(default=False, metadata=FUNCTION)
     # the bounded ("safe") forget gate g = bound * sigmoid(exp(A_log) (f + dt_bias)), in
     # (bound, 0) (Ling 3.0's kda_lower_bound, -5); null: -exp(A_log) softplus(f + dt_bias)
-    kda_gate_lower_bound: float | None = field(default=None, metadata=FUNCTION)
+    kda_gate_lower_bound: float | None = field(
+        default=None, metadata={RANGE: Range(high=0.0, high_open=True)} | FUNCTION
+    )
 
 
 class KDA(LinearMixerKind):
@@ -51,17 +52,6 @@ class KDA(LinearMixerKind):
     )
     required = ("linear_num_heads", "linear_head_dim")
     head_dim_key = "linear_head_dim"
-
-    @classmethod
-    def validate(cls, model: ModelConfig, specs: list[MixerSpec]) -> None:
-        super().validate(model, specs)
-        bound = model.kda_gate_lower_bound
-        require(
-            bound is None or bound < 0,
-            "model.kda_gate_lower_bound",
-            f"is the forget gate's log decay at its strongest: below 0 (null: unbounded); "
-            f"got {bound}",
-        )
 
     @classmethod
     def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:
