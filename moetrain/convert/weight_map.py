@@ -97,8 +97,8 @@ class _Plan:
         names = [n for n in shapes if not pn.parse_experts(n)]
         top = {
             pn.EMBED: "model.embed_tokens.weight",
-            pn.FINAL_NORM: "model.norm.weight",
-            pn.FINAL_NORM_BIAS: "model.norm.bias",
+            pn.FINAL_NORM: f"{layout.final_norm}.weight",
+            pn.FINAL_NORM_BIAS: f"{layout.final_norm}.bias",
             pn.LM_HEAD_BIAS: "lm_head.bias",
         }
         if not cfg.model.tie_embeddings:

@@ -156,6 +156,9 @@ BASELINE: dict[str, Rule] = {
         _linear_layers, "{name} has attention in every layer; no linear_attention layers"
     ),
     "model.mamba_head_dim": ANY,  # (its families' size rule)
+    "model.kda_full_rank_gates": only(False),
+    "model.kda_gate_lower_bound": only(None),
+    "model.mla_head_gate": only(False),
     "model.full_attention_interval": only(None),
     "model.linear_allow_neg_eigval": only(False),
     "model.linear_norm_eps": only(None),
@@ -205,6 +208,7 @@ BASELINE: dict[str, Rule] = {
     "moe.topk_before_score": only(False),
     "moe.renormalize": ANY,
     "moe.renormalize_min": only(0.0),
+    "moe.renormalize_eps": only(0.0),
     "moe.score_on_input": only(False),
     "moe.route_scale": only(1.0),
     "moe.bias_update_rate": only(0.0),
@@ -238,6 +242,9 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         False: "has RMSNorm weights that scale directly",
         True: "has zero-centred RMSNorm weights (1 + w)",
     },
+    "model.kda_full_rank_gates": {False: "has Kimi Delta Attention's low-rank gates"},
+    "model.kda_gate_lower_bound": {None: "has Kimi Delta Attention's unbounded forget gate"},
+    "model.mla_head_gate": {False: "has no per-head gate on its latent attention"},
     "model.index_topk": {None: "has no sparse attention"},
     "model.index_rope_interleave": {
         False: "rotates its indexer's heads half-split",
@@ -294,6 +301,7 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         False: "does not renormalise the top-k weights",
     },
     "moe.renormalize_min": {0.0: "renormalises by the plain sum of the top-k weights"},
+    "moe.renormalize_eps": {0.0: "renormalises by the plain sum of the top-k weights"},
     "moe.score_on_input": {
         False: "weights the experts' outputs",
         True: "scales each expert's input by its weight",
