@@ -100,11 +100,9 @@ class Layout:
     from memory uses them, with a per-expert or fused family's experts as :data:`V5_FUSED`.
     """
 
-    # the decoder's prefix, its embedding and final norm (Nemotron-H's backbone., embeddings,
-    # norm_f)
+    # the decoder's prefix and its embedding under it (Nemotron-H's backbone., embeddings)
     base: str = "model."
     embed: str = "embed_tokens"
-    final_norm: str = "norm"
     moe_block: str = "mlp"  # the MoE block of a decoder layer
     router: str = "gate"  # the router's module, under the block
     experts: PerExpert | Fused | Stacked = field(default_factory=PerExpert)
@@ -151,6 +149,9 @@ class Layout:
     # transformers v5's in-memory experts where they are not :data:`V5_FUSED` (Nemotron-H's
     # experts.up_proj / down_proj, not gated)
     in_memory_experts: Fused | None = None
+    # the final norm's module (LFM2's ``model.embedding_norm``, Nemotron-H's
+    # ``backbone.norm_f``)
+    final_norm: str = "model.norm"
     # a block's 1-D tensors the files store as (1, 1, n, 1) (Kimi Linear's ``self_attn.A_log``)
     columns: tuple[str, ...] = ()
     # a block's tensors transformers v5 holds in memory under other module names (the files'
