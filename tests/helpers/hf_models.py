@@ -25,6 +25,7 @@ from tests.helpers.hf_flags import (
     KIMI_LINEAR_ATTENTION,
     LLAMA4_FLAGS,
     MIMO_V2_FLASH_FLAGS,
+    NEMOTRON_H,
     PHIMOE_FLAGS,
     QWEN3_5_ROPE,
     QWEN_HYBRID,
@@ -257,6 +258,11 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             shared_intermediate_size=40,
             **GRANITE_FLAGS,
             **GRANITE_HYBRID,
+        ),
+        # Nemotron 3's blocks, one sublayer each (Mamba-2, MoE, attention, MoE, MLP, Mamba-2)
+        "nemotron_h": lambda: transformers.NemotronHConfig(
+            **{k: v for k, v in SMALL.items() if k not in ("rms_norm_eps", "rope_parameters")},
+            **NEMOTRON_H,
         ),
         "gpt_oss": lambda: transformers.GptOssConfig(  # gpt-oss-20b's flags
             **{**moe, **GPT_OSS_FLAGS}, intermediate_size=24, num_local_experts=4

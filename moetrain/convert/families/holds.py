@@ -181,6 +181,7 @@ BASELINE: dict[str, Rule] = {
     "model.block_norms": only("pre"),
     "model.attention_block_norms": only(None),
     "model.lm_head_bias": only(False),
+    "model.tie_embeddings": ANY,
     "model.attention_sinks": only(False),
     "model.attention_sinks_layers": only("all", applies=lambda m, _: m.attention_sinks),
     "model.sliding_window": only(None),
@@ -219,6 +220,8 @@ BASELINE: dict[str, Rule] = {
     # experts and their placement
     "moe.expert_biases": only(False),
     "moe.activation": only("swiglu"),
+    "moe.latent_dim": only(None),
+    "model.ffn_activation": only("swiglu"),
     "moe.num_shared_experts": only(0),
     "moe.shared_expert_gate": only(False),
     "moe.shared_expert_hidden": ANY,
@@ -315,7 +318,16 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     },
     "moe.router_bias": {False: "has no router bias", True: "has a router bias"},
     "moe.expert_biases": {False: "has no expert biases", True: "has expert biases"},
-    "moe.activation": {"swiglu": "has SwiGLU experts", "clamped_swiglu": "clamps its SwiGLU"},
+    "moe.activation": {
+        "swiglu": "has SwiGLU experts",
+        "clamped_swiglu": "clamps its SwiGLU",
+        "relu2": "has squared-ReLU experts, not gated",
+    },
+    "moe.latent_dim": {None: "computes its experts in hidden_size (no latent MoE)"},
+    "model.ffn_activation": {
+        "swiglu": "has SwiGLU dense FFNs and shared experts",
+        "relu2": "has squared-ReLU dense FFNs and shared experts, not gated",
+    },
     "moe.num_shared_experts": {0: "has no shared experts"},
     "moe.shared_expert_gate": {
         False: "does not gate its shared experts",
