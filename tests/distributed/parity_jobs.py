@@ -160,6 +160,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.mamba_state_dim": 8,
         "model.mamba_chunk_size": 4,
     },
+    # LFM2-MoE's: a short gated convolution layer (with its bias) then an attention layer,
+    # sigmoid routing renormalised with its epsilon
+    "gated_conv": {
+        "model.layer_types": ["linear_attention", "full_attention"],
+        "model.linear_attention": "gated_conv",
+        "model.gated_conv_bias": True,
+        "moe.score_func": "sigmoid",
+        "moe.renormalize_eps": 1e-6,
+    },
     # DeepSeek sparse attention's sparse stage: the second layer attends to the first's
     # selection (GLM-5's shared indexer), the indexer trains on its KL alongside
     "dsa": {**DSA, "model.indexer_types": ["full", "shared"]},
@@ -174,8 +183,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 # the variants whose one reference the world-1 job computes (capacity has one per group count)
 REFERENCES = (
-    *("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "kda", "mamba", "dsa"),
-    "dsa_warmup",
+    *("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "kda", "mamba", "gated_conv"),
+    *("dsa", "dsa_warmup"),
 )
 
 

@@ -21,7 +21,9 @@ top-k on the logits with sigmoid weights on the experts' inputs) on dp=2 ZeRO-0,
 dp=2 x ep=2 ZeRO-1; ``hybrid`` (Qwen3-Next's: a Gated DeltaNet layer and a gated-attention
 layer, zero-centred norms) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``kda`` (Kimi Linear's: a Kimi Delta Attention layer and an attention
 layer) on ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``mamba`` (Granite 4.0-H's: a Mamba-2 layer over
-several chunks per row, an attention layer) on ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``dsa`` (DeepSeek
+several chunks per row, an attention layer) on ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``gated_conv``
+(LFM2-MoE's: a short gated convolution layer with its bias, an attention layer, sigmoid routing
+renormalised with its epsilon) on ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``dsa`` (DeepSeek
 sparse attention's sparse stage on latent attention, the second layer sharing the first's
 selection, the indexer's KL in the loss) on ep=2 ZeRO-2, dp=2 ZeRO-0 with activation
 checkpointing and dp=2 x ep=2 ZeRO-1, and ``dsa_warmup`` (its dense warm-up: only the indexers
@@ -102,6 +104,7 @@ JOBS = {
         (2, 2, "hybrid"),
         (1, 2, "kda"),
         (1, 2, "mamba"),
+        (1, 2, "gated_conv"),
         (1, 2, "dsa"),
         (2, 0, "dsa", "ckpt"),
         (1, 0, "dsa_warmup"),
@@ -120,6 +123,7 @@ JOBS = {
         (2, 1, "hybrid"),
         (2, 1, "kda"),
         (2, 1, "mamba"),
+        (2, 1, "gated_conv"),
         (2, 1, "dsa"),
         (2, 0, "dsa_warmup"),
     ],
