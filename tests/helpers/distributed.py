@@ -9,9 +9,11 @@ on any rank fails the call with that rank's traceback; the process group is dest
 ``finally``. ``fn`` must be importable by module name (a module-level function of a module
 under ``tests``, e.g. ``tests.distributed.parity_jobs``): spawned ranks unpickle it.
 
-The ranks are forked from a server process that has already imported what every rank needs
-(:mod:`tests.helpers.rank_preload`: torch, DeepSpeed, moetrain's trainer, DeepSpeed's shm comm
-op), started once per test session, so a rank does not spend seconds importing them again.
+In the test session (tests/conftest.py sets :data:`PRELOADED`) the ranks are forked from a
+server process that has already imported what every rank needs (:mod:`tests.helpers.rank_preload`:
+torch, DeepSpeed, moetrain's trainer, DeepSpeed's shm comm op), started once, so a rank does not
+spend seconds importing them again. Elsewhere (benchmarks/) each rank is spawned fresh, so that
+what they measure is a fresh process's.
 
 ``run_distributed_concurrently([(fn, world_size, *args), ...])`` starts several such jobs at once
 (each its own process group and port) and returns their results in the same order: on 2 cores,
@@ -31,14 +33,19 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+PRELOADED = False
+"""Fork the ranks from a server with :mod:`tests.helpers.rank_preload` imported (else spawn)."""
 _PRELOAD = "tests.helpers.rank_preload"
 _context: Any = None
 
 
 def _rank_context() -> Any:
-    """multiprocessing's forkserver context, its server started (once, one thread per process)
-    with :mod:`tests.helpers.rank_preload` imported."""
+    """multiprocessing's spawn context, or with :data:`PRELOADED` its forkserver context, the
+    server started (once, one thread per process) with :mod:`tests.helpers.rank_preload`
+    imported."""
     global _context
+    if not PRELOADED:
+        return mp.get_context("spawn")
     if _context is None:
         from multiprocessing import forkserver
 
