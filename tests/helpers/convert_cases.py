@@ -125,6 +125,22 @@ CASES = {
             bias_update_rate=1e-3,
         ),
     ),
+    "lfm2_moe": dict(  # LFM2-8B-A1B's flags and pattern (hf_models.py)
+        model=dict(
+            qk_norm=True,
+            tie_embeddings=True,
+            head_dim=None,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_attention="gated_conv",
+        ),
+        moe=dict(
+            score_func="sigmoid",
+            renormalize_eps=1e-6,
+            first_k_dense=1,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
     "hunyuan_v1_moe": dict(  # Hunyuan-A13B's flags (NTK-alpha: folded into rope_theta)
         model=dict(qk_norm=True, qk_norm_position="after_rope", tie_embeddings=True),
         moe=dict(num_shared_experts=1),
@@ -315,6 +331,22 @@ CASES = {
     "qwen3_5_moe_text": dict(model=QWEN_HYBRID_MODEL, moe=dict(QWEN_SHARED, renormalize=True)),
     "qwen3_next": dict(  # (a dense first layer and no renormalisation: Qwen3.5 holds neither)
         model=QWEN_HYBRID_MODEL, moe=dict(QWEN_SHARED, first_k_dense=1, renormalize=False)
+    ),
+    "mimo_v2_flash": dict(  # MiMo-V2-Flash's flags (hf_flags.MIMO_V2_FLASH_FLAGS)
+        model=dict(
+            head_dim=12,
+            v_head_dim=8,
+            n_kv_heads=1,
+            sliding_n_kv_heads=2,
+            attention_sinks=True,
+            attention_sinks_layers="sliding",
+            sliding_window=6,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            sliding_rope_theta=500.0,
+            partial_rotary_factor=0.334,
+            attention_value_scale=0.707,
+        ),
+        moe=dict(score_func="sigmoid", first_k_dense=1, route_scale=2.5, bias_update_rate=1e-3),
     ),
     "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_flags.LLAMA4_FLAGS)
         model=LLAMA4_MODEL,
