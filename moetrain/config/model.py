@@ -151,6 +151,9 @@ class ModelConfig(
     residual_multiplier: float = field(default=1.0, metadata=above(0) | FUNCTION)
     # the logits are the head's output divided by logits_scaling (the loss's too)
     logits_scaling: float = field(default=1.0, metadata=above(0) | FUNCTION)
+    # final-logit soft-capping (Gemma's final_logit_softcapping): the logits, after
+    # logits_scaling, become cap * tanh(logits / cap) (the loss's too); null: uncapped
+    final_logit_softcap: float | None = field(default=None, metadata=above(0) | FUNCTION)
 
     @property
     def n_blocks(self) -> int:

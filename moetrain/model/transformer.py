@@ -20,7 +20,7 @@ from moetrain.model.cache import InferenceCache
 from moetrain.model.doc_attention import Documents
 from moetrain.model.head_exchange import HeadExchange
 from moetrain.model.layers import LayerNorm, RMSNorm, make_norm
-from moetrain.model.loss import LMHead
+from moetrain.model.loss import LMHead, softcap
 from moetrain.model.mixers import MixerInputs, MixerLoss, TokenMixer
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
@@ -272,10 +272,13 @@ class Transformer(nn.Module):
 
     def head(self, h_BSD: torch.Tensor) -> torch.Tensor:
         """The logits of final hidden states: the LM head's output divided by
-        ``model.logits_scaling`` (untouched at 1.0)."""
+        ``model.logits_scaling`` (untouched at 1.0), then soft-capped by
+        ``model.final_logit_softcap`` (where set)."""
         logits_BSV = self.lm_head(h_BSD)
         scaling = self.cfg.logits_scaling
-        return logits_BSV if scaling == 1.0 else logits_BSV / scaling
+        if scaling != 1.0:
+            logits_BSV = logits_BSV / scaling
+        return softcap(logits_BSV, self.cfg.final_logit_softcap)
 
     def _cross_entropy(
         self, h_BSD: torch.Tensor, labels_BS: torch.Tensor, logits_BSV: torch.Tensor | None
@@ -290,6 +293,7 @@ class Transformer(nn.Module):
                 labels_BS.flatten(),
                 self.cfg.loss_chunk_tokens,
                 self.cfg.logits_scaling,
+                self.cfg.final_logit_softcap,
             )
         labelled = (labels_BS != -100).sum().clamp_min(1)
         return (

@@ -163,6 +163,7 @@ BASELINE: dict[str, Rule] = {
     "model.embedding_multiplier": only(1.0),
     "model.residual_multiplier": only(1.0),
     "model.logits_scaling": only(1.0),
+    "model.final_logit_softcap": only(None),
     "model.attention_scale": only(None),
     "model.mtp_depth": only(0),
     "model.o_bias": only(False),
@@ -256,6 +257,7 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     "model.embedding_multiplier": {1.0: "does not scale the embeddings"},
     "model.residual_multiplier": {1.0: "does not scale the residual branches"},
     "model.logits_scaling": {1.0: "does not scale the logits"},
+    "model.final_logit_softcap": {None: "does not soft-cap its logits"},
     "model.attention_scale": {None: "scales attention by 1 / sqrt(head_dim)"},
     "model.mtp_depth": {
         0: "files hold no multi-token-prediction layers (convert --drop-mtp exports the model "

@@ -1,0 +1,94 @@
+"""Gemma 4's model pieces as options of the single-device model, each against a written-out
+reference (values and gradients) with a negative control: final-logit soft-capping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetrain.config import ConfigError, ModelConfig
+from moetrain.model import Transformer
+from moetrain.model.loss import chunked_cross_entropy
+from tests.helpers.configs import tiny_config
+
+
+def build(seed: int = 0, **kw) -> Transformer:
+    """The tiny model with 50 tokens; ``kw``: ModelConfig or MoEConfig fields."""
+    section = {k: "model" if k in ModelConfig.__dataclass_fields__ else "moe" for k in kw}
+    cfg = tiny_config(model__vocab_size=50, **{f"{section[k]}.{k}": v for k, v in kw.items()})
+    torch.manual_seed(seed)
+    return Transformer(cfg.model, cfg.moe).eval()
+
+
+def written_out_capped_ce(logits: torch.Tensor, labels: torch.Tensor, cap: float) -> torch.Tensor:
+    """The cross-entropy of ``cap * tanh(logits / cap)``, spelled out (log-sum-exp)."""
+    z = cap * torch.tanh(logits.float() / cap)
+    keep = labels != -100
+    z, labels = z[keep], labels[keep]
+    return (torch.logsumexp(z, -1) - z.gather(1, labels[:, None])[:, 0]).mean()
+
+
+@pytest.mark.parametrize("cap", [None, 0.7])
+def test_chunked_loss_soft_caps_values_and_gradients(cap: float | None) -> None:
+    """The chunked head loss with a cap equals the written-out capped cross-entropy, loss and
+    gradients wrt h and W (the cap's derivative in the stored gradient)."""
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(11, 8, generator=g) * 2).requires_grad_()
+    w = torch.randn(13, 8, generator=g).requires_grad_()
+    labels = torch.randint(0, 13, (11,), generator=g)
+    labels[3] = -100
+    got = chunked_cross_entropy(h, w, labels, 4, cap=cap)
+    ref_h, ref_w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    logits = ref_h @ ref_w.T
+    want = (
+        written_out_capped_ce(logits, labels, cap)
+        if cap is not None
+        else F.cross_entropy(logits, labels, ignore_index=-100)
+    )
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(h.grad, ref_h.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w.grad, ref_w.grad, atol=1e-6, rtol=1e-5)
+    if cap is not None:  # negative control: the uncapped loss is far from it
+        plain = chunked_cross_entropy(h.detach(), w.detach(), labels, 4)
+        assert (plain - got).abs() > 0.1
+
+
+@pytest.mark.parametrize("mtp_depth", [0, 1])
+def test_model_soft_caps_logits_loss_and_gradients(mtp_depth: int) -> None:
+    """model.final_logit_softcap: the logits are the uncapped model's through cap * tanh(./cap)
+    (after logits_scaling); the chunked and the full-logits loss equal the written-out capped
+    cross-entropy, with the same gradients (the MTP head's loss too)."""
+    kw = dict(init_std=0.5, logits_scaling=2.0, mtp_depth=mtp_depth)
+    capped = build(**kw, final_logit_softcap=1.5, loss_chunk_tokens=5)
+    full = build(**kw, final_logit_softcap=1.5, loss_chunk_tokens=0)
+    plain = build(**kw)
+    full.load_state_dict(capped.state_dict())
+    plain.load_state_dict(capped.state_dict())
+    ids = torch.randint(0, 50, (2, 9))
+    labels = ids.roll(-1, 1)
+    labels[0, :2] = -100
+    with torch.no_grad():
+        raw = plain(ids).logits
+        torch.testing.assert_close(capped(ids).logits, 1.5 * torch.tanh(raw / 1.5))
+        assert (raw.abs().max() > 1.5) and (capped(ids).logits.abs().max() < 1.5)
+    a = capped(ids, labels_BS=labels, return_logits=False)
+    b = full(ids, labels_BS=labels)
+    assert a.logits is None
+    want = written_out_capped_ce(raw.flatten(0, 1), labels.flatten(), 1.5)
+    torch.testing.assert_close(b.ce_loss, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(a.loss, b.loss, atol=1e-6, rtol=1e-6)
+    a.loss.backward()
+    b.loss.backward()
+    for (name, p), q in zip(capped.named_parameters(), full.parameters(), strict=True):
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+    uncapped = plain(ids, labels_BS=labels, return_logits=False)
+    assert (uncapped.loss - a.loss).abs() > 1e-2  # negative control
+
+
+def test_soft_cap_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match=r"model\.final_logit_softcap"):
+        build(final_logit_softcap=0.0)
