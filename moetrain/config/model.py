@@ -70,6 +70,9 @@ class ModelConfig(
     # a bias on the LM head (Phi-3.5-MoE's lm_head_bias; with tie_embeddings only the weight is
     # shared, the bias is the head's own)
     lm_head_bias: bool = field(default=False, metadata=FUNCTION)
+    # the dense FFN layers' activation of gate a and up b: "swiglu" silu(a) * b or "geglu"
+    # gelu_tanh(a) * b (Gemma's gelu_pytorch_tanh); the routed experts' is moe.activation
+    dense_activation: Literal["swiglu", "geglu"] = field(default="swiglu", metadata=FUNCTION)
     # the kind of every block norm, the final norm and the MTP modules' norms: "rmsnorm" or
     # "layernorm" (mean and variance, a weight and a bias; Phi-3.5-MoE); eps is norm_eps. The
     # query/key norms and MLA's latent norms stay RMSNorm

@@ -89,9 +89,12 @@ class MoEConfig:
     expert_biases: bool = field(default=False, metadata=FUNCTION)
     # the routed experts' activation of gate a and up b: "swiglu" silu(a) * b, or
     # "clamped_swiglu" (gpt-oss) (min(b, l).clamp(-l) + 1) * a' * sigmoid(alpha * a'),
-    # a' = min(a, l), with alpha = moe.swiglu_alpha and l = moe.swiglu_limit (both required).
-    # Dense layers and shared experts stay SwiGLU
-    activation: Literal["swiglu", "clamped_swiglu"] = field(default="swiglu", metadata=FUNCTION)
+    # a' = min(a, l), with alpha = moe.swiglu_alpha and l = moe.swiglu_limit (both required),
+    # or "geglu" gelu_tanh(a) * b (Gemma's gelu_pytorch_tanh). Shared experts stay SwiGLU;
+    # dense layers take model.dense_activation
+    activation: Literal["swiglu", "clamped_swiglu", "geglu"] = field(
+        default="swiglu", metadata=FUNCTION
+    )
     swiglu_alpha: float | None = field(default=None, metadata=above(0) | FUNCTION)
     swiglu_limit: float | None = field(default=None, metadata=above(0) | FUNCTION)
     # the routing weight w multiplies each routed copy's input instead of its output: expert e

@@ -54,7 +54,7 @@ class Block(nn.Module):
             self.ffn: nn.Module | None = (
                 MoELayer(moe_cfg, cfg.d_model, local_experts, layer=spec.index)
                 if self.is_moe
-                else SwiGLU(cfg.d_model, cfg.dense_hidden)
+                else SwiGLU(cfg.d_model, cfg.dense_hidden, cfg.dense_activation)
             )
             if post:
                 self.ffn_post_norm = make_norm(cfg, cfg.d_model)

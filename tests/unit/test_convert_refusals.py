@@ -219,6 +219,8 @@ TRINITY_MOE = dict(score_func="sigmoid", num_shared_experts=1, route_scale=2.5)
             "model.logits_scaling",
         ),
         ("qwen3_moe", dict(final_logit_softcap=30.0), {}, "model.final_logit_softcap"),
+        ("qwen3_moe", dict(dense_activation="geglu"), {}, "model.dense_activation"),
+        ("mixtral", {}, dict(activation="geglu"), "moe.activation"),
         ("qwen2_moe", {}, dict(n_group=4, topk_group=2), "moe.n_group"),
         (
             "glm4_moe",

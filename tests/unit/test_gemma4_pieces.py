@@ -92,3 +92,56 @@ def test_model_soft_caps_logits_loss_and_gradients(mtp_depth: int) -> None:
 def test_soft_cap_must_be_positive() -> None:
     with pytest.raises(ConfigError, match=r"model\.final_logit_softcap"):
         build(final_logit_softcap=0.0)
+
+
+def written_out_geglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """gelu with the tanh approximation, spelled out, times b."""
+    c = (2 / torch.pi) ** 0.5
+    return 0.5 * a * (1 + torch.tanh(c * (a + 0.044715 * a**3))) * b
+
+
+def test_geglu_dense_ffn_and_experts_against_written_out() -> None:
+    """model.dense_activation / moe.activation geglu: the dense layer's FFN and each routed
+    expert compute w2(gelu_tanh(w1 x) * w3 x) (times the routing weight), values and
+    gradients, on the loop and the grouped-GEMM paths; SwiGLU's output is far from it."""
+    model = build(dense_activation="geglu", activation="geglu", first_k_dense=1, init_std=0.3)
+    swiglu = build(first_k_dense=1, init_std=0.3)
+    swiglu.load_state_dict(model.state_dict())
+    x = torch.randn(2, 5, model.cfg.d_model, requires_grad=True)
+    dense = model.layers[0].ffn
+    got = dense(x)
+    x_ref = x.detach().clone().requires_grad_()
+    want = written_out_geglu(x_ref @ dense.w1.weight.T, x_ref @ dense.w3.weight.T)
+    want = want @ dense.w2.weight.T
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+    assert (swiglu.layers[0].ffn(x) - got).abs().max() > 1e-2
+
+    experts = model.layers[1].ffn.experts
+    n = 7
+    rows = torch.randn(n, model.cfg.d_model)
+    counts = torch.zeros(experts.num_local_experts, dtype=torch.long)
+    counts[0], counts[2] = 3, 4
+    weights = torch.rand(n)
+    for grouped in (False, True):
+        experts.use_grouped_mm = grouped
+        r = rows.clone().requires_grad_()
+        y = experts(r, counts, weights)
+        r_ref = rows.clone().requires_grad_()
+        parts, start = [], 0
+        for e, c in enumerate(counts.tolist()):
+            seg = r_ref[start : start + c]
+            w13 = experts.w13[e].detach()
+            a, b = (seg @ w13).chunk(2, -1)
+            parts.append(
+                written_out_geglu(a, b) @ experts.w2[e].detach() * weights[start : start + c, None]
+            )
+            start += c
+        y_ref = torch.cat(parts)
+        torch.testing.assert_close(y, y_ref, atol=1e-6, rtol=1e-5)
+        y.square().sum().backward()
+        y_ref.square().sum().backward()
+        torch.testing.assert_close(r.grad, r_ref.grad, atol=1e-5, rtol=1e-5)
+    assert (swiglu.layers[1].ffn.experts(rows, counts, weights) - y).abs().max() > 1e-2

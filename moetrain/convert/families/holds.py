@@ -168,6 +168,7 @@ BASELINE: dict[str, Rule] = {
     "model.mtp_depth": only(0),
     "model.o_bias": only(False),
     "model.norm": only("rmsnorm"),
+    "model.dense_activation": only("swiglu"),
     "model.block_norms": only("pre"),
     "model.attention_block_norms": only(None),
     "model.lm_head_bias": only(False),
@@ -288,7 +289,12 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     },
     "moe.router_bias": {False: "has no router bias", True: "has a router bias"},
     "moe.expert_biases": {False: "has no expert biases", True: "has expert biases"},
-    "moe.activation": {"swiglu": "has SwiGLU experts", "clamped_swiglu": "clamps its SwiGLU"},
+    "moe.activation": {
+        "swiglu": "has SwiGLU experts",
+        "clamped_swiglu": "clamps its SwiGLU",
+        "geglu": "has GeGLU experts",
+    },
+    "model.dense_activation": {"swiglu": "has SwiGLU dense layers", "geglu": "has GeGLU MLPs"},
     "moe.num_shared_experts": {0: "has no shared experts"},
     "moe.shared_expert_gate": {
         False: "does not gate its shared experts",

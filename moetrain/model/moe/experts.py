@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from moetrain.model import cpu_matmul
-from moetrain.model.layers import clamped_swiglu_packed, silu_mul_packed
+from moetrain.model.layers import clamped_swiglu_packed, geglu_packed, silu_mul_packed
 from moetrain.model.moe.gemm_guard import grouped_mm_refusal_for
 
 EXPERT_WEIGHTS = ("w13", "w2")
@@ -146,8 +146,8 @@ class GroupedExperts(nn.Module):
     global experts ``[start, stop)`` (an expert-parallel rank never allocates the others;
     ``num_local_experts`` = stop - start). ``recompute_act``:
     the SwiGLU product is recomputed in backward rather than saved (see ``_DownProjection``).
-    ``biases``: the ``w13_bias`` / ``w2_bias`` parameters; ``activation`` ``swiglu`` or
-    ``clamped_swiglu`` with ``alpha`` and ``limit``; ``score_on_input``: the routing weights
+    ``biases``: the ``w13_bias`` / ``w2_bias`` parameters; ``activation`` ``swiglu``,
+    ``geglu`` or ``clamped_swiglu`` with ``alpha`` and ``limit``; ``score_on_input``: the routing weights
     scale the rows' inputs, not the outputs (see the module docstring).
     """
 
@@ -184,6 +184,8 @@ class GroupedExperts(nn.Module):
         self.act_fn: Activation = silu_mul_packed
         if activation == "clamped_swiglu":
             self.act_fn = functools.partial(clamped_swiglu_packed, alpha=alpha, limit=limit)
+        elif activation == "geglu":
+            self.act_fn = geglu_packed
         elif activation != "swiglu":
             raise ValueError(f"unknown expert activation {activation!r}")
 
