@@ -100,6 +100,12 @@ class MoEConfig:
     # the routing weight w multiplies each routed copy's input instead of its output: expert e
     # computes expert_e(w * x), and the combine sums the outputs (Llama 4)
     score_on_input: bool = field(default=False, metadata=FUNCTION)
+    # Gemma 4's router scalars: the router scores a weightless RMSNorm of its input (eps
+    # model.norm_eps) times a learned per-channel scale ffn.router.input_scale (D,) times
+    # D^-0.5 (ones at initialisation), and each chosen expert's combine weight (renormalised
+    # or not) is multiplied by its learned ffn.router.expert_scale (E,) (ones)
+    router_input_norm: bool = field(default=False, metadata=FUNCTION)
+    expert_scale: bool = field(default=False, metadata=FUNCTION)
 
     def ffn_kind(self, layer: int) -> FFNKind:
         """Block ``layer``'s FFN (the layer plan's, :mod:`moetrain.config.layer_plan`): its

@@ -52,7 +52,7 @@ class Block(nn.Module):
         if spec.ffn != "none":
             self.ffn_norm = make_norm(cfg, cfg.d_model) if pre else None
             self.ffn: nn.Module | None = (
-                MoELayer(moe_cfg, cfg.d_model, local_experts, layer=spec.index)
+                MoELayer(moe_cfg, cfg.d_model, local_experts, spec.index, cfg.norm_eps)
                 if self.is_moe
                 else SwiGLU(cfg.d_model, cfg.dense_hidden, cfg.dense_activation)
             )

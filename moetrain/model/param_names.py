@@ -10,7 +10,9 @@ then either a dense SwiGLU ``ffn.{w1,w3,w2}`` or an MoE block: ``ffn.router.gate
 selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.experts.w13``
 (E, D, 2F) and ``ffn.experts.w2`` (E, F, D), and optionally ``ffn.shared_expert.{w1,w3,w2}`` and
 ``ffn.shared_gate``. Options add ``attn.wo.bias`` (``model.o_bias``), ``attn.sinks`` (H,)
-(``model.attention_sinks``), ``ffn.router.gate.bias`` (E,) (``moe.router_bias``) and the
+(``model.attention_sinks``), ``ffn.router.gate.bias`` (E,) (``moe.router_bias``),
+``ffn.router.input_scale`` (D,) (``moe.router_input_norm``), ``ffn.router.expert_scale`` (E,)
+(``moe.expert_scale``) and the
 expert biases ``ffn.experts.w13_bias`` (E, 2F), ``ffn.experts.w2_bias`` (E, D)
 (``moe.expert_biases``; expert parameters, stacked and partitioned like w13 and w2).
 ``lm_head.bias`` exists with ``model.lm_head_bias`` (tied or not). A Gated DeltaNet layer's

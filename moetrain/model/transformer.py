@@ -173,7 +173,7 @@ class Transformer(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
         elif isinstance(module, MoELayer):
-            module.router.expert_bias.zero_()
+            module.router.reset_parameters()
         elif isinstance(module, TokenMixer):
             module.init_own_parameters()
 

@@ -218,9 +218,11 @@ TRINITY_MOE = dict(score_func="sigmoid", num_shared_experts=1, route_scale=2.5)
             {},
             "model.logits_scaling",
         ),
-        ("qwen3_moe", dict(final_logit_softcap=30.0), {}, "model.final_logit_softcap"),
-        ("qwen3_moe", dict(dense_activation="geglu"), {}, "model.dense_activation"),
+        ("mixtral", dict(final_logit_softcap=30.0), {}, "model.final_logit_softcap"),
+        ("mixtral", dict(dense_activation="geglu"), {}, "model.dense_activation"),
         ("mixtral", {}, dict(activation="geglu"), "moe.activation"),
+        ("mixtral", {}, dict(router_input_norm=True), "moe.router_input_norm"),
+        ("mixtral", {}, dict(expert_scale=True), "moe.expert_scale"),
         ("qwen2_moe", {}, dict(n_group=4, topk_group=2), "moe.n_group"),
         (
             "glm4_moe",

@@ -145,3 +145,55 @@ def test_geglu_dense_ffn_and_experts_against_written_out() -> None:
         y_ref.square().sum().backward()
         torch.testing.assert_close(r.grad, r_ref.grad, atol=1e-5, rtol=1e-5)
     assert (swiglu.layers[1].ffn.experts(rows, counts, weights) - y).abs().max() > 1e-2
+
+
+def test_router_scalars_against_written_out_values_and_gradients() -> None:
+    """moe.router_input_norm and moe.expert_scale: the gate scores rms(x) * input_scale *
+    D^-0.5, the softmax top-k weights are renormalised and multiplied by the chosen experts'
+    scales (Gemma 4's router), values and gradients of the input, both scales and the gate;
+    without them the weights differ (negative control)."""
+    from moetrain.config import MoEConfig
+    from moetrain.model.moe.router import Router
+
+    d, e, k, eps = 16, 8, 3, 1e-6
+    cfg = MoEConfig(num_experts=e, top_k=k, router_input_norm=True, expert_scale=True)
+    router = Router(cfg, d, eps).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.gate.weight.normal_(0, 1, generator=g)
+        router.input_scale.uniform_(0.5, 2.0, generator=g)
+        router.expert_scale.uniform_(0.5, 2.0, generator=g)
+    x = torch.randn(10, d, generator=g) * 3
+    xr = x.clone().requires_grad_()
+    out = router(xr)
+    scale = router.input_scale.detach().clone().requires_grad_()
+    per_expert = router.expert_scale.detach().clone().requires_grad_()
+    gate = router.gate.weight.detach().clone().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    normed = x_ref / torch.sqrt(x_ref.square().mean(-1, keepdim=True) + eps)
+    probs = torch.softmax((normed * scale * d**-0.5) @ gate.T, -1)
+    top = probs.topk(k, -1)
+    want = top.values / top.values.sum(-1, keepdim=True) * per_expert[top.indices]
+    assert torch.equal(out.ids_TK, top.indices)
+    torch.testing.assert_close(out.weights_TK, want, atol=1e-6, rtol=1e-6)
+    probe = torch.randn(10, k, generator=g)
+    (out.weights_TK * probe).sum().backward()
+    (want * probe).sum().backward()
+    for got, ref in [
+        (xr.grad, x_ref.grad),
+        (router.input_scale.grad, scale.grad),
+        (router.expert_scale.grad, per_expert.grad),
+        (router.gate.weight.grad, gate.grad),
+    ]:
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+    plain = Router(MoEConfig(num_experts=e, top_k=k), d).eval()
+    plain.gate.load_state_dict(router.gate.state_dict())
+    assert (plain(x).weights_TK - out.weights_TK).abs().max() > 1e-2
+
+
+def test_router_scalars_start_at_one_in_the_model() -> None:
+    """The model initialises both router scalars to ones (as transformers)."""
+    model = build(router_input_norm=True, expert_scale=True)
+    router = model.layers[0].ffn.router
+    assert torch.equal(router.input_scale, torch.ones_like(router.input_scale))
+    assert torch.equal(router.expert_scale, torch.ones_like(router.expert_scale))

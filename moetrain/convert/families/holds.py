@@ -201,6 +201,8 @@ BASELINE: dict[str, Rule] = {
     "moe.n_group": only(1),
     "moe.group_score": ANY,
     "moe.router_bias": only(False),
+    "moe.router_input_norm": only(False),
+    "moe.expert_scale": only(False),
     # experts and their placement
     "moe.expert_biases": only(False),
     "moe.activation": only("swiglu"),
@@ -288,6 +290,8 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         "max": "scores a group by its best expert",
     },
     "moe.router_bias": {False: "has no router bias", True: "has a router bias"},
+    "moe.router_input_norm": {False: "scores the router's input as it is"},
+    "moe.expert_scale": {False: "has no per-expert scale on the routing weights"},
     "moe.expert_biases": {False: "has no expert biases", True: "has expert biases"},
     "moe.activation": {
         "swiglu": "has SwiGLU experts",

@@ -74,6 +74,7 @@ class MoELayer(nn.Module):
     ``dispatcher`` is a plain attribute so expert parallelism can swap in its all-to-all one.
     ``local_experts=(start, stop)``: build only those global experts (expert parallelism).
     ``layer``: the transformer layer index of this MoE layer (for metrics and checkpoints).
+    ``norm_eps``: the eps of the router's input norm (``moe.router_input_norm``).
     """
 
     def __init__(
@@ -82,11 +83,12 @@ class MoELayer(nn.Module):
         d_model: int,
         local_experts: tuple[int, int] | None = None,
         layer: int = 0,
+        norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer = layer
-        self.router = Router(cfg, d_model)
+        self.router = Router(cfg, d_model, norm_eps)
         self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)
         self.experts = GroupedExperts(
             cfg.num_experts,
