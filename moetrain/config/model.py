@@ -154,6 +154,9 @@ class ModelConfig(
     residual_multiplier: float = field(default=1.0, metadata=above(0) | FUNCTION)
     # the logits are the head's output divided by logits_scaling (the loss's too)
     logits_scaling: float = field(default=1.0, metadata=above(0) | FUNCTION)
+    # a learned scalar per block, layers.<i>.layer_scalar (1,) (ones at initialisation),
+    # multiplying the block's output after its residual adds (Gemma 4's layer_scalar)
+    layer_scalar: bool = field(default=False, metadata=FUNCTION)
     # final-logit soft-capping (Gemma's final_logit_softcapping): the logits, after
     # logits_scaling, become cap * tanh(logits / cap) (the loss's too); null: uncapped
     final_logit_softcap: float | None = field(default=None, metadata=above(0) | FUNCTION)

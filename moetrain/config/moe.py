@@ -106,6 +106,11 @@ class MoEConfig:
     # or not) is multiplied by its learned ffn.router.expert_scale (E,) (ones)
     router_input_norm: bool = field(default=False, metadata=FUNCTION)
     expert_scale: bool = field(default=False, metadata=FUNCTION)
+    # every MoE layer also runs a dense FFN (model.dense_hidden, model.dense_activation) beside
+    # its experts (Gemma 4's): with sandwich norms (model.block_norms: sandwich, required) the
+    # FFN branch is ffn_post_norm(dense_post_norm(dense(ffn_norm(x))) +
+    # moe_post_norm(moe(moe_norm(x)))), the router scoring the residual stream x itself
+    dense_branch: bool = field(default=False, metadata=FUNCTION)
 
     def ffn_kind(self, layer: int) -> FFNKind:
         """Block ``layer``'s FFN (the layer plan's, :mod:`moetrain.config.layer_plan`): its

@@ -12,7 +12,9 @@ selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.
 ``ffn.shared_gate``. Options add ``attn.wo.bias`` (``model.o_bias``), ``attn.sinks`` (H,)
 (``model.attention_sinks``), ``ffn.router.gate.bias`` (E,) (``moe.router_bias``),
 ``ffn.router.input_scale`` (D,) (``moe.router_input_norm``), ``ffn.router.expert_scale`` (E,)
-(``moe.expert_scale``) and the
+(``moe.expert_scale``), ``layer_scalar`` (1,) (``model.layer_scalar``), with
+``moe.dense_branch`` ``dense.{w1,w3,w2}``, ``dense_post_norm``, ``moe_norm`` and
+``moe_post_norm`` beside an MoE block's ``ffn``, and the
 expert biases ``ffn.experts.w13_bias`` (E, 2F), ``ffn.experts.w2_bias`` (E, D)
 (``moe.expert_biases``; expert parameters, stacked and partitioned like w13 and w2).
 ``lm_head.bias`` exists with ``model.lm_head_bias`` (tied or not). A Gated DeltaNet layer's

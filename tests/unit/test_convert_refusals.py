@@ -223,6 +223,8 @@ TRINITY_MOE = dict(score_func="sigmoid", num_shared_experts=1, route_scale=2.5)
         ("mixtral", {}, dict(activation="geglu"), "moe.activation"),
         ("mixtral", {}, dict(router_input_norm=True), "moe.router_input_norm"),
         ("mixtral", {}, dict(expert_scale=True), "moe.expert_scale"),
+        ("mixtral", dict(layer_scalar=True), {}, "model.layer_scalar"),
+        ("afmoe", TRINITY, dict(TRINITY_MOE, dense_branch=True), "moe.dense_branch"),
         ("qwen2_moe", {}, dict(n_group=4, topk_group=2), "moe.n_group"),
         (
             "glm4_moe",

@@ -197,3 +197,100 @@ def test_router_scalars_start_at_one_in_the_model() -> None:
     router = model.layers[0].ffn.router
     assert torch.equal(router.input_scale, torch.ones_like(router.input_scale))
     assert torch.equal(router.expert_scale, torch.ones_like(router.expert_scale))
+
+
+GEMMA_BLOCK = dict(
+    block_norms="sandwich",
+    dense_branch=True,
+    layer_scalar=True,
+    router_input_norm=True,
+    expert_scale=True,
+    dense_activation="geglu",
+    activation="geglu",
+    init_std=0.3,
+)
+
+
+def randomise_constants(model: Transformer, seed: int = 1) -> None:
+    """Every parameter initialised to a constant (norm weights, router scalars, layer
+    scalars) drawn at random, so that a misplaced one shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5, generator=g)
+
+
+def written_out_moe(block, x_BSD: torch.Tensor) -> torch.Tensor:
+    """The MoE branch token by token: the router's choice on the residual stream x, each
+    chosen expert's GeGLU on moe_norm(x) times its weight."""
+    moe = block.ffn
+    r = moe.router(x_BSD.flatten(0, 1))
+    h_TD = block.moe_norm(x_BSD).flatten(0, 1)
+    out = torch.zeros_like(h_TD)
+    for t in range(h_TD.shape[0]):
+        for e, w in zip(r.ids_TK[t].tolist(), r.weights_TK[t], strict=True):
+            a, b = (h_TD[t] @ moe.experts.w13[e]).chunk(2, -1)
+            out[t] = out[t] + written_out_geglu(a, b) @ moe.experts.w2[e] * w
+    return out.view_as(x_BSD)
+
+
+def test_dense_branch_block_against_written_out_values_and_gradients() -> None:
+    """moe.dense_branch with sandwich norms and model.layer_scalar: an MoE block computes
+    (x1 + ffn_post_norm(dense_post_norm(dense(ffn_norm(x1))) + moe_post_norm(moe(x1))))
+    * layer_scalar with x1 = x + attn_post_norm(attn(attn_norm(x))), the router scoring x1
+    (Gemma 4's decoder layer), values and every parameter's gradient; routing on the
+    experts' normed input instead changes it (negative control)."""
+    import copy
+
+    model = build(**GEMMA_BLOCK)
+    randomise_constants(model)
+    block = model.layers[0]
+    assert block.is_moe and block.dense is not None
+    ref = copy.deepcopy(block)
+    x = torch.randn(2, 5, model.cfg.d_model)
+    inputs = model_inputs(model, 5)
+    got, _ = block(x, inputs)
+    x1 = x + ref.attn_post_norm(ref.attn(ref.attn_norm(x), inputs))
+    dense = ref.dense_post_norm(ref.dense(ref.ffn_norm(x1)))
+    want = x1 + ref.ffn_post_norm(dense + ref.moe_post_norm(written_out_moe(ref, x1)))
+    want = want * ref.layer_scalar
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    probe = torch.randn_like(got)
+    (got * probe).sum().backward()
+    (want * probe).sum().backward()
+    params = dict(ref.named_parameters())
+    for name, p in block.named_parameters():
+        assert p.grad is not None and params[name].grad is not None, name
+        torch.testing.assert_close(p.grad, params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    with torch.no_grad():  # negative control: the router scoring the experts' normed input
+        wrong = ref.moe_norm(x1)
+        y, _ = ref.ffn(wrong)
+        other = (x1 + ref.ffn_post_norm(dense + ref.moe_post_norm(y))) * ref.layer_scalar
+        assert (other - got).abs().max() > 1e-3
+
+
+def model_inputs(model: Transformer, s: int):
+    """The mixers' inputs of a plain causal forward of ``s`` positions."""
+    from moetrain.model.mixers import MixerInputs
+
+    return MixerInputs(model.rope_cos[:s], model.rope_sin[:s], None, None, 0)
+
+
+def test_dense_branch_needs_sandwich_norms() -> None:
+    with pytest.raises(ConfigError, match=r"moe\.dense_branch"):
+        build(dense_branch=True)
+
+
+def test_model_numbers_count_the_gemma_pieces() -> None:
+    """model_numbers counts the dense branch, its norms, the router and layer scalars as the
+    built model holds them."""
+    from moetrain.model_numbers import model_numbers
+
+    kw = {
+        f"model.{k}" if k in ModelConfig.__dataclass_fields__ else f"moe.{k}": v
+        for k, v in GEMMA_BLOCK.items()
+    }
+    cfg = tiny_config(**kw)
+    model = Transformer(cfg.model, cfg.moe)
+    assert model_numbers(cfg).total_params == sum(p.numel() for p in model.parameters())

@@ -164,6 +164,7 @@ BASELINE: dict[str, Rule] = {
     "model.residual_multiplier": only(1.0),
     "model.logits_scaling": only(1.0),
     "model.final_logit_softcap": only(None),
+    "model.layer_scalar": only(False),
     "model.attention_scale": only(None),
     "model.mtp_depth": only(0),
     "model.o_bias": only(False),
@@ -203,6 +204,7 @@ BASELINE: dict[str, Rule] = {
     "moe.router_bias": only(False),
     "moe.router_input_norm": only(False),
     "moe.expert_scale": only(False),
+    "moe.dense_branch": only(False),
     # experts and their placement
     "moe.expert_biases": only(False),
     "moe.activation": only("swiglu"),
@@ -261,6 +263,7 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     "model.residual_multiplier": {1.0: "does not scale the residual branches"},
     "model.logits_scaling": {1.0: "does not scale the logits"},
     "model.final_logit_softcap": {None: "does not soft-cap its logits"},
+    "model.layer_scalar": {False: "has no per-layer output scalar"},
     "model.attention_scale": {None: "scales attention by 1 / sqrt(head_dim)"},
     "model.mtp_depth": {
         0: "files hold no multi-token-prediction layers (convert --drop-mtp exports the model "
@@ -292,6 +295,7 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     "moe.router_bias": {False: "has no router bias", True: "has a router bias"},
     "moe.router_input_norm": {False: "scores the router's input as it is"},
     "moe.expert_scale": {False: "has no per-expert scale on the routing weights"},
+    "moe.dense_branch": {False: "has no dense FFN beside its experts"},
     "moe.expert_biases": {False: "has no expert biases", True: "has expert biases"},
     "moe.activation": {
         "swiglu": "has SwiGLU experts",

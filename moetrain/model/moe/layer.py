@@ -110,10 +110,16 @@ class MoELayer(nn.Module):
             if cfg.shared_expert_gate:
                 self.shared_gate = Linear(d_model, 1, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEOutput]:
+    def forward(
+        self, x_BSD: torch.Tensor, route_BSD: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, MoEOutput]:
+        """The experts' output for ``x_BSD`` and the layer's statistics; ``route_BSD``: what
+        the router scores where it is not ``x_BSD`` (``moe.dense_branch``: the residual
+        stream)."""
         b, s, d = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d)
-        r = self.router(x_TD, num_seqs=b)
+        route_TD = x_TD if route_BSD is None else route_BSD.reshape(b * s, d)
+        r = self.router(route_TD, num_seqs=b)
         shared = None
         if self.shared_expert is not None:
             shared = _SharedExpertStages(self.shared_expert, self.shared_gate, x_TD)
