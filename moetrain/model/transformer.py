@@ -6,6 +6,7 @@ Shape legend: B batch, S sequence, D d_model, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.config.layer_plan import layer_plan
+from moetrain.config.mixers.gqa import has_global_rope
 from moetrain.model.block import Block
 from moetrain.model.cache import InferenceCache
 from moetrain.model.doc_attention import Documents
@@ -25,7 +27,7 @@ from moetrain.model.mixers import MixerInputs, MixerLoss, TokenMixer
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
 from moetrain.model.mtp import MTPBlock, mtp_targets, shift_left
-from moetrain.model.rope import model_rope_tables
+from moetrain.model.rope import global_rope_tables, model_rope_tables
 
 ROPE_TABLE_ROWS = 8192  # positions the RoPE tables are built for at first (they grow on demand)
 
@@ -83,6 +85,12 @@ class Transformer(nn.Module):
         cos, sin = model_rope_tables(model_cfg, min(model_cfg.max_seq_len, ROPE_TABLE_ROWS))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # the global layers' own tables (model.global_*: Gemma 4's), grown alike; else None
+        self.rope_cos_global = self.rope_sin_global = None
+        if has_global_rope(model_cfg):
+            cos, sin = global_rope_tables(model_cfg, cos.shape[0])
+            self.register_buffer("rope_cos_global", cos, persistent=False)
+            self.register_buffer("rope_sin_global", sin, persistent=False)
         self.head_exchange: HeadExchange | None = None  # sequence parallelism (set_head_exchange)
         if self.embed.weight.device.type != "meta":  # (a meta model is filled by loading)
             torch.set_rng_state(rng)
@@ -118,6 +126,10 @@ class Transformer(nn.Module):
         cos, sin = model_rope_tables(self.cfg, self.rope_cos.shape[0])
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        if self.rope_cos_global is not None:
+            cos, sin = global_rope_tables(self.cfg, self.rope_cos.shape[0])
+            self.rope_cos_global.copy_(cos)
+            self.rope_sin_global.copy_(sin)
 
     @torch.no_grad()
     def rope_rows(self, n: int) -> None:
@@ -129,6 +141,10 @@ class Transformer(nn.Module):
         size = min(self.cfg.max_seq_len, max(n, 2 * have))
         cos, sin = model_rope_tables(self.cfg, size)
         self.rope_cos, self.rope_sin = cos.to(self.rope_cos), sin.to(self.rope_sin)
+        if self.rope_cos_global is not None:
+            cos, sin = global_rope_tables(self.cfg, size)
+            self.rope_cos_global = cos.to(self.rope_cos_global)
+            self.rope_sin_global = sin.to(self.rope_sin_global)
 
     def _rope(self, start: int, s: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE rows of positions ``start .. start + s - 1`` of a sequence of ``seq_len``:
@@ -225,11 +241,13 @@ class Transformer(nn.Module):
         # the packed documents' layout, one for every layer: no S x S mask (doc_attention.py)
         docs = None if doc_ids_BS is None else Documents.from_ids(doc_ids_BS).to(x_BSD.device)
         inputs = MixerInputs(cos, sin, docs, doc_ids_BS, start if cache is not None else 0)
+        own = self._global_inputs(inputs, start, s)
         moe_outs: list[MoEOutput] = []
         embed_BSD = x_BSD
         for i, block in enumerate(self.layers[: self.cfg.n_layers]):
             state = cache.layers[i] if cache is not None else None
-            x_BSD, stats = block(x_BSD, inputs, state)
+            mixer = block.spec.mixer
+            x_BSD, stats = block(x_BSD, own if mixer and mixer.own_rope else inputs, state)
             if stats is not None:
                 moe_outs.append(stats)
         if cache is not None:
@@ -258,6 +276,15 @@ class Transformer(nn.Module):
         for own in out.mixer_losses:
             out.loss = out.loss + own.loss
         return out
+
+    def _global_inputs(self, inputs: MixerInputs, start: int, s: int) -> MixerInputs:
+        """The global layers' inputs (``model.global_*``): ``inputs`` with their own RoPE
+        rows of the same positions (the documents, losses and selections shared)."""
+        if self.rope_cos_global is None:
+            return inputs
+        rows = slice(start, start + s)  # (rope_rows grew both tables)
+        cos, sin = self.rope_cos_global[rows], self.rope_sin_global[rows]
+        return dataclasses.replace(inputs, cos=cos, sin=sin)
 
     def _moe_loss(self, moe_outs: list[MoEOutput], like: torch.Tensor) -> torch.Tensor:
         """The weighted balancing and z-losses of every MoE layer (fp32 scalar)."""

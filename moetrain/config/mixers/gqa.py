@@ -54,6 +54,40 @@ class GQAKeys:
     # a sigmoid gate on each head's output, elementwise, computed by the query projection
     # (Qwen3-Next's and Qwen3.5's gated attention: wq gives per head [query | gate])
     attention_output_gate: bool = field(default=False, metadata=FUNCTION)
+    # a weightless RMSNorm (eps norm_eps) over each value head (Gemma 4's v_norm)
+    value_norm: bool = field(default=False, metadata=FUNCTION)
+    # Gemma 4's global layers: the full_attention layers' own shape where the sliding ones
+    # differ. Their head dim (null: head_dim) and key/value heads (null: n_kv_heads); with
+    # global_k_eq_v one key projection whose output is also the values (before the key norm
+    # and RoPE; no wv); their RoPE theta (null: rope_theta) and, with global_rope_proportion
+    # p, proportional RoPE: the whole head rotated half-split with frequencies theta^(-2i/Hd)
+    # for i < p * Hd / 2 and zero beyond (transformers' "proportional"; no rope_scaling)
+    global_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    global_n_kv_heads: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    global_k_eq_v: bool = field(default=False, metadata=FUNCTION)
+    global_rope_theta: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    global_rope_proportion: float | None = field(
+        default=None, metadata=between(0, 1, low_open=True) | FUNCTION
+    )
+
+
+GEMMA_ATTENTION_KEYS = (
+    "value_norm",
+    "global_head_dim",
+    "global_n_kv_heads",
+    "global_k_eq_v",
+    "global_rope_theta",
+    "global_rope_proportion",
+)
+
+
+def has_global_rope(model: ModelConfig) -> bool:
+    """Whether the full_attention layers take RoPE tables of their own (Gemma 4's)."""
+    return (
+        model.global_head_dim is not None
+        or model.global_rope_theta is not None
+        or model.global_rope_proportion is not None
+    )
 
 
 class GQA(MixerKind):
@@ -71,6 +105,7 @@ class GQA(MixerKind):
         "attention_scale",
         "qk_norm_after_rope",
         "attention_output_gate",
+        *GEMMA_ATTENTION_KEYS,
     )
 
     @classmethod
@@ -102,6 +137,34 @@ class GQA(MixerKind):
             "model.n_kv_heads",
             f"must divide model.n_heads={model.n_heads}; got {model.n_kv_heads}",
         )
+        cls._validate_global(model)
+
+    @classmethod
+    def _validate_global(cls, model: ModelConfig) -> None:
+        """Gemma 4's global-layer keys."""
+        g, hd = model.global_n_kv_heads, model.global_head_dim
+        require(
+            g is None or model.n_heads % g == 0,
+            "model.global_n_kv_heads",
+            f"must divide model.n_heads={model.n_heads}; got {g}",
+        )
+        require(hd is None or hd % 2 == 0, "model.global_head_dim", f"must be even; got {hd}")
+        if not has_global_rope(model):
+            return
+        require(
+            model.rope_scaling == "none" and model.partial_rotary_factor == 1.0,
+            "model.global_head_dim",
+            "the global layers' own RoPE (global_head_dim, global_rope_theta, "
+            "global_rope_proportion) takes no model.rope_scaling and no "
+            "model.partial_rotary_factor",
+        )
+        for key in ("attention_output_gate", "rope_interleave", "qk_norm_after_rope"):
+            require(
+                not getattr(model, key),
+                f"model.{key}",
+                "is not combined with the global layers' own RoPE (global_head_dim, "
+                "global_rope_theta, global_rope_proportion)",
+            )
 
     @classmethod
     def head_dim(cls, model: ModelConfig) -> int:

@@ -37,6 +37,14 @@ temperature multiplies each query at position p by ``log1p(floor((p + 1) / floor
 1`` (:func:`moetrain.model.attention.temperature`). p is the position in the row, as RoPE's
 (a KV cache's queries continue at ``inputs.pos``; packed documents do not restart it), which is
 transformers' position for one sequence without padding.
+
+Gemma 4's pieces: ``model.value_norm`` normalises each value head (a weightless RMSNorm, as
+:func:`moetrain.model.attention.unit_rms`); a global layer (a full_attention layer with
+``model.global_*`` set: its :class:`~moetrain.config.layer_plan.MixerSpec`'s ``head_dim``,
+``kv_heads``, ``k_eq_v``, ``own_rope``) has its own head dim and key/value heads, takes its
+values from the key projection (``k_eq_v``: no ``wv``; the values are ``wk``'s output before
+the key norm and RoPE) and rotates by the model's global RoPE tables (the transformer hands
+them in ``inputs``).
 """
 
 from __future__ import annotations
@@ -63,6 +71,14 @@ from moetrain.model.local_attention import cached_attention, chunked_attention, 
 from moetrain.model.logit_max import observe_logits
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
 from moetrain.model.rope import apply_rope
+
+
+def attention_dims(cfg: ModelConfig, spec: MixerSpec) -> tuple[int, int, int]:
+    """A layer's query heads, key/value heads and head dim (a global layer's own, where its
+    spec gives them)."""
+    g = spec.kv_heads if spec.kv_heads is not None else cfg.n_kv_heads
+    hd = spec.head_dim if spec.head_dim is not None else cfg.attention_head_dim
+    return cfg.n_heads, g, hd
 
 
 class KVCache:
@@ -109,16 +125,16 @@ class Attention(TokenMixer):
 
     def __init__(self, cfg: ModelConfig, spec: MixerSpec) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.n_kv_heads = cfg.n_kv_heads
-        self.head_dim = cfg.attention_head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = attention_dims(cfg, spec)
         d, hd = cfg.d_model, self.head_dim
         # with an output gate, each head's query followed by its gate (Qwen3-Next's q_proj)
         self.output_gate = cfg.attention_output_gate
         q_out = self.n_heads * hd * (2 if self.output_gate else 1)
         self.wq = Linear(d, q_out, bias=cfg.qkv_bias)
         self.wk = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.wv = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
+        # the keys are the values too (a global layer's model.global_k_eq_v): no wv
+        self.wv = None if spec.k_eq_v else Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.value_norm_eps = cfg.norm_eps if cfg.value_norm else None
         self.wo = Linear(self.n_heads * hd, d, bias=cfg.o_bias)
         self.window = spec.window  # None: full causal attention
         self.chunk = spec.chunk  # None: not chunked
@@ -151,6 +167,7 @@ class Attention(TokenMixer):
         cos_SHd, sin_SHd, mask_B1SS = inputs.cos, inputs.sin, inputs.mask
         b, s, _ = x_BSD.shape
         q, k = self.wq(x_BSD), self.wk(x_BSD)
+        v = k if self.wv is None else self.wv(x_BSD)
         gate = None
         if self.output_gate:  # per head [query | gate]
             q, gate = q.view(b, s, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -160,7 +177,9 @@ class Attention(TokenMixer):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
-        v = self.wv(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim)
+        if self.value_norm_eps is not None:
+            v = unit_rms(v, self.value_norm_eps)
         if norm and self.qk_norm_per_head and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHSHd, k_BGSHd = q.transpose(1, 2), k.transpose(1, 2)
@@ -320,7 +339,7 @@ class Attention(TokenMixer):
 
     @classmethod
     def param_shapes(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, ...]]:
-        h, g, hd = cfg.n_heads, cfg.n_kv_heads, cfg.attention_head_dim
+        h, g, hd = attention_dims(cfg, spec)
         out: dict[str, tuple[int, ...]] = {"sinks": (h,)} if cfg.attention_sinks else {}
         for name, (n_in, n_out) in cls.matrices(cfg, spec).items():
             out[f"{name}.weight"] = (n_out, n_in)
@@ -334,15 +353,18 @@ class Attention(TokenMixer):
 
     @classmethod
     def matrices(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, int]]:
-        d, h, g, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.attention_head_dim
+        d, (h, g, hd) = cfg.d_model, attention_dims(cfg, spec)
         q = h * hd * (2 if cfg.attention_output_gate else 1)
-        return {"wq": (d, q), "wk": (d, g * hd), "wv": (d, g * hd), "wo": (h * hd, d)}
+        out = {"wq": (d, q), "wk": (d, g * hd), "wv": (d, g * hd), "wo": (h * hd, d)}
+        if spec.k_eq_v:
+            del out["wv"]
+        return out
 
     @classmethod
     def mixing_flops_per_token(cls, cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
         """Scores and values over the whole sequence, ``12 H Hd seq_len`` (the causal mask, a
         window or chunks not discounted)."""
-        return 6 * cfg.n_heads * 2 * cfg.attention_head_dim * seq_len
+        return 6 * cfg.n_heads * 2 * attention_dims(cfg, spec)[2] * seq_len
 
     @classmethod
     def saved_bytes_per_token(
@@ -357,8 +379,8 @@ class Attention(TokenMixer):
         over ``sp`` ranks ``2aHkv(r - 1)`` (r = :func:`moetrain.model.head_exchange.
         kv_repeats`). Windows, chunks and sinks (``model/local_attention.py``) save what
         their paths save; not modelled."""
-        a, h, g = act_bytes, cfg.n_heads, cfg.n_kv_heads
-        hq, hkv = h * cfg.attention_head_dim, g * cfg.attention_head_dim
+        a, (h, g, hd) = act_bytes, attention_dims(cfg, spec)
+        hq, hkv = h * hd, g * hd
         saved = a * cfg.d_model + 2 * a * hq + 2 * a * hkv + 4 * h
         if sp > 1:
             saved += a * hq + 2 * a * hkv * (kv_repeats(g, sp) - 1)
@@ -371,7 +393,8 @@ class Attention(TokenMixer):
 
     @classmethod
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
-        return 2 * cfg.n_kv_heads * cfg.attention_head_dim * dtype_bytes
+        _, g, hd = attention_dims(cfg, spec)
+        return 2 * g * hd * dtype_bytes
 
     @classmethod
     def exchange_bytes_per_token(
@@ -381,6 +404,6 @@ class Attention(TokenMixer):
         output back; ``(sp - 1) / sp`` of each leaves the GPU."""
         if sp == 1:
             return 0.0
-        reps = kv_repeats(cfg.n_kv_heads, sp)
-        dims = cfg.attention_head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads * reps)
+        h, g, hd = attention_dims(cfg, spec)
+        dims = hd * (2 * h + 2 * g * kv_repeats(g, sp))
         return act_bytes * dims * (sp - 1) / sp
