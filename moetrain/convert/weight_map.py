@@ -56,6 +56,11 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 ZERO_ONLY = re.compile(r"self_attn\.[qkvo]_proj\.bias$")
 
 
+def under(block: str, name: str) -> str:
+    """``name`` inside module ``block`` (``Layout.moe_block``; "" the decoder layer itself)."""
+    return f"{block}.{name}" if block else name
+
+
 def decoder_layer(name: str) -> int:
     """The decoder-layer index of a Hugging Face tensor name (-1 outside the layers)."""
     m = _LAYER.match(name)
@@ -124,9 +129,15 @@ class _Plan:
         rules[block_name(pn.ffn_norm(0))] = ffn_norm
         for w, p in SWIGLU.items():
             rules[block_name(pn.dense_ffn(0, w))] = f"{lay.dense_block}.{p}"
-            rules[block_name(pn.shared_expert(0, w))] = f"{moe}.{lay.shared_expert}.{p}"
-        rules[block_name(pn.router_gate(0))] = f"{moe}.{lay.router}"
-        rules[block_name(pn.shared_gate(0))] = f"{moe}.{lay.shared_gate}"
+            rules[block_name(pn.dense_branch(0, w))] = f"{lay.dense_block}.{p}"
+            rules[block_name(pn.shared_expert(0, w))] = under(moe, f"{lay.shared_expert}.{p}")
+        rules[block_name(pn.router_gate(0))] = under(moe, lay.router)
+        rules[block_name(pn.shared_gate(0))] = under(moe, lay.shared_gate)
+        for which, theirs in zip(pn.BRANCH_NORMS, lay.branch_norms, strict=True):
+            rules[block_name(pn.branch_norm(0, which))] = theirs
+        for which, theirs in zip(("input_scale", "expert_scale"), lay.router_scalars, strict=True):
+            rules[block_name(pn.router_scalar(0, which), None)] = under(moe, theirs)
+        rules[block_name(pn.layer_scalar(0), None)] = lay.layer_scalar
         return rules
 
     def _mtp_rules(self, i: int) -> tuple[dict[str, str], str]:
@@ -155,7 +166,7 @@ class _Plan:
             self.entries += [Joined(tuple(shared[:2]), (gate_up,)), Entry((shared[2],), (down,))]
         bias = pn.expert_bias(i)
         if bias in names and lay.selection_bias is not None:
-            theirs = f"{prefix}{lay.moe_block}.{lay.selection_bias}"
+            theirs = prefix + under(lay.moe_block, lay.selection_bias)
             self.entries.append(SelectionBias((bias,), (theirs,), lay.selection_bias_row))
         elif bias in names:
             self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.num_experts))
@@ -237,7 +248,7 @@ class _Plan:
                 theirs = prefix + mixer[block_name(pn.attn(0, p))] + ".bias"
                 self.fillers[theirs] = ((self.shapes[weight][0],), weight)
         if lay.shared_expert_always and not moe.num_shared_experts and moe.is_moe_layer(i):
-            block, d = f"{prefix}{lay.moe_block}.", model.d_model
+            block, d = prefix + under(lay.moe_block, ""), model.d_model
             for w, p in SWIGLU.items():
                 shape = (d, 0) if w == "w2" else (0, d)
                 self.fillers[f"{block}{lay.shared_expert}.{p}.weight"] = (shape, pn.router_gate(i))
@@ -245,7 +256,7 @@ class _Plan:
 
     def _experts(self, i: int) -> Experts:
         ours = tuple(pn.experts(i, w) for w in expert_param_names(self.cfg.moe.expert_biases))
-        block, files = f"{self._prefix(i)}{self.layout.moe_block}.", self.layout.experts
+        block, files = self._prefix(i) + under(self.layout.moe_block, ""), self.layout.experts
         n = self.cfg.moe.num_experts
         if isinstance(files, PerExpert):
             theirs = tuple(

@@ -127,6 +127,32 @@ def expert_bias(layer: int) -> str:
     return f"layers.{layer}.ffn.router.expert_bias"
 
 
+def dense_branch(layer: int, weight: str) -> str:
+    """The dense FFN beside an MoE layer's experts (``moe.dense_branch``; ``weight``: w1 | w3 |
+    w2)."""
+    return f"layers.{layer}.dense.{weight}.weight"
+
+
+# moe.dense_branch's norms: the dense output's, the experts' input's and output's
+BRANCH_NORMS = ("dense_post_norm", "moe_norm", "moe_post_norm")
+
+
+def branch_norm(layer: int, which: str) -> str:
+    """One of :data:`BRANCH_NORMS` of block ``layer``."""
+    return f"layers.{layer}.{which}.weight"
+
+
+def router_scalar(layer: int, which: str) -> str:
+    """``which``: input_scale (D,) (``moe.router_input_norm``) | expert_scale (E,)
+    (``moe.expert_scale``)."""
+    return f"layers.{layer}.ffn.router.{which}"
+
+
+def layer_scalar(layer: int) -> str:
+    """Block ``layer``'s output scalar (1,) (``model.layer_scalar``)."""
+    return f"layers.{layer}.layer_scalar"
+
+
 def shared_expert(layer: int, weight: str) -> str:
     return f"layers.{layer}.ffn.shared_expert.{weight}.weight"
 

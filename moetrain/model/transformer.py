@@ -86,11 +86,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # the global layers' own tables (model.global_*: Gemma 4's), grown alike; else None
-        self.rope_cos_global = self.rope_sin_global = None
-        if has_global_rope(model_cfg):
-            cos, sin = global_rope_tables(model_cfg, cos.shape[0])
-            self.register_buffer("rope_cos_global", cos, persistent=False)
-            self.register_buffer("rope_sin_global", sin, persistent=False)
+        cos, sin = (
+            global_rope_tables(model_cfg, cos.shape[0])
+            if has_global_rope(model_cfg)
+            else (None, None)
+        )
+        self.register_buffer("rope_cos_global", cos, persistent=False)
+        self.register_buffer("rope_sin_global", sin, persistent=False)
         self.head_exchange: HeadExchange | None = None  # sequence parallelism (set_head_exchange)
         if self.embed.weight.device.type != "meta":  # (a meta model is filled by loading)
             torch.set_rng_state(rng)
