@@ -57,6 +57,7 @@ SCALED_CASES = [
     if family(fmt).can_hold("model.attention", "gqa")
     for scaling in SCALED_ROPE
     if fmt != "phimoe" or scaling == "longrope"
+    if family(fmt).can_hold("model.rope_scaling", scaling)  # (Gemma 4's: plain RoPE)
 ]
 
 

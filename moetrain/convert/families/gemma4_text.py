@@ -68,6 +68,7 @@ HOLDS = {
         lambda m, _: not math.isclose(m.embedding_multiplier, _embed_scale(m), rel_tol=1e-12),
         "{name} scales the embeddings by sqrt(d_model); must be model.d_model ** 0.5",
     ),
+    "model.rope_scaling": only("none"),
     "model.attention_scale": only(1.0, why="{name} scales attention logits by 1; must be 1.0"),
     "model.block_norms": only("sandwich"),
     "model.qk_norm": only(True),

@@ -244,6 +244,7 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     },
     "model.indexer_types": {None: "has an indexer in every layer"},
     "model.rope_interleave": {False: "rotates half-split heads", True: "rotates adjacent pairs"},
+    "model.rope_scaling": {"none": "has no RoPE scaling"},
     "model.partial_rotary_factor": {1.0: "rotates whole heads"},
     "model.qkv_bias": {False: "has no q/k/v biases"},
     "model.o_bias": {False: "has no output-projection bias"},
@@ -269,7 +270,10 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     "model.residual_multiplier": {1.0: "does not scale the residual branches"},
     "model.logits_scaling": {1.0: "does not scale the logits"},
     "model.final_logit_softcap": {None: "does not soft-cap its logits"},
-    "model.layer_scalar": {False: "has no per-layer output scalar"},
+    "model.layer_scalar": {
+        False: "has no per-layer output scalar",
+        True: "scales every layer's output by a learned scalar",
+    },
     "model.value_norm": {False: "has no value norm", True: "normalises each value head"},
     "model.global_head_dim": {None: "gives its global layers the model's head dim"},
     "model.global_n_kv_heads": {None: "gives its global layers the model's key/value heads"},
@@ -305,9 +309,18 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         "max": "scores a group by its best expert",
     },
     "moe.router_bias": {False: "has no router bias", True: "has a router bias"},
-    "moe.router_input_norm": {False: "scores the router's input as it is"},
-    "moe.expert_scale": {False: "has no per-expert scale on the routing weights"},
-    "moe.dense_branch": {False: "has no dense FFN beside its experts"},
+    "moe.router_input_norm": {
+        False: "scores the router's input as it is",
+        True: "scores a scaled RMSNorm of the router's input",
+    },
+    "moe.expert_scale": {
+        False: "has no per-expert scale on the routing weights",
+        True: "scales each expert's routing weight",
+    },
+    "moe.dense_branch": {
+        False: "has no dense FFN beside its experts",
+        True: "runs a dense FFN beside the experts of every layer",
+    },
     "moe.expert_biases": {False: "has no expert biases", True: "has expert biases"},
     "moe.activation": {
         "swiglu": "has SwiGLU experts",
