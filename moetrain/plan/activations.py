@@ -47,7 +47,8 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
       capacity); per routed copy (K per token) the expert input ``aD``, the packed gate|up
       output ``2aF`` and the routing weight ``a`` the SwiGLU applies (+ the weighted SwiGLU
       product ``aF`` unless ``moe.recompute_act``); the combine keeps only indices; shared
-      expert ``aD + 3aF_s`` (+ gate ``aD + a``).
+      expert ``aD + 3aF_s`` (+ gate ``aD + a``); ``moe.dense_branch``'s dense FFN as a dense
+      layer's and its three norms (GeGLU's saved tensors not modelled apart).
     - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``3aF_dense``.
 
     With ``capacity_factor`` < 1 only that fraction of the K copies reaches the experts.
@@ -69,6 +70,8 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
         ffn += (a * d if a != 4 else 0) + 3 * a * fs  # fp32: input shared with the router
         if e.shared_expert_gate:
             ffn += a * d + a
+    if e.dense_branch:  # the dense FFN beside the experts (as a dense layer's), 3 more norms
+        ffn += 3 * _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
     return int(ffn)
 
 

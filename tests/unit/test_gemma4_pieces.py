@@ -1,5 +1,8 @@
 """Gemma 4's model pieces as options of the single-device model, each against a written-out
-reference (values and gradients) with a negative control: final-logit soft-capping."""
+reference (values and gradients) with a negative control: final-logit soft-capping, GeGLU,
+the router's scalars, the dense branch beside the experts with the layer scalar, the global
+layers' attention (own head dim and key/value heads, keys as values, value norm, proportional
+RoPE)."""
 
 from __future__ import annotations
 
@@ -56,12 +59,11 @@ def test_chunked_loss_soft_caps_values_and_gradients(cap: float | None) -> None:
         assert (plain - got).abs() > 0.1
 
 
-@pytest.mark.parametrize("mtp_depth", [0, 1])
-def test_model_soft_caps_logits_loss_and_gradients(mtp_depth: int) -> None:
+def test_model_soft_caps_logits_loss_and_gradients() -> None:
     """model.final_logit_softcap: the logits are the uncapped model's through cap * tanh(./cap)
     (after logits_scaling); the chunked and the full-logits loss equal the written-out capped
     cross-entropy, with the same gradients (the MTP head's loss too)."""
-    kw = dict(init_std=0.5, logits_scaling=2.0, mtp_depth=mtp_depth)
+    kw = dict(init_std=0.5, logits_scaling=2.0, mtp_depth=1)
     capped = build(**kw, final_logit_softcap=1.5, loss_chunk_tokens=5)
     full = build(**kw, final_logit_softcap=1.5, loss_chunk_tokens=0)
     plain = build(**kw)
@@ -294,3 +296,99 @@ def test_model_numbers_count_the_gemma_pieces() -> None:
     cfg = tiny_config(**kw)
     model = Transformer(cfg.model, cfg.moe)
     assert model_numbers(cfg).total_params == sum(p.numel() for p in model.parameters())
+
+
+GLOBAL_LAYER = dict(
+    qk_norm=True,
+    value_norm=True,
+    attention_scale=1.0,
+    sliding_window=3,
+    layer_types=["sliding_attention", "full_attention"],
+    global_head_dim=16,
+    global_n_kv_heads=1,
+    global_k_eq_v=True,
+    global_rope_theta=1e5,
+    global_rope_proportion=0.25,
+    init_std=0.3,
+)
+
+
+def written_out_global_attention(attn, x: torch.Tensor, rotated: int, theta: float, eps: float):
+    """Gemma 4's global layer spelled out: per-head RMSNorm'd queries and keys (weights),
+    the values the key projection's output through a weightless RMSNorm, proportional RoPE
+    (pairs (i, i + Hd/2) rotated by pos * theta^(-2i/Hd) for i < ``rotated``, the rest kept),
+    logits scaled by 1, causal softmax, the one key/value head shared by every query head."""
+    b, s, _ = x.shape
+    h, hd = attn.n_heads, attn.head_dim
+
+    def rms(t, w=None):
+        t = t / torch.sqrt(t.square().mean(-1, keepdim=True) + eps)
+        return t if w is None else t * w
+
+    q = rms((x @ attn.wq.weight.T).view(b, s, h, hd), attn.q_norm.weight)
+    k_raw = (x @ attn.wk.weight.T).view(b, s, 1, hd)
+    k, v = rms(k_raw, attn.k_norm.weight), rms(k_raw)
+
+    def rotate(t):
+        out, half = t.clone(), hd // 2
+        for pos in range(s):
+            for i in range(rotated):
+                ang = torch.tensor(pos * theta ** (-2 * i / hd))
+                a, c = t[:, pos, :, i], t[:, pos, :, i + half]
+                out[:, pos, :, i] = a * ang.cos() - c * ang.sin()
+                out[:, pos, :, i + half] = a * ang.sin() + c * ang.cos()
+        return out
+
+    q, k = rotate(q), rotate(k)
+    scores = torch.einsum("bqhd,bkd->bhqk", q, k[:, :, 0])
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    out = torch.einsum("bhqk,bkd->bqhd", probs, v[:, :, 0]).reshape(b, s, h * hd)
+    return out @ attn.wo.weight.T
+
+
+def test_global_layer_attention_against_written_out_values_and_gradients() -> None:
+    """model.global_*: the full_attention layer has its own head dim (16, the sliding ones 8)
+    and one key/value head, keys as values (no wv; a weightless value norm), proportional RoPE
+    of its own theta (2 of 8 pairs rotated), logits scaled by 1: values and gradients of the
+    input and every weight; rotating every pair instead changes it (negative control)."""
+    import copy
+
+    model = build(**GLOBAL_LAYER)
+    randomise_constants(model)
+    sliding, attn = model.layers[0].attn, model.layers[1].attn
+    assert (sliding.head_dim, sliding.n_kv_heads, attn.head_dim, attn.n_kv_heads) == (8, 2, 16, 1)
+    assert attn.wv is None and sliding.wv is not None
+    ref = copy.deepcopy(attn)
+    s = 7
+    x = torch.randn(2, s, model.cfg.d_model, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    from moetrain.model.mixers import MixerInputs
+
+    inputs = model._global_inputs(MixerInputs(model.rope_cos[:s], model.rope_sin[:s]), 0, s)
+    got = attn(x, inputs)
+    eps = model.cfg.norm_eps
+    want = written_out_global_attention(ref, x_ref, 2, 1e5, eps)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    probe = torch.randn_like(got)
+    (got * probe).sum().backward()
+    (want * probe).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-4)
+    params = dict(ref.named_parameters())
+    for name, p in attn.named_parameters():
+        torch.testing.assert_close(p.grad, params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    with torch.no_grad():  # negative control: every pair rotated (plain RoPE of the layer)
+        plain = written_out_global_attention(ref, x_ref, 8, 1e5, eps)
+        assert (plain - got).abs().max() > 1e-3
+
+
+def test_global_keys_refused_where_they_cannot_hold() -> None:
+    """The global layers' keys by key: a head count that does not divide the query heads, an
+    odd head dim, RoPE scaling beside the global layers' own RoPE."""
+    with pytest.raises(ConfigError, match=r"model\.global_n_kv_heads"):
+        build(**{**GLOBAL_LAYER, "global_n_kv_heads": 3})
+    with pytest.raises(ConfigError, match=r"model\.global_head_dim"):
+        build(**{**GLOBAL_LAYER, "global_head_dim": 15})
+    with pytest.raises(ConfigError, match=r"model\.global_head_dim"):
+        yarn = dict(rope_scaling="yarn", rope_factor=2.0, rope_original_max_seq_len=16)
+        build(**{**GLOBAL_LAYER, **yarn})
