@@ -22,14 +22,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from train_command import WORK, moetrain_cmd, prepare, run  # noqa: E402
+from train_command import moetrain_cmd, prepare, run, run_dir_of  # noqa: E402
 from train_throughput import SHAPES  # noqa: E402
 
 MODES = ("keep", "one_arena", "system")
 
 
 def last_tokens_per_s(steps: int) -> float:
-    lines = (WORK / f"moetrain-{steps}" / "metrics.jsonl").read_text().splitlines()
+    lines = (run_dir_of(steps) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "tokens_per_s" in r][-1]["tokens_per_s"]
 
 
