@@ -41,7 +41,7 @@ _ROTARY = re.compile(r"rotary_emb\.inv_freq$")
 # multi-token-prediction modules as ERNIE-4.5's released checkpoints store them:
 # model.mtp_block.<k>.*, model.mtp_emb_norm.<k>, model.mtp_hidden_norm.<k>,
 # model.mtp_linear_proj.<k>
-_MTP_NAME = re.compile(r"^(model\.mtp_\w+\.\d+\.|mtp\.)")
+_MTP_NAME = re.compile(r"^(model\.mtp_\w+\.\d+\.|model\.mtp\.|mtp\.)")
 
 
 def _read_config(source: InitSource, mtp_depth: int) -> Config:
@@ -76,8 +76,8 @@ def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
     """The tensors of a Hugging Face source that the model would not read, apart from the
     tolerated ones (rotary tables, attention biases read only to check that they are zero, a
     tied head, and the multi-token-prediction layers, after the last decoder layer or under
-    ``model.mtp_*`` or ``mtp.`` names, when config.json declares them (or the family holds
-    them undeclared), which transformers ignores too)."""
+    ``model.mtp_*``, ``model.mtp.`` (MiMo-V2-Flash's) or ``mtp.`` names, when config.json
+    declares them (or the family holds them undeclared), which transformers ignores too)."""
     hf = json.loads((source.path / HF_CONFIG).read_text())
     mtp = declared_mtp_layers(unwrap(hf), family(source.family).layout) > 0
     n_layers, tied = source.config.model.n_layers, source.config.model.tie_embeddings

@@ -27,6 +27,11 @@ followed by as many gate values (transformers' ``q_proj`` of twice the size, per
 ``[query | gate]``), and every head's attention output is multiplied by the sigmoid of its gate
 before ``wo`` (under sequence parallelism after the exchange back: the gate stays local).
 
+MiMo-V2-Flash's pieces: value heads of ``model.v_head_dim`` (the output into ``wo`` as wide),
+the values multiplied by ``model.attention_value_scale``, and on a sliding layer
+``model.sliding_n_kv_heads`` key/value heads, sinks only there (``model.attention_sinks_layers:
+sliding``) and the tables of ``model.sliding_rope_theta`` (``MixerInputs.local_rope``).
+
 ``model.qk_norm_position: after_rope`` applies the learned per-head query/key norms to the
 rotated heads instead (Hunyuan-A13B).
 
@@ -55,6 +60,7 @@ from torch import nn
 
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
+from moetrain.config.mixers.gqa import GQA
 from moetrain.model.attention import (
     cache_causal_mask,
     expand_kv_for_mask,
@@ -73,12 +79,12 @@ from moetrain.model.mixers.base import MixerInputs, TokenMixer
 from moetrain.model.rope import apply_rope
 
 
-def attention_dims(cfg: ModelConfig, spec: MixerSpec) -> tuple[int, int, int]:
-    """A layer's query heads, key/value heads and head dim (a global layer's own, where its
-    spec gives them)."""
-    g = spec.kv_heads if spec.kv_heads is not None else cfg.n_kv_heads
-    hd = spec.head_dim if spec.head_dim is not None else cfg.attention_head_dim
-    return cfg.n_heads, g, hd
+def attention_dims(cfg: ModelConfig, spec: MixerSpec) -> tuple[int, int, int, int]:
+    """A layer's query heads, key/value heads, query/key head dim and value head dim (a
+    global layer's own, where its spec gives them: its values as wide as its keys)."""
+    if spec.head_dim is not None:
+        return cfg.n_heads, GQA.kv_heads(cfg, spec), spec.head_dim, spec.head_dim
+    return cfg.n_heads, GQA.kv_heads(cfg, spec), cfg.attention_head_dim, GQA.v_dim(cfg)
 
 
 class KVCache:
@@ -93,10 +99,12 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        v_head_dim: int | None = None,
     ) -> None:
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        v_shape = shape[:-1] + (v_head_dim or head_dim,)
+        self.v = torch.zeros(v_shape, dtype=dtype, device=device)
 
     def append(
         self, pos: int, k_BGsHd: torch.Tensor, v_BGsHd: torch.Tensor
@@ -113,7 +121,7 @@ class KVCache:
     def bytes_per_token(self) -> int:
         """Keys and values of every K/V head."""
         _, g, _, hd = self.k.shape
-        return 2 * g * hd * self.k.element_size()
+        return g * (hd + self.v.shape[-1]) * self.k.element_size()
 
 
 class Attention(TokenMixer):
@@ -125,17 +133,20 @@ class Attention(TokenMixer):
 
     def __init__(self, cfg: ModelConfig, spec: MixerSpec) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = attention_dims(cfg, spec)
-        d, hd = cfg.d_model, self.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim, self.v_head_dim = attention_dims(cfg, spec)
+        self.value_scale = cfg.attention_value_scale
+        d, hd, vd = cfg.d_model, self.head_dim, self.v_head_dim
         # with an output gate, each head's query followed by its gate (Qwen3-Next's q_proj)
         self.output_gate = cfg.attention_output_gate
         q_out = self.n_heads * hd * (2 if self.output_gate else 1)
         self.wq = Linear(d, q_out, bias=cfg.qkv_bias)
         self.wk = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
         # the keys are the values too (a global layer's model.global_k_eq_v): no wv
-        self.wv = None if spec.k_eq_v else Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.wv = None if spec.k_eq_v else Linear(d, self.n_kv_heads * vd, bias=cfg.qkv_bias)
         self.value_norm_eps = cfg.norm_eps if cfg.value_norm else None
-        self.wo = Linear(self.n_heads * hd, d, bias=cfg.o_bias)
+        self.wo = Linear(self.n_heads * vd, d, bias=cfg.o_bias)
+        # the sliding layers' own RoPE tables (model.sliding_rope_theta): MixerInputs.local_rope
+        self.local_rope = spec.window is not None and cfg.sliding_rope_theta is not None
         self.window = spec.window  # None: full causal attention
         self.chunk = spec.chunk  # None: not chunked
         self.rope = spec.rope  # False: a NoPE layer
@@ -143,7 +154,8 @@ class Attention(TokenMixer):
         self.post_rope_eps = cfg.norm_eps if cfg.qk_norm_after_rope and self.rope else None
         self.temperature = spec.temperature  # (floor, scale) on NoPE layers, or None
         # the sink logit of each query head (model.attention_sinks); None without sinks
-        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if cfg.attention_sinks else None
+        sinks = GQA.has_sinks(cfg, spec)
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if sinks else None
         # per head: normalise each (Hd,) head vector; per projection (OLMoE): the whole
         # (heads * Hd,) projection, before it is split into heads
         self.qk_norm_per_head = cfg.qk_norm_scope == "head"
@@ -165,6 +177,8 @@ class Attention(TokenMixer):
         chunks and sinks. With ``state`` the keys and values are appended to it at
         ``inputs.pos`` and the queries attend to every cached position."""
         cos_SHd, sin_SHd, mask_B1SS = inputs.cos, inputs.sin, inputs.mask
+        if self.local_rope:
+            cos_SHd, sin_SHd = inputs.local_rope
         b, s, _ = x_BSD.shape
         q, k = self.wq(x_BSD), self.wk(x_BSD)
         v = k if self.wv is None else self.wv(x_BSD)
@@ -177,9 +191,11 @@ class Attention(TokenMixer):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
-        v = v.view(b, s, self.n_kv_heads, self.head_dim)
+        v = v.view(b, s, self.n_kv_heads, self.v_head_dim)
         if self.value_norm_eps is not None:
             v = unit_rms(v, self.value_norm_eps)
+        if self.value_scale != 1.0:
+            v = v * self.value_scale
         if norm and self.qk_norm_per_head and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHSHd, k_BGSHd = q.transpose(1, 2), k.transpose(1, 2)
@@ -329,7 +345,9 @@ class Attention(TokenMixer):
     def new_state(
         self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
     ) -> KVCache:
-        return KVCache(batch, self.n_kv_heads, self.head_dim, max_len, dtype, device)
+        return KVCache(
+            batch, self.n_kv_heads, self.head_dim, max_len, dtype, device, self.v_head_dim
+        )
 
     def init_own_parameters(self) -> None:
         if self.sinks is not None:
@@ -339,8 +357,8 @@ class Attention(TokenMixer):
 
     @classmethod
     def param_shapes(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, ...]]:
-        h, g, hd = attention_dims(cfg, spec)
-        out: dict[str, tuple[int, ...]] = {"sinks": (h,)} if cfg.attention_sinks else {}
+        h, g, hd, _ = attention_dims(cfg, spec)
+        out: dict[str, tuple[int, ...]] = {"sinks": (h,)} if GQA.has_sinks(cfg, spec) else {}
         for name, (n_in, n_out) in cls.matrices(cfg, spec).items():
             out[f"{name}.weight"] = (n_out, n_in)
             if cfg.o_bias if name == "wo" else cfg.qkv_bias:
@@ -353,18 +371,19 @@ class Attention(TokenMixer):
 
     @classmethod
     def matrices(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, int]]:
-        d, (h, g, hd) = cfg.d_model, attention_dims(cfg, spec)
+        d, (h, g, hd, vd) = cfg.d_model, attention_dims(cfg, spec)
         q = h * hd * (2 if cfg.attention_output_gate else 1)
-        out = {"wq": (d, q), "wk": (d, g * hd), "wv": (d, g * hd), "wo": (h * hd, d)}
+        out = {"wq": (d, q), "wk": (d, g * hd), "wv": (d, g * vd), "wo": (h * vd, d)}
         if spec.k_eq_v:
             del out["wv"]
         return out
 
     @classmethod
     def mixing_flops_per_token(cls, cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
-        """Scores and values over the whole sequence, ``12 H Hd seq_len`` (the causal mask, a
-        window or chunks not discounted)."""
-        return 6 * cfg.n_heads * 2 * attention_dims(cfg, spec)[2] * seq_len
+        """Scores and values over the whole sequence, ``6 H (Hd + Vd) seq_len`` (Vd the value
+        head's dims; the causal mask, a window or chunks not discounted)."""
+        _, _, hd, vd = attention_dims(cfg, spec)
+        return 6 * cfg.n_heads * (hd + vd) * seq_len
 
     @classmethod
     def saved_bytes_per_token(
@@ -379,11 +398,13 @@ class Attention(TokenMixer):
         over ``sp`` ranks ``2aHkv(r - 1)`` (r = :func:`moetrain.model.head_exchange.
         kv_repeats`). Windows, chunks and sinks (``model/local_attention.py``) save what
         their paths save; not modelled."""
-        a, (h, g, hd) = act_bytes, attention_dims(cfg, spec)
+        a, (h, g, hd, vd) = act_bytes, attention_dims(cfg, spec)
         hq, hkv = h * hd, g * hd
-        saved = a * cfg.d_model + 2 * a * hq + 2 * a * hkv + 4 * h
+        # the value heads and the output (narrower with model.v_head_dim)
+        vq, vkv = h * vd, g * vd
+        saved = a * cfg.d_model + a * (hq + vq) + a * (hkv + vkv) + 4 * h
         if sp > 1:
-            saved += a * hq + 2 * a * hkv * (kv_repeats(g, sp) - 1)
+            saved += a * vq + a * (hkv + vkv) * (kv_repeats(g, sp) - 1)
         if cfg.qk_norm:
             rows = h + g if cfg.qk_norm_scope == "head" else 2
             saved += a * (hq + hkv) + 4 * rows
@@ -393,8 +414,8 @@ class Attention(TokenMixer):
 
     @classmethod
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
-        _, g, hd = attention_dims(cfg, spec)
-        return 2 * g * hd * dtype_bytes
+        _, g, hd, vd = attention_dims(cfg, spec)
+        return g * (hd + vd) * dtype_bytes
 
     @classmethod
     def exchange_bytes_per_token(
@@ -404,6 +425,7 @@ class Attention(TokenMixer):
         output back; ``(sp - 1) / sp`` of each leaves the GPU."""
         if sp == 1:
             return 0.0
-        h, g, hd = attention_dims(cfg, spec)
-        dims = hd * (2 * h + 2 * g * kv_repeats(g, sp))
+        h, g, hd, vd = attention_dims(cfg, spec)
+        reps = kv_repeats(g, sp)
+        dims = hd * (h + g * reps) + vd * (h + g * reps)
         return act_bytes * dims * (sp - 1) / sp
