@@ -24,6 +24,7 @@ from moetrain.config.layer_plan import (
     validate_layer_plan,
 )
 from moetrain.config.mixers import (
+    GatedConvKeys,
     GatedDeltaNetKeys,
     GQAKeys,
     KDAKeys,
@@ -62,7 +63,14 @@ class ModelShape:
 
 @dataclass
 class ModelConfig(
-    LayerPlanKeys, KDAKeys, GatedDeltaNetKeys, Mamba2Keys, MLAKeys, GQAKeys, ModelShape
+    LayerPlanKeys,
+    GatedConvKeys,
+    KDAKeys,
+    GatedDeltaNetKeys,
+    Mamba2Keys,
+    MLAKeys,
+    GQAKeys,
+    ModelShape,
 ):
     """Transformer shape: the keys above, then each mixer kind's and the layer plan's, then
     these."""

@@ -81,6 +81,9 @@ class MoEConfig:
     # renormalisation divides the top-k weights by max(their sum, renormalize_min) (ERNIE-4.5's
     # moe_norm_min); 0 = by the plain sum. Only with renormalize (and not topk_before_score)
     renormalize_min: float = field(default=0.0, metadata=at_least(0, "0 = plain sum") | FUNCTION)
+    # renormalisation divides by the sum plus renormalize_eps (LFM2-MoE's 1e-6); 0 = the plain
+    # sum. Only with renormalize (and not topk_before_score)
+    renormalize_eps: float = field(default=0.0, metadata=at_least(0, "0 = plain sum") | FUNCTION)
     # a bias on the router's logits, layers.<i>.ffn.router.gate.bias (E,) (gpt-oss); it
     # shifts the routing scores themselves (unlike the selection bias moe.bias_update_rate moves)
     router_bias: bool = field(default=False, metadata=FUNCTION)
@@ -185,6 +188,11 @@ class MoEConfig:
         require(
             self.renormalize_min == 0 or (self.renormalize and not self.topk_before_score),
             "moe.renormalize_min",
+            "only applies with moe.renormalize=true and moe.topk_before_score=false",
+        )
+        require(
+            self.renormalize_eps == 0 or (self.renormalize and not self.topk_before_score),
+            "moe.renormalize_eps",
             "only applies with moe.renormalize=true and moe.topk_before_score=false",
         )
 

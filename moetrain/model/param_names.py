@@ -89,11 +89,15 @@ GDN_PARAMS = ("A_log", "dt_bias")  # (Kimi Delta Attention's too)
 KDA_WEIGHTS = (
     *(f"{p}_{w}" for w in ("proj", "conv1d") for p in "qkv"),
     *("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "wo"),
+    *("f_proj", "g_proj"),  # (its full-rank gates, model.kda_full_rank_gates)
 )
 # Mamba-2's (model/mixers/mamba2.py): its projections, convolution and gated norm (a
 # ``.weight`` each, biases where configured), its per-head parameters (bare)
 MAMBA2_WEIGHTS = ("in_proj", "conv1d", "norm", "wo")
 MAMBA2_PARAMS = ("A_log", "dt_bias", "D")
+# the gated short convolution's (model/mixers/gated_conv.py): a ``.weight`` each, biases where
+# configured
+GATED_CONV_WEIGHTS = ("in_proj", "conv", "wo")
 
 
 def mixer_param(layer: int, name: str) -> str:

@@ -72,6 +72,7 @@ LONG = (
     "afmoe",
     "mimo_v2_flash",
     "gemma4_text",
+    "lfm2_moe",
 )
 FAMILY_CASES = [
     f if f not in LONG else pytest.param(f, marks=pytest.mark.long) for f in MOE_FAMILIES

@@ -125,6 +125,22 @@ CASES = {
             bias_update_rate=1e-3,
         ),
     ),
+    "lfm2_moe": dict(  # LFM2-8B-A1B's flags and pattern (hf_models.py)
+        model=dict(
+            qk_norm=True,
+            tie_embeddings=True,
+            head_dim=None,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_attention="gated_conv",
+        ),
+        moe=dict(
+            score_func="sigmoid",
+            renormalize_eps=1e-6,
+            first_k_dense=1,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
     "hunyuan_v1_moe": dict(  # Hunyuan-A13B's flags (NTK-alpha: folded into rope_theta)
         model=dict(qk_norm=True, qk_norm_position="after_rope", tie_embeddings=True),
         moe=dict(num_shared_experts=1),

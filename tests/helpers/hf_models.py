@@ -139,6 +139,22 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
             mup_enabled=True,
         ),
+        "lfm2_moe": lambda: transformers.Lfm2MoeConfig(  # LFM2-8B-A1B's flags and pattern
+            **{
+                k: v
+                for k, v in moe.items()
+                if k not in ("head_dim", "rms_norm_eps", "num_key_value_heads")
+            },
+            num_key_value_heads=2,
+            norm_eps=1e-6,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_dense_layers=1,
+            routed_scaling_factor=2.5,
+            layer_types=["conv", "full_attention", "conv"],
+            tie_embedding=True,
+        ),
         "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(  # Hunyuan-A13B's flags
             **{
                 **{k: v for k, v in SMALL.items() if k != "rope_parameters"},

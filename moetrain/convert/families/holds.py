@@ -86,6 +86,14 @@ def free(*keys: str) -> dict[str, Rule]:
     return dict.fromkeys(keys, ANY)
 
 
+# latent attention in place of the baseline's grouped-query attention (its value heads' width
+# is one of its own dims)
+LATENT_ATTENTION: dict[str, Rule] = {
+    "model.attention": only("mla", why="{name} has latent attention; must be mla"),
+    "model.v_head_dim": ANY,
+}
+
+
 # --- the relations several families share -------------------------------------------------
 
 # transformers' attention_bias: biases on all four attention projections or none
@@ -148,6 +156,9 @@ BASELINE: dict[str, Rule] = {
         _linear_layers, "{name} has attention in every layer; no linear_attention layers"
     ),
     "model.mamba_head_dim": ANY,  # (its families' size rule)
+    "model.kda_full_rank_gates": only(False),
+    "model.kda_gate_lower_bound": only(None),
+    "model.mla_head_gate": only(False),
     "model.full_attention_interval": only(None),
     "model.linear_allow_neg_eigval": only(False),
     "model.linear_norm_eps": only(None),
@@ -184,7 +195,7 @@ BASELINE: dict[str, Rule] = {
     "model.sliding_window": only(None),
     "model.sliding_n_kv_heads": only(None),
     "model.sliding_rope_theta": only(None),
-    "model.v_head_dim": only(None, applies=lambda m, _: m.attention == "gqa"),
+    "model.v_head_dim": only(None),
     "model.attention_value_scale": only(1.0),
     "model.nope_layers": refused_when(
         _no_nope_layers, "{name} rotates every layer's queries and keys; must be null"
@@ -206,6 +217,7 @@ BASELINE: dict[str, Rule] = {
     "moe.topk_before_score": only(False),
     "moe.renormalize": ANY,
     "moe.renormalize_min": only(0.0),
+    "moe.renormalize_eps": only(0.0),
     "moe.score_on_input": only(False),
     "moe.route_scale": only(1.0),
     "moe.bias_update_rate": only(0.0),
@@ -242,6 +254,9 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         False: "has RMSNorm weights that scale directly",
         True: "has zero-centred RMSNorm weights (1 + w)",
     },
+    "model.kda_full_rank_gates": {False: "has Kimi Delta Attention's low-rank gates"},
+    "model.kda_gate_lower_bound": {None: "has Kimi Delta Attention's unbounded forget gate"},
+    "model.mla_head_gate": {False: "has no per-head gate on its latent attention"},
     "model.index_topk": {None: "has no sparse attention"},
     "model.index_rope_interleave": {
         False: "rotates its indexer's heads half-split",
@@ -310,6 +325,7 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         False: "does not renormalise the top-k weights",
     },
     "moe.renormalize_min": {0.0: "renormalises by the plain sum of the top-k weights"},
+    "moe.renormalize_eps": {0.0: "renormalises by the plain sum of the top-k weights"},
     "moe.score_on_input": {
         False: "weights the experts' outputs",
         True: "scales each expert's input by its weight",

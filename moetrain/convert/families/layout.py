@@ -149,6 +149,8 @@ class Layout:
     # ``renames``)
     linear_qkv_apart: bool = False
     in_memory: Mapping[str, str] = field(default_factory=dict)
+    # the final norm's module (LFM2's ``model.embedding_norm``)
+    final_norm: str = "model.norm"
     # a block's 1-D tensors the files store as (1, 1, n, 1) (Kimi Linear's ``self_attn.A_log``)
     columns: tuple[str, ...] = ()
     # a block's tensors transformers v5 holds in memory under other module names (the files'
