@@ -42,14 +42,19 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     expert = (3 if e.gated else 2) * (e.latent_dim or d) * e.expert_hidden
     shared = mlp * d * e.shared_hidden if e.num_shared_experts else 0
     shared_gate = d if (e.num_shared_experts and e.shared_expert_gate) else 0
-    router = d * e.num_experts
+    router = d * e.num_experts + (d if e.router_input_norm else 0)
+    router += e.num_experts if e.expert_scale else 0
     latent = 2 * d * e.latent_dim if e.latent_dim else 0  # a latent MoE's two projections
+    # moe.dense_branch: the dense FFN beside the experts, with its post norm and the experts'
+    dense_branch = dense_ffn + 3 * norm if e.dense_branch else 0
+    layer_scalar = 1 if m.layer_scalar else 0
 
     total = active = matmul_active = mtp = mixing = 0
     n_moe = 0
     for layer in cfg.layer_plan():
         if layer.index == m.n_layers:
             mtp = total
+        total, active = total + layer_scalar, active + layer_scalar
         # a branch's norms: before or after it, or both (sandwich)
         branch_norms = norm * (2 if m.norm_placement(layer.index) == "sandwich" else 1)
         if layer.mixer is not None:  # its norms, its parameters
@@ -60,7 +65,7 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
             mixing += kind.mixing_flops_per_token(m, layer.mixer, seq_len)
         if layer.ffn == "moe":
             n_moe += 1
-            ffn_active = router + latent + e.top_k * expert + shared + shared_gate
+            ffn_active = router + latent + e.top_k * expert + shared + shared_gate + dense_branch
             total += branch_norms + ffn_active + (e.num_experts - e.top_k) * expert
             active += branch_norms + ffn_active
             matmul_active += ffn_active

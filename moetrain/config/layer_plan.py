@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 from moetrain.config.checks import require
 from moetrain.config.mixers import MIXER_KINDS, mixer_kind
+from moetrain.config.mixers.gqa import has_global_rope
 from moetrain.config.mixers.mla import index_source
 from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above
 
@@ -66,6 +67,12 @@ class MixerSpec:
     # (None: dense), and whether that is this layer's own
     index_from: int | None = None
     indexer: bool = False
+    # Gemma 4's global layers (a full_attention layer with model.global_* set): its own head
+    # dim and key/value heads (None: the model's), keys as values, its own RoPE tables
+    head_dim: int | None = None
+    kv_heads: int | None = None
+    k_eq_v: bool = False
+    own_rope: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,6 +159,18 @@ def mixer_spec(model: ModelConfig, layer: int, types: list[str] | None = None) -
         rope=rope,
         temperature=None if rope or floor is None or scale is None else (floor, scale),
         **(index if entry.kind_key == LAYER_TYPES[FULL].kind_key else {}),
+        **(_global_layer(model) if (types or layer_types(model))[layer] == FULL else {}),
+    )
+
+
+def _global_layer(model: ModelConfig) -> dict[str, object]:
+    """A full_attention layer's own shape (Gemma 4's global layers; ``model.global_*``,
+    grouped-query attention's keys: at their defaults under any other kind)."""
+    return dict(
+        head_dim=model.global_head_dim,
+        kv_heads=model.global_n_kv_heads,
+        k_eq_v=model.global_k_eq_v,
+        own_rope=has_global_rope(model),
     )
 
 

@@ -50,10 +50,11 @@ class ModelShape:
     n_kv_heads: int = field(default=2, metadata=POSITIVE_INT | FUNCTION)
     # hidden size of dense (non-MoE) FFN layers
     dense_hidden: int = field(default=1024, metadata=POSITIVE_INT | FUNCTION)
-    # the dense FFN layers' and the shared experts' MLP: "swiglu" w2(silu(w1 x) * w3 x), or
+    # the MLP of the dense FFN layers, the dense branch and the shared experts: "swiglu"
+    # w2(silu(w1 x) * w3 x), "geglu" w2(gelu_tanh(w1 x) * w3 x) (Gemma's gelu_pytorch_tanh), or
     # "relu2" w2(relu(w1 x)^2), not gated (Nemotron-H's; w1 its up projection). The routed
     # experts' is moe.activation
-    ffn_activation: Literal["swiglu", "relu2"] = field(default="swiglu", metadata=FUNCTION)
+    ffn_activation: Literal["swiglu", "geglu", "relu2"] = field(default="swiglu", metadata=FUNCTION)
     # RoPE table size and HF max_position_embeddings
     max_seq_len: int = field(default=2048, metadata=POSITIVE_INT)
     rope_theta: float = field(default=10000.0, metadata=above(0) | FUNCTION)
@@ -163,6 +164,12 @@ class ModelConfig(
     residual_multiplier: float = field(default=1.0, metadata=above(0) | FUNCTION)
     # the logits are the head's output divided by logits_scaling (the loss's too)
     logits_scaling: float = field(default=1.0, metadata=above(0) | FUNCTION)
+    # a learned scalar per block, layers.<i>.layer_scalar (1,) (ones at initialisation),
+    # multiplying the block's output after its residual adds (Gemma 4's layer_scalar)
+    layer_scalar: bool = field(default=False, metadata=FUNCTION)
+    # final-logit soft-capping (Gemma's final_logit_softcapping): the logits, after
+    # logits_scaling, become cap * tanh(logits / cap) (the loss's too); null: uncapped
+    final_logit_softcap: float | None = field(default=None, metadata=above(0) | FUNCTION)
 
     @property
     def n_blocks(self) -> int:

@@ -93,9 +93,10 @@ class MoEConfig:
     # the routed experts' activation of gate a and up b: "swiglu" silu(a) * b, or
     # "clamped_swiglu" (gpt-oss) (min(b, l).clamp(-l) + 1) * a' * sigmoid(alpha * a'),
     # a' = min(a, l), with alpha = moe.swiglu_alpha and l = moe.swiglu_limit (both required);
-    # or "relu2": relu(a)^2 of the up projection a alone, not gated (Nemotron-H's; w13 is then
-    # (E, D, F)). Dense layers and shared experts: model.ffn_activation
-    activation: Literal["swiglu", "clamped_swiglu", "relu2"] = field(
+    # "geglu" gelu_tanh(a) * b (Gemma's gelu_pytorch_tanh); or "relu2": relu(a)^2 of the up
+    # projection a alone, not gated (Nemotron-H's; w13 is then (E, D, F)). Dense layers, the
+    # dense branch and shared experts: model.ffn_activation
+    activation: Literal["swiglu", "clamped_swiglu", "geglu", "relu2"] = field(
         default="swiglu", metadata=FUNCTION
     )
     swiglu_alpha: float | None = field(default=None, metadata=above(0) | FUNCTION)
@@ -103,6 +104,17 @@ class MoEConfig:
     # the routing weight w multiplies each routed copy's input instead of its output: expert e
     # computes expert_e(w * x), and the combine sums the outputs (Llama 4)
     score_on_input: bool = field(default=False, metadata=FUNCTION)
+    # Gemma 4's router scalars: the router scores a weightless RMSNorm of its input (eps
+    # model.norm_eps) times a learned per-channel scale ffn.router.input_scale (D,) times
+    # D^-0.5 (ones at initialisation), and each chosen expert's combine weight (renormalised
+    # or not) is multiplied by its learned ffn.router.expert_scale (E,) (ones)
+    router_input_norm: bool = field(default=False, metadata=FUNCTION)
+    expert_scale: bool = field(default=False, metadata=FUNCTION)
+    # every MoE layer also runs a dense FFN (model.dense_hidden, model.ffn_activation) beside
+    # its experts (Gemma 4's): with sandwich norms (model.block_norms: sandwich, required) the
+    # FFN branch is ffn_post_norm(dense_post_norm(dense(ffn_norm(x))) +
+    # moe_post_norm(moe(moe_norm(x)))), the router scoring the residual stream x itself
+    dense_branch: bool = field(default=False, metadata=FUNCTION)
 
     # latent MoE (Nemotron 3 Super's moe_latent_size): the routed experts compute in a latent
     # of this size, x projected into it (ffn.latent_in, D -> latent_dim) before the dispatch

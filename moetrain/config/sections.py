@@ -319,6 +319,17 @@ class Config:
         )
         self._validate_layer_plan()
         require(
+            not self.moe.dense_branch
+            or all(
+                self.model.norm_placement(layer.index) == "sandwich"
+                for layer in self.layer_plan()
+                if layer.ffn == "moe"
+            ),
+            "moe.dense_branch",
+            "normalises the dense and the expert outputs before their sum: needs "
+            "model.block_norms=sandwich on the MoE layers",
+        )
+        require(
             self.data.seq_len <= self.model.max_seq_len,
             "data.seq_len",
             f"must be <= model.max_seq_len={self.model.max_seq_len}; got {self.data.seq_len}",

@@ -59,6 +59,11 @@ ZERO_ONLY = re.compile(r"self_attn\.[qkvo]_proj\.bias$")
 _OUR_BLOCK = re.compile(r"layers\.(\d+)\.")
 
 
+def under(block: str, name: str) -> str:
+    """``name`` inside module ``block`` (``Layout.moe_block``; "" the decoder layer itself)."""
+    return f"{block}.{name}" if block else name
+
+
 def decoder_layer(name: str) -> int:
     """The decoder-layer index of a Hugging Face tensor name (-1 outside the layers)."""
     m = _LAYER.match(name)
@@ -136,14 +141,20 @@ class _Plan:
             rules[block_name(pn.post_norm(0, "attn"))] = mixer_out
             rules[block_name(pn.post_norm(0, "ffn"))] = ffn_out
         rules[block_name(pn.ffn_norm(0))] = ffn_norm
-        mlp = SWIGLU if self.cfg.model.ffn_activation == "swiglu" else NOT_GATED
+        mlp = NOT_GATED if self.cfg.model.ffn_activation == "relu2" else SWIGLU
         for w, p in mlp.items():
             rules[block_name(pn.dense_ffn(0, w))] = f"{lay.dense_block}.{p}"
-            rules[block_name(pn.shared_expert(0, w))] = f"{moe}.{lay.shared_expert}.{p}"
+            rules[block_name(pn.dense_branch(0, w))] = f"{lay.dense_block}.{p}"
+            rules[block_name(pn.shared_expert(0, w))] = under(moe, f"{lay.shared_expert}.{p}")
         for ours, theirs in zip(pn.LATENT_PROJECTIONS, lay.latent, strict=True):
-            rules[block_name(pn.latent_projection(0, ours))] = f"{moe}.{theirs}"
-        rules[block_name(pn.router_gate(0))] = f"{moe}.{lay.router}"
-        rules[block_name(pn.shared_gate(0))] = f"{moe}.{lay.shared_gate}"
+            rules[block_name(pn.latent_projection(0, ours))] = under(moe, theirs)
+        rules[block_name(pn.router_gate(0))] = under(moe, lay.router)
+        rules[block_name(pn.shared_gate(0))] = under(moe, lay.shared_gate)
+        for which, theirs in zip(pn.BRANCH_NORMS, lay.branch_norms, strict=True):
+            rules[block_name(pn.branch_norm(0, which))] = theirs
+        for which, theirs in zip(("input_scale", "expert_scale"), lay.router_scalars, strict=True):
+            rules[block_name(pn.router_scalar(0, which), None)] = under(moe, theirs)
+        rules[block_name(pn.layer_scalar(0), None)] = lay.layer_scalar
         return rules
 
     def _mtp_rules(self, i: int) -> tuple[dict[str, str], str]:
@@ -174,7 +185,7 @@ class _Plan:
             self.entries += [Joined(tuple(shared[:2]), (gate_up,)), Entry((shared[2],), (down,))]
         bias = pn.expert_bias(i)
         if bias in names and lay.selection_bias is not None:
-            theirs = f"{prefix}{lay.moe_block}.{lay.selection_bias}"
+            theirs = prefix + under(lay.moe_block, lay.selection_bias)
             self.entries.append(SelectionBias((bias,), (theirs,), lay.selection_bias_row))
         elif bias in names:
             self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.num_experts))
@@ -256,7 +267,7 @@ class _Plan:
                 theirs = prefix + mixer[block_name(pn.attn(0, p))] + ".bias"
                 self.fillers[theirs] = ((self.shapes[weight][0],), weight)
         if lay.shared_expert_always and not moe.num_shared_experts and moe.is_moe_layer(i):
-            block, d = f"{prefix}{lay.moe_block}.", model.d_model
+            block, d = prefix + under(lay.moe_block, ""), model.d_model
             for w, p in SWIGLU.items():
                 shape = (d, 0) if w == "w2" else (0, d)
                 self.fillers[f"{block}{lay.shared_expert}.{p}.weight"] = (shape, pn.router_gate(i))
@@ -264,7 +275,7 @@ class _Plan:
 
     def _experts(self, i: int) -> Experts:
         ours = tuple(pn.experts(i, w) for w in expert_param_names(self.cfg.moe.expert_biases))
-        block, files = f"{self._prefix(i)}{self.layout.moe_block}.", self.layout.experts
+        block, files = self._prefix(i) + under(self.layout.moe_block, ""), self.layout.experts
         n, gated = self.cfg.moe.num_experts, self.cfg.moe.gated
         if isinstance(files, PerExpert):
             weights = pn.SWIGLU_WEIGHTS if gated else pn.SWIGLU_WEIGHTS[1:]  # (w3: up)

@@ -161,8 +161,9 @@ def source_settings(source: InitSource, cfg: Config) -> dict[str, Any]:
     ``moe.num_shared_experts``)."""
     src = source.config
     fixed = {f"model.{k}": getattr(src.model, k) for k in MODEL_KEYS}
-    if len(src.moe.moe_layers(src.model.n_layers)) == src.model.n_layers:
-        del fixed["model.dense_hidden"]  # no dense FFN layer: the value means nothing
+    every_moe = len(src.moe.moe_layers(src.model.n_layers)) == src.model.n_layers
+    if every_moe and not src.moe.dense_branch:
+        del fixed["model.dense_hidden"]  # no dense FFN: the value means nothing
     if not source.upcycle:
         return fixed | {f"moe.{k}": getattr(src.moe, k) for k in MOE_KEYS}
     hidden, g = src.model.dense_hidden, cfg.checkpoint.upcycle_granularity

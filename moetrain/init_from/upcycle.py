@@ -48,7 +48,7 @@ def check_upcycle(cfg: Config, dense_hidden: int) -> None:
         )
     for key, value in (
         ("model.ffn_activation", cfg.model.ffn_activation),
-        ("moe.activation", "swiglu" if moe.gated else moe.activation),
+        ("moe.activation", moe.activation if moe.activation in ("geglu", "relu2") else "swiglu"),
     ):
         if value != "swiglu":
             raise ConfigError(

@@ -3,7 +3,10 @@ plan (:mod:`moetrain.config.layer_plan`) says; either may be absent (a block of 
 or of its FFN alone: Nemotron-H's layers). With ``model.block_norms: sandwich`` each branch's
 output is normalised too, before its residual add (Trinity's, Gemma's sandwich norms); with
 ``post`` only the output (OLMo-2's; ``model.attention_block_norms`` places an attention
-layer's norms apart from the others', as Olmo-Hybrid's).
+layer's norms apart from the others', as Olmo-Hybrid's). Gemma 4's pieces: ``moe.dense_branch``
+runs a dense FFN beside the experts of an MoE layer, each with its own norms
+(:meth:`Block._dense_and_experts`); ``model.layer_scalar`` multiplies the block's output by a
+learned scalar.
 
 Shape legend: B batch, S sequence, D d_model.
 """
@@ -56,7 +59,8 @@ class Block(nn.Module):
                     moe_cfg,
                     cfg.d_model,
                     local_experts,
-                    layer=spec.index,
+                    spec.index,
+                    cfg.norm_eps,
                     shared_activation=cfg.ffn_activation,
                 )
                 if self.is_moe
@@ -64,6 +68,14 @@ class Block(nn.Module):
             )
             if post:
                 self.ffn_post_norm = make_norm(cfg, cfg.d_model)
+        # moe.dense_branch: the dense FFN beside the experts, and the experts' own norms
+        self.dense = self.dense_post_norm = self.moe_norm = self.moe_post_norm = None
+        if self.is_moe and moe_cfg.dense_branch:
+            self.dense = make_mlp(cfg.ffn_activation, cfg.d_model, cfg.dense_hidden)
+            self.dense_post_norm = make_norm(cfg, cfg.d_model)
+            self.moe_norm = make_norm(cfg, cfg.d_model)
+            self.moe_post_norm = make_norm(cfg, cfg.d_model)
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if cfg.layer_scalar else None
 
     def forward(
         self,
@@ -76,13 +88,28 @@ class Block(nn.Module):
         if self.attn is not None:
             y_BSD = self.attn(_normed(self.attn_norm, x_BSD), inputs, state)
             x_BSD = x_BSD + self._scaled(y_BSD, self.attn_post_norm)
-        if self.ffn is None:
-            return x_BSD, None
-        h_BSD = _normed(self.ffn_norm, x_BSD)
-        if self.is_moe:
-            y_BSD, stats = self.ffn(h_BSD)
-            return x_BSD + self._scaled(y_BSD, self.ffn_post_norm), stats
-        return x_BSD + self._scaled(self.ffn(h_BSD), self.ffn_post_norm), None
+        stats = None
+        if self.dense is not None:
+            y_BSD, stats = self._dense_and_experts(x_BSD)
+            x_BSD = x_BSD + self._scaled(y_BSD, self.ffn_post_norm)
+        elif self.ffn is not None:
+            h_BSD = _normed(self.ffn_norm, x_BSD)
+            y_BSD = self.ffn(h_BSD)
+            if self.is_moe:
+                y_BSD, stats = y_BSD
+            x_BSD = x_BSD + self._scaled(y_BSD, self.ffn_post_norm)
+        if self.layer_scalar is not None:
+            x_BSD = x_BSD * self.layer_scalar
+        return x_BSD, stats
+
+    def _dense_and_experts(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEOutput]:
+        """``moe.dense_branch``: ``dense_post_norm(dense(ffn_norm(x))) +
+        moe_post_norm(moe(moe_norm(x)))``, the router scoring ``x`` itself (Gemma 4's
+        ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm_1`` around its MLP and
+        ``pre_feedforward_layernorm_2`` / ``post_feedforward_layernorm_2`` around its experts)."""
+        dense_BSD = self.dense_post_norm(self.dense(self.ffn_norm(x_BSD)))
+        y_BSD, stats = self.ffn(self.moe_norm(x_BSD), route_BSD=x_BSD)
+        return dense_BSD + self.moe_post_norm(y_BSD), stats
 
     def _scaled(self, y_BSD: torch.Tensor, post_norm: nn.Module | None) -> torch.Tensor:
         """A branch's output through its post norm (sandwich norms), times

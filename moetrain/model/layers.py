@@ -276,17 +276,33 @@ def clamped_swiglu_packed(
     return _ClampedSwiGLUPacked.apply(h, w, alpha, limit)
 
 
-class SwiGLU(nn.Module):
-    """``w2(silu(w1 x) * w3 x)``: the dense FFN and the shared expert."""
+def geglu_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """GeGLU of ``h = [a | b]`` (last dim 2F): ``gelu_tanh(a) * b`` (last dim F, h's dtype;
+    transformers' ``gelu_pytorch_tanh``), each row scaled by ``w`` (h.shape[:-1]; h's dtype or
+    wider, the math in the wider) when given."""
+    wide = h.dtype if w is None else torch.promote_types(h.dtype, w.dtype)
+    a, b = h.to(wide).chunk(2, dim=-1)
+    y = F.gelu(a, approximate="tanh") * b
+    return (y if w is None else y * w.unsqueeze(-1)).to(h.dtype)
 
-    def __init__(self, d_model: int, hidden: int) -> None:
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``: the dense FFN and the shared expert; with ``activation``
+    "geglu", ``w2(gelu_tanh(w1 x) * w3 x)`` (``model.ffn_activation``)."""
+
+    def __init__(self, d_model: int, hidden: int, activation: str = "swiglu") -> None:
         super().__init__()
+        if activation not in ("swiglu", "geglu"):
+            raise ValueError(f"unknown FFN activation {activation!r}")
+        self.geglu = activation == "geglu"
         self.w1 = Linear(d_model, hidden, bias=False)
         self.w3 = Linear(d_model, hidden, bias=False)
         self.w2 = Linear(hidden, d_model, bias=False)
 
     def up(self, x: torch.Tensor) -> torch.Tensor:
-        """The hidden activation ``silu(w1 x) * w3 x``."""
+        """The hidden activation ``silu(w1 x) * w3 x`` (GeGLU's ``gelu_tanh``)."""
+        if self.geglu:
+            return F.gelu(self.w1(x), approximate="tanh") * self.w3(x)
         return silu_mul(self.w1(x), self.w3(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -353,4 +369,6 @@ MLP = SwiGLU | ReluSquaredMLP
 def make_mlp(activation: str, d_model: int, hidden: int) -> MLP:
     """A dense FFN or shared expert of ``hidden`` with ``model.ffn_activation``'s
     ``activation``."""
-    return (ReluSquaredMLP if activation == "relu2" else SwiGLU)(d_model, hidden)
+    if activation == "relu2":
+        return ReluSquaredMLP(d_model, hidden)
+    return SwiGLU(d_model, hidden, activation)

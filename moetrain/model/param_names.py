@@ -12,8 +12,12 @@ selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.
 ``ffn.shared_gate``. With ``model.ffn_activation: relu2`` a dense FFN and a shared expert hold
 ``w1`` (up, F x D) and ``w2`` only (:data:`MLP_WEIGHTS`), and with ``moe.activation: relu2`` the
 experts' ``w13`` is (E, D, F), the up projection alone; a latent MoE (``moe.latent_dim`` L)
-adds ``ffn.latent_in`` (L, D) and ``ffn.latent_out`` (D, L), its experts' D being L. Options add ``attn.wo.bias`` (``model.o_bias``), ``attn.sinks`` (H,)
-(``model.attention_sinks``), ``ffn.router.gate.bias`` (E,) (``moe.router_bias``) and the
+adds ``ffn.latent_in`` (L, D) and ``ffn.latent_out`` (D, L), its experts' D being L. Options add
+``attn.wo.bias`` (``model.o_bias``), ``attn.sinks`` (H,) (``model.attention_sinks``),
+``ffn.router.gate.bias`` (E,) (``moe.router_bias``), ``ffn.router.input_scale`` (D,)
+(``moe.router_input_norm``), ``ffn.router.expert_scale`` (E,) (``moe.expert_scale``),
+``layer_scalar`` (1,) (``model.layer_scalar``), with ``moe.dense_branch`` ``dense.{w1,w3,w2}``,
+``dense_post_norm``, ``moe_norm`` and ``moe_post_norm`` beside an MoE block's ``ffn``, and the
 expert biases ``ffn.experts.w13_bias`` (E, 2F), ``ffn.experts.w2_bias`` (E, D)
 (``moe.expert_biases``; expert parameters, stacked and partitioned like w13 and w2).
 ``lm_head.bias`` exists with ``model.lm_head_bias`` (tied or not). A Gated DeltaNet layer's
@@ -130,6 +134,32 @@ def router_gate(layer: int, kind: str = "weight") -> str:
 def expert_bias(layer: int) -> str:
     """The router's selection bias buffer (aux-loss-free balancing)."""
     return f"layers.{layer}.ffn.router.expert_bias"
+
+
+def dense_branch(layer: int, weight: str) -> str:
+    """The dense FFN beside an MoE layer's experts (``moe.dense_branch``; ``weight``: w1 | w3 |
+    w2)."""
+    return f"layers.{layer}.dense.{weight}.weight"
+
+
+# moe.dense_branch's norms: the dense output's, the experts' input's and output's
+BRANCH_NORMS = ("dense_post_norm", "moe_norm", "moe_post_norm")
+
+
+def branch_norm(layer: int, which: str) -> str:
+    """One of :data:`BRANCH_NORMS` of block ``layer``."""
+    return f"layers.{layer}.{which}.weight"
+
+
+def router_scalar(layer: int, which: str) -> str:
+    """``which``: input_scale (D,) (``moe.router_input_norm``) | expert_scale (E,)
+    (``moe.expert_scale``)."""
+    return f"layers.{layer}.ffn.router.{which}"
+
+
+def layer_scalar(layer: int) -> str:
+    """Block ``layer``'s output scalar (1,) (``model.layer_scalar``)."""
+    return f"layers.{layer}.layer_scalar"
 
 
 def shared_expert(layer: int, weight: str) -> str:

@@ -152,6 +152,28 @@ def model_rope_tables(
     return rope_tables(cfg.rope_dim, n, theta, cfg, long)
 
 
+def proportional_inv_freq(dim: int, theta: float, proportion: float) -> torch.Tensor:
+    """Proportional RoPE's ``(dim // 2,)`` inverse frequencies (fp32; transformers'
+    ``proportional``, Gemma 4's global layers): ``theta ** (-2i / dim)`` for the first
+    ``int(proportion * dim // 2)`` and zero beyond (those dims keep no position)."""
+    rotated = int(proportion * dim // 2)
+    inv_freq = torch.zeros(dim // 2, dtype=torch.float32)
+    inv_freq[:rotated] = 1.0 / theta ** (torch.arange(0, 2 * rotated, 2).float() / dim)
+    return inv_freq
+
+
+def global_rope_tables(cfg: ModelConfig, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full_attention layers' own tables (``model.global_*``; Gemma 4's global layers):
+    their whole head (``global_head_dim``, else the model's), theta ``global_rope_theta``
+    (else ``rope_theta``), proportional with ``global_rope_proportion``."""
+    dim = cfg.global_head_dim or cfg.attention_head_dim
+    theta = cfg.global_rope_theta or cfg.rope_theta
+    inv_freq = proportional_inv_freq(dim, theta, cfg.global_rope_proportion or 1.0)
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def yarn_attention_factor(cfg: ModelConfig) -> float:
     """The factor YaRN multiplies cos and sin by (1 without YaRN)."""
     if cfg.rope_scaling != "yarn":

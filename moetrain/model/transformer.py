@@ -6,6 +6,7 @@ Shape legend: B batch, S sequence, D d_model, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -15,17 +16,18 @@ from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.config.layer_plan import layer_plan
+from moetrain.config.mixers.gqa import has_global_rope
 from moetrain.model.block import Block
 from moetrain.model.cache import InferenceCache
 from moetrain.model.doc_attention import Documents
 from moetrain.model.head_exchange import HeadExchange
 from moetrain.model.layers import LayerNorm, RMSNorm, make_norm
-from moetrain.model.loss import LMHead
+from moetrain.model.loss import LMHead, softcap
 from moetrain.model.mixers import MixerInputs, MixerLoss, TokenMixer
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
 from moetrain.model.mtp import MTPBlock, mtp_targets, shift_left
-from moetrain.model.rope import model_rope_tables
+from moetrain.model.rope import global_rope_tables, model_rope_tables
 
 ROPE_TABLE_ROWS = 8192  # positions the RoPE tables are built for at first (they grow on demand)
 
@@ -86,6 +88,14 @@ class Transformer(nn.Module):
             cos, sin = model_rope_tables(model_cfg, rows, local=local)
             self.register_buffer(f"{name}cos", cos, persistent=False)
             self.register_buffer(f"{name}sin", sin, persistent=False)
+        # the global layers' own tables (model.global_*: Gemma 4's), grown alike; else None
+        cos, sin = (
+            global_rope_tables(model_cfg, self.rope_cos.shape[0])
+            if has_global_rope(model_cfg)
+            else (None, None)
+        )
+        self.register_buffer("rope_cos_global", cos, persistent=False)
+        self.register_buffer("rope_sin_global", sin, persistent=False)
         self.head_exchange: HeadExchange | None = None  # sequence parallelism (set_head_exchange)
         if self.embed.weight.device.type != "meta":  # (a meta model is filled by loading)
             torch.set_rng_state(rng)
@@ -127,6 +137,10 @@ class Transformer(nn.Module):
             cos, sin = model_rope_tables(self.cfg, self.rope_cos.shape[0], local=local)
             getattr(self, f"{name}cos").copy_(cos)
             getattr(self, f"{name}sin").copy_(sin)
+        if self.rope_cos_global is not None:
+            cos, sin = global_rope_tables(self.cfg, self.rope_cos.shape[0])
+            self.rope_cos_global.copy_(cos)
+            self.rope_sin_global.copy_(sin)
 
     @torch.no_grad()
     def rope_rows(self, n: int) -> None:
@@ -140,6 +154,10 @@ class Transformer(nn.Module):
             cos, sin = model_rope_tables(self.cfg, size, local=local)
             setattr(self, f"{name}cos", cos.to(self.rope_cos))
             setattr(self, f"{name}sin", sin.to(self.rope_sin))
+        if self.rope_cos_global is not None:
+            cos, sin = global_rope_tables(self.cfg, size)
+            self.rope_cos_global = cos.to(self.rope_cos_global)
+            self.rope_sin_global = sin.to(self.rope_sin_global)
 
     def _rope(self, start: int, s: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE rows of positions ``start .. start + s - 1`` of a sequence of ``seq_len``:
@@ -191,7 +209,7 @@ class Transformer(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
         elif isinstance(module, MoELayer):
-            module.router.expert_bias.zero_()
+            module.router.reset_parameters()
         elif isinstance(module, TokenMixer):
             module.init_own_parameters()
 
@@ -244,11 +262,13 @@ class Transformer(nn.Module):
         docs = None if doc_ids_BS is None else Documents.from_ids(doc_ids_BS).to(x_BSD.device)
         inputs = MixerInputs(cos, sin, docs, doc_ids_BS, start if cache is not None else 0)
         inputs.local_rope = self._local_rope(start, s)
+        own = self._global_inputs(inputs, start, s)
         moe_outs: list[MoEOutput] = []
         embed_BSD = x_BSD
         for i, block in enumerate(self.layers[: self.cfg.n_layers]):
             state = cache.layers[i] if cache is not None else None
-            x_BSD, stats = block(x_BSD, inputs, state)
+            mixer = block.spec.mixer
+            x_BSD, stats = block(x_BSD, own if mixer and mixer.own_rope else inputs, state)
             if stats is not None:
                 moe_outs.append(stats)
         if cache is not None:
@@ -278,6 +298,15 @@ class Transformer(nn.Module):
             out.loss = out.loss + own.loss
         return out
 
+    def _global_inputs(self, inputs: MixerInputs, start: int, s: int) -> MixerInputs:
+        """The global layers' inputs (``model.global_*``): ``inputs`` with their own RoPE
+        rows of the same positions (the documents, losses and selections shared)."""
+        if self.rope_cos_global is None:
+            return inputs
+        rows = slice(start, start + s)  # (rope_rows grew both tables)
+        cos, sin = self.rope_cos_global[rows], self.rope_sin_global[rows]
+        return dataclasses.replace(inputs, cos=cos, sin=sin)
+
     def _moe_loss(self, moe_outs: list[MoEOutput], like: torch.Tensor) -> torch.Tensor:
         """The weighted balancing and z-losses of every MoE layer (fp32 scalar)."""
         m = self.moe_cfg
@@ -291,10 +320,13 @@ class Transformer(nn.Module):
 
     def head(self, h_BSD: torch.Tensor) -> torch.Tensor:
         """The logits of final hidden states: the LM head's output divided by
-        ``model.logits_scaling`` (untouched at 1.0)."""
+        ``model.logits_scaling`` (untouched at 1.0), then soft-capped by
+        ``model.final_logit_softcap`` (where set)."""
         logits_BSV = self.lm_head(h_BSD)
         scaling = self.cfg.logits_scaling
-        return logits_BSV if scaling == 1.0 else logits_BSV / scaling
+        if scaling != 1.0:
+            logits_BSV = logits_BSV / scaling
+        return softcap(logits_BSV, self.cfg.final_logit_softcap)
 
     def _cross_entropy(
         self, h_BSD: torch.Tensor, labels_BS: torch.Tensor, logits_BSV: torch.Tensor | None
@@ -309,6 +341,7 @@ class Transformer(nn.Module):
                 labels_BS.flatten(),
                 self.cfg.loss_chunk_tokens,
                 self.cfg.logits_scaling,
+                self.cfg.final_logit_softcap,
             )
         labelled = (labels_BS != -100).sum().clamp_min(1)
         return (

@@ -47,7 +47,8 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
       capacity); per routed copy (K per token) the expert input ``aD``, the packed gate|up
       output ``2aF`` and the routing weight ``a`` the SwiGLU applies (+ the weighted SwiGLU
       product ``aF`` unless ``moe.recompute_act``); the combine keeps only indices; shared
-      expert ``aD + 3aF_s`` (+ gate ``aD + a``).
+      expert ``aD + 3aF_s`` (+ gate ``aD + a``); ``moe.dense_branch``'s dense FFN as a dense
+      layer's and its three norms (GeGLU's saved tensors not modelled apart).
     - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``3aF_dense``.
 
     Squared-ReLU MLPs (``model.ffn_activation: relu2``) keep ``2aF`` (the up projection's
@@ -82,6 +83,8 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
         ffn += mlp * a * fs
         if e.shared_expert_gate:
             ffn += a * d + a
+    if e.dense_branch:  # the dense FFN beside the experts (as a dense layer's), 3 more norms
+        ffn += 3 * _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
     return int(ffn)
 
 

@@ -71,6 +71,7 @@ LONG = (
     "hunyuan_v1_moe",
     "afmoe",
     "mimo_v2_flash",
+    "gemma4_text",
     "lfm2_moe",
 )
 FAMILY_CASES = [

@@ -359,6 +359,32 @@ CASES = {
     "qwen3_next": dict(  # (a dense first layer and no renormalisation: Qwen3.5 holds neither)
         model=QWEN_HYBRID_MODEL, moe=dict(QWEN_SHARED, first_k_dense=1, renormalize=False)
     ),
+    "gemma4_text": dict(  # Gemma 4's pieces (hf_flags.GEMMA4_FLAGS), the window binding
+        model=dict(
+            qk_norm=True,
+            value_norm=True,
+            attention_scale=1.0,
+            block_norms="sandwich",
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            global_head_dim=32,
+            global_n_kv_heads=1,
+            global_k_eq_v=True,
+            global_rope_theta=100000.0,
+            global_rope_proportion=0.25,
+            ffn_activation="geglu",
+            layer_scalar=True,
+            embedding_multiplier=32**0.5,
+            final_logit_softcap=3.0,
+            tie_embeddings=True,
+        ),
+        moe=dict(
+            activation="geglu",
+            router_input_norm=True,
+            expert_scale=True,
+            dense_branch=True,
+        ),
+    ),
     "mimo_v2_flash": dict(  # MiMo-V2-Flash's flags (hf_flags.MIMO_V2_FLASH_FLAGS)
         model=dict(
             head_dim=12,
@@ -419,6 +445,8 @@ def stored_model(cfg: Config) -> ModelConfig:
     """``cfg.model`` as a format's config stores it: without a dense layer, the formats that
     have none store no ``model.dense_hidden`` (an import takes the experts' size)."""
     if any(not cfg.moe.is_moe_layer(i) for i in range(cfg.model.n_layers)):
+        return cfg.model
+    if cfg.moe.dense_branch:  # (the dense FFN beside the experts: Gemma 4's)
         return cfg.model
     return dataclasses.replace(cfg.model, dense_hidden=cfg.moe.expert_hidden)
 

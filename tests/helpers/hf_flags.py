@@ -200,6 +200,31 @@ LLAMA4_FLAGS: dict[str, Any] = {
 }
 
 
+# Gemma 4 26B-A4B's flags at the tiny sizes: two sliding layers (a window of 6) and a global
+# one with twice the head dim, one key/value head as keys and values, proportional RoPE of its
+# own theta; a soft cap that binds on the tiny logits
+GEMMA4_FLAGS: dict[str, Any] = dict(
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    sliding_window=6,
+    global_head_dim=16,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 100000.0,
+        },
+    },
+    final_logit_softcapping=3.0,
+    hidden_activation="gelu_pytorch_tanh",
+    enable_moe_block=True,
+    hidden_size_per_layer_input=0,
+    tie_word_embeddings=True,
+)
+
+
 # Qwen3-Next's hybrid layers at the tiny sizes: layers 0, 1 Gated DeltaNet, layer 2 gated
 # attention; a quarter of each head rotated (as released), 64 positions
 QWEN_HYBRID: dict[str, Any] = dict(

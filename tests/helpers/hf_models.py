@@ -18,6 +18,7 @@ from moetrain.convert.families import DENSE, FORMATS
 from tests.helpers.hf_flags import (
     DEEPSEEK_YARN,
     DSA,
+    GEMMA4_FLAGS,
     GLM_INDEXER_TYPES,
     GPT_OSS_FLAGS,
     GRANITE_FLAGS,
@@ -269,6 +270,13 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
         ),
         "phimoe": lambda: transformers.PhimoeConfig(  # Phi-3.5-MoE-instruct's flags
             **{**moe, **PHIMOE_FLAGS}, intermediate_size=24, num_local_experts=4
+        ),
+        "gemma4_text": lambda: transformers.Gemma4TextConfig(  # Gemma 4's flags (hf_flags)
+            **{**{k: v for k, v in SMALL.items() if k != "rope_parameters"}, **GEMMA4_FLAGS},
+            intermediate_size=40,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=24,
         ),
         "mimo_v2_flash": lambda: transformers.MiMoV2FlashConfig(  # MiMo-V2-Flash's flags
             **{**moe, **MIMO_V2_FLASH_FLAGS},

@@ -224,6 +224,13 @@ LFM2_MOE = dict(score_func="sigmoid", renormalize_eps=1e-6)
             {},
             "model.logits_scaling",
         ),
+        ("mixtral", dict(final_logit_softcap=30.0), {}, "model.final_logit_softcap"),
+        ("mixtral", dict(ffn_activation="geglu"), {}, "model.ffn_activation"),
+        ("mixtral", {}, dict(activation="geglu"), "moe.activation"),
+        ("mixtral", {}, dict(router_input_norm=True), "moe.router_input_norm"),
+        ("mixtral", {}, dict(expert_scale=True), "moe.expert_scale"),
+        ("mixtral", dict(layer_scalar=True), {}, "model.layer_scalar"),
+        ("afmoe", TRINITY, dict(TRINITY_MOE, dense_branch=True), "moe.dense_branch"),
         ("qwen2_moe", {}, dict(n_group=4, topk_group=2), "moe.n_group"),
         (
             "glm4_moe",

@@ -58,6 +58,7 @@ SCALED_CASES = [
     for scaling in SCALED_ROPE
     if family(fmt).can_hold("model.rope_scaling", scaling)  # (Nemotron-H's attention: no RoPE)
     if fmt != "phimoe" or scaling == "longrope"
+    if family(fmt).can_hold("model.rope_scaling", scaling)  # (Gemma 4's: plain RoPE)
 ]
 
 

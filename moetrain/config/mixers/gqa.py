@@ -65,9 +65,41 @@ class GQAKeys:
     # which layers have model.attention_sinks: "all" (gpt-oss) or "sliding" (the
     # sliding_attention layers only; MiMo-V2-Flash)
     attention_sinks_layers: Literal["all", "sliding"] = field(default="all", metadata=FUNCTION)
+    # a weightless RMSNorm (eps norm_eps) over each value head (Gemma 4's v_norm)
+    value_norm: bool = field(default=False, metadata=FUNCTION)
+    # Gemma 4's global layers: the full_attention layers' own shape where the sliding ones
+    # differ. Their head dim (null: head_dim) and key/value heads (null: n_kv_heads); with
+    # global_k_eq_v one key projection whose output is also the values (before the key norm
+    # and RoPE; no wv); their RoPE theta (null: rope_theta) and, with global_rope_proportion
+    # p, proportional RoPE: the whole head rotated half-split with frequencies theta^(-2i/Hd)
+    # for i < p * Hd / 2 and zero beyond (transformers' "proportional"; no rope_scaling)
+    global_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    global_n_kv_heads: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    global_k_eq_v: bool = field(default=False, metadata=FUNCTION)
+    global_rope_theta: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    global_rope_proportion: float | None = field(
+        default=None, metadata=between(0, 1, low_open=True) | FUNCTION
+    )
 
 
 SLIDING_KEYS = ("sliding_n_kv_heads", "sliding_rope_theta")
+GEMMA_ATTENTION_KEYS = (
+    "value_norm",
+    "global_head_dim",
+    "global_n_kv_heads",
+    "global_k_eq_v",
+    "global_rope_theta",
+    "global_rope_proportion",
+)
+
+
+def has_global_rope(model: ModelConfig) -> bool:
+    """Whether the full_attention layers take RoPE tables of their own (Gemma 4's)."""
+    return (
+        model.global_head_dim is not None
+        or model.global_rope_theta is not None
+        or model.global_rope_proportion is not None
+    )
 
 
 class GQA(MixerKind):
@@ -89,6 +121,7 @@ class GQA(MixerKind):
         "attention_value_scale",
         *SLIDING_KEYS,
         "attention_sinks_layers",
+        *GEMMA_ATTENTION_KEYS,
     )
 
     @classmethod
@@ -134,6 +167,7 @@ class GQA(MixerKind):
             "model.sliding_rope_theta",
             "takes its tables from the short factors only: not with rope_scaling longrope",
         )
+        cls._validate_global(model)
         require(
             not model.attention_output_gate or cls.v_dim(model) == hd,
             "model.v_head_dim",
@@ -147,7 +181,9 @@ class GQA(MixerKind):
 
     @classmethod
     def kv_heads(cls, model: ModelConfig, spec: MixerSpec) -> int:
-        """The key/value heads of a layer with ``spec``."""
+        """The key/value heads of a layer with ``spec`` (a global layer's own, Gemma 4's)."""
+        if spec.kv_heads is not None:
+            return spec.kv_heads
         sliding = spec.window is not None and model.sliding_n_kv_heads is not None
         return model.sliding_n_kv_heads if sliding else model.n_kv_heads
 
@@ -161,6 +197,33 @@ class GQA(MixerKind):
         """Whether a layer with ``spec`` has attention sinks."""
         scope = model.attention_sinks_layers == "all" or spec.window is not None
         return model.attention_sinks and scope
+
+    @classmethod
+    def _validate_global(cls, model: ModelConfig) -> None:
+        """Gemma 4's global-layer keys."""
+        g, hd = model.global_n_kv_heads, model.global_head_dim
+        require(
+            g is None or model.n_heads % g == 0,
+            "model.global_n_kv_heads",
+            f"must divide model.n_heads={model.n_heads}; got {g}",
+        )
+        require(hd is None or hd % 2 == 0, "model.global_head_dim", f"must be even; got {hd}")
+        if not has_global_rope(model):
+            return
+        require(
+            model.rope_scaling == "none" and model.partial_rotary_factor == 1.0,
+            "model.global_head_dim",
+            "the global layers' own RoPE (global_head_dim, global_rope_theta, "
+            "global_rope_proportion) takes no model.rope_scaling and no "
+            "model.partial_rotary_factor",
+        )
+        for key in ("attention_output_gate", "rope_interleave", "qk_norm_after_rope"):
+            require(
+                not getattr(model, key),
+                f"model.{key}",
+                "is not combined with the global layers' own RoPE (global_head_dim, "
+                "global_rope_theta, global_rope_proportion)",
+            )
 
     @classmethod
     def head_dim(cls, model: ModelConfig) -> int:

@@ -103,7 +103,7 @@ class Layout:
     # the decoder's prefix and its embedding under it (Nemotron-H's backbone., embeddings)
     base: str = "model."
     embed: str = "embed_tokens"
-    moe_block: str = "mlp"  # the MoE block of a decoder layer
+    moe_block: str = "mlp"  # the MoE block of a decoder layer ("": the layer itself)
     router: str = "gate"  # the router's module, under the block
     experts: PerExpert | Fused | Stacked = field(default_factory=PerExpert)
     # the router's selection bias (moetrain's aux-loss-free expert_bias), under the block; None:
@@ -134,6 +134,17 @@ class Layout:
         "pre_feedforward_layernorm",
         "post_feedforward_layernorm",
     )
+    # Gemma 4's pieces, relative to a decoder layer: moe.dense_branch's norms (the dense
+    # output's, the experts' input's and output's; its dense FFN is dense_block's), the
+    # router's scalars (moe.router_input_norm's input scale, moe.expert_scale's) and the
+    # layer's output scalar (model.layer_scalar)
+    branch_norms: tuple[str, str, str] = (
+        "post_feedforward_layernorm_1",
+        "pre_feedforward_layernorm_2",
+        "post_feedforward_layernorm_2",
+    )
+    router_scalars: tuple[str, str] = ("router.scale", "router.per_expert_scale")
+    layer_scalar: str = "layer_scalar"
     # the attention output gate (model.attention_output_gate) as a projection of its own, its
     # heads in order (Trinity's ``self_attn.gate_proj``); None: in ``q_proj``, each head's
     # query followed by its gate (Qwen3-Next's)

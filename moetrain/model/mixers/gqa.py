@@ -42,6 +42,14 @@ temperature multiplies each query at position p by ``log1p(floor((p + 1) / floor
 1`` (:func:`moetrain.model.attention.temperature`). p is the position in the row, as RoPE's
 (a KV cache's queries continue at ``inputs.pos``; packed documents do not restart it), which is
 transformers' position for one sequence without padding.
+
+Gemma 4's pieces: ``model.value_norm`` normalises each value head (a weightless RMSNorm, as
+:func:`moetrain.model.attention.unit_rms`); a global layer (a full_attention layer with
+``model.global_*`` set: its :class:`~moetrain.config.layer_plan.MixerSpec`'s ``head_dim``,
+``kv_heads``, ``k_eq_v``, ``own_rope``) has its own head dim and key/value heads, takes its
+values from the key projection (``k_eq_v``: no ``wv``; the values are ``wk``'s output before
+the key norm and RoPE) and rotates by the model's global RoPE tables (the transformer hands
+them in ``inputs``).
 """
 
 from __future__ import annotations
@@ -69,6 +77,14 @@ from moetrain.model.local_attention import cached_attention, chunked_attention, 
 from moetrain.model.logit_max import observe_logits
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
 from moetrain.model.rope import apply_rope
+
+
+def attention_dims(cfg: ModelConfig, spec: MixerSpec) -> tuple[int, int, int, int]:
+    """A layer's query heads, key/value heads, query/key head dim and value head dim (a
+    global layer's own, where its spec gives them: its values as wide as its keys)."""
+    if spec.head_dim is not None:
+        return cfg.n_heads, GQA.kv_heads(cfg, spec), spec.head_dim, spec.head_dim
+    return cfg.n_heads, GQA.kv_heads(cfg, spec), cfg.attention_head_dim, GQA.v_dim(cfg)
 
 
 class KVCache:
@@ -117,10 +133,7 @@ class Attention(TokenMixer):
 
     def __init__(self, cfg: ModelConfig, spec: MixerSpec) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.n_kv_heads = GQA.kv_heads(cfg, spec)
-        self.head_dim = cfg.attention_head_dim
-        self.v_head_dim = GQA.v_dim(cfg)
+        self.n_heads, self.n_kv_heads, self.head_dim, self.v_head_dim = attention_dims(cfg, spec)
         self.value_scale = cfg.attention_value_scale
         d, hd, vd = cfg.d_model, self.head_dim, self.v_head_dim
         # with an output gate, each head's query followed by its gate (Qwen3-Next's q_proj)
@@ -128,7 +141,9 @@ class Attention(TokenMixer):
         q_out = self.n_heads * hd * (2 if self.output_gate else 1)
         self.wq = Linear(d, q_out, bias=cfg.qkv_bias)
         self.wk = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.wv = Linear(d, self.n_kv_heads * vd, bias=cfg.qkv_bias)
+        # the keys are the values too (a global layer's model.global_k_eq_v): no wv
+        self.wv = None if spec.k_eq_v else Linear(d, self.n_kv_heads * vd, bias=cfg.qkv_bias)
+        self.value_norm_eps = cfg.norm_eps if cfg.value_norm else None
         self.wo = Linear(self.n_heads * vd, d, bias=cfg.o_bias)
         # the sliding layers' own RoPE tables (model.sliding_rope_theta): MixerInputs.local_rope
         self.local_rope = spec.window is not None and cfg.sliding_rope_theta is not None
@@ -166,6 +181,7 @@ class Attention(TokenMixer):
             cos_SHd, sin_SHd = inputs.local_rope
         b, s, _ = x_BSD.shape
         q, k = self.wq(x_BSD), self.wk(x_BSD)
+        v = k if self.wv is None else self.wv(x_BSD)
         gate = None
         if self.output_gate:  # per head [query | gate]
             q, gate = q.view(b, s, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -175,7 +191,9 @@ class Attention(TokenMixer):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
-        v = self.wv(x_BSD).view(b, s, self.n_kv_heads, self.v_head_dim)
+        v = v.view(b, s, self.n_kv_heads, self.v_head_dim)
+        if self.value_norm_eps is not None:
+            v = unit_rms(v, self.value_norm_eps)
         if self.value_scale != 1.0:
             v = v * self.value_scale
         if norm and self.qk_norm_per_head and not self.qk_norm_after_rope:
@@ -339,7 +357,7 @@ class Attention(TokenMixer):
 
     @classmethod
     def param_shapes(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, ...]]:
-        h, g, hd = cfg.n_heads, GQA.kv_heads(cfg, spec), cfg.attention_head_dim
+        h, g, hd, _ = attention_dims(cfg, spec)
         out: dict[str, tuple[int, ...]] = {"sinks": (h,)} if GQA.has_sinks(cfg, spec) else {}
         for name, (n_in, n_out) in cls.matrices(cfg, spec).items():
             out[f"{name}.weight"] = (n_out, n_in)
@@ -353,16 +371,19 @@ class Attention(TokenMixer):
 
     @classmethod
     def matrices(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, int]]:
-        d, h, hd, vd = cfg.d_model, cfg.n_heads, cfg.attention_head_dim, GQA.v_dim(cfg)
-        g = GQA.kv_heads(cfg, spec)
+        d, (h, g, hd, vd) = cfg.d_model, attention_dims(cfg, spec)
         q = h * hd * (2 if cfg.attention_output_gate else 1)
-        return {"wq": (d, q), "wk": (d, g * hd), "wv": (d, g * vd), "wo": (h * vd, d)}
+        out = {"wq": (d, q), "wk": (d, g * hd), "wv": (d, g * vd), "wo": (h * vd, d)}
+        if spec.k_eq_v:
+            del out["wv"]
+        return out
 
     @classmethod
     def mixing_flops_per_token(cls, cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
         """Scores and values over the whole sequence, ``6 H (Hd + Vd) seq_len`` (Vd the value
         head's dims; the causal mask, a window or chunks not discounted)."""
-        return 6 * cfg.n_heads * (cfg.attention_head_dim + GQA.v_dim(cfg)) * seq_len
+        _, _, hd, vd = attention_dims(cfg, spec)
+        return 6 * cfg.n_heads * (hd + vd) * seq_len
 
     @classmethod
     def saved_bytes_per_token(
@@ -377,10 +398,10 @@ class Attention(TokenMixer):
         over ``sp`` ranks ``2aHkv(r - 1)`` (r = :func:`moetrain.model.head_exchange.
         kv_repeats`). Windows, chunks and sinks (``model/local_attention.py``) save what
         their paths save; not modelled."""
-        a, h, g = act_bytes, cfg.n_heads, GQA.kv_heads(cfg, spec)
-        hq, hkv = h * cfg.attention_head_dim, g * cfg.attention_head_dim
+        a, (h, g, hd, vd) = act_bytes, attention_dims(cfg, spec)
+        hq, hkv = h * hd, g * hd
         # the value heads and the output (narrower with model.v_head_dim)
-        vq, vkv = h * GQA.v_dim(cfg), g * GQA.v_dim(cfg)
+        vq, vkv = h * vd, g * vd
         saved = a * cfg.d_model + a * (hq + vq) + a * (hkv + vkv) + 4 * h
         if sp > 1:
             saved += a * vq + a * (hkv + vkv) * (kv_repeats(g, sp) - 1)
@@ -393,8 +414,8 @@ class Attention(TokenMixer):
 
     @classmethod
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
-        g = GQA.kv_heads(cfg, spec)
-        return g * (cfg.attention_head_dim + GQA.v_dim(cfg)) * dtype_bytes
+        _, g, hd, vd = attention_dims(cfg, spec)
+        return g * (hd + vd) * dtype_bytes
 
     @classmethod
     def exchange_bytes_per_token(
@@ -404,7 +425,7 @@ class Attention(TokenMixer):
         output back; ``(sp - 1) / sp`` of each leaves the GPU."""
         if sp == 1:
             return 0.0
-        g, hd, vd = GQA.kv_heads(cfg, spec), cfg.attention_head_dim, GQA.v_dim(cfg)
+        h, g, hd, vd = attention_dims(cfg, spec)
         reps = kv_repeats(g, sp)
-        dims = hd * (cfg.n_heads + g * reps) + vd * (cfg.n_heads + g * reps)
+        dims = hd * (h + g * reps) + vd * (h + g * reps)
         return act_bytes * dims * (sp - 1) / sp

@@ -29,7 +29,12 @@ import torch
 from torch import nn
 
 from moetrain.model import cpu_matmul
-from moetrain.model.layers import clamped_swiglu_packed, relu2_packed, silu_mul_packed
+from moetrain.model.layers import (
+    clamped_swiglu_packed,
+    geglu_packed,
+    relu2_packed,
+    silu_mul_packed,
+)
 from moetrain.model.moe.gemm_guard import grouped_mm_refusal_for
 
 EXPERT_WEIGHTS = ("w13", "w2")
@@ -148,7 +153,7 @@ class GroupedExperts(nn.Module):
     ``num_local_experts`` = stop - start). ``recompute_act``:
     the SwiGLU product is recomputed in backward rather than saved (see ``_DownProjection``).
     ``biases``: the ``w13_bias`` / ``w2_bias`` parameters; ``activation`` ``swiglu``,
-    ``clamped_swiglu`` with ``alpha`` and ``limit``, or ``relu2``; ``score_on_input``: the routing weights
+    ``geglu``, ``clamped_swiglu`` with ``alpha`` and ``limit``, or ``relu2``; ``score_on_input``: the routing weights
     scale the rows' inputs, not the outputs (see the module docstring).
     """
 
@@ -186,6 +191,8 @@ class GroupedExperts(nn.Module):
         self.act_fn: Activation = silu_mul_packed
         if activation == "clamped_swiglu":
             self.act_fn = functools.partial(clamped_swiglu_packed, alpha=alpha, limit=limit)
+        elif activation == "geglu":
+            self.act_fn = geglu_packed
         elif activation == "relu2":
             self.act_fn = relu2_packed
         elif activation != "swiglu":

@@ -78,6 +78,7 @@ class MoELayer(nn.Module):
     ``dispatcher`` is a plain attribute so expert parallelism can swap in its all-to-all one.
     ``local_experts=(start, stop)``: build only those global experts (expert parallelism).
     ``layer``: the transformer layer index of this MoE layer (for metrics and checkpoints).
+    ``norm_eps``: the eps of the router's input norm (``moe.router_input_norm``);
     ``shared_activation``: the shared expert's MLP (``model.ffn_activation``).
     """
 
@@ -87,12 +88,13 @@ class MoELayer(nn.Module):
         d_model: int,
         local_experts: tuple[int, int] | None = None,
         layer: int = 0,
+        norm_eps: float = 1e-6,
         shared_activation: str = "swiglu",
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer = layer
-        self.router = Router(cfg, d_model)
+        self.router = Router(cfg, d_model, norm_eps)
         self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)
         self.latent_in = self.latent_out = None
         if cfg.latent_dim is not None:
@@ -118,10 +120,16 @@ class MoELayer(nn.Module):
             if cfg.shared_expert_gate:
                 self.shared_gate = Linear(d_model, 1, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEOutput]:
+    def forward(
+        self, x_BSD: torch.Tensor, route_BSD: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, MoEOutput]:
+        """The experts' output for ``x_BSD`` and the layer's statistics; ``route_BSD``: what
+        the router scores where it is not ``x_BSD`` (``moe.dense_branch``: the residual
+        stream)."""
         b, s, d = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d)
-        r = self.router(x_TD, num_seqs=b)
+        route_TD = x_TD if route_BSD is None else route_BSD.reshape(b * s, d)
+        r = self.router(route_TD, num_seqs=b)
         shared = None
         if self.shared_expert is not None:
             shared = _SharedExpertStages(self.shared_expert, self.shared_gate, x_TD)

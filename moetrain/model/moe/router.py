@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from moetrain.config import MoEConfig
+from moetrain.model.attention import unit_rms
 from moetrain.model.cpu_matmul import linear
 from moetrain.model.moe.sparsemixer import sparsemixer_top2
 
@@ -109,15 +110,21 @@ class Router(nn.Module):
     ``stats_reducer`` (set by parallel code, default None): sums the per-expert selection
     counts over every rank that routes tokens; the global scopes of the aux loss use it.
     ``step_counts_E`` (int64 buffer, not saved): the ``global_batch`` scope's counts of the
-    optimizer step's earlier micro-steps (every rank).
+    optimizer step's earlier micro-steps (every rank). Gemma 4's scalars: ``input_scale`` (D,)
+    with ``moe.router_input_norm`` (the gate scores ``unit_rms(x) * input_scale * D^-0.5``,
+    ``norm_eps`` the norm's eps) and ``expert_scale`` (E,) with ``moe.expert_scale`` (each
+    chosen expert's combine weight times its scale, before ``moe.route_scale``).
     """
 
-    def __init__(self, cfg: MoEConfig, d_model: int) -> None:
+    def __init__(self, cfg: MoEConfig, d_model: int, norm_eps: float = 1e-6) -> None:
         super().__init__()
         self.cfg = cfg
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
         self.gate = RouterGate(d_model, cfg.num_experts, bias=cfg.router_bias)
+        self.norm_eps = norm_eps
+        self.input_scale = nn.Parameter(torch.ones(d_model)) if cfg.router_input_norm else None
+        self.expert_scale = nn.Parameter(torch.ones(cfg.num_experts)) if cfg.expert_scale else None
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         self.register_buffer(
             "step_counts_E", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False
@@ -131,6 +138,8 @@ class Router(nn.Module):
         cfg, e = self.cfg, self.num_experts
         if self.training and cfg.jitter > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
+        if self.input_scale is not None:  # (in x's dtype, as transformers' Gemma 4 router)
+            x_TD = unit_rms(x_TD, self.norm_eps) * self.input_scale * x_TD.shape[-1] ** -0.5
         logits_TE = self.gate(x_TD)
         if cfg.score_func == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
@@ -142,6 +151,8 @@ class Router(nn.Module):
             weights_TK, ids_TK = sparsemixer_top2(logits_TE, cfg.router_jitter_eps)
         else:
             weights_TK, ids_TK = self._top_k(logits_TE, scores_TE)
+        if self.expert_scale is not None:
+            weights_TK = weights_TK * self.expert_scale.float()[ids_TK]
         counts_E = count_experts(ids_TK, e)
         t = max(x_TD.shape[0], 1)  # T = 0 (an empty micro-batch) gives zero losses, not NaN
         z_loss = torch.logsumexp(logits_TE, dim=-1).pow(2).sum() / t
@@ -206,6 +217,14 @@ class Router(nn.Module):
             counts_E = counts_E + self.step_counts_E
         frac_E = counts_E.float() / counts_E.sum().clamp_min(1).float()
         return e * torch.sum(frac_E.detach() * probs_TE.sum(0) / max(t, 1))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Its own parameters' initial values: a zero selection bias, unit scalars."""
+        self.expert_bias.zero_()
+        for scale in (self.input_scale, self.expert_scale):
+            if scale is not None:
+                scale.fill_(1.0)
 
     @torch.no_grad()
     def begin_step(self) -> None:
