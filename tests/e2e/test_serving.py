@@ -111,6 +111,18 @@ CASES: dict[str, Case] = {
         max_model_len=256,
     ),
     "qwen2-upcycled": Case("qwen2", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
+    # DeepSeek sparse attention on latent attention at the CPU MLA kernel's shape, its indexer's
+    # head dim as released (it rotates qk_rope_head_dim of them); 4 keys per query, so sparse
+    "deepseek_v32": Case("deepseek_v32", dict(MLA, index_head_dim=128)),
+    "glm_moe_dsa": Case("glm_moe_dsa", dict(MLA, index_head_dim=128)),
+    # Kimi Linear's latent attention layers (no RoPE) at the CPU MLA kernel's shape
+    "kimi_linear": Case("kimi_linear", {k: v for k, v in MLA.items() if k != "rope_parameters"}),
+    # Mamba-2's heads fill its inner width (mamba_expand x hidden = 8 x 32)
+    "granitemoehybrid": Case(
+        "granitemoehybrid", dict(WIDE, initializer_range=2.0, mamba_n_heads=8, mamba_d_head=32)
+    ),
+    # an upcycled Qwen3.5 (dense): Qwen3.5-MoE without a shared expert
+    "qwen3_5_text-upcycled": Case("qwen3_5_text", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
 }
 
 # case -> the error vLLM gives for its export (a substring of it): vLLM does not serve them
@@ -202,16 +214,35 @@ def vllm_env() -> dict[str, str]:
 
 
 # wrappers around the root cause that vLLM prints after it
-_WRAPPERS = ("Engine core initialization failed", "Worker failed with error", "EngineCore enc")
+_WRAPPERS = (
+    "Engine core initialization failed",
+    "Worker failed with error",
+    "EngineCore enc",
+    "returned non-zero exit status",  # the model class inspected in a subprocess
+    "Error raised in subprocess",
+)
 _ERROR = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+# an exception without a message (a bare ``assert``), the frame lines above it and the prefix
+# of a worker's lines
+_RANK = re.compile(r"^\[rank\d+\]:")
+_BARE_ERROR = re.compile(r"^(?:\[rank\d+\]:)?\s*([A-Z]\w*(?:Error|Exception))\s*$")
+_FRAME = re.compile(r'File ".*?([\w.]+\.py)", line (\d+)')
 
 
 def root_cause(output: str) -> str:
-    """The first exception line of vLLM's output that is not one of its wrappers."""
-    for line in output.splitlines():
+    """The first exception line of vLLM's output that is not one of its wrappers; for an
+    exception without a message, its type, the statement that raised it and where."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
         m = _ERROR.search(line)
         if m and not any(w in m.group(2) for w in _WRAPPERS):
             return f"{m.group(1)}: {m.group(2).strip()}"
+        bare = _BARE_ERROR.match(line)
+        frames = [j for j in range(i) if _FRAME.search(lines[j])] if bare else []
+        if frames:
+            where = _FRAME.search(lines[frames[-1]])
+            statement = _RANK.sub("", lines[frames[-1] + 1]).strip()
+            return f"{bare.group(1)}: {statement} ({where.group(1)}:{where.group(2)})"
     return output[-2000:]
 
 
