@@ -132,6 +132,19 @@ REFUSED: dict[str, str] = {
     # none at size 0 and refuses the file's tensors for it
     "qwen2-upcycled": "There is no module or parameter named 'model.layers.0.mlp.shared_expert' "
     "in Qwen2MoeForCausalLM",
+    # Gated DeltaNet's CPU kernels (conv, gating, chunked rule) take bf16 only
+    "qwen3_next": "AssertionError: CPU GDN attention requires BF16.",
+    # vLLM's Qwen3.5 module imports its vision model, which needs torchvision: the venv has none
+    # (the torchvision releases vLLM's CPU build pulls are CUDA builds, which do not import on
+    # the CPU torch)
+    "qwen3_5_moe_text": "No module named 'torchvision'",
+    # vLLM's CPU MoE router takes a softmax router unless it is grouped: MiniMax-M2's sigmoid
+    # router with its selection bias is neither
+    "minimax_m2": 'assert self.scoring_func == "softmax"',
+    # vLLM sets Kimi Linear's recurrent cache to prefix-cache blocks, then its CPU platform turns
+    # prefix caching off for latent attention, and the two settings are refused together (its
+    # Kimi Delta Attention kernels are Triton's, which the CPU build has not either)
+    "kimi_linear": "--mamba-block-size can only be set with --enable-prefix-caching",
 }
 # case -> why vLLM's CPU build serves it with other tokens than transformers (and moetrain)
 MISCOMPUTED: dict[str, str] = {
@@ -222,6 +235,7 @@ _WRAPPERS = (
     "Error raised in subprocess",
 )
 _ERROR = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+_VALIDATION = re.compile(r"\d+ validation errors? for \w+$")  # pydantic's: the reason follows
 # an exception without a message (a bare ``assert``), the frame lines above it and the prefix
 # of a worker's lines
 _RANK = re.compile(r"^\[rank\d+\]:")
@@ -236,7 +250,10 @@ def root_cause(output: str) -> str:
     for i, line in enumerate(lines):
         m = _ERROR.search(line)
         if m and not any(w in m.group(2) for w in _WRAPPERS):
-            return f"{m.group(1)}: {m.group(2).strip()}"
+            message = m.group(2).strip()
+            if _VALIDATION.search(message) and i + 1 < len(lines):
+                message += ": " + lines[i + 1].strip().split(" [type=")[0]
+            return f"{m.group(1)}: {message}"
         bare = _BARE_ERROR.match(line)
         frames = [j for j in range(i) if _FRAME.search(lines[j])] if bare else []
         if frames:
