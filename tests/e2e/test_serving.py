@@ -145,6 +145,8 @@ REFUSED: dict[str, str] = {
     # prefix caching off for latent attention, and the two settings are refused together (its
     # Kimi Delta Attention kernels are Triton's, which the CPU build has not either)
     "kimi_linear": "--mamba-block-size can only be set with --enable-prefix-caching",
+    # no CPU backend of DeepSeek sparse attention (its indexer and sparse MLA)
+    "deepseek_v32": "NotImplementedError: Sparse Attention is not supported on CPU.",
 }
 # case -> why vLLM's CPU build serves it with other tokens than transformers (and moetrain)
 MISCOMPUTED: dict[str, str] = {
