@@ -16,7 +16,9 @@ fails that way and reports it as xfailed with the reason, and fails once vLLM se
 The tiny models are wider than the other tests' (hidden 128, head_dim 32: vLLM's CPU attention
 has no head size under 32) and drawn with a larger initializer range so that greedy decoding
 walks through many tokens with clear margins. DeepSeek's latent attention takes vLLM's CPU MLA
-backend, whose decode kernel has one shape: kv_lora_rank 512 and qk_rope_head_dim 64.
+backend, whose decode kernel has one shape: kv_lora_rank 512 and qk_rope_head_dim 64 (the
+sparse-attention and Kimi Linear cases take it too). The dense hybrid sources are exported
+upcycled where a MoE class holds them (Qwen3.5, as Qwen3.5-MoE); Olmo-Hybrid's is not exported.
 """
 
 from __future__ import annotations
