@@ -15,10 +15,7 @@ it, then the median CPU time of ``--repeats`` passes under ``moetrain train``'s 
 
 from __future__ import annotations
 
-import argparse
-import json
-
-from side_by_side import alternating_rounds, map_large_blocks, measure_step, print_table, run_child
+from side_by_side import layer_main, map_large_blocks, measure_step
 
 D_MODEL, HEADS, DIM, WIDTH = 512, 4, 128, 4
 PATHS = ("moetrain", "transformers")
@@ -92,27 +89,14 @@ def _child(path: str, s: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print("RESULT " + json.dumps(_child(args.child, args.seq_lens[0], args.repeats)))
-        return
+    def header(rounds: int, repeats: int) -> str:
+        return (
+            f"fwd+bwd of the layer, batch 1, d_model {D_MODEL}, {HEADS} heads of {DIM}, "
+            f"convolutions of {WIDTH}, fp32, 1 thread; {rounds} alternating rounds, median of "
+            f"{repeats} passes each"
+        )
 
-    def run(path: str, s: int) -> dict:
-        cmd = ["--child", path, "--seq-lens", str(s), "--repeats", str(args.repeats)]
-        return run_child(__file__, cmd, f"{path} at S={s}")
-
-    rows = alternating_rounds(PATHS, args.seq_lens, args.rounds, run)
-    print(
-        f"\nfwd+bwd of the layer, batch 1, d_model {D_MODEL}, {HEADS} heads of {DIM}, "
-        f"convolutions of {WIDTH}, fp32, 1 thread; {args.rounds} alternating rounds, median of "
-        f"{args.repeats} passes each\n"
-    )
-    print_table(rows, PATHS)
+    layer_main(__file__, __doc__, PATHS, _child, header)
 
 
 if __name__ == "__main__":

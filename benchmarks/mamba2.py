@@ -16,16 +16,7 @@ rounds of each round's ratio, with their range.
 
 from __future__ import annotations
 
-import argparse
-import json
-
-from side_by_side import (
-    alternating_rounds,
-    map_large_blocks,
-    measure_step,
-    print_table,
-    run_child,
-)
+from side_by_side import layer_main, map_large_blocks, measure_step
 
 D, HEADS, HEAD_DIM, STATE, CHUNK = 256, 8, 64, 128, 256
 PATHS = ("moetrain", "transformers")
@@ -94,27 +85,14 @@ def _child(path: str, s: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print("RESULT " + json.dumps(_child(args.child, args.seq_lens[0], args.repeats)))
-        return
+    def header(rounds: int, repeats: int) -> str:
+        return (
+            f"Mamba-2 layer fwd+bwd, batch 1, d_model {D}, {HEADS} heads of {HEAD_DIM}, one group, "
+            f"state {STATE}, chunks of {CHUNK}, fp32, 1 thread; {rounds} alternating rounds, "
+            f"median of {repeats} passes each"
+        )
 
-    def run(name: str, s: int) -> dict:
-        child = ["--child", name, "--seq-lens", str(s), "--repeats", str(args.repeats)]
-        return run_child(__file__, child, f"{name} at S={s}")
-
-    rows = alternating_rounds(PATHS, args.seq_lens, args.rounds, run)
-    print(
-        f"\nMamba-2 layer fwd+bwd, batch 1, d_model {D}, {HEADS} heads of {HEAD_DIM}, one group, "
-        f"state {STATE}, chunks of {CHUNK}, fp32, 1 thread; {args.rounds} alternating rounds, "
-        f"median of {args.repeats} passes each\n"
-    )
-    print_table(rows, PATHS)
+    layer_main(__file__, __doc__, PATHS, _child, header)
 
 
 if __name__ == "__main__":

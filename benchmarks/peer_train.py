@@ -1,7 +1,8 @@
 """The peer of ``benchmarks/train_command.py``: Hugging Face MixtralForCausalLM (Qwen2-MoE for
 the ``shared`` shape, DeepseekV3ForCausalLM for ``deepseek_v3``, GptOssForCausalLM for
-``gpt_oss``) trained through DeepSpeed ZeRO-2 on moetrain's prepared token shards, as one
-training script started by a launcher (one process per rank, as ``moetrain train`` is).
+``gpt_oss``; with ``--hf-dir`` the saved model in its own class) trained through DeepSpeed
+ZeRO-2 on moetrain's prepared token shards, as one training script started by a launcher (one
+process per rank, as ``moetrain train`` is).
 
     deepspeed --num_gpus 2 benchmarks/peer_train.py --data DIR --steps 20 [--shape bench]
 
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--shape", default="bench")
     ap.add_argument("--cpu-buckets", action="store_true")
+    ap.add_argument("--hf-dir", help="a saved model to start from (its family's class)")
     ap.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = ap.parse_args()
 
@@ -45,7 +47,14 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = SHAPES[args.shape]
     torch.manual_seed(0)
-    model = _hf_model(peer_family(shape), False, shape)
+    if args.hf_dir:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            args.hf_dir, dtype=torch.float32, attn_implementation="sdpa"
+        )
+    else:
+        model = _hf_model(peer_family(shape), False, shape)
     opt = torch.optim.AdamW(
         model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1, fused=True
     )

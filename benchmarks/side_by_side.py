@@ -1,10 +1,12 @@
 """Two implementations measured side by side at several sequence lengths: alternating rounds
 (each round runs both, the order reversed from round to round) and the table of their times,
 peak memory and per-round ratios (median over rounds, with the range); and the measurement of
-one fwd+bwd step in a fresh process (:func:`measure_step`, :func:`run_child`)."""
+one fwd+bwd step in a fresh process (:func:`measure_step`, :func:`run_child`); the command line
+of a layer's benchmark (:func:`layer_main`)."""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -102,3 +104,33 @@ def run_child(script: str, args: list[str], what: str) -> dict:
     if proc.returncode != 0 or not line:
         raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
     return json.loads(line[0][len("RESULT ") :])
+
+
+def layer_main(
+    script: str,
+    doc: str,
+    paths: tuple[str, str],
+    child: Callable[[str, int, int], dict],
+    header: Callable[[int, int], str],
+) -> None:
+    """A layer benchmark's command line (``--seq-lens``, ``--rounds``, ``--repeats``): as
+    ``--child PATH``, ``child(PATH, s, repeats)``'s result line; else alternating rounds of
+    ``paths``, each run a fresh ``script --child``, and their table under
+    ``header(rounds, repeats)``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, args.seq_lens[0], args.repeats)))
+        return
+
+    def run(path: str, s: int) -> dict:
+        cmd = ["--child", path, "--seq-lens", str(s), "--repeats", str(args.repeats)]
+        return run_child(script, cmd, f"{path} at S={s}")
+
+    rows = alternating_rounds(paths, args.seq_lens, args.rounds, run)
+    print(f"\n{header(args.rounds, args.repeats)}\n")
+    print_table(rows, paths)

@@ -5,6 +5,7 @@ by the same launcher (``benchmarks/peer_train.py``), at the shape of ``train_thr
     .venv/bin/python benchmarks/train_command.py                 # deepspeed launcher, bench shape
     .venv/bin/python benchmarks/train_command.py --launcher torchrun --rounds 5
     .venv/bin/python benchmarks/train_command.py --shape fine --peer-cpu-buckets
+    .venv/bin/python benchmarks/train_command.py --family qwen3_next --rounds 3
 
 Data: the built-in corpus (``builtin:stdlib``, first ``--docs`` documents) prepared once per
 vocabulary size into ``runs/bench-command/data-<V>``; both sides read the same token shards.
@@ -49,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from family_source import BENCH_SIZES, family_config, save_family_source  # noqa: E402
 from train_throughput import LR, MICRO, SHAPES, architecture_overrides  # noqa: E402
 
 WORK = ROOT / "runs" / "bench-command"
@@ -173,8 +175,18 @@ def moetrain_cmd(
     checkpoints)."""
     run_dir = run_dir_of(steps)
     shutil.rmtree(run_dir, ignore_errors=True)
+    config, sizes = CONFIG, shape_overrides(SHAPES[args.shape])
+    family = getattr(args, "family", None)
+    if family:  # the architecture from the source directory, the training keys as for bench
+        config = family_config(CONFIG, WORK / "family.yaml")
+        sizes = [
+            f"checkpoint.init_from={family_dir(family)}",
+            f"data.seq_len={SHAPES[args.shape]['seq']}",
+            "moe.aux_loss_coef=0.01",
+            "moe.z_loss_coef=0",
+        ]
     ov = [
-        *shape_overrides(SHAPES[args.shape]),
+        *sizes,
         f"data.output_dir={data}",
         f"run_dir={run_dir}",
         "checkpoint.resume=none",
@@ -191,13 +203,20 @@ def moetrain_cmd(
         "logging.wandb.mode=disabled",
         *extra,
     ]
-    target = ["-m", "moetrain", "train", str(CONFIG), *ov]
+    target = ["-m", "moetrain", "train", str(config), *ov]
     return launcher(args.launcher, port, target)
+
+
+def family_dir(family: str) -> Path:
+    """Where ``--family``'s source model lies (both sides start from it)."""
+    return save_family_source(family, WORK / f"family-{family}")
 
 
 def peer_cmd(args: argparse.Namespace, data: Path, steps: int, port: int) -> list[str]:
     target = [str(HERE / "peer_train.py"), "--data", str(data), "--steps", str(steps)]
     target += ["--shape", args.shape] + (["--cpu-buckets"] if args.peer_cpu_buckets else [])
+    if args.family:
+        target += ["--hf-dir", str(family_dir(args.family))]
     return launcher(args.launcher, port, target)
 
 
@@ -225,6 +244,12 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=2)
     ap.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
     ap.add_argument("--peer-cpu-buckets", action="store_true")
+    ap.add_argument(
+        "--family",
+        choices=sorted(BENCH_SIZES),
+        help="a released family's architecture at the bench size, both sides from one "
+        "source model (family_source.py)",
+    )
     ap.add_argument("--docs", type=int, default=4000, help="documents of the built-in corpus")
     ap.add_argument(
         "--torch-matmul",
@@ -288,7 +313,8 @@ def main() -> None:
                 flush=True,
             )
 
-    print(f"\nshape {args.shape}, launcher {args.launcher}, EP {args.ep}, {args.rounds} rounds")
+    what = f"family {args.family} at the bench size" if args.family else f"shape {args.shape}"
+    print(f"\n{what}, launcher {args.launcher}, EP {args.ep}, {args.rounds} rounds")
     pairs = [(side, "peer") for side in sides_vs_peer]
     if args.torch_matmul:  # what the kernel alone gives, round by round
         pairs.append(("moetrain", "moetrain-torch-matmul"))

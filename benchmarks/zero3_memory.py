@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,15 +72,17 @@ def model_state(trainer) -> dict[str, int]:  # noqa: ANN001
     opt = trainer.engine.optimizer
     params = list(trainer.model.parameters())
     if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3
-        weights = _bytes(p.ds_tensor for p in params)
+        held = [p.ds_tensor for p in params]
         masters = list(opt.fp32_partitioned_groups_flat)
         grads = _bytes([opt.grad_partitions_flat_buffer])
     else:  # ZeRO-2
-        weights = _bytes(params)
+        held = params
         masters = list(opt.single_partition_of_fp32_groups)
-        held = {p.untyped_storage().data_ptr() for p in params}
-        masters = [m for m in masters if m.untyped_storage().data_ptr() not in held]
         grads = _bytes(t for ts in opt.averaged_gradients.values() if ts for t in ts)
+    weights = _bytes(held)
+    # fp32 masters that share the weights' storage (moetrain.parallel.fp32_partitions)
+    shared = {t.untyped_storage().data_ptr() for t in held}
+    masters = [m for m in masters if m.untyped_storage().data_ptr() not in shared]
     moments = [t for s in opt.optimizer.state.values() for t in s.values() if t.dim()]
     return {"weights": weights, "optimizer": _bytes(masters) + _bytes(moments), "grads": grads}
 
@@ -127,26 +130,28 @@ def worker(args: argparse.Namespace) -> None:
         "growth": _status("VmHWM") - base,
         "tokens_per_s": WORLD * SEQ / statistics.median(times[1:] or times),
     }
-    print("RESULT " + json.dumps(out), flush=True)
+    Path(args.out, f"rank{topo.rank}.json").write_text(json.dumps(out))
 
 
 def launch(stage: int, steps: int) -> list[dict]:
+    """Each rank's figures (written by the rank to a file of its own: the ranks' output
+    interleaves)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [
-        str(Path(sys.executable).parent / "torchrun"),
-        "--standalone",
-        f"--nproc_per_node={WORLD}",
-        __file__,
-        "worker",
-        f"--stage={stage}",
-        f"--steps={steps}",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
-    lines = (proc.stdout + proc.stderr).splitlines()
-    found = [json.loads(x.split("RESULT ", 1)[1]) for x in lines if "RESULT " in x]
-    return sorted(found, key=lambda r: r["rank"])
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--standalone",
+            f"--nproc_per_node={WORLD}",
+            __file__,
+            "worker",
+            f"--stage={stage}",
+            f"--steps={steps}",
+            f"--out={out}",
+        ]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
 def main() -> None:
@@ -156,6 +161,7 @@ def main() -> None:
     for p in (ap, w):
         p.add_argument("--steps", type=int, default=4)
     w.add_argument("--stage", type=int, required=True)
+    w.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.cmd == "worker":
         worker(args)

@@ -81,8 +81,7 @@ def check_zero3(cfg: Config) -> None:
     """What ZeRO-3 (``parallel.zero_stage=3``, :mod:`moetrain.parallel.zero3`) refuses: shadow
     experts (the dispatcher hands a replica its owner's stacked weights outside the experts'
     forward, where ZeRO-3 holds only a partition of them), fp16 (its loss scaling at ZeRO-3 is
-    not proven here; bf16 is), optimizer offload (not proven here either),
-    ``checkpoint.init_from`` (its weights are not streamed into the partitions yet), sparse
+    not proven here; bf16 is), optimizer offload (not proven here either), sparse
     attention and linear-attention layers (not proven against stage 2 yet). Sequence
     parallelism is supported (tests/distributed/test_zero3.py)."""
     p, t = cfg.parallel, cfg.train
@@ -104,12 +103,6 @@ def check_zero3(cfg: Config) -> None:
         raise ConfigError(
             "parallel.offload_optimizer: not supported with parallel.zero_stage=3; set "
             "parallel.offload_optimizer=false or parallel.zero_stage=2"
-        )
-    if cfg.checkpoint.init_from is not None:
-        raise ConfigError(
-            f"checkpoint.init_from: not supported with parallel.zero_stage=3 yet (the weights "
-            f"are not streamed into the partitions); got {cfg.checkpoint.init_from!r}; set "
-            f"parallel.zero_stage=2 or checkpoint.init_from=null"
         )
     if cfg.model.index_topk is not None:
         raise ConfigError(

@@ -54,6 +54,8 @@ from moetrain.model.transformer import Transformer
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # tensors a file may hold that the model has none of: read only to check that they are zero
 ZERO_ONLY = re.compile(r"self_attn\.[qkvo]_proj\.bias$")
+# a moetrain tensor of block i: layers.<i>.*
+_OUR_BLOCK = re.compile(r"layers\.(\d+)\.")
 
 
 def decoder_layer(name: str) -> int:
@@ -338,24 +340,37 @@ class WeightMap:
         return name == pn.LM_HEAD and self.cfg.model.tie_embeddings
 
     def read_dense(
-        self, source: TensorSource, skip: Collection[str] = ()
+        self,
+        source: TensorSource,
+        skip: Collection[str] = (),
+        only: Collection[str] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Every moetrain tensor but the experts' (and ``skip``) from ``source``. ConfigError
-        naming an attention bias that the source holds non-zero and the model has none of."""
+        """Every moetrain tensor but the experts' (and ``skip``) from ``source``; ``only``: just
+        the entries these names hold whole (one unit of the model; the attention biases
+        checked are then those of the blocks it names). ConfigError naming an attention bias
+        that the source holds non-zero and the model has none of."""
+        skip = set(skip)
+        wanted = None if only is None else set(only)
         entries = [
-            e for e in self.entries if not isinstance(e, Experts) and not set(e.ours) & set(skip)
+            e
+            for e in self.entries
+            if not isinstance(e, Experts)
+            and not set(e.ours) & skip
+            and (wanted is None or set(e.ours) <= wanted)
         ]
         loaded = source.load([n for e in entries for n in e.theirs])
         out: dict[str, torch.Tensor] = {}
         for e in entries:
             out.update(zip(e.ours, e.from_hf([loaded.pop(n) for n in e.theirs]), strict=True))
-        if self.cfg.model.tie_embeddings:
+        if self.cfg.model.tie_embeddings and pn.EMBED in out:
             out[pn.LM_HEAD] = out[pn.EMBED]
-        mapped, blocks = {n for e in self.entries for n in e.theirs}, self.cfg.model.n_blocks
+        mapped, blocks = {n for e in self.entries for n in e.theirs}, range(self.cfg.model.n_blocks)
+        if wanted is not None:
+            blocks = {int(m.group(1)) for m in map(_OUR_BLOCK.match, wanted) if m}
         extra = [  # (in the blocks read: a multi-token-prediction layer left unread is not)
             n
             for n in source.names()
-            if ZERO_ONLY.search(n) and n not in mapped and decoder_layer(n) < blocks
+            if ZERO_ONLY.search(n) and n not in mapped and decoder_layer(n) in blocks
         ]
         for name, t in source.load(extra).items():
             if bool(t.ne(0).any()):

@@ -237,7 +237,15 @@ def resolve_resumed_config_data(data: dict[str, Any], ckpt: Path) -> Config:
 
 def check_config_fits(cfg: Config, source: InitSource) -> None:
     """Refuse a config whose model differs from the source's (ConfigError naming the key and
-    both values), or an MoE that an upcycled dense model cannot become."""
+    both values), an MoE that an upcycled dense model cannot become, or a moetrain checkpoint
+    at ``parallel.zero_stage=3`` (its weights are read into the partitions from a Hugging Face
+    directory only, :mod:`moetrain.init_from.unit_reads`)."""
+    if cfg.parallel.zero_stage == 3 and source.kind != "huggingface":
+        raise ConfigError(
+            f"checkpoint.init_from={source.requested}: a moetrain checkpoint is not read into "
+            f"ZeRO-3 partitions (parallel.zero_stage=3 starts from a Hugging Face directory); "
+            f"set parallel.zero_stage=2, or convert the checkpoint (moetrain convert)"
+        )
     for key, value in source_settings(source, cfg).items():
         section, name = key.split(".")
         ours = getattr(getattr(cfg, section), name)

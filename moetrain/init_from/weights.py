@@ -41,7 +41,7 @@ _ROTARY = re.compile(r"rotary_emb\.inv_freq$")
 # multi-token-prediction modules as ERNIE-4.5's released checkpoints store them:
 # model.mtp_block.<k>.*, model.mtp_emb_norm.<k>, model.mtp_hidden_norm.<k>,
 # model.mtp_linear_proj.<k>
-_MTP_NAME = re.compile(r"^(model\.mtp_\w+\.\d+\.|mtp\.)")
+_MTP_NAME = re.compile(r"^(model\.mtp_\w+\.\d+\.|model\.mtp\.|mtp\.)")
 
 
 def _read_config(source: InitSource, mtp_depth: int) -> Config:
@@ -50,7 +50,7 @@ def _read_config(source: InitSource, mtp_depth: int) -> Config:
     return dataclasses.replace(src, model=dataclasses.replace(src.model, mtp_depth=mtp_depth))
 
 
-def _source_map(source: InitSource, files: HFWeights, mtp_depth: int = 0) -> WeightMap:
+def source_map(source: InitSource, files: HFWeights, mtp_depth: int = 0) -> WeightMap:
     """The weight map of a Hugging Face source's model with ``mtp_depth`` multi-token-prediction
     modules, in the names its ``files`` hold (an MoE source's: its files', or transformers v5's
     in-memory ones)."""
@@ -63,7 +63,7 @@ def expected_hf_shapes(source: InitSource, mtp_depth: int = 0) -> dict[str, tupl
     multi-token-prediction modules -> its shape (the zeros a family's class always holds where
     the source has them: they are not read)."""
     files = source.weights()
-    weights = _source_map(source, files, mtp_depth)
+    weights = source_map(source, files, mtp_depth)
     return {
         name: shape
         for part in (None, *weights.moe_layers)
@@ -76,8 +76,8 @@ def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
     """The tensors of a Hugging Face source that the model would not read, apart from the
     tolerated ones (rotary tables, attention biases read only to check that they are zero, a
     tied head, and the multi-token-prediction layers, after the last decoder layer or under
-    ``model.mtp_*`` or ``mtp.`` names, when config.json declares them (or the family holds
-    them undeclared), which transformers ignores too)."""
+    ``model.mtp_*``, ``model.mtp.`` (MiMo-V2-Flash's) or ``mtp.`` names, when config.json
+    declares them (or the family holds them undeclared), which transformers ignores too)."""
     hf = json.loads((source.path / HF_CONFIG).read_text())
     mtp = declared_mtp_layers(unwrap(hf), family(source.family).layout) > 0
     n_layers, tied = source.config.model.n_layers, source.config.model.tie_embeddings
@@ -133,33 +133,50 @@ def _moe_hf_parts(
     mtp_depth: int,
 ) -> Iterator[Part]:
     files = source.weights()
-    weights = _source_map(source, files, mtp_depth)
+    weights = source_map(source, files, mtp_depth)
     yield "dense", weights.read_dense(files)
     for layer in weights.moe_layers:
         yield f"layers.{layer}", weights.read_experts(files, layer, experts, into)
 
 
+def dense_source_map(source: InitSource, cfg: Config) -> WeightMap:
+    """The weight map of a dense source upcycled into ``cfg``'s MoE (read as the dense model)."""
+    return WeightMap(
+        Config(model=cfg.model, moe=MoEConfig(first_k_dense=cfg.model.n_layers)), source.family
+    )
+
+
+def upcycled_ffns(cfg: Config) -> set[str]:
+    """The dense FFN weights of the layers ``cfg`` makes MoE (read only to be upcycled)."""
+    return {
+        pn.dense_ffn(layer, w)
+        for layer in cfg.moe.moe_layers(cfg.model.n_layers)
+        for w in pn.SWIGLU_WEIGHTS
+    }
+
+
+def dense_ffn(weights: WeightMap, files: HFWeights, layer: int) -> list[torch.Tensor]:
+    """A dense source's FFN gate, up and down weights of ``layer`` (HF layout)."""
+    names = [weights.hf_name(pn.dense_ffn(layer, w)) for w in pn.SWIGLU_WEIGHTS]
+    t = files.load(names)
+    return [t[n] for n in names]
+
+
 def _upcycled_parts(source: InitSource, cfg: Config, experts: tuple[int, int]) -> Iterator[Part]:
     """A dense source's weights as is, but the FFNs of the layers ``cfg`` makes MoE: those
     upcycled, a layer at a time."""
-    dense = Config(model=cfg.model, moe=MoEConfig(first_k_dense=cfg.model.n_layers))
-    weights, files = WeightMap(dense, source.family), source.weights()
+    weights, files = dense_source_map(source, cfg), source.weights()
     moe_layers = cfg.moe.moe_layers(cfg.model.n_layers)
-
-    def ffn(layer: int) -> list[torch.Tensor]:
-        """The dense FFN's gate, up and down weights (HF layout)."""
-        names = [weights.hf_name(pn.dense_ffn(layer, w)) for w in pn.SWIGLU_WEIGHTS]
-        t = files.load(names)
-        return [t[n] for n in names]
-
-    skip = {pn.dense_ffn(layer, w) for layer in moe_layers for w in pn.SWIGLU_WEIGHTS}
-    state = weights.read_dense(files, skip)
+    state = weights.read_dense(files, upcycled_ffns(cfg))
     for layer in moe_layers:
-        state |= upcycled_dense_part(*ffn(layer), cfg, layer)
+        state |= upcycled_dense_part(*dense_ffn(weights, files, layer), cfg, layer)
     yield "dense", state
     del state
     for layer in moe_layers:
-        yield f"layers.{layer}", upcycled_experts(*ffn(layer), cfg, layer, experts)
+        yield (
+            f"layers.{layer}",
+            upcycled_experts(*dense_ffn(weights, files, layer), cfg, layer, experts),
+        )
 
 
 def _checkpoint_parts(source: InitSource, experts: tuple[int, int]) -> Iterator[Part]:
@@ -246,22 +263,36 @@ def build_model(
     model.reset_rope()
     targets = model.state_dict(keep_vars=True)
     filled: set[str] = set()
-    with torch.no_grad():
-        for where, part in source_parts(source, cfg, local_experts, into=targets):
-            for name, tensor in part.items():
-                target = targets.get(name)
-                if target is None:
-                    raise CheckpointError(f"{source.path} ({where}): unexpected tensor {name}")
-                if target.shape != tensor.shape:
-                    raise CheckpointError(
-                        f"{source.path} ({where}): {name} has shape {list(tensor.shape)}; the "
-                        f"model needs {list(target.shape)}"
-                    )
-                if tensor is not target:  # (filled in place already)
-                    target.copy_(tensor)
-                filled.add(name)
-            del part
+    for where, part in source_parts(source, cfg, local_experts, into=targets):
+        filled |= copy_part(part, targets, f"{source.path} ({where})")
+        del part
+    check_filled(targets, filled, source.path)
+    return model
+
+
+@torch.no_grad()
+def copy_part(
+    part: dict[str, torch.Tensor], targets: dict[str, torch.Tensor], where: str
+) -> set[str]:
+    """Copy a part of the source's weights into the model's ``targets`` (tensors the source
+    filled in place are left as they are); -> the names copied. CheckpointError naming a
+    tensor the model has none of or one of the wrong shape (``where``: the part)."""
+    for name, tensor in part.items():
+        target = targets.get(name)
+        if target is None:
+            raise CheckpointError(f"{where}: unexpected tensor {name}")
+        if target.shape != tensor.shape:
+            raise CheckpointError(
+                f"{where}: {name} has shape {list(tensor.shape)}; the model needs "
+                f"{list(target.shape)}"
+            )
+        if tensor is not target:
+            target.copy_(tensor)
+    return set(part)
+
+
+def check_filled(targets: dict[str, torch.Tensor], filled: set[str], path: Any) -> None:
+    """CheckpointError naming the first tensors of ``targets`` the source had no weights for."""
     missing = sorted(set(targets) - filled)
     if missing:
-        raise CheckpointError(f"{source.path}: no weights for {missing[:5]}")
-    return model
+        raise CheckpointError(f"{path}: no weights for {missing[:5]}")

@@ -83,7 +83,7 @@ def band_mask(window: int, sink: bool, device: torch.device) -> torch.Tensor:
 
 def _banded(q, k, v, window, sinks, gqa, scale):  # noqa: ANN001, ANN202
     """Chunks 1.. of a windowed causal attention (queries from position W on)."""
-    b, h, s, _ = q.shape
+    b, h, s, qd = q.shape
     w, vd = window, v.shape[-1]
     if sinks is not None:
         q, k, v = with_sink_dims(q, k, v, sinks, scale)
@@ -100,7 +100,7 @@ def _banded(q, k, v, window, sinks, gqa, scale):  # noqa: ANN001, ANN202
     kw, vw = windows(k), windows(v)
     if sinks is not None:
         sink_key = kw.new_zeros(kw.shape[0], kw.shape[1], 1, kw.shape[-1])
-        sink_key[..., vd] = 1.0
+        sink_key[..., qd] = 1.0  # (the sink dim follows the query/key dims)
         kw = torch.cat([sink_key, kw], dim=2)
         vw = F.pad(vw, (0, 0, 1, 0))
     qc = F.pad(q[:, :, w:], (0, 0, 0, pad)).view(b, h, n, w, -1).transpose(1, 2)

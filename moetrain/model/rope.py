@@ -141,13 +141,15 @@ def rope_tables(
 
 
 def model_rope_tables(
-    cfg: ModelConfig, positions: int | None = None, long: bool = False
+    cfg: ModelConfig, positions: int | None = None, long: bool = False, local: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's RoPE tables: ``cfg.rope_dim`` dims, the first ``positions`` positions
     (default ``cfg.max_seq_len``: the context), scaled as ``cfg.rope_scaling`` says (``long``:
-    with LongRoPE's long factors). A position's row does not depend on how many are built."""
+    with LongRoPE's long factors; ``local``: of the sliding layers' ``model.sliding_rope_theta``
+    instead of ``rope_theta``). A position's row does not depend on how many are built."""
     n = cfg.max_seq_len if positions is None else positions
-    return rope_tables(cfg.rope_dim, n, cfg.rope_theta, cfg, long)
+    theta = cfg.sliding_rope_theta if local else cfg.rope_theta
+    return rope_tables(cfg.rope_dim, n, theta, cfg, long)
 
 
 def yarn_attention_factor(cfg: ModelConfig) -> float:

@@ -80,9 +80,12 @@ class Transformer(nn.Module):
         self.tie_weights()
         # the RoPE tables of the first positions, grown (exactly) when a forward needs more:
         # a long context (Llama 4 Scout's 10M positions) costs nothing until it is used
-        cos, sin = model_rope_tables(model_cfg, min(model_cfg.max_seq_len, ROPE_TABLE_ROWS))
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # (and the sliding layers' own, model.sliding_rope_theta: rope_local_cos / _sin)
+        for name, local in self._rope_buffers():
+            rows = min(model_cfg.max_seq_len, ROPE_TABLE_ROWS)
+            cos, sin = model_rope_tables(model_cfg, rows, local=local)
+            self.register_buffer(f"{name}cos", cos, persistent=False)
+            self.register_buffer(f"{name}sin", sin, persistent=False)
         self.head_exchange: HeadExchange | None = None  # sequence parallelism (set_head_exchange)
         if self.embed.weight.device.type != "meta":  # (a meta model is filled by loading)
             torch.set_rng_state(rng)
@@ -111,13 +114,19 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
+    def _rope_buffers(self) -> list[tuple[str, bool]]:
+        """The RoPE tables' buffer name prefixes, with whether they are the sliding layers'."""
+        local = [("rope_local_", True)] if self.cfg.sliding_rope_theta is not None else []
+        return [("rope_", False), *local]
+
     @torch.no_grad()
     def reset_rope(self) -> None:
         """Recompute the RoPE tables in place (a model built on the meta device and moved with
         ``to_empty`` has uninitialised buffers; every other tensor is a loaded weight)."""
-        cos, sin = model_rope_tables(self.cfg, self.rope_cos.shape[0])
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        for name, local in self._rope_buffers():
+            cos, sin = model_rope_tables(self.cfg, self.rope_cos.shape[0], local=local)
+            getattr(self, f"{name}cos").copy_(cos)
+            getattr(self, f"{name}sin").copy_(sin)
 
     @torch.no_grad()
     def rope_rows(self, n: int) -> None:
@@ -127,8 +136,10 @@ class Transformer(nn.Module):
         if n <= have:
             return
         size = min(self.cfg.max_seq_len, max(n, 2 * have))
-        cos, sin = model_rope_tables(self.cfg, size)
-        self.rope_cos, self.rope_sin = cos.to(self.rope_cos), sin.to(self.rope_sin)
+        for name, local in self._rope_buffers():
+            cos, sin = model_rope_tables(self.cfg, size, local=local)
+            setattr(self, f"{name}cos", cos.to(self.rope_cos))
+            setattr(self, f"{name}sin", sin.to(self.rope_sin))
 
     def _rope(self, start: int, s: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE rows of positions ``start .. start + s - 1`` of a sequence of ``seq_len``:
@@ -140,6 +151,13 @@ class Transformer(nn.Module):
             return self.rope_cos[start : start + s], self.rope_sin[start : start + s]
         cos, sin = model_rope_tables(self.cfg, start + s, long=True)
         return cos[start:].to(self.rope_cos), sin[start:].to(self.rope_sin)
+
+    def _local_rope(self, start: int, s: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sliding layers' RoPE rows of positions ``start .. start + s - 1`` (after
+        :meth:`_rope` grew the tables), None without ``model.sliding_rope_theta``."""
+        if self.cfg.sliding_rope_theta is None:
+            return None
+        return self.rope_local_cos[start : start + s], self.rope_local_sin[start : start + s]
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -225,6 +243,7 @@ class Transformer(nn.Module):
         # the packed documents' layout, one for every layer: no S x S mask (doc_attention.py)
         docs = None if doc_ids_BS is None else Documents.from_ids(doc_ids_BS).to(x_BSD.device)
         inputs = MixerInputs(cos, sin, docs, doc_ids_BS, start if cache is not None else 0)
+        inputs.local_rope = self._local_rope(start, s)
         moe_outs: list[MoEOutput] = []
         embed_BSD = x_BSD
         for i, block in enumerate(self.layers[: self.cfg.n_layers]):

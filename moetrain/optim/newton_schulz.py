@@ -29,7 +29,9 @@ def orthogonalize(
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
-    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + NORM_EPS)
+    # one memory layout for every matrix, however it was cut or batched: the products then
+    # round alike, and a matrix's result does not depend on its batch
+    x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + NORM_EPS)).contiguous()
     for _ in range(steps):
         gram = _matmul(x, x.mT)
         x = a * x + _matmul(b * gram + c * _matmul(gram, gram), x)

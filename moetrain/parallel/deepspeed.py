@@ -35,7 +35,7 @@ from moetrain.config import Config, ConfigError
 from moetrain.fileio import write_json_atomic
 from moetrain.model.moe.experts import EXPERT_BIASES, EXPERT_WEIGHTS
 from moetrain.parallel.expert_parallel import sharded_experts
-from moetrain.parallel.fp32_partitions import share_fp32_partitions
+from moetrain.parallel.fp32_partitions import share_fp32_partitions, share_zero3_fp32_partitions
 from moetrain.parallel.grad_partitions import flatten_grad_partitions_in_place
 from moetrain.parallel.topology import Topology
 from moetrain.parallel.zero3 import zero3_settings
@@ -264,6 +264,7 @@ def initialize_engine(
         model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
     )
     share_fp32_partitions(ds_optimizer)  # fp32 ZeRO-1/2: no clone of the weights
+    share_zero3_fp32_partitions(ds_optimizer)  # and at ZeRO-3
     flatten_grad_partitions_in_place(ds_optimizer)  # ZeRO-1/2: no gradient copy at the step
     # bf16/fp16 engines cast buffers; balancing biases stay fp32 (sign updates need range).
     modules = dict(engine.module.named_modules())

@@ -1,4 +1,4 @@
-"""fp32 training under ZeRO-1/2 without a second copy of the weights.
+"""fp32 training under ZeRO without a second copy of the weights.
 
 DeepSpeed's ZeRO-1/2 optimizer clones each rank's partition of the flat weight buffer into an
 fp32 "master" partition, and after every optimizer step copies the updated masters back into the
@@ -12,15 +12,22 @@ updates the weights in place, DeepSpeed's copy back becomes a copy onto itself, 
 all-gather that follows distributes the updated slices as before. Every value is the same as with
 the clone, so training stays bit-identical; checkpoints keep the same files and keys (the masters
 are still saved, and loading them writes the weights, as DeepSpeed then does anyway).
+
+ZeRO-3 (:func:`share_zero3_fp32_partitions`): DeepSpeed's stage-3 optimizer means to skip the
+clone when the weight partitions already have the masters' dtype and device
+(``_create_fp32_partitions``), but compares a tensor's ``torch.device`` with the accelerator's
+device *name* (a string), which is never equal: the clone is always made. The same sharing, per
+sub-group: the master partition becomes the sub-group's slice of the flat partition buffer.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["share_fp32_partitions"]
+__all__ = ["share_fp32_partitions", "share_zero3_fp32_partitions"]
 
 
 def share_fp32_partitions(zero_optimizer: Any) -> int:
@@ -35,16 +42,7 @@ def share_fp32_partitions(zero_optimizer: Any) -> int:
     masters = zero_optimizer.single_partition_of_fp32_groups
     for i, master in enumerate(masters):
         rank = dist.get_rank(group=zero_optimizer.real_dp_process_group[i])
-        weights = zero_optimizer.parallel_partitioned_bit16_groups[i][rank]
-        if (
-            weights.dtype != master.dtype
-            or weights.device != master.device
-            or weights.shape != master.shape
-        ):
-            continue
-        if weights.data_ptr() != master.data_ptr():
-            freed += master.numel() * master.element_size()
-            master.data = weights.data  # same values: the clone was taken from this slice
+        freed += _share(zero_optimizer.parallel_partitioned_bit16_groups[i][rank], master)
     if freed:
         # DeepSpeed's per-parameter views of the masters (safe_get_full_fp32_param, universal
         # checkpoints) point at the clones: link them to the shared storage, as DeepSpeed does
@@ -52,3 +50,34 @@ def share_fp32_partitions(zero_optimizer: Any) -> int:
         zero_optimizer._link_all_hp_params()
         zero_optimizer._hp_optimizer_states_linked = False
     return freed
+
+
+def share_zero3_fp32_partitions(zero3_optimizer: Any) -> int:
+    """Make every fp32 master sub-group of ``zero3_optimizer`` (DeepSpeed's ZeRO-3 optimizer)
+    the weight partitions it was cloned from, where both have the same dtype, device and size
+    and neither optimizer nor weights are offloaded; -> bytes freed on this rank."""
+    if not hasattr(zero3_optimizer, "fp32_partitioned_groups_flat"):
+        return 0
+    if zero3_optimizer.offload_optimizer or zero3_optimizer.offload_param:
+        return 0
+    pairs = zip(
+        zero3_optimizer.fp16_partitioned_groups_flat,
+        zero3_optimizer.fp32_partitioned_groups_flat,
+        strict=True,
+    )
+    return sum(_share(weights, master) for weights, master in pairs if weights is not None)
+
+
+def _share(weights: torch.Tensor, master: torch.Tensor) -> int:
+    """Point ``master`` at ``weights``' storage (the values it was cloned from) when both have
+    the same dtype, device and shape; -> the bytes freed."""
+    if (weights.dtype, weights.device, weights.shape) != (
+        master.dtype,
+        master.device,
+        master.shape,
+    ):
+        return 0
+    if weights.data_ptr() == master.data_ptr():
+        return 0
+    master.data = weights.data
+    return master.numel() * master.element_size()

@@ -23,9 +23,11 @@ divides by the whole world: the mean over the global batch.
 
 No rank materialises the whole model: :func:`build_partitioned` builds it on the meta device
 and, one unit at a time (the embedding, each block, the final norm, the head), allocates the
-unit, fills it (the model's own random init, drawn in the order of a whole-model init), rounds
-it to the training dtype and partitions it (``deepspeed.zero.Init(module=unit)``). The peak is
-the largest unit besides the partitions.
+unit, fills it (the model's own random init, drawn in the order of a whole-model init, or a
+``checkpoint.init_from`` source's weights, :mod:`moetrain.train.zero3_build`), rounds it to the
+training dtype and partitions it (``deepspeed.zero.Init(module=unit)``, which broadcasts each
+parameter from the first rank of its partition group first). The peak is the largest unit
+besides the partitions.
 
 What every module must do at stage 3: read its parameters inside its own ``forward`` (the
 router's gate and the LM head's chunked loss are modules for that reason,

@@ -14,9 +14,9 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
   (ZeRO-2), so the low-precision gradients are transient (the largest one is counted below).
 - optimizer: its state (``optim.name``'s bytes per parameter, dense and expert,
   :mod:`moetrain.plan.optimizer`; AdamW 8 B/param, Muon 4 B on its matrices and 8 B on the rest),
-  + 4 B for the fp32 master copy under bf16/fp16 (and under fp32 at ZeRO-3 or with
-  ``parallel.offload_optimizer``; otherwise fp32 masters share the weights' storage,
-  :mod:`moetrain.parallel.fp32_partitions`), partitioned under ZeRO-1/2 (dense over W, experts
+  + 4 B for the fp32 master copy under bf16/fp16 (and under fp32 with
+  ``parallel.offload_optimizer``; otherwise fp32 masters share the weights' storage at every
+  stage, :mod:`moetrain.parallel.fp32_partitions`), partitioned under ZeRO-1/2 (dense over W, experts
   over X); ``parallel.offload_optimizer`` moves it to CPU.
 - activations (:mod:`moetrain.plan.activations`): every block's bytes per token times the
   micro-batch tokens, plus the head and loss (full logits, or one chunk
@@ -260,8 +260,7 @@ def plan(
 
     weights = split(wb, z >= 3)
     grads = split(_dtype_bytes(t.grad_dtype), z >= 2)
-    # fp32 masters share the weights' storage at ZeRO-1/2 only: ZeRO-3 keeps its own partitions
-    masters = 4 if t.precision != "fp32" or z == 3 or (z >= 1 and p.offload_optimizer) else 0
+    masters = 4 if t.precision != "fp32" or (z >= 1 and p.offload_optimizer) else 0
     state = state_bytes_per_param(cfg)  # optim.name's state (AdamW: two fp32 moments)
     opt = split(state.dense + masters, z >= 1, state.expert + masters)
     opt_gpu, opt_cpu = (0, opt) if p.offload_optimizer else (opt, 0)

@@ -76,7 +76,7 @@ class Trainer:
         if init is not None:
             self.progress.init = init_record(init, cfg)
         if cfg.parallel.zero_stage == 3:  # partitioned as it is built (parallel/zero3.py)
-            model = build_zero3_model(cfg, topology, self.ds_config, local)
+            model = build_zero3_model(cfg, topology, self.ds_config, local, init)
         else:
             if init is not None:  # before the engine: ZeRO's fp32 partitions start from these
                 model = build_model(cfg, init, local)

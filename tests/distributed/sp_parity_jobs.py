@@ -63,6 +63,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # gated-attention layer
     "hybrid": PARITY_VARIANTS["hybrid"],
     "muon": PARITY_VARIANTS["muon"],
+    # MiMo-V2-Flash's attention: a sliding layer (window 6 across the slices) with sinks, twice
+    # the key/value heads (split over the ranks) and its own theta, a full layer whose single
+    # key/value head is repeated to each rank; value heads narrower than query/key heads, scaled
+    "mimo": {
+        "model.layer_types": ["sliding_attention", "full_attention"],
+        "model.sliding_window": 6,
+        "model.n_kv_heads": 1,
+        "model.sliding_n_kv_heads": 2,
+        "model.v_head_dim": 4,
+        "model.partial_rotary_factor": 0.5,
+        "model.attention_value_scale": 0.7,
+        "model.attention_sinks": True,
+        "model.attention_sinks_layers": "sliding",
+        "model.sliding_rope_theta": 500.0,
+    },
 }
 # the world-1 job's references (plain torch): the base model's and these variants'
 REFERENCES = (None, "mla", "gptoss", "capacity", "hybrid", "muon")

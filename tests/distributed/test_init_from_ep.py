@@ -64,7 +64,7 @@ UPCYCLE = {
 
 
 # families whose runs are left to -m long (the default suite's time budget)
-LONG = ("llama4_text", "dots1", "minimax_m2", "hunyuan_v1_moe", "afmoe")
+LONG = ("llama4_text", "dots1", "minimax_m2", "hunyuan_v1_moe", "afmoe", "mimo_v2_flash")
 FAMILY_CASES = [
     f if f not in LONG else pytest.param(f, marks=pytest.mark.long) for f in MOE_FAMILIES
 ]

@@ -86,7 +86,7 @@ def _job(rank: int, world: int) -> list[dict]:
         zero_opt = trainer.engine.optimizer
         params = list(trainer.model.parameters())
         weights = _nbytes(params)
-        if zero == 3:  # the partitions this rank holds, their fp32 masters
+        if zero == 3:  # the partitions this rank holds, their fp32 masters (shared in fp32)
             weights = _nbytes(p.ds_tensor for p in params)
             masters = list(zero_opt.fp32_partitioned_groups_flat)
         elif hasattr(zero_opt, "single_partition_of_fp32_groups"):
@@ -96,7 +96,8 @@ def _job(rank: int, world: int) -> list[dict]:
         moments = [
             t for state in zero_opt.optimizer.state.values() for t in state.values() if t.dim()
         ]
-        weight_storages = {p.untyped_storage().data_ptr() for p in params if p.numel()}
+        held = [p.ds_tensor for p in params] if zero == 3 else [p for p in params if p.numel()]
+        weight_storages = {t.untyped_storage().data_ptr() for t in held}
         # fp32: the masters are slices of the weights' flat buffer (not memory of their own)
         masters = [m for m in masters if m.untyped_storage().data_ptr() not in weight_storages]
         pl = plan(cfg, gpus=world)

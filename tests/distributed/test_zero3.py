@@ -3,10 +3,11 @@ as ZeRO-2 does: the same losses, global gradient norms (clipping active every st
 gradients (each gathered whole) and aux-loss-free biases, in fp32 and bf16, on the parity tests'
 configuration (tests/distributed/parity_jobs.py) with the loss in several chunks.
 
-Default suite, on 2 ranks: dp=2 in fp32 (every expert partitioned over both ranks, its
-expert-data-parallel group) and dp=1 x ep=2 in bf16 (the dense weights partitioned over both
-ranks, each rank's experts whole; weights partitioned in bf16 with fp32 masters and
-accumulation: a model left in fp32 would give fp32's losses, 1e-4 away from bf16's by the third
+Default suite, on 2 ranks: dp=2 in fp32 with ``parallel.zero3_persistence_elements=0`` (every
+weight partitioned over both ranks, the experts over their expert-data-parallel group; the
+default threshold keeps each of this tiny model's weights whole, checked) and dp=1 x ep=2 in
+bf16 at the default threshold (each weight kept whole on every rank, DeepSpeed's persistent
+path; weights in bf16 with fp32 masters and accumulation: a model left in fp32 would give fp32's losses, 1e-4 away from bf16's by the third
 step). With -m long: dp=1 x ep=2 with two MTP modules and with tied embeddings (one parameter in
 two modules), and dp=2 x ep=2 on 4 ranks (each expert partitioned over a group of 2), plain and
 with activation checkpointing (blocks recomputed in backward, the experts' SwiGLU too).
@@ -70,7 +71,12 @@ def _check_all(out: list[dict], check=_check) -> None:  # noqa: ANN001
 
 
 def test_zero3_matches_zero2_on_two_ranks() -> None:
-    _check_all(run_distributed(stages_job, 2, [(1, "base"), (2, "bf16")], STEPS, timeout=600))
+    out = run_distributed(stages_job, 2, [(1, "partitioned"), (2, "bf16")], STEPS, timeout=600)
+    _check_all(out)
+    for rank_out in out:  # threshold 0: nothing kept whole; the default keeps the tiny ones
+        partitioned, default = rank_out["ep1_partitioned"]["zero3"], rank_out["ep2_bf16"]["zero3"]
+        assert partitioned["weights"] > 0 and partitioned["kept_whole"] == 0, partitioned
+        assert default["kept_whole"] == default["weights"] > 0, default
 
 
 @pytest.mark.long

@@ -3,6 +3,7 @@ training run (:mod:`tests.distributed.parity_jobs`) at ZeRO-2 and at ZeRO-3 in o
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 from tests.distributed.parity_jobs import VARIANTS, _parallel_run, parity_config
@@ -23,7 +24,30 @@ CASES: dict[str, dict[str, Any]] = {
     # blocks recomputed in backward (their weights gathered a third time), the experts' SwiGLU
     "ckpt": {"parallel.activation_checkpointing": True, "moe.recompute_act": True},
     "bf16": {"train.precision": "bf16"},  # fp32 masters, accumulation and reduction
+    # every weight partitioned (the default threshold keeps each of the tiny model's whole)
+    "partitioned": {"parallel.zero3_persistence_elements": 0},
 }
+
+
+@contextmanager
+def kept_whole(record: dict[str, int]):  # noqa: ANN201
+    """Record, for each stage-3 Trainer built inside, how many of its weights DeepSpeed keeps
+    whole on every rank (``ds_persist``, below ``parallel.zero3_persistence_elements``) and
+    how many it has (``record["kept_whole"]``, ``record["weights"]``)."""
+    import moetrain.train.trainer as trainer_module
+
+    check = trainer_module.check_placement
+
+    def counting(engine: Any, topology: Any) -> None:
+        params = list(engine.module.parameters())
+        record.update(kept_whole=sum(bool(p.ds_persist) for p in params), weights=len(params))
+        check(engine, topology)
+
+    trainer_module.check_placement = counting
+    try:
+        yield record
+    finally:
+        trainer_module.check_placement = check
 
 
 def stages_job(
@@ -31,13 +55,15 @@ def stages_job(
 ) -> dict[str, dict[str, Any]]:
     """Each ``(ep_size, case)`` of ``layouts`` trained ``steps`` steps at ZeRO-2 and ZeRO-3:
     ``{"ep2_mtp": {"zero2": run, "zero3": run}, ...}`` (runs as ``parity_jobs._parallel_run``'s,
-    with ``ds_stage`` the stage DeepSpeed's engine ran)."""
+    with ``ds_stage`` the stage DeepSpeed's engine ran, and at ZeRO-3 :func:`kept_whole`'s
+    counts)."""
     out: dict[str, dict[str, Any]] = {}
     for ep, case in layouts:
         runs = {}
         for stage in (2, 3):
             cfg = parity_config(world, ep, stage, **STAGE3_EXTRA, **CASES[case])
-            runs[f"zero{stage}"] = _parallel_run(cfg, rank, world, steps)
+            with kept_whole({}) as whole:
+                runs[f"zero{stage}"] = {**_parallel_run(cfg, rank, world, steps), **whole}
         out[f"ep{ep}_{case}"] = runs
     return out
 

@@ -316,6 +316,22 @@ CASES = {
     "qwen3_next": dict(  # (a dense first layer and no renormalisation: Qwen3.5 holds neither)
         model=QWEN_HYBRID_MODEL, moe=dict(QWEN_SHARED, first_k_dense=1, renormalize=False)
     ),
+    "mimo_v2_flash": dict(  # MiMo-V2-Flash's flags (hf_flags.MIMO_V2_FLASH_FLAGS)
+        model=dict(
+            head_dim=12,
+            v_head_dim=8,
+            n_kv_heads=1,
+            sliding_n_kv_heads=2,
+            attention_sinks=True,
+            attention_sinks_layers="sliding",
+            sliding_window=6,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            sliding_rope_theta=500.0,
+            partial_rotary_factor=0.334,
+            attention_value_scale=0.707,
+        ),
+        moe=dict(score_func="sigmoid", first_k_dense=1, route_scale=2.5, bias_update_rate=1e-3),
+    ),
     "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_flags.LLAMA4_FLAGS)
         model=LLAMA4_MODEL,
         moe=dict(

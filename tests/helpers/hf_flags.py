@@ -260,3 +260,30 @@ KIMI_LINEAR_ATTENTION: dict[str, Any] = {
 }
 # GLM-MoE-DSA's per-layer indexers: the middle layer attends to the first layer's selection
 GLM_INDEXER_TYPES = ["full", "shared", "full"]
+
+
+# MiMo-V2-Flash's flags at the tiny shape: layer 0 full, the others sliding (a window binding)
+# with twice the key/value heads and sinks, query/key heads of 12 beside value heads of 8, a
+# RoPE theta per layer type rotating int(12 * 0.334) = 4 dims, the value scale, a dense first
+# layer
+MIMO_V2_FLASH_FLAGS = dict(
+    head_dim=12,
+    v_head_dim=8,
+    num_key_value_heads=1,
+    sliding_window=6,
+    layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse"],
+    rope_parameters={
+        "full_attention": {
+            "rope_type": "default",
+            "rope_theta": 5000.0,
+            "partial_rotary_factor": 0.334,
+        },
+        "sliding_attention": {
+            "rope_type": "default",
+            "rope_theta": 500.0,
+            "partial_rotary_factor": 0.334,
+        },
+    },
+    attention_value_scale=0.707,
+)

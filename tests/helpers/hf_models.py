@@ -24,6 +24,7 @@ from tests.helpers.hf_flags import (
     GRANITE_HYBRID,
     KIMI_LINEAR_ATTENTION,
     LLAMA4_FLAGS,
+    MIMO_V2_FLASH_FLAGS,
     PHIMOE_FLAGS,
     QWEN3_5_ROPE,
     QWEN_HYBRID,
@@ -246,6 +247,13 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
         ),
         "phimoe": lambda: transformers.PhimoeConfig(  # Phi-3.5-MoE-instruct's flags
             **{**moe, **PHIMOE_FLAGS}, intermediate_size=24, num_local_experts=4
+        ),
+        "mimo_v2_flash": lambda: transformers.MiMoV2FlashConfig(  # MiMo-V2-Flash's flags
+            **{**moe, **MIMO_V2_FLASH_FLAGS},
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            n_routed_experts=4,
+            routed_scaling_factor=2.5,
         ),
         "llama4_text": lambda: transformers.Llama4TextConfig(  # Llama 4's flags (below)
             **{**moe, **LLAMA4_FLAGS},

@@ -166,6 +166,23 @@ def test_the_stacked_expert_tensor_is_never_one_matrix() -> None:
     assert float((change - right).abs().max() / right.abs().max()) < 1e-4
 
 
+def test_experts_orthogonalised_in_bounded_batches_give_the_same_update(monkeypatch) -> None:
+    """A stack of experts goes through Newton-Schulz a few matrices at a time (its fp32
+    temporaries bounded): the same weights, bit for bit, as the whole stack at once."""
+    import moetrain.optim.muon_update as muon_update
+
+    cfg = _cfg()
+    model, grads = _model_and_grads(cfg, 2)
+    one_batch = _muon_steps(model, grads, cfg)
+    model, grads = _model_and_grads(cfg, 2)
+    w13 = dict(model.named_parameters())["layers.1.ffn.experts.w13"]
+    monkeypatch.setattr(muon_update, "BATCH_ELEMENTS", 3 * w13[0].numel() // 2)
+    batched = _muon_steps(model, grads, cfg)  # one expert per batch, a stack of 4 or more
+    assert w13.shape[0] >= 4
+    for name, weight in one_batch.items():
+        assert torch.equal(batched[name], weight), name
+
+
 def test_which_parameters_take_muon() -> None:
     cfg = _cfg(**{"model.mtp_depth": 1})
     spec = optimizer_spec("muon")

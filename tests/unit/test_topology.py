@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from moetrain.config import ConfigError, load_config
 from moetrain.config.layout import check_layout
 from moetrain.config.sections import CPU_BUCKET_ELEMENTS, GPU_BUCKET_ELEMENTS
+from moetrain.init_from.source import InitSource, check_config_fits
 from moetrain.parallel.deepspeed import deepspeed_config, dump_deepspeed_config
 from moetrain.parallel.topology import Topology
 from tests.helpers.configs import tiny_config
@@ -53,7 +55,6 @@ def test_global_batch_mismatch() -> None:
         ({"parallel.shadow_experts": 1}, r"parallel\.shadow_experts: not supported with parallel"),
         ({"train.precision": "fp16"}, r"train\.precision: fp16 is not supported with parallel"),
         ({"parallel.offload_optimizer": "true"}, r"parallel\.offload_optimizer: not supported"),
-        ({"checkpoint.init_from": "/x"}, r"checkpoint\.init_from: not supported with parallel"),
         (
             {
                 "model.attention": "mla",
@@ -85,6 +86,17 @@ def test_zero3_refuses_by_key(setting: dict, match: str) -> None:
     check_layout(_cfg(**{"parallel.zero_stage": 3}), 2)  # ZeRO-3 itself is allowed
     with pytest.raises(ConfigError, match=match):
         check_layout(_cfg(**{"parallel.zero_stage": 3, **setting}), 2)
+
+
+def test_zero3_init_from_a_checkpoint_is_refused_by_key() -> None:
+    """A Hugging Face directory starts a ZeRO-3 run (tests/distributed/test_zero3_init_from.py);
+    a moetrain checkpoint is refused, before anything is read."""
+    cfg = _cfg(**{"parallel.zero_stage": 3, "checkpoint.init_from": "/x"})
+    check_layout(cfg, 2)
+    source = InitSource(requested="/x", path=Path("/x"), kind="checkpoint", config=_cfg())
+    with pytest.raises(ConfigError, match=r"checkpoint\.init_from=/x: a moetrain checkpoint is"):
+        check_config_fits(cfg, source)
+    check_config_fits(_cfg(**{"checkpoint.init_from": "/x"}), source)  # (stage 2: read)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

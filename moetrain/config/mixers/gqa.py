@@ -54,6 +54,20 @@ class GQAKeys:
     # a sigmoid gate on each head's output, elementwise, computed by the query projection
     # (Qwen3-Next's and Qwen3.5's gated attention: wq gives per head [query | gate])
     attention_output_gate: bool = field(default=False, metadata=FUNCTION)
+    # every value is multiplied by this before attention (MiMo-V2-Flash's attention_value_scale)
+    attention_value_scale: float = field(default=1.0, metadata=above(0) | FUNCTION)
+    # the key/value heads of the sliding_attention layers (MiMo-V2-Flash's twice those of the
+    # full ones); None: n_kv_heads
+    sliding_n_kv_heads: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    # the RoPE theta of the sliding_attention layers (the tables otherwise the model's, same
+    # scaling; MiMo-V2-Flash's 10000 beside 5e6); None: rope_theta
+    sliding_rope_theta: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # which layers have model.attention_sinks: "all" (gpt-oss) or "sliding" (the
+    # sliding_attention layers only; MiMo-V2-Flash)
+    attention_sinks_layers: Literal["all", "sliding"] = field(default="all", metadata=FUNCTION)
+
+
+SLIDING_KEYS = ("sliding_n_kv_heads", "sliding_rope_theta")
 
 
 class GQA(MixerKind):
@@ -71,6 +85,10 @@ class GQA(MixerKind):
         "attention_scale",
         "qk_norm_after_rope",
         "attention_output_gate",
+        "v_head_dim",
+        "attention_value_scale",
+        *SLIDING_KEYS,
+        "attention_sinks_layers",
     )
 
     @classmethod
@@ -97,11 +115,52 @@ class GQA(MixerKind):
             f"must rotate an even number of dims, at least 2, of the {hd} of a head; "
             f"{model.partial_rotary_factor:g} rotates {rope}",
         )
+        for key in ("n_kv_heads", "sliding_n_kv_heads"):
+            heads = getattr(model, key)
+            require(
+                heads is None or model.n_heads % heads == 0,
+                f"model.{key}",
+                f"must divide model.n_heads={model.n_heads}; got {heads}",
+            )
+        sliding = any(s.window is not None for s in specs)
+        for key in SLIDING_KEYS:
+            require(
+                getattr(model, key) is None or sliding,
+                f"model.{key}",
+                "applies to the sliding_attention layers: model.layer_types has none",
+            )
         require(
-            model.n_heads % model.n_kv_heads == 0,
-            "model.n_kv_heads",
-            f"must divide model.n_heads={model.n_heads}; got {model.n_kv_heads}",
+            model.sliding_rope_theta is None or model.rope_scaling != "longrope",
+            "model.sliding_rope_theta",
+            "takes its tables from the short factors only: not with rope_scaling longrope",
         )
+        require(
+            not model.attention_output_gate or cls.v_dim(model) == hd,
+            "model.v_head_dim",
+            f"an output gate gates whole heads of model.head_dim={hd}: must equal it",
+        )
+        require(
+            model.attention_sinks or model.attention_sinks_layers == "all",
+            "model.attention_sinks_layers",
+            "says which layers have sinks: needs model.attention_sinks=true",
+        )
+
+    @classmethod
+    def kv_heads(cls, model: ModelConfig, spec: MixerSpec) -> int:
+        """The key/value heads of a layer with ``spec``."""
+        sliding = spec.window is not None and model.sliding_n_kv_heads is not None
+        return model.sliding_n_kv_heads if sliding else model.n_kv_heads
+
+    @classmethod
+    def v_dim(cls, model: ModelConfig) -> int:
+        """The dims of a value head (``model.v_head_dim``, else the query/key head's)."""
+        return model.v_head_dim if model.v_head_dim is not None else cls.head_dim(model)
+
+    @classmethod
+    def has_sinks(cls, model: ModelConfig, spec: MixerSpec) -> bool:
+        """Whether a layer with ``spec`` has attention sinks."""
+        scope = model.attention_sinks_layers == "all" or spec.window is not None
+        return model.attention_sinks and scope
 
     @classmethod
     def head_dim(cls, model: ModelConfig) -> int:

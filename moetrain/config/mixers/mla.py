@@ -31,6 +31,9 @@ class MLAKeys:
     qk_nope_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # the rotary part of each query head and of the one key shared by all heads (even)
     qk_rope_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    # the dims of a value head (required here); with grouped-query attention too, where a
+    # value head and each head's output into wo may be narrower than the query/key heads
+    # (MiMo-V2-Flash's 128 beside 192; None: head_dim)
     v_head_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
     # DeepSeek sparse attention (DSA): each query attends to the index_topk earlier keys of its
     # document that the layer's lightning indexer scores highest (all of them while they are

@@ -171,7 +171,12 @@ BASELINE: dict[str, Rule] = {
     "model.attention_block_norms": only(None),
     "model.lm_head_bias": only(False),
     "model.attention_sinks": only(False),
+    "model.attention_sinks_layers": only("all", applies=lambda m, _: m.attention_sinks),
     "model.sliding_window": only(None),
+    "model.sliding_n_kv_heads": only(None),
+    "model.sliding_rope_theta": only(None),
+    "model.v_head_dim": only(None, applies=lambda m, _: m.attention == "gqa"),
+    "model.attention_value_scale": only(1.0),
     "model.nope_layers": refused_when(
         _no_nope_layers, "{name} rotates every layer's queries and keys; must be null"
     ),
@@ -249,7 +254,15 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     "model.attention_block_norms": {None: "places every layer's norms alike"},
     "model.lm_head_bias": {False: "has no LM-head bias"},
     "model.attention_sinks": {False: "has no attention sinks", True: "has a sink per head"},
+    "model.attention_sinks_layers": {
+        "all": "has sinks in every layer or none",
+        "sliding": "has sinks in its sliding-window layers only",
+    },
     "model.sliding_window": {None: "attends to the whole context"},
+    "model.sliding_n_kv_heads": {None: "has as many key/value heads in every layer"},
+    "model.sliding_rope_theta": {None: "has one RoPE theta for every layer"},
+    "model.v_head_dim": {None: "has value heads as wide as its query/key heads"},
+    "model.attention_value_scale": {1.0: "does not scale the attention values"},
     "model.attn_temperature_floor": {None: "has no query temperature"},
     "model.attention_chunk_size": {None: "has no chunked attention"},
     "model.qk_norm_after_rope": {False: "has no query/key norm after RoPE"},

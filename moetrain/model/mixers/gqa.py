@@ -27,6 +27,11 @@ followed by as many gate values (transformers' ``q_proj`` of twice the size, per
 ``[query | gate]``), and every head's attention output is multiplied by the sigmoid of its gate
 before ``wo`` (under sequence parallelism after the exchange back: the gate stays local).
 
+MiMo-V2-Flash's pieces: value heads of ``model.v_head_dim`` (the output into ``wo`` as wide),
+the values multiplied by ``model.attention_value_scale``, and on a sliding layer
+``model.sliding_n_kv_heads`` key/value heads, sinks only there (``model.attention_sinks_layers:
+sliding``) and the tables of ``model.sliding_rope_theta`` (``MixerInputs.local_rope``).
+
 ``model.qk_norm_position: after_rope`` applies the learned per-head query/key norms to the
 rotated heads instead (Hunyuan-A13B).
 
@@ -47,6 +52,7 @@ from torch import nn
 
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
+from moetrain.config.mixers.gqa import GQA
 from moetrain.model.attention import (
     cache_causal_mask,
     expand_kv_for_mask,
@@ -77,10 +83,12 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        v_head_dim: int | None = None,
     ) -> None:
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        v_shape = shape[:-1] + (v_head_dim or head_dim,)
+        self.v = torch.zeros(v_shape, dtype=dtype, device=device)
 
     def append(
         self, pos: int, k_BGsHd: torch.Tensor, v_BGsHd: torch.Tensor
@@ -97,7 +105,7 @@ class KVCache:
     def bytes_per_token(self) -> int:
         """Keys and values of every K/V head."""
         _, g, _, hd = self.k.shape
-        return 2 * g * hd * self.k.element_size()
+        return g * (hd + self.v.shape[-1]) * self.k.element_size()
 
 
 class Attention(TokenMixer):
@@ -110,16 +118,20 @@ class Attention(TokenMixer):
     def __init__(self, cfg: ModelConfig, spec: MixerSpec) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.n_kv_heads = cfg.n_kv_heads
+        self.n_kv_heads = GQA.kv_heads(cfg, spec)
         self.head_dim = cfg.attention_head_dim
-        d, hd = cfg.d_model, self.head_dim
+        self.v_head_dim = GQA.v_dim(cfg)
+        self.value_scale = cfg.attention_value_scale
+        d, hd, vd = cfg.d_model, self.head_dim, self.v_head_dim
         # with an output gate, each head's query followed by its gate (Qwen3-Next's q_proj)
         self.output_gate = cfg.attention_output_gate
         q_out = self.n_heads * hd * (2 if self.output_gate else 1)
         self.wq = Linear(d, q_out, bias=cfg.qkv_bias)
         self.wk = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.wv = Linear(d, self.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.wo = Linear(self.n_heads * hd, d, bias=cfg.o_bias)
+        self.wv = Linear(d, self.n_kv_heads * vd, bias=cfg.qkv_bias)
+        self.wo = Linear(self.n_heads * vd, d, bias=cfg.o_bias)
+        # the sliding layers' own RoPE tables (model.sliding_rope_theta): MixerInputs.local_rope
+        self.local_rope = spec.window is not None and cfg.sliding_rope_theta is not None
         self.window = spec.window  # None: full causal attention
         self.chunk = spec.chunk  # None: not chunked
         self.rope = spec.rope  # False: a NoPE layer
@@ -127,7 +139,8 @@ class Attention(TokenMixer):
         self.post_rope_eps = cfg.norm_eps if cfg.qk_norm_after_rope and self.rope else None
         self.temperature = spec.temperature  # (floor, scale) on NoPE layers, or None
         # the sink logit of each query head (model.attention_sinks); None without sinks
-        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if cfg.attention_sinks else None
+        sinks = GQA.has_sinks(cfg, spec)
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if sinks else None
         # per head: normalise each (Hd,) head vector; per projection (OLMoE): the whole
         # (heads * Hd,) projection, before it is split into heads
         self.qk_norm_per_head = cfg.qk_norm_scope == "head"
@@ -149,6 +162,8 @@ class Attention(TokenMixer):
         chunks and sinks. With ``state`` the keys and values are appended to it at
         ``inputs.pos`` and the queries attend to every cached position."""
         cos_SHd, sin_SHd, mask_B1SS = inputs.cos, inputs.sin, inputs.mask
+        if self.local_rope:
+            cos_SHd, sin_SHd = inputs.local_rope
         b, s, _ = x_BSD.shape
         q, k = self.wq(x_BSD), self.wk(x_BSD)
         gate = None
@@ -160,7 +175,9 @@ class Attention(TokenMixer):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
-        v = self.wv(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
+        v = self.wv(x_BSD).view(b, s, self.n_kv_heads, self.v_head_dim)
+        if self.value_scale != 1.0:
+            v = v * self.value_scale
         if norm and self.qk_norm_per_head and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHSHd, k_BGSHd = q.transpose(1, 2), k.transpose(1, 2)
@@ -310,7 +327,9 @@ class Attention(TokenMixer):
     def new_state(
         self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
     ) -> KVCache:
-        return KVCache(batch, self.n_kv_heads, self.head_dim, max_len, dtype, device)
+        return KVCache(
+            batch, self.n_kv_heads, self.head_dim, max_len, dtype, device, self.v_head_dim
+        )
 
     def init_own_parameters(self) -> None:
         if self.sinks is not None:
@@ -320,8 +339,8 @@ class Attention(TokenMixer):
 
     @classmethod
     def param_shapes(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, ...]]:
-        h, g, hd = cfg.n_heads, cfg.n_kv_heads, cfg.attention_head_dim
-        out: dict[str, tuple[int, ...]] = {"sinks": (h,)} if cfg.attention_sinks else {}
+        h, g, hd = cfg.n_heads, GQA.kv_heads(cfg, spec), cfg.attention_head_dim
+        out: dict[str, tuple[int, ...]] = {"sinks": (h,)} if GQA.has_sinks(cfg, spec) else {}
         for name, (n_in, n_out) in cls.matrices(cfg, spec).items():
             out[f"{name}.weight"] = (n_out, n_in)
             if cfg.o_bias if name == "wo" else cfg.qkv_bias:
@@ -334,15 +353,16 @@ class Attention(TokenMixer):
 
     @classmethod
     def matrices(cls, cfg: ModelConfig, spec: MixerSpec) -> dict[str, tuple[int, int]]:
-        d, h, g, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.attention_head_dim
+        d, h, hd, vd = cfg.d_model, cfg.n_heads, cfg.attention_head_dim, GQA.v_dim(cfg)
+        g = GQA.kv_heads(cfg, spec)
         q = h * hd * (2 if cfg.attention_output_gate else 1)
-        return {"wq": (d, q), "wk": (d, g * hd), "wv": (d, g * hd), "wo": (h * hd, d)}
+        return {"wq": (d, q), "wk": (d, g * hd), "wv": (d, g * vd), "wo": (h * vd, d)}
 
     @classmethod
     def mixing_flops_per_token(cls, cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
-        """Scores and values over the whole sequence, ``12 H Hd seq_len`` (the causal mask, a
-        window or chunks not discounted)."""
-        return 6 * cfg.n_heads * 2 * cfg.attention_head_dim * seq_len
+        """Scores and values over the whole sequence, ``6 H (Hd + Vd) seq_len`` (Vd the value
+        head's dims; the causal mask, a window or chunks not discounted)."""
+        return 6 * cfg.n_heads * (cfg.attention_head_dim + GQA.v_dim(cfg)) * seq_len
 
     @classmethod
     def saved_bytes_per_token(
@@ -357,11 +377,13 @@ class Attention(TokenMixer):
         over ``sp`` ranks ``2aHkv(r - 1)`` (r = :func:`moetrain.model.head_exchange.
         kv_repeats`). Windows, chunks and sinks (``model/local_attention.py``) save what
         their paths save; not modelled."""
-        a, h, g = act_bytes, cfg.n_heads, cfg.n_kv_heads
+        a, h, g = act_bytes, cfg.n_heads, GQA.kv_heads(cfg, spec)
         hq, hkv = h * cfg.attention_head_dim, g * cfg.attention_head_dim
-        saved = a * cfg.d_model + 2 * a * hq + 2 * a * hkv + 4 * h
+        # the value heads and the output (narrower with model.v_head_dim)
+        vq, vkv = h * GQA.v_dim(cfg), g * GQA.v_dim(cfg)
+        saved = a * cfg.d_model + a * (hq + vq) + a * (hkv + vkv) + 4 * h
         if sp > 1:
-            saved += a * hq + 2 * a * hkv * (kv_repeats(g, sp) - 1)
+            saved += a * vq + a * (hkv + vkv) * (kv_repeats(g, sp) - 1)
         if cfg.qk_norm:
             rows = h + g if cfg.qk_norm_scope == "head" else 2
             saved += a * (hq + hkv) + 4 * rows
@@ -371,7 +393,8 @@ class Attention(TokenMixer):
 
     @classmethod
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
-        return 2 * cfg.n_kv_heads * cfg.attention_head_dim * dtype_bytes
+        g = GQA.kv_heads(cfg, spec)
+        return g * (cfg.attention_head_dim + GQA.v_dim(cfg)) * dtype_bytes
 
     @classmethod
     def exchange_bytes_per_token(
@@ -381,6 +404,7 @@ class Attention(TokenMixer):
         output back; ``(sp - 1) / sp`` of each leaves the GPU."""
         if sp == 1:
             return 0.0
-        reps = kv_repeats(cfg.n_kv_heads, sp)
-        dims = cfg.attention_head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads * reps)
+        g, hd, vd = GQA.kv_heads(cfg, spec), cfg.attention_head_dim, GQA.v_dim(cfg)
+        reps = kv_repeats(g, sp)
+        dims = hd * (cfg.n_heads + g * reps) + vd * (cfg.n_heads + g * reps)
         return act_bytes * dims * (sp - 1) / sp
