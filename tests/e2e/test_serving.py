@@ -149,6 +149,7 @@ REFUSED: dict[str, str] = {
     "kimi_linear": "--mamba-block-size can only be set with --enable-prefix-caching",
     # no CPU backend of DeepSeek sparse attention (its indexer and sparse MLA)
     "deepseek_v32": "NotImplementedError: Sparse Attention is not supported on CPU.",
+    "glm_moe_dsa": "NotImplementedError: Sparse Attention is not supported on CPU.",
 }
 # case -> why vLLM's CPU build serves it with other tokens than transformers (and moetrain)
 MISCOMPUTED: dict[str, str] = {
