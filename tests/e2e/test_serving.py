@@ -140,6 +140,7 @@ REFUSED: dict[str, str] = {
     # (the torchvision releases vLLM's CPU build pulls are CUDA builds, which do not import on
     # the CPU torch)
     "qwen3_5_moe_text": "No module named 'torchvision'",
+    "qwen3_5_text-upcycled": "No module named 'torchvision'",
     # vLLM's CPU MoE router takes a softmax router unless it is grouped: MiniMax-M2's sigmoid
     # router with its selection bias is neither
     "minimax_m2": 'assert self.scoring_func == "softmax"',
