@@ -37,11 +37,13 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     d = m.d_model
     norm = 2 * d if m.norm == "layernorm" else d  # one norm's parameters (weight, bias)
     seq_len = seq_len or cfg.data.seq_len
-    dense_ffn = 3 * d * m.dense_hidden
-    expert = 3 * d * e.expert_hidden
-    shared = 3 * d * e.shared_hidden if e.num_shared_experts else 0
+    mlp = 2 if m.ffn_activation == "relu2" else 3  # matrices of a dense FFN / shared expert
+    dense_ffn = mlp * d * m.dense_hidden
+    expert = (3 if e.gated else 2) * (e.latent_dim or d) * e.expert_hidden
+    shared = mlp * d * e.shared_hidden if e.num_shared_experts else 0
     shared_gate = d if (e.num_shared_experts and e.shared_expert_gate) else 0
     router = d * e.num_experts
+    latent = 2 * d * e.latent_dim if e.latent_dim else 0  # a latent MoE's two projections
 
     total = active = matmul_active = mtp = mixing = 0
     n_moe = 0
@@ -58,8 +60,8 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
             mixing += kind.mixing_flops_per_token(m, layer.mixer, seq_len)
         if layer.ffn == "moe":
             n_moe += 1
-            ffn_active = router + e.top_k * expert + shared + shared_gate
-            total += branch_norms + router + e.num_experts * expert + shared + shared_gate
+            ffn_active = router + latent + e.top_k * expert + shared + shared_gate
+            total += branch_norms + ffn_active + (e.num_experts - e.top_k) * expert
             active += branch_norms + ffn_active
             matmul_active += ffn_active
         elif layer.ffn == "dense":

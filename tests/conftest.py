@@ -62,13 +62,19 @@ def pytest_collection_finish(session):
 
     Inside a test, the first ranks to start would compile it under their job's timeout while the
     others wait on its file lock, and a rank killed mid-build leaves the lock behind for every
-    later test. Built here, a compiler failure shows once, plainly, before the first test."""
+    later test. Built here, a compiler failure shows once, plainly, before the first test. The
+    ranks of run_distributed then fork from one server process that imported torch, DeepSpeed
+    and this op once (tests/helpers/distributed.py's PRELOADED)."""
     if not any(
         part in ("distributed", "e2e") for item in session.items for part in item.path.parts
     ):
         return
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
+
+    from tests.helpers import distributed
+
+    distributed.PRELOADED = True
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):

@@ -96,7 +96,8 @@ class LayerPlanKeys:
     # the token mixer kind of the linear_attention layers (moetrain.config.mixers):
     # "gated_deltanet" (Qwen3-Next's and Qwen3.5's Gated DeltaNet; config/mixers/gated_deltanet.py)
     # "kda" (Kimi Linear's Kimi Delta Attention; config/mixers/kda.py) or "mamba2" (Granite 4.0-H's
-    # Mamba-2; config/mixers/mamba2.py)
+    # Mamba-2; config/mixers/mamba2.py); "gated_conv" (LFM2's gated short convolution;
+    # config/mixers/gated_conv.py)
     linear_attention: str = field(default="gated_deltanet", metadata=FUNCTION)
     # sliding-window attention: a query of a "sliding_attention" layer sees the last
     # sliding_window positions, itself included (transformers' rule); less than max_seq_len

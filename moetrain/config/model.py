@@ -24,6 +24,7 @@ from moetrain.config.layer_plan import (
     validate_layer_plan,
 )
 from moetrain.config.mixers import (
+    GatedConvKeys,
     GatedDeltaNetKeys,
     GQAKeys,
     KDAKeys,
@@ -47,8 +48,12 @@ class ModelShape:
     n_layers: int = field(default=4, metadata=POSITIVE_INT | FUNCTION)
     n_heads: int = field(default=4, metadata=POSITIVE_INT | FUNCTION)
     n_kv_heads: int = field(default=2, metadata=POSITIVE_INT | FUNCTION)
-    # SwiGLU hidden size of dense (non-MoE) FFN layers
+    # hidden size of dense (non-MoE) FFN layers
     dense_hidden: int = field(default=1024, metadata=POSITIVE_INT | FUNCTION)
+    # the dense FFN layers' and the shared experts' MLP: "swiglu" w2(silu(w1 x) * w3 x), or
+    # "relu2" w2(relu(w1 x)^2), not gated (Nemotron-H's; w1 its up projection). The routed
+    # experts' is moe.activation
+    ffn_activation: Literal["swiglu", "relu2"] = field(default="swiglu", metadata=FUNCTION)
     # RoPE table size and HF max_position_embeddings
     max_seq_len: int = field(default=2048, metadata=POSITIVE_INT)
     rope_theta: float = field(default=10000.0, metadata=above(0) | FUNCTION)
@@ -62,7 +67,14 @@ class ModelShape:
 
 @dataclass
 class ModelConfig(
-    LayerPlanKeys, KDAKeys, GatedDeltaNetKeys, Mamba2Keys, MLAKeys, GQAKeys, ModelShape
+    LayerPlanKeys,
+    GatedConvKeys,
+    KDAKeys,
+    GatedDeltaNetKeys,
+    Mamba2Keys,
+    MLAKeys,
+    GQAKeys,
+    ModelShape,
 ):
     """Transformer shape: the keys above, then each mixer kind's and the layer plan's, then
     these."""

@@ -81,6 +81,9 @@ class MoEConfig:
     # renormalisation divides the top-k weights by max(their sum, renormalize_min) (ERNIE-4.5's
     # moe_norm_min); 0 = by the plain sum. Only with renormalize (and not topk_before_score)
     renormalize_min: float = field(default=0.0, metadata=at_least(0, "0 = plain sum") | FUNCTION)
+    # renormalisation divides by the sum plus renormalize_eps (LFM2-MoE's 1e-6); 0 = the plain
+    # sum. Only with renormalize (and not topk_before_score)
+    renormalize_eps: float = field(default=0.0, metadata=at_least(0, "0 = plain sum") | FUNCTION)
     # a bias on the router's logits, layers.<i>.ffn.router.gate.bias (E,) (gpt-oss); it
     # shifts the routing scores themselves (unlike the selection bias moe.bias_update_rate moves)
     router_bias: bool = field(default=False, metadata=FUNCTION)
@@ -89,14 +92,28 @@ class MoEConfig:
     expert_biases: bool = field(default=False, metadata=FUNCTION)
     # the routed experts' activation of gate a and up b: "swiglu" silu(a) * b, or
     # "clamped_swiglu" (gpt-oss) (min(b, l).clamp(-l) + 1) * a' * sigmoid(alpha * a'),
-    # a' = min(a, l), with alpha = moe.swiglu_alpha and l = moe.swiglu_limit (both required).
-    # Dense layers and shared experts stay SwiGLU
-    activation: Literal["swiglu", "clamped_swiglu"] = field(default="swiglu", metadata=FUNCTION)
+    # a' = min(a, l), with alpha = moe.swiglu_alpha and l = moe.swiglu_limit (both required);
+    # or "relu2": relu(a)^2 of the up projection a alone, not gated (Nemotron-H's; w13 is then
+    # (E, D, F)). Dense layers and shared experts: model.ffn_activation
+    activation: Literal["swiglu", "clamped_swiglu", "relu2"] = field(
+        default="swiglu", metadata=FUNCTION
+    )
     swiglu_alpha: float | None = field(default=None, metadata=above(0) | FUNCTION)
     swiglu_limit: float | None = field(default=None, metadata=above(0) | FUNCTION)
     # the routing weight w multiplies each routed copy's input instead of its output: expert e
     # computes expert_e(w * x), and the combine sums the outputs (Llama 4)
     score_on_input: bool = field(default=False, metadata=FUNCTION)
+
+    # latent MoE (Nemotron 3 Super's moe_latent_size): the routed experts compute in a latent
+    # of this size, x projected into it (ffn.latent_in, D -> latent_dim) before the dispatch
+    # and their combined output back (ffn.latent_out) after the combine; the router and the
+    # shared experts read x itself. null: the experts compute in d_model
+    latent_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+
+    @property
+    def gated(self) -> bool:
+        """Whether the routed experts are gated (w13 holds a gate and an up projection)."""
+        return self.activation != "relu2"
 
     def ffn_kind(self, layer: int) -> FFNKind:
         """Block ``layer``'s FFN (the layer plan's, :mod:`moetrain.config.layer_plan`): its
@@ -171,6 +188,11 @@ class MoEConfig:
         require(
             self.renormalize_min == 0 or (self.renormalize and not self.topk_before_score),
             "moe.renormalize_min",
+            "only applies with moe.renormalize=true and moe.topk_before_score=false",
+        )
+        require(
+            self.renormalize_eps == 0 or (self.renormalize and not self.topk_before_score),
+            "moe.renormalize_eps",
             "only applies with moe.renormalize=true and moe.topk_before_score=false",
         )
 

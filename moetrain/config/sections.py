@@ -330,6 +330,12 @@ class Config:
             "muon orthogonalises whole matrices, which it finds in ZeRO-1/2 partitions only; "
             "ZeRO-3's are not read yet: use parallel.zero_stage 0, 1 or 2 with muon",
         )
+        require(
+            self.optim.name != "muon" or self.moe.gated,
+            "moe.activation",
+            "muon orthogonalises each expert's gate and up projection apart, and relu2 experts "
+            "have one projection: not with optim.name=muon yet",
+        )
         check_layout(self)
 
     def _check_qk_clip(self) -> None:

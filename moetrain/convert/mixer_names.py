@@ -26,12 +26,14 @@ _MLA = {
     "wo": "o_proj",
     # sparse attention's indexer: the same names under it (wq_b, wk, k_norm, weights_proj)
     "indexer": "indexer",
+    "g_proj": "g_proj",  # Ling 3.0's per-head output gate (model.mla_head_gate)
 }
 # Gated DeltaNet: Qwen3.5's names (Qwen3-Next's fused projections: _fused_linear_attention)
 _GDN = {w: w for w in pn.GDN_WEIGHTS} | {"wo": "out_proj"}
 # Kimi Delta Attention: Kimi Linear's files' names
 _KDA = {w: w for w in pn.KDA_WEIGHTS} | {"wo": "o_proj"}
 _MAMBA2 = {w: w for w in pn.MAMBA2_WEIGHTS} | {"wo": "out_proj"}
+_GATED_CONV = {w: w for w in pn.GATED_CONV_WEIGHTS} | {"wo": "out_proj"}
 # A token mixer's weights: their names in a moetrain block -> in a Hugging Face decoder layer.
 # A block takes the first table that names every one of its mixer's weights; a new mixer kind
 # adds its table here.
@@ -56,6 +58,9 @@ MIXER_NAMES: tuple[dict[str, str], ...] = (
     {  # Mamba-2 (Granite 4.0-H's names)
         **{block_name(pn.attn(0, ours)): f"mamba.{theirs}" for ours, theirs in _MAMBA2.items()},
         **{block_name(pn.mixer_param(0, p), None): f"mamba.{p}" for p in pn.MAMBA2_PARAMS},
+    },
+    {  # the gated short convolution (LFM2's names)
+        block_name(pn.attn(0, ours)): f"conv.{theirs}" for ours, theirs in _GATED_CONV.items()
     },
 )
 

@@ -6,7 +6,8 @@ expert, fused or stacked.
 
 Expert entries read any range of experts from a :class:`TensorSource` (the safetensors files, or
 a state dict in memory), each expert-parallel rank only its own. Shapes: moetrain's ``w13``
-(E, D, 2F) = ``[w1 | w3]`` (gate, up) and ``w2`` (E, F, D); ``nn.Linear`` holds (out, in).
+(E, D, 2F) = ``[w1 | w3]`` (gate, up; experts that are not gated: (E, D, F), up alone) and
+``w2`` (E, F, D); ``nn.Linear`` holds (out, in).
 """
 
 from __future__ import annotations
@@ -244,30 +245,37 @@ class Experts(Entry):
 @dataclass(frozen=True)
 class PerExpertFiles(Experts):
     """One tensor per expert and projection, ``theirs`` = gate, up, down of expert 0, then of
-    expert 1, ..., each (out, in)."""
+    expert 1, ..., each (out, in); experts that are not ``gated``: up, down."""
+
+    gated: bool = True
+
+    @property
+    def _per_expert(self) -> int:
+        return 3 if self.gated else 2
 
     def to_hf(self, tensors: Tensors) -> Tensors:
-        w1, w3 = unpack_w13(tensors[0])
-        w2 = tensors[1]
-        return [w[e].t() for e in range(self.num_experts) for w in (w1, w3, w2)]
+        w13, w2 = tensors[:2]
+        parts = (*unpack_w13(w13), w2) if self.gated else (w13, w2)
+        return [w[e].t() for e in range(self.num_experts) for w in parts]
 
     def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
-        (_, d, f2), _ = shapes
-        return [(f2 // 2, d), (f2 // 2, d), (d, f2 // 2)] * self.num_experts
+        (_, d, width), (_, f, _) = shapes
+        return ([(f, d)] * (width // f) + [(d, f)]) * self.num_experts
 
     def read(self, source: TensorSource, start: int, stop: int, into: Into = None) -> Tensors:
-        names = self.theirs[3 * start : 3 * stop]
+        k = self._per_expert
+        names = self.theirs[k * start : k * stop]
         t = source.load(list(names))
-        gate = t[names[0]]
-        (f, d), n = gate.shape, stop - start
+        first = t[names[0]]
+        (f, d), n = first.shape, stop - start
         into = into or {}
-        w13 = into.get(self.ours[0], torch.empty(n, d, 2 * f, dtype=gate.dtype))
-        w2 = into.get(self.ours[1], torch.empty(n, f, d, dtype=gate.dtype))
+        w13 = into.get(self.ours[0], torch.empty(n, d, (k - 1) * f, dtype=first.dtype))
+        w2 = into.get(self.ours[1], torch.empty(n, f, d, dtype=first.dtype))
         with torch.no_grad():  # each expert transposed straight into place
             for i in range(n):
-                g, u, dn = (t.pop(names[3 * i + j]) for j in range(3))
-                w13[i, :, :f].copy_(g.t().contiguous())
-                w13[i, :, f:].copy_(u.t().contiguous())
+                *ins, dn = (t.pop(names[k * i + j]) for j in range(k))
+                for j, w in enumerate(ins):  # gate then up (or up alone)
+                    w13[i, :, j * f : (j + 1) * f].copy_(w.t().contiguous())
                 w2[i].copy_(dn.t().contiguous())
         return [w13, w2]
 
@@ -280,20 +288,26 @@ def cat_gate_up(w13: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class FusedFiles(Experts):
-    """Two tensors, ``nn.Linear``'s orientation: gate_up (E, 2F, D) = [gate; up], down
-    (E, D, F)."""
+    """Two tensors, ``nn.Linear``'s orientation: gate_up (E, 2F, D) = [gate; up] (not
+    ``gated``: up (E, F, D)), down (E, D, F)."""
+
+    gated: bool = True
 
     def to_hf(self, tensors: Tensors) -> Tensors:
-        return [cat_gate_up(tensors[0]), tensors[1].mT]
+        w13, w2 = tensors
+        return [cat_gate_up(w13) if self.gated else w13.mT, w2.mT]
 
     def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
-        (e, d, f2), _ = shapes
-        return [(e, f2, d), (e, d, f2 // 2)]
+        (e, d, width), (_, f, _) = shapes
+        return [(e, width, d), (e, d, f)]
 
     def read(self, source: TensorSource, start: int, stop: int, into: Into = None) -> Tensors:
-        gate_up = source.load_rows(self.theirs[0], start, stop)  # (L, 2F, D)
-        f = gate_up.shape[1] // 2
-        w13 = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
+        gate_up = source.load_rows(self.theirs[0], start, stop)  # (L, 2F, D) or (L, F, D)
+        if self.gated:
+            f = gate_up.shape[1] // 2
+            w13 = pack_w13(gate_up[:, :f].mT, gate_up[:, f:].mT)
+        else:
+            w13 = gate_up.mT
         w2 = source.load_rows(self.theirs[1], start, stop).transpose(1, 2)
         return [w13.contiguous(), w2.contiguous()]
 

@@ -23,6 +23,7 @@ from moetrain.checkpoint.format import CheckpointError
 from moetrain.config import Config, ConfigError
 from moetrain.convert.families import family
 from moetrain.convert.families.layout import (
+    NOT_GATED,
     SWIGLU,
     V5_FUSED,
     Fused,
@@ -72,12 +73,23 @@ def in_memory(layout: Layout) -> Layout:
         layout,
         renames={**layout.renames, **layout.in_memory_renames},
         joined=bool(layout.in_memory_joined),
+        base=r.get(layout.base, layout.base),
+        final_norm=_rebased(layout.final_norm, layout.base, r.get(layout.base, layout.base)),
         moe_block=r.get(layout.moe_block, layout.moe_block),
         dense_block=r.get(layout.dense_block, layout.dense_block),
         router=r.get(layout.router, layout.router),
         selection_bias=r.get(bias, bias) if bias else None,
-        experts=layout.experts if isinstance(layout.experts, Stacked) else V5_FUSED,
+        experts=(
+            layout.experts
+            if isinstance(layout.experts, Stacked)
+            else layout.in_memory_experts or V5_FUSED
+        ),
     )
+
+
+def _rebased(name: str, base: str, new_base: str) -> str:
+    """``name`` under ``new_base`` where it lies under ``base``."""
+    return new_base + name.removeprefix(base) if name.startswith(base) else name
 
 
 def _meta_shapes(cfg: Config) -> dict[str, Shape]:
@@ -96,9 +108,9 @@ class _Plan:
         self.copies: dict[str, str] = {}  # HF name -> the moetrain tensor it copies
         names = [n for n in shapes if not pn.parse_experts(n)]
         top = {
-            pn.EMBED: "model.embed_tokens.weight",
-            pn.FINAL_NORM: "model.norm.weight",
-            pn.FINAL_NORM_BIAS: "model.norm.bias",
+            pn.EMBED: f"{layout.base}{layout.embed}.weight",
+            pn.FINAL_NORM: f"{layout.final_norm}.weight",
+            pn.FINAL_NORM_BIAS: f"{layout.final_norm}.bias",
             pn.LM_HEAD_BIAS: "lm_head.bias",
         }
         if not cfg.model.tie_embeddings:
@@ -124,9 +136,12 @@ class _Plan:
             rules[block_name(pn.post_norm(0, "attn"))] = mixer_out
             rules[block_name(pn.post_norm(0, "ffn"))] = ffn_out
         rules[block_name(pn.ffn_norm(0))] = ffn_norm
-        for w, p in SWIGLU.items():
+        mlp = SWIGLU if self.cfg.model.ffn_activation == "swiglu" else NOT_GATED
+        for w, p in mlp.items():
             rules[block_name(pn.dense_ffn(0, w))] = f"{lay.dense_block}.{p}"
             rules[block_name(pn.shared_expert(0, w))] = f"{moe}.{lay.shared_expert}.{p}"
+        for ours, theirs in zip(pn.LATENT_PROJECTIONS, lay.latent, strict=True):
+            rules[block_name(pn.latent_projection(0, ours))] = f"{moe}.{theirs}"
         rules[block_name(pn.router_gate(0))] = f"{moe}.{lay.router}"
         rules[block_name(pn.shared_gate(0))] = f"{moe}.{lay.shared_gate}"
         return rules
@@ -145,7 +160,9 @@ class _Plan:
         """Block ``i``'s decoder layer in the files (a multi-token-prediction block's where the
         layout puts it)."""
         mtp, n = self.layout.mtp, self.cfg.model.n_layers
-        return mtp.block_prefix(n, i) if mtp is not None and i >= n else f"model.layers.{i}."
+        if mtp is not None and i >= n:
+            return mtp.block_prefix(n, i)
+        return f"{self.layout.base}layers.{i}."
 
     def _block(self, i: int, names: list[str]) -> None:
         lay, moe = self.layout, self.cfg.moe
@@ -248,16 +265,15 @@ class _Plan:
     def _experts(self, i: int) -> Experts:
         ours = tuple(pn.experts(i, w) for w in expert_param_names(self.cfg.moe.expert_biases))
         block, files = f"{self._prefix(i)}{self.layout.moe_block}.", self.layout.experts
-        n = self.cfg.moe.num_experts
+        n, gated = self.cfg.moe.num_experts, self.cfg.moe.gated
         if isinstance(files, PerExpert):
+            weights = pn.SWIGLU_WEIGHTS if gated else pn.SWIGLU_WEIGHTS[1:]  # (w3: up)
             theirs = tuple(
-                f"{block}experts.{e}.{files.names[w]}.weight"
-                for e in range(n)
-                for w in pn.SWIGLU_WEIGHTS
+                f"{block}experts.{e}.{files.names[w]}.weight" for e in range(n) for w in weights
             )
-            return PerExpertFiles(ours, theirs, n)
+            return PerExpertFiles(ours, theirs, n, gated)
         if isinstance(files, Fused):
-            return FusedFiles(ours, (block + files.gate_up, block + files.down), n)
+            return FusedFiles(ours, (block + files.gate_up, block + files.down), n, gated)
         theirs = (block + files.gate_up, block + files.down)
         theirs += tuple(t + "_bias" for t in theirs)
         return StackedFiles(ours, theirs[: len(ours)], n, files.interleaved)

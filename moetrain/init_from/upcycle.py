@@ -41,6 +41,20 @@ _SEED_STRIDE = 1_000_003
 def check_upcycle(cfg: Config, dense_hidden: int) -> None:
     """Refuse MoE settings that cannot be made from a dense FFN of ``dense_hidden``."""
     g, moe = cfg.checkpoint.upcycle_granularity, cfg.moe
+    if moe.latent_dim is not None:
+        raise ConfigError(
+            "moe.latent_dim: upcycled experts are slices of the dense FFN, which computes in "
+            f"d_model; must be null; got {moe.latent_dim}"
+        )
+    for key, value in (
+        ("model.ffn_activation", cfg.model.ffn_activation),
+        ("moe.activation", "swiglu" if moe.gated else moe.activation),
+    ):
+        if value != "swiglu":
+            raise ConfigError(
+                f"{key}: upcycling slices a dense SwiGLU FFN into gated experts; must be "
+                f"swiglu; got {value}"
+            )
     if dense_hidden % g:
         raise ConfigError(
             f"checkpoint.upcycle_granularity: {g} does not divide the dense FFN's hidden size "

@@ -15,7 +15,7 @@ from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.config.layer_plan import LayerSpec
-from moetrain.model.layers import SwiGLU, make_norm
+from moetrain.model.layers import make_mlp, make_norm
 from moetrain.model.mixers import MixerInputs, MixerState, TokenMixer, build_mixer
 from moetrain.model.moe.layer import MoELayer, MoEOutput
 
@@ -52,9 +52,15 @@ class Block(nn.Module):
         if spec.ffn != "none":
             self.ffn_norm = make_norm(cfg, cfg.d_model) if pre else None
             self.ffn: nn.Module | None = (
-                MoELayer(moe_cfg, cfg.d_model, local_experts, layer=spec.index)
+                MoELayer(
+                    moe_cfg,
+                    cfg.d_model,
+                    local_experts,
+                    layer=spec.index,
+                    shared_activation=cfg.ffn_activation,
+                )
                 if self.is_moe
-                else SwiGLU(cfg.d_model, cfg.dense_hidden)
+                else make_mlp(cfg.ffn_activation, cfg.d_model, cfg.dense_hidden)
             )
             if post:
                 self.ffn_post_norm = make_norm(cfg, cfg.d_model)

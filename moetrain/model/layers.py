@@ -1,5 +1,5 @@
 """Building blocks shared by attention and FFNs: RMSNorm, LayerNorm (``model.norm``), the SwiGLU
-activation and MLP."""
+and squared-ReLU activations and MLPs (``model.ffn_activation``)."""
 
 from __future__ import annotations
 
@@ -291,3 +291,66 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.up(x))
+
+
+class _Relu2Weighted(torch.autograd.Function):
+    """``relu(h)^2 * w[..., None]`` saving only h and w (autograd's composition keeps the
+    squared values and their widened copy too), its math in the wider of their dtypes a block
+    of rows at a time, rounded to h's dtype once; the weight's gradient stays in its dtype."""
+
+    @staticmethod
+    def forward(ctx, h, w):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(h, w)
+        out = torch.empty_like(h)
+        for rows in _row_blocks(h):
+            r = torch.relu(h[rows].to(w.dtype))
+            out[rows] = r.square_().mul_(w[rows].unsqueeze(-1))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        h, w = ctx.saved_tensors
+        grad_h = torch.empty_like(h)
+        grad_w = torch.empty_like(w) if ctx.needs_input_grad[1] else None
+        for rows in _row_blocks(h):
+            r = torch.relu(h[rows].to(w.dtype))
+            g = grad[rows].to(w.dtype)
+            if grad_w is not None:
+                grad_w[rows] = (g * r * r).sum(-1)
+            grad_h[rows] = r.mul_(g).mul_(2 * w[rows].unsqueeze(-1))
+        return grad_h, grad_w
+
+
+def relu2_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """The squared ReLU ``relu(h)^2`` (not gated: h is the up projection alone, last dim F),
+    each row scaled by ``w`` (h.shape[:-1]; h's dtype or wider) when given, computed in w's
+    dtype and rounded to h's once."""
+    if w is None:
+        return torch.relu(h).square()
+    return _Relu2Weighted.apply(h, w)
+
+
+class ReluSquaredMLP(nn.Module):
+    """``w2(relu(w1 x)^2)``: Nemotron-H's dense FFN and shared expert, not gated (``w1`` the up
+    projection)."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = Linear(d_model, hidden, bias=False)
+        self.w2 = Linear(hidden, d_model, bias=False)
+
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        """The hidden activation ``relu(w1 x)^2``."""
+        return relu2_packed(self.w1(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.up(x))
+
+
+MLP = SwiGLU | ReluSquaredMLP
+
+
+def make_mlp(activation: str, d_model: int, hidden: int) -> MLP:
+    """A dense FFN or shared expert of ``hidden`` with ``model.ffn_activation``'s
+    ``activation``."""
+    return (ReluSquaredMLP if activation == "relu2" else SwiGLU)(d_model, hidden)

@@ -9,7 +9,10 @@ Layer ``i`` holds ``layers.<i>.attn_norm`` / ``attn.{wq,wk,wv,wo}`` (biases on w
 then either a dense SwiGLU ``ffn.{w1,w3,w2}`` or an MoE block: ``ffn.router.gate`` (E, D), the
 selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.experts.w13``
 (E, D, 2F) and ``ffn.experts.w2`` (E, F, D), and optionally ``ffn.shared_expert.{w1,w3,w2}`` and
-``ffn.shared_gate``. Options add ``attn.wo.bias`` (``model.o_bias``), ``attn.sinks`` (H,)
+``ffn.shared_gate``. With ``model.ffn_activation: relu2`` a dense FFN and a shared expert hold
+``w1`` (up, F x D) and ``w2`` only (:data:`MLP_WEIGHTS`), and with ``moe.activation: relu2`` the
+experts' ``w13`` is (E, D, F), the up projection alone; a latent MoE (``moe.latent_dim`` L)
+adds ``ffn.latent_in`` (L, D) and ``ffn.latent_out`` (D, L), its experts' D being L. Options add ``attn.wo.bias`` (``model.o_bias``), ``attn.sinks`` (H,)
 (``model.attention_sinks``), ``ffn.router.gate.bias`` (E,) (``moe.router_bias``) and the
 expert biases ``ffn.experts.w13_bias`` (E, 2F), ``ffn.experts.w2_bias`` (E, D)
 (``moe.expert_biases``; expert parameters, stacked and partitioned like w13 and w2).
@@ -34,6 +37,8 @@ LM_HEAD = "lm_head.weight"
 LM_HEAD_BIAS = "lm_head.bias"  # model.lm_head_bias
 ATTN_PROJECTIONS = ("wq", "wk", "wv", "wo")
 SWIGLU_WEIGHTS = ("w1", "w3", "w2")  # gate (F, D), up (F, D), down (D, F)
+MLP_WEIGHTS = ("w1", "w2")  # a squared-ReLU MLP's (model.ffn_activation: relu2): up, down
+LATENT_PROJECTIONS = ("latent_in", "latent_out")  # a latent MoE's (moe.latent_dim)
 # a stacked expert weight, as a regular expression: group 1 the layer, group 2 the weight
 EXPERTS_PATTERN = r"layers\.(\d+)\.ffn\.experts"
 _EXPERTS_RE = re.compile(rf"^{EXPERTS_PATTERN}\.(\w+)$")
@@ -85,11 +90,15 @@ GDN_PARAMS = ("A_log", "dt_bias")  # (Kimi Delta Attention's too)
 KDA_WEIGHTS = (
     *(f"{p}_{w}" for w in ("proj", "conv1d") for p in "qkv"),
     *("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "wo"),
+    *("f_proj", "g_proj"),  # (its full-rank gates, model.kda_full_rank_gates)
 )
 # Mamba-2's (model/mixers/mamba2.py): its projections, convolution and gated norm (a
 # ``.weight`` each, biases where configured), its per-head parameters (bare)
 MAMBA2_WEIGHTS = ("in_proj", "conv1d", "norm", "wo")
 MAMBA2_PARAMS = ("A_log", "dt_bias", "D")
+# the gated short convolution's (model/mixers/gated_conv.py): a ``.weight`` each, biases where
+# configured
+GATED_CONV_WEIGHTS = ("in_proj", "conv", "wo")
 
 
 def mixer_param(layer: int, name: str) -> str:
@@ -109,7 +118,7 @@ def qk_norm(layer: int, which: str) -> str:
 
 
 def dense_ffn(layer: int, weight: str) -> str:
-    """A dense layer's SwiGLU weight (``weight``: w1 | w3 | w2)."""
+    """A dense layer's FFN weight (``weight``: w1 | w3 | w2; w1 | w2 not gated)."""
     return f"layers.{layer}.ffn.{weight}.weight"
 
 
@@ -125,6 +134,11 @@ def expert_bias(layer: int) -> str:
 
 def shared_expert(layer: int, weight: str) -> str:
     return f"layers.{layer}.ffn.shared_expert.{weight}.weight"
+
+
+def latent_projection(layer: int, which: str) -> str:
+    """A latent MoE's projection (``which``: latent_in (L, D) | latent_out (D, L))."""
+    return f"layers.{layer}.ffn.{which}.weight"
 
 
 def shared_gate(layer: int) -> str:

@@ -50,6 +50,13 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
       expert ``aD + 3aF_s`` (+ gate ``aD + a``).
     - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``3aF_dense``.
 
+    Squared-ReLU MLPs (``model.ffn_activation: relu2``) keep ``2aF`` (the up projection's
+    output and the squares) instead of SwiGLU's ``3aF``, squared-ReLU experts
+    (``moe.activation: relu2``) ``aF`` per copy and the weighted squares ``aF`` (unless
+    recomputed); a latent MoE (``moe.latent_dim`` L) routes copies of ``aL`` and keeps its
+    combined output ``aL`` for ``latent_out`` (its input shared with the router's and the shared
+    expert's).
+
     With ``capacity_factor`` < 1 only that fraction of the K copies reaches the experts.
     Expert-parallel ranks see T*K copies on average; routing imbalance raises it.
     """
@@ -57,16 +64,22 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
     a, d = act_bytes, m.d_model
     if layer.ffn == "none":
         return 0
+    mlp = 2 if m.ffn_activation == "relu2" else 3  # a dense FFN's / shared expert's (x aF)
     if layer.ffn == "dense":
-        return _branch_norms_bytes(m, a, layer.index) + a * d + 3 * a * m.dense_hidden
+        return _branch_norms_bytes(m, a, layer.index) + a * d + mlp * a * m.dense_hidden
     k = e.top_k
     kept = k * min(e.capacity_factor, 1.0) if e.capacity_factor > 0 else k
     ffn = _branch_norms_bytes(m, a, layer.index) + 4 * d + 8 * e.num_experts + 12 * k + 8 + 16 * k
-    swiglu = (2 if e.recompute_act else 3) * a * e.expert_hidden
-    ffn += kept * (a * d + swiglu + a)
+    act = (1 if e.gated else 0) + (1 if e.recompute_act else 2)  # the experts' (x aF)
+    routed = e.latent_dim or d  # each copy's width
+    ffn += kept * (a * routed + act * a * e.expert_hidden + a)
+    if e.num_shared_experts or e.latent_dim:  # fp32: the input shared with the router
+        ffn += a * d if a != 4 else 0
+    if e.latent_dim:
+        ffn += a * e.latent_dim  # the combined output, latent_out's input
     if e.num_shared_experts:
         fs = e.shared_expert_hidden or e.num_shared_experts * e.expert_hidden
-        ffn += (a * d if a != 4 else 0) + 3 * a * fs  # fp32: input shared with the router
+        ffn += mlp * a * fs
         if e.shared_expert_gate:
             ffn += a * d + a
     return int(ffn)

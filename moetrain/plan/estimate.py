@@ -165,7 +165,7 @@ def _largest_param(cfg: Config, ep: int) -> int:
             shapes = mixer_class(layer.mixer).param_shapes(m, layer.mixer).values()
             sizes += [math.prod(shape) for shape in shapes]
     if e.moe_layers(m.n_layers):
-        sizes.append(e.num_experts // ep * m.d_model * e.expert_hidden)
+        sizes.append(e.num_experts // ep * (e.latent_dim or m.d_model) * e.expert_hidden)
     return max(sizes)
 
 

@@ -7,6 +7,7 @@ Every layout sees the same global batch: global micro-batch ``G`` sequences per 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -159,6 +160,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.mamba_state_dim": 8,
         "model.mamba_chunk_size": 4,
     },
+    # LFM2-MoE's: a short gated convolution layer (with its bias) then an attention layer,
+    # sigmoid routing renormalised with its epsilon
+    "gated_conv": {
+        "model.layer_types": ["linear_attention", "full_attention"],
+        "model.linear_attention": "gated_conv",
+        "model.gated_conv_bias": True,
+        "moe.score_func": "sigmoid",
+        "moe.renormalize_eps": 1e-6,
+    },
     # DeepSeek sparse attention's sparse stage: the second layer attends to the first's
     # selection (GLM-5's shared indexer), the indexer trains on its KL alongside
     "dsa": {**DSA, "model.indexer_types": ["full", "shared"]},
@@ -173,8 +183,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 # the variants whose one reference the world-1 job computes (capacity has one per group count)
 REFERENCES = (
-    *("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "kda", "mamba", "dsa"),
-    "dsa_warmup",
+    *("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "kda", "mamba", "gated_conv"),
+    *("dsa", "dsa_warmup"),
 )
 
 
@@ -394,6 +404,8 @@ def _parallel_run(cfg: Config, rank: int, world: int, steps: int = STEPS) -> dic
         "cut": cut_matrix_values(trainer),
     }
     del trainer
+    if topo.watch is not None:  # (its heartbeat thread would beat on through the next layouts)
+        topo.watch.stop()
     return result
 
 
@@ -426,12 +438,13 @@ def layouts_job(
     world: int,
     layouts: list[tuple],
     references: tuple[str, ...] | None = None,
-    twins: bool = False,
+    twins: bool | Collection[str] = False,
 ) -> dict[str, Any]:
     """Run every ``(ep_size, zero_stage[, variant])`` in ``layouts`` on this group; the world-1
     job also runs the references (plain torch, one process): the base one, those of
-    :data:`REFERENCES` and capacity's, and of each its rows-reversed twin (``twin_<key>``: the
-    rounding floor); or those of the variants ``references`` only (their twins with ``twins``)."""
+    :data:`REFERENCES` and capacity's, and the rows-reversed twin (``twin_<key>``: the rounding
+    floor) of each whose key is in ``twins`` (every one when ``twins`` is True); or those of
+    the variants ``references`` only (their twins with ``twins``)."""
     out: dict[str, Any] = {}
     if world == 1 and references is not None:
         for variant in references:
@@ -442,9 +455,11 @@ def layouts_job(
         runs = {"reference": (None, 1)}
         runs |= {f"reference_{variant}": (variant, 1) for variant in REFERENCES}
         runs |= {f"reference_capacity_g{g}": ("capacity", g) for g in (1, 2)}
+        twin_keys = runs if twins is True else (twins or ())
         for key, (variant, groups) in runs.items():
             out[key] = reference_run(variant, groups)
-            out[f"twin_{key}"] = reference_run(variant, groups, rows_reversed=True)
+            if key in twin_keys:
+                out[f"twin_{key}"] = reference_run(variant, groups, rows_reversed=True)
     for layout in layouts:
         ep, stage, *variant = layout
         extra = {}

@@ -64,7 +64,15 @@ UPCYCLE = {
 
 
 # families whose runs are left to -m long (the default suite's time budget)
-LONG = ("llama4_text", "dots1", "minimax_m2", "hunyuan_v1_moe", "afmoe", "mimo_v2_flash")
+LONG = (
+    "llama4_text",
+    "dots1",
+    "minimax_m2",
+    "hunyuan_v1_moe",
+    "afmoe",
+    "mimo_v2_flash",
+    "lfm2_moe",
+)
 FAMILY_CASES = [
     f if f not in LONG else pytest.param(f, marks=pytest.mark.long) for f in MOE_FAMILIES
 ]

@@ -35,7 +35,7 @@ WORKFLOW = "<!-- test: workflow -->"
 SERVING = "<!-- test: serving -->"
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```$", re.S | re.M)
 SHELLS = ("bash", "sh", "shell", "zsh", "console")
-QUICKSTART_STEPS = "train.max_steps=20"  # the quickstart's artifacts, from a short run
+QUICKSTART_STEPS = "train.max_steps=2"  # the quickstart's artifacts, from a short run
 SERVING_VENV = ROOT / ".venv-serving"
 PORT = re.compile(r"\b8000\b")  # the serving blocks' port
 TRAINS = re.compile(r"\bmoetrain train\b")  # a block that launches a training run

@@ -7,11 +7,12 @@ Run A saves steps 2, 4 and 6 (the last 2 kept: 4 and 6). Run B rolls back to ste
 timeline from its step 6 (losing nothing: the kill came right after a save), not roll back to
 step 4 again. The abandoned step 6 must survive untouched outside the live timeline, B's own
 checkpoints must survive retention, and B must log the losses an uninterrupted rollback run
-logs.
+logs (the same rollback from a copy of A's checkpoints, without the kill).
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -48,6 +49,9 @@ def test_rollback_keeps_the_abandoned_timeline_and_a_restart_continues_the_new_o
     _ok(_train(run, tiny_data, "train.max_steps=6", "checkpoint.save_every_steps=2"))
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000004", "step_00000006"]
     abandoned_manifest = (ckpts / "step_00000006" / COMMIT_FILE).read_bytes()
+    # the uninterrupted rollback below starts from the same checkpoints (run A, as it is now)
+    reference = tmp_path / "reference"
+    shutil.copytree(ckpts, reference / "checkpoints")
     abandoned_loss_6 = losses(run)[6]
     logged_before = len(logged_losses(run))
 
@@ -79,9 +83,8 @@ def test_rollback_keeps_the_abandoned_timeline_and_a_restart_continues_the_new_o
     (timeline,) = read_timelines(ckpts)
     assert (timeline["start"], timeline["step"]) == (str(ckpts / "step_00000004"), 4)
 
-    # the same rollback uninterrupted: B continued its own timeline exactly
-    reference = tmp_path / "reference"
-    _ok(_train(reference, tiny_data, "train.max_steps=6", "checkpoint.save_every_steps=2"))
+    # the same rollback uninterrupted, from run A's checkpoints: B continued its own timeline
+    # exactly
     rollback = [f"checkpoint.resume={reference / 'checkpoints' / 'step_00000004'}", "optim.lr=1e-3"]
     _ok(_train(reference, tiny_data, "train.max_steps=8", *rollback))
     got, want = losses(run), losses(reference)

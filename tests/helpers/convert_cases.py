@@ -125,6 +125,22 @@ CASES = {
             bias_update_rate=1e-3,
         ),
     ),
+    "lfm2_moe": dict(  # LFM2-8B-A1B's flags and pattern (hf_models.py)
+        model=dict(
+            qk_norm=True,
+            tie_embeddings=True,
+            head_dim=None,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_attention="gated_conv",
+        ),
+        moe=dict(
+            score_func="sigmoid",
+            renormalize_eps=1e-6,
+            first_k_dense=1,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
     "hunyuan_v1_moe": dict(  # Hunyuan-A13B's flags (NTK-alpha: folded into rope_theta)
         model=dict(qk_norm=True, qk_norm_position="after_rope", tie_embeddings=True),
         moe=dict(num_shared_experts=1),
@@ -255,6 +271,33 @@ CASES = {
             logits_scaling=6.0,
         ),
         moe=dict(topk_before_score=True, num_shared_experts=1, shared_expert_hidden=40),
+    ),
+    "nemotron_h": dict(  # Nemotron 3's blocks and flags (tests/helpers/hf_flags.py), latent MoE
+        model=dict(
+            n_layers=5,
+            rope_theta=10000.0,  # (no RoPE: the default, which its files do not store)
+            init_std=0.1,  # (squared-ReLU experts of 0.02 weights barely move the logits)
+            layer_types=["linear_attention", "none", "full_attention", "none", "none"],
+            nope_layers=[2],
+            ffn_activation="relu2",
+            linear_attention="mamba2",
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            mamba_n_groups=2,
+            mamba_state_dim=8,
+            mamba_chunk_size=8,
+        ),
+        moe=dict(
+            layer_ffns=["none", "moe", "none", "moe", "dense"],
+            score_func="sigmoid",
+            activation="relu2",
+            num_shared_experts=1,
+            shared_expert_hidden=40,
+            route_scale=2.5,
+            n_group=2,
+            topk_group=1,
+            latent_dim=16,
+        ),
     ),
     "granitemoehybrid": dict(  # Granite 4.0-H's (tests/helpers/hf_models.py), Mamba-2 chunks of 8
         model=dict(

@@ -9,6 +9,12 @@ on any rank fails the call with that rank's traceback; the process group is dest
 ``finally``. ``fn`` must be importable by module name (a module-level function of a module
 under ``tests``, e.g. ``tests.distributed.parity_jobs``): spawned ranks unpickle it.
 
+In the test session (tests/conftest.py sets :data:`PRELOADED`) the ranks are forked from a
+server process that has already imported what every rank needs (:mod:`tests.helpers.rank_preload`:
+torch, DeepSpeed, moetrain's trainer, DeepSpeed's shm comm op), started once, so a rank does not
+spend seconds importing them again. Elsewhere (benchmarks/) each rank is spawned fresh, so that
+what they measure is a fresh process's.
+
 ``run_distributed_concurrently([(fn, world_size, *args), ...])`` starts several such jobs at once
 (each its own process group and port) and returns their results in the same order: on 2 cores,
 a job's single-process or waiting phases then overlap another job's work.
@@ -16,6 +22,7 @@ a job's single-process or waiting phases then overlap another job's work.
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import traceback
@@ -25,6 +32,39 @@ from datetime import timedelta
 from typing import Any
 
 import torch.multiprocessing as mp
+
+PRELOADED = False
+"""Fork the ranks from a server with :mod:`tests.helpers.rank_preload` imported (else spawn)."""
+_PRELOAD = "tests.helpers.rank_preload"
+_context: Any = None
+
+
+def _rank_context() -> Any:
+    """multiprocessing's spawn context, or with :data:`PRELOADED` its forkserver context, the
+    server started (once, one thread per process) with :mod:`tests.helpers.rank_preload`
+    imported."""
+    global _context
+    if not PRELOADED:
+        return mp.get_context("spawn")
+    if _context is None:
+        from multiprocessing import forkserver
+
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([_PRELOAD])
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # the server imports torch: as the ranks run it
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        # at exit, end the server and wait for it (it waits for its ranks): no process is left,
+        # and the CPU time of the ranks counts in the test process's children's
+        atexit.register(forkserver._forkserver._stop)
+        _context = ctx
+    return _context
 
 
 def _worker(
@@ -67,7 +107,7 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks."""
     import torch.distributed as dist
 
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     queue = ctx.SimpleQueue()
     # bound on port 0 here and kept until the ranks are gone: no port race
     store = dist.TCPStore(

@@ -261,6 +261,38 @@ KIMI_LINEAR_ATTENTION: dict[str, Any] = {
 # GLM-MoE-DSA's per-layer indexers: the middle layer attends to the first layer's selection
 GLM_INDEXER_TYPES = ["full", "shared", "full"]
 
+# Nemotron 3's flags at the tiny sizes (NVIDIA-Nemotron-3-Nano-30B-A3B's config.json, from memory
+# of that file: its pattern's block kinds, sigmoid routing with a selection bias,
+# routed_scaling_factor 2.5, norm_topk_prob, squared-ReLU MLPs), with the latent MoE of the
+# larger Nemotron 3 models: Mamba-2 (4 heads of 8 in two groups, state 8, chunks of 8), MoE,
+# attention, MoE, dense MLP, Mamba-2; experts in groups of 2 computing in a latent of 16
+NEMOTRON_H: dict[str, Any] = dict(
+    hybrid_override_pattern="ME*E-M",
+    mamba_num_heads=4,
+    mamba_head_dim=8,
+    n_groups=2,
+    ssm_state_size=8,
+    conv_kernel=4,
+    chunk_size=8,
+    use_conv_bias=True,
+    mamba_hidden_act="silu",
+    mlp_hidden_act="relu2",
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    moe_shared_expert_intermediate_size=40,
+    moe_latent_size=16,
+    intermediate_size=48,
+    routed_scaling_factor=2.5,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    layer_norm_epsilon=1e-5,
+    tie_word_embeddings=False,
+    # (released 0.02: weights that small leave the squared-ReLU experts' share of the logits
+    # below the tests' tolerance)
+    initializer_range=0.1,
+)
 
 # MiMo-V2-Flash's flags at the tiny shape: layer 0 full, the others sliding (a window binding)
 # with twice the key/value heads and sinks, query/key heads of 12 beside value heads of 8, a

@@ -25,6 +25,7 @@ from tests.helpers.hf_flags import (
     KIMI_LINEAR_ATTENTION,
     LLAMA4_FLAGS,
     MIMO_V2_FLASH_FLAGS,
+    NEMOTRON_H,
     PHIMOE_FLAGS,
     QWEN3_5_ROPE,
     QWEN_HYBRID,
@@ -138,6 +139,22 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
             mup_enabled=True,
         ),
+        "lfm2_moe": lambda: transformers.Lfm2MoeConfig(  # LFM2-8B-A1B's flags and pattern
+            **{
+                k: v
+                for k, v in moe.items()
+                if k not in ("head_dim", "rms_norm_eps", "num_key_value_heads")
+            },
+            num_key_value_heads=2,
+            norm_eps=1e-6,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_dense_layers=1,
+            routed_scaling_factor=2.5,
+            layer_types=["conv", "full_attention", "conv"],
+            tie_embedding=True,
+        ),
         "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(  # Hunyuan-A13B's flags
             **{
                 **{k: v for k, v in SMALL.items() if k != "rope_parameters"},
@@ -241,6 +258,11 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             shared_intermediate_size=40,
             **GRANITE_FLAGS,
             **GRANITE_HYBRID,
+        ),
+        # Nemotron 3's blocks, one sublayer each (Mamba-2, MoE, attention, MoE, MLP, Mamba-2)
+        "nemotron_h": lambda: transformers.NemotronHConfig(
+            **{k: v for k, v in SMALL.items() if k not in ("rms_norm_eps", "rope_parameters")},
+            **NEMOTRON_H,
         ),
         "gpt_oss": lambda: transformers.GptOssConfig(  # gpt-oss-20b's flags
             **{**moe, **GPT_OSS_FLAGS}, intermediate_size=24, num_local_experts=4

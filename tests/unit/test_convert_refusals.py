@@ -39,6 +39,12 @@ TRINITY = dict(
     embedding_multiplier=256**0.5,
 )
 TRINITY_MOE = dict(score_func="sigmoid", num_shared_experts=1, route_scale=2.5)
+LFM2 = dict(
+    qk_norm=True,
+    layer_types=["linear_attention", "full_attention"] * 2,
+    linear_attention="gated_conv",
+)
+LFM2_MOE = dict(score_func="sigmoid", renormalize_eps=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -323,6 +329,20 @@ TRINITY_MOE = dict(score_func="sigmoid", num_shared_experts=1, route_scale=2.5)
         ("afmoe", TRINITY, dict(TRINITY_MOE, num_shared_experts=0), "moe.num_shared_experts"),
         ("afmoe", dict(TRINITY, qkv_bias=True), TRINITY_MOE, "model.qkv_bias"),
         ("afmoe", dict(TRINITY, attention_block_norms="post"), TRINITY_MOE, "block_norms"),
+        ("lfm2_moe", LFM2, dict(LFM2_MOE, renormalize_eps=0.0), "moe.renormalize_eps"),
+        ("lfm2_moe", LFM2, dict(LFM2_MOE, score_func="softmax"), "moe.score_func"),
+        ("lfm2_moe", dict(LFM2, qk_norm=False), LFM2_MOE, "model.qk_norm"),
+        ("lfm2_moe", dict(LFM2, head_dim=32), LFM2_MOE, "model.head_dim"),
+        ("lfm2_moe", LFM2, dict(LFM2_MOE, num_shared_experts=1), "moe.num_shared_experts"),
+        ("lfm2_moe", dict(LFM2, sliding_window=8), LFM2_MOE, "model.sliding_window"),
+        (
+            "lfm2_moe",
+            dict(LFM2, linear_attention="mamba2", mamba_num_heads=4, mamba_head_dim=64),
+            LFM2_MOE,
+            "model.linear_attention",
+        ),
+        ("qwen3_next", LFM2, LFM2_MOE, "model.linear_attention"),
+        ("mixtral", {}, dict(renormalize_eps=1e-6), "moe.renormalize_eps"),
         ("mixtral", dict(block_norms="post"), {}, "model.block_norms"),
         (  # the long factors past the original context: every LongRoPE family but Phi-3.5-MoE
             "mixtral",

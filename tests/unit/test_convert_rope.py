@@ -56,6 +56,7 @@ SCALED_CASES = [
     for fmt in FORMATS
     if family(fmt).can_hold("model.attention", "gqa")
     for scaling in SCALED_ROPE
+    if family(fmt).can_hold("model.rope_scaling", scaling)  # (Nemotron-H's attention: no RoPE)
     if fmt != "phimoe" or scaling == "longrope"
 ]
 

@@ -18,7 +18,7 @@ from moetrain.init_from.weights import build_model
 from moetrain.parallel.topology import Topology
 from moetrain.train.start import check_start, open_start, will_resume
 from tests.helpers.configs import tiny_args
-from tests.helpers.hf_models import MOE_FAMILIES, save_hf_model
+from tests.helpers.hf_models import MOE_FAMILIES, hf_config, save_hf_model
 
 transformers = pytest.importorskip("transformers")
 SOLO = Topology(
@@ -46,7 +46,8 @@ def hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
 def test_moe_source_gives_transformers_logits_and_local_experts(hf_dirs, family) -> None:
     cfg, source = resolved(f"checkpoint.init_from={hf_dirs[family]}")
     assert source.kind == "huggingface" and not source.upcycle
-    assert (cfg.model.vocab_size, cfg.model.d_model, cfg.model.n_layers) == (320, 32, 3)
+    layers = hf_config(family).num_hidden_layers  # (3; Nemotron-H's are one sublayer each)
+    assert (cfg.model.vocab_size, cfg.model.d_model, cfg.model.n_layers) == (320, 32, layers)
     ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(0))
     model = build_model(cfg, source).eval()
     with torch.no_grad():

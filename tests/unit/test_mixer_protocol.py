@@ -67,6 +67,16 @@ CASES = {
         "model.linear_head_dim": 8,
         "model.linear_conv_kernel_dim": 3,
     },
+    "kda-ling": {  # Ling 3.0's: full-rank gates, the bounded forget gate
+        "model.n_layers": 3,
+        "model.full_attention_interval": 3,
+        "model.linear_attention": "kda",
+        "model.linear_num_heads": 2,
+        "model.linear_head_dim": 8,
+        "model.kda_full_rank_gates": True,
+        "model.kda_gate_lower_bound": -5.0,
+    },
+    "mla-head-gate": {**MLA, "model.mla_head_gate": True},  # Ling 3.0's
     "mamba2": {  # two Mamba-2 layers (4 heads in 2 groups), one attention layer
         "model.n_layers": 3,
         "model.layer_types": ["linear_attention", "linear_attention", "full_attention"],
@@ -87,6 +97,18 @@ CASES = {
         "model.mamba_conv_bias": False,
         "model.mamba_proj_bias": True,
     },
+    "gated_conv": {  # two gated convolution layers (width 3), one attention layer
+        "model.n_layers": 3,
+        "model.layer_types": ["linear_attention", "linear_attention", "full_attention"],
+        "model.linear_attention": "gated_conv",
+    },
+    "gated_conv-bias-wide": {
+        "model.n_layers": 2,
+        "model.layer_types": ["linear_attention", "full_attention"],
+        "model.linear_attention": "gated_conv",
+        "model.gated_conv_kernel": 5,
+        "model.gated_conv_bias": True,
+    },
     "mla-sparse": {  # DeepSeek sparse attention: the indexer's parameters and cached keys
         **MLA,
         "model.q_lora_rank": 24,
@@ -98,7 +120,18 @@ CASES = {
 
 
 def test_every_kind_is_registered_on_both_sides_and_implements_the_protocol() -> None:
-    assert set(MIXERS) == set(MIXER_KINDS) == {"gqa", "mla", "gated_deltanet", "kda", "mamba2"}
+    assert (
+        set(MIXERS)
+        == set(MIXER_KINDS)
+        == {
+            "gqa",
+            "mla",
+            "gated_deltanet",
+            "kda",
+            "mamba2",
+            "gated_conv",
+        }
+    )
     required = [
         name
         for name, value in vars(TokenMixer).items()

@@ -60,6 +60,9 @@ class MLAKeys:
     # the indexers' top-k recall against dense attention (a training metric) is measured on
     # the last index_recall_queries positions of every row; 0 = not measured
     index_recall_queries: int = field(default=16, metadata=at_least(0, "0 = off"))
+    # a sigmoid gate on each head's output, one value per head from its own projection g_proj
+    # (D -> H), applied before the output projection (Ling 3.0's); not with index_topk
+    mla_head_gate: bool = field(default=False, metadata=FUNCTION)
 
 
 FULL_INDEXER, SHARED_INDEXER = "full", "shared"  # model.indexer_types' entries
@@ -95,6 +98,7 @@ class MLA(MixerKind):
         "qk_rope_head_dim",
         "v_head_dim",
         *DSA_KEYS,
+        "mla_head_gate",
     )
 
     @classmethod
@@ -128,6 +132,11 @@ class MLA(MixerKind):
             "model.n_kv_heads",
             f"must equal model.n_heads={model.n_heads} with model.attention=mla (every head has "
             f"its own keys and values, from the shared latent); got {model.n_kv_heads}",
+        )
+        require(
+            not (model.mla_head_gate and model.index_topk is not None),
+            "model.mla_head_gate",
+            "does not apply with sparse attention (model.index_topk) yet",
         )
         _validate_dsa(model)
 

@@ -14,12 +14,12 @@ from moetrain.config import Config, ConfigError
 from moetrain.convert.families import hf_config
 from moetrain.convert.families.base import Family
 from moetrain.convert.families.deepseek_v3 import DEEPSEEK_MOE, mla_from_hf, mla_hf
-from moetrain.convert.families.holds import ANY, only
+from moetrain.convert.families.holds import ANY, LATENT_ATTENTION, only
 from moetrain.convert.families.layout import Layout
 
 NAME = "DeepseekV2ForCausalLM"
 HOLDS = {
-    "model.attention": only("mla", why="{name} has latent attention; must be mla"),
+    **LATENT_ATTENTION,
     "model.rope_interleave": only(True),
     "moe.renormalize": only(False),
     "moe.n_group": ANY,

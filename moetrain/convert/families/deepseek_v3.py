@@ -18,6 +18,7 @@ from moetrain.convert.families.base import Family
 from moetrain.convert.families.holds import (
     ANY,
     GROUPS_OF_TWO,
+    LATENT_ATTENTION,
     SHARED_EXPERTS_ALWAYS,
     SHARED_SIZED_BY_COUNT,
     free,
@@ -40,7 +41,7 @@ SIGMOID_GROUPS = {
     **GROUPS_OF_TWO,
 }
 HOLDS = {
-    "model.attention": only("mla", why="{name} has latent attention; must be mla"),
+    **LATENT_ATTENTION,
     "model.rope_interleave": ANY,
     **SIGMOID_GROUPS,
     **DEEPSEEK_MOE,

@@ -86,6 +86,14 @@ def free(*keys: str) -> dict[str, Rule]:
     return dict.fromkeys(keys, ANY)
 
 
+# latent attention in place of the baseline's grouped-query attention (its value heads' width
+# is one of its own dims)
+LATENT_ATTENTION: dict[str, Rule] = {
+    "model.attention": only("mla", why="{name} has latent attention; must be mla"),
+    "model.v_head_dim": ANY,
+}
+
+
 # --- the relations several families share -------------------------------------------------
 
 # transformers' attention_bias: biases on all four attention projections or none
@@ -148,6 +156,9 @@ BASELINE: dict[str, Rule] = {
         _linear_layers, "{name} has attention in every layer; no linear_attention layers"
     ),
     "model.mamba_head_dim": ANY,  # (its families' size rule)
+    "model.kda_full_rank_gates": only(False),
+    "model.kda_gate_lower_bound": only(None),
+    "model.mla_head_gate": only(False),
     "model.full_attention_interval": only(None),
     "model.linear_allow_neg_eigval": only(False),
     "model.linear_norm_eps": only(None),
@@ -170,12 +181,13 @@ BASELINE: dict[str, Rule] = {
     "model.block_norms": only("pre"),
     "model.attention_block_norms": only(None),
     "model.lm_head_bias": only(False),
+    "model.tie_embeddings": ANY,
     "model.attention_sinks": only(False),
     "model.attention_sinks_layers": only("all", applies=lambda m, _: m.attention_sinks),
     "model.sliding_window": only(None),
     "model.sliding_n_kv_heads": only(None),
     "model.sliding_rope_theta": only(None),
-    "model.v_head_dim": only(None, applies=lambda m, _: m.attention == "gqa"),
+    "model.v_head_dim": only(None),
     "model.attention_value_scale": only(1.0),
     "model.nope_layers": refused_when(
         _no_nope_layers, "{name} rotates every layer's queries and keys; must be null"
@@ -197,6 +209,7 @@ BASELINE: dict[str, Rule] = {
     "moe.topk_before_score": only(False),
     "moe.renormalize": ANY,
     "moe.renormalize_min": only(0.0),
+    "moe.renormalize_eps": only(0.0),
     "moe.score_on_input": only(False),
     "moe.route_scale": only(1.0),
     "moe.bias_update_rate": only(0.0),
@@ -207,6 +220,8 @@ BASELINE: dict[str, Rule] = {
     # experts and their placement
     "moe.expert_biases": only(False),
     "moe.activation": only("swiglu"),
+    "moe.latent_dim": only(None),
+    "model.ffn_activation": only("swiglu"),
     "moe.num_shared_experts": only(0),
     "moe.shared_expert_gate": only(False),
     "moe.shared_expert_hidden": ANY,
@@ -230,6 +245,9 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         False: "has RMSNorm weights that scale directly",
         True: "has zero-centred RMSNorm weights (1 + w)",
     },
+    "model.kda_full_rank_gates": {False: "has Kimi Delta Attention's low-rank gates"},
+    "model.kda_gate_lower_bound": {None: "has Kimi Delta Attention's unbounded forget gate"},
+    "model.mla_head_gate": {False: "has no per-head gate on its latent attention"},
     "model.index_topk": {None: "has no sparse attention"},
     "model.index_rope_interleave": {
         False: "rotates its indexer's heads half-split",
@@ -286,6 +304,7 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         False: "does not renormalise the top-k weights",
     },
     "moe.renormalize_min": {0.0: "renormalises by the plain sum of the top-k weights"},
+    "moe.renormalize_eps": {0.0: "renormalises by the plain sum of the top-k weights"},
     "moe.score_on_input": {
         False: "weights the experts' outputs",
         True: "scales each expert's input by its weight",
@@ -299,7 +318,16 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     },
     "moe.router_bias": {False: "has no router bias", True: "has a router bias"},
     "moe.expert_biases": {False: "has no expert biases", True: "has expert biases"},
-    "moe.activation": {"swiglu": "has SwiGLU experts", "clamped_swiglu": "clamps its SwiGLU"},
+    "moe.activation": {
+        "swiglu": "has SwiGLU experts",
+        "clamped_swiglu": "clamps its SwiGLU",
+        "relu2": "has squared-ReLU experts, not gated",
+    },
+    "moe.latent_dim": {None: "computes its experts in hidden_size (no latent MoE)"},
+    "model.ffn_activation": {
+        "swiglu": "has SwiGLU dense FFNs and shared experts",
+        "relu2": "has squared-ReLU dense FFNs and shared experts, not gated",
+    },
     "moe.num_shared_experts": {0: "has no shared experts"},
     "moe.shared_expert_gate": {
         False: "does not gate its shared experts",

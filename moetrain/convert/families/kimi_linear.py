@@ -22,7 +22,7 @@ from moetrain.config.layer_plan import FULL, LINEAR, layer_types
 from moetrain.convert.families import hf_config
 from moetrain.convert.families.base import Family
 from moetrain.convert.families.deepseek_v3 import DEEPSEEK_MOE, SIGMOID_GROUPS, mla_from_hf, mla_hf
-from moetrain.convert.families.holds import free, only, refused_when
+from moetrain.convert.families.holds import LATENT_ATTENTION, free, only, refused_when
 from moetrain.convert.families.layout import Layout, PerExpert
 
 NAME = "KimiLinearForCausalLM"
@@ -35,7 +35,7 @@ def _nope_not_full(model: ModelConfig, _: MoEConfig) -> bool:
 
 
 HOLDS = {
-    "model.attention": only("mla", why="{name} has latent attention; must be mla"),
+    **LATENT_ATTENTION,
     "model.linear_attention": only(
         "kda", why="{name} has Kimi Delta Attention in its linear layers; must be kda"
     ),

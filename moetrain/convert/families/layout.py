@@ -18,13 +18,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 SWIGLU = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # moetrain -> Llama
+NOT_GATED = {"w1": "up_proj", "w2": "down_proj"}  # a squared-ReLU MLP's (model.ffn_activation)
 
 
 @dataclass(frozen=True)
 class PerExpert:
     """An MoE layer's experts one tensor per expert and projection,
     ``<moe block>.experts.<e>.<name>.weight`` in ``nn.Linear``'s (out, in) orientation;
-    ``names``: moetrain's w1 (gate), w3 (up), w2 (down) -> the files' projection names."""
+    ``names``: moetrain's w1 (gate), w3 (up), w2 (down) -> the files' projection names (experts
+    that are not gated, ``moe.activation: relu2``: w3, the up projection, and w2)."""
 
     names: Mapping[str, str] = field(default_factory=lambda: dict(SWIGLU))
 
@@ -32,7 +34,8 @@ class PerExpert:
 @dataclass(frozen=True)
 class Fused:
     """An MoE layer's experts as two tensors in ``nn.Linear``'s orientation under the MoE block:
-    ``gate_up`` (E, 2F, D) = [gate; up] and ``down`` (E, D, F) (Granite's
+    ``gate_up`` (E, 2F, D) = [gate; up] (not gated: (E, F, D), the up projection) and ``down``
+    (E, D, F) (Granite's
     ``input_linear.weight`` / ``output_linear.weight``; transformers v5 holds every per-expert
     family's experts so in memory: :data:`V5_FUSED`)."""
 
@@ -97,6 +100,9 @@ class Layout:
     from memory uses them, with a per-expert or fused family's experts as :data:`V5_FUSED`.
     """
 
+    # the decoder's prefix and its embedding under it (Nemotron-H's backbone., embeddings)
+    base: str = "model."
+    embed: str = "embed_tokens"
     moe_block: str = "mlp"  # the MoE block of a decoder layer
     router: str = "gate"  # the router's module, under the block
     experts: PerExpert | Fused | Stacked = field(default_factory=PerExpert)
@@ -106,6 +112,8 @@ class Layout:
     selection_bias_row: bool = False
     shared_expert: str = "shared_expert"  # under the block: {gate,up,down}_proj
     shared_gate: str = "shared_expert_gate"  # under the block
+    # a latent MoE's projections into and out of the latent (moe.latent_dim), under the block
+    latent: tuple[str, str] = ("fc1_latent_proj", "fc2_latent_proj")
     # the shared expert as two tensors of the decoder layer, gate_up (2S, D) = [gate; up] and
     # down (D, S) (Granite-MoE-Shared's shared_mlp.input_linear / output_linear); None: above
     shared_fused: tuple[str, str] | None = None
@@ -138,6 +146,12 @@ class Layout:
     # ``renames``)
     linear_qkv_apart: bool = False
     in_memory: Mapping[str, str] = field(default_factory=dict)
+    # transformers v5's in-memory experts where they are not :data:`V5_FUSED` (Nemotron-H's
+    # experts.up_proj / down_proj, not gated)
+    in_memory_experts: Fused | None = None
+    # the final norm's module (LFM2's ``model.embedding_norm``, Nemotron-H's
+    # ``backbone.norm_f``)
+    final_norm: str = "model.norm"
     # a block's 1-D tensors the files store as (1, 1, n, 1) (Kimi Linear's ``self_attn.A_log``)
     columns: tuple[str, ...] = ()
     # a block's tensors transformers v5 holds in memory under other module names (the files'

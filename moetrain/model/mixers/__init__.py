@@ -1,6 +1,7 @@
 """The token mixer modules, one per kind, behind one protocol (:mod:`.base`): grouped-query
 attention with its local variants (:mod:`.gqa`), multi-head latent attention (:mod:`.mla`), Gated
-DeltaNet (:mod:`.gated_deltanet`), Kimi Delta Attention (:mod:`.kda`) and Mamba-2 (:mod:`.mamba2`).
+DeltaNet (:mod:`.gated_deltanet`), Kimi Delta Attention (:mod:`.kda`), Mamba-2 (:mod:`.mamba2`) and the gated short convolution
+(:mod:`.gated_conv`).
 Registered here by their ``kind``, the names :data:`moetrain.config.mixers.MIXER_KINDS` knows
 (the same set, checked by a test)."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
 from moetrain.model.mixers.base import MixerInputs, MixerLoss, MixerState, TokenMixer
+from moetrain.model.mixers.gated_conv import GatedConv
 from moetrain.model.mixers.gated_deltanet import GatedDeltaNet
 from moetrain.model.mixers.gqa import Attention
 from moetrain.model.mixers.kda import KimiDeltaAttention
@@ -16,7 +18,8 @@ from moetrain.model.mixers.mamba2 import Mamba2
 from moetrain.model.mixers.mla import MLAttention
 
 MIXERS: dict[str, type[TokenMixer]] = {
-    cls.kind: cls for cls in (Attention, MLAttention, GatedDeltaNet, KimiDeltaAttention, Mamba2)
+    cls.kind: cls
+    for cls in (Attention, MLAttention, GatedDeltaNet, KimiDeltaAttention, Mamba2, GatedConv)
 }
 
 __all__ = [

@@ -13,11 +13,17 @@ then
     g    = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)   the log decay of each head's K key
                                                            channels (fp32); f_a: D -> K, f_b:
                                                            K -> H K (a low-rank projection)
+                                                           (model.kda_gate_lower_bound b:
+                                                           b * sigmoid(exp(A_log) * (f +
+                                                           dt_bias)), Ling 3.0's safe gate)
     beta = sigmoid(b_proj(x))                              each head's write strength (fp32)
     o    = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta)
     y    = wo(norm(o) * sigmoid(g_b(g_a(x))))              RMSNorm over each head's K dims (a
                                                            weight of K shared by the heads,
                                                            eps norm_eps), gated per channel
+
+With ``model.kda_full_rank_gates`` (Ling 3.0's) the two gates' projections are one each,
+``f_proj`` and ``g_proj`` (D -> H K), instead of the low-rank pairs.
 
 (:mod:`moetrain.model.delta_rule`, the per-channel decay path: the chunked form for training
 and prefill, the token recurrence for a decode step). Packed documents restart the
@@ -115,11 +121,9 @@ class KimiDeltaAttention(TokenMixer):
             setattr(self, f"{p}_proj", Linear(d, hk, bias=False))
         for p in PROJECTIONS:
             setattr(self, f"{p}_conv1d", nn.Conv1d(hk, hk, self.width, groups=hk, bias=False))
-        self.f_a_proj = Linear(d, self.dk, bias=False)
-        self.f_b_proj = Linear(self.dk, hk, bias=False)
-        self.b_proj = Linear(d, self.h, bias=False)
-        self.g_a_proj = Linear(d, self.dk, bias=False)
-        self.g_b_proj = Linear(self.dk, hk, bias=False)
+        self.full_rank, self.bound = cfg.kda_full_rank_gates, cfg.kda_gate_lower_bound
+        for name, (n_in, n_out) in self.gate_matrices(cfg).items():
+            setattr(self, name, Linear(n_in, n_out, bias=False))
         self.o_norm = SigmoidGatedRMSNorm(self.dk, cfg.norm_eps)
         self.wo = Linear(hk, d, bias=False)
 
@@ -134,13 +138,37 @@ class KimiDeltaAttention(TokenMixer):
         shape = (b, s, self.h, self.dk)
         qkv = torch.cat([getattr(self, f"{p}_proj")(x_BSD) for p in PROJECTIONS], dim=-1)
         weight_CW = torch.cat([getattr(self, f"{p}_conv1d").weight for p in PROJECTIONS])
-        f = self.f_b_proj(self.f_a_proj(x_BSD)).float() + self.dt_bias.float()
-        g = -self.A_log.float().exp()[:, None] * F.softplus(f.view(shape))
-        beta = self.b_proj(x_BSD).float().sigmoid()
+        wide = torch.promote_types(x_BSD.dtype, torch.float32)  # (fp32, or fp64 for fp64)
+        f = (self._gate_input("f", x_BSD).to(wide) + self.dt_bias.to(wide)).view(shape)
+        rate = self.A_log.to(wide).exp()[:, None]
+        bounded = self.bound is not None  # Ling 3.0's gate, in (bound, 0)
+        g = self.bound * torch.sigmoid(rate * f) if bounded else -rate * F.softplus(f)
+        beta = self.b_proj(x_BSD).to(wide).sigmoid()
         heads = ((self.h, self.dk),) * 3
         o = conv_and_rule(qkv, weight_CW.squeeze(1), heads, g, beta, inputs.doc_ids_BS, state)
-        gate = self.g_b_proj(self.g_a_proj(x_BSD)).view(shape)
+        gate = self._gate_input("g", x_BSD).view(shape)
         return self.wo(self.o_norm(o, gate).reshape(b, s, -1))
+
+    def _gate_input(self, which: str, x_BSD: torch.Tensor) -> torch.Tensor:
+        """The forget (``f``) or output (``g``) gate's projection of x: full rank, or through
+        K."""
+        if self.full_rank:
+            return getattr(self, f"{which}_proj")(x_BSD)
+        return getattr(self, f"{which}_b_proj")(getattr(self, f"{which}_a_proj")(x_BSD))
+
+    @staticmethod
+    def gate_matrices(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+        """The gates' projections and b_proj, in the module's order, ``name -> (in, out)``."""
+        d, h, k = cfg.d_model, cfg.linear_num_heads, cfg.linear_head_dim
+        if cfg.kda_full_rank_gates:
+            return {"f_proj": (d, h * k), "b_proj": (d, h), "g_proj": (d, h * k)}
+        return {
+            "f_a_proj": (d, k),
+            "f_b_proj": (k, h * k),
+            "b_proj": (d, h),
+            "g_a_proj": (d, k),
+            "g_b_proj": (k, h * k),
+        }
 
     def new_state(
         self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
@@ -171,7 +199,7 @@ class KimiDeltaAttention(TokenMixer):
             out[f"{name}.weight"] = matrices[name][::-1]
         for p in PROJECTIONS:
             out[f"{p}_conv1d.weight"] = (h * k, 1, cfg.linear_conv_kernel_dim)
-        for name in ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj"):
+        for name in cls.gate_matrices(cfg):
             out[f"{name}.weight"] = matrices[name][::-1]
         out["o_norm.weight"] = (k,)
         out["wo.weight"] = matrices["wo"][::-1]
@@ -182,11 +210,7 @@ class KimiDeltaAttention(TokenMixer):
         d, h, k = cfg.d_model, cfg.linear_num_heads, cfg.linear_head_dim
         return {
             **{f"{p}_proj": (d, h * k) for p in PROJECTIONS},
-            "f_a_proj": (d, k),
-            "f_b_proj": (k, h * k),
-            "b_proj": (d, h),
-            "g_a_proj": (d, k),
-            "g_b_proj": (k, h * k),
+            **cls.gate_matrices(cfg),
             "wo": (h * k, d),
         }
 
@@ -207,9 +231,10 @@ class KimiDeltaAttention(TokenMixer):
     ) -> int:
         """The projections' input ``aD``; the convolution's input, its output before and after
         SiLU ``3a Ch`` (q, k, v are views of the last); the two low-rank projections' middles
-        ``2aK``; the fp32 L2-normalised q and k ``8 H K`` (under bf16 also their fp32 copies,
-        ``8 H K``) and their rsqrt ``8 H``; the fp32 decay's input, softplus and product
-        ``12 H K``, beta ``4 H``; the chunked rule's ``U`` ``4 H K``, ``T`` and ``P`` ``8 H C``
+        ``2aK`` (none with full-rank gates); the fp32 L2-normalised q and k ``8 H K`` (under
+        bf16 also their fp32 copies, ``8 H K``) and their rsqrt ``8 H``; the fp32 decay's
+        input, softplus and product ``12 H K`` (the bounded gate's input, sigmoid and product
+        alike), beta ``4 H``; the chunked rule's ``U`` ``4 H K``, ``T`` and ``P`` ``8 H C``
         and its chunk-start states ``4 H K^2 / C``; the rule's output and the gate ``2a H K``,
         the gated norm's rsqrt ``4 H`` and its output ``a H K``. Rows a multiple of C = 64,
         without documents."""
@@ -217,9 +242,8 @@ class KimiDeltaAttention(TokenMixer):
         ch = 3 * h * k
         qk = 8 * h * k * (1 if a == 4 else 2) + 8 * h
         rule = 4 * h * k + 8 * h * CHUNK + 4 * h * k * k // CHUNK
-        return (
-            a * d + 3 * a * ch + 2 * a * k + qk + 12 * h * k + 4 * h + rule + 3 * a * h * k + 4 * h
-        )
+        middles = 0 if cfg.kda_full_rank_gates else 2 * a * k
+        return a * d + 3 * a * ch + middles + qk + 12 * h * k + 4 * h + rule + 3 * a * h * k + 4 * h
 
     @classmethod
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:

@@ -128,6 +128,8 @@ class MLAttention(TokenMixer):
         self.kv_norm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
         self.wkv_b = Linear(self.kv_rank, h * (self.nope_dim + self.v_dim), bias=False)
         self.wo = Linear(h * self.v_dim, d, bias=False)
+        # Ling 3.0's per-head output gate (model.mla_head_gate)
+        self.g_proj = Linear(d, h, bias=False) if cfg.mla_head_gate else None
         self.scale = qk_dim**-0.5 * softmax_mscale(cfg)
         self.rope_interleave = cfg.rope_interleave
         self.rope = spec.rope  # False: a NoPE layer (Kimi Linear's)
@@ -220,9 +222,18 @@ class MLAttention(TokenMixer):
                 raise ValueError("a latent cache runs on one device, without a head exchange")
             q_BHSK, k_BHTK, v_BHTV = exchange_to_heads(ex, q_BHSK, k_BHTK, v_BHTV)
             out_BhSV = self._attend(q_BHSK, k_BHTK, v_BHTV, mask_B1SS, causal)
-            return self.wo(exchange_to_sequence(ex, out_BhSV).reshape(b, s, -1))
+            return self._output(x_BSD, exchange_to_sequence(ex, out_BhSV))
         out_BHSV = self._attend(q_BHSK, k_BHTK, v_BHTV, mask_B1SS, causal)
-        return self.wo(out_BHSV.transpose(1, 2).reshape(b, s, -1))
+        return self._output(x_BSD, out_BHSV.transpose(1, 2))
+
+    def _output(self, x_BSD: torch.Tensor, out_BSHV: torch.Tensor) -> torch.Tensor:
+        """The output projection of every head's output, each gated by the sigmoid of its
+        ``g_proj`` value first (computed in fp32, as transformers does) where the layer has
+        one."""
+        if self.g_proj is not None:
+            gate_BSH = torch.sigmoid(self.g_proj(x_BSD).float()).to(out_BSHV.dtype)
+            out_BSHV = out_BSHV * gate_BSH[..., None]
+        return self.wo(out_BSHV.reshape(*out_BSHV.shape[:2], -1))
 
     def _sparse(
         self,
@@ -303,6 +314,7 @@ class MLAttention(TokenMixer):
             "wkv_a": (d, c + cfg.qk_rope_head_dim),
             "wkv_b": (c, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
             "wo": (h * cfg.v_head_dim, d),
+            **({"g_proj": (d, h)} if cfg.mla_head_gate else {}),
             **{f"indexer.{name}": shape for name, shape in indexer.items()},
         }
 
@@ -338,7 +350,10 @@ class MLAttention(TokenMixer):
         latent = a * (c + cfg.qk_rope_head_dim) + 4 + a * c
         kv = a * h * (cfg.qk_nope_head_dim + v) + 2 * a * h * cfg.attention_head_dim
         exchanged = a * h * (v - cfg.qk_nope_head_dim) if sp > 1 else 0
-        return a * cfg.d_model + q_latent + latent + kv + a * h * v + 4 * h + exchanged + dsa
+        # the head gate: its fp32 sigmoid and, under bf16, its rounded copy (the gated product
+        # is wo's input in the place of the heads' output in sequence order)
+        gate = 4 * h + (a * h if a != 4 else 0) if cfg.mla_head_gate else 0
+        return a * cfg.d_model + q_latent + latent + kv + a * h * v + 4 * h + exchanged + gate + dsa
 
     @classmethod
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:

@@ -7,8 +7,9 @@ Parameters ``w13`` (L, D, 2F) = ``[w1 | w3]`` (gate and up projections side by s
 contiguous slice of x_ND, ``w`` the row's routing weight (1 when none is given). Options
 (gpt-oss): biases ``w13_bias`` (L, 2F) and ``w2_bias`` (L, D), so that expert l computes
 ``act(x @ w13[l] + w13_bias[l]) * w @ w2[l] + w * w2_bias[l]`` (the routing weight scales the
-whole expert output, its down bias too); ``act`` SwiGLU or the clamped SwiGLU
-(:func:`~moetrain.model.layers.clamped_swiglu_packed`, ``moe.activation``). With
+whole expert output, its down bias too); ``act`` SwiGLU, the clamped SwiGLU
+(:func:`~moetrain.model.layers.clamped_swiglu_packed`) or the squared ReLU of an up projection
+alone (``relu2``: ``w13`` (L, D, F), not gated), as ``moe.activation`` says. With
 ``score_on_input`` (``moe.score_on_input``, Llama 4) the routing weight scales the row's input
 instead, and expert l computes the unweighted ``act((w * x) @ w13[l] + w13_bias[l]) @ w2[l] +
 w2_bias[l]`` (``w`` cast to the rows' dtype first, as transformers' Llama 4 does). Packing w1 and
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from moetrain.model import cpu_matmul
-from moetrain.model.layers import clamped_swiglu_packed, silu_mul_packed
+from moetrain.model.layers import clamped_swiglu_packed, relu2_packed, silu_mul_packed
 from moetrain.model.moe.gemm_guard import grouped_mm_refusal_for
 
 EXPERT_WEIGHTS = ("w13", "w2")
@@ -146,8 +147,8 @@ class GroupedExperts(nn.Module):
     global experts ``[start, stop)`` (an expert-parallel rank never allocates the others;
     ``num_local_experts`` = stop - start). ``recompute_act``:
     the SwiGLU product is recomputed in backward rather than saved (see ``_DownProjection``).
-    ``biases``: the ``w13_bias`` / ``w2_bias`` parameters; ``activation`` ``swiglu`` or
-    ``clamped_swiglu`` with ``alpha`` and ``limit``; ``score_on_input``: the routing weights
+    ``biases``: the ``w13_bias`` / ``w2_bias`` parameters; ``activation`` ``swiglu``,
+    ``clamped_swiglu`` with ``alpha`` and ``limit``, or ``relu2``; ``score_on_input``: the routing weights
     scale the rows' inputs, not the outputs (see the module docstring).
     """
 
@@ -176,14 +177,17 @@ class GroupedExperts(nn.Module):
         self.recompute_act = recompute_act
         self.score_on_input = score_on_input
         self.path: str | None = None
-        self.w13 = nn.Parameter(torch.empty(stop - start, d_model, 2 * hidden))
+        width = hidden if activation == "relu2" else 2 * hidden  # (not gated: up alone)
+        self.w13 = nn.Parameter(torch.empty(stop - start, d_model, width))
         self.w2 = nn.Parameter(torch.empty(stop - start, hidden, d_model))
         self.param_names = expert_param_names(biases)
-        self.w13_bias = nn.Parameter(torch.empty(stop - start, 2 * hidden)) if biases else None
+        self.w13_bias = nn.Parameter(torch.empty(stop - start, width)) if biases else None
         self.w2_bias = nn.Parameter(torch.empty(stop - start, d_model)) if biases else None
         self.act_fn: Activation = silu_mul_packed
         if activation == "clamped_swiglu":
             self.act_fn = functools.partial(clamped_swiglu_packed, alpha=alpha, limit=limit)
+        elif activation == "relu2":
+            self.act_fn = relu2_packed
         elif activation != "swiglu":
             raise ValueError(f"unknown expert activation {activation!r}")
 

@@ -1,5 +1,9 @@
 """MoE block = router -> dispatcher -> experts -> combine (+ optional shared expert, computed
 while the dispatcher's exchanges are in flight unless ``moe.shared_expert_overlap`` is off).
+With ``moe.latent_dim`` (a latent MoE) the routed tokens are projected into the latent
+(``latent_in``) before the dispatch and the combined output back (``latent_out``) after the
+combine, so the experts and the exchanges work in the latent; the router and the shared expert
+read the block's input.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D d_model, E experts, K top_k,
 N kept token copies, F expert hidden.
@@ -14,7 +18,7 @@ from torch import nn
 
 from moetrain.config import MoEConfig
 from moetrain.model.cpu_matmul import Linear
-from moetrain.model.layers import SwiGLU
+from moetrain.model.layers import MLP, make_mlp
 from moetrain.model.moe.dispatch import Dispatcher, LocalDispatcher, Routes
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.router import Router
@@ -43,10 +47,10 @@ class MoEOutput:
 
 class _SharedExpertStages:
     """The (optionally gated) shared expert on ``x_TD`` in two stages that a dispatcher can
-    run while its exchanges are in flight: ``up`` (gate and up projections, SwiGLU) and ``down``
+    run while its exchanges are in flight: ``up`` (its input projections and activation) and ``down``
     (down projection, gate). ``output()`` runs what has not run yet."""
 
-    def __init__(self, expert: SwiGLU, gate: nn.Linear | None, x_TD: torch.Tensor) -> None:
+    def __init__(self, expert: MLP, gate: nn.Linear | None, x_TD: torch.Tensor) -> None:
         self.expert, self.gate, self.x_TD = expert, gate, x_TD
         self.h_TF: torch.Tensor | None = None
         self.y_TD: torch.Tensor | None = None
@@ -74,6 +78,7 @@ class MoELayer(nn.Module):
     ``dispatcher`` is a plain attribute so expert parallelism can swap in its all-to-all one.
     ``local_experts=(start, stop)``: build only those global experts (expert parallelism).
     ``layer``: the transformer layer index of this MoE layer (for metrics and checkpoints).
+    ``shared_activation``: the shared expert's MLP (``model.ffn_activation``).
     """
 
     def __init__(
@@ -82,15 +87,20 @@ class MoELayer(nn.Module):
         d_model: int,
         local_experts: tuple[int, int] | None = None,
         layer: int = 0,
+        shared_activation: str = "swiglu",
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer = layer
         self.router = Router(cfg, d_model)
         self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)
+        self.latent_in = self.latent_out = None
+        if cfg.latent_dim is not None:
+            self.latent_in = Linear(d_model, cfg.latent_dim, bias=False)
+            self.latent_out = Linear(cfg.latent_dim, d_model, bias=False)
         self.experts = GroupedExperts(
             cfg.num_experts,
-            d_model,
+            cfg.latent_dim or d_model,
             cfg.expert_hidden,
             cfg.grouped_mm,
             local_experts,
@@ -101,10 +111,10 @@ class MoELayer(nn.Module):
             limit=cfg.swiglu_limit,
             score_on_input=cfg.score_on_input,
         )
-        self.shared_expert: SwiGLU | None = None
+        self.shared_expert: MLP | None = None
         self.shared_gate: nn.Linear | None = None
         if cfg.num_shared_experts > 0:
-            self.shared_expert = SwiGLU(d_model, cfg.shared_hidden)
+            self.shared_expert = make_mlp(shared_activation, d_model, cfg.shared_hidden)
             if cfg.shared_expert_gate:
                 self.shared_gate = Linear(d_model, 1, bias=False)
 
@@ -117,9 +127,12 @@ class MoELayer(nn.Module):
             shared = _SharedExpertStages(self.shared_expert, self.shared_gate, x_TD)
         overlap = shared is not None and self.cfg.shared_expert_overlap
         routes = Routes(r.ids_TK, r.weights_TK, self.cfg.capacity_factor)
-        sent = self.dispatcher.dispatch(x_TD, routes, overlap=shared.up if overlap else None)
+        routed_TD = x_TD if self.latent_in is None else self.latent_in(x_TD)  # (T, latent)
+        sent = self.dispatcher.dispatch(routed_TD, routes, overlap=shared.up if overlap else None)
         y_ND = self.experts(sent.x_ND, sent.counts_L, sent.weights_N, sent.w13, sent.w2)
         y_TD = self.dispatcher.combine(y_ND, sent, overlap=shared.down if overlap else None)
+        if self.latent_out is not None:
+            y_TD = self.latent_out(y_TD)
         if shared is not None:
             y_TD = y_TD + shared.output()
         load_E = r.tokens_per_expert_E

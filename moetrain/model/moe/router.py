@@ -7,7 +7,7 @@ Scores are computed in fp32. Selection may be shifted by the aux-loss-free ``exp
 (DeepSeek-V3; with softmax scores too, ERNIE-4.5); combine weights never include it. With
 ``moe.renormalize`` the chosen weights are divided by their sum, or by ``moe.renormalize_min``
 where the sum is smaller (ERNIE-4.5's ``moe_norm_min``: a selection bias can pick experts whose
-scores are all but zero). Where the bias is updated: NOT in forward.
+scores are all but zero), or by the sum plus ``moe.renormalize_eps`` (LFM2-MoE's 1e-6). Where the bias is updated: NOT in forward.
 The trainer calls :meth:`Router.update_bias` once per optimizer step with the expert load summed
 over every rank (an all-reduce of ``MoEOutput.tokens_per_expert_E`` over the whole world), so the
 bias stays identical on every rank and is never part of the autograd graph.
@@ -178,6 +178,8 @@ class Router(nn.Module):
             total_T1 = weights_TK.sum(-1, keepdim=True)
             if cfg.renormalize_min > 0:  # (0: the plain sum, bit for bit)
                 total_T1 = total_T1.clamp_min(cfg.renormalize_min)
+            if cfg.renormalize_eps > 0:  # (LFM2-MoE's sum + 1e-6)
+                total_T1 = total_T1 + cfg.renormalize_eps
             weights_TK = weights_TK / total_T1
         return weights_TK, ids_TK
 
