@@ -16,7 +16,9 @@ fails that way and reports it as xfailed with the reason, and fails once vLLM se
 The tiny models are wider than the other tests' (hidden 128, head_dim 32: vLLM's CPU attention
 has no head size under 32) and drawn with a larger initializer range so that greedy decoding
 walks through many tokens with clear margins. DeepSeek's latent attention takes vLLM's CPU MLA
-backend, whose decode kernel has one shape: kv_lora_rank 512 and qk_rope_head_dim 64.
+backend, whose decode kernel has one shape: kv_lora_rank 512 and qk_rope_head_dim 64 (the
+sparse-attention and Kimi Linear cases take it too). The dense hybrid sources are exported
+upcycled where a MoE class holds them (Qwen3.5, as Qwen3.5-MoE); Olmo-Hybrid's is not exported.
 """
 
 from __future__ import annotations
@@ -111,6 +113,18 @@ CASES: dict[str, Case] = {
         max_model_len=256,
     ),
     "qwen2-upcycled": Case("qwen2", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
+    # DeepSeek sparse attention on latent attention at the CPU MLA kernel's shape, its indexer's
+    # head dim as released (it rotates qk_rope_head_dim of them); 4 keys per query, so sparse
+    "deepseek_v32": Case("deepseek_v32", dict(MLA, index_head_dim=128)),
+    "glm_moe_dsa": Case("glm_moe_dsa", dict(MLA, index_head_dim=128)),
+    # Kimi Linear's latent attention layers (no RoPE) at the CPU MLA kernel's shape
+    "kimi_linear": Case("kimi_linear", {k: v for k, v in MLA.items() if k != "rope_parameters"}),
+    # Mamba-2's heads fill its inner width (mamba_expand x hidden = 8 x 32)
+    "granitemoehybrid": Case(
+        "granitemoehybrid", dict(WIDE, initializer_range=2.0, mamba_n_heads=8, mamba_d_head=32)
+    ),
+    # an upcycled Qwen3.5 (dense): Qwen3.5-MoE without a shared expert
+    "qwen3_5_text-upcycled": Case("qwen3_5_text", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
 }
 
 # case -> the error vLLM gives for its export (a substring of it): vLLM does not serve them
@@ -120,6 +134,26 @@ REFUSED: dict[str, str] = {
     # none at size 0 and refuses the file's tensors for it
     "qwen2-upcycled": "There is no module or parameter named 'model.layers.0.mlp.shared_expert' "
     "in Qwen2MoeForCausalLM",
+    # Gated DeltaNet's CPU kernels (conv, gating, chunked rule) take bf16 only
+    "qwen3_next": "AssertionError: CPU GDN attention requires BF16.",
+    # vLLM's Qwen3.5 module imports its vision model, which needs torchvision: the venv has none
+    # (the torchvision releases vLLM's CPU build pulls are CUDA builds, which do not import on
+    # the CPU torch)
+    "qwen3_5_moe_text": "No module named 'torchvision'",
+    "qwen3_5_text-upcycled": "No module named 'torchvision'",
+    # vLLM's CPU MoE router takes a softmax router unless it is grouped: MiniMax-M2's sigmoid
+    # router with its selection bias is neither
+    "minimax_m2": 'assert self.scoring_func == "softmax"',
+    # vLLM sets Kimi Linear's recurrent cache to prefix-cache blocks, then its CPU platform turns
+    # prefix caching off for latent attention, and the two settings are refused together (its
+    # Kimi Delta Attention kernels are Triton's, which the CPU build has not either)
+    "kimi_linear": "--mamba-block-size can only be set with --enable-prefix-caching",
+    # no CPU backend of DeepSeek sparse attention (its indexer and sparse MLA)
+    "deepseek_v32": "NotImplementedError: Sparse Attention is not supported on CPU.",
+    "glm_moe_dsa": "NotImplementedError: Sparse Attention is not supported on CPU.",
+    # vLLM's MiMo-V2-Flash model reads the released config key layernorm_epsilon, which the
+    # export does not write (transformers reads rms_norm_eps)
+    "mimo_v2_flash": "'MiMoV2FlashConfig' object has no attribute 'layernorm_epsilon'",
 }
 # case -> why vLLM's CPU build serves it with other tokens than transformers (and moetrain)
 MISCOMPUTED: dict[str, str] = {
@@ -202,16 +236,39 @@ def vllm_env() -> dict[str, str]:
 
 
 # wrappers around the root cause that vLLM prints after it
-_WRAPPERS = ("Engine core initialization failed", "Worker failed with error", "EngineCore enc")
+_WRAPPERS = (
+    "Engine core initialization failed",
+    "Worker failed with error",
+    "EngineCore enc",
+    "returned non-zero exit status",  # the model class inspected in a subprocess
+    "Error raised in subprocess",
+)
 _ERROR = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+_VALIDATION = re.compile(r"\d+ validation errors? for \w+$")  # pydantic's: the reason follows
+# an exception without a message (a bare ``assert``), the frame lines above it and the prefix
+# of a worker's lines
+_RANK = re.compile(r"^\[rank\d+\]:")
+_BARE_ERROR = re.compile(r"^(?:\[rank\d+\]:)?\s*([A-Z]\w*(?:Error|Exception))\s*$")
+_FRAME = re.compile(r'File ".*?([\w.]+\.py)", line (\d+)')
 
 
 def root_cause(output: str) -> str:
-    """The first exception line of vLLM's output that is not one of its wrappers."""
-    for line in output.splitlines():
+    """The first exception line of vLLM's output that is not one of its wrappers; for an
+    exception without a message, its type, the statement that raised it and where."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
         m = _ERROR.search(line)
         if m and not any(w in m.group(2) for w in _WRAPPERS):
-            return f"{m.group(1)}: {m.group(2).strip()}"
+            message = m.group(2).strip()
+            if _VALIDATION.search(message) and i + 1 < len(lines):
+                message += ": " + lines[i + 1].strip().split(" [type=")[0]
+            return f"{m.group(1)}: {message}"
+        bare = _BARE_ERROR.match(line)
+        frames = [j for j in range(i) if _FRAME.search(lines[j])] if bare else []
+        if frames:
+            where = _FRAME.search(lines[frames[-1]])
+            statement = _RANK.sub("", lines[frames[-1] + 1]).strip()
+            return f"{bare.group(1)}: {statement} ({where.group(1)}:{where.group(2)})"
     return output[-2000:]
 
 
