@@ -19,7 +19,8 @@ ZERO_SPREAD = 0.2  # a zero constant becomes U(-0.2, 0.2); a constant c, c * U(0
 
 def constant_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """The floating-point tensors of ``module``'s state dict (parameters and saved buffers)
-    whose elements are all equal, by name (a tied tensor once)."""
+    whose elements are all equal, by name (a tied tensor once); a one-element tensor when it
+    is 0 or 1."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, t in module.state_dict(keep_vars=True).items():
@@ -27,7 +28,11 @@ def constant_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
             continue
         seen.add(id(t))
         flat = t.detach().reshape(-1)
-        if bool((flat == flat[0]).all()):
+        if flat.numel() == 1:  # (a scalar: constant while it holds an initialiser's 0 or 1)
+            constant = float(flat[0]) in (0.0, 1.0)
+        else:
+            constant = bool((flat == flat[0]).all())
+        if constant:
             out[name] = t
     return out
 
