@@ -223,7 +223,7 @@ def _env() -> dict[str, str]:
 
 
 # the default suite's share (the other formats with -m long)
-QUICK = ("mixtral", "deepseek_v3", "deepseek_v32", "phimoe", "mixtral_bf16")
+QUICK = ("mixtral", "deepseek_v3", "mixtral_bf16")
 CASES = [f if f in QUICK else pytest.param(f, marks=pytest.mark.long) for f in FORMATS]
 
 

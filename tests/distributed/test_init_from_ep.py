@@ -65,6 +65,8 @@ UPCYCLE = {
 
 # families whose runs are left to -m long (the default suite's time budget)
 LONG = (
+    *("qwen2_moe", "glm4_moe", "olmoe", "glm_moe_dsa", "deepseek_v2", "ernie4_5_moe"),
+    *("granitemoe", "granitemoeshared", "qwen3_5_moe_text"),
     "llama4_text",
     "dots1",
     "minimax_m2",
