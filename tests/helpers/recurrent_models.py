@@ -1,7 +1,8 @@
 """Checks every recurrent token mixer's hybrid model passes (Gated DeltaNet, Kimi Delta
 Attention, Mamba-2 beside full attention): packed documents, generation from the recurrent
 state, activation checkpointing and bf16, and the plan's saved-activation counts. Each takes the
-test's config and its ``randomise`` (every parameter away from its constant initialisation)."""
+test's config and its ``randomise`` (every parameter away from its constant initialisation);
+:func:`check_family_both_ways` checks a hybrid family against transformers' model."""
 
 from __future__ import annotations
 
@@ -114,3 +115,34 @@ def check_plan_saved_tensors(cfg: Config, dtype: torch.dtype) -> None:
     predicted += head_bytes_per_token(cfg, a) - 16  # (the labels are the ids here)
     predicted += 4 * cfg.model.vocab_size * cfg.model.d_model / tokens  # chunked loss
     assert sum(seen.values()) / tokens == pytest.approx(predicted, rel=0.01)
+
+
+def check_family_both_ways(
+    cfg: Config,
+    model: Transformer,
+    hf: torch.nn.Module,
+    family: str,
+    ids: torch.Tensor,
+    lengths: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hf`` (transformers' model of ``model``'s export) gives ``model``'s logits on ``ids``,
+    transformers' weights imported back give them too, and ``model``'s packed first row of
+    documents of ``lengths`` equals each document through ``hf`` alone (1e-5 of the logits'
+    scale, fp32). Returns (hf's logits, the documents' logits through hf, concatenated)."""
+    from moetrain.convert.hf import from_hf_state_dict
+
+    def close(got: torch.Tensor, ref: torch.Tensor) -> None:
+        assert ref.abs().max() > 0.1
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        close(model(ids).logits, ref)
+        imported = Transformer(cfg.model, cfg.moe).eval()
+        imported.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg, family))
+        close(imported(ids).logits, ref)
+        docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+        packed = model(ids[:1], doc_ids_BS=docs).logits
+        alone = torch.cat([hf(input_ids=p).logits for p in ids[:1].split(lengths, dim=1)], dim=1)
+        close(packed, alone)
+    return ref, alone

@@ -11,9 +11,8 @@ import torch
 from transformers.models.lfm2_moe.configuration_lfm2_moe import Lfm2MoeConfig
 
 from moetrain.config import ConfigError, MoEConfig
-from moetrain.model import Transformer
 from moetrain.model.moe.router import Router
-from tests.helpers.recurrent_models import rel
+from tests.helpers.recurrent_models import check_family_both_ways, rel
 from tests.unit.test_gated_conv import randomise
 
 
@@ -49,7 +48,6 @@ def test_lfm2_moe_family_both_ways_packed_and_generating(tmp_path) -> None:
     them too (1e-5 of the logits' scale, fp32); a packed row of three documents equals each
     document through transformers alone; greedy generation and the logits through the state
     equal transformers' through its cache. Control: B and C swapped in one layer's files."""
-    from moetrain.convert.hf import from_hf_state_dict
     from tests.helpers.convert_cases import generation_matches, load_hf, model_for, tiny_cfg
 
     cfg = tiny_cfg("lfm2_moe")
@@ -57,22 +55,8 @@ def test_lfm2_moe_family_both_ways_packed_and_generating(tmp_path) -> None:
     randomise(model)
     hf = load_hf(cfg, model, "lfm2_moe", tmp_path)
     ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(0))
-
-    def close(got: torch.Tensor, ref: torch.Tensor) -> None:
-        assert ref.abs().max() > 0.1
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-
+    ref, _ = check_family_both_ways(cfg, model, hf, "lfm2_moe", ids, [17, 1, 22])
     with torch.no_grad():
-        ref = hf(input_ids=ids).logits
-        close(model(ids).logits, ref)
-        imported = Transformer(cfg.model, cfg.moe).eval()
-        imported.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg, "lfm2_moe"))
-        close(imported(ids).logits, ref)
-        lengths = [17, 1, 22]
-        docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-        packed = model(ids[:1], doc_ids_BS=docs).logits
-        alone = [hf(input_ids=piece).logits for piece in ids[:1].split(lengths, dim=1)]
-        close(packed, torch.cat(alone, dim=1))
         w = hf.model.layers[2].conv.in_proj.weight
         w.copy_(torch.cat([w[32:64], w[:32], w[64:]]))
         assert rel(hf(input_ids=ids).logits, ref) > 1e-3
