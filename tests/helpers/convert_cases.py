@@ -1,62 +1,11 @@
-"""The tiny moetrain models that each Hugging Face format represents exactly (``CASES``), and
-what the conversion tests build from them: the model with non-trivial weights, its export loaded
-in transformers, generation compared step by step."""
+"""The tiny moetrain models that each Hugging Face format represents exactly (``CASES``): the
+model and moe settings of each format's case, on top of ``tests.helpers.convert_models.tiny_cfg``'s
+3-layer model."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
-from safetensors.torch import save_file
-
-from moetrain.config import Config, ModelConfig
-from moetrain.convert.formats import hf_config
-from moetrain.convert.hf import to_hf_state_dict
-from moetrain.model import Transformer
-from moetrain.model import param_names as pn
-from tests.helpers.configs import tiny_config
+from tests.helpers.case_shapes import LLAMA4_MODEL, MLA_SHAPE, QWEN_HYBRID_MODEL, QWEN_SHARED
 from tests.helpers.hf_flags import DSA, GLM_INDEXER_TYPES, PHIMOE_ROPE
-from tests.helpers.random_constants import randomise_constants
-
-# multi-head latent attention at the tiny shape (every head its own keys and values)
-MLA_SHAPE = dict(
-    attention="mla",
-    head_dim=None,
-    n_kv_heads=4,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-)
-
-
-# Llama 4's attention: chunks of 6 on the RoPE layers, the last layer NoPE with its query
-# temperature, the post-RoPE query/key norm
-LLAMA4_MODEL = dict(
-    rope_interleave=True,
-    attention_chunk_size=6,
-    layer_types=["chunked_attention"] * 2 + ["full_attention"],
-    nope_layers=[2],
-    qk_norm_after_rope=True,
-    attn_temperature_floor=4,
-    attn_temperature_scale=0.5,
-)
-
-
-# Qwen3-Next's hybrid attention: layers 0, 1 Gated DeltaNet, layer 2 gated attention with
-# zero-centred q/k norms, a quarter of each head rotated
-QWEN_HYBRID_MODEL = dict(
-    full_attention_interval=3,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-    qk_norm=True,
-    attention_output_gate=True,
-    zero_centered_norm=True,
-    partial_rotary_factor=0.25,
-)
-QWEN_SHARED = dict(num_shared_experts=1, shared_expert_gate=True, shared_expert_hidden=40)
 
 # moetrain settings that each format represents exactly (and that auto picks).
 CASES = {
@@ -422,86 +371,3 @@ MULTIPLIERS = {
     "attention_scale": 0.015625,
     "logits_scaling": 6.0,
 }
-
-
-def tiny_cfg(fmt: str, extra: dict | None = None) -> Config:
-    """The tiny model with 3 layers and what format ``fmt`` represents (and ``extra``)."""
-    return tiny_config(
-        {
-            "model.vocab_size": 96,
-            "model.n_layers": 3,
-            "model.head_dim": 16,
-            "model.rope_theta": 5000.0,
-            "model.norm_eps": 1e-6,
-            "moe.expert_hidden": 24,
-        },
-        {f"model.{k}": v for k, v in CASES[fmt]["model"].items()},
-        {f"moe.{k}": v for k, v in CASES[fmt]["moe"].items()},
-        extra or {},
-    )
-
-
-def stored_model(cfg: Config) -> ModelConfig:
-    """``cfg.model`` as a format's config stores it: without a dense layer, the formats that
-    have none store no ``model.dense_hidden`` (an import takes the experts' size)."""
-    if any(not cfg.moe.is_moe_layer(i) for i in range(cfg.model.n_layers)):
-        return cfg.model
-    if cfg.moe.dense_branch:  # (the dense FFN beside the experts: Gemma 4's)
-        return cfg.model
-    return dataclasses.replace(cfg.model, dense_hidden=cfg.moe.expert_hidden)
-
-
-def model_for(cfg: Config) -> Transformer:
-    """The model of ``cfg`` with random weights and no tensor left constant (norms, biases,
-    sinks; the selection bias where the model moves one, ``moe.bias_update_rate`` > 0, as the
-    families that store one hold), so that a swapped or dropped tensor shows."""
-    torch.manual_seed(0)
-    m = Transformer(cfg.model, cfg.moe).eval()
-    no_bias = cfg.moe.bias_update_rate == 0
-    randomise_constants(m, keep=lambda name: no_bias and pn.is_expert_bias(name))
-    return m
-
-
-def load_hf(cfg: Config, model: Transformer, fmt: str, path):
-    """``model`` exported as ``fmt`` into ``path`` and loaded by transformers (nothing missing or
-    unexpected)."""
-    import transformers
-
-    hf_config(cfg, fmt).save_pretrained(path)
-    save_file(to_hf_state_dict(model.state_dict(), cfg, fmt), str(path / "model.safetensors"))
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, output_loading_info=True
-    )
-    assert not any(info.values()), info
-    return hf.eval()
-
-
-def sharpened(model: Transformer, factor: float = 8.0) -> Transformer:
-    """``model`` with its query and key projections ``factor`` times larger: attention scores
-    that matter (at init they are near zero, and the softmax scale would hardly show)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith((".wq.weight", ".wk.weight")):
-                p.mul_(factor)
-    return model
-
-
-def generation_matches(model: Transformer, hf, new_tokens: int) -> None:  # noqa: ANN001
-    """From a 7-token prompt, ``model``'s greedy tokens are ``hf``'s, and its logits through
-    the KV cache (the prompt, then one token at a time) are ``hf``'s at every position."""
-    from moetrain.generate import generate_ids
-
-    prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(2))
-    hf.generation_config.eos_token_id = None
-    ref = hf.generate(prompt, do_sample=False, max_new_tokens=new_tokens)
-    got = generate_ids(model, prompt[0].tolist(), new_tokens, temperature=0.0)
-    assert got == ref[0, 7:].tolist()
-    n = 7 + new_tokens - 1
-    with torch.no_grad():
-        cache, steps = model.new_cache(1, n + 1), []
-        steps.append(model(ref[:, :7], cache=cache).logits)
-        for i in range(7, n):
-            steps.append(model(ref[:, i : i + 1], cache=cache).logits)
-        torch.testing.assert_close(
-            torch.cat(steps, 1), hf(input_ids=ref[:, :n]).logits, atol=1e-5, rtol=1e-5
-        )

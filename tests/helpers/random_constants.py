@@ -4,7 +4,7 @@ random around that value before it is saved or compared, so that an import or ex
 swaps or misplaces such a tensor changes the logits (a constant one would not).
 
 Used on both sides of every conversion test: transformers' models (``tests/helpers/hf_models.py``,
-``tests/unit/test_released_configs.py``) and moetrain's (``tests/helpers/convert_cases.py``).
+``tests/unit/test_released_configs.py``) and moetrain's (``tests/helpers/convert_models.py``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from moetrain.convert.export import convert_checkpoint
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.init_from.source import open_init_source
 from moetrain.model import param_names as pn
-from tests.helpers.convert_cases import model_for, tiny_cfg
+from tests.helpers.convert_models import model_for, tiny_cfg
 from tests.helpers.hf_models import save_hf_model, save_hf_tokenizer
 
 pytest.importorskip("transformers")

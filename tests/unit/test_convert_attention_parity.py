@@ -26,7 +26,7 @@ from moetrain.config.layer_plan import mixer_spec
 from moetrain.config.mixers import MIXER_KINDS
 from moetrain.convert.families import FORMATS
 from moetrain.convert.formats import hf_config
-from tests.helpers.convert_cases import load_hf, model_for, tiny_cfg
+from tests.helpers.convert_models import load_hf, model_for, tiny_cfg
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ from moetrain.checkpoint.write import write_checkpoint
 from moetrain.cli import main
 from moetrain.convert.hf_files import HFWeights
 from moetrain.model import param_names as pn
-from tests.helpers.convert_cases import model_for, tiny_cfg
+from tests.helpers.convert_models import model_for, tiny_cfg
 from tests.helpers.hf_models import save_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.convert_cases import (
-    generation_matches,
-    load_hf,
-    model_for,
-    sharpened,
-    tiny_cfg,
-)
+from tests.helpers.convert_models import load_hf, model_for, sharpened, tiny_cfg
+from tests.helpers.decoding import generation_matches
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,15 +14,8 @@ from moetrain.convert.families import FORMATS, family
 from moetrain.convert.formats import choose_format, config_from_hf, hf_config
 from moetrain.convert.hf import from_hf_state_dict, to_hf_state_dict
 from moetrain.model import Transformer
-from tests.helpers.convert_cases import (
-    CASES,
-    MULTIPLIERS,
-    load_hf,
-    model_for,
-    sharpened,
-    stored_model,
-    tiny_cfg,
-)
+from tests.helpers.convert_cases import CASES, MULTIPLIERS
+from tests.helpers.convert_models import load_hf, model_for, sharpened, stored_model, tiny_cfg
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,12 +8,10 @@ import pytest
 from moetrain.config import ConfigError
 from moetrain.convert.families import FORMATS, family
 from moetrain.convert.formats import choose_format
+from tests.helpers.case_shapes import MLA_SHAPE
 from tests.helpers.configs import tiny_config
-from tests.helpers.convert_cases import (
-    MLA_SHAPE,
-    MULTIPLIERS,
-    tiny_cfg,
-)
+from tests.helpers.convert_cases import MULTIPLIERS
+from tests.helpers.convert_models import tiny_cfg
 
 transformers = pytest.importorskip("transformers")
 

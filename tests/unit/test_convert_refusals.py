@@ -7,11 +7,9 @@ import pytest
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.formats import choose_format
+from tests.helpers.case_shapes import MLA_SHAPE
 from tests.helpers.configs import tiny_config
-from tests.helpers.convert_cases import (
-    MLA_SHAPE,
-    tiny_cfg,
-)
+from tests.helpers.convert_models import tiny_cfg
 
 transformers = pytest.importorskip("transformers")
 

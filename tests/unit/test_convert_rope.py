@@ -13,14 +13,8 @@ from moetrain.config import ConfigError
 from moetrain.convert.families import FORMATS, family
 from moetrain.convert.formats import config_from_hf, hf_config
 from moetrain.model import Transformer
-from tests.helpers.convert_cases import (
-    CASES,
-    load_hf,
-    model_for,
-    sharpened,
-    stored_model,
-    tiny_cfg,
-)
+from tests.helpers.convert_cases import CASES
+from tests.helpers.convert_models import load_hf, model_for, sharpened, stored_model, tiny_cfg
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,7 +17,7 @@ from moetrain.convert.hf import to_hf_state_dict
 from moetrain.convert.weight_entries import InMemory
 from moetrain.convert.weight_map import WeightMap
 from moetrain.model import param_names as pn
-from tests.helpers.convert_cases import model_for, tiny_cfg
+from tests.helpers.convert_models import model_for, tiny_cfg
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,7 +23,7 @@ from moetrain.model.rope import model_rope_tables
 from moetrain.parallel.apply import checkpoint_blocks
 from moetrain.plan import attention_bytes_per_token
 from tests.helpers.configs import tiny_config
-from tests.helpers.convert_cases import load_hf, model_for, tiny_cfg
+from tests.helpers.convert_models import load_hf, model_for, tiny_cfg
 from tests.helpers.memory import LargestTensor, saved_storages
 
 transformers = pytest.importorskip("transformers")

@@ -261,7 +261,7 @@ def test_kimi_linear_family_over_several_chunks_and_packed_both_ways(
     on moetrain's export, and moetrain's import of transformers' own weights equals it too
     (1e-5 of the logits' scale, fp32); a packed row of three documents equals each document
     through transformers alone."""
-    from tests.helpers.convert_cases import load_hf, model_for, tiny_cfg
+    from tests.helpers.convert_models import load_hf, model_for, tiny_cfg
 
     cfg = tiny_cfg("kimi_linear", {"model.max_seq_len": 256})
     model = model_for(cfg)
@@ -289,7 +289,7 @@ def test_kimi_linear_family_over_several_chunks_and_packed_both_ways(
 def test_formats_refuse_what_they_cannot_hold_by_key(fmt: str, changes: dict, key: str) -> None:
     """Kimi Linear's class holds NoPE latent attention only; the other classes no KDA."""
     from moetrain.convert.formats import choose_format
-    from tests.helpers.convert_cases import tiny_cfg
+    from tests.helpers.convert_models import tiny_cfg
 
     cfg = tiny_config(HYBRID) if changes is None else tiny_cfg("kimi_linear", changes)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -302,7 +302,7 @@ def test_formats_refuse_what_they_cannot_hold_by_key(fmt: str, changes: dict, ke
 )
 def test_kimi_linear_configs_it_cannot_represent_are_refused_by_field(field, value) -> None:
     from moetrain.convert.families import kimi_linear
-    from tests.helpers.convert_cases import tiny_cfg
+    from tests.helpers.convert_models import tiny_cfg
 
     fields = kimi_linear.to_hf(tiny_cfg("kimi_linear")) | {field: value}
     with pytest.raises(ConfigError, match=field):

@@ -288,7 +288,7 @@ def test_latent_attention_with_a_head_gate_equals_ling_3s() -> None:
 )
 def test_the_families_that_cannot_hold_them_refuse_them_by_key(fmt, changes, key) -> None:
     from moetrain.convert.formats import choose_format
-    from tests.helpers.convert_cases import tiny_cfg
+    from tests.helpers.convert_models import tiny_cfg
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         choose_format(tiny_cfg(fmt, changes), fmt)

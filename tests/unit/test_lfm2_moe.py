@@ -48,7 +48,8 @@ def test_lfm2_moe_family_both_ways_packed_and_generating(tmp_path) -> None:
     them too (1e-5 of the logits' scale, fp32); a packed row of three documents equals each
     document through transformers alone; greedy generation and the logits through the state
     equal transformers' through its cache. Control: B and C swapped in one layer's files."""
-    from tests.helpers.convert_cases import generation_matches, load_hf, model_for, tiny_cfg
+    from tests.helpers.convert_models import load_hf, model_for, tiny_cfg
+    from tests.helpers.decoding import generation_matches
 
     cfg = tiny_cfg("lfm2_moe")
     model = model_for(cfg)
@@ -74,7 +75,7 @@ def test_lfm2_moe_family_both_ways_packed_and_generating(tmp_path) -> None:
 )
 def test_lfm2_moe_configs_it_cannot_represent_are_refused_by_field(field, value) -> None:
     from moetrain.convert.families import lfm2_moe
-    from tests.helpers.convert_cases import tiny_cfg
+    from tests.helpers.convert_models import tiny_cfg
 
     fields = lfm2_moe.to_hf(tiny_cfg("lfm2_moe")) | {field: value}
     with pytest.raises(ConfigError, match=rf"^{field}: "):

@@ -20,13 +20,8 @@ from moetrain.convert.formats import choose_format
 from moetrain.init_from.source import resolve_config_data
 from moetrain.model.mixers import MixerInputs
 from tests.helpers.configs import tiny_config
-from tests.helpers.convert_cases import (
-    generation_matches,
-    load_hf,
-    model_for,
-    sharpened,
-    tiny_cfg,
-)
+from tests.helpers.convert_models import load_hf, model_for, sharpened, tiny_cfg
+from tests.helpers.decoding import generation_matches
 from tests.helpers.hf_models import save_hf_model
 
 transformers = pytest.importorskip("transformers")

@@ -19,7 +19,7 @@ from moetrain.convert.formats import check_format
 from moetrain.convert.hf_files import HFWeights
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.model import param_names as pn
-from tests.helpers.convert_cases import model_for, tiny_cfg
+from tests.helpers.convert_models import model_for, tiny_cfg
 from tests.helpers.hf_models import save_hf_tokenizer
 
 VOCAB = 300

@@ -18,7 +18,7 @@ import torch
 from moetrain.checkpoint.write import write_checkpoint
 from moetrain.convert.export import convert_checkpoint
 from moetrain.model import param_names as pn
-from tests.helpers.convert_cases import model_for, tiny_cfg
+from tests.helpers.convert_models import model_for, tiny_cfg
 from tests.helpers.hf_models import save_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -27,7 +27,7 @@ from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer
 from moetrain.model_numbers import model_numbers
 from tests.helpers.configs import tiny_config
-from tests.helpers.convert_cases import tiny_cfg
+from tests.helpers.convert_models import tiny_cfg
 from tests.helpers.hf_models import hf_config, save_hf_model, save_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")

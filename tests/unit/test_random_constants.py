@@ -12,7 +12,7 @@ import torch
 
 from moetrain.convert.families import DENSE, FORMATS
 from moetrain.model import param_names as pn
-from tests.helpers.convert_cases import model_for, tiny_cfg
+from tests.helpers.convert_models import model_for, tiny_cfg
 from tests.helpers.hf_models import hf_config
 from tests.helpers.random_constants import constant_tensors, randomise_constants
 

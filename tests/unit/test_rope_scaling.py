@@ -23,7 +23,7 @@ from moetrain.model.rope import (
     yarn_mscale,
 )
 from tests.helpers.configs import tiny_config
-from tests.helpers.convert_cases import sharpened
+from tests.helpers.convert_models import sharpened
 
 
 def _yarn_cfg(dim: int, **keys: object) -> ModelConfig:
