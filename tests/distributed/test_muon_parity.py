@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.muon_jobs import bf16_job, without_exchange_job
+from tests.distributed.parity_checks import max_rel
 from tests.distributed.parity_jobs import layout_key, layouts_job, reference_key
 from tests.distributed.test_parity import (
-    _rel,
     check_biases,
     check_first_step_gradients,
     check_losses_and_norms,
@@ -192,12 +192,12 @@ def test_bf16_layouts_within_the_bf16_bound(bf16) -> None:
 
     reference = bf16[1][0]["ep1_zero1"]
     fp32 = bf16[1][0]["fp32_reference"]
-    assert _rel(reference["losses"], fp32["losses"]) <= LOSS_BOUND / 2
-    assert _rel(reference["norms"], fp32["norms"]) <= NORM_BOUND / 2
+    assert max_rel(reference["losses"], fp32["losses"]) <= LOSS_BOUND / 2
+    assert max_rel(reference["norms"], fp32["norms"]) <= NORM_BOUND / 2
     assert reference["losses"] != fp32["losses"]  # bf16 really ran
     for res in bf16[2]:
         for key in ("ep1_zero1", "ep2_zero2"):
             run = res[key]
-            assert _rel(run["losses"], reference["losses"]) <= LOSS_BOUND, key
-            assert _rel(run["norms"], reference["norms"]) <= NORM_BOUND, key
+            assert max_rel(run["losses"], reference["losses"]) <= LOSS_BOUND, key
+            assert max_rel(run["norms"], reference["norms"]) <= NORM_BOUND, key
         assert res["ep1_zero1"]["optimizer"] == "BF16_Optimizer"
