@@ -20,7 +20,9 @@ from deepspeed.runtime.zero.utils import is_zero_supported_optimizer  # noqa: F4
 
 import moetrain.train.trainer  # noqa: F401
 
-# deepspeed.initialize checks its optimizer against this module (it imports torch's compiler)
+# DeepSpeed's ZeRO code imports this module in every rank (it imports torch's compiler: ~1.5
+# CPU-s): the engine's optimizer check, BF16_Optimizer and stage 3 when built, ZeRO-1/2 at the
+# first gradient-bucket reduction
 import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  # isort: skip
 
 _SHM = get_accelerator().create_op_builder("ShareMemCommBuilder")
