@@ -25,7 +25,11 @@ class MoEConfig:
     # FFN: the block is its token mixer alone, Nemotron-H's mixer layers); then first_k_dense
     # and moe_every keep their defaults, and multi-token-prediction blocks are MoE
     layer_ffns: list[FFNKind] | None = field(default=None, metadata=FUNCTION)
-    score_func: Literal["softmax", "sigmoid"] = field(default="softmax", metadata=FUNCTION)
+    # the routing scores of the logits: softmax, sigmoid, or sqrtsoftplus (DeepSeek-V4's
+    # sqrt(softplus(logit)), per expert like sigmoid)
+    score_func: Literal["softmax", "sigmoid", "sqrtsoftplus"] = field(
+        default="softmax", metadata=FUNCTION
+    )
     # True: top-k on the logits, then the score function over the k (softmax over the k, or
     # each one's sigmoid, renormalised with renormalize: Llama 4)
     topk_before_score: bool = field(default=False, metadata=FUNCTION)
@@ -116,6 +120,14 @@ class MoEConfig:
     # moe_post_norm(moe(moe_norm(x)))), the router scoring the residual stream x itself
     dense_branch: bool = field(default=False, metadata=FUNCTION)
 
+    # hash routing (DeepSeek-V4's hash_moe layers): the MoE layers at these transformer layer
+    # indices pick each token's top_k experts from a fixed token id -> experts table
+    # (ffn.router.token_experts (vocab_size, top_k) int64, a saved buffer, never trained; drawn
+    # at initialisation from a generator seeded by the layer index, so identical on every rank);
+    # the gate's scores of the chosen experts weight them (renormalize, route_scale as above).
+    # null: every MoE layer routes by its scores
+    hash_layers: list[int] | None = field(default=None, metadata=FUNCTION)
+
     # latent MoE (Nemotron 3 Super's moe_latent_size): the routed experts compute in a latent
     # of this size, x projected into it (ffn.latent_in, D -> latent_dim) before the dispatch
     # and their combined output back (ffn.latent_out) after the combine; the router and the
@@ -198,6 +210,12 @@ class MoEConfig:
         if self.router_type == "sparsemixer":
             self._validate_sparsemixer()
         require(
+            not self.hash_layers or not (self.topk_before_score or self.router_type != "topk"),
+            "moe.hash_layers",
+            "weights the table's experts by their scores: needs moe.router_type=topk and "
+            "moe.topk_before_score=false",
+        )
+        require(
             self.renormalize_min == 0 or (self.renormalize and not self.topk_before_score),
             "moe.renormalize_min",
             "only applies with moe.renormalize=true and moe.topk_before_score=false",
@@ -207,6 +225,11 @@ class MoEConfig:
             "moe.renormalize_eps",
             "only applies with moe.renormalize=true and moe.topk_before_score=false",
         )
+
+    def is_hash_layer(self, layer: int) -> bool:
+        """Whether transformer layer ``layer``'s MoE routes by its token-id table
+        (``moe.hash_layers``)."""
+        return self.hash_layers is not None and layer in self.hash_layers
 
     def _validate_sparsemixer(self) -> None:
         """sparsemixer picks two experts from the softmax logits on its own terms."""

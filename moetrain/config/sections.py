@@ -318,6 +318,15 @@ class Config:
             f"must be between 0 and model.n_layers={self.model.n_layers}",
         )
         self._validate_layer_plan()
+        hashed = self.moe.hash_layers or []
+        require(
+            all(self.moe.is_moe_layer(i) for i in hashed)
+            and all(0 <= i < self.model.n_layers for i in hashed)
+            and len(set(hashed)) == len(hashed),
+            "moe.hash_layers",
+            f"must list distinct MoE layers (below model.n_layers={self.model.n_layers}); "
+            f"got {hashed}",
+        )
         require(
             not self.moe.dense_branch
             or all(

@@ -62,6 +62,7 @@ class Block(nn.Module):
                     spec.index,
                     cfg.norm_eps,
                     shared_activation=cfg.ffn_activation,
+                    vocab_size=cfg.vocab_size,
                 )
                 if self.is_moe
                 else make_mlp(cfg.ffn_activation, cfg.d_model, cfg.dense_hidden)
@@ -90,25 +91,28 @@ class Block(nn.Module):
             x_BSD = x_BSD + self._scaled(y_BSD, self.attn_post_norm)
         stats = None
         if self.dense is not None:
-            y_BSD, stats = self._dense_and_experts(x_BSD)
+            y_BSD, stats = self._dense_and_experts(x_BSD, inputs.token_ids_BS)
             x_BSD = x_BSD + self._scaled(y_BSD, self.ffn_post_norm)
         elif self.ffn is not None:
             h_BSD = _normed(self.ffn_norm, x_BSD)
-            y_BSD = self.ffn(h_BSD)
             if self.is_moe:
-                y_BSD, stats = y_BSD
+                y_BSD, stats = self.ffn(h_BSD, token_ids_BS=inputs.token_ids_BS)
+            else:
+                y_BSD = self.ffn(h_BSD)
             x_BSD = x_BSD + self._scaled(y_BSD, self.ffn_post_norm)
         if self.layer_scalar is not None:
             x_BSD = x_BSD * self.layer_scalar
         return x_BSD, stats
 
-    def _dense_and_experts(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEOutput]:
+    def _dense_and_experts(
+        self, x_BSD: torch.Tensor, token_ids_BS: torch.Tensor | None
+    ) -> tuple[torch.Tensor, MoEOutput]:
         """``moe.dense_branch``: ``dense_post_norm(dense(ffn_norm(x))) +
         moe_post_norm(moe(moe_norm(x)))``, the router scoring ``x`` itself (Gemma 4's
         ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm_1`` around its MLP and
         ``pre_feedforward_layernorm_2`` / ``post_feedforward_layernorm_2`` around its experts)."""
         dense_BSD = self.dense_post_norm(self.dense(self.ffn_norm(x_BSD)))
-        y_BSD, stats = self.ffn(self.moe_norm(x_BSD), route_BSD=x_BSD)
+        y_BSD, stats = self.ffn(self.moe_norm(x_BSD), route_BSD=x_BSD, token_ids_BS=token_ids_BS)
         return dense_BSD + self.moe_post_norm(y_BSD), stats
 
     def _scaled(self, y_BSD: torch.Tensor, post_norm: nn.Module | None) -> torch.Tensor:

@@ -262,6 +262,7 @@ class Transformer(nn.Module):
         docs = None if doc_ids_BS is None else Documents.from_ids(doc_ids_BS).to(x_BSD.device)
         inputs = MixerInputs(cos, sin, docs, doc_ids_BS, start if cache is not None else 0)
         inputs.local_rope = self._local_rope(start, s)
+        inputs.token_ids_BS = input_ids_BS
         own = self._global_inputs(inputs, start, s)
         moe_outs: list[MoEOutput] = []
         embed_BSD = x_BSD

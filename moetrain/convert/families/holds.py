@@ -214,6 +214,7 @@ BASELINE: dict[str, Rule] = {
     "moe.capacity_factor": only(0.0),
     "moe.router_type": only("topk"),
     "moe.score_func": only("softmax"),
+    "moe.hash_layers": only(None),
     "moe.topk_before_score": only(False),
     "moe.renormalize": ANY,
     "moe.renormalize_min": only(0.0),
@@ -317,7 +318,12 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     },
     "moe.capacity_factor": {0.0: "is dropless (tokens over capacity would be dropped only here)"},
     "moe.router_type": {"topk": "routes top-k", "sparsemixer": "routes with sparsemixer"},
-    "moe.score_func": {"softmax": "routes with softmax", "sigmoid": "routes with sigmoid"},
+    "moe.score_func": {
+        "softmax": "routes with softmax",
+        "sigmoid": "routes with sigmoid",
+        "sqrtsoftplus": "routes with sqrt(softplus)",
+    },
+    "moe.hash_layers": {None: "routes every MoE layer by its scores (no token-id hash routing)"},
     "moe.topk_before_score": {
         False: "scores all experts, then takes top-k",
         True: "takes top-k on the router logits, then scores the k",
