@@ -175,6 +175,9 @@ BASELINE: dict[str, Rule] = {
     "model.residual_multiplier": only(1.0),
     "model.logits_scaling": only(1.0),
     "model.final_logit_softcap": only(None),
+    "model.hc_streams": only(1),
+    "model.hc_sinkhorn_iters": ANY,  # (with hyper-connections only)
+    "model.hc_eps": ANY,
     "model.layer_scalar": only(False),
     "model.value_norm": only(False),
     "model.global_head_dim": only(None),
@@ -301,6 +304,7 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     "model.residual_multiplier": {1.0: "does not scale the residual branches"},
     "model.logits_scaling": {1.0: "does not scale the logits"},
     "model.final_logit_softcap": {None: "does not soft-cap its logits"},
+    "model.hc_streams": {1: "has a plain residual (no hyper-connections)"},
     "model.layer_scalar": {
         False: "has no per-layer output scalar",
         True: "scales every layer's output by a learned scalar",
