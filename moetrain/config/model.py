@@ -52,9 +52,12 @@ class ModelShape:
     dense_hidden: int = field(default=1024, metadata=POSITIVE_INT | FUNCTION)
     # the MLP of the dense FFN layers, the dense branch and the shared experts: "swiglu"
     # w2(silu(w1 x) * w3 x), "geglu" w2(gelu_tanh(w1 x) * w3 x) (Gemma's gelu_pytorch_tanh), or
-    # "relu2" w2(relu(w1 x)^2), not gated (Nemotron-H's; w1 its up projection). The routed
-    # experts' is moe.activation
-    ffn_activation: Literal["swiglu", "geglu", "relu2"] = field(default="swiglu", metadata=FUNCTION)
+    # "relu2" w2(relu(w1 x)^2), not gated (Nemotron-H's; w1 its up projection), or
+    # "clamped_swiglu", the experts' clamped SwiGLU with moe.swiglu_alpha / _limit /
+    # _up_offset (DeepSeek-V4's shared experts). The routed experts' is moe.activation
+    ffn_activation: Literal["swiglu", "geglu", "relu2", "clamped_swiglu"] = field(
+        default="swiglu", metadata=FUNCTION
+    )
     # RoPE table size and HF max_position_embeddings
     max_seq_len: int = field(default=2048, metadata=POSITIVE_INT)
     rope_theta: float = field(default=10000.0, metadata=above(0) | FUNCTION)

@@ -105,6 +105,9 @@ class MoEConfig:
     )
     swiglu_alpha: float | None = field(default=None, metadata=above(0) | FUNCTION)
     swiglu_limit: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # clamped_swiglu's offset c on the clamped up projection, (b' + c) * a' * sigmoid(alpha a'):
+    # gpt-oss's 1; DeepSeek-V4's silu(min(a, l)) * clamp(b, -l, l) is alpha 1, offset 0
+    swiglu_up_offset: float = field(default=1.0, metadata=FUNCTION)
     # the routing weight w multiplies each routed copy's input instead of its output: expert e
     # computes expert_e(w * x), and the combine sums the outputs (Llama 4)
     score_on_input: bool = field(default=False, metadata=FUNCTION)
@@ -133,6 +136,14 @@ class MoEConfig:
     # and their combined output back (ffn.latent_out) after the combine; the router and the
     # shared experts read x itself. null: the experts compute in d_model
     latent_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+
+    def swiglu_clamp(self) -> tuple[float, float, float] | None:
+        """``(alpha, limit, offset)`` of the clamped SwiGLU, None where unset (the experts'
+        with ``moe.activation: clamped_swiglu``; the dense FFNs' and shared experts' with
+        ``model.ffn_activation: clamped_swiglu``)."""
+        if self.swiglu_alpha is None or self.swiglu_limit is None:
+            return None
+        return self.swiglu_alpha, self.swiglu_limit, self.swiglu_up_offset
 
     @property
     def gated(self) -> bool:
@@ -207,6 +218,11 @@ class MoEConfig:
                 f"moe.{key}",
                 "is set exactly with moe.activation=clamped_swiglu",
             )
+        require(
+            clamped or self.swiglu_up_offset == 1.0,
+            "moe.swiglu_up_offset",
+            "applies to moe.activation=clamped_swiglu only; leave it at 1.0",
+        )
         if self.router_type == "sparsemixer":
             self._validate_sparsemixer()
         require(

@@ -318,6 +318,12 @@ class Config:
             f"must be between 0 and model.n_layers={self.model.n_layers}",
         )
         self._validate_layer_plan()
+        require(
+            self.model.ffn_activation != "clamped_swiglu" or self.moe.swiglu_clamp() is not None,
+            "model.ffn_activation",
+            "clamped_swiglu takes its constants from moe.swiglu_alpha and moe.swiglu_limit: "
+            "set them (with moe.activation=clamped_swiglu)",
+        )
         hashed = self.moe.hash_layers or []
         require(
             all(self.moe.is_moe_layer(i) for i in hashed)

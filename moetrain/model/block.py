@@ -54,6 +54,7 @@ class Block(nn.Module):
             if post:
                 self.attn_post_norm = make_norm(cfg, cfg.d_model)
         self.is_moe = spec.ffn == "moe"
+        clamp = moe_cfg.swiglu_clamp()  # (model.ffn_activation: clamped_swiglu)
         self.ffn_norm = self.ffn = self.ffn_post_norm = None
         if spec.ffn != "none":
             self.ffn_norm = make_norm(cfg, cfg.d_model) if pre else None
@@ -68,14 +69,14 @@ class Block(nn.Module):
                     vocab_size=cfg.vocab_size,
                 )
                 if self.is_moe
-                else make_mlp(cfg.ffn_activation, cfg.d_model, cfg.dense_hidden)
+                else make_mlp(cfg.ffn_activation, cfg.d_model, cfg.dense_hidden, clamp)
             )
             if post:
                 self.ffn_post_norm = make_norm(cfg, cfg.d_model)
         # moe.dense_branch: the dense FFN beside the experts, and the experts' own norms
         self.dense = self.dense_post_norm = self.moe_norm = self.moe_post_norm = None
         if self.is_moe and moe_cfg.dense_branch:
-            self.dense = make_mlp(cfg.ffn_activation, cfg.d_model, cfg.dense_hidden)
+            self.dense = make_mlp(cfg.ffn_activation, cfg.d_model, cfg.dense_hidden, clamp)
             self.dense_post_norm = make_norm(cfg, cfg.d_model)
             self.moe_norm = make_norm(cfg, cfg.d_model)
             self.moe_post_norm = make_norm(cfg, cfg.d_model)

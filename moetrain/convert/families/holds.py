@@ -235,6 +235,7 @@ BASELINE: dict[str, Rule] = {
     # experts and their placement
     "moe.expert_biases": only(False),
     "moe.activation": only("swiglu"),
+    "moe.swiglu_up_offset": only(1.0, applies=lambda _, moe: moe.activation == "clamped_swiglu"),
     "moe.latent_dim": only(None),
     "model.ffn_activation": only("swiglu"),
     "moe.num_shared_experts": only(0),
@@ -369,11 +370,16 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         "geglu": "has GeGLU experts",
         "relu2": "has squared-ReLU experts, not gated",
     },
+    "moe.swiglu_up_offset": {
+        1.0: "adds 1 to its clamped up projection",
+        0.0: "multiplies silu of the clamped gate by the clamped up projection",
+    },
     "moe.latent_dim": {None: "computes its experts in hidden_size (no latent MoE)"},
     "model.ffn_activation": {
         "swiglu": "has SwiGLU dense FFNs and shared experts",
         "geglu": "has GeGLU dense FFNs",
         "relu2": "has squared-ReLU dense FFNs and shared experts, not gated",
+        "clamped_swiglu": "clamps the SwiGLU of its dense FFNs and shared experts",
     },
     "moe.num_shared_experts": {0: "has no shared experts"},
     "moe.shared_expert_gate": {

@@ -114,11 +114,14 @@ class MoELayer(nn.Module):
             alpha=cfg.swiglu_alpha,
             limit=cfg.swiglu_limit,
             score_on_input=cfg.score_on_input,
+            up_offset=cfg.swiglu_up_offset,
         )
         self.shared_expert: MLP | None = None
         self.shared_gate: nn.Linear | None = None
         if cfg.num_shared_experts > 0:
-            self.shared_expert = make_mlp(shared_activation, d_model, cfg.shared_hidden)
+            self.shared_expert = make_mlp(
+                shared_activation, d_model, cfg.shared_hidden, cfg.swiglu_clamp()
+            )
             if cfg.shared_expert_gate:
                 self.shared_gate = Linear(d_model, 1, bias=False)
 
