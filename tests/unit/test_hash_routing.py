@@ -187,3 +187,30 @@ def test_sqrtsoftplus_probabilities_sum_to_one() -> None:
     probs = scores / scores.sum(-1, keepdim=True)
     frac = out.tokens_per_expert_E / out.tokens_per_expert_E.sum()
     torch.testing.assert_close(out.aux_loss, E * (frac * probs.mean(0)).sum())
+
+
+def test_checkpoint_round_trip_keeps_the_table_and_the_streams(tmp_path) -> None:
+    """A checkpoint of a model with hash routing and hyper-connections loads back to the same
+    table, parameters and logits."""
+    from moetrain.checkpoint.read import load_model
+    from moetrain.checkpoint.write import write_checkpoint
+    from moetrain.model import param_names as pn
+
+    cfg = tiny_config(moe__score_func="sqrtsoftplus", moe__hash_layers=[0], model__hc_streams=2)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.moe)
+    with torch.no_grad():  # (a table no fresh model would draw)
+        model.layers[0].ffn.router.token_experts.copy_(
+            model.layers[0].ffn.router.token_experts.flip(0)
+        )
+    state = model.state_dict()
+    parts = [("dense", {k: v for k, v in state.items() if not pn.parse_experts(k)})]
+    for layer in cfg.moe.moe_layers(cfg.model.n_blocks):
+        prefix = f"layers.{layer}."
+        experts = {k: v for k, v in state.items() if pn.parse_experts(k) and k.startswith(prefix)}
+        parts.append((f"layers.{layer}", experts))
+    loaded, _ = load_model(write_checkpoint(tmp_path / "c", cfg, parts))
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 8))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
