@@ -39,6 +39,7 @@ from torch import nn
 from moetrain.model.attention import unit_rms
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import RMSNorm
+from moetrain.model.rope import yarn_inv_freq
 
 Kind = Literal["sliding", "csa", "hca"]
 
@@ -72,6 +73,24 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos, sin = cos.float(), sin.float()
     turned = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
     return torch.cat((x[..., :-r], turned.to(x.dtype)), dim=-1)
+
+
+def pair_rope_rows(
+    positions: int,
+    rope_dim: int,
+    theta: float,
+    yarn: tuple[float, int, float, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (positions, rope_dim / 2) cos / sin of positions ``0 .. positions - 1`` for
+    :func:`rotate_pairs`: one frequency per pair, of base ``theta``, or YaRN's with ``yarn =
+    (factor, original_len, beta_fast, beta_slow)`` and attention factor 1 (DeepSeek-V4's
+    compressed layers leave cos / sin unscaled)."""
+    if yarn is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+    else:
+        inv_freq = yarn_inv_freq(rope_dim, theta, *yarn)
+    angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq
+    return angles.cos(), angles.sin()
 
 
 class Compressor(nn.Module):

@@ -10,6 +10,7 @@ import torch
 from moetrain.model.compressed_attention import (
     CompressedAttention,
     CompressedAttentionShape,
+    pair_rope_rows,
     rotate_pairs,
 )
 
@@ -64,13 +65,6 @@ def hf_config(topk: int):  # noqa: ANN201
     return cfg
 
 
-def rope_rows(theta: float, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S, R/2) cos / sin of positions 0 .. S-1, written out."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, R, 2, dtype=torch.float32) / R)
-    angles = torch.arange(s, dtype=torch.float32)[:, None] * inv_freq
-    return angles.cos(), angles.sin()
-
-
 def build(kind: str, topk: int) -> tuple[CompressedAttention, torch.nn.Module, object]:
     cfg = hf_config(topk)
     theirs = v4.DeepseekV4Attention(cfg, list(HF_KIND).index(kind))
@@ -99,7 +93,7 @@ def test_matches_transformers_values_and_gradients(kind: str, topk: int) -> None
     torch.manual_seed(7)
     x = torch.randn(2, S, D, requires_grad=True)
     x_hf = x.detach().clone().requires_grad_(True)
-    cos, sin = rope_rows(THETA[kind], S)
+    cos, sin = pair_rope_rows(S, R, THETA[kind])
     position_ids = torch.arange(S)[None]
     rotary = v4.DeepseekV4RotaryEmbedding(cfg)
     embeddings = {t: rotary(x_hf, position_ids, layer_type=t) for t in ("main", "compress")}
@@ -128,7 +122,7 @@ def test_negative_controls() -> None:
 
     ours, theirs, cfg = build("csa", 9)
     x = torch.randn(2, S, D)
-    cos, sin = rope_rows(THETA["csa"], S)
+    cos, sin = pair_rope_rows(S, R, THETA["csa"])
     position_ids = torch.arange(S)[None]
     rotary = v4.DeepseekV4RotaryEmbedding(cfg)
     embeddings = {t: rotary(x, position_ids, layer_type=t) for t in ("main", "compress")}
@@ -155,3 +149,31 @@ def test_rotate_pairs_turns_adjacent_pairs_of_the_trailing_slice() -> None:
     x = torch.tensor([[5.0, 1.0, 0.0, 0.0, 1.0]])  # nope channel 5, pairs (1, 0), (0, 1)
     cos, sin = torch.tensor([[0.0, 1.0]]), torch.tensor([[1.0, 0.0]])  # 90 degrees, 0 degrees
     torch.testing.assert_close(rotate_pairs(x, cos, sin), torch.tensor([[5.0, 0.0, 1.0, 0.0, 1.0]]))
+
+
+@pytest.mark.parametrize("yarn", [False, True], ids=["default", "yarn"])
+def test_rope_rows_match_transformers(yarn: bool) -> None:
+    """The compressed layers' RoPE rows (YaRN with attention factor 1, as DeepSeek-V4 forces)
+    and the sliding layers' plain ones, against DeepseekV4RotaryEmbedding."""
+    from transformers import DeepseekV4Config
+
+    scaling = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 8}
+    cfg = DeepseekV4Config(
+        hidden_size=D, num_attention_heads=H, head_dim=K, partial_rotary_factor=R / K,
+        num_hidden_layers=1, rope_parameters=scaling if yarn else None,
+        compress_rope_theta=THETA["csa"],
+    )  # fmt: skip
+    rotary = v4.DeepseekV4RotaryEmbedding(cfg)
+    x, position_ids = torch.zeros(1, S, D), torch.arange(S)[None]
+    yarn_args = (16.0, 8, 32.0, 1.0) if yarn else None
+    cos, sin = pair_rope_rows(S, R, THETA["csa"], yarn_args)
+    want_cos, want_sin = rotary(x, position_ids, layer_type="compress")
+    torch.testing.assert_close(cos, want_cos[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin, want_sin[0], rtol=1e-6, atol=1e-6)
+    cos, sin = pair_rope_rows(S, R, THETA["sliding"])
+    want_cos, want_sin = rotary(x, position_ids, layer_type="main")
+    torch.testing.assert_close(cos, want_cos[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin, want_sin[0], rtol=1e-6, atol=1e-6)
+    if yarn:  # negative control: the unscaled frequencies are another table
+        plain_cos, _ = pair_rope_rows(S, R, THETA["csa"])
+        assert not torch.allclose(plain_cos, want_cos[0], rtol=1e-6, atol=1e-6)
