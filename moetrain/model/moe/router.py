@@ -136,9 +136,9 @@ class Router(nn.Module):
     ``stats_reducer`` (set by parallel code, default None): sums the per-expert selection
     counts over every rank that routes tokens; the global scopes of the aux loss use it.
     ``step_counts_E`` (int64 buffer, not saved): the ``global_batch`` scope's counts of the
-    optimizer step's earlier micro-steps (every rank). ``hashed`` (``moe.hash_layers``):
-    ``token_experts`` (vocab_size, K) int64, a saved buffer (:func:`hash_table` of
-    ``layer``), selects each token's experts. Gemma 4's scalars: ``input_scale`` (D,)
+    optimizer step's earlier micro-steps (every rank). ``token_experts`` (vocab_size, K) int64,
+    a saved buffer (:func:`hash_table` of ``layer``; None unless ``layer`` is one of
+    ``moe.hash_layers``), selects each token's experts. Gemma 4's scalars: ``input_scale`` (D,)
     with ``moe.router_input_norm`` (the gate scores ``unit_rms(x) * input_scale * D^-0.5``,
     ``norm_eps`` the norm's eps) and ``expert_scale`` (E,) with ``moe.expert_scale`` (each
     chosen expert's combine weight times its scale, before ``moe.route_scale``).
