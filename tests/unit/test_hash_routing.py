@@ -214,3 +214,24 @@ def test_checkpoint_round_trip_keeps_the_table_and_the_streams(tmp_path) -> None
         assert torch.equal(tensor, state[name]), name
     ids = torch.randint(0, cfg.model.vocab_size, (2, 8))
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_step_metrics_carry_the_hash_routed_load() -> None:
+    """What metrics.jsonl gets for a step (``records.step_metrics``): the hash-routed layers'
+    load beside every layer's."""
+    from moetrain.monitor.records import step_metrics
+
+    cfg = tiny_config(moe__score_func="sqrtsoftplus", moe__hash_layers=[0])
+    layer = {"dropped": 0, "entropy": 1.0, "aux_loss": 1.0, "z_loss": 0.1, "dropped_frac": 0.0}
+    rec = {
+        "step": 1,
+        "ce_loss": 2.0,
+        "moe_layers": {
+            0: {**layer, "tokens_per_expert": [6.0, 2.0, 0.0, 0.0]},
+            1: {**layer, "tokens_per_expert": [2.0, 2.0, 2.0, 2.0]},
+        },
+    }
+    row = step_metrics(rec, cfg, None, 1)
+    assert row["moe/hash_imbalance_max_over_mean"] == pytest.approx(3.0)
+    assert row["moe/hash_dead_experts"] == 2.0
+    assert row["moe/layer0/tokens_per_expert"] == [6.0, 2.0, 0.0, 0.0]
