@@ -139,3 +139,30 @@ def test_refused_with_multi_token_prediction() -> None:
         tiny_config(model__hc_streams=2, model__mtp_depth=1)
     with pytest.raises(ConfigError, match=r"model\.hc_streams"):
         tiny_config(model__hc_streams=0)
+
+
+def test_bf16_keeps_the_table_and_mixes_in_fp32() -> None:
+    """Cast to bf16 (as the bf16 engine casts the model): the hash table stays int64, the
+    streams stay bf16 and the coefficients are computed in fp32."""
+    cfg = tiny_config(model__hc_streams=N, moe__hash_layers=[0], moe__score_func="sqrtsoftplus")
+    torch.manual_seed(0)
+    low = Transformer(cfg.model, cfg.moe).to(torch.bfloat16)
+    assert low.layers[0].ffn.router.token_experts.dtype == torch.int64
+    x = torch.randn(1, 4, N, cfg.model.d_model, dtype=torch.bfloat16)
+    h, (post, comb) = low.layers[0].attn_hc(x)
+    assert h.dtype == torch.bfloat16 and post.dtype == comb.dtype == torch.float32
+    mixed = low.layers[0].attn_hc.mix(x, h, (post, comb))
+    assert mixed.dtype == torch.bfloat16
+    assert low.hc_head(mixed).dtype == torch.bfloat16
+
+
+@pytest.mark.long
+def test_bf16_model_is_close_to_fp32() -> None:
+    cfg = tiny_config(model__hc_streams=N, moe__hash_layers=[0], moe__score_func="sqrtsoftplus")
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, cfg.moe)
+    ids = torch.randint(0, cfg.model.vocab_size, (1, 4))
+    want = model(ids).logits
+    got = model.to(torch.bfloat16)(ids).logits
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0.1, atol=0.05)
