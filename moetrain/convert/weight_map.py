@@ -79,6 +79,7 @@ def in_memory(layout: Layout) -> Layout:
         renames={**layout.renames, **layout.in_memory_renames},
         joined=bool(layout.in_memory_joined),
         base=r.get(layout.base, layout.base),
+        embed=r.get(layout.embed, layout.embed),
         final_norm=_rebased(layout.final_norm, layout.base, r.get(layout.base, layout.base)),
         moe_block=r.get(layout.moe_block, layout.moe_block),
         dense_block=r.get(layout.dense_block, layout.dense_block),
