@@ -250,7 +250,7 @@ class _Plan:
         """The tensors of ``Layout.in_memory_joined`` in this block as one entry each (joined
         in memory, apart in the files)."""
         for memory, files in self.layout.in_memory_joined.items():
-            names = [f"{prefix}{f}.weight" for f in files]
+            names = [f"{prefix}{rename(self.layout.renames, f) or f}.weight" for f in files]
             parts = [e for e in self.entries if e.theirs[0] in names]
             if len(parts) != len(names):
                 continue

@@ -99,7 +99,10 @@ LAYOUT = Layout(
     selection_bias="gate.expert_bias",
     renames=_RENAMES,
     mtp=MtpNames(head_norm="final_layernorm", embed_copy=None, head_copy=None),
-    in_memory={"word_embeddings": "embed_tokens", "gate.expert_bias": "gate.e_score_correction_bias"},
+    in_memory={
+        "word_embeddings": "embed_tokens",
+        "gate.expert_bias": "gate.e_score_correction_bias",
+    },
     in_memory_renames=_IN_MEMORY,
     in_memory_joined={"self_attn.conv1d": tuple(f"self_attn.{p}_conv1d" for p in "qkv")},
 )
