@@ -95,8 +95,8 @@ class Layout:
     a decoder layer (``model.layers.<i>.``) or to its MoE block.
 
     ``in_memory``: transformers v5's in-memory module names where they differ from the files'
-    (the MoE block, the dense block, the router, the selection bias: file name -> memory
-    name); a source saved
+    (the embedding, the MoE block, the dense block, the router, the selection bias: file
+    name -> memory name); a source saved
     from memory uses them, with a per-expert or fused family's experts as :data:`V5_FUSED`.
     """
 
