@@ -46,7 +46,8 @@ def test_ling_family_over_several_chunks_and_packed_both_ways(
     no tensor constant) over 150 tokens (three chunks of the rule): moetrain's logits equal
     transformers' on moetrain's export, transformers' weights imported back give them too (1e-5
     of the logits' scale, fp32), and a packed row of three documents equals each document
-    through transformers alone; without the documents (the control) it does not."""
+    through transformers alone; without the documents (the control) it does not, nor does
+    transformers' model with the KDA gates' bound at -4."""
     cfg = tiny_cfg(FAMILY, {"model.max_seq_len": 256})
     model = _decays(model_for(cfg))
     hf = load_hf(cfg, model, FAMILY, tmp_path)
@@ -55,6 +56,10 @@ def test_ling_family_over_several_chunks_and_packed_both_ways(
     _, alone = check_family_both_ways(cfg, model, hf, FAMILY, ids, [60, 1, 89])
     with torch.no_grad():
         assert rel(model(ids[:1]).logits, alone) > 1e-2
+        ref = model(ids).logits
+        for layer in hf.model.layers[:2]:  # (control: KDA's bound at -4, not the released -5)
+            layer.self_attn.forget_gate.lower_bound = -4.0
+        assert rel(hf(input_ids=ids).logits, ref) > 1e-3
 
 
 def test_released_layer_pattern_both_ways() -> None:
@@ -80,6 +85,12 @@ def test_mtp_layers_in_the_released_layout(tmp_path) -> None:
     cfg = tiny_cfg(FAMILY, {"model.mtp_depth": 1})
     model = _decays(model_for(cfg))
     files = to_hf_state_dict(model.state_dict(), cfg, FAMILY)
+    # the released names: KDA's output projection o_proj, latent attention's dense
+    assert {
+        "model.layers.0.attention.o_proj.weight",
+        "model.layers.2.attention.dense.weight",
+    } <= set(files)
+    assert "model.word_embeddings.weight" in files and "model.layers.0.attention.A_log" in files
     mtp = sorted(
         n.removeprefix("model.layers.3.") for n in files if n.startswith("model.layers.3.")
     )

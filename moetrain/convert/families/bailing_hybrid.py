@@ -10,14 +10,17 @@ scores with a selection bias, group-limited routing by each group's two best exp
 ``norm_topk_prob``, ``routed_scaling_factor``, ungated shared experts, the first
 ``first_k_dense_replace`` layers dense).
 
-Weights (the released files; transformers 5.25's conversion mapping reads them): the
-embedding ``model.word_embeddings``, the mixers under ``attention.`` (the output projection
-``attention.dense``; KDA's ``attention.{q,k,v}_conv1d`` apart, ``f_proj``, ``dt_bias`` and
+Weights (the released files, as vLLM's Ling 3.0 model reads them; transformers 5.25's
+conversion mapping reads them too): the embedding ``model.word_embeddings``, the mixers under
+``attention.`` (latent attention's output projection ``attention.dense``, KDA's
+``attention.o_proj``; KDA's ``attention.{q,k,v}_conv1d`` apart, ``f_proj``, ``dt_bias`` and
 ``A_log`` (H,) beside the projections), per-expert ``mlp.experts.<e>.{gate,up,down}_proj``,
 the router ``mlp.gate`` with its selection bias ``mlp.gate.expert_bias``,
 ``mlp.shared_experts``. transformers v5 holds them as ``model.embed_tokens``, ``self_attn.``,
 ``self_attn.o_proj``, the convolutions joined (``self_attn.conv1d``), the forget gate's under
-``self_attn.forget_gate.``, the experts fused and ``gate.e_score_correction_bias``.
+``self_attn.forget_gate.``, the experts fused and ``gate.e_score_correction_bias``; its
+``save_pretrained`` writes KDA's output projection as ``attention.dense`` too (its mapping
+run backwards): each is read where a source has it.
 
 The multi-token-prediction layers (``num_nextn_predict_layers``) are moetrain's
 ``model.mtp_depth`` modules, after the decoder layers as DeepSeek-V3's are
@@ -84,7 +87,7 @@ HOLDS = {
 }
 # the files' names for the mixers' modules (renames apply in this order) and memory's
 _RENAMES = {
-    "self_attn.o_proj": "attention.dense",
+    "self_attn.o_proj": "attention.o_proj",
     **{f"self_attn.{p}": f"attention.{p}" for p in FORGET_GATE},
     "self_attn": "attention",
 }
@@ -98,6 +101,8 @@ LAYOUT = Layout(
     shared_expert="shared_experts",
     selection_bias="gate.expert_bias",
     renames=_RENAMES,
+    mixer_renames={"mla": {"self_attn.o_proj": "attention.dense"}},
+    saved_renames={"self_attn.o_proj": "attention.dense"},  # (KDA's too in transformers' saves)
     mtp=MtpNames(head_norm="final_layernorm", embed_copy=None, head_copy=None),
     in_memory={
         "word_embeddings": "embed_tokens",
