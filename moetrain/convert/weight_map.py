@@ -317,7 +317,7 @@ class WeightMap:
         self.entries, self.fillers, self.copies = plan.entries, plan.fillers, plan.copies
         others = [in_memory(layout)] if in_memory(layout) != layout else []
         if layout.saved_renames:  # (transformers' saves' names)
-            renames = {**layout.saved_renames, **layout.renames}
+            renames = {**layout.renames, **layout.saved_renames}
             others.append(dataclasses.replace(layout, renames=renames, mixer_renames={}))
         if present is not None and others:
             alts = [_Plan(cfg, fmt, o, self.shapes).entries for o in others]

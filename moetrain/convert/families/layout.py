@@ -162,7 +162,7 @@ class Layout:
     mixer_renames: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # the names transformers' ``save_pretrained`` writes where they differ from the released
     # files' (its conversion mapping run backwards: Ling 3.0's KDA ``attention.dense``), read
-    # where a source holds them, before ``renames``
+    # where a source holds them, over ``renames``
     saved_renames: Mapping[str, str] = field(default_factory=dict)
     in_memory: Mapping[str, str] = field(default_factory=dict)
     # transformers v5's in-memory experts where they are not :data:`V5_FUSED` (Nemotron-H's
