@@ -85,7 +85,9 @@ HOLDS = {
     **SIGMOID_GROUPS,
     **DEEPSEEK_MOE,
 }
-# the files' names for the mixers' modules (renames apply in this order) and memory's
+# the files' names for the mixers' modules and memory's (the first rule that matches applies:
+# the output projection and the forget gate's before the module, where memory's and
+# transformers' saves' rules override them in place)
 _RENAMES = {
     "self_attn.o_proj": "attention.o_proj",
     **{f"self_attn.{p}": f"attention.{p}" for p in FORGET_GATE},
