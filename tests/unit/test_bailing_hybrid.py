@@ -43,7 +43,7 @@ def test_ling_family_over_several_chunks_and_packed_both_ways(
 ) -> None:
     """The tiny Ling 3.0 case (two KDA layers with full-rank gates and the bounded forget gate,
     latent attention with its head gate, group-limited sigmoid routing, a dense first layer;
-    no tensor constant) over 150 tokens (three chunks of the rule): moetrain's logits equal
+    no tensor constant) over 130 tokens (three chunks of the rule): moetrain's logits equal
     transformers' on moetrain's export, transformers' weights imported back give them too (1e-5
     of the logits' scale, fp32), and a packed row of three documents equals each document
     through transformers alone; without the documents (the control) it does not, nor does
@@ -52,10 +52,10 @@ def test_ling_family_over_several_chunks_and_packed_both_ways(
     model = _decays(model_for(cfg))
     hf = load_hf(cfg, model, FAMILY, tmp_path)
     assert type(hf).__name__ == bailing_hybrid.NAME
-    ids = torch.randint(0, 96, (2, 150), generator=torch.Generator().manual_seed(0))
-    _, alone = check_family_both_ways(cfg, model, hf, FAMILY, ids, [60, 1, 89])
+    ids = torch.randint(0, 96, (1, 130), generator=torch.Generator().manual_seed(0))
+    _, alone = check_family_both_ways(cfg, model, hf, FAMILY, ids, [50, 1, 79])
     with torch.no_grad():
-        assert rel(model(ids[:1]).logits, alone) > 1e-2
+        assert rel(model(ids).logits, alone) > 1e-2
         ref = model(ids).logits
         for layer in hf.model.layers[:2]:  # (control: KDA's bound at -4, not the released -5)
             layer.self_attn.forget_gate.lower_bound = -4.0

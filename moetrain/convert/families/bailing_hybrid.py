@@ -44,6 +44,7 @@ from moetrain.convert.families import hf_config
 from moetrain.convert.families.base import Family
 from moetrain.convert.families.deepseek_v3 import DEEPSEEK_MOE, SIGMOID_GROUPS, mla_from_hf, mla_hf
 from moetrain.convert.families.holds import LATENT_ATTENTION, free, only, refused_when
+from moetrain.convert.families.kimi_linear import AsDeepSeek
 from moetrain.convert.families.layout import Layout, MtpNames
 
 NAME = "BailingHybridForCausalLM"
@@ -163,18 +164,6 @@ def to_hf(cfg: Config) -> dict[str, Any]:
     )
 
 
-class _AsDeepSeek:
-    """A Ling 3.0 config read through DeepSeek-V3's field names."""
-
-    def __init__(self, hf: Any, first_dense: int) -> None:
-        self._hf, self.first_k_dense_replace = hf, first_dense
-        self.n_routed_experts = hf.num_local_experts
-        self.num_key_value_heads = hf.num_attention_heads  # (latent attention's heads)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._hf, name)
-
-
 def _refuse_released_flags(hf: Any) -> None:
     """ConfigError naming the first released flag whose computation moetrain does not have."""
 
@@ -216,7 +205,7 @@ def from_hf(hf: Any) -> Config:
     first = next((i for i, t in enumerate(mlp) if t != "dense"), len(mlp))
     if set(mlp[first:]) - {"sparse"}:
         raise ConfigError(f"mlp_layer_types: moetrain makes the first layers dense; got {mlp}")
-    model, moe = mla_from_hf(_AsDeepSeek(hf, first))
+    model, moe = mla_from_hf(AsDeepSeek(hf, first))
     types = list(getattr(hf, "layer_types", None) or [])
     if len(types) != model.n_layers or set(types) - {LINEAR, FULL}:
         raise ConfigError(f"layer_types: {NAME} needs {LINEAR} or {FULL} per layer; got {types}")
