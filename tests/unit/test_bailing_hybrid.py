@@ -20,7 +20,7 @@ from moetrain.convert.families import bailing_hybrid
 from moetrain.convert.hf import from_hf_state_dict, to_hf_state_dict
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.model import Transformer
-from tests.helpers.convert_cases import load_hf, model_for, tiny_cfg
+from tests.helpers.convert_models import load_hf, model_for, tiny_cfg
 from tests.helpers.hf_models import hf_config, save_hf_tokenizer
 from tests.helpers.recurrent_models import check_family_both_ways, rel
 from tests.unit.test_gated_deltanet import torch_matmul  # noqa: F401 (a fixture)
