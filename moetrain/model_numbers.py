@@ -47,6 +47,7 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     latent = 2 * d * e.latent_dim if e.latent_dim else 0  # a latent MoE's two projections
     # moe.dense_branch: the dense FFN beside the experts, with its post norm and the experts'
     dense_branch = dense_ffn + 3 * norm if e.dense_branch else 0
+    dense_branch += dense_ffn if e.shortcut else 0  # moe.shortcut: its dense FFN alone
     layer_scalar = 1 if m.layer_scalar else 0
 
     total = active = matmul_active = mtp = mixing = 0

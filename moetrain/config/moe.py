@@ -121,6 +121,11 @@ class MoEConfig:
     # and their combined output back (ffn.latent_out) after the combine; the router and the
     # shared experts read x itself. null: the experts compute in d_model
     latent_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    # a shortcut-connected MoE (LongCat-Flash's ScMoE): an MoE layer's block also runs a dense
+    # FFN (model.dense_hidden) on the experts' input and adds it to the residual stream; the
+    # experts' output joins the stream at the end of the next block, whose FFN is dense
+    # (moe.layer_ffns alternating moe, dense; no multi-token prediction)
+    shortcut: bool = field(default=False, metadata=FUNCTION)
     # zero-computation experts (LongCat-Flash's zero_expert_num): the router chooses its
     # top_k among num_experts + zero_experts; a copy routed to a zero expert returns the
     # token's input times its weight, with no computation, dispatch or capacity slot

@@ -6,7 +6,10 @@ output is normalised too, before its residual add (Trinity's, Gemma's sandwich n
 layer's norms apart from the others', as Olmo-Hybrid's). Gemma 4's pieces: ``moe.dense_branch``
 runs a dense FFN beside the experts of an MoE layer, each with its own norms
 (:meth:`Block._dense_and_experts`); ``model.layer_scalar`` multiplies the block's output by a
-learned scalar.
+learned scalar. ``moe.shortcut`` (LongCat-Flash's shortcut-connected MoE): an MoE block runs a
+dense FFN on the experts' input and adds that alone to its residual stream; its statistics
+carry the experts' output (``MoEOutput.shortcut_BSD``), which the next block, a dense one,
+adds at its end (``shortcut_BSD``).
 
 Shape legend: B batch, S sequence, D d_model.
 """
@@ -68,8 +71,12 @@ class Block(nn.Module):
             )
             if post:
                 self.ffn_post_norm = make_norm(cfg, cfg.d_model)
-        # moe.dense_branch: the dense FFN beside the experts, and the experts' own norms
+        # moe.dense_branch: the dense FFN beside the experts, and the experts' own norms;
+        # moe.shortcut: the dense FFN alone
         self.dense = self.dense_post_norm = self.moe_norm = self.moe_post_norm = None
+        self.shortcut = moe_cfg.shortcut
+        if self.is_moe and self.shortcut:
+            self.dense = make_mlp(cfg.ffn_activation, cfg.d_model, cfg.dense_hidden)
         if self.is_moe and moe_cfg.dense_branch:
             self.dense = make_mlp(cfg.ffn_activation, cfg.d_model, cfg.dense_hidden)
             self.dense_post_norm = make_norm(cfg, cfg.d_model)
@@ -82,14 +89,21 @@ class Block(nn.Module):
         x_BSD: torch.Tensor,
         inputs: MixerInputs,
         state: MixerState | None = None,
+        shortcut_BSD: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MoEOutput | None]:
         """The block's output and its MoE layer's statistics (None without one); ``state``:
-        the mixer's inference state (generation)."""
+        the mixer's inference state (generation); ``shortcut_BSD``: the previous block's
+        shortcut experts' output (``moe.shortcut``), added at the end."""
         if self.attn is not None:
             y_BSD = self.attn(_normed(self.attn_norm, x_BSD), inputs, state)
             x_BSD = x_BSD + self._scaled(y_BSD, self.attn_post_norm)
         stats = None
-        if self.dense is not None:
+        if self.dense is not None and self.shortcut:
+            h_BSD = _normed(self.ffn_norm, x_BSD)
+            shortcut_out, stats = self.ffn(h_BSD)
+            stats.shortcut_BSD = shortcut_out  # (the next block adds it)
+            x_BSD = x_BSD + self._scaled(self.dense(h_BSD), self.ffn_post_norm)
+        elif self.dense is not None:
             y_BSD, stats = self._dense_and_experts(x_BSD)
             x_BSD = x_BSD + self._scaled(y_BSD, self.ffn_post_norm)
         elif self.ffn is not None:
@@ -98,6 +112,8 @@ class Block(nn.Module):
             if self.is_moe:
                 y_BSD, stats = y_BSD
             x_BSD = x_BSD + self._scaled(y_BSD, self.ffn_post_norm)
+        if shortcut_BSD is not None:
+            x_BSD = x_BSD + shortcut_BSD
         if self.layer_scalar is not None:
             x_BSD = x_BSD * self.layer_scalar
         return x_BSD, stats

@@ -172,6 +172,10 @@ class Layout:
     in_memory_renames: Mapping[str, str] = field(default_factory=dict)
     in_memory_joined: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     joined: bool = False
+    # decoder layers that hold several moetrain blocks (LongCat-Flash's two sublayers): block
+    # i lies in decoder layer i // len(sublayers), its names (after the rules above) renamed
+    # by sublayers[i % len(sublayers)]; empty: one block per decoder layer
+    sublayers: tuple[Mapping[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ class MoEOutput:
     (T * K) with this rank's T.
     entropy: mean routing entropy. load_max_over_mean: max / mean of tokens_per_expert_E.
     zero_copies: int64 scalar, the copies routed to zero experts (``moe.zero_experts``).
+    shortcut_BSD: with ``moe.shortcut``, the layer's output on its way to the next block (set
+    by the block, taken by the model's loop).
     """
 
     aux_loss: torch.Tensor
@@ -47,6 +49,7 @@ class MoEOutput:
     entropy: torch.Tensor
     load_max_over_mean: torch.Tensor
     zero_copies: torch.Tensor
+    shortcut_BSD: torch.Tensor | None = None
 
 
 class _SharedExpertStages:
