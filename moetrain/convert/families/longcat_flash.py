@@ -72,6 +72,12 @@ def to_hf(cfg: Config) -> dict[str, Any]:
         routed_scaling_factor=moe.route_scale,
         router_bias=moe.router_bias,
         attention_bias=False,
+        # as released: keys transformers' class does not read (it scales and routes so
+        # whatever they say) and serving engines do
+        norm_topk_prob=False,
+        mla_scale_q_lora=True,
+        mla_scale_kv_lora=True,
+        zero_expert_type="identity",
     )
 
 
