@@ -176,6 +176,10 @@ class Layout:
     # i lies in decoder layer i // len(sublayers), its names (after the rules above) renamed
     # by sublayers[i % len(sublayers)]; empty: one block per decoder layer
     sublayers: tuple[Mapping[str, str], ...] = ()
+    # the files hold multi-token-prediction layers (``model.mtp.*``) whatever config.json
+    # declares, which transformers' class ignores: an import leaves them unread
+    # (LongCat-Flash's)
+    mtp_unread: bool = False
 
 
 @dataclass(frozen=True)

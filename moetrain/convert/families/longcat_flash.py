@@ -38,6 +38,7 @@ HOLDS = {
 # one decoder layer = two moetrain blocks: the first's dense FFN is mlps.0, its experts the
 # layer's mlp; the second's dense FFN mlps.1
 LAYOUT = Layout(
+    mtp_unread=True,
     router="router.classifier",
     selection_bias="router.e_score_correction_bias",
     sublayers=(
