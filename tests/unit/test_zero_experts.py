@@ -97,9 +97,7 @@ def test_values_and_gradients_match_the_written_out_reference(kw: dict) -> None:
     probe = torch.randn_like(y)
     params = [layer.router.gate.weight, layer.experts.w13, layer.experts.w2]
     ours = torch.autograd.grad((y * probe).sum() + stats.aux_loss, [x_ours, *params])
-    refs = torch.autograd.grad(
-        (y_ref * probe.reshape(-1, D)).sum() + aux_ref, [x_ref, *params]
-    )
+    refs = torch.autograd.grad((y_ref * probe.reshape(-1, D)).sum() + aux_ref, [x_ref, *params])
     for name, a, b in zip(["x", "gate", "w13", "w2"], ours, refs, strict=True):
         scale = float(b.abs().max())  # (sums of large products: an absolute tolerance by size)
         torch.testing.assert_close(a.reshape(b.shape), b, rtol=1e-5, atol=1e-6 * scale, msg=name)
