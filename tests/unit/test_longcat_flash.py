@@ -122,3 +122,15 @@ def test_released_directory_with_mtp_layers_imports_them_unread(tmp_path) -> Non
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
         torch.testing.assert_close(model.eval()(ids).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_router_bias_transformers_never_adds_is_refused() -> None:
+    """transformers 5.25's LongCat-Flash router holds ``classifier.bias`` with ``router_bias``
+    but scores with the weight alone: such a model is refused, naming the key."""
+    from moetrain.convert.formats import config_from_hf
+    from tests.helpers.hf_models import hf_config
+
+    hf = hf_config("longcat_flash").to_dict()
+    config_from_hf(hf)  # (as released: no router bias)
+    with pytest.raises(ConfigError, match="router_bias"):
+        config_from_hf({**hf, "router_bias": True})

@@ -17,7 +17,7 @@ from moetrain.config import Config, ConfigError
 from moetrain.convert.families import hf_config
 from moetrain.convert.families.base import Family
 from moetrain.convert.families.deepseek_v3 import mla_from_hf
-from moetrain.convert.families.holds import ANY, LATENT_ATTENTION, free, only, refused_when
+from moetrain.convert.families.holds import LATENT_ATTENTION, free, only, refused_when
 from moetrain.convert.families.layout import Layout
 
 NAME = "LongcatFlashForCausalLM"
@@ -26,8 +26,7 @@ HOLDS = {
     **LATENT_ATTENTION,
     "model.rope_interleave": only(True),
     "model.mla_lora_scale": only(True),  # (which needs model.q_lora_rank)
-    "model.head_dim": ANY,
-    **free("moe.route_scale", "moe.bias_update_rate", "moe.zero_experts", "moe.router_bias"),
+    **free("moe.route_scale", "moe.bias_update_rate", "moe.zero_experts"),
     "moe.renormalize": only(False),
     "moe.shortcut": only(True),
     "moe.layer_ffns": refused_when(
@@ -71,7 +70,7 @@ def to_hf(cfg: Config) -> dict[str, Any]:
         zero_expert_num=moe.zero_experts,
         expert_ffn_hidden_size=moe.expert_hidden,
         routed_scaling_factor=moe.route_scale,
-        router_bias=moe.router_bias,
+        router_bias=False,
         attention_bias=False,
         # as released: keys transformers' class does not read (it scales and routes so
         # whatever they say) and serving engines do
@@ -93,7 +92,11 @@ def from_hf(hf: Any) -> Config:
     model.rope_interleave = model.mla_lora_scale = True
     moe.score_func, moe.renormalize = "softmax", False
     moe.zero_experts = int(getattr(hf, "zero_expert_num", 0) or 0)
-    moe.router_bias = bool(getattr(hf, "router_bias", False))
+    if getattr(hf, "router_bias", False):
+        raise ConfigError(
+            f"router_bias: {NAME} holds a router bias that its forward never adds (transformers "
+            "5.25 scores with the classifier's weight alone); moetrain cannot hold that model"
+        )
     moe.shortcut, moe.layer_ffns = True, ["moe", "dense"] * hf.num_layers
     return hf_config.finish(model, moe)
 
