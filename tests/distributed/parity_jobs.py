@@ -182,6 +182,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "moe.renormalize": False,
         "moe.route_scale": 2.0,
     },
+    "zero_experts_b": {"moe.zero_experts": 1, "moe.top_k": 2},
+    "zero_experts_c": {"moe.zero_experts": 2, "moe.top_k": 2},
     # Muon (tests/distributed/test_muon_parity.py), with a dense first layer so that ZeRO's
     # partition boundaries cut matrices (the two layers alike put them between the layers);
     # with QK-clip at a threshold the heads' largest logits cross within the 10 steps (from
