@@ -163,3 +163,24 @@ def test_top_k_may_exceed_the_routed_experts_but_not_all_choices() -> None:
     tiny_config({"moe.num_experts": 2, "moe.zero_experts": 2, "moe.top_k": 4})
     with pytest.raises(ConfigError, match="moe.top_k"):
         tiny_config({"moe.num_experts": 2, "moe.zero_experts": 2, "moe.top_k": 5})
+
+
+def test_zero_expert_share_lands_in_the_metrics() -> None:
+    """metrics.jsonl's record of a step: each layer's share and their mean, only with zero
+    experts."""
+    from moetrain.monitor.records import step_metrics
+
+    layer = dict(dropped=0.0, entropy=1.0, aux_loss=1.0, z_loss=0.1, expert_bias=[0.0] * 6)
+    layer |= dict(tokens_per_expert=[3.0, 1.0, 2.0, 2.0], dropped_frac=0.0)
+    rec = {"step": 1, "loss": 1.0, "ce_loss": 1.0, "lr": 1e-3}
+    rec["moe_layers"] = {
+        0: {**layer, "zero_expert_share": 0.25},
+        1: {**layer, "zero_expert_share": 0.5},
+    }
+    cfg = tiny_config({"moe.zero_experts": 2, "moe.num_experts": 4})
+    out = step_metrics(rec, cfg, None, 1)
+    assert out["moe/layer0/zero_expert_share"] == 0.25
+    assert out["moe/layer1/zero_expert_share"] == 0.5
+    assert out["moe/zero_expert_share"] == 0.375
+    plain = step_metrics(rec, tiny_config(), None, 1)
+    assert not [k for k in plain if "zero_expert" in k]
