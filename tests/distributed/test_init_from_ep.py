@@ -76,6 +76,7 @@ LONG = (
     "gemma4_text",
     "lfm2_moe",
     "longcat_flash",
+    "bailing_hybrid",
 )
 FAMILY_CASES = [
     f if f not in LONG else pytest.param(f, marks=pytest.mark.long) for f in MOE_FAMILIES

@@ -158,6 +158,7 @@ BASELINE: dict[str, Rule] = {
     "model.mamba_head_dim": ANY,  # (its families' size rule)
     "model.kda_full_rank_gates": only(False),
     "model.kda_gate_lower_bound": only(None),
+    "model.linear_num_heads": ANY,  # (Ling 3.0's: the attention's heads)
     "model.mla_head_gate": only(False),
     "model.mla_lora_scale": only(False),
     "model.full_attention_interval": only(None),
