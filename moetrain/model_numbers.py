@@ -42,11 +42,12 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     expert = (3 if e.gated else 2) * (e.latent_dim or d) * e.expert_hidden
     shared = mlp * d * e.shared_hidden if e.num_shared_experts else 0
     shared_gate = d if (e.num_shared_experts and e.shared_expert_gate) else 0
-    router = d * e.num_experts + (d if e.router_input_norm else 0)
+    router = d * e.routed_choices + (d if e.router_input_norm else 0)
     router += e.num_experts if e.expert_scale else 0
     latent = 2 * d * e.latent_dim if e.latent_dim else 0  # a latent MoE's two projections
     # moe.dense_branch: the dense FFN beside the experts, with its post norm and the experts'
     dense_branch = dense_ffn + 3 * norm if e.dense_branch else 0
+    dense_branch += dense_ffn if e.shortcut else 0  # moe.shortcut: its dense FFN alone
     layer_scalar = 1 if m.layer_scalar else 0
     # model.hc_streams N > 1: a hyper-connection around each branch, and the final collapse
     n_hc = m.hc_streams
@@ -74,8 +75,10 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
             mixing += kind.mixing_flops_per_token(m, layer.mixer, seq_len)
         if layer.ffn == "moe":
             n_moe += 1
-            ffn_active = router + latent + e.top_k * expert + shared + shared_gate + dense_branch
-            total += branch_norms + ffn_active + (e.num_experts - e.top_k) * expert
+            # at most top_k routed experts compute (fewer where a token picks zero experts)
+            k = min(e.top_k, e.num_experts)
+            ffn_active = router + latent + k * expert + shared + shared_gate + dense_branch
+            total += branch_norms + ffn_active + (e.num_experts - k) * expert
             active += branch_norms + ffn_active
             matmul_active += ffn_active
         elif layer.ffn == "dense":

@@ -136,6 +136,16 @@ class MoEConfig:
     # and their combined output back (ffn.latent_out) after the combine; the router and the
     # shared experts read x itself. null: the experts compute in d_model
     latent_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    # a shortcut-connected MoE (LongCat-Flash's ScMoE): an MoE layer's block also runs a dense
+    # FFN (model.dense_hidden) on the experts' input and adds it to the residual stream; the
+    # experts' output joins the stream at the end of the next block, whose FFN is dense
+    # (moe.layer_ffns alternating moe, dense; no multi-token prediction)
+    shortcut: bool = field(default=False, metadata=FUNCTION)
+    # zero-computation experts (LongCat-Flash's zero_expert_num): the router chooses its
+    # top_k among num_experts + zero_experts; a copy routed to a zero expert returns the
+    # token's input times its weight, with no computation, dispatch or capacity slot
+    # (docs/MOE.md "Zero experts"). 0 = none
+    zero_experts: int = field(default=0, metadata=at_least(0, "0 = none") | FUNCTION)
 
     def swiglu_clamp(self) -> tuple[float, float, float] | None:
         """``(alpha, limit, offset)`` of the clamped SwiGLU, None where unset (the experts'
@@ -170,6 +180,11 @@ class MoEConfig:
         return [i for i in range(n_layers) if self.is_moe_layer(i)]
 
     @property
+    def routed_choices(self) -> int:
+        """How many experts the router scores: the routed ones and the zero experts."""
+        return self.num_experts + self.zero_experts
+
+    @property
     def shared_hidden(self) -> int:
         """Hidden size of the (single, merged) shared-expert SwiGLU."""
         return self.shared_expert_hidden or self.num_shared_experts * self.expert_hidden
@@ -185,7 +200,7 @@ class MoEConfig:
             "moe.topk_group",
             f"must be between 1 and moe.n_group={self.n_group}; got {self.topk_group}",
         )
-        reachable = self.topk_group * (self.num_experts // self.n_group)
+        reachable = self.topk_group * (self.routed_choices // self.n_group)
         require(
             self.top_k <= reachable,
             "moe.topk_group",
@@ -201,10 +216,13 @@ class MoEConfig:
             "places every layer's FFN: leave moe.first_k_dense and moe.moe_every unset",
         )
         require(
-            1 <= self.top_k <= self.num_experts,
+            1 <= self.top_k <= self.routed_choices,
             "moe.top_k",
-            f"must be between 1 and moe.num_experts={self.num_experts}; got {self.top_k}",
+            f"must be between 1 and moe.num_experts + moe.zero_experts={self.routed_choices}; "
+            f"got {self.top_k}",
         )
+        if self.zero_experts:
+            self._validate_zero_experts()
         self._validate_groups()
         require(
             not (self.shared_expert_gate and self.num_shared_experts == 0),
@@ -246,6 +264,18 @@ class MoEConfig:
         """Whether transformer layer ``layer``'s MoE routes by its token-id table
         (``moe.hash_layers``)."""
         return self.hash_layers is not None and layer in self.hash_layers
+
+    def _validate_zero_experts(self) -> None:
+        """What zero experts cannot be combined with (each would need a rule of its own)."""
+        for key, bad, why in (
+            ("router_type", self.router_type != "topk", "must be topk"),
+            ("n_group", self.n_group != 1, "must be 1 (expert groups over the routed experts)"),
+            ("topk_before_score", self.topk_before_score, "must be false"),
+            ("expert_scale", self.expert_scale, "must be false (a scale per routed expert)"),
+            ("latent_dim", self.latent_dim is not None, "must be null (identity in d_model)"),
+            ("hash_layers", self.hash_layers is not None, "must be null (a table of routed ids)"),
+        ):
+            require(not bad, f"moe.{key}", f"{why} with moe.zero_experts > 0")
 
     def _validate_sparsemixer(self) -> None:
         """sparsemixer picks two experts from the softmax logits on its own terms."""

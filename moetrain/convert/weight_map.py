@@ -176,7 +176,8 @@ class _Plan:
         mtp, n = self.layout.mtp, self.cfg.model.n_layers
         if mtp is not None and i >= n:
             return mtp.block_prefix(n, i)
-        return f"{self.layout.base}layers.{i}."
+        per_layer = max(len(self.layout.sublayers), 1)  # (Layout.sublayers)
+        return f"{self.layout.base}layers.{i // per_layer}."
 
     def _block(self, i: int, names: list[str]) -> None:
         lay, moe = self.layout, self.cfg.moe
@@ -191,7 +192,7 @@ class _Plan:
             theirs = prefix + under(lay.moe_block, lay.selection_bias)
             self.entries.append(SelectionBias((bias,), (theirs,), lay.selection_bias_row))
         elif bias in names:
-            self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.num_experts))
+            self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.routed_choices))
         done = {bias, *shared} if lay.shared_fused is not None else {bias}
         qkv = pn.attn(i, "in_proj_qkv")
         if lay.linear_fused and qkv in names:
@@ -226,7 +227,10 @@ class _Plan:
             if mine is not None:
                 full = own_prefix + mine
             else:
-                full = prefix + (rename(by_kind, theirs) or rename(lay.renames, theirs) or theirs)
+                theirs = rename(by_kind, theirs) or rename(lay.renames, theirs) or theirs
+                if lay.sublayers:  # (this block's sublayer of its decoder layer)
+                    theirs = rename(lay.sublayers[i % len(lay.sublayers)], theirs) or theirs
+                full = prefix + theirs
             kind = Column if (theirs or "") in lay.columns else Entry
             self.entries.append(kind((name,), (full,)))
         self._join(prefix)

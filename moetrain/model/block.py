@@ -9,6 +9,10 @@ runs a dense FFN beside the experts of an MoE layer, each with its own norms
 learned scalar. With ``model.hc_streams`` N > 1 the residual is N streams (B, S, N, D): each
 branch reads and writes them through its hyper-connection (``attn_hc``, ``ffn_hc``;
 :mod:`moetrain.model.hyper_connections`) instead of the plain residual add.
+``moe.shortcut`` (LongCat-Flash's shortcut-connected MoE): an MoE block runs a
+dense FFN on the experts' input and adds that alone to its residual stream; its statistics
+carry the experts' output (``MoEOutput.shortcut_BSD``), which the next block, a dense one,
+adds at its end (``shortcut_BSD``).
 
 Shape legend: B batch, S sequence, N residual streams, D d_model.
 """
@@ -73,8 +77,12 @@ class Block(nn.Module):
             )
             if post:
                 self.ffn_post_norm = make_norm(cfg, cfg.d_model)
-        # moe.dense_branch: the dense FFN beside the experts, and the experts' own norms
+        # moe.dense_branch: the dense FFN beside the experts, and the experts' own norms;
+        # moe.shortcut: the dense FFN alone
         self.dense = self.dense_post_norm = self.moe_norm = self.moe_post_norm = None
+        self.shortcut = moe_cfg.shortcut
+        if self.is_moe and self.shortcut:
+            self.dense = make_mlp(cfg.ffn_activation, cfg.d_model, cfg.dense_hidden, clamp)
         if self.is_moe and moe_cfg.dense_branch:
             self.dense = make_mlp(cfg.ffn_activation, cfg.d_model, cfg.dense_hidden, clamp)
             self.dense_post_norm = make_norm(cfg, cfg.d_model)
@@ -92,10 +100,12 @@ class Block(nn.Module):
         x_BSD: torch.Tensor,
         inputs: MixerInputs,
         state: MixerState | None = None,
+        shortcut_BSD: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MoEOutput | None]:
         """The block's output and its MoE layer's statistics (None without one); ``state``:
         the mixer's inference state (generation). ``x_BSD`` is (B, S, N, D) with
-        hyper-connections (the streams)."""
+        hyper-connections (the streams); ``shortcut_BSD``: the previous block's shortcut
+        experts' output (``moe.shortcut``), added at the end."""
         if self.attn is not None:
             h_BSD, hc = self._enter(self.attn_hc, x_BSD)
             y_BSD = self.attn(_normed(self.attn_norm, h_BSD), inputs, state)
@@ -103,7 +113,12 @@ class Block(nn.Module):
         stats = None
         if self.ffn is not None:
             h_BSD, hc = self._enter(self.ffn_hc, x_BSD)
-            if self.dense is not None:
+            if self.dense is not None and self.shortcut:
+                normed_BSD = _normed(self.ffn_norm, h_BSD)
+                shortcut_out, stats = self.ffn(normed_BSD, token_ids_BS=inputs.token_ids_BS)
+                stats.shortcut_BSD = shortcut_out  # (the next block adds it)
+                y_BSD = self.dense(normed_BSD)
+            elif self.dense is not None:
                 y_BSD, stats = self._dense_and_experts(h_BSD, inputs.token_ids_BS)
             elif self.is_moe:
                 y_BSD, stats = self.ffn(
@@ -112,6 +127,8 @@ class Block(nn.Module):
             else:
                 y_BSD = self.ffn(_normed(self.ffn_norm, h_BSD))
             x_BSD = self._leave(self.ffn_hc, x_BSD, self._scaled(y_BSD, self.ffn_post_norm), hc)
+        if shortcut_BSD is not None:
+            x_BSD = x_BSD + shortcut_BSD
         if self.layer_scalar is not None:
             x_BSD = x_BSD * self.layer_scalar
         return x_BSD, stats

@@ -276,12 +276,16 @@ class Transformer(nn.Module):
         embed_BSD = x_BSD
         if self.hc_head is not None:  # the residual streams (B, S, N, D)
             x_BSD = expand_streams(x_BSD, self.cfg.hc_streams)
+        shortcut_BSD = None  # moe.shortcut: an MoE block's output, for the next block
         for i, block in enumerate(self.layers[: self.cfg.n_layers]):
             state = cache.layers[i] if cache is not None else None
             mixer = block.spec.mixer
-            x_BSD, stats = block(x_BSD, own if mixer and mixer.own_rope else inputs, state)
+            block_inputs = own if mixer and mixer.own_rope else inputs
+            x_BSD, stats = block(x_BSD, block_inputs, state, shortcut_BSD)
+            shortcut_BSD = None
             if stats is not None:
                 moe_outs.append(stats)
+                shortcut_BSD, stats.shortcut_BSD = stats.shortcut_BSD, None
         if cache is not None:
             cache.pos += s
         if self.hc_head is not None:

@@ -75,6 +75,7 @@ LONG = (
     "mimo_v2_flash",
     "gemma4_text",
     "lfm2_moe",
+    "longcat_flash",
     "bailing_hybrid",
 )
 FAMILY_CASES = [

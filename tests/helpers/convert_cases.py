@@ -375,6 +375,26 @@ CASES = {
         ),
         moe=dict(score_func="sigmoid", first_k_dense=1, route_scale=2.5, bias_update_rate=1e-3),
     ),
+    "longcat_flash": dict(  # LongCat-Flash's flags (hf_flags.LONGCAT_FLASH_FLAGS)
+        model=dict(
+            **MLA_SHAPE,
+            n_layers=4,
+            dense_hidden=40,
+            q_lora_rank=12,
+            rope_interleave=True,
+            mla_lora_scale=True,
+        ),
+        moe=dict(
+            num_experts=4,
+            zero_experts=2,
+            top_k=3,
+            renormalize=False,
+            route_scale=6.0,
+            shortcut=True,
+            layer_ffns=["moe", "dense"] * 2,
+            bias_update_rate=1e-3,
+        ),
+    ),
     "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_flags.LLAMA4_FLAGS)
         model=LLAMA4_MODEL,
         moe=dict(

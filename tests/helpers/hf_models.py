@@ -26,6 +26,7 @@ from tests.helpers.hf_flags import (
     KIMI_LINEAR_ATTENTION,
     LING_HYBRID,
     LLAMA4_FLAGS,
+    LONGCAT_FLASH_FLAGS,
     MIMO_V2_FLASH_FLAGS,
     NEMOTRON_H,
     PHIMOE_FLAGS,
@@ -295,6 +296,13 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             moe_intermediate_size=24,
             n_routed_experts=4,
             routed_scaling_factor=2.5,
+        ),
+        # LongCat-Flash's flags: two sublayers per layer, shortcut MoE, zero experts, x6
+        "longcat_flash": lambda: transformers.LongcatFlashConfig(
+            **{
+                **{k: v for k, v in SMALL.items() if k != "num_hidden_layers"},
+                **LONGCAT_FLASH_FLAGS,
+            }
         ),
         "llama4_text": lambda: transformers.Llama4TextConfig(  # Llama 4's flags (below)
             **{**moe, **LLAMA4_FLAGS},

@@ -160,6 +160,7 @@ BASELINE: dict[str, Rule] = {
     "model.kda_gate_lower_bound": only(None),
     "model.linear_num_heads": ANY,  # (Ling 3.0's: the attention's heads)
     "model.mla_head_gate": only(False),
+    "model.mla_lora_scale": only(False),
     "model.full_attention_interval": only(None),
     "model.linear_allow_neg_eigval": only(False),
     "model.linear_norm_eps": only(None),
@@ -233,6 +234,8 @@ BASELINE: dict[str, Rule] = {
     "moe.router_input_norm": only(False),
     "moe.expert_scale": only(False),
     "moe.dense_branch": only(False),
+    "moe.zero_experts": only(0),
+    "moe.shortcut": only(False),
     # experts and their placement
     "moe.expert_biases": only(False),
     "moe.activation": only("swiglu"),
@@ -265,6 +268,10 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     "model.kda_full_rank_gates": {False: "has Kimi Delta Attention's low-rank gates"},
     "model.kda_gate_lower_bound": {None: "has Kimi Delta Attention's unbounded forget gate"},
     "model.mla_head_gate": {False: "has no per-head gate on its latent attention"},
+    "model.mla_lora_scale": {
+        False: "does not scale its latent attention's query and KV latent",
+        True: "scales its latent attention's query and KV latent by their LoRA ranks",
+    },
     "model.index_topk": {None: "has no sparse attention"},
     "model.index_rope_interleave": {
         False: "rotates its indexer's heads half-split",
@@ -363,6 +370,11 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     "moe.dense_branch": {
         False: "has no dense FFN beside its experts",
         True: "runs a dense FFN beside the experts of every layer",
+    },
+    "moe.zero_experts": {0: "has no zero-computation experts"},
+    "moe.shortcut": {
+        False: "has no shortcut-connected MoE",
+        True: "joins each MoE's output to the stream one sublayer later (shortcut MoE)",
     },
     "moe.expert_biases": {False: "has no expert biases", True: "has expert biases"},
     "moe.activation": {

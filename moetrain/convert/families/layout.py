@@ -180,6 +180,14 @@ class Layout:
     in_memory_renames: Mapping[str, str] = field(default_factory=dict)
     in_memory_joined: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     joined: bool = False
+    # decoder layers that hold several moetrain blocks (LongCat-Flash's two sublayers): block
+    # i lies in decoder layer i // len(sublayers), its names (after the rules above) renamed
+    # by sublayers[i % len(sublayers)]; empty: one block per decoder layer
+    sublayers: tuple[Mapping[str, str], ...] = ()
+    # the files hold multi-token-prediction layers (``model.mtp.*``) whatever config.json
+    # declares, which transformers' class ignores: an import leaves them unread
+    # (LongCat-Flash's)
+    mtp_unread: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@ while the dispatcher's exchanges are in flight unless ``moe.shared_expert_overla
 With ``moe.latent_dim`` (a latent MoE) the routed tokens are projected into the latent
 (``latent_in``) before the dispatch and the combined output back (``latent_out``) after the
 combine, so the experts and the exchanges work in the latent; the router and the shared expert
-read the block's input.
+read the block's input. With zero experts (``moe.zero_experts``, LongCat-Flash) the copies the
+router sends to one are not dispatched: the layer adds ``x * (the sum of the token's zero-expert
+weights)`` to the routed experts' output.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D d_model, E experts, K top_k,
 N kept token copies, F expert hidden.
@@ -34,6 +36,9 @@ class MoEOutput:
     expert parallelism they come from every rank of the EP group); dropped_fraction = dropped /
     (T * K) with this rank's T.
     entropy: mean routing entropy. load_max_over_mean: max / mean of tokens_per_expert_E.
+    zero_copies: int64 scalar, the copies routed to zero experts (``moe.zero_experts``).
+    shortcut_BSD: with ``moe.shortcut``, the layer's output on its way to the next block (set
+    by the block, taken by the model's loop).
     """
 
     aux_loss: torch.Tensor
@@ -43,6 +48,8 @@ class MoEOutput:
     dropped_fraction: torch.Tensor
     entropy: torch.Tensor
     load_max_over_mean: torch.Tensor
+    zero_copies: torch.Tensor
+    shortcut_BSD: torch.Tensor | None = None
 
 
 class _SharedExpertStages:
@@ -144,6 +151,11 @@ class MoELayer(nn.Module):
             shared = _SharedExpertStages(self.shared_expert, self.shared_gate, x_TD)
         overlap = shared is not None and self.cfg.shared_expert_overlap
         routes = Routes(r.ids_TK, r.weights_TK, self.cfg.capacity_factor)
+        identity_T1 = None
+        if self.cfg.zero_experts:
+            routes.zero_TK = r.ids_TK >= self.cfg.num_experts
+            identity_T1 = r.weights_TK.masked_fill(~routes.zero_TK, 0.0).sum(-1, keepdim=True)
+            routes.weights_TK = r.weights_TK.masked_fill(routes.zero_TK, 0.0)
         routed_TD = x_TD if self.latent_in is None else self.latent_in(x_TD)  # (T, latent)
         sent = self.dispatcher.dispatch(routed_TD, routes, overlap=shared.up if overlap else None)
         y_ND = self.experts(sent.x_ND, sent.counts_L, sent.weights_N, sent.w13, sent.w2)
@@ -152,6 +164,8 @@ class MoELayer(nn.Module):
             y_TD = self.latent_out(y_TD)
         if shared is not None:
             y_TD = y_TD + shared.output()
+        if identity_T1 is not None:  # the zero experts' output: the input, weighted
+            y_TD = y_TD + (x_TD.float() * identity_T1).to(y_TD.dtype)
         load_E = r.tokens_per_expert_E
         stats = MoEOutput(
             aux_loss=r.aux_loss,
@@ -161,5 +175,6 @@ class MoELayer(nn.Module):
             dropped_fraction=sent.dropped.float() / max(r.ids_TK.numel(), 1),
             entropy=r.entropy,
             load_max_over_mean=(load_E.max() / load_E.mean().clamp_min(1e-9)).detach(),
+            zero_copies=r.zero_copies,
         )
         return y_TD.view(b, s, d), stats

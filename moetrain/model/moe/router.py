@@ -40,6 +40,16 @@ the scores of the chosen experts weight them as above. The table is drawn at ini
 from a generator seeded by the layer index alone (no global RNG), so every rank, and every
 expert-parallel layout, routes a token identically.
 
+Zero experts (``moe.zero_experts`` = Z > 0, LongCat-Flash): the gate scores E + Z choices and
+the top-k picks among all of them; ids ``E .. E + Z - 1`` are the zero experts (the MoE layer
+returns the input for them, :mod:`moetrain.model.moe.layer`). ``tokens_per_expert_E`` counts the
+E routed experts only and ``zero_copies`` the picks of zero experts. In the load-balancing loss
+the zero experts are one group whose selection fraction is their mean (the LongCat-Flash
+report's extra group, frequency averaged within it): each zero expert's f_e is replaced by the
+zero experts' mean before ``(E + Z) * sum_e f_e * P_e``; balanced routing still gives 1. The
+selection bias holds E + Z entries, and :meth:`Router.update_bias` moves the E routed experts'
+only (the report's rule leaves the zero experts' bias at zero).
+
 ``moe.router_type: sparsemixer`` replaces the selection and its weights by Phi-3.5-MoE's top-2
 rule (:mod:`moetrain.model.moe.sparsemixer`); the losses, counts and entropy are as above (the
 probabilities P_e the softmax of the logits).
@@ -66,8 +76,9 @@ class RouterOutput:
     weights_TK: fp32 combine weights (route_scale applied, bias never included).
     ids_TK: int64 selected experts (within the token's groups under group-limited routing).
     aux_loss, z_loss: unscaled fp32 scalars (the model multiplies by the coefficients).
-    tokens_per_expert_E: detached float counts of this rank's selections (before capacity).
-    entropy: detached mean over tokens of the entropy of the routing distribution.
+    tokens_per_expert_E: detached float counts of this rank's selections of the E routed
+    experts (before capacity). entropy: detached mean over tokens of the entropy of the routing
+    distribution. zero_copies: detached int64 count of the picks of zero experts (ids >= E).
     """
 
     weights_TK: torch.Tensor
@@ -76,6 +87,7 @@ class RouterOutput:
     z_loss: torch.Tensor
     tokens_per_expert_E: torch.Tensor
     entropy: torch.Tensor
+    zero_copies: torch.Tensor
 
 
 def count_experts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
@@ -157,13 +169,14 @@ class Router(nn.Module):
         self.layer = layer
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
-        self.gate = RouterGate(d_model, cfg.num_experts, bias=cfg.router_bias)
+        choices = cfg.routed_choices  # E + Z (moe.zero_experts)
+        self.gate = RouterGate(d_model, choices, bias=cfg.router_bias)
         self.norm_eps = norm_eps
         self.input_scale = nn.Parameter(torch.ones(d_model)) if cfg.router_input_norm else None
         self.expert_scale = nn.Parameter(torch.ones(cfg.num_experts)) if cfg.expert_scale else None
-        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        self.register_buffer("expert_bias", torch.zeros(choices, dtype=torch.float32))
         self.register_buffer(
-            "step_counts_E", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False
+            "step_counts_E", torch.zeros(choices, dtype=torch.int64), persistent=False
         )
         table = None
         if cfg.is_hash_layer(layer):
@@ -182,7 +195,7 @@ class Router(nn.Module):
         """Route ``x_TD``, the tokens of ``num_seqs`` equal sequences (the ``sequence`` scope
         balances each one); ``token_ids_T``: their token ids (a hash-routed layer's
         selection)."""
-        cfg, e = self.cfg, self.num_experts
+        cfg, e = self.cfg, self.cfg.routed_choices
         if self.training and cfg.jitter > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
         if self.input_scale is not None:  # (in x's dtype, as transformers' Gemma 4 router)
@@ -213,8 +226,9 @@ class Router(nn.Module):
             ids_TK=ids_TK,
             aux_loss=self._aux_loss(probs_TE, ids_TK, counts_E, num_seqs),
             z_loss=z_loss,
-            tokens_per_expert_E=counts_E.float(),
+            tokens_per_expert_E=counts_E[: self.num_experts].float(),
             entropy=entropy,
+            zero_copies=counts_E[self.num_experts :].sum(),
         )
 
     def _hashed(
@@ -260,8 +274,9 @@ class Router(nn.Module):
     def _aux_loss(
         self, probs_TE: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor, num_seqs: int
     ) -> torch.Tensor:
-        """``E * sum_e f_e * P_e`` over ``moe.aux_loss_scope`` (see the module docstring)."""
-        scope, e = self.cfg.aux_loss_scope, self.num_experts
+        """``E * sum_e f_e * P_e`` over ``moe.aux_loss_scope`` (see the module docstring; zero
+        experts: one group, their mean f_e)."""
+        scope, e = self.cfg.aux_loss_scope, self.cfg.routed_choices
         t = probs_TE.shape[0]
         if scope == "sequence":
             if t == 0:
@@ -270,7 +285,7 @@ class Router(nn.Module):
             counts_BE = torch.zeros(b, e, device=ids_TK.device).scatter_add_(
                 1, ids_TK.reshape(b, -1), torch.ones_like(ids_TK, dtype=torch.float32).view(b, -1)
             )
-            frac_BE = counts_BE / ids_TK.reshape(b, -1).shape[1]
+            frac_BE = self._group_zero_experts(counts_BE / ids_TK.reshape(b, -1).shape[1])
             mean_probs_BE = probs_TE.view(b, t // b, e).mean(1)
             return e * torch.sum(frac_BE * mean_probs_BE) / b
         if scope != "micro_batch" and self.stats_reducer is not None:
@@ -278,8 +293,16 @@ class Router(nn.Module):
         if scope == "global_batch" and self.training:
             self._micro_counts_E = counts_E.detach()
             counts_E = counts_E + self.step_counts_E
-        frac_E = counts_E.float() / counts_E.sum().clamp_min(1).float()
+        frac_E = self._group_zero_experts(counts_E.float() / counts_E.sum().clamp_min(1).float())
         return e * torch.sum(frac_E.detach() * probs_TE.sum(0) / max(t, 1))
+
+    def _group_zero_experts(self, frac_xE: torch.Tensor) -> torch.Tensor:
+        """``frac_xE`` (fractions over the last dim, E + Z) with each zero expert's fraction
+        replaced by the zero experts' mean (one group in the balancing loss)."""
+        if not self.cfg.zero_experts:
+            return frac_xE
+        routed, zero = frac_xE.split([self.num_experts, self.cfg.zero_experts], dim=-1)
+        return torch.cat([routed, zero.mean(-1, keepdim=True).expand_as(zero)], dim=-1)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -312,13 +335,14 @@ class Router(nn.Module):
     def update_bias(self, load_E: torch.Tensor) -> None:
         """Aux-loss-free balancing: ``bias += rate * sign(mean(load) - load)``.
 
-        Call once per optimizer step with the load summed over every rank; never in forward.
-        A frozen router (a training stage that trains other parts alone) keeps its bias, and so
-        does a hash-routed one (its table selects, not the bias).
+        Call once per optimizer step with the load of the E routed experts summed over every
+        rank; never in forward. A frozen router (a training stage that trains other parts
+        alone) keeps its bias, and so does a hash-routed one (its table selects, not the
+        bias); zero experts' entries stay as they are.
         """
         rate = self.cfg.bias_update_rate
         hashed = self.token_experts is not None  # (selects by its table, without the bias)
         if rate <= 0 or hashed or not self.gate.weight.requires_grad:
             return
         load_E = load_E.to(self.expert_bias)
-        self.expert_bias.add_(rate * torch.sign(load_E.mean() - load_E))
+        self.expert_bias[: self.num_experts].add_(rate * torch.sign(load_E.mean() - load_E))
