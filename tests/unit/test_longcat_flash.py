@@ -17,8 +17,9 @@ from moetrain.convert.families import family
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.model import Transformer
 from moetrain.model.mixers import MixerInputs
+from tests.helpers.case_shapes import MLA_SHAPE
 from tests.helpers.configs import tiny_config
-from tests.helpers.convert_cases import MLA_SHAPE, model_for
+from tests.helpers.convert_models import model_for
 from tests.helpers.hf_models import save_hf_model
 
 SHORTCUT = {
