@@ -286,17 +286,22 @@ class Mamba2(TokenMixer):
         after SiLU (kept through x) ``4(I + Ch + H) + 4 Ch``, under bf16 fp32 copies of z and
         x ``8I``; the step's softplus in and out ``8H``; the gated norm's scan output, gate,
         product, normalised values and rsqrt ``16I + 4G`` and its output ``aI``; the chunked
-        scan's per-token share of its (Q, Q) decays, masked scores and scores ``8HQ + 4GQ``, the operands of its products ``8GN + 8HN + 16I``, the decays from
+        scan's per-token share of its (Q, Q) decays, masked scores and scores ``8HQ + 4GQ``,
+        the operands of its products ``8GN + 8HN + 16I``, the decays from
         each chunk's start ``8H + 4`` and the chunks' states ``8HPN / Q``. Rows a multiple
-        of Q, without documents."""
+        of Q, without documents. Under sequence parallelism the same per token of a slice,
+        but that from the convolution to the scan a rank holds ``lcm(G, sp)`` groups (the
+        repeated ones) where it holds G without: Ch and the scan's G count those."""
         a, d, ch = act_bytes, cfg.d_model, cls.channels(cfg)
         h, p, g = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_n_groups
         n, q, inner = cfg.mamba_state_dim, cfg.mamba_chunk_size, h * p
-        kept = 4 * (inner + ch + h) + 4 * ch if a == 4 else 8 * inner
+        g_seen = math.lcm(g, sp)  # the groups of B and C the convolution and scan see
+        ch_seen = inner + 2 * g_seen * n
+        kept = 4 * (inner + ch + h) + 4 * ch_seen if a == 4 else 8 * inner
         norm = 16 * inner + 4 * g + a * inner
-        scan = 8 * h * q + 4 * g * q + 8 * g * n + 8 * h * n + 16 * inner
+        scan = 8 * h * q + 4 * g_seen * q + 8 * g_seen * n + 8 * h * n + 16 * inner
         scan += 8 * h + 4 + 8 * h * p * n // q
-        return a * d + 2 * a * ch + kept + 8 * h + norm + scan
+        return a * d + 2 * a * ch_seen + kept + 8 * h + norm + scan
 
     @classmethod
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
