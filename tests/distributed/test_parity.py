@@ -108,6 +108,7 @@ JOBS = {
         (1, 2, "dsa"),
         (2, 0, "dsa", "ckpt"),
         (1, 0, "dsa_warmup"),
+        (1, 2, "gemma4"),
     ],
     4: [
         (2, 0),
@@ -126,6 +127,7 @@ JOBS = {
         (2, 1, "gated_conv"),
         (2, 1, "dsa"),
         (2, 0, "dsa_warmup"),
+        (2, 1, "gemma4"),
     ],
 }
 
