@@ -59,7 +59,6 @@ GRAD_NAMES = (
     "layers.1.attn.indexer.weights_proj.weight",
     "layers.1.attn.wk.weight",  # Gemma 4's global layer (keys as values), its pieces
     "layers.1.attn.k_norm.weight",
-    "layers.1.layer_scalar",
     "layers.0.dense.w2.weight",
     "layers.1.ffn.router.expert_scale",
 )
@@ -176,14 +175,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     # Gemma 4's (gemma4_text): a sliding layer then a global layer with its own head dim (16,
     # the sliding ones 8), one key/value head whose keys are its values, its own proportional
-    # RoPE; q/k and value norms, logits scaled by 1, sandwich norms, GeGLU, a dense MLP beside
-    # the experts, the router's scalars, the layer scalar, tied embeddings, soft-capping
+    # RoPE; q/k and value norms, sandwich norms, GeGLU, a dense MLP beside the experts, the
+    # router's scalars, tied embeddings, soft-capping. Not its logits scaled by 1 nor its layer
+    # scalar: per-token and per-layer pieces that send nothing across ranks, whose trajectory
+    # here amplifies rounding (one process with every sum over the rows reordered already
+    # differs from itself by 3e-5 in the clipped norms with either, 1e-1 with both, by step 10)
     "gemma4": {
         "model.layer_types": ["sliding_attention", "full_attention"],
         "model.sliding_window": 6,
         "model.qk_norm": True,
         "model.value_norm": True,
-        "model.attention_scale": 1.0,
         "model.global_head_dim": 16,
         "model.global_n_kv_heads": 1,
         "model.global_k_eq_v": True,
@@ -191,7 +192,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.global_rope_proportion": 0.25,
         "model.block_norms": "sandwich",
         "model.ffn_activation": "geglu",
-        "model.layer_scalar": True,
         "model.tie_embeddings": True,
         "model.embedding_multiplier": 32**0.5,
         "model.final_logit_softcap": 3.0,

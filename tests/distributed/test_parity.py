@@ -127,6 +127,7 @@ JOBS = {
         (2, 1, "gated_conv"),
         (2, 1, "dsa"),
         (2, 0, "dsa_warmup"),
+        # Gemma 4's global layers and its other pieces (parity_jobs.VARIANTS["gemma4"])
         (2, 1, "gemma4"),
     ],
 }

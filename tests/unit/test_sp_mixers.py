@@ -6,7 +6,7 @@ rows, in fp64 (the decays and steps fp32, the numerics policy: ``REL``), with pa
 at a document start on another rank's slice). Gated DeltaNet, Kimi Delta Attention (both gate
 layouts), Mamba-2 (groups split over the ranks, and repeated where the ranks do not split
 them) and the gated convolution, at 2 and 4 ranks; a control with the ranks' slices swapped
-is caught."""
+is caught. One case of each kind by default, the rest with -m long."""
 
 from __future__ import annotations
 
@@ -99,7 +99,14 @@ def _whole(mixer: torch.nn.Module, x: torch.Tensor, probe: torch.Tensor):
     return out.detach(), x.grad, {n: p.grad for n, p in mixer.named_parameters()}
 
 
-@pytest.mark.parametrize("case", CASES)
+DEFAULT = ("kda-sp2", "mamba2-one-group-sp2", "gated_conv-sp2")  # the others with -m long
+
+
+def _params(cases) -> list:
+    return [pytest.param(c, marks=[] if c in DEFAULT else [pytest.mark.long]) for c in cases]
+
+
+@pytest.mark.parametrize("case", _params(CASES))
 def test_sequence_parallel_layer_equals_the_whole_rows(case: str) -> None:
     settings, sp = CASES[case]
     cfg = tiny_config(settings, {"parallel.sp_size": sp}).model  # (allowed by the config)
@@ -121,7 +128,9 @@ def test_sequence_parallel_layer_equals_the_whole_rows(case: str) -> None:
         assert _rel(mixer(x, MixerInputs(cos, cos)), want_out) > 1e-3
 
 
-@pytest.mark.parametrize("case", ["kda-sp2", "mamba2-groups-split-sp2", "gated_conv-sp2"])
+@pytest.mark.parametrize(
+    "case", _params(["kda-sp2", "mamba2-one-group-sp2", "gated_conv-wide-sp4"])
+)
 def test_a_wrong_slice_order_is_caught(case: str) -> None:
     """Negative control: the ranks' slices handed in the wrong order (rank 0 the second half)
     differ from the whole rows far beyond the bound."""
@@ -139,8 +148,13 @@ def test_a_wrong_slice_order_is_caught(case: str) -> None:
 
 @pytest.mark.parametrize(
     "settings",
-    [GDN, KDA, MAMBA, {**MAMBA, "model.mamba_n_groups": 1}, CONV],
-    ids=["gated_deltanet", "kda", "mamba2", "mamba2-one-group-repeated", "gated_conv"],
+    [
+        pytest.param(GDN, id="gated_deltanet", marks=pytest.mark.long),
+        pytest.param(KDA, id="kda", marks=pytest.mark.long),
+        pytest.param(MAMBA, id="mamba2", marks=pytest.mark.long),
+        pytest.param({**MAMBA, "model.mamba_n_groups": 1}, id="mamba2-one-group-repeated"),
+        pytest.param(CONV, id="gated_conv", marks=pytest.mark.long),
+    ],
 )
 def test_plan_saved_tensors_under_sequence_parallelism(settings: dict) -> None:
     """A rank's saved tensors at sp=2 (its slice of the rows, the heads exchanged: Mamba-2's
