@@ -48,6 +48,12 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     # moe.dense_branch: the dense FFN beside the experts, with its post norm and the experts'
     dense_branch = dense_ffn + 3 * norm if e.dense_branch else 0
     layer_scalar = 1 if m.layer_scalar else 0
+    # model.hc_streams N > 1: a hyper-connection around each branch, and the final collapse
+    n_hc = m.hc_streams
+    hc_matrix = (2 + n_hc) * n_hc * n_hc * d if n_hc > 1 else 0  # fn, a matmul per token
+    hc = hc_matrix + (2 + n_hc) * n_hc + 3 if n_hc > 1 else 0
+    hc_head_matrix = n_hc * n_hc * d if n_hc > 1 else 0
+    hc_head = hc_head_matrix + n_hc + 1 if n_hc > 1 else 0
 
     total = active = matmul_active = mtp = mixing = 0
     n_moe = 0
@@ -57,6 +63,9 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
         total, active = total + layer_scalar, active + layer_scalar
         # a branch's norms: before or after it, or both (sandwich)
         branch_norms = norm * (2 if m.norm_placement(layer.index) == "sandwich" else 1)
+        branches = (layer.mixer is not None) + (layer.ffn != "none")
+        total, active = total + branches * hc, active + branches * hc
+        matmul_active += branches * hc_matrix
         if layer.mixer is not None:  # its norms, its parameters
             kind = mixer_class(layer.mixer)
             params = branch_norms + kind.param_count(m, layer.mixer)
@@ -81,8 +90,9 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     embed = m.vocab_size * d
     head = 0 if m.tie_embeddings else m.vocab_size * d
     head_bias = m.vocab_size if m.lm_head_bias else 0
-    total += embed + head + head_bias + norm  # + final norm
-    active += embed + head + head_bias + norm
+    total += embed + head + head_bias + norm + hc_head  # + final norm
+    active += embed + head + head_bias + norm + hc_head
+    matmul_active += hc_head_matrix
     matmul_active += m.vocab_size * d  # LM head matmul (tied or not)
     return ModelNumbers(
         total_params=total,

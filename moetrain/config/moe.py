@@ -25,7 +25,11 @@ class MoEConfig:
     # FFN: the block is its token mixer alone, Nemotron-H's mixer layers); then first_k_dense
     # and moe_every keep their defaults, and multi-token-prediction blocks are MoE
     layer_ffns: list[FFNKind] | None = field(default=None, metadata=FUNCTION)
-    score_func: Literal["softmax", "sigmoid"] = field(default="softmax", metadata=FUNCTION)
+    # the routing scores of the logits: softmax, sigmoid, or sqrtsoftplus (DeepSeek-V4's
+    # sqrt(softplus(logit)), per expert like sigmoid)
+    score_func: Literal["softmax", "sigmoid", "sqrtsoftplus"] = field(
+        default="softmax", metadata=FUNCTION
+    )
     # True: top-k on the logits, then the score function over the k (softmax over the k, or
     # each one's sigmoid, renormalised with renormalize: Llama 4)
     topk_before_score: bool = field(default=False, metadata=FUNCTION)
@@ -101,6 +105,9 @@ class MoEConfig:
     )
     swiglu_alpha: float | None = field(default=None, metadata=above(0) | FUNCTION)
     swiglu_limit: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # clamped_swiglu's offset c on the clamped up projection, (b' + c) * a' * sigmoid(alpha a'):
+    # gpt-oss's 1; DeepSeek-V4's silu(min(a, l)) * clamp(b, -l, l) is alpha 1, offset 0
+    swiglu_up_offset: float = field(default=1.0, metadata=FUNCTION)
     # the routing weight w multiplies each routed copy's input instead of its output: expert e
     # computes expert_e(w * x), and the combine sums the outputs (Llama 4)
     score_on_input: bool = field(default=False, metadata=FUNCTION)
@@ -116,11 +123,27 @@ class MoEConfig:
     # moe_post_norm(moe(moe_norm(x)))), the router scoring the residual stream x itself
     dense_branch: bool = field(default=False, metadata=FUNCTION)
 
+    # hash routing (DeepSeek-V4's hash_moe layers): the MoE layers at these transformer layer
+    # indices pick each token's top_k experts from a fixed token id -> experts table
+    # (ffn.router.token_experts (vocab_size, top_k) int64, a saved buffer, never trained; drawn
+    # at initialisation from a generator seeded by the layer index, so identical on every rank);
+    # the gate's scores of the chosen experts weight them (renormalize, route_scale as above).
+    # null: every MoE layer routes by its scores
+    hash_layers: list[int] | None = field(default=None, metadata=FUNCTION)
+
     # latent MoE (Nemotron 3 Super's moe_latent_size): the routed experts compute in a latent
     # of this size, x projected into it (ffn.latent_in, D -> latent_dim) before the dispatch
     # and their combined output back (ffn.latent_out) after the combine; the router and the
     # shared experts read x itself. null: the experts compute in d_model
     latent_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+
+    def swiglu_clamp(self) -> tuple[float, float, float] | None:
+        """``(alpha, limit, offset)`` of the clamped SwiGLU, None where unset (the experts'
+        with ``moe.activation: clamped_swiglu``; the dense FFNs' and shared experts' with
+        ``model.ffn_activation: clamped_swiglu``)."""
+        if self.swiglu_alpha is None or self.swiglu_limit is None:
+            return None
+        return self.swiglu_alpha, self.swiglu_limit, self.swiglu_up_offset
 
     @property
     def gated(self) -> bool:
@@ -195,8 +218,19 @@ class MoEConfig:
                 f"moe.{key}",
                 "is set exactly with moe.activation=clamped_swiglu",
             )
+        require(
+            clamped or self.swiglu_up_offset == 1.0,
+            "moe.swiglu_up_offset",
+            "applies to moe.activation=clamped_swiglu only; leave it at 1.0",
+        )
         if self.router_type == "sparsemixer":
             self._validate_sparsemixer()
+        require(
+            not self.hash_layers or not (self.topk_before_score or self.router_type != "topk"),
+            "moe.hash_layers",
+            "weights the table's experts by their scores: needs moe.router_type=topk and "
+            "moe.topk_before_score=false",
+        )
         require(
             self.renormalize_min == 0 or (self.renormalize and not self.topk_before_score),
             "moe.renormalize_min",
@@ -207,6 +241,11 @@ class MoEConfig:
             "moe.renormalize_eps",
             "only applies with moe.renormalize=true and moe.topk_before_score=false",
         )
+
+    def is_hash_layer(self, layer: int) -> bool:
+        """Whether transformer layer ``layer``'s MoE routes by its token-id table
+        (``moe.hash_layers``)."""
+        return self.hash_layers is not None and layer in self.hash_layers
 
     def _validate_sparsemixer(self) -> None:
         """sparsemixer picks two experts from the softmax logits on its own terms."""

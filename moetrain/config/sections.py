@@ -319,6 +319,21 @@ class Config:
         )
         self._validate_layer_plan()
         require(
+            self.model.ffn_activation != "clamped_swiglu" or self.moe.swiglu_clamp() is not None,
+            "model.ffn_activation",
+            "clamped_swiglu takes its constants from moe.swiglu_alpha and moe.swiglu_limit: "
+            "set them (with moe.activation=clamped_swiglu)",
+        )
+        hashed = self.moe.hash_layers or []
+        require(
+            all(self.moe.is_moe_layer(i) for i in hashed)
+            and all(0 <= i < self.model.n_layers for i in hashed)
+            and len(set(hashed)) == len(hashed),
+            "moe.hash_layers",
+            f"must list distinct MoE layers (below model.n_layers={self.model.n_layers}); "
+            f"got {hashed}",
+        )
+        require(
             not self.moe.dense_branch
             or all(
                 self.model.norm_placement(layer.index) == "sandwich"

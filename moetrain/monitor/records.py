@@ -56,6 +56,7 @@ def step_metrics(
                 aux_coef=cfg.moe.aux_loss_coef,
                 z_coef=cfg.moe.z_loss_coef,
                 ep_size=cfg.parallel.ep_size,
+                hash_layers=cfg.moe.hash_layers or (),
             )
         )
         out.update(load_lists(stats))

@@ -57,6 +57,11 @@ GRAD_NAMES = (
     "layers.0.attn.indexer.wq_b.weight",
     "layers.0.attn.indexer.k_norm.bias",
     "layers.1.attn.indexer.weights_proj.weight",
+    # DeepSeek-V4's hyper-connections (``dsv4``): the attention branches' projections (the FFN
+    # branches' and the final collapse's gradients cancel over the tokens, to about 3e-6 of
+    # their scale in fp32 against fp64 in one process: no resolution at 1e-6)
+    "layers.0.attn_hc.fn",
+    "layers.1.attn_hc.fn",
     "layers.1.attn.wk.weight",  # Gemma 4's global layer (keys as values), its pieces
     "layers.1.attn.k_norm.weight",
     "layers.0.dense.w2.weight",
@@ -207,6 +212,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "dsa": {**DSA, "model.indexer_types": ["full", "shared"]},
     # its dense warm-up: the indexers alone train (every other parameter frozen)
     "dsa_warmup": {**DSA, "model.index_stage": "dense_warmup"},
+    # DeepSeek-V4's pieces: two hyper-connection streams (what crosses the all-to-alls is the
+    # collapse; the streams stay on the rank), sqrt(softplus) scores, the first layer
+    # hash-routed (its table the same on every rank), the clamped SwiGLU without the offset
+    "dsv4": {
+        "model.hc_streams": 2,
+        "moe.score_func": "sqrtsoftplus",
+        "moe.hash_layers": [0],
+        "moe.activation": "clamped_swiglu",
+        "moe.swiglu_alpha": 1.0,
+        "moe.swiglu_limit": 0.5,
+        "moe.swiglu_up_offset": 0.0,
+    },
     # Muon (tests/distributed/test_muon_parity.py), with a dense first layer so that ZeRO's
     # partition boundaries cut matrices (the two layers alike put them between the layers);
     # with QK-clip at a threshold the heads' largest logits cross within the 10 steps (from
@@ -218,6 +235,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 REFERENCES = (
     *("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "kda", "mamba", "gated_conv"),
     *("dsa", "dsa_warmup"),
+    "dsv4",
     *("gemma4",),
 )
 

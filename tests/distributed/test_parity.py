@@ -28,7 +28,9 @@ sparse attention's sparse stage on latent attention, the second layer sharing th
 selection, the indexer's KL in the loss) on ep=2 ZeRO-2, dp=2 ZeRO-0 with activation
 checkpointing and dp=2 x ep=2 ZeRO-1, and ``dsa_warmup`` (its dense warm-up: only the indexers
 train, every other parameter frozen, the routers' bias too) on ep=2 ZeRO-0 and dp=2 x ep=2
-ZeRO-0 (the stage it runs at with MoE layers). The default suite runs each variant on its dp=2 x
+ZeRO-0 (the stage it runs at with MoE layers); ``dsv4`` (DeepSeek-V4's: two hyper-connection
+streams, sqrt(softplus) scores, a hash-routed first layer, the clamped SwiGLU without its offset)
+on dp=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1. The default suite runs each variant on its dp=2 x
 ep=2 layout (both axes at once), the variants' world-2 layouts with -m long. The base
 configuration has a gated shared
 expert. The reference is plain torch in
@@ -108,6 +110,7 @@ JOBS = {
         (1, 2, "dsa"),
         (2, 0, "dsa", "ckpt"),
         (1, 0, "dsa_warmup"),
+        (1, 2, "dsv4"),
         (1, 2, "gemma4"),
     ],
     4: [
@@ -127,6 +130,7 @@ JOBS = {
         (2, 1, "gated_conv"),
         (2, 1, "dsa"),
         (2, 0, "dsa_warmup"),
+        (2, 1, "dsv4"),
         # Gemma 4's global layers and its other pieces (parity_jobs.VARIANTS["gemma4"])
         (2, 1, "gemma4"),
     ],

@@ -189,6 +189,31 @@ CASES = {
             bias_update_rate=1e-3,
         ),
     ),
+    "bailing_hybrid": dict(  # Ling 3.0's (hf_flags.LING_HYBRID)
+        model=dict(
+            **MLA_SHAPE,
+            q_lora_rank=12,
+            layer_types=["linear_attention"] * 2 + ["full_attention"],
+            linear_attention="kda",
+            linear_num_heads=4,
+            linear_head_dim=8,
+            linear_conv_kernel_dim=3,
+            kda_full_rank_gates=True,
+            kda_gate_lower_bound=-5.0,
+            mla_head_gate=True,
+            rope_interleave=True,
+        ),
+        moe=dict(
+            num_experts=8,
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
     "deepseek_v32": dict(  # DeepSeek-V3.2's flags (hf_flags.DSA)
         model=dict(
             **MLA_SHAPE,

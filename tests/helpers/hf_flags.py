@@ -344,3 +344,16 @@ MIMO_V2_FLASH_FLAGS = dict(
     },
     attention_value_scale=0.707,
 )
+
+# Ling 3.0's flags at the tiny shape: layers 0, 1 Kimi Delta Attention (the attention's 4 heads
+# of head_dim 8, convolutions of 3, the bounded gate at -5 as released), layer 2 latent
+# attention with its head gate (layer_group_size 3 for the released 6); no MTP layer (the
+# class builds none)
+LING_HYBRID = dict(
+    head_dim=8,
+    layer_group_size=3,
+    short_conv_kernel_size=3,
+    kda_safe_gate=True,
+    kda_lower_bound=-5.0,
+    num_mtp_layers=0,
+)

@@ -16,6 +16,7 @@ from typing import Any
 from moetrain.config import ConfigError
 from moetrain.convert.families import (
     afmoe,
+    bailing_hybrid,
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
@@ -82,6 +83,7 @@ FAMILIES: dict[str, Family] = {
         kimi_linear.FAMILY,
         lfm2_moe.FAMILY,
         mimo_v2_flash.FAMILY,
+        bailing_hybrid.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         qwen2.FAMILY,

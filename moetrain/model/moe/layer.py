@@ -79,7 +79,8 @@ class MoELayer(nn.Module):
     ``local_experts=(start, stop)``: build only those global experts (expert parallelism).
     ``layer``: the transformer layer index of this MoE layer (for metrics and checkpoints).
     ``norm_eps``: the eps of the router's input norm (``moe.router_input_norm``);
-    ``shared_activation``: the shared expert's MLP (``model.ffn_activation``).
+    ``shared_activation``: the shared expert's MLP (``model.ffn_activation``);
+    ``vocab_size``: the size of a hash-routed layer's token-id table (``moe.hash_layers``).
     """
 
     def __init__(
@@ -90,11 +91,12 @@ class MoELayer(nn.Module):
         layer: int = 0,
         norm_eps: float = 1e-6,
         shared_activation: str = "swiglu",
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer = layer
-        self.router = Router(cfg, d_model, norm_eps)
+        self.router = Router(cfg, d_model, norm_eps, vocab_size, layer)
         self.dispatcher: Dispatcher = LocalDispatcher(cfg.num_experts)
         self.latent_in = self.latent_out = None
         if cfg.latent_dim is not None:
@@ -112,24 +114,31 @@ class MoELayer(nn.Module):
             alpha=cfg.swiglu_alpha,
             limit=cfg.swiglu_limit,
             score_on_input=cfg.score_on_input,
+            up_offset=cfg.swiglu_up_offset,
         )
         self.shared_expert: MLP | None = None
         self.shared_gate: nn.Linear | None = None
         if cfg.num_shared_experts > 0:
-            self.shared_expert = make_mlp(shared_activation, d_model, cfg.shared_hidden)
+            self.shared_expert = make_mlp(
+                shared_activation, d_model, cfg.shared_hidden, cfg.swiglu_clamp()
+            )
             if cfg.shared_expert_gate:
                 self.shared_gate = Linear(d_model, 1, bias=False)
 
     def forward(
-        self, x_BSD: torch.Tensor, route_BSD: torch.Tensor | None = None
+        self,
+        x_BSD: torch.Tensor,
+        route_BSD: torch.Tensor | None = None,
+        token_ids_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MoEOutput]:
         """The experts' output for ``x_BSD`` and the layer's statistics; ``route_BSD``: what
         the router scores where it is not ``x_BSD`` (``moe.dense_branch``: the residual
-        stream)."""
+        stream); ``token_ids_BS``: the tokens' ids (a hash-routed layer selects by them)."""
         b, s, d = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d)
         route_TD = x_TD if route_BSD is None else route_BSD.reshape(b * s, d)
-        r = self.router(route_TD, num_seqs=b)
+        token_ids_T = None if token_ids_BS is None else token_ids_BS.reshape(b * s)
+        r = self.router(route_TD, num_seqs=b, token_ids_T=token_ids_T)
         shared = None
         if self.shared_expert is not None:
             shared = _SharedExpertStages(self.shared_expert, self.shared_gate, x_TD)

@@ -31,6 +31,15 @@ the earlier micro-steps of the optimizer step: :meth:`Router.begin_step` /
 :meth:`Router.end_micro_batch` delimit them). Capacity is not the router's: the dispatchers apply
 it where each expert lives (:mod:`moetrain.model.moe.capacity`).
 
+``moe.score_func: sqrtsoftplus`` scores each expert ``sqrt(softplus(logit))`` (DeepSeek-V4);
+like sigmoid's, its probabilities P_e are the scores over their sum.
+
+Hash routing (``moe.hash_layers``, DeepSeek-V4's first layers): the selection is the fixed
+row ``token_experts[token id]`` of a (V, K) table, a saved buffer that no optimizer touches;
+the scores of the chosen experts weight them as above. The table is drawn at initialisation
+from a generator seeded by the layer index alone (no global RNG), so every rank, and every
+expert-parallel layout, routes a token identically.
+
 ``moe.router_type: sparsemixer`` replaces the selection and its weights by Phi-3.5-MoE's top-2
 rule (:mod:`moetrain.model.moe.sparsemixer`); the losses, counts and entropy are as above (the
 probabilities P_e the softmax of the logits).
@@ -103,6 +112,23 @@ class RouterGate(nn.Linear):
         return linear(x_TD.float(), self.weight.float(), bias)
 
 
+def hash_table(vocab_size: int, num_experts: int, top_k: int, layer: int) -> torch.Tensor:
+    """A (vocab_size, top_k) int64 table of distinct experts per token id, uniform over the
+    experts, drawn from a generator seeded by ``layer`` alone (the same on every rank)."""
+    gen = torch.Generator().manual_seed(0x5EED + layer)
+    return torch.rand(vocab_size, num_experts, generator=gen).topk(top_k, dim=-1).indices
+
+
+def routing_scores(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:
+    """The per-expert scores of ``moe.score_func`` (softmax over the experts; sigmoid or
+    sqrt(softplus) of each logit)."""
+    if score_func == "sigmoid":
+        return torch.sigmoid(logits_TE)
+    if score_func == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits_TE).sqrt()
+    return torch.softmax(logits_TE, dim=-1)
+
+
 class Router(nn.Module):
     """Linear gate ``router.gate.weight`` (E, D) (and ``router.gate.bias`` (E,) with
     ``moe.router_bias``: part of the logits) + top-k selection + balancing losses.
@@ -110,15 +136,25 @@ class Router(nn.Module):
     ``stats_reducer`` (set by parallel code, default None): sums the per-expert selection
     counts over every rank that routes tokens; the global scopes of the aux loss use it.
     ``step_counts_E`` (int64 buffer, not saved): the ``global_batch`` scope's counts of the
-    optimizer step's earlier micro-steps (every rank). Gemma 4's scalars: ``input_scale`` (D,)
+    optimizer step's earlier micro-steps (every rank). ``token_experts`` (vocab_size, K) int64,
+    a saved buffer (:func:`hash_table` of ``layer``; None unless ``layer`` is one of
+    ``moe.hash_layers``), selects each token's experts. Gemma 4's scalars: ``input_scale`` (D,)
     with ``moe.router_input_norm`` (the gate scores ``unit_rms(x) * input_scale * D^-0.5``,
     ``norm_eps`` the norm's eps) and ``expert_scale`` (E,) with ``moe.expert_scale`` (each
     chosen expert's combine weight times its scale, before ``moe.route_scale``).
     """
 
-    def __init__(self, cfg: MoEConfig, d_model: int, norm_eps: float = 1e-6) -> None:
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        d_model: int,
+        norm_eps: float = 1e-6,
+        vocab_size: int | None = None,
+        layer: int = 0,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.layer = layer
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
         self.gate = RouterGate(d_model, cfg.num_experts, bias=cfg.router_bias)
@@ -129,25 +165,38 @@ class Router(nn.Module):
         self.register_buffer(
             "step_counts_E", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False
         )
+        table = None
+        if cfg.is_hash_layer(layer):
+            if vocab_size is None:
+                raise ValueError(f"moe.hash_layers: layer {layer}'s router needs the vocab size")
+            table = torch.zeros(vocab_size, cfg.top_k, dtype=torch.int64)
+        self.register_buffer("token_experts", table)
+        if table is not None and table.device.type != "meta":
+            self.reset_parameters()
         self.stats_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._micro_counts_E: torch.Tensor | None = None  # this micro-step's, until committed
 
-    def forward(self, x_TD: torch.Tensor, num_seqs: int = 1) -> RouterOutput:
+    def forward(
+        self, x_TD: torch.Tensor, num_seqs: int = 1, token_ids_T: torch.Tensor | None = None
+    ) -> RouterOutput:
         """Route ``x_TD``, the tokens of ``num_seqs`` equal sequences (the ``sequence`` scope
-        balances each one)."""
+        balances each one); ``token_ids_T``: their token ids (a hash-routed layer's
+        selection)."""
         cfg, e = self.cfg, self.num_experts
         if self.training and cfg.jitter > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
         if self.input_scale is not None:  # (in x's dtype, as transformers' Gemma 4 router)
             x_TD = unit_rms(x_TD, self.norm_eps) * self.input_scale * x_TD.shape[-1] ** -0.5
         logits_TE = self.gate(x_TD)
-        if cfg.score_func == "sigmoid":
-            scores_TE = torch.sigmoid(logits_TE)
+        scores_TE = probs_TE = routing_scores(logits_TE, cfg.score_func)
+        if cfg.score_func != "softmax":
             probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
-        else:
-            scores_TE = probs_TE = torch.softmax(logits_TE, dim=-1)
 
-        if cfg.router_type == "sparsemixer":
+        if self.token_experts is not None:
+            if token_ids_T is None:
+                raise ValueError(f"moe.hash_layers: layer {self.layer} routes by token ids")
+            weights_TK, ids_TK = self._hashed(scores_TE, token_ids_T)
+        elif cfg.router_type == "sparsemixer":
             weights_TK, ids_TK = sparsemixer_top2(logits_TE, cfg.router_jitter_eps)
         else:
             weights_TK, ids_TK = self._top_k(logits_TE, scores_TE)
@@ -168,6 +217,27 @@ class Router(nn.Module):
             entropy=entropy,
         )
 
+    def _hashed(
+        self, scores_TE: torch.Tensor, token_ids_T: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights_TK, ids_TK)`` of hash routing: the table's experts for each token id,
+        weighted by their scores (renormalised with ``moe.renormalize``), before route_scale."""
+        ids_TK = self.token_experts[token_ids_T.reshape(-1)]
+        return self._renormalized(scores_TE.gather(1, ids_TK)), ids_TK
+
+    def _renormalized(self, weights_TK: torch.Tensor) -> torch.Tensor:
+        """The k weights over their sum (``moe.renormalize``; with ``renormalize_min`` /
+        ``renormalize_eps``), or as they are."""
+        cfg = self.cfg
+        if not cfg.renormalize:
+            return weights_TK
+        total_T1 = weights_TK.sum(-1, keepdim=True)
+        if cfg.renormalize_min > 0:  # (0: the plain sum, bit for bit)
+            total_T1 = total_T1.clamp_min(cfg.renormalize_min)
+        if cfg.renormalize_eps > 0:  # (LFM2-MoE's sum + 1e-6)
+            total_T1 = total_T1 + cfg.renormalize_eps
+        return weights_TK / total_T1
+
     def _top_k(
         self, logits_TE: torch.Tensor, scores_TE: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,14 +255,7 @@ class Router(nn.Module):
             weights_TK = torch.sigmoid(logits_TE.gather(1, ids_TK))
         else:
             weights_TK = scores_TE.gather(1, ids_TK)
-        if cfg.renormalize:
-            total_T1 = weights_TK.sum(-1, keepdim=True)
-            if cfg.renormalize_min > 0:  # (0: the plain sum, bit for bit)
-                total_T1 = total_T1.clamp_min(cfg.renormalize_min)
-            if cfg.renormalize_eps > 0:  # (LFM2-MoE's sum + 1e-6)
-                total_T1 = total_T1 + cfg.renormalize_eps
-            weights_TK = weights_TK / total_T1
-        return weights_TK, ids_TK
+        return self._renormalized(weights_TK), ids_TK
 
     def _aux_loss(
         self, probs_TE: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor, num_seqs: int
@@ -220,8 +283,12 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Its own parameters' initial values: a zero selection bias, unit scalars."""
+        """Its own parameters' initial values: a zero selection bias, unit scalars, the
+        hash-routing table (:func:`hash_table`)."""
         self.expert_bias.zero_()
+        if self.token_experts is not None:
+            v, k = self.token_experts.shape
+            self.token_experts.copy_(hash_table(v, self.num_experts, k, self.layer))
         for scale in (self.input_scale, self.expert_scale):
             if scale is not None:
                 scale.fill_(1.0)
@@ -246,10 +313,12 @@ class Router(nn.Module):
         """Aux-loss-free balancing: ``bias += rate * sign(mean(load) - load)``.
 
         Call once per optimizer step with the load summed over every rank; never in forward.
-        A frozen router (a training stage that trains other parts alone) keeps its bias.
+        A frozen router (a training stage that trains other parts alone) keeps its bias, and so
+        does a hash-routed one (its table selects, not the bias).
         """
         rate = self.cfg.bias_update_rate
-        if rate <= 0 or not self.gate.weight.requires_grad:
+        hashed = self.token_experts is not None  # (selects by its table, without the bias)
+        if rate <= 0 or hashed or not self.gate.weight.requires_grad:
             return
         load_E = load_E.to(self.expert_bias)
         self.expert_bias.add_(rate * torch.sign(load_E.mean() - load_E))
