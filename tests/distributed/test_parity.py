@@ -127,6 +127,7 @@ JOBS = {
         (1, 0, "dsa_warmup"),
         (1, 2, "dsv4"),
         (1, 2, "zero_experts"),
+        (1, 2, "gemma4"),
     ],
     4: [
         (2, 0),
@@ -147,6 +148,8 @@ JOBS = {
         (2, 0, "dsa_warmup"),
         (2, 1, "dsv4"),
         (2, 1, "zero_experts"),
+        # Gemma 4's global layers and its other pieces (parity_jobs.VARIANTS["gemma4"])
+        (2, 1, "gemma4"),
     ],
 }
 
