@@ -76,6 +76,8 @@ PHIMOE_WIDE_ROPE = dict(
     long_factor=[1.0 + 0.02 * i for i in range(16)],
 )
 
+MIMO_SERVED = dict(WIDE, v_head_dim=32, routed_scaling_factor=None)
+
 
 @dataclass(frozen=True)
 class Case:
@@ -123,6 +125,14 @@ CASES: dict[str, Case] = {
     "granitemoehybrid": Case(
         "granitemoehybrid", dict(WIDE, initializer_range=2.0, mamba_n_heads=8, mamba_d_head=32)
     ),
+    # value heads as wide as the query/key heads, which vLLM's CPU attention takes (narrower
+    # ones take a Triton backend), the routing unscaled as released, a window longer than the
+    # 24 positions decoded; then with the tiny model's window of 6 and its routing scale
+    "mimo_v2_flash-same-v-head-dim": Case("mimo_v2_flash", dict(MIMO_SERVED, sliding_window=40)),
+    "mimo_v2_flash-window-binds": Case("mimo_v2_flash", MIMO_SERVED),
+    "mimo_v2_flash-route-scale": Case(
+        "mimo_v2_flash", dict(MIMO_SERVED, sliding_window=40, routed_scaling_factor=2.5)
+    ),
     # an upcycled Qwen3.5 (dense): Qwen3.5-MoE without a shared expert
     "qwen3_5_text-upcycled": Case("qwen3_5_text", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
 }
@@ -151,9 +161,9 @@ REFUSED: dict[str, str] = {
     # no CPU backend of DeepSeek sparse attention (its indexer and sparse MLA)
     "deepseek_v32": "NotImplementedError: Sparse Attention is not supported on CPU.",
     "glm_moe_dsa": "NotImplementedError: Sparse Attention is not supported on CPU.",
-    # vLLM's MiMo-V2-Flash model reads the released config key layernorm_epsilon, which the
-    # export does not write (transformers reads rms_norm_eps)
-    "mimo_v2_flash": "'MiMoV2FlashConfig' object has no attribute 'layernorm_epsilon'",
+    # value heads narrower than the query/key heads (as released: 128 and 192) take vLLM's
+    # Triton attention backend for them, which the CPU build does not run
+    "mimo_v2_flash": "module 'triton' has no attribute 'next_power_of_2'",
 }
 # case -> why vLLM's CPU build serves it with other tokens than transformers (and moetrain)
 MISCOMPUTED: dict[str, str] = {
@@ -162,6 +172,11 @@ MISCOMPUTED: dict[str, str] = {
     "the softmax alone (its GPU router adds the bias)",
     "deepseek_v3-rope-halves": "vLLM's DeepSeek model reads no rope_interleave: it always "
     "rotates adjacent pairs, as the released models do",
+    "mimo_v2_flash-window-binds": "vLLM's MiMo-V2-Flash attends sliding_window_size "
+    "positions with the query's own, one fewer than transformers (sliding_window_size "
+    "earlier positions and the query's, as the reference implementation does)",
+    "mimo_v2_flash-route-scale": "vLLM's MiMo-V2-Flash ignores routed_scaling_factor (released "
+    "null: 1)",
     "deepseek_v3-plain-rope": "vLLM's CPU rotary kernel, which plain RoPE takes (YaRN takes a "
     "PyTorch path), rotates a [tokens, heads, dim] query wrongly: latent attention's "
     "per-head rotary query",
