@@ -24,8 +24,10 @@ upcycled where a MoE class holds them (Qwen3.5, as Qwen3.5-MoE); Olmo-Hybrid's i
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -37,6 +39,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from moetrain.cli import main as moetrain_cli
 from moetrain.convert.families import FORMATS
@@ -288,13 +291,20 @@ def root_cause(output: str) -> str:
 
 
 def vllm_greedy(
-    python: Path, path: Path, ids: list[int], max_model_len: int
-) -> tuple[list[int] | None, str]:
-    """vLLM's greedy tokens (offline), or None and the root cause of its failure."""
+    python: Path,
+    path: Path,
+    ids: list[int],
+    max_model_len: int,
+    dtype: str = "float32",
+    top: int = 0,
+) -> tuple[list[int] | None, list[dict[int, float]], str]:
+    """vLLM's greedy tokens (offline) in ``dtype``, with ``top`` > 0 the log-probabilities of
+    the chosen and the ``top`` most likely tokens at each step; or None and the root cause of
+    its failure."""
     prompt = ",".join(map(str, ids))
     args = [str(python), str(GREEDY), str(path), str(NEW_TOKENS), prompt, str(max_model_len)]
     r = subprocess.run(
-        args,
+        [*args, dtype, str(top)],
         # vLLM's engine and worker in this one process (by default it starts two more, as the
         # server test below does): half the start time, the same tokens
         env={**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
@@ -303,10 +313,15 @@ def vllm_greedy(
         text=True,
         timeout=VLLM_TIMEOUT,
     )
-    for line in r.stdout.splitlines():
-        if line.startswith("GREEDY "):
-            return json.loads(line.removeprefix("GREEDY ")), ""
-    return None, root_cause(r.stdout + r.stderr)
+    found = {
+        key: json.loads(value)
+        for key, _, value in (line.partition(" ") for line in r.stdout.splitlines())
+        if key in ("GREEDY", "LOGPROBS")
+    }
+    if "GREEDY" not in found:
+        return None, [], root_cause(r.stdout + r.stderr)
+    steps = [{int(t): p for t, p in step.items()} for step in found.get("LOGPROBS", [])]
+    return found["GREEDY"], steps, ""
 
 
 def same_tokens(got: list[int], want: list[int], margins: list[float]) -> None:
@@ -330,7 +345,7 @@ def test_vllm_serves_the_export_with_transformers_greedy_tokens(
     ids = prompt_ids(hf, CASES[case].random_prompt)
     want, margins = transformers_greedy(hf, ids)
     assert len(set(want)) > 3, want  # a walk through the vocabulary, not one repeated token
-    got, error = vllm_greedy(serving_python, hf, ids, CASES[case].max_model_len)
+    got, _, error = vllm_greedy(serving_python, hf, ids, CASES[case].max_model_len)
     # a known failure shows as xfailed with its reason once it is checked to be that failure
     if case in REFUSED:
         assert got is None, f"vLLM now serves {case}: take it out of REFUSED and the docs"
@@ -341,6 +356,67 @@ def test_vllm_serves_the_export_with_transformers_greedy_tokens(
         assert got != want, f"vLLM now computes {case}: take it out of MISCOMPUTED and the docs"
         pytest.xfail(f"vLLM's tokens {got} are not transformers' {want}: {MISCOMPUTED[case]}")
     same_tokens(got, want, margins)
+
+
+# Gated DeltaNet's CPU kernels take bf16 only: Qwen3-Next is compared in bf16. vLLM's bf16
+# decoding is checked against transformers' fp32 function on vLLM's own tokens (teacher
+# forced, so that a near tie that bf16 flips does not shift every later step): at each
+# generated position the log-probabilities of vLLM's chosen and BF16_TOP most likely tokens,
+# within BF16_LOGPROB_TOL of transformers'.
+BF16_TOP = 5
+BF16_LOGPROB_TOL = 0.1  # nats; measured gaps: see docs/HUGGING-FACE.md
+# the negative control: the first Gated DeltaNet layer's decay doubled in the export vLLM serves
+WRONG_WEIGHT = "model.layers.0.linear_attn.A_log"
+
+
+def bf16_disagreements(
+    path: Path, ids: list[int], got: list[int], logprobs: list[dict[int, float]]
+) -> tuple[list[str], float]:
+    """Where vLLM's bf16 decoding ``got`` / ``logprobs`` leaves transformers' fp32 function
+    beyond BF16_LOGPROB_TOL: a log-probability off by more, or a chosen token that
+    transformers' top token leads by more; and the largest log-probability gap."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + got])).logits[0]
+    ref = torch.log_softmax(logits[len(ids) - 1 : -1].double(), dim=-1)
+    problems, worst = [], 0.0
+    for i, (token, step) in enumerate(zip(got, logprobs, strict=True)):
+        for t, lp in step.items():
+            gap = abs(lp - float(ref[i, t]))
+            worst = max(worst, gap)
+            if gap > BF16_LOGPROB_TOL:
+                problems.append(f"step {i}: token {t} vLLM {lp:.4f}, transformers {ref[i, t]:.4f}")
+        lead = float(ref[i].max() - ref[i, token])
+        if lead > BF16_LOGPROB_TOL:
+            problems.append(
+                f"step {i}: vLLM chose {token}, transformers' top leads it by {lead:.3g}"
+            )
+    return problems, worst
+
+
+@pytest.mark.parametrize("wrong_weight", [False, True], ids=["export", "wrong-weight"])
+def test_vllm_serves_qwen3_next_in_bf16_with_transformers_function(
+    wrong_weight: bool, serving_python: Path, tokenizer: Path, tmp_path: Path
+) -> None:
+    """Qwen3-Next's export in bf16 (vLLM's CPU Gated DeltaNet takes no other dtype) against
+    transformers in fp32; the check catches an export with one wrong weight."""
+    hf = export("qwen3_next", tokenizer, tmp_path)
+    served = hf
+    if wrong_weight:
+        served = tmp_path / "wrong"
+        shutil.copytree(hf, served)
+        tensors = load_file(served / "model.safetensors")
+        tensors[WRONG_WEIGHT] = tensors[WRONG_WEIGHT] + math.log(2.0)
+        save_file(tensors, str(served / "model.safetensors"), metadata={"format": "pt"})
+    ids = prompt_ids(hf)
+    got, logprobs, error = vllm_greedy(serving_python, served, ids, 64, "bfloat16", BF16_TOP)
+    assert got is not None, f"vLLM failed on the Qwen3-Next export in bf16: {error}"
+    problems, worst = bf16_disagreements(hf, ids, got, logprobs)
+    print(f"largest log-probability gap {worst:.4f} nats")
+    if wrong_weight:
+        assert problems, f"a doubled {WRONG_WEIGHT} stays within the tolerance: {worst:.4f}"
+    else:
+        assert not problems, "\n".join(problems)
 
 
 def _request(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
