@@ -202,9 +202,8 @@ def tokenizer(tmp_path_factory) -> Path:
     return save_hf_tokenizer(texts, 320, tmp_path_factory.mktemp("tok"))
 
 
-def export(case: str, tokenizer: Path, root: Path) -> Path:
+def export(c: Case, tokenizer: Path, root: Path) -> Path:
     """The case's tiny model made with transformers, imported and exported by the CLI."""
-    c = CASES[case]
     src = save_hf_model(c.source, root / "src", tokenizer=tokenizer, overrides=c.fields)
     if c.zero_selection_bias:
         model = transformers.AutoModelForCausalLM.from_pretrained(src)
@@ -337,7 +336,7 @@ def same_tokens(got: list[int], want: list[int], margins: list[float]) -> None:
 def test_vllm_serves_the_export_with_transformers_greedy_tokens(
     case: str, serving_python: Path, tokenizer: Path, tmp_path: Path
 ) -> None:
-    hf = export(case, tokenizer, tmp_path)
+    hf = export(CASES[case], tokenizer, tmp_path)
     written = json.loads((hf / "config.json").read_text())
     if case == "qwen2-upcycled":  # an upcycled Qwen2: Qwen2-MoE without a shared expert
         assert written["model_type"] == "qwen2_moe"
@@ -358,13 +357,15 @@ def test_vllm_serves_the_export_with_transformers_greedy_tokens(
     same_tokens(got, want, margins)
 
 
-# Gated DeltaNet's CPU kernels take bf16 only: Qwen3-Next is compared in bf16. vLLM's bf16
-# decoding is checked against transformers' fp32 function on vLLM's own tokens (teacher
-# forced, so that a near tie that bf16 flips does not shift every later step): at each
-# generated position the log-probabilities of vLLM's chosen and BF16_TOP most likely tokens,
-# within BF16_LOGPROB_TOL of transformers'.
+# Gated DeltaNet's CPU kernels take bf16 only (and linear head dims of 128, as released):
+# Qwen3-Next is compared in bf16. vLLM's bf16 decoding is checked against transformers' bf16
+# function (the same weights rounded as vLLM's) on vLLM's own tokens, teacher forced, so that a
+# near tie that the rounding flips does not shift every later step: at each generated position
+# the log-probabilities of vLLM's chosen and BF16_TOP most likely tokens, within
+# BF16_LOGPROB_TOL of transformers', and vLLM's token within it of transformers' top one.
 BF16_TOP = 5
-BF16_LOGPROB_TOL = 0.1  # nats; measured gaps: see docs/HUGGING-FACE.md
+BF16_LOGPROB_TOL = 0.3  # nats: measured 0.15 (and a wrong weight 7; docs/HUGGING-FACE.md)
+QWEN3_NEXT_BF16 = Case("qwen3_next", dict(WIDE, linear_key_head_dim=128, linear_value_head_dim=128))
 # the negative control: the first Gated DeltaNet layer's decay doubled in the export vLLM serves
 WRONG_WEIGHT = "model.layers.0.linear_attn.A_log"
 
@@ -372,10 +373,10 @@ WRONG_WEIGHT = "model.layers.0.linear_attn.A_log"
 def bf16_disagreements(
     path: Path, ids: list[int], got: list[int], logprobs: list[dict[int, float]]
 ) -> tuple[list[str], float]:
-    """Where vLLM's bf16 decoding ``got`` / ``logprobs`` leaves transformers' fp32 function
+    """Where vLLM's bf16 decoding ``got`` / ``logprobs`` leaves transformers' bf16 function
     beyond BF16_LOGPROB_TOL: a log-probability off by more, or a chosen token that
     transformers' top token leads by more; and the largest log-probability gap."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids + got])).logits[0]
     ref = torch.log_softmax(logits[len(ids) - 1 : -1].double(), dim=-1)
@@ -399,8 +400,8 @@ def test_vllm_serves_qwen3_next_in_bf16_with_transformers_function(
     wrong_weight: bool, serving_python: Path, tokenizer: Path, tmp_path: Path
 ) -> None:
     """Qwen3-Next's export in bf16 (vLLM's CPU Gated DeltaNet takes no other dtype) against
-    transformers in fp32; the check catches an export with one wrong weight."""
-    hf = export("qwen3_next", tokenizer, tmp_path)
+    transformers in bf16; the check catches an export with one wrong weight."""
+    hf = export(QWEN3_NEXT_BF16, tokenizer, tmp_path)
     served = hf
     if wrong_weight:
         served = tmp_path / "wrong"
@@ -446,7 +447,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
 def test_openai_server_serves_an_export(serving_python: Path, tokenizer: Path, tmp_path) -> None:
     """`python -m vllm.entrypoints.openai.api_server --model EXPORT`, as the README shows; a
     text prompt, so the exported tokenizer is vLLM's too."""
-    hf = export("mixtral", tokenizer, tmp_path)
+    hf = export(CASES["mixtral"], tokenizer, tmp_path)
     ids = prompt_ids(hf)
     want, margins = transformers_greedy(hf, ids)
     port, log = free_port(), tmp_path / "server.log"
