@@ -164,6 +164,12 @@ REFUSED: dict[str, str] = {
     # no CPU backend of DeepSeek sparse attention (its indexer and sparse MLA)
     "deepseek_v32": "NotImplementedError: Sparse Attention is not supported on CPU.",
     "glm_moe_dsa": "NotImplementedError: Sparse Attention is not supported on CPU.",
+    # Nemotron 3's squared-ReLU experts (as released): vLLM's CPU MoE takes gated experts only
+    "nemotron_h": "is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now",
+    # the tiny Gemma 4's global layers have heads of 16 (vLLM's CPU attention takes 32 or more;
+    # at 64 it serves the model, but then the tiny model's greedy tokens repeat one token or
+    # tie at the soft cap, so no comparison is made)
+    "gemma4_text": "Unsupported CPU attention configuration: head_dim=16",
     # value heads narrower than the query/key heads (as released: 128 and 192) take vLLM's
     # Triton attention backend for them, which the CPU build does not run
     "mimo_v2_flash": "module 'triton' has no attribute 'next_power_of_2'",
@@ -173,6 +179,9 @@ MISCOMPUTED: dict[str, str] = {
     "ernie4_5_moe": "vLLM's CPU router ignores the selection bias (moe_statics."
     "e_score_correction_bias) of a softmax router that is not grouped: it picks the top-k of "
     "the softmax alone (its GPU router adds the bias)",
+    "lfm2_moe": "vLLM's LFM2-MoE attention layers compute otherwise: log-probabilities "
+    "0.1-1.3 nats from transformers' from the first generated token (up to 10 with attention in "
+    "every layer; the same directory's short-convolution-only layers add little); not isolated",
     "deepseek_v3-rope-halves": "vLLM's DeepSeek model reads no rope_interleave: it always "
     "rotates adjacent pairs, as the released models do",
     "mimo_v2_flash-window-binds": "vLLM's MiMo-V2-Flash attends sliding_window_size "
@@ -342,14 +351,14 @@ def test_vllm_serves_the_export_with_transformers_greedy_tokens(
         assert written["model_type"] == "qwen2_moe"
         assert written["shared_expert_intermediate_size"] == 0
     ids = prompt_ids(hf, CASES[case].random_prompt)
-    want, margins = transformers_greedy(hf, ids)
-    assert len(set(want)) > 3, want  # a walk through the vocabulary, not one repeated token
     got, _, error = vllm_greedy(serving_python, hf, ids, CASES[case].max_model_len)
     # a known failure shows as xfailed with its reason once it is checked to be that failure
     if case in REFUSED:
         assert got is None, f"vLLM now serves {case}: take it out of REFUSED and the docs"
         assert REFUSED[case] in error, error
         pytest.xfail(f"vLLM refuses the export: {error}")
+    want, margins = transformers_greedy(hf, ids)
+    assert len(set(want)) > 3, want  # a walk through the vocabulary, not one repeated token
     assert got is not None, f"vLLM failed on the {written['architectures'][0]} export: {error}"
     if case in MISCOMPUTED:
         assert got != want, f"vLLM now computes {case}: take it out of MISCOMPUTED and the docs"
