@@ -6,7 +6,9 @@ a shared expert), DeepSeek-V3 with plain RoPE (Moonlight's) and ERNIE-4.5 withou
 bias: a tiny random model is made with transformers, imported (``moetrain import``) and
 exported (``moetrain convert``), then served by vLLM offline (``vllm.LLM``, one process per
 case) and, for Mixtral, by its OpenAI-compatible server over HTTP. vLLM's greedy tokens must be
-transformers' greedy tokens on the same export (fp32).
+transformers' greedy tokens on the same export (fp32). Qwen3-Next, whose Gated DeltaNet vLLM's
+CPU build runs in bf16 only, is compared in bf16 by log-probabilities (:func:`bf16_disagreements`),
+with a negative control.
 
 A case that vLLM does not serve is listed in :data:`REFUSED` with vLLM's error, one that it
 serves with other tokens in :data:`MISCOMPUTED` with the reason: its test checks that vLLM still
@@ -179,9 +181,9 @@ MISCOMPUTED: dict[str, str] = {
     "ernie4_5_moe": "vLLM's CPU router ignores the selection bias (moe_statics."
     "e_score_correction_bias) of a softmax router that is not grouped: it picks the top-k of "
     "the softmax alone (its GPU router adds the bias)",
-    "lfm2_moe": "vLLM's LFM2-MoE attention layers compute otherwise: log-probabilities "
-    "0.1-1.3 nats from transformers' from the first generated token (up to 10 with attention in "
-    "every layer; the same directory's short-convolution-only layers add little); not isolated",
+    "lfm2_moe": "vLLM computes LFM2-MoE otherwise: its log-probabilities are 0.1-1.3 nats "
+    "from transformers' from the first generated token, up to 10 with attention in every layer "
+    "(the cause is not isolated)",
     "deepseek_v3-rope-halves": "vLLM's DeepSeek model reads no rope_interleave: it always "
     "rotates adjacent pairs, as the released models do",
     "mimo_v2_flash-window-binds": "vLLM's MiMo-V2-Flash attends sliding_window_size "
