@@ -107,7 +107,9 @@ class MoEConfig:
     swiglu_limit: float | None = field(default=None, metadata=above(0) | FUNCTION)
     # clamped_swiglu's offset c on the clamped up projection, (b' + c) * a' * sigmoid(alpha a'):
     # gpt-oss's 1; DeepSeek-V4's silu(min(a, l)) * clamp(b, -l, l) is alpha 1, offset 0
-    swiglu_up_offset: float = field(default=1.0, metadata=FUNCTION)
+    swiglu_up_offset: float = field(
+        default=1.0, metadata=at_least(0, "gpt-oss 1, DeepSeek-V4 0") | FUNCTION
+    )
     # the routing weight w multiplies each routed copy's input instead of its output: expert e
     # computes expert_e(w * x), and the combine sums the outputs (Llama 4)
     score_on_input: bool = field(default=False, metadata=FUNCTION)
@@ -215,11 +217,11 @@ class MoEConfig:
             "moe.layer_ffns",
             "places every layer's FFN: leave moe.first_k_dense and moe.moe_every unset",
         )
+        bound = "moe.num_experts + moe.zero_experts" if self.zero_experts else "moe.num_experts"
         require(
             1 <= self.top_k <= self.routed_choices,
             "moe.top_k",
-            f"must be between 1 and moe.num_experts + moe.zero_experts={self.routed_choices}; "
-            f"got {self.top_k}",
+            f"must be between 1 and {bound}={self.routed_choices}; got {self.top_k}",
         )
         if self.zero_experts:
             self._validate_zero_experts()

@@ -62,6 +62,10 @@ GRAD_NAMES = (
     # their scale in fp32 against fp64 in one process: no resolution at 1e-6)
     "layers.0.attn_hc.fn",
     "layers.1.attn_hc.fn",
+    "layers.1.attn.wk.weight",  # Gemma 4's global layer (keys as values), its pieces
+    "layers.1.attn.k_norm.weight",
+    "layers.0.dense.w2.weight",
+    "layers.1.ffn.router.expert_scale",
 )
 # DeepSeek sparse attention on latent attention: 4 of up to 16 keys per query
 DSA = {
@@ -174,6 +178,35 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "moe.score_func": "sigmoid",
         "moe.renormalize_eps": 1e-6,
     },
+    # Gemma 4's (gemma4_text): a sliding layer then a global layer with its own head dim (16,
+    # the sliding ones 8), one key/value head whose keys are its values, its own proportional
+    # RoPE; q/k and value norms, sandwich norms, GeGLU, a dense MLP beside the experts, the
+    # router's scalars, tied embeddings, soft-capping. Not its logits scaled by 1 nor its layer
+    # scalar: per-token and per-layer pieces that send nothing across ranks, whose trajectory
+    # here amplifies rounding (one process with every sum over the rows reordered already
+    # differs from itself by 3e-5 in the clipped norms with either, 1e-1 with both, by step 10)
+    "gemma4": {
+        "model.layer_types": ["sliding_attention", "full_attention"],
+        "model.sliding_window": 6,
+        "model.qk_norm": True,
+        "model.value_norm": True,
+        "model.global_head_dim": 16,
+        "model.global_n_kv_heads": 1,
+        "model.global_k_eq_v": True,
+        "model.global_rope_theta": 1e5,
+        "model.global_rope_proportion": 0.25,
+        "model.block_norms": "sandwich",
+        "model.ffn_activation": "geglu",
+        "model.tie_embeddings": True,
+        "model.embedding_multiplier": 32**0.5,
+        "model.final_logit_softcap": 3.0,
+        "moe.activation": "geglu",
+        "moe.dense_branch": True,
+        "moe.router_input_norm": True,
+        "moe.expert_scale": True,
+        "moe.num_shared_experts": 0,
+        "moe.shared_expert_gate": False,
+    },
     # DeepSeek sparse attention's sparse stage: the second layer attends to the first's
     # selection (GLM-5's shared indexer), the indexer trains on its KL alongside
     "dsa": {**DSA, "model.indexer_types": ["full", "shared"]},
@@ -210,6 +243,7 @@ REFERENCES = (
     *("dsa", "dsa_warmup"),
     "dsv4",
     "zero_experts",
+    "gemma4",
 )
 
 

@@ -114,6 +114,7 @@ JOBS = {
         (1, 0, "dsa_warmup"),
         (1, 2, "dsv4"),
         (1, 2, "zero_experts"),
+        (1, 2, "gemma4"),
     ],
     4: [
         (2, 0),
@@ -134,6 +135,8 @@ JOBS = {
         (2, 0, "dsa_warmup"),
         (2, 1, "dsv4"),
         (2, 1, "zero_experts"),
+        # Gemma 4's global layers and its other pieces (parity_jobs.VARIANTS["gemma4"])
+        (2, 1, "gemma4"),
     ],
 }
 
@@ -154,6 +157,12 @@ QUICK_JOBS = {w: [lay for lay in lays if not _long(w, lay)] for w, lays in JOBS.
 # (the base reference's twin: 7e-7 and 8e-8). Its gradients, biases and systematic checks hold.
 KNOWN = {
     (4, (2, 1, "mtp")): "MTP's trajectory amplifies rounding (AdamW's eps regime): norms, max logit"
+}
+# Gemma 4's pieces: its norms drift to 2.2e-5 by step 10 at dp=2 x ep=2 and its last largest
+# logit to 1.3e-5, while its first-step gradients, biases and the systematic checks hold
+KNOWN |= {
+    (w, lay): "Gemma 4's trajectory amplifies rounding: norms, max logit"
+    for w, lay in ((4, (2, 1, "gemma4")), (2, (1, 2, "gemma4")))
 }
 
 
