@@ -6,7 +6,9 @@ a shared expert), DeepSeek-V3 with plain RoPE (Moonlight's) and ERNIE-4.5 withou
 bias: a tiny random model is made with transformers, imported (``moetrain import``) and
 exported (``moetrain convert``), then served by vLLM offline (``vllm.LLM``, one process per
 case) and, for Mixtral, by its OpenAI-compatible server over HTTP. vLLM's greedy tokens must be
-transformers' greedy tokens on the same export (fp32).
+transformers' greedy tokens on the same export (fp32). Qwen3-Next, whose Gated DeltaNet vLLM's
+CPU build runs in bf16 only, is compared in bf16 by log-probabilities (:func:`bf16_disagreements`),
+with a negative control.
 
 A case that vLLM does not serve is listed in :data:`REFUSED` with vLLM's error, one that it
 serves with other tokens in :data:`MISCOMPUTED` with the reason: its test checks that vLLM still
@@ -24,8 +26,10 @@ upcycled where a MoE class holds them (Qwen3.5, as Qwen3.5-MoE); Olmo-Hybrid's i
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -37,6 +41,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from moetrain.cli import main as moetrain_cli
 from moetrain.convert.families import FORMATS
@@ -75,6 +80,8 @@ PHIMOE_WIDE_ROPE = dict(
     short_factor=[1.0 + 0.01 * i for i in range(16)],
     long_factor=[1.0 + 0.02 * i for i in range(16)],
 )
+
+MIMO_SERVED = dict(WIDE, v_head_dim=32, routed_scaling_factor=None)
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,14 @@ CASES: dict[str, Case] = {
     "granitemoehybrid": Case(
         "granitemoehybrid", dict(WIDE, initializer_range=2.0, mamba_n_heads=8, mamba_d_head=32)
     ),
+    # value heads as wide as the query/key heads, which vLLM's CPU attention takes (narrower
+    # ones take a Triton backend), the routing unscaled as released, a window longer than the
+    # 24 positions decoded; then with the tiny model's window of 6 and its routing scale
+    "mimo_v2_flash-same-v-head-dim": Case("mimo_v2_flash", dict(MIMO_SERVED, sliding_window=40)),
+    "mimo_v2_flash-window-binds": Case("mimo_v2_flash", MIMO_SERVED),
+    "mimo_v2_flash-route-scale": Case(
+        "mimo_v2_flash", dict(MIMO_SERVED, sliding_window=40, routed_scaling_factor=2.5)
+    ),
     # an upcycled Qwen3.5 (dense): Qwen3.5-MoE without a shared expert
     "qwen3_5_text-upcycled": Case("qwen3_5_text", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
 }
@@ -151,17 +166,31 @@ REFUSED: dict[str, str] = {
     # no CPU backend of DeepSeek sparse attention (its indexer and sparse MLA)
     "deepseek_v32": "NotImplementedError: Sparse Attention is not supported on CPU.",
     "glm_moe_dsa": "NotImplementedError: Sparse Attention is not supported on CPU.",
-    # vLLM's MiMo-V2-Flash model reads the released config key layernorm_epsilon, which the
-    # export does not write (transformers reads rms_norm_eps)
-    "mimo_v2_flash": "'MiMoV2FlashConfig' object has no attribute 'layernorm_epsilon'",
+    # Nemotron 3's squared-ReLU experts (as released): vLLM's CPU MoE takes gated experts only
+    "nemotron_h": "is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now",
+    # the tiny Gemma 4's global layers have heads of 16 (vLLM's CPU attention takes 32 or more;
+    # at 64 it serves the model, but then the tiny model's greedy tokens repeat one token or
+    # tie at the soft cap, so no comparison is made)
+    "gemma4_text": "Unsupported CPU attention configuration: head_dim=16",
+    # value heads narrower than the query/key heads (as released: 128 and 192) take vLLM's
+    # Triton attention backend for them, which the CPU build does not run
+    "mimo_v2_flash": "module 'triton' has no attribute 'next_power_of_2'",
 }
 # case -> why vLLM's CPU build serves it with other tokens than transformers (and moetrain)
 MISCOMPUTED: dict[str, str] = {
     "ernie4_5_moe": "vLLM's CPU router ignores the selection bias (moe_statics."
     "e_score_correction_bias) of a softmax router that is not grouped: it picks the top-k of "
     "the softmax alone (its GPU router adds the bias)",
+    "lfm2_moe": "vLLM computes LFM2-MoE otherwise: its log-probabilities are 0.1-1.3 nats "
+    "from transformers' from the first generated token, up to 10 with attention in every layer "
+    "(the cause is not isolated)",
     "deepseek_v3-rope-halves": "vLLM's DeepSeek model reads no rope_interleave: it always "
     "rotates adjacent pairs, as the released models do",
+    "mimo_v2_flash-window-binds": "vLLM's MiMo-V2-Flash attends sliding_window_size "
+    "positions with the query's own, one fewer than transformers (sliding_window_size "
+    "earlier positions and the query's, as the reference implementation does)",
+    "mimo_v2_flash-route-scale": "vLLM's MiMo-V2-Flash ignores routed_scaling_factor (released "
+    "null: 1)",
     "deepseek_v3-plain-rope": "vLLM's CPU rotary kernel, which plain RoPE takes (YaRN takes a "
     "PyTorch path), rotates a [tokens, heads, dim] query wrongly: latent attention's "
     "per-head rotary query",
@@ -184,9 +213,8 @@ def tokenizer(tmp_path_factory) -> Path:
     return save_hf_tokenizer(texts, 320, tmp_path_factory.mktemp("tok"))
 
 
-def export(case: str, tokenizer: Path, root: Path) -> Path:
+def export(c: Case, tokenizer: Path, root: Path) -> Path:
     """The case's tiny model made with transformers, imported and exported by the CLI."""
-    c = CASES[case]
     src = save_hf_model(c.source, root / "src", tokenizer=tokenizer, overrides=c.fields)
     if c.zero_selection_bias:
         model = transformers.AutoModelForCausalLM.from_pretrained(src)
@@ -273,13 +301,20 @@ def root_cause(output: str) -> str:
 
 
 def vllm_greedy(
-    python: Path, path: Path, ids: list[int], max_model_len: int
-) -> tuple[list[int] | None, str]:
-    """vLLM's greedy tokens (offline), or None and the root cause of its failure."""
+    python: Path,
+    path: Path,
+    ids: list[int],
+    max_model_len: int,
+    dtype: str = "float32",
+    top: int = 0,
+) -> tuple[list[int] | None, list[dict[int, float]], str]:
+    """vLLM's greedy tokens (offline) in ``dtype``, with ``top`` > 0 the log-probabilities of
+    the chosen and the ``top`` most likely tokens at each step; or None and the root cause of
+    its failure."""
     prompt = ",".join(map(str, ids))
     args = [str(python), str(GREEDY), str(path), str(NEW_TOKENS), prompt, str(max_model_len)]
     r = subprocess.run(
-        args,
+        [*args, dtype, str(top)],
         # vLLM's engine and worker in this one process (by default it starts two more, as the
         # server test below does): half the start time, the same tokens
         env={**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
@@ -288,10 +323,15 @@ def vllm_greedy(
         text=True,
         timeout=VLLM_TIMEOUT,
     )
-    for line in r.stdout.splitlines():
-        if line.startswith("GREEDY "):
-            return json.loads(line.removeprefix("GREEDY ")), ""
-    return None, root_cause(r.stdout + r.stderr)
+    found = {
+        key: json.loads(value)
+        for key, _, value in (line.partition(" ") for line in r.stdout.splitlines())
+        if key in ("GREEDY", "LOGPROBS")
+    }
+    if "GREEDY" not in found:
+        return None, [], root_cause(r.stdout + r.stderr)
+    steps = [{int(t): p for t, p in step.items()} for step in found.get("LOGPROBS", [])]
+    return found["GREEDY"], steps, ""
 
 
 def same_tokens(got: list[int], want: list[int], margins: list[float]) -> None:
@@ -307,25 +347,88 @@ def same_tokens(got: list[int], want: list[int], margins: list[float]) -> None:
 def test_vllm_serves_the_export_with_transformers_greedy_tokens(
     case: str, serving_python: Path, tokenizer: Path, tmp_path: Path
 ) -> None:
-    hf = export(case, tokenizer, tmp_path)
+    hf = export(CASES[case], tokenizer, tmp_path)
     written = json.loads((hf / "config.json").read_text())
     if case == "qwen2-upcycled":  # an upcycled Qwen2: Qwen2-MoE without a shared expert
         assert written["model_type"] == "qwen2_moe"
         assert written["shared_expert_intermediate_size"] == 0
     ids = prompt_ids(hf, CASES[case].random_prompt)
-    want, margins = transformers_greedy(hf, ids)
-    assert len(set(want)) > 3, want  # a walk through the vocabulary, not one repeated token
-    got, error = vllm_greedy(serving_python, hf, ids, CASES[case].max_model_len)
+    got, _, error = vllm_greedy(serving_python, hf, ids, CASES[case].max_model_len)
     # a known failure shows as xfailed with its reason once it is checked to be that failure
     if case in REFUSED:
         assert got is None, f"vLLM now serves {case}: take it out of REFUSED and the docs"
         assert REFUSED[case] in error, error
         pytest.xfail(f"vLLM refuses the export: {error}")
+    want, margins = transformers_greedy(hf, ids)
+    assert len(set(want)) > 3, want  # a walk through the vocabulary, not one repeated token
     assert got is not None, f"vLLM failed on the {written['architectures'][0]} export: {error}"
     if case in MISCOMPUTED:
         assert got != want, f"vLLM now computes {case}: take it out of MISCOMPUTED and the docs"
         pytest.xfail(f"vLLM's tokens {got} are not transformers' {want}: {MISCOMPUTED[case]}")
     same_tokens(got, want, margins)
+
+
+# Gated DeltaNet's CPU kernels take bf16 only (and linear head dims of 128, as released):
+# Qwen3-Next is compared in bf16. vLLM's bf16 decoding is checked against transformers' bf16
+# function (the same weights rounded as vLLM's) on vLLM's own tokens, teacher forced, so that a
+# near tie that the rounding flips does not shift every later step: at each generated position
+# the log-probabilities of vLLM's chosen and BF16_TOP most likely tokens, within
+# BF16_LOGPROB_TOL of transformers', and vLLM's token within it of transformers' top one.
+BF16_TOP = 5
+BF16_LOGPROB_TOL = 0.3  # nats: measured 0.15 (and a wrong weight 7; docs/HUGGING-FACE.md)
+QWEN3_NEXT_BF16 = Case("qwen3_next", dict(WIDE, linear_key_head_dim=128, linear_value_head_dim=128))
+# the negative control: the first Gated DeltaNet layer's decay doubled in the export vLLM serves
+WRONG_WEIGHT = "model.layers.0.linear_attn.A_log"
+
+
+def bf16_disagreements(
+    path: Path, ids: list[int], got: list[int], logprobs: list[dict[int, float]]
+) -> tuple[list[str], float]:
+    """Where vLLM's bf16 decoding ``got`` / ``logprobs`` leaves transformers' bf16 function
+    beyond BF16_LOGPROB_TOL: a log-probability off by more, or a chosen token that
+    transformers' top token leads by more; and the largest log-probability gap."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + got])).logits[0]
+    ref = torch.log_softmax(logits[len(ids) - 1 : -1].double(), dim=-1)
+    problems, worst = [], 0.0
+    for i, (token, step) in enumerate(zip(got, logprobs, strict=True)):
+        for t, lp in step.items():
+            gap = abs(lp - float(ref[i, t]))
+            worst = max(worst, gap)
+            if gap > BF16_LOGPROB_TOL:
+                problems.append(f"step {i}: token {t} vLLM {lp:.4f}, transformers {ref[i, t]:.4f}")
+        lead = float(ref[i].max() - ref[i, token])
+        if lead > BF16_LOGPROB_TOL:
+            problems.append(
+                f"step {i}: vLLM chose {token}, transformers' top leads it by {lead:.3g}"
+            )
+    return problems, worst
+
+
+@pytest.mark.parametrize("wrong_weight", [False, True], ids=["export", "wrong-weight"])
+def test_vllm_serves_qwen3_next_in_bf16_with_transformers_function(
+    wrong_weight: bool, serving_python: Path, tokenizer: Path, tmp_path: Path
+) -> None:
+    """Qwen3-Next's export in bf16 (vLLM's CPU Gated DeltaNet takes no other dtype) against
+    transformers in bf16; the check catches an export with one wrong weight."""
+    hf = export(QWEN3_NEXT_BF16, tokenizer, tmp_path)
+    served = hf
+    if wrong_weight:
+        served = tmp_path / "wrong"
+        shutil.copytree(hf, served)
+        tensors = load_file(served / "model.safetensors")
+        tensors[WRONG_WEIGHT] = tensors[WRONG_WEIGHT] + math.log(2.0)
+        save_file(tensors, str(served / "model.safetensors"), metadata={"format": "pt"})
+    ids = prompt_ids(hf)
+    got, logprobs, error = vllm_greedy(serving_python, served, ids, 64, "bfloat16", BF16_TOP)
+    assert got is not None, f"vLLM failed on the Qwen3-Next export in bf16: {error}"
+    problems, worst = bf16_disagreements(hf, ids, got, logprobs)
+    print(f"largest log-probability gap {worst:.4f} nats")
+    if wrong_weight:
+        assert problems, f"a doubled {WRONG_WEIGHT} stays within the tolerance: {worst:.4f}"
+    else:
+        assert not problems, "\n".join(problems)
 
 
 def _request(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -355,7 +458,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
 def test_openai_server_serves_an_export(serving_python: Path, tokenizer: Path, tmp_path) -> None:
     """`python -m vllm.entrypoints.openai.api_server --model EXPORT`, as the README shows; a
     text prompt, so the exported tokenizer is vLLM's too."""
-    hf = export("mixtral", tokenizer, tmp_path)
+    hf = export(CASES["mixtral"], tokenizer, tmp_path)
     ids = prompt_ids(hf)
     want, margins = transformers_greedy(hf, ids)
     port, log = free_port(), tmp_path / "server.log"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,3 +299,36 @@ def test_released_mtp_layers_are_left_unread_as_transformers_does(tmp_path) -> N
     assert cfg.model.mtp_depth == 0
     with pytest.raises(ConfigError, match=r"model\.mtp_depth"):
         choose_format(tiny_cfg("mimo_v2_flash", {"model.mtp_depth": 1}), "mimo_v2_flash")
+
+
+RELEASED = Path(__file__).parents[1] / "fixtures" / "released_configs" / "mimo_v2_flash"
+# released keys an export does not take from the model: written by save_pretrained / the
+# tokenizer's side, or not read by either engine; transformers reads sliding_window as the
+# window with the query (sliding_window_size + 1), which the export writes
+NOT_FROM_THE_MODEL = {
+    "architectures",
+    "attention_dropout",
+    "bos_token_id",
+    "dtype",
+    "eos_token_id",
+    "model_type",
+    "sliding_window",
+    "use_cache",
+}
+
+
+def test_the_export_writes_the_released_keys_serving_engines_read() -> None:
+    """Imported from the released config.json and exported, every released key comes back with
+    its value: the keys transformers does not read (vLLM's MiMo-V2-Flash model reads
+    ``layernorm_epsilon``, ``hybrid_layer_pattern``, ``swa_*``, ...) included."""
+    from moetrain.convert.families.mimo_v2_flash import FAMILY
+
+    released = json.loads((RELEASED / "MiMo-V2-Flash.json").read_text())
+    written = FAMILY.to_hf(FAMILY.from_hf(transformers.MiMoV2FlashConfig(**released)))
+    differ = {
+        k: (v, written.get(k, "missing"))
+        for k, v in released.items()
+        if k not in NOT_FROM_THE_MODEL and written.get(k, "missing") != v
+    }
+    assert not differ, differ
+    assert written["sliding_window"] == released["sliding_window_size"] + 1

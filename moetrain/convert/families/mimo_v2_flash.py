@@ -130,7 +130,7 @@ def _serving_keys(
 ) -> dict[str, Any]:
     """The keys of the released config.json that serving engines read and transformers' class
     does not (it takes the fields above): the layer patterns as 0/1 lists, the sliding layers'
-    heads, head dims and theta, which layers have sinks, the routing."""
+    heads, head dims and theta, which layers have sinks, the routing, the norms' epsilon."""
     model = cfg.model
     sliding = SLIDING in types
     out = dict(
@@ -142,6 +142,7 @@ def _serving_keys(
         add_swa_attention_sink_bias=sliding,
         scoring_func="sigmoid",
         topk_method="noaux_tc",
+        layernorm_epsilon=model.norm_eps,
     )
     if sliding:
         out.update(
