@@ -138,6 +138,9 @@ CASES: dict[str, Case] = {
     "mimo_v2_flash-route-scale": Case(
         "mimo_v2_flash", dict(MIMO_SERVED, sliding_window=40, routed_scaling_factor=2.5)
     ),
+    # LongCat-Flash's latent attention at the CPU MLA kernel's shape (it rotates head_dim =
+    # qk_rope_head_dim channels)
+    "longcat_flash": Case("longcat_flash", MLA),
     # an upcycled Qwen3.5 (dense): Qwen3.5-MoE without a shared expert
     "qwen3_5_text-upcycled": Case("qwen3_5_text", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
 }
@@ -175,6 +178,13 @@ REFUSED: dict[str, str] = {
     # value heads narrower than the query/key heads (as released: 128 and 192) take vLLM's
     # Triton attention backend for them, which the CPU build does not run
     "mimo_v2_flash": "module 'triton' has no attribute 'next_power_of_2'",
+    # vLLM's LongCat-Flash router calls the CUDA top-k softmax op (its zero experts' routing),
+    # which the CPU build does not register
+    "longcat_flash": "'_moe_C' object has no attribute 'topk_softmax'",
+    # vLLM's transformers (< 5.20) has no bailing_hybrid config: vLLM reads Ling 3.0's released
+    # directories through their own configuration module (trust_remote_code), which an export
+    # does not carry (its Kimi Delta Attention kernels are Triton's too)
+    "bailing_hybrid": "has model type `bailing_hybrid` but Transformers does not recognize",
 }
 # case -> why vLLM's CPU build serves it with other tokens than transformers (and moetrain)
 MISCOMPUTED: dict[str, str] = {
