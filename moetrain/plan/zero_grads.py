@@ -70,7 +70,7 @@ def group_sizes(cfg: Config) -> list[tuple[bool, list[int]]]:
     return [(bool(g.get("moe")), [p.numel() for p in g["params"]]) for g in groups]
 
 
-def _partition_buffer(ends: list[int], ranks: int, rank: int) -> int:
+def rank_partition_buffer(ends: list[int], ranks: int, rank: int) -> int:
     """Elements DeepSpeed keeps for partition ``rank`` of a group of ``ranks`` whose parameters
     end at the cumulative ``ends``: every parameter overlapping it, whole, and the padding of its
     tail past the group's last element."""
@@ -97,7 +97,7 @@ def partition_buffer_elements(groups: list[tuple[bool, list[int]]], world: int, 
         held = 0
         for expert, ends in groups:
             ranks, index = (world // ep, rank // ep) if expert else (world, rank)
-            held += _partition_buffer(ends, ranks, index)
+            held += rank_partition_buffer(ends, ranks, index)
         best = max(best, held)
     return best
 

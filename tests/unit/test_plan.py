@@ -24,6 +24,7 @@ from moetrain.plan import (
     loss_transient_bytes,
     plan,
 )
+from moetrain.plan.zero_grads import group_sizes, partition_buffer_elements
 from tests.helpers.configs import tiny_config
 from tests.helpers.memory import saved_storages
 
@@ -73,9 +74,13 @@ def test_zero_and_ep_partitioning_by_hand(zero: int, grad_dtype: str) -> None:
     assert pl.expert_dp == 2
     assert pl.params_per_gpu == dense + expert // 4
     assert pl.weights_bytes == 2 * (dense + expert // 4)
-    # gradients accumulate in fp32 by default (4 B), in bf16 when asked (2 B)
-    g = 4 if grad_dtype == "fp32" else 2
-    grads = g * (dense / 8 + expert / 4 / 2) if zero == 2 else g * (dense + expert / 4)
+    # gradients accumulate in fp32 by default (4 B): ZeRO-2 reduces into the exact partition,
+    # ZeRO-1 (BF16_Optimizer) keeps them whole; in bf16 when asked (2 B), in the weights' dtype:
+    # DeepSpeed's buffer of whole parameters (tests/unit/test_plan_zero_grads.py)
+    if grad_dtype == "fp32":
+        grads = 4 * (dense / 8 + expert / 4 / 2) if zero == 2 else 4 * (dense + expert / 4)
+    else:
+        grads = 2 * partition_buffer_elements(group_sizes(cfg), 8, 4)
     assert pl.grads_bytes == pytest.approx(grads, abs=2)
     assert f"({grad_dtype} accumulation)" in format_plan(pl)
     # fp32 master copy + two fp32 Adam moments, partitioned
