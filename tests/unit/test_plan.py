@@ -242,6 +242,51 @@ def test_activation_formula_matches_saved_tensors(
     assert measured == pytest.approx(predicted, rel=0.01)
 
 
+GEGLU = {  # a dense GeGLU layer, GeGLU shared experts and routed experts, Gemma 4's dense branch
+    "model.n_layers": 3,
+    "moe.first_k_dense": 1,
+    "model.dense_hidden": 160,
+    "moe.num_shared_experts": 1,
+    "model.ffn_activation": "geglu",
+    "moe.activation": "geglu",
+    "moe.dense_branch": True,
+    "model.block_norms": "sandwich",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        GEGLU,
+        {**GEGLU, "moe.recompute_act": True},
+        {"moe.activation": "geglu", "moe.score_on_input": True},
+    ],
+    ids=["geglu", "geglu-recompute", "geglu-score-on-input"],
+)
+def test_geglu_activations_match_saved_tensors(dtype: torch.dtype, extra: dict) -> None:
+    """GeGLU is autograd's composition (its GELU's output and, in the routing weights' fp32,
+    a widened copy of the gate|up output kept too); counted as SwiGLU's fused node it is
+    outside the tolerance (the negative control)."""
+    cfg = _small(extra, {"model.loss_chunk_tokens": 128})
+    a = 4 if dtype == torch.float32 else 2
+    tokens = 512
+
+    def predicted(cfg: Config) -> float:
+        layers = sum(activation_bytes_per_token(cfg, i, a) for i in range(cfg.model.n_layers))
+        weight_grad = 4 * cfg.model.vocab_size * cfg.model.d_model / tokens  # chunked loss's
+        return layers + head_bytes_per_token(cfg, a) + weight_grad
+
+    measured = _saved_bytes_per_token(cfg, dtype, tokens)
+    assert measured == pytest.approx(predicted(cfg), rel=0.01)
+    as_swiglu = _small(
+        extra,
+        {"model.loss_chunk_tokens": 128},
+        {k: "swiglu" for k in ("model.ffn_activation", "moe.activation") if k in extra},
+    )
+    assert measured != pytest.approx(predicted(as_swiglu), rel=0.01)
+
+
 @pytest.mark.parametrize("chunk", [0, 128])
 def test_mtp_activations_match_saved_tensors(chunk: int) -> None:
     """What one multi-token-prediction module adds: its block, inputs and head (compared as the
