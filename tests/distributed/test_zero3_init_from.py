@@ -79,7 +79,9 @@ def runs(tmp_path_factory) -> dict:
         "llama": [f"checkpoint.init_from={hf['llama']}", "moe.num_experts=8", "moe.top_k=2"],
     }
     jobs = {k: [*v, *RUN, f"run_dir={work / k}"] for k, v in overrides.items()}
-    first = [*overrides["deepseek_v3"], *RUN, f"run_dir={work / 'saved'}"]
+    # a step that moves the weights well past the tolerance (the negative control)
+    step = ["optim.lr=0.01", "optim.warmup_steps=0"]
+    first = [*overrides["deepseek_v3"], *RUN, *step, f"run_dir={work / 'saved'}"]
     run = [*RUN, "parallel.zero3_persistence_elements=0", f"run_dir={work / 'checkpoint'}"]
     out = run_distributed(checkpoint_init_job, 2, jobs, first, run, timeout=900)
     return {"hf": hf, "ranks": out}
