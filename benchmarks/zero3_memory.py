@@ -9,7 +9,9 @@ Trainer under torchrun and trains ``--steps`` steps on the same synthetic batche
 - model state: the weights it holds (at ZeRO-3 its partitions), its fp32 master partitions and
   AdamW's moments, counted before the last step, and the most gradient memory it held at once
   (``tests/helpers/zero_state.py``: at ZeRO-1/2 sampled wherever DeepSpeed copies a gradient
-  into its partition buffer; the reduce bucket apart), against ``plan``'s weights + gradients +
+  into its partition buffer; the reduce bucket apart; autograd's gradients counted where they
+  are held, at ZeRO-1 until its reduce, and reported apart where they are in flight to their
+  reduce, against ``plan``'s fresh-gradient term), against ``plan``'s weights + gradients +
   optimizer states (at ZeRO-3 the partitions; ``plan``'s gathered working set is reported
   beside it). ``parallel.zero3_persistence_elements=0``: every weight is partitioned, as
   ``plan`` assumes; ``parallel.overlap_comm=false`` and ``parallel.bucket_elements=2000000``, CPU's defaults,
@@ -116,7 +118,11 @@ def worker(args: argparse.Namespace) -> None:
     out = {
         "rank": topo.rank,
         **state,
-        "grads": grads.peak,
+        # ZeRO-1 holds autograd's gradients until its reduce; at ZeRO-2/3 they are in flight
+        # to their reduce (plan's fresh-gradient term, reported beside)
+        "grads": grads.peak if args.stage == 1 else grads.buffers,
+        "grads_in_flight": grads.peak - grads.buffers,
+        "plan_fresh_grad": pl.param_grad_transient_bytes,
         "plan_weights": pl.weights_bytes,
         "plan_grads": pl.grads_bytes,
         "plan_optimizer": pl.optimizer_bytes,
@@ -172,10 +178,13 @@ def main() -> None:
     for stage, ranks in runs.items():  # plan is the largest rank's: against the largest
         worst = max(ranks, key=state)
         plan_state = worst["plan_weights"] + worst["plan_grads"] + worst["plan_optimizer"]
+        flight = max(r["grads_in_flight"] for r in ranks)
         print(
             f"stage {stage}: plan / measured model state of the largest rank "
             f"{plan_state / state(worst):.3f}x (gradients "
-            f"{worst['plan_grads'] / max(r['grads'] for r in ranks):.3f}x)"
+            f"{worst['plan_grads'] / max(r['grads'] for r in ranks):.3f}x); gradients in "
+            f"flight at most {flight / mib:,.1f} MiB, plan's fresh-gradient term "
+            f"{worst['plan_fresh_grad'] / mib:,.1f} MiB"
         )
     if {2, 3} <= set(runs):
 
