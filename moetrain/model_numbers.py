@@ -42,12 +42,19 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     expert = (3 if e.gated else 2) * (e.latent_dim or d) * e.expert_hidden
     shared = mlp * d * e.shared_hidden if e.num_shared_experts else 0
     shared_gate = d if (e.num_shared_experts and e.shared_expert_gate) else 0
-    router = d * e.num_experts + (d if e.router_input_norm else 0)
+    router = d * e.routed_choices + (d if e.router_input_norm else 0)
     router += e.num_experts if e.expert_scale else 0
     latent = 2 * d * e.latent_dim if e.latent_dim else 0  # a latent MoE's two projections
     # moe.dense_branch: the dense FFN beside the experts, with its post norm and the experts'
     dense_branch = dense_ffn + 3 * norm if e.dense_branch else 0
+    dense_branch += dense_ffn if e.shortcut else 0  # moe.shortcut: its dense FFN alone
     layer_scalar = 1 if m.layer_scalar else 0
+    # model.hc_streams N > 1: a hyper-connection around each branch, and the final collapse
+    n_hc = m.hc_streams
+    hc_matrix = (2 + n_hc) * n_hc * n_hc * d if n_hc > 1 else 0  # fn, a matmul per token
+    hc = hc_matrix + (2 + n_hc) * n_hc + 3 if n_hc > 1 else 0
+    hc_head_matrix = n_hc * n_hc * d if n_hc > 1 else 0
+    hc_head = hc_head_matrix + n_hc + 1 if n_hc > 1 else 0
 
     total = active = matmul_active = mtp = mixing = 0
     n_moe = 0
@@ -57,6 +64,9 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
         total, active = total + layer_scalar, active + layer_scalar
         # a branch's norms: before or after it, or both (sandwich)
         branch_norms = norm * (2 if m.norm_placement(layer.index) == "sandwich" else 1)
+        branches = (layer.mixer is not None) + (layer.ffn != "none")
+        total, active = total + branches * hc, active + branches * hc
+        matmul_active += branches * hc_matrix
         if layer.mixer is not None:  # its norms, its parameters
             kind = mixer_class(layer.mixer)
             params = branch_norms + kind.param_count(m, layer.mixer)
@@ -65,8 +75,10 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
             mixing += kind.mixing_flops_per_token(m, layer.mixer, seq_len)
         if layer.ffn == "moe":
             n_moe += 1
-            ffn_active = router + latent + e.top_k * expert + shared + shared_gate + dense_branch
-            total += branch_norms + ffn_active + (e.num_experts - e.top_k) * expert
+            # at most top_k routed experts compute (fewer where a token picks zero experts)
+            k = min(e.top_k, e.num_experts)
+            ffn_active = router + latent + k * expert + shared + shared_gate + dense_branch
+            total += branch_norms + ffn_active + (e.num_experts - k) * expert
             active += branch_norms + ffn_active
             matmul_active += ffn_active
         elif layer.ffn == "dense":
@@ -81,8 +93,9 @@ def model_numbers(cfg: Config, seq_len: int | None = None) -> ModelNumbers:
     embed = m.vocab_size * d
     head = 0 if m.tie_embeddings else m.vocab_size * d
     head_bias = m.vocab_size if m.lm_head_bias else 0
-    total += embed + head + head_bias + norm  # + final norm
-    active += embed + head + head_bias + norm
+    total += embed + head + head_bias + norm + hc_head  # + final norm
+    active += embed + head + head_bias + norm + hc_head
+    matmul_active += hc_head_matrix
     matmul_active += m.vocab_size * d  # LM head matmul (tied or not)
     return ModelNumbers(
         total_params=total,

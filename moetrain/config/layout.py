@@ -47,8 +47,8 @@ def check_sequence_parallel(cfg: Config) -> None:
     for key, heads in sorted({h for kind in kinds for h in mixer_kind(kind).sp_heads(m)}):
         if heads % sp:
             raise ConfigError(
-                f"parallel.sp_size: must divide {key}={heads} (each rank computes "
-                f"{key.rpartition('.')[2]} / sp_size heads of the whole sequences); got {sp}"
+                f"parallel.sp_size: must divide {key}={heads} (each rank takes "
+                f"{key.rpartition('.')[2]} / sp_size of them over the whole sequences); got {sp}"
             )
     if cfg.data.seq_len % sp:
         raise ConfigError(

@@ -52,9 +52,12 @@ class ModelShape:
     dense_hidden: int = field(default=1024, metadata=POSITIVE_INT | FUNCTION)
     # the MLP of the dense FFN layers, the dense branch and the shared experts: "swiglu"
     # w2(silu(w1 x) * w3 x), "geglu" w2(gelu_tanh(w1 x) * w3 x) (Gemma's gelu_pytorch_tanh), or
-    # "relu2" w2(relu(w1 x)^2), not gated (Nemotron-H's; w1 its up projection). The routed
-    # experts' is moe.activation
-    ffn_activation: Literal["swiglu", "geglu", "relu2"] = field(default="swiglu", metadata=FUNCTION)
+    # "relu2" w2(relu(w1 x)^2), not gated (Nemotron-H's; w1 its up projection), or
+    # "clamped_swiglu", the experts' clamped SwiGLU with moe.swiglu_alpha / _limit /
+    # _up_offset (DeepSeek-V4's shared experts). The routed experts' is moe.activation
+    ffn_activation: Literal["swiglu", "geglu", "relu2", "clamped_swiglu"] = field(
+        default="swiglu", metadata=FUNCTION
+    )
     # RoPE table size and HF max_position_embeddings
     max_seq_len: int = field(default=2048, metadata=POSITIVE_INT)
     rope_theta: float = field(default=10000.0, metadata=above(0) | FUNCTION)
@@ -170,6 +173,14 @@ class ModelConfig(
     # final-logit soft-capping (Gemma's final_logit_softcapping): the logits, after
     # logits_scaling, become cap * tanh(logits / cap) (the loss's too); null: uncapped
     final_logit_softcap: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # manifold-constrained hyper-connections (mHC, DeepSeek-V4's hc_mult): the residual is this
+    # many parallel streams, mixed around every branch by layers.<i>.{attn_hc,ffn_hc} and
+    # collapsed by hc_head before the final norm (model/hyper_connections.py); 1 = the plain
+    # residual. hc_sinkhorn_iters: Sinkhorn-Knopp iterations of the streams' mixing matrix;
+    # hc_eps: the floor added to its coefficients
+    hc_streams: int = field(default=1, metadata=at_least(1, "1 = the plain residual") | FUNCTION)
+    hc_sinkhorn_iters: int = field(default=20, metadata=at_least(1) | FUNCTION)
+    hc_eps: float = field(default=1e-6, metadata=above(0) | FUNCTION)
 
     @property
     def n_blocks(self) -> int:
@@ -253,6 +264,12 @@ class ModelConfig(
             "model.mtp_loss_weight_final",
             "weights the multi-token-prediction loss: set model.mtp_depth > 0, or leave it and "
             "model.mtp_loss_weight_final_step unset",
+        )
+        require(
+            self.hc_streams == 1 or self.mtp_depth == 0,
+            "model.hc_streams",
+            "hyper-connections do not reach the multi-token-prediction blocks yet: set "
+            "model.mtp_depth=0 or model.hc_streams=1",
         )
         validate_layer_plan(self)
 

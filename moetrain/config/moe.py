@@ -25,7 +25,11 @@ class MoEConfig:
     # FFN: the block is its token mixer alone, Nemotron-H's mixer layers); then first_k_dense
     # and moe_every keep their defaults, and multi-token-prediction blocks are MoE
     layer_ffns: list[FFNKind] | None = field(default=None, metadata=FUNCTION)
-    score_func: Literal["softmax", "sigmoid"] = field(default="softmax", metadata=FUNCTION)
+    # the routing scores of the logits: softmax, sigmoid, or sqrtsoftplus (DeepSeek-V4's
+    # sqrt(softplus(logit)), per expert like sigmoid)
+    score_func: Literal["softmax", "sigmoid", "sqrtsoftplus"] = field(
+        default="softmax", metadata=FUNCTION
+    )
     # True: top-k on the logits, then the score function over the k (softmax over the k, or
     # each one's sigmoid, renormalised with renormalize: Llama 4)
     topk_before_score: bool = field(default=False, metadata=FUNCTION)
@@ -101,6 +105,11 @@ class MoEConfig:
     )
     swiglu_alpha: float | None = field(default=None, metadata=above(0) | FUNCTION)
     swiglu_limit: float | None = field(default=None, metadata=above(0) | FUNCTION)
+    # clamped_swiglu's offset c on the clamped up projection, (b' + c) * a' * sigmoid(alpha a'):
+    # gpt-oss's 1; DeepSeek-V4's silu(min(a, l)) * clamp(b, -l, l) is alpha 1, offset 0
+    swiglu_up_offset: float = field(
+        default=1.0, metadata=at_least(0, "gpt-oss 1, DeepSeek-V4 0") | FUNCTION
+    )
     # the routing weight w multiplies each routed copy's input instead of its output: expert e
     # computes expert_e(w * x), and the combine sums the outputs (Llama 4)
     score_on_input: bool = field(default=False, metadata=FUNCTION)
@@ -116,11 +125,37 @@ class MoEConfig:
     # moe_post_norm(moe(moe_norm(x)))), the router scoring the residual stream x itself
     dense_branch: bool = field(default=False, metadata=FUNCTION)
 
+    # hash routing (DeepSeek-V4's hash_moe layers): the MoE layers at these transformer layer
+    # indices pick each token's top_k experts from a fixed token id -> experts table
+    # (ffn.router.token_experts (vocab_size, top_k) int64, a saved buffer, never trained; drawn
+    # at initialisation from a generator seeded by the layer index, so identical on every rank);
+    # the gate's scores of the chosen experts weight them (renormalize, route_scale as above).
+    # null: every MoE layer routes by its scores
+    hash_layers: list[int] | None = field(default=None, metadata=FUNCTION)
+
     # latent MoE (Nemotron 3 Super's moe_latent_size): the routed experts compute in a latent
     # of this size, x projected into it (ffn.latent_in, D -> latent_dim) before the dispatch
     # and their combined output back (ffn.latent_out) after the combine; the router and the
     # shared experts read x itself. null: the experts compute in d_model
     latent_dim: int | None = field(default=None, metadata=POSITIVE_INT | FUNCTION)
+    # a shortcut-connected MoE (LongCat-Flash's ScMoE): an MoE layer's block also runs a dense
+    # FFN (model.dense_hidden) on the experts' input and adds it to the residual stream; the
+    # experts' output joins the stream at the end of the next block, whose FFN is dense
+    # (moe.layer_ffns alternating moe, dense; no multi-token prediction)
+    shortcut: bool = field(default=False, metadata=FUNCTION)
+    # zero-computation experts (LongCat-Flash's zero_expert_num): the router chooses its
+    # top_k among num_experts + zero_experts; a copy routed to a zero expert returns the
+    # token's input times its weight, with no computation, dispatch or capacity slot
+    # (docs/MOE.md "Zero experts"). 0 = none
+    zero_experts: int = field(default=0, metadata=at_least(0, "0 = none") | FUNCTION)
+
+    def swiglu_clamp(self) -> tuple[float, float, float] | None:
+        """``(alpha, limit, offset)`` of the clamped SwiGLU, None where unset (the experts'
+        with ``moe.activation: clamped_swiglu``; the dense FFNs' and shared experts' with
+        ``model.ffn_activation: clamped_swiglu``)."""
+        if self.swiglu_alpha is None or self.swiglu_limit is None:
+            return None
+        return self.swiglu_alpha, self.swiglu_limit, self.swiglu_up_offset
 
     @property
     def gated(self) -> bool:
@@ -147,6 +182,11 @@ class MoEConfig:
         return [i for i in range(n_layers) if self.is_moe_layer(i)]
 
     @property
+    def routed_choices(self) -> int:
+        """How many experts the router scores: the routed ones and the zero experts."""
+        return self.num_experts + self.zero_experts
+
+    @property
     def shared_hidden(self) -> int:
         """Hidden size of the (single, merged) shared-expert SwiGLU."""
         return self.shared_expert_hidden or self.num_shared_experts * self.expert_hidden
@@ -162,7 +202,7 @@ class MoEConfig:
             "moe.topk_group",
             f"must be between 1 and moe.n_group={self.n_group}; got {self.topk_group}",
         )
-        reachable = self.topk_group * (self.num_experts // self.n_group)
+        reachable = self.topk_group * (self.routed_choices // self.n_group)
         require(
             self.top_k <= reachable,
             "moe.topk_group",
@@ -177,11 +217,14 @@ class MoEConfig:
             "moe.layer_ffns",
             "places every layer's FFN: leave moe.first_k_dense and moe.moe_every unset",
         )
+        bound = "moe.num_experts + moe.zero_experts" if self.zero_experts else "moe.num_experts"
         require(
-            1 <= self.top_k <= self.num_experts,
+            1 <= self.top_k <= self.routed_choices,
             "moe.top_k",
-            f"must be between 1 and moe.num_experts={self.num_experts}; got {self.top_k}",
+            f"must be between 1 and {bound}={self.routed_choices}; got {self.top_k}",
         )
+        if self.zero_experts:
+            self._validate_zero_experts()
         self._validate_groups()
         require(
             not (self.shared_expert_gate and self.num_shared_experts == 0),
@@ -195,8 +238,19 @@ class MoEConfig:
                 f"moe.{key}",
                 "is set exactly with moe.activation=clamped_swiglu",
             )
+        require(
+            clamped or self.swiglu_up_offset == 1.0,
+            "moe.swiglu_up_offset",
+            "applies to moe.activation=clamped_swiglu only; leave it at 1.0",
+        )
         if self.router_type == "sparsemixer":
             self._validate_sparsemixer()
+        require(
+            not self.hash_layers or not (self.topk_before_score or self.router_type != "topk"),
+            "moe.hash_layers",
+            "weights the table's experts by their scores: needs moe.router_type=topk and "
+            "moe.topk_before_score=false",
+        )
         require(
             self.renormalize_min == 0 or (self.renormalize and not self.topk_before_score),
             "moe.renormalize_min",
@@ -207,6 +261,23 @@ class MoEConfig:
             "moe.renormalize_eps",
             "only applies with moe.renormalize=true and moe.topk_before_score=false",
         )
+
+    def is_hash_layer(self, layer: int) -> bool:
+        """Whether transformer layer ``layer``'s MoE routes by its token-id table
+        (``moe.hash_layers``)."""
+        return self.hash_layers is not None and layer in self.hash_layers
+
+    def _validate_zero_experts(self) -> None:
+        """What zero experts cannot be combined with (each would need a rule of its own)."""
+        for key, bad, why in (
+            ("router_type", self.router_type != "topk", "must be topk"),
+            ("n_group", self.n_group != 1, "must be 1 (expert groups over the routed experts)"),
+            ("topk_before_score", self.topk_before_score, "must be false"),
+            ("expert_scale", self.expert_scale, "must be false (a scale per routed expert)"),
+            ("latent_dim", self.latent_dim is not None, "must be null (identity in d_model)"),
+            ("hash_layers", self.hash_layers is not None, "must be null (a table of routed ids)"),
+        ):
+            require(not bad, f"moe.{key}", f"{why} with moe.zero_experts > 0")
 
     def _validate_sparsemixer(self) -> None:
         """sparsemixer picks two experts from the softmax logits on its own terms."""

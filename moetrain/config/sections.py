@@ -319,6 +319,21 @@ class Config:
         )
         self._validate_layer_plan()
         require(
+            self.model.ffn_activation != "clamped_swiglu" or self.moe.swiglu_clamp() is not None,
+            "model.ffn_activation",
+            "clamped_swiglu takes its constants from moe.swiglu_alpha and moe.swiglu_limit: "
+            "set them (with moe.activation=clamped_swiglu)",
+        )
+        hashed = self.moe.hash_layers or []
+        require(
+            all(self.moe.is_moe_layer(i) for i in hashed)
+            and all(0 <= i < self.model.n_layers for i in hashed)
+            and len(set(hashed)) == len(hashed),
+            "moe.hash_layers",
+            f"must list distinct MoE layers (below model.n_layers={self.model.n_layers}); "
+            f"got {hashed}",
+        )
+        require(
             not self.moe.dense_branch
             or all(
                 self.model.norm_placement(layer.index) == "sandwich"
@@ -329,6 +344,7 @@ class Config:
             "normalises the dense and the expert outputs before their sum: needs "
             "model.block_norms=sandwich on the MoE layers",
         )
+        self._check_shortcut()
         require(
             self.data.seq_len <= self.model.max_seq_len,
             "data.seq_len",
@@ -348,6 +364,26 @@ class Config:
             "have one projection: not with optim.name=muon yet",
         )
         check_layout(self)
+
+    def _check_shortcut(self) -> None:
+        """A shortcut MoE's output joins the next block, a dense one: the layers pair up."""
+        if not self.moe.shortcut:
+            return
+        n = self.model.n_layers
+        pairs = ["moe", "dense"] * (n // 2)
+        require(
+            self.moe.layer_ffns == pairs and n % 2 == 0,
+            "moe.shortcut",
+            f"needs moe.layer_ffns alternating moe, dense over model.n_layers={n} (an even "
+            f"number; the experts' output joins the next, dense block); got "
+            f"{self.moe.layer_ffns!r}",
+        )
+        for key, bad in (
+            ("moe.dense_branch", self.moe.dense_branch),
+            ("model.mtp_depth", self.model.mtp_depth > 0),
+            ("model.hc_streams", self.model.hc_streams > 1),
+        ):
+            require(not bad, key, "does not apply with moe.shortcut")
 
     def _check_qk_clip(self) -> None:
         """QK-clip rescales query and key projections: a norm after them would undo it."""

@@ -21,6 +21,7 @@ import torch
 
 from moetrain.checkpoint.format import CheckpointError
 from moetrain.config import Config, ConfigError
+from moetrain.config.layer_plan import mixer_spec
 from moetrain.convert.families import family
 from moetrain.convert.families.layout import (
     NOT_GATED,
@@ -77,8 +78,10 @@ def in_memory(layout: Layout) -> Layout:
     return dataclasses.replace(
         layout,
         renames={**layout.renames, **layout.in_memory_renames},
+        mixer_renames={},
         joined=bool(layout.in_memory_joined),
         base=r.get(layout.base, layout.base),
+        embed=r.get(layout.embed, layout.embed),
         final_norm=_rebased(layout.final_norm, layout.base, r.get(layout.base, layout.base)),
         moe_block=r.get(layout.moe_block, layout.moe_block),
         dense_block=r.get(layout.dense_block, layout.dense_block),
@@ -173,7 +176,8 @@ class _Plan:
         mtp, n = self.layout.mtp, self.cfg.model.n_layers
         if mtp is not None and i >= n:
             return mtp.block_prefix(n, i)
-        return f"{self.layout.base}layers.{i}."
+        per_layer = max(len(self.layout.sublayers), 1)  # (Layout.sublayers)
+        return f"{self.layout.base}layers.{i // per_layer}."
 
     def _block(self, i: int, names: list[str]) -> None:
         lay, moe = self.layout, self.cfg.moe
@@ -188,7 +192,7 @@ class _Plan:
             theirs = prefix + under(lay.moe_block, lay.selection_bias)
             self.entries.append(SelectionBias((bias,), (theirs,), lay.selection_bias_row))
         elif bias in names:
-            self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.num_experts))
+            self.entries.append(NoSelectionBias((bias,), (), self.fmt, moe.routed_choices))
         done = {bias, *shared} if lay.shared_fused is not None else {bias}
         qkv = pn.attn(i, "in_proj_qkv")
         if lay.linear_fused and qkv in names:
@@ -207,6 +211,8 @@ class _Plan:
             self.entries.append(HeadHalves((wq,), theirs, self.cfg.model.n_heads))
             done.add(wq)
         rest = {n: n.removeprefix(f"layers.{i}.") for n in names if n not in done}
+        spec = mixer_spec(self.cfg.model, i)
+        by_kind = lay.mixer_renames.get(spec.kind, {}) if spec is not None else {}
         common, (own, own_prefix) = self._block_rules(i), self._mtp_rules(i)
         known = {**common, **own}
         mixer = next(
@@ -221,7 +227,10 @@ class _Plan:
             if mine is not None:
                 full = own_prefix + mine
             else:
-                full = prefix + (rename(lay.renames, theirs) or theirs)
+                theirs = rename(by_kind, theirs) or rename(lay.renames, theirs) or theirs
+                if lay.sublayers:  # (this block's sublayer of its decoder layer)
+                    theirs = rename(lay.sublayers[i % len(lay.sublayers)], theirs) or theirs
+                full = prefix + theirs
             kind = Column if (theirs or "") in lay.columns else Entry
             self.entries.append(kind((name,), (full,)))
         self._join(prefix)
@@ -249,7 +258,7 @@ class _Plan:
         """The tensors of ``Layout.in_memory_joined`` in this block as one entry each (joined
         in memory, apart in the files)."""
         for memory, files in self.layout.in_memory_joined.items():
-            names = [f"{prefix}{f}.weight" for f in files]
+            names = [f"{prefix}{rename(self.layout.renames, f) or f}.weight" for f in files]
             parts = [e for e in self.entries if e.theirs[0] in names]
             if len(parts) != len(names):
                 continue
@@ -290,12 +299,11 @@ class _Plan:
         return StackedFiles(ours, theirs[: len(ours)], n, files.interleaved)
 
 
-def _held(files: Entry, memory: Entry, present: Collection[str]) -> Entry:
-    """The entry whose tensors ``present`` holds: the files' names, else transformers v5's
-    in-memory ones (the files' when neither: what is missing is named by them)."""
-    if all(n in present for n in files.theirs) or not all(n in present for n in memory.theirs):
-        return files
-    return memory
+def _held(present: Collection[str], files: Entry, *others: Entry) -> Entry:
+    """The first entry whose tensors ``present`` holds: the files' names, else transformers
+    v5's in-memory ones, else its saves' (the files' when none: what is missing is named by
+    them)."""
+    return next((e for e in (files, *others) if all(n in present for n in e.theirs)), files)
 
 
 class WeightMap:
@@ -311,9 +319,13 @@ class WeightMap:
         layout = family(fmt).layout
         plan = _Plan(cfg, fmt, layout, self.shapes)
         self.entries, self.fillers, self.copies = plan.entries, plan.fillers, plan.copies
-        if present is not None and in_memory(layout) != layout:
-            memory = _Plan(cfg, fmt, in_memory(layout), self.shapes).entries
-            self.entries = [_held(a, b, present) for a, b in zip(self.entries, memory, strict=True)]
+        others = [in_memory(layout)] if in_memory(layout) != layout else []
+        if layout.saved_renames:  # (transformers' saves' names)
+            renames = {**layout.renames, **layout.saved_renames}
+            others.append(dataclasses.replace(layout, renames=renames, mixer_renames={}))
+        if present is not None and others:
+            alts = [_Plan(cfg, fmt, o, self.shapes).entries for o in others]
+            self.entries = [_held(present, *e) for e in zip(self.entries, *alts, strict=True)]
         self._of = {name: entry for entry in self.entries for name in entry.ours}
 
     @property

@@ -77,9 +77,11 @@ def unread_tensors(source: InitSource, expected: set[str]) -> list[str]:
     tolerated ones (rotary tables, attention biases read only to check that they are zero, a
     tied head, and the multi-token-prediction layers, after the last decoder layer or under
     ``model.mtp_*``, ``model.mtp.`` (MiMo-V2-Flash's) or ``mtp.`` names, when config.json
-    declares them (or the family holds them undeclared), which transformers ignores too)."""
+    declares them (or the family holds them undeclared, ``Layout.mtp_unread``), which
+    transformers ignores too)."""
     hf = json.loads((source.path / HF_CONFIG).read_text())
-    mtp = declared_mtp_layers(unwrap(hf), family(source.family).layout) > 0
+    layout = family(source.family).layout
+    mtp = declared_mtp_layers(unwrap(hf), layout) > 0 or layout.mtp_unread
     n_layers, tied = source.config.model.n_layers, source.config.model.tie_embeddings
     out = []
     for name in source.weights().names():

@@ -51,6 +51,19 @@ def kv_repeats(n_kv_heads: int, size: int) -> int:
     return math.lcm(n_kv_heads, size) // n_kv_heads
 
 
+def rank_channels(
+    ex: HeadExchange, blocks: tuple[tuple[int, int], ...], device: torch.device
+) -> torch.Tensor:
+    """The channels of this rank's heads in a tensor whose channels are ``blocks`` of
+    ``(first channel, width)`` each split over the ranks in head order (a short convolution's
+    q, k, v blocks): this rank's ``1 / n`` of each block, in block order."""
+    parts = []
+    for first, width in blocks:
+        per = width // ex.size
+        parts.append(torch.arange(first + ex.rank * per, first + (ex.rank + 1) * per))
+    return torch.cat(parts).to(device)
+
+
 def exchange_to_heads(
     ex: HeadExchange, q_BHsX: torch.Tensor, k_BGsX: torch.Tensor, v_BGsX: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -227,22 +227,22 @@ class _ClampedSwiGLUPacked(torch.autograd.Function):
     buffer. The math runs in the wider of h's and w's dtypes, a block of rows at a time."""
 
     @staticmethod
-    def forward(ctx, h, w, alpha, limit):  # noqa: ANN001, ANN205
+    def forward(ctx, h, w, alpha, limit, offset):  # noqa: ANN001, ANN205
         ctx.save_for_backward(h, w)
-        ctx.alpha, ctx.limit = alpha, limit
+        ctx.alpha, ctx.limit, ctx.offset = alpha, limit, offset
         wide = h.dtype if w is None else torch.promote_types(h.dtype, w.dtype)
         out = h.new_empty(*h.shape[:-1], h.shape[-1] // 2)
         for rows in _row_blocks(h):
             a, b = h[rows].to(wide).chunk(2, -1)
             a = a.clamp(max=limit)
-            y = torch.sigmoid(alpha * a).mul_(a).mul_(b.clamp(-limit, limit).add_(1))
+            y = torch.sigmoid(alpha * a).mul_(a).mul_(b.clamp(-limit, limit).add_(offset))
             out[rows] = y if w is None else y.mul_(w[rows].unsqueeze(-1))
         return out
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         h, w = ctx.saved_tensors
-        alpha, limit = ctx.alpha, ctx.limit
+        alpha, limit, offset = ctx.alpha, ctx.limit, ctx.offset
         wide = h.dtype if w is None else torch.promote_types(h.dtype, w.dtype)
         grad_h = torch.empty_like(h)
         need_w = w is not None and ctx.needs_input_grad[1]
@@ -253,7 +253,7 @@ class _ClampedSwiGLUPacked(torch.autograd.Function):
             a_c = a.clamp(max=limit)
             s = torch.sigmoid(alpha * a_c)
             glu = a_c * s
-            b_c1 = b.clamp(-limit, limit).add_(1)
+            b_c1 = b.clamp(-limit, limit).add_(offset)
             if w is not None:
                 if need_w:
                     grad_w[rows] = (g * glu * b_c1).sum(-1)
@@ -263,17 +263,18 @@ class _ClampedSwiGLUPacked(torch.autograd.Function):
             grad_b.copy_(torch.mul(g, glu).masked_fill_(b.abs() > limit, 0))
             d_glu = s.neg().add_(1).mul_(a_c).mul_(alpha).add_(1).mul_(s)  # d(a sig(alpha a))/da
             grad_a.copy_(d_glu.mul_(g).mul_(b_c1).masked_fill_(a > limit, 0))
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None
 
 
 def clamped_swiglu_packed(
-    h: torch.Tensor, w: torch.Tensor | None, alpha: float, limit: float
+    h: torch.Tensor, w: torch.Tensor | None, alpha: float, limit: float, offset: float = 1.0
 ) -> torch.Tensor:
-    """gpt-oss's clamped SwiGLU of ``h = [a | b]`` (last dim 2F): with ``a' = min(a, limit)``
-    and ``b' = b`` clamped to ``[-limit, limit]``, ``(b' + 1) * a' * sigmoid(alpha * a')``
-    (last dim F, h's dtype), each row scaled by ``w`` (h.shape[:-1]; h's dtype or wider) when
+    """The clamped SwiGLU of ``h = [a | b]`` (last dim 2F): with ``a' = min(a, limit)`` and
+    ``b' = b`` clamped to ``[-limit, limit]``, ``(b' + offset) * a' * sigmoid(alpha * a')``
+    (last dim F, h's dtype; gpt-oss's with offset 1, DeepSeek-V4's ``silu(a') * b'`` with
+    alpha 1 and offset 0), each row scaled by ``w`` (h.shape[:-1]; h's dtype or wider) when
     given; the clamps pass no gradient where they bind."""
-    return _ClampedSwiGLUPacked.apply(h, w, alpha, limit)
+    return _ClampedSwiGLUPacked.apply(h, w, alpha, limit, offset)
 
 
 def geglu_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
@@ -288,13 +289,23 @@ def geglu_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor
 
 class SwiGLU(nn.Module):
     """``w2(silu(w1 x) * w3 x)``: the dense FFN and the shared expert; with ``activation``
-    "geglu", ``w2(gelu_tanh(w1 x) * w3 x)`` (``model.ffn_activation``)."""
+    "geglu", ``w2(gelu_tanh(w1 x) * w3 x)``, with "clamped_swiglu" :func:`clamped_swiglu_packed`
+    of ``[w1 x | w3 x]`` with ``clamp = (alpha, limit, offset)`` (``model.ffn_activation``)."""
 
-    def __init__(self, d_model: int, hidden: int, activation: str = "swiglu") -> None:
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        activation: str = "swiglu",
+        clamp: tuple[float, float, float] | None = None,
+    ) -> None:
         super().__init__()
-        if activation not in ("swiglu", "geglu"):
+        if activation not in ("swiglu", "geglu", "clamped_swiglu"):
             raise ValueError(f"unknown FFN activation {activation!r}")
+        if (activation == "clamped_swiglu") != (clamp is not None):
+            raise ValueError("the clamped SwiGLU needs its (alpha, limit, offset), only it")
         self.geglu = activation == "geglu"
+        self.clamp = clamp
         self.w1 = Linear(d_model, hidden, bias=False)
         self.w3 = Linear(d_model, hidden, bias=False)
         self.w2 = Linear(hidden, d_model, bias=False)
@@ -303,6 +314,8 @@ class SwiGLU(nn.Module):
         """The hidden activation ``silu(w1 x) * w3 x`` (GeGLU's ``gelu_tanh``)."""
         if self.geglu:
             return F.gelu(self.w1(x), approximate="tanh") * self.w3(x)
+        if self.clamp is not None:
+            return clamped_swiglu_packed(torch.cat([self.w1(x), self.w3(x)], -1), None, *self.clamp)
         return silu_mul(self.w1(x), self.w3(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -366,9 +379,11 @@ class ReluSquaredMLP(nn.Module):
 MLP = SwiGLU | ReluSquaredMLP
 
 
-def make_mlp(activation: str, d_model: int, hidden: int) -> MLP:
+def make_mlp(
+    activation: str, d_model: int, hidden: int, clamp: tuple[float, float, float] | None = None
+) -> MLP:
     """A dense FFN or shared expert of ``hidden`` with ``model.ffn_activation``'s
-    ``activation``."""
+    ``activation`` (the clamped SwiGLU's ``clamp``: :meth:`MoEConfig.swiglu_clamp`)."""
     if activation == "relu2":
         return ReluSquaredMLP(d_model, hidden)
-    return SwiGLU(d_model, hidden, activation)
+    return SwiGLU(d_model, hidden, activation, clamp if activation == "clamped_swiglu" else None)

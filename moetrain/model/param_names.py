@@ -14,10 +14,13 @@ selection bias buffer ``ffn.router.expert_bias`` (E), the stacked experts ``ffn.
 experts' ``w13`` is (E, D, F), the up projection alone; a latent MoE (``moe.latent_dim`` L)
 adds ``ffn.latent_in`` (L, D) and ``ffn.latent_out`` (D, L), its experts' D being L. Options add
 ``attn.wo.bias`` (``model.o_bias``), ``attn.sinks`` (H,) (``model.attention_sinks``),
-``ffn.router.gate.bias`` (E,) (``moe.router_bias``), ``ffn.router.input_scale`` (D,)
+``ffn.router.gate.bias`` (E,) (``moe.router_bias``), the buffer ``ffn.router.token_experts``
+(V, K) int64 (``moe.hash_layers``), ``ffn.router.input_scale`` (D,)
 (``moe.router_input_norm``), ``ffn.router.expert_scale`` (E,) (``moe.expert_scale``),
-``layer_scalar`` (1,) (``model.layer_scalar``), with ``moe.dense_branch`` ``dense.{w1,w3,w2}``,
-``dense_post_norm``, ``moe_norm`` and ``moe_post_norm`` beside an MoE block's ``ffn``, and the
+``layer_scalar`` (1,) (``model.layer_scalar``), ``attn_hc`` / ``ffn_hc`` ``.{fn,base,scale}``
+(``model.hc_streams``; and the model's ``hc_head``), with ``moe.dense_branch`` ``dense.{w1,w3,w2}``,
+``dense_post_norm``, ``moe_norm`` and ``moe_post_norm`` beside an MoE block's ``ffn`` (with
+``moe.shortcut`` ``dense.{w1,w3,w2}`` alone), and the
 expert biases ``ffn.experts.w13_bias`` (E, 2F), ``ffn.experts.w2_bias`` (E, D)
 (``moe.expert_biases``; expert parameters, stacked and partitioned like w13 and w2).
 ``lm_head.bias`` exists with ``model.lm_head_bias`` (tied or not). A Gated DeltaNet layer's
@@ -137,8 +140,8 @@ def expert_bias(layer: int) -> str:
 
 
 def dense_branch(layer: int, weight: str) -> str:
-    """The dense FFN beside an MoE layer's experts (``moe.dense_branch``; ``weight``: w1 | w3 |
-    w2)."""
+    """The dense FFN beside an MoE layer's experts (``moe.dense_branch``, ``moe.shortcut``;
+    ``weight``: w1 | w3 | w2)."""
     return f"layers.{layer}.dense.{weight}.weight"
 
 

@@ -21,6 +21,7 @@ from moetrain.model.block import Block
 from moetrain.model.cache import InferenceCache
 from moetrain.model.doc_attention import Documents
 from moetrain.model.head_exchange import HeadExchange
+from moetrain.model.hyper_connections import HyperConnection, HyperHead, expand_streams
 from moetrain.model.layers import LayerNorm, RMSNorm, make_norm
 from moetrain.model.loss import LMHead, softcap
 from moetrain.model.mixers import MixerInputs, MixerLoss, TokenMixer
@@ -78,6 +79,11 @@ class Transformer(nn.Module):
             for spec in self.plan
         )
         self.norm = make_norm(model_cfg, model_cfg.d_model)
+        # model.hc_streams > 1: the streams' final collapse, before the final norm
+        self.hc_head = None
+        if model_cfg.hc_streams > 1:
+            m = model_cfg
+            self.hc_head = HyperHead(m.d_model, m.hc_streams, m.hc_eps, m.norm_eps)
         self.lm_head = LMHead(model_cfg.d_model, model_cfg.vocab_size, bias=model_cfg.lm_head_bias)
         self.tie_weights()
         # the RoPE tables of the first positions, grown (exactly) when a forward needs more:
@@ -212,6 +218,8 @@ class Transformer(nn.Module):
             module.router.reset_parameters()
         elif isinstance(module, TokenMixer):
             module.init_own_parameters()
+        elif isinstance(module, (HyperConnection, HyperHead)):
+            module.reset_parameters(std)
 
     def forward(
         self,
@@ -262,17 +270,26 @@ class Transformer(nn.Module):
         docs = None if doc_ids_BS is None else Documents.from_ids(doc_ids_BS).to(x_BSD.device)
         inputs = MixerInputs(cos, sin, docs, doc_ids_BS, start if cache is not None else 0)
         inputs.local_rope = self._local_rope(start, s)
+        inputs.token_ids_BS = input_ids_BS
         own = self._global_inputs(inputs, start, s)
         moe_outs: list[MoEOutput] = []
         embed_BSD = x_BSD
+        if self.hc_head is not None:  # the residual streams (B, S, N, D)
+            x_BSD = expand_streams(x_BSD, self.cfg.hc_streams)
+        shortcut_BSD = None  # moe.shortcut: an MoE block's output, for the next block
         for i, block in enumerate(self.layers[: self.cfg.n_layers]):
             state = cache.layers[i] if cache is not None else None
             mixer = block.spec.mixer
-            x_BSD, stats = block(x_BSD, own if mixer and mixer.own_rope else inputs, state)
+            block_inputs = own if mixer and mixer.own_rope else inputs
+            x_BSD, stats = block(x_BSD, block_inputs, state, shortcut_BSD)
+            shortcut_BSD = None
             if stats is not None:
                 moe_outs.append(stats)
+                shortcut_BSD, stats.shortcut_BSD = stats.shortcut_BSD, None
         if cache is not None:
             cache.pos += s
+        if self.hc_head is not None:
+            x_BSD = self.hc_head(x_BSD)
         h_BSD = self.norm(x_BSD)
 
         chunk = self.cfg.loss_chunk_tokens

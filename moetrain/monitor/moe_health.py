@@ -27,7 +27,8 @@ Global summaries: ``moe/imbalance_max_over_mean`` and ``moe/ep_max_over_mean`` (
 ``moe/cv_mean``, ``moe/dropped_frac`` (all layers pooled), ``moe/dead_experts`` (sum),
 ``moe/entropy_mean``, ``moe/load_entropy_norm_mean``, ``moe/aux_loss``, ``moe/aux_loss_scaled``,
 ``moe/z_loss``, ``moe/z_loss_scaled`` (sums over layers, as the model adds them to the loss),
-``moe/bias_absmax``.
+``moe/bias_absmax``; with hash-routed layers (``moe.hash_layers``) their load alone:
+``moe/hash_imbalance_max_over_mean`` (worst of them) and ``moe/hash_dead_experts`` (sum).
 
 For the JSONL record (and ``report.py``), :func:`load_lists` gives the per-expert lists
 ``moe/layer{i}/tokens_per_expert`` (and ``moe/layer{i}/expert_bias``).
@@ -146,15 +147,18 @@ def moe_health_metrics(
     z_coef: float = 0.0,
     dead_rel_threshold: float = 0.01,
     ep_size: int = 1,
+    hash_layers: Sequence[int] = (),
 ) -> dict[str, float]:
     """Flat ``{name: float}`` of every layer's metrics plus the global ``moe/...`` summaries.
 
     ``layers``: ``{layer_index: LayerStats}``, or a sequence (keys 0..n-1). ``aux_coef`` and
     ``z_coef`` are ``moe.aux_loss_coef`` and ``moe.z_loss_coef``; ``ep_size`` is
-    ``parallel.ep_size``.
+    ``parallel.ep_size``; ``hash_layers``: the keys of the hash-routed layers
+    (``moe.hash_layers``).
     """
     metrics: dict[str, float] = {}
     per_layer = []
+    hashed = []
     tokens = dropped = 0.0
     bias_absmax = None
     for i, stats in _as_items(layers):
@@ -166,6 +170,8 @@ def moe_health_metrics(
             ep_size=ep_size,
         )
         per_layer.append(m)
+        if int(i) in hash_layers:
+            hashed.append(m)
         metrics.update({f"moe/layer{i}/{k}": v for k, v in m.items()})
         tokens += m["tokens"]
         dropped += float(_scalar(stats.dropped) or 0.0)
@@ -194,6 +200,9 @@ def moe_health_metrics(
             metrics[f"moe/{key}"] = float(sum(v))
     if bias_absmax is not None:
         metrics["moe/bias_absmax"] = bias_absmax
+    if v := [m["imbalance_max_over_mean"] for m in hashed if "imbalance_max_over_mean" in m]:
+        metrics["moe/hash_imbalance_max_over_mean"] = max(v)
+        metrics["moe/hash_dead_experts"] = float(sum(m.get("dead_experts", 0.0) for m in hashed))
     return metrics
 
 

@@ -56,11 +56,16 @@ def step_metrics(
                 aux_coef=cfg.moe.aux_loss_coef,
                 z_coef=cfg.moe.z_loss_coef,
                 ep_size=cfg.parallel.ep_size,
+                hash_layers=cfg.moe.hash_layers or (),
             )
         )
         out.update(load_lists(stats))
         for i, v in rec["moe_layers"].items():
             out[f"moe/layer{i}/dropped_frac"] = v["dropped_frac"]
+        if cfg.moe.zero_experts:  # the share of routed copies that went to zero experts
+            shares = {i: v["zero_expert_share"] for i, v in rec["moe_layers"].items()}
+            out.update({f"moe/layer{i}/zero_expert_share": s for i, s in shares.items()})
+            out["moe/zero_expert_share"] = sum(shares.values()) / len(shares)
         if watch is not None:
             watch.update(rec["step"], {i: st.tokens_per_expert for i, st in stats.items()})
     return out

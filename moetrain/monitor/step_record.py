@@ -16,8 +16,8 @@ class StepTotals:
     ``loss``, ``ce_loss``, ``moe_loss``: means over the ``micro_batches`` micro-batches of every
     rank; ``ranks_skipped``: how many ranks skipped the optimizer step; ``traffic``: the expert
     all-to-alls' counters by name (empty without expert parallelism); ``loads`` (MoE layers, E):
-    selections per expert; ``layer_sums`` (5, MoE layers): dropped copies, entropy, aux loss,
-    z loss and routed copies summed over the micro-batches (``loads`` None without MoE layers);
+    selections per expert; ``layer_sums`` (6, MoE layers): dropped copies, entropy, aux loss,
+    z loss, routed copies and the copies routed to zero experts summed over the micro-batches (``loads`` None without MoE layers);
     ``mtp_losses``: each multi-token-prediction depth's loss, a mean as ``loss`` (empty without);
     ``mixer``: the mixers' own metrics by ``<name>/layer<i>/<metric>``, means as ``loss``.
     """
@@ -38,7 +38,8 @@ def moe_layer_record(
     totals: StepTotals, layer_ids: list[int], expert_bias: list[Tensor]
 ) -> dict[int, dict[str, Any]]:
     """Per transformer layer index: tokens_per_expert, dropped, dropped_frac (of the routed
-    copies), entropy, aux_loss, z_loss (means over micro-batches) and expert_bias."""
+    copies), entropy, aux_loss, z_loss (means over micro-batches), expert_bias and
+    zero_expert_share (the routed copies that went to zero experts, ``moe.zero_experts``)."""
     if totals.loads is None:
         return {}
     sums, n = totals.layer_sums, totals.micro_batches
@@ -51,6 +52,7 @@ def moe_layer_record(
             "aux_loss": float(sums[2, i] / n),
             "z_loss": float(sums[3, i] / n),
             "expert_bias": expert_bias[i].tolist(),
+            "zero_expert_share": float(sums[5, i] / sums[4, i].clamp_min(1)),
         }
         for i, layer in enumerate(layer_ids)
     }

@@ -17,6 +17,8 @@ Dispatch:
    expert's capacity are dropped here, over every copy the EP group sent it
    (:mod:`moetrain.model.moe.capacity`): any EP size drops the same (token, expert) pairs as
    one process holding the EP group's tokens. Dropped copies travelled but are not computed.
+Zero experts' copies (``Routes.zero_TK``) take the id E, which no rank holds: they add no row,
+no count and no capacity slot, and travel nowhere.
 Combine: each received row's kept copies are summed where they were computed (a row whose copies
 were all dropped returns zeros), the S rows go back, and each token sums its rows. Sums are
 deterministic (:func:`~moetrain.model.moe.dispatch.sum_slots`). The exchanges run in the same
@@ -105,9 +107,9 @@ class AllToAllDispatcher:
     def dispatch(
         self, x_TD: Tensor, routes: Routes, overlap: Overlap = None
     ) -> Dispatched[_Context]:
-        ids_TK, weights_TK = routes.ids_TK, routes.weights_TK
-        T, K = ids_TK.shape
         P, L, E = self.ep_size, self.num_local, self.num_experts
+        ids_TK, weights_TK = routes.ids_or(E), routes.weights_TK  # id E: a zero expert's copy
+        T, K = ids_TK.shape
         J, dev = min(K, P), ids_TK.device
         shadows = self._plan_shadows(ids_TK, routes)
         replication = None
@@ -118,14 +120,14 @@ class AllToAllDispatcher:
         if shadows:  # the same exchange over L + S slots per rank
             ids_TK = virtual_ids(ids_TK, shadows, L, P, self.ep_rank)
             L, E = L + len(shadows), P * (L + len(shadows))
-        dest_TK = torch.div(ids_TK, L, rounding_mode="floor")
-        used = torch.zeros(P * T, dtype=torch.bool, device=dev)  # (destination, token) pairs
+        dest_TK = torch.div(ids_TK, L, rounding_mode="floor")  # P: nowhere (zero experts)
+        used = torch.zeros((P + 1) * T, dtype=torch.bool, device=dev)  # (destination, token)
         used[(dest_TK * T + torch.arange(T, device=dev).unsqueeze(1)).reshape(-1)] = True
+        used = used[: P * T]
         used_PT = used.view(P, T)
         rows_P = used_PT.sum(1)
-        send = torch.cat(
-            [count_experts(ids_TK, E).view(P, L), rows_P[:, None], rows_P.new_full((P, 1), T)], 1
-        )
+        counts_PL = count_experts(ids_TK, E + 1)[:E].view(P, L)
+        send = torch.cat([counts_PL, rows_P[:, None], rows_P.new_full((P, 1), T)], 1)
         recv = exchange_counts(send.reshape(-1), self.group, self.traffic).view(P, L + 2)
         copies_L = recv[:, :L].sum(0)
         sizes = torch.cat([rows_P, recv[:, L], recv[:, L + 1], copies_L]).tolist()  # host sync
@@ -187,7 +189,8 @@ class AllToAllDispatcher:
         a capacity factor drops copies."""
         if not self._shadowing(routes):
             return []
-        counts = gather_counts(count_experts(ids_TK, self.num_experts), self.group)
+        e = self.num_experts
+        counts = gather_counts(count_experts(ids_TK, e + 1)[:e], self.group)
         shadows = plan_shadows(counts, self.num_local, self.max_shadows)
         self.traffic.add_replicas(sum(e // self.num_local != self.ep_rank for e in shadows))
         return shadows

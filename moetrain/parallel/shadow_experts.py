@@ -71,9 +71,11 @@ def virtual_ids(
 ) -> Tensor:
     """Expert ids in the layout with shadows: each rank holds ``num_local + len(shadows)`` slots,
     its experts then the replicas; a copy of a shadowed expert goes to replica ``s`` on its own
-    rank (``me``), any other to its owner's slot."""
+    rank (``me``), any other to its owner's slot; the id E (a zero expert's copy, held by no
+    rank) stays past every slot."""
     slots = num_local + len(shadows)
     table = [(e // num_local) * slots + e % num_local for e in range(num_local * ep_size)]
+    table.append(ep_size * slots)
     for s, e in enumerate(shadows):
         table[e] = me * slots + num_local + s
     return (

@@ -20,7 +20,7 @@ class StepStats:
     optimizer step (:meth:`mark_skipped`, so the reduction counts the ranks that
     did), the expert all-to-alls' traffic (:attr:`TrafficMeter.FIELDS`, counted only when
     ``traffic`` is on), and per MoE layer the expert loads and (dropped, entropy, aux, z, routed
-    copies)."""
+    copies, copies routed to zero experts)."""
 
     def __init__(
         self, n_layers: int, device: torch.device, traffic: bool = False, mtp_depth: int = 0
@@ -29,7 +29,7 @@ class StepStats:
         self.mtp_depth = mtp_depth
         self.sums = torch.zeros(4 + mtp_depth, dtype=torch.float64, device=device)
         self.traffic = [0] * len(TrafficMeter.FIELDS)
-        self.layer_sums = torch.zeros(5, n_layers, dtype=torch.float64, device=device)
+        self.layer_sums = torch.zeros(6, n_layers, dtype=torch.float64, device=device)
         self.loads: torch.Tensor | None = None
         # the mixers' own metrics (``<name>/layer<i>/<metric>``: sparse attention's indexer)
         self.mixer: dict[str, torch.Tensor] = {}
@@ -58,6 +58,7 @@ class StepStats:
                 torch.full(
                     (self.n_layers,), float(routed), dtype=torch.float64, device=self.device
                 ),
+                torch.stack([m.zero_copies.double() for m in out.moe]),
             ]
         )
 

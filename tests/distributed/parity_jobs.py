@@ -57,6 +57,15 @@ GRAD_NAMES = (
     "layers.0.attn.indexer.wq_b.weight",
     "layers.0.attn.indexer.k_norm.bias",
     "layers.1.attn.indexer.weights_proj.weight",
+    # DeepSeek-V4's hyper-connections (``dsv4``): the attention branches' projections (the FFN
+    # branches' and the final collapse's gradients cancel over the tokens, to about 3e-6 of
+    # their scale in fp32 against fp64 in one process: no resolution at 1e-6)
+    "layers.0.attn_hc.fn",
+    "layers.1.attn_hc.fn",
+    "layers.1.attn.wk.weight",  # Gemma 4's global layer (keys as values), its pieces
+    "layers.1.attn.k_norm.weight",
+    "layers.0.dense.w2.weight",
+    "layers.1.ffn.router.expert_scale",
 )
 # DeepSeek sparse attention on latent attention: 4 of up to 16 keys per query
 DSA = {
@@ -169,11 +178,58 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "moe.score_func": "sigmoid",
         "moe.renormalize_eps": 1e-6,
     },
+    # Gemma 4's (gemma4_text): a sliding layer then a global layer with its own head dim (16,
+    # the sliding ones 8), one key/value head whose keys are its values, its own proportional
+    # RoPE; q/k and value norms, sandwich norms, GeGLU, a dense MLP beside the experts, the
+    # router's scalars, tied embeddings, soft-capping. Not its logits scaled by 1 nor its layer
+    # scalar: per-token and per-layer pieces that send nothing across ranks, whose trajectory
+    # here amplifies rounding (one process with every sum over the rows reordered already
+    # differs from itself by 3e-5 in the clipped norms with either, 1e-1 with both, by step 10)
+    "gemma4": {
+        "model.layer_types": ["sliding_attention", "full_attention"],
+        "model.sliding_window": 6,
+        "model.qk_norm": True,
+        "model.value_norm": True,
+        "model.global_head_dim": 16,
+        "model.global_n_kv_heads": 1,
+        "model.global_k_eq_v": True,
+        "model.global_rope_theta": 1e5,
+        "model.global_rope_proportion": 0.25,
+        "model.block_norms": "sandwich",
+        "model.ffn_activation": "geglu",
+        "model.tie_embeddings": True,
+        "model.embedding_multiplier": 32**0.5,
+        "model.final_logit_softcap": 3.0,
+        "moe.activation": "geglu",
+        "moe.dense_branch": True,
+        "moe.router_input_norm": True,
+        "moe.expert_scale": True,
+        "moe.num_shared_experts": 0,
+        "moe.shared_expert_gate": False,
+    },
     # DeepSeek sparse attention's sparse stage: the second layer attends to the first's
     # selection (GLM-5's shared indexer), the indexer trains on its KL alongside
     "dsa": {**DSA, "model.indexer_types": ["full", "shared"]},
     # its dense warm-up: the indexers alone train (every other parameter frozen)
     "dsa_warmup": {**DSA, "model.index_stage": "dense_warmup"},
+    # DeepSeek-V4's pieces: two hyper-connection streams (what crosses the all-to-alls is the
+    # collapse; the streams stay on the rank), sqrt(softplus) scores, the first layer
+    # hash-routed (its table the same on every rank), the clamped SwiGLU without the offset
+    "dsv4": {
+        "model.hc_streams": 2,
+        "moe.score_func": "sqrtsoftplus",
+        "moe.hash_layers": [0],
+        "moe.activation": "clamped_swiglu",
+        "moe.swiglu_alpha": 1.0,
+        "moe.swiglu_limit": 0.5,
+        "moe.swiglu_up_offset": 0.0,
+    },
+    # LongCat-Flash's zero experts: 2 identity choices beside the 4 routed experts (about a
+    # third of the copies go to them); their copies never cross ranks nor take a capacity slot.
+    # Top 2 renormalised: with LongCat's top 3 unrenormalised x2 the router gate's first-step
+    # gradient (small, from large identity terms that cancel) rounds at dp=2 x ep=2 too
+    # coarsely (standard error 2.5e-7) for the gradient-bias check to resolve 1e-6
+    "zero_experts": {"moe.zero_experts": 2, "moe.top_k": 2},
     # Muon (tests/distributed/test_muon_parity.py), with a dense first layer so that ZeRO's
     # partition boundaries cut matrices (the two layers alike put them between the layers);
     # with QK-clip at a threshold the heads' largest logits cross within the 10 steps (from
@@ -185,6 +241,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 REFERENCES = (
     *("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "kda", "mamba", "gated_conv"),
     *("dsa", "dsa_warmup"),
+    "dsv4",
+    "zero_experts",
+    "gemma4",
 )
 
 
@@ -312,6 +371,7 @@ def reference_run(
     params = dict(model.named_parameters())
     names = [n for n in GRAD_NAMES if n in params and params[n].requires_grad]
     losses, norms, grads, dropped = [], [], {}, 0
+    zero_copies = 0  # (routed to zero experts: moe.zero_experts)
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -331,6 +391,7 @@ def reference_run(
             step_loads = torch.stack([m.tokens_per_expert_E for m in out.moe])
             loads = step_loads if loads is None else loads + step_loads
             dropped += sum(int(m.dropped) for m in out.moe)
+            zero_copies += sum(int(m.zero_copies) for m in out.moe)
         if step == 0:
             grads = {n: params[n].grad.clone() for n in names}
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
@@ -350,6 +411,8 @@ def reference_run(
         "dropped": dropped,
         "clipped": clip.clipped,
         "max_logit": clip.max_logit,
+        # the zero-expert shares of every step and MoE layer, summed (as the layouts report)
+        "zero_share": zero_copies / (ACCUM * GLOBAL_MICRO * SEQ * cfg.moe.top_k),
     }
 
 
@@ -376,6 +439,7 @@ def _parallel_run(cfg: Config, rank: int, world: int, steps: int = STEPS) -> dic
             ds_norm.append(float(clip_grad_norm_(tr.model.parameters(), max_norm=float("inf"))))
 
     losses, norms, dropped, replicas, clipped = [], [], 0.0, 0.0, 0
+    zero_share = 0.0  # (metrics.jsonl's moe/layer<i>/zero_expert_share, summed)
     for step in range(steps):
         micro = [rank_slice(b, rank, world) for b in global_batches(step)]
         hook, last = capture if step == 0 else None, step == steps - 1
@@ -384,6 +448,7 @@ def _parallel_run(cfg: Config, rank: int, world: int, steps: int = STEPS) -> dic
         norms.append(rec["grad_norm"])
         dropped += sum(v["dropped"] for v in rec["moe_layers"].values())
         replicas += rec.get("comm/a2a_replicas", 0.0)
+        zero_share += sum(v["zero_expert_share"] for v in rec["moe_layers"].values())
         clipped += rec.get("attn/clipped_heads", 0)
     lo, hi = topo.local_experts(cfg.moe.num_experts)
     params = dict(trainer.model.named_parameters())
@@ -399,6 +464,7 @@ def _parallel_run(cfg: Config, rank: int, world: int, steps: int = STEPS) -> dic
         "deepspeed_stage0_norm": ds_norm[0] if ds_norm else None,
         "dropped": dropped,
         "replicas": replicas,
+        "zero_share": zero_share,
         "clipped": clipped,
         "max_logit": rec["attn/max_logit"],
         "cut": cut_matrix_values(trainer),

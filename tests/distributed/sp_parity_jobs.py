@@ -38,6 +38,18 @@ GRAD_NAMES = (
     "layers.0.attn.in_proj_qkv.weight",  # Gated DeltaNet
     "layers.0.attn.conv1d.weight",
     "layers.0.attn.A_log",
+    "layers.0.attn.f_b_proj.weight",  # Kimi Delta Attention
+    "layers.0.attn.q_conv1d.weight",
+    "layers.0.attn.dt_bias",
+    "layers.0.attn.in_proj.weight",  # Mamba-2, the gated convolution
+    "layers.0.attn.conv1d.bias",
+    "layers.0.attn.D",
+    "layers.0.attn.norm.weight",
+    "layers.0.attn.conv.weight",
+    "layers.0.attn.conv.bias",
+    "layers.1.attn.wk.weight",  # Gemma 4's global layer (keys as values), its dense MLP
+    "layers.1.attn.k_norm.weight",
+    "layers.0.dense.w2.weight",
 )
 VARIANTS: dict[str, dict[str, Any]] = {
     # blocks recomputed in backward: the head all-to-alls run again there
@@ -63,6 +75,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # gated-attention layer
     "hybrid": PARITY_VARIANTS["hybrid"],
     "muon": PARITY_VARIANTS["muon"],
+    # the recurrent and convolution mixers (test_sp_parity_mixers.py): Kimi Delta Attention's
+    # heads with their per-channel decays; Mamba-2's heads with the groups they read (2 groups
+    # split over the ranks, or 1 repeated to both), chunks of 4 across the slices; the gated
+    # convolution's channels (its bias); each with its window and state restarting at the
+    # documents that cross the slices
+    "kda": PARITY_VARIANTS["kda"],
+    "kda_ckpt": {**PARITY_VARIANTS["kda"], "parallel.activation_checkpointing": True},
+    "mamba": PARITY_VARIANTS["mamba"],
+    "mamba_one_group": {**PARITY_VARIANTS["mamba"], "model.mamba_n_groups": 1},
+    "gated_conv": PARITY_VARIANTS["gated_conv"],
+    # Gemma 4's global layer (its own head dim, one key/value head repeated to each rank, keys
+    # as values, its own RoPE at the slices' global positions) beside a sliding layer whose
+    # window crosses the slices, and its other pieces (parity_jobs.VARIANTS["gemma4"])
+    "gemma4": PARITY_VARIANTS["gemma4"],
     # MiMo-V2-Flash's attention: a sliding layer (window 6 across the slices) with sinks, twice
     # the key/value heads (split over the ranks) and its own theta, a full layer whose single
     # key/value head is repeated to each rank; value heads narrower than query/key heads, scaled

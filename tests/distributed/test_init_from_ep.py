@@ -75,6 +75,8 @@ LONG = (
     "mimo_v2_flash",
     "gemma4_text",
     "lfm2_moe",
+    "longcat_flash",
+    "bailing_hybrid",
 )
 FAMILY_CASES = [
     f if f not in LONG else pytest.param(f, marks=pytest.mark.long) for f in MOE_FAMILIES

@@ -28,7 +28,11 @@ sparse attention's sparse stage on latent attention, the second layer sharing th
 selection, the indexer's KL in the loss) on ep=2 ZeRO-2, dp=2 ZeRO-0 with activation
 checkpointing and dp=2 x ep=2 ZeRO-1, and ``dsa_warmup`` (its dense warm-up: only the indexers
 train, every other parameter frozen, the routers' bias too) on ep=2 ZeRO-0 and dp=2 x ep=2
-ZeRO-0 (the stage it runs at with MoE layers). The default suite runs each variant on its dp=2 x
+ZeRO-0 (the stage it runs at with MoE layers); ``dsv4`` (DeepSeek-V4's: two hyper-connection
+streams, sqrt(softplus) scores, a hash-routed first layer, the clamped SwiGLU without its offset)
+on dp=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``zero_experts`` (LongCat-Flash's identity
+experts among the routed ones: their copies never cross ranks) on ep=2 ZeRO-2 and dp=2 x ep=2
+ZeRO-1. The default suite runs each variant on its dp=2 x
 ep=2 layout (both axes at once), the variants' world-2 layouts with -m long. The base
 configuration has a gated shared
 expert. The reference is plain torch in
@@ -108,6 +112,9 @@ JOBS = {
         (1, 2, "dsa"),
         (2, 0, "dsa", "ckpt"),
         (1, 0, "dsa_warmup"),
+        (1, 2, "dsv4"),
+        (1, 2, "zero_experts"),
+        (1, 2, "gemma4"),
     ],
     4: [
         (2, 0),
@@ -126,6 +133,10 @@ JOBS = {
         (2, 1, "gated_conv"),
         (2, 1, "dsa"),
         (2, 0, "dsa_warmup"),
+        (2, 1, "dsv4"),
+        (2, 1, "zero_experts"),
+        # Gemma 4's global layers and its other pieces (parity_jobs.VARIANTS["gemma4"])
+        (2, 1, "gemma4"),
     ],
 }
 
@@ -146,6 +157,12 @@ QUICK_JOBS = {w: [lay for lay in lays if not _long(w, lay)] for w, lays in JOBS.
 # (the base reference's twin: 7e-7 and 8e-8). Its gradients, biases and systematic checks hold.
 KNOWN = {
     (4, (2, 1, "mtp")): "MTP's trajectory amplifies rounding (AdamW's eps regime): norms, max logit"
+}
+# Gemma 4's pieces: its norms drift to 2.2e-5 by step 10 at dp=2 x ep=2 and its last largest
+# logit to 1.3e-5, while its first-step gradients, biases and the systematic checks hold
+KNOWN |= {
+    (w, lay): "Gemma 4's trajectory amplifies rounding: norms, max logit"
+    for w, lay in ((4, (2, 1, "gemma4")), (2, (1, 2, "gemma4")))
 }
 
 
@@ -232,6 +249,19 @@ def test_shadow_layouts_replicate_experts(results) -> None:
                 assert all(r > 0 for r in replicas), layout
             else:
                 assert all(r == 0 for r in replicas), layout
+
+
+def test_zero_expert_layouts_route_to_zero_experts(results) -> None:
+    """The zero_experts layouts' parity is not vacuous: copies went to zero experts, as many
+    as in one process (the share every step reports, summed)."""
+    for world, layouts in JOBS.items():
+        for layout in (lay for lay in layouts if "zero_experts" in lay):
+            if _key(layout) not in results[world][0]:
+                continue  # (a -m long layout)
+            reference = _reference(results, world, layout)["zero_share"]
+            assert reference > 0
+            for res in results[world]:
+                assert res[_key(layout)]["zero_share"] == pytest.approx(reference, rel=1e-9)
 
 
 @pytest.mark.parametrize("world,layout", LAYOUTS)

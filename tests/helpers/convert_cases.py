@@ -189,6 +189,31 @@ CASES = {
             bias_update_rate=1e-3,
         ),
     ),
+    "bailing_hybrid": dict(  # Ling 3.0's (hf_flags.LING_HYBRID)
+        model=dict(
+            **MLA_SHAPE,
+            q_lora_rank=12,
+            layer_types=["linear_attention"] * 2 + ["full_attention"],
+            linear_attention="kda",
+            linear_num_heads=4,
+            linear_head_dim=8,
+            linear_conv_kernel_dim=3,
+            kda_full_rank_gates=True,
+            kda_gate_lower_bound=-5.0,
+            mla_head_gate=True,
+            rope_interleave=True,
+        ),
+        moe=dict(
+            num_experts=8,
+            score_func="sigmoid",
+            first_k_dense=1,
+            num_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            route_scale=2.5,
+            bias_update_rate=1e-3,
+        ),
+    ),
     "deepseek_v32": dict(  # DeepSeek-V3.2's flags (hf_flags.DSA)
         model=dict(
             **MLA_SHAPE,
@@ -400,6 +425,26 @@ CASES = {
             attention_value_scale=0.707,
         ),
         moe=dict(score_func="sigmoid", first_k_dense=1, route_scale=2.5, bias_update_rate=1e-3),
+    ),
+    "longcat_flash": dict(  # LongCat-Flash's flags (hf_flags.LONGCAT_FLASH_FLAGS)
+        model=dict(
+            **MLA_SHAPE,
+            n_layers=4,
+            dense_hidden=40,
+            q_lora_rank=12,
+            rope_interleave=True,
+            mla_lora_scale=True,
+        ),
+        moe=dict(
+            num_experts=4,
+            zero_experts=2,
+            top_k=3,
+            renormalize=False,
+            route_scale=6.0,
+            shortcut=True,
+            layer_ffns=["moe", "dense"] * 2,
+            bias_update_rate=1e-3,
+        ),
     ),
     "llama4_text": dict(  # Llama 4's pieces, each binding in 19 tokens (hf_flags.LLAMA4_FLAGS)
         model=LLAMA4_MODEL,

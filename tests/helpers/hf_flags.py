@@ -344,3 +344,36 @@ MIMO_V2_FLASH_FLAGS = dict(
     },
     attention_value_scale=0.707,
 )
+
+# LongCat-Flash's flags at the tiny shape: two decoder layers (four sublayers), latent
+# attention with the query LoRA (its LoRA scales always on in transformers' class), 4 routed
+# and 2 zero experts, top 3 unrenormalised, x6 (released: 512 + 256, top 12, x6)
+LONGCAT_FLASH_FLAGS = dict(
+    num_layers=2,
+    num_key_value_heads=4,
+    ffn_hidden_size=40,
+    q_lora_rank=12,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=4,
+    zero_expert_num=2,
+    moe_topk=3,
+    expert_ffn_hidden_size=24,
+    routed_scaling_factor=6.0,
+)
+
+# Ling 3.0's flags at the tiny shape: layers 0, 1 Kimi Delta Attention (the attention's 4 heads
+# of head_dim 8, convolutions of 3, the bounded gate at -5 as released), layer 2 latent
+# attention with its head gate (layer_group_size 3 for the released 6); no MTP layer (the
+# class builds none)
+LING_HYBRID = dict(
+    head_dim=8,
+    layer_group_size=3,
+    short_conv_kernel_size=3,
+    kda_safe_gate=True,
+    kda_lower_bound=-5.0,
+    num_mtp_layers=0,
+)

@@ -24,7 +24,9 @@ from tests.helpers.hf_flags import (
     GRANITE_FLAGS,
     GRANITE_HYBRID,
     KIMI_LINEAR_ATTENTION,
+    LING_HYBRID,
     LLAMA4_FLAGS,
+    LONGCAT_FLASH_FLAGS,
     MIMO_V2_FLASH_FLAGS,
     NEMOTRON_H,
     PHIMOE_FLAGS,
@@ -215,6 +217,16 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             q_lora_rank=12,
             linear_attn_config=KIMI_LINEAR_ATTENTION,
         ),
+        "bailing_hybrid": lambda: transformers.BailingHybridConfig(  # Ling 3.0's flags
+            **_deepseek(moe, yarn=False),
+            **LING_HYBRID,
+            num_local_experts=8,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            q_lora_rank=12,
+        ),
         "deepseek_v2": lambda: transformers.DeepseekV2Config(
             **_deepseek(moe, yarn=False),
             n_routed_experts=8,
@@ -284,6 +296,13 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             moe_intermediate_size=24,
             n_routed_experts=4,
             routed_scaling_factor=2.5,
+        ),
+        # LongCat-Flash's flags: two sublayers per layer, shortcut MoE, zero experts, x6
+        "longcat_flash": lambda: transformers.LongcatFlashConfig(
+            **{
+                **{k: v for k, v in SMALL.items() if k != "num_hidden_layers"},
+                **LONGCAT_FLASH_FLAGS,
+            }
         ),
         "llama4_text": lambda: transformers.Llama4TextConfig(  # Llama 4's flags (below)
             **{**moe, **LLAMA4_FLAGS},

@@ -182,7 +182,10 @@ def test_plan_activation_formula_matches_saved_tensors(dtype: torch.dtype) -> No
         ({"model.nope_layers": [0]}, "model.nope_layers"),
         ({"model.linear_num_key_heads": 2}, "model.linear_num_key_heads"),
         ({"model.attention": "kda"}, "model.attention"),
-        ({"parallel.sp_size": 2, "data.seq_len": 64}, "parallel.sp_size"),
+        (
+            {"parallel.sp_size": 3, "data.seq_len": 48},
+            "parallel.sp_size: must divide model.linear_num_heads",
+        ),
     ],
 )
 def test_unbuildable_configs_are_refused_by_key(overrides: dict, key: str) -> None:

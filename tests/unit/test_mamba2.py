@@ -221,7 +221,10 @@ def test_plan_activation_formula_matches_saved_tensors(dtype: torch.dtype) -> No
         ({"model.linear_attention": "gqa"}, "model.linear_attention"),
         ({"model.attention": "mamba2"}, "model.attention"),
         ({"model.layer_types": None}, "model.mamba_num_heads"),
-        ({"parallel.sp_size": 2, "data.seq_len": 64}, "parallel.sp_size"),
+        (
+            {"parallel.sp_size": 3, "data.seq_len": 48},
+            "parallel.sp_size: must divide model.mamba_num_heads",
+        ),
     ],
 )
 def test_unbuildable_configs_are_refused_by_key(overrides: dict, key: str) -> None:

@@ -5,6 +5,8 @@ between kinds goes through the mixer protocol (docs/ARCHITECTURE.md, "Adding a t
 A kind's name is a string literal equal to a key of the registry; it may be assigned or passed
 (``model.attention = "mla"``, a family's ``attention="mla"``) but not compared (``==``, ``!=``,
 ``in``), matched (``case "mla":``), looked up (``MIXERS["mla"]``) or made a dispatch table's key.
+One exception: a family layout's ``mixer_renames`` (its released tensor names per mixer kind,
+data that :mod:`moetrain.convert.weight_map` reads, not a branch of code).
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ def branches_on_names(source: str, names: set[str]) -> list[tuple[int, str]]:
     """``(line, code)`` of every comparison, match case, subscript or dict key that uses one of
     ``names`` as a string literal."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    naming_data = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.keyword) and node.arg == "mixer_renames"
+    }
+    for node in ast.walk(tree):
+        if id(node) in naming_data:
+            continue
         hit = (
             (isinstance(node, ast.Compare) and _is_name(node.left, names))
             or (isinstance(node, ast.Compare) and any(_is_name(c, names) for c in node.comparators))
@@ -61,7 +71,10 @@ def test_detector_sees_every_form_of_branching_and_nothing_else() -> None:
         'table = {"mla": 1, "x": 2}\n'
     )
     assert [line for line, _ in branches_on_names(branching, names)] == [1, 3, 4, 6, 8, 9]
-    passing = 'model.attention = "mla"\nFamily(attention="mla")\nx = kind == other\nf("gqa")\n'
+    passing = (
+        'model.attention = "mla"\nFamily(attention="mla")\nx = kind == other\nf("gqa")\n'
+        'Layout(mixer_renames={"mla": {"a": "b"}})\n'
+    )
     assert branches_on_names(passing, names) == []
 
 

@@ -211,10 +211,17 @@ class _RecordingExchange:
         return x_BShX[:, : x_BShX.shape[1] // self.size].repeat(1, 1, self.size, 1)
 
 
-@pytest.mark.parametrize(
-    "case", ["gqa", "gqa-one-kv-head", "gqa-output-gate", "mla", "gated_deltanet"]
-)
-@pytest.mark.parametrize("sp", [2, 4])
+EXCHANGE_CASES = [
+    *((case, sp) for case in ("gqa", "gqa-one-kv-head", "gqa-output-gate") for sp in (2, 4)),
+    *((case, sp) for case in ("mla", "gated_deltanet", "mamba2", "gated_conv") for sp in (2, 4)),
+    ("kda", 2),
+    ("kda-ling", 2),
+    ("mamba2-biases-one-group", 2),  # its one group repeated to both ranks
+    ("gated_conv-bias-wide", 4),
+]
+
+
+@pytest.mark.parametrize(("case", "sp"), EXCHANGE_CASES)
 def test_exchange_bytes_are_what_sequence_parallelism_sends(case: str, sp: int) -> None:
     cfg = tiny_config(CASES[case])
     m, spec = cfg.model, mixer_spec(cfg.model, 0)

@@ -356,7 +356,10 @@ def test_import_refuses_what_moetrain_does_not_compute_by_field(field, value, ke
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
-        ({"parallel.sp_size": 2, "parallel.ep_size": 1}, "parallel.sp_size"),  # Mamba-2
+        (  # Mamba-2's heads split over the sequence-parallel ranks
+            {"parallel.sp_size": 3, "parallel.ep_size": 1},
+            "parallel.sp_size: must divide model.mamba_num_heads",
+        ),
         ({"optim.name": "muon"}, "moe.activation"),
         ({"moe.latent_dim": 0}, "moe.latent_dim"),
     ],

@@ -8,9 +8,11 @@ from moetrain.monitor.step_record import StepTotals, moe_layer_record, step_reco
 
 
 def _totals(loads: torch.Tensor | None, traffic: dict[str, float]) -> StepTotals:
-    # 2 MoE layers; sums over 4 micro-batches: dropped, entropy, aux, z, routed copies
+    # 2 MoE layers; sums over 4 micro-batches: dropped, entropy, aux, z, routed copies,
+    # copies routed to zero experts
     layer_sums = torch.tensor(
-        [[2.0, 0.0], [4.0, 8.0], [1.0, 2.0], [0.4, 0.8], [40.0, 40.0]], dtype=torch.float64
+        [[2.0, 0.0], [4.0, 8.0], [1.0, 2.0], [0.4, 0.8], [40.0, 40.0], [10.0, 0.0]],
+        dtype=torch.float64,
     )
     return StepTotals(1.5, 1.25, 0.25, 0, 4, traffic, loads, layer_sums)
 
@@ -28,8 +30,10 @@ def test_moe_layers_are_keyed_by_transformer_layer_with_means_over_micro_batches
         "aux_loss": 0.25,
         "z_loss": 0.1,
         "expert_bias": [0.5, -0.5],
+        "zero_expert_share": 10.0 / 40.0,
     }
     assert layers[3]["dropped_frac"] == 0.0 and layers[3]["entropy"] == 2.0
+    assert layers[3]["zero_expert_share"] == 0.0
     assert moe_layer_record(_totals(None, {}), [], []) == {}
 
 

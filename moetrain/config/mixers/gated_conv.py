@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from moetrain.config.checks import ConfigError
 from moetrain.config.mixers.linear import LinearMixerKind
 from moetrain.config.ranges import FUNCTION, POSITIVE_INT
 
@@ -41,8 +40,6 @@ class GatedConv(LinearMixerKind):
 
     @classmethod
     def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:
-        raise ConfigError(
-            "parallel.sp_size: gated convolution layers (model.linear_attention=gated_conv) do "
-            "not run under sequence parallelism yet (their channels are not exchanged); set it "
-            "to 1"
-        )
+        """The channels: depthwise, each convolves on its own, so a rank takes ``1 / n`` of
+        them."""
+        return (("model.d_model", model.d_model),)

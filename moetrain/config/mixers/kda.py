@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from moetrain.config.checks import ConfigError
 from moetrain.config.mixers.linear import LinearMixerKind
 from moetrain.config.ranges import FUNCTION, POSITIVE_INT, RANGE, Range
 
@@ -55,7 +54,6 @@ class KDA(LinearMixerKind):
 
     @classmethod
     def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:
-        raise ConfigError(
-            "parallel.sp_size: Kimi Delta Attention layers (model.linear_attention=kda) do not "
-            "run under sequence parallelism yet (their heads are not exchanged); set it to 1"
-        )
+        """The heads: a rank takes whole heads, their convolution channels and decays with
+        them."""
+        return (("model.linear_num_heads", model.linear_num_heads),)

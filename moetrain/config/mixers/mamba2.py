@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from moetrain.config.checks import ConfigError, require
+from moetrain.config.checks import require
 from moetrain.config.mixers.linear import LinearMixerKind
 from moetrain.config.ranges import FUNCTION, POSITIVE_INT, above, at_least
 
@@ -79,8 +79,6 @@ class Mamba2(LinearMixerKind):
 
     @classmethod
     def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:
-        raise ConfigError(
-            "parallel.sp_size: Mamba-2 layers (model.linear_attention=mamba2) do not run under "
-            "sequence parallelism yet (their heads share the groups' B and C, which a head "
-            "exchange would have to carry with every group); set parallel.sp_size=1"
-        )
+        """The heads: a rank takes whole heads with their convolution channels, and the groups
+        of B and C they read (repeated where the ranks do not split the groups)."""
+        return (("model.mamba_num_heads", model.mamba_num_heads),)

@@ -63,6 +63,10 @@ class MLAKeys:
     # a sigmoid gate on each head's output, one value per head from its own projection g_proj
     # (D -> H), applied before the output projection (Ling 3.0's); not with index_topk
     mla_head_gate: bool = field(default=False, metadata=FUNCTION)
+    # LongCat-Flash's LoRA scales: every query times sqrt(d_model / q_lora_rank) and the
+    # normalised KV latent times sqrt(d_model / kv_lora_rank) (its keys and values both, and
+    # what the cache holds); needs q_lora_rank
+    mla_lora_scale: bool = field(default=False, metadata=FUNCTION)
 
 
 FULL_INDEXER, SHARED_INDEXER = "full", "shared"  # model.indexer_types' entries
@@ -99,6 +103,7 @@ class MLA(MixerKind):
         "v_head_dim",
         *DSA_KEYS,
         "mla_head_gate",
+        "mla_lora_scale",
     )
 
     @classmethod
@@ -137,6 +142,11 @@ class MLA(MixerKind):
             not (model.mla_head_gate and model.index_topk is not None),
             "model.mla_head_gate",
             "does not apply with sparse attention (model.index_topk) yet",
+        )
+        require(
+            not model.mla_lora_scale or model.q_lora_rank is not None,
+            "model.mla_lora_scale",
+            "needs model.q_lora_rank (the query's scale is d_model / q_lora_rank)",
         )
         _validate_dsa(model)
 

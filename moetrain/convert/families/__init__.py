@@ -16,6 +16,7 @@ from typing import Any
 from moetrain.config import ConfigError
 from moetrain.convert.families import (
     afmoe,
+    bailing_hybrid,
     deepseek_v2,
     deepseek_v3,
     deepseek_v32,
@@ -32,6 +33,7 @@ from moetrain.convert.families import (
     lfm2_moe,
     llama,
     llama4_text,
+    longcat_flash,
     mimo_v2_flash,
     minimax_m2,
     mistral,
@@ -82,6 +84,8 @@ FAMILIES: dict[str, Family] = {
         kimi_linear.FAMILY,
         lfm2_moe.FAMILY,
         mimo_v2_flash.FAMILY,
+        longcat_flash.FAMILY,
+        bailing_hybrid.FAMILY,
         llama.FAMILY,
         mistral.FAMILY,
         qwen2.FAMILY,

@@ -158,7 +158,9 @@ BASELINE: dict[str, Rule] = {
     "model.mamba_head_dim": ANY,  # (its families' size rule)
     "model.kda_full_rank_gates": only(False),
     "model.kda_gate_lower_bound": only(None),
+    "model.linear_num_heads": ANY,  # (Ling 3.0's: the attention's heads)
     "model.mla_head_gate": only(False),
+    "model.mla_lora_scale": only(False),
     "model.full_attention_interval": only(None),
     "model.linear_allow_neg_eigval": only(False),
     "model.linear_norm_eps": only(None),
@@ -175,6 +177,9 @@ BASELINE: dict[str, Rule] = {
     "model.residual_multiplier": only(1.0),
     "model.logits_scaling": only(1.0),
     "model.final_logit_softcap": only(None),
+    "model.hc_streams": only(1),
+    "model.hc_sinkhorn_iters": ANY,  # (with hyper-connections only)
+    "model.hc_eps": ANY,
     "model.layer_scalar": only(False),
     "model.value_norm": only(False),
     "model.global_head_dim": only(None),
@@ -214,6 +219,7 @@ BASELINE: dict[str, Rule] = {
     "moe.capacity_factor": only(0.0),
     "moe.router_type": only("topk"),
     "moe.score_func": only("softmax"),
+    "moe.hash_layers": only(None),
     "moe.topk_before_score": only(False),
     "moe.renormalize": ANY,
     "moe.renormalize_min": only(0.0),
@@ -228,9 +234,12 @@ BASELINE: dict[str, Rule] = {
     "moe.router_input_norm": only(False),
     "moe.expert_scale": only(False),
     "moe.dense_branch": only(False),
+    "moe.zero_experts": only(0),
+    "moe.shortcut": only(False),
     # experts and their placement
     "moe.expert_biases": only(False),
     "moe.activation": only("swiglu"),
+    "moe.swiglu_up_offset": only(1.0, applies=lambda _, moe: moe.activation == "clamped_swiglu"),
     "moe.latent_dim": only(None),
     "model.ffn_activation": only("swiglu"),
     "moe.num_shared_experts": only(0),
@@ -259,6 +268,10 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     "model.kda_full_rank_gates": {False: "has Kimi Delta Attention's low-rank gates"},
     "model.kda_gate_lower_bound": {None: "has Kimi Delta Attention's unbounded forget gate"},
     "model.mla_head_gate": {False: "has no per-head gate on its latent attention"},
+    "model.mla_lora_scale": {
+        False: "does not scale its latent attention's query and KV latent",
+        True: "scales its latent attention's query and KV latent by their LoRA ranks",
+    },
     "model.index_topk": {None: "has no sparse attention"},
     "model.index_rope_interleave": {
         False: "rotates its indexer's heads half-split",
@@ -300,6 +313,7 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     "model.residual_multiplier": {1.0: "does not scale the residual branches"},
     "model.logits_scaling": {1.0: "does not scale the logits"},
     "model.final_logit_softcap": {None: "does not soft-cap its logits"},
+    "model.hc_streams": {1: "has a plain residual (no hyper-connections)"},
     "model.layer_scalar": {
         False: "has no per-layer output scalar",
         True: "scales every layer's output by a learned scalar",
@@ -317,7 +331,12 @@ PHRASES: dict[str, Mapping[Any, str]] = {
     },
     "moe.capacity_factor": {0.0: "is dropless (tokens over capacity would be dropped only here)"},
     "moe.router_type": {"topk": "routes top-k", "sparsemixer": "routes with sparsemixer"},
-    "moe.score_func": {"softmax": "routes with softmax", "sigmoid": "routes with sigmoid"},
+    "moe.score_func": {
+        "softmax": "routes with softmax",
+        "sigmoid": "routes with sigmoid",
+        "sqrtsoftplus": "routes with sqrt(softplus)",
+    },
+    "moe.hash_layers": {None: "routes every MoE layer by its scores (no token-id hash routing)"},
     "moe.topk_before_score": {
         False: "scores all experts, then takes top-k",
         True: "takes top-k on the router logits, then scores the k",
@@ -352,6 +371,11 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         False: "has no dense FFN beside its experts",
         True: "runs a dense FFN beside the experts of every layer",
     },
+    "moe.zero_experts": {0: "has no zero-computation experts"},
+    "moe.shortcut": {
+        False: "has no shortcut-connected MoE",
+        True: "joins each MoE's output to the stream one sublayer later (shortcut MoE)",
+    },
     "moe.expert_biases": {False: "has no expert biases", True: "has expert biases"},
     "moe.activation": {
         "swiglu": "has SwiGLU experts",
@@ -359,11 +383,16 @@ PHRASES: dict[str, Mapping[Any, str]] = {
         "geglu": "has GeGLU experts",
         "relu2": "has squared-ReLU experts, not gated",
     },
+    "moe.swiglu_up_offset": {
+        1.0: "adds 1 to its clamped up projection",
+        0.0: "multiplies silu of the clamped gate by the clamped up projection",
+    },
     "moe.latent_dim": {None: "computes its experts in hidden_size (no latent MoE)"},
     "model.ffn_activation": {
         "swiglu": "has SwiGLU dense FFNs and shared experts",
         "geglu": "has GeGLU dense FFNs",
         "relu2": "has squared-ReLU dense FFNs and shared experts, not gated",
+        "clamped_swiglu": "clamps the SwiGLU of its dense FFNs and shared experts",
     },
     "moe.num_shared_experts": {0: "has no shared experts"},
     "moe.shared_expert_gate": {

@@ -94,8 +94,8 @@ def to_hf(cfg: Config) -> dict[str, Any]:
     )
 
 
-class _AsDeepSeek:
-    """A Kimi Linear config read through DeepSeek-V3's field names."""
+class AsDeepSeek:
+    """A Kimi Linear (or Ling 3.0) config read through DeepSeek-V3's field names."""
 
     def __init__(self, hf: Any, first_dense: int) -> None:
         self._hf, self.first_k_dense_replace = hf, first_dense
@@ -120,7 +120,7 @@ def from_hf(hf: Any) -> Config:
     if set(mlp[first:]) - {"sparse"}:
         raise ConfigError(f"mlp_layer_types: moetrain makes the first layers dense; got {mlp}")
     hf_config.refuse_attention_dropout(hf)
-    model, moe = mla_from_hf(_AsDeepSeek(hf, first))
+    model, moe = mla_from_hf(AsDeepSeek(hf, first))
     types = list(get("layer_types") or [])
     if len(types) != model.n_layers or set(types) - {LINEAR, FULL}:
         raise ConfigError(f"layer_types: {NAME} needs {LINEAR} or {FULL} per layer; got {types}")

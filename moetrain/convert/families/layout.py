@@ -95,8 +95,8 @@ class Layout:
     a decoder layer (``model.layers.<i>.``) or to its MoE block.
 
     ``in_memory``: transformers v5's in-memory module names where they differ from the files'
-    (the MoE block, the dense block, the router, the selection bias: file name -> memory
-    name); a source saved
+    (the embedding, the MoE block, the dense block, the router, the selection bias: file
+    name -> memory name); a source saved
     from memory uses them, with a per-expert or fused family's experts as :data:`V5_FUSED`.
     """
 
@@ -156,6 +156,14 @@ class Layout:
     # proj`` and ``linear_attn.{q,k,v}_conv1d`` (Olmo-Hybrid's files; its other names by
     # ``renames``)
     linear_qkv_apart: bool = False
+    # a block's names that differ by its mixer's kind (``spec.kind``: mla, kda, ...), before
+    # ``renames`` (Ling 3.0's latent attention output ``attention.dense`` beside its KDA
+    # layers' ``attention.o_proj``)
+    mixer_renames: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # the names transformers' ``save_pretrained`` writes where they differ from the released
+    # files' (its conversion mapping run backwards: Ling 3.0's KDA ``attention.dense``), read
+    # where a source holds them, over ``renames``
+    saved_renames: Mapping[str, str] = field(default_factory=dict)
     in_memory: Mapping[str, str] = field(default_factory=dict)
     # transformers v5's in-memory experts where they are not :data:`V5_FUSED` (Nemotron-H's
     # experts.up_proj / down_proj, not gated)
@@ -172,6 +180,14 @@ class Layout:
     in_memory_renames: Mapping[str, str] = field(default_factory=dict)
     in_memory_joined: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     joined: bool = False
+    # decoder layers that hold several moetrain blocks (LongCat-Flash's two sublayers): block
+    # i lies in decoder layer i // len(sublayers), its names (after the rules above) renamed
+    # by sublayers[i % len(sublayers)]; empty: one block per decoder layer
+    sublayers: tuple[Mapping[str, str], ...] = ()
+    # the files hold multi-token-prediction layers (``model.mtp.*``) whatever config.json
+    # declares, which transformers' class ignores: an import leaves them unread
+    # (LongCat-Flash's)
+    mtp_unread: bool = False
 
 
 @dataclass(frozen=True)

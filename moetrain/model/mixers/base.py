@@ -74,6 +74,8 @@ class MixerInputs:
     pos: int = 0  # tokens already in the inference state (the first token's row position)
     # the sliding layers' RoPE rows (cos, sin) where model.sliding_rope_theta is set
     local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    # this call's token ids (B, S): what a hash-routed MoE layer selects by (moe.hash_layers)
+    token_ids_BS: torch.Tensor | None = None
     # what the mixers report back: their own training losses (added to the model's loss) and,
     # under sparse attention, each indexer layer's selection (idx_BSk, valid_BSk), which the
     # layers that share it read

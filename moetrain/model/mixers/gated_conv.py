@@ -15,6 +15,11 @@ Packed documents restart the convolution's window at every document start (a doc
 positions see zeros, never the previous document), so a packed row equals its documents one
 by one. Everything computes in the activations' dtype, as transformers does.
 
+Sequence parallelism (``parallel.sp_size`` = n, which must divide D): each rank projects its
+slice, exchanges the gated input ``B * x`` to whole sequences and ``D / n`` channels, convolves
+them with their rows of the convolution (the window and the documents of whole rows) and
+exchanges the result back before the output gate (C never travels).
+
 Generation: :class:`ConvState`, the last W - 1 convolution inputs (B, W - 1, D) in the model's
 dtype: a fixed size whatever the length.
 
@@ -32,6 +37,7 @@ from torch import nn
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
 from moetrain.model.cpu_matmul import Linear
+from moetrain.model.head_exchange import rank_channels
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
 from moetrain.model.short_conv import short_conv
 
@@ -70,13 +76,20 @@ class GatedConv(TokenMixer):
     ) -> torch.Tensor:
         """Mix causally, restarting at ``inputs.doc_ids_BS``'s documents; with ``state`` the
         tokens continue the state's and it takes them in."""
-        if self.head_exchange is not None:
-            raise ValueError("the gated convolution does not run under sequence parallelism")
         b_BSD, c_BSD, x_BSD = self.in_proj(x_BSD).chunk(3, dim=-1)
+        u_BSD, weight_CW, bias = b_BSD * x_BSD, self.conv.weight.squeeze(1), self.conv.bias
+        ex = self.head_exchange
+        if ex is not None:  # whole sequences, this rank's 1 / n of the channels
+            if state is not None:
+                raise ValueError("a convolution state runs on one device, without a head exchange")
+            b, s, d = u_BSD.shape
+            u_BSD = ex.to_heads(u_BSD.view(b, s, ex.size, d // ex.size)).flatten(2)
+            rows = rank_channels(ex, ((0, d),), u_BSD.device)
+            weight_CW, bias = weight_CW[rows], None if bias is None else bias[rows]
         h_BSD, last = short_conv(
-            b_BSD * x_BSD,
-            self.conv.weight.squeeze(1),
-            self.conv.bias,
+            u_BSD,
+            weight_CW,
+            bias,
             activation=None,
             initial_state=None if state is None else state.conv,
             output_final_state=state is not None,
@@ -84,6 +97,8 @@ class GatedConv(TokenMixer):
         )
         if state is not None:
             state.conv.copy_(last)
+        if ex is not None:
+            h_BSD = ex.to_sequence(h_BSD.unsqueeze(2)).flatten(2)
         return self.wo(c_BSD * h_BSD)
 
     def new_state(
@@ -150,6 +165,6 @@ class GatedConv(TokenMixer):
     def exchange_bytes_per_token(
         cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
     ) -> float:
-        """0: the gated convolution does not run under sequence parallelism (refused by the
-        config)."""
-        return 0.0
+        """The gated input ``B * x`` out and the convolution's output back (``2D`` values);
+        ``(sp - 1) / sp`` of each leaves the GPU."""
+        return 0.0 if sp == 1 else act_bytes * 2 * cfg.d_model * (sp - 1) / sp

@@ -57,7 +57,7 @@ from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.delta_rule import gated_delta_rule, gated_delta_rule_recurrent
-from moetrain.model.head_exchange import HeadExchange
+from moetrain.model.head_exchange import HeadExchange, rank_channels
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
 from moetrain.model.short_conv import short_conv
 
@@ -296,10 +296,8 @@ class GatedDeltaNet(TokenMixer):
         key = (ex.rank, ex.size)
         if key not in self._rank_rows:
             keys, values = self.hk * self.dk, self.hv * self.dv
-            qk, vals = keys // ex.size, values // ex.size
-            starts = (ex.rank * qk, keys + ex.rank * qk, 2 * keys + ex.rank * vals)
-            rows = [torch.arange(a, a + n) for a, n in zip(starts, (qk, qk, vals), strict=True)]
-            self._rank_rows[key] = torch.cat(rows).to(device)
+            blocks = ((0, keys), (keys, keys), (2 * keys, values))
+            self._rank_rows[key] = rank_channels(ex, blocks, device)
         return self._rank_rows[key]
 
     def new_state(

@@ -36,6 +36,12 @@ convolution computes in the activations' dtype.
 Generation: :class:`~moetrain.model.mixers.gated_deltanet.RecurrentState`, the last W - 1
 convolution inputs (B, W - 1, Ch) and the rule's fp32 state (B, H, K, K).
 
+Sequence parallelism (``parallel.sp_size`` = n): each rank projects its slice, exchanges the
+pre-convolution q, k, v, the forget gate's input (before ``dt_bias``) and b of its heads to
+whole sequences and ``H / n`` heads, convolves those heads' channels with their rows of the
+three convolutions, computes their decays and beta and runs the rule, and exchanges the rule's
+output back before the gated norm (the output gate never travels), as Gated DeltaNet does.
+
 Parameter names are Kimi Linear's files' (``q_proj`` ... ``o_norm``; ``A_log`` (H,), stored
 (1, 1, H, 1) in the files), the output projection ``wo`` (their ``o_proj``).
 """
@@ -51,6 +57,7 @@ from torch import nn
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
 from moetrain.model.cpu_matmul import Linear
+from moetrain.model.head_exchange import HeadExchange, rank_channels
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
 from moetrain.model.mixers.gated_deltanet import (
     CHUNK,
@@ -132,22 +139,63 @@ class KimiDeltaAttention(TokenMixer):
     ) -> torch.Tensor:
         """Mix causally, restarting at ``inputs.doc_ids_BS``'s documents; with ``state`` the
         tokens continue the state's and it takes them in."""
-        if self.head_exchange is not None:
-            raise ValueError("Kimi Delta Attention runs without sequence parallelism")
         b, s, _ = x_BSD.shape
-        shape = (b, s, self.h, self.dk)
         qkv = torch.cat([getattr(self, f"{p}_proj")(x_BSD) for p in PROJECTIONS], dim=-1)
         weight_CW = torch.cat([getattr(self, f"{p}_conv1d").weight for p in PROJECTIONS])
-        wide = torch.promote_types(x_BSD.dtype, torch.float32)  # (fp32, or fp64 for fp64)
-        f = (self._gate_input("f", x_BSD).to(wide) + self.dt_bias.to(wide)).view(shape)
-        rate = self.A_log.to(wide).exp()[:, None]
+        weight_CW = weight_CW.squeeze(1)
+        f_raw, b_raw = self._gate_input("f", x_BSD), self.b_proj(x_BSD)
+        a_log, dt_bias = self.A_log, self.dt_bias
+        ex = self.head_exchange
+        if ex is not None:  # whole sequences, this rank's heads
+            if state is not None:
+                raise ValueError("a recurrent state runs on one device, without a head exchange")
+            qkv, f_raw, b_raw = self._to_heads(ex, qkv, f_raw, b_raw)
+            hk = self.h * self.dk
+            weight_CW = weight_CW[rank_channels(ex, ((0, hk), (hk, hk), (2 * hk, hk)), qkv.device)]
+            heads = slice(ex.rank * self.h // ex.size, (ex.rank + 1) * self.h // ex.size)
+            a_log = a_log[heads]
+            dt_bias = dt_bias.view(self.h, self.dk)[heads].flatten()
+        o = self._mix(qkv, f_raw, b_raw, weight_CW, a_log, dt_bias, inputs, state)
+        if ex is not None:
+            o = ex.to_sequence(o)
+        gate = self._gate_input("g", x_BSD).view(b, s, self.h, self.dk)
+        return self.wo(self.o_norm(o, gate).reshape(b, s, -1))
+
+    def _mix(
+        self,
+        qkv: torch.Tensor,
+        f_raw: torch.Tensor,
+        b_raw: torch.Tensor,
+        weight_CW: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        inputs: MixerInputs,
+        state: RecurrentState | None,
+    ) -> torch.Tensor:
+        """The decay, beta, the convolution and the rule over whole rows of some heads (all, or
+        this rank's): (B, S, h, K) out."""
+        b, s, h = b_raw.shape
+        shape = (b, s, h, self.dk)
+        wide = torch.promote_types(qkv.dtype, torch.float32)  # (fp32, or fp64 for fp64)
+        f = (f_raw.to(wide) + dt_bias.to(wide)).view(shape)
+        rate = a_log.to(wide).exp()[:, None]
         bounded = self.bound is not None  # Ling 3.0's gate, in (bound, 0)
         g = self.bound * torch.sigmoid(rate * f) if bounded else -rate * F.softplus(f)
-        beta = self.b_proj(x_BSD).to(wide).sigmoid()
-        heads = ((self.h, self.dk),) * 3
-        o = conv_and_rule(qkv, weight_CW.squeeze(1), heads, g, beta, inputs.doc_ids_BS, state)
-        gate = self._gate_input("g", x_BSD).view(shape)
-        return self.wo(self.o_norm(o, gate).reshape(b, s, -1))
+        beta = b_raw.to(wide).sigmoid()
+        heads = ((h, self.dk),) * 3
+        return conv_and_rule(qkv, weight_CW, heads, g, beta, inputs.doc_ids_BS, state)
+
+    def _to_heads(
+        self, ex: HeadExchange, qkv: torch.Tensor, f_raw: torch.Tensor, b_raw: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's slice of every head's pre-convolution q, k, v, its forget gate's input
+        and b -> the whole sequences of its ``H / n`` heads, in one exchange."""
+        b, s, _ = qkv.shape
+        parts = (*qkv.chunk(3, dim=-1), f_raw, b_raw)
+        packed = torch.cat([p.reshape(b, s, self.h, -1) for p in parts], dim=-1)
+        whole = ex.to_heads(packed)  # (B, S, h, 4K + 1)
+        q, k, v, f_raw, b_raw = (p.flatten(2) for p in whole.split([self.dk] * 4 + [1], -1))
+        return torch.cat([q, k, v], dim=-1), f_raw, b_raw
 
     def _gate_input(self, which: str, x_BSD: torch.Tensor) -> torch.Tensor:
         """The forget (``f``) or output (``g``) gate's projection of x: full rank, or through
@@ -261,5 +309,9 @@ class KimiDeltaAttention(TokenMixer):
     def exchange_bytes_per_token(
         cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
     ) -> float:
-        """0: not run under sequence parallelism (refused by ``parallel.sp_size``)."""
-        return 0.0
+        """The pre-convolution q, k, v, the forget gate's input and b out (``4 H K + H``
+        values), the rule's output back (``H K``); ``(sp - 1) / sp`` of each leaves the GPU."""
+        if sp == 1:
+            return 0.0
+        h, k = cfg.linear_num_heads, cfg.linear_head_dim
+        return act_bytes * (5 * h * k + h) * (sp - 1) / sp

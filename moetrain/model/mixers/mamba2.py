@@ -25,6 +25,13 @@ Generation: :class:`~moetrain.model.mixers.gated_deltanet.RecurrentState`, the l
 convolution inputs (B, W - 1, Ch) in the model's dtype and the scan's state (B, H, P, N) in
 fp32.
 
+Sequence parallelism (``parallel.sp_size`` = n, which must divide H): each rank projects its
+slice and exchanges the pre-convolution x and dt of its ``H / n`` heads with the B and C of the
+groups they read to whole sequences (the G groups repeated to ``lcm(G, n)`` first where n does
+not divide G, as attention repeats key/value heads), convolves those channels with their rows
+of the convolution, runs the scan on its heads, and exchanges the scan's output back before the
+gated norm, whose groups then hold every head again (z never travels).
+
 Parameter names are transformers' (``in_proj``, ``conv1d`` (Ch, 1, W) with its bias,
 ``dt_bias``, ``A_log``, ``D``, ``norm``), the output projection ``wo`` (``out_proj``).
 """
@@ -40,6 +47,7 @@ from torch import nn
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
 from moetrain.model.cpu_matmul import Linear
+from moetrain.model.head_exchange import HeadExchange, kv_repeats, rank_channels
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
 from moetrain.model.mixers.gated_deltanet import DT_FLOOR, DT_MAX, DT_MIN, RecurrentState
 from moetrain.model.short_conv import short_conv
@@ -105,27 +113,59 @@ class Mamba2(TokenMixer):
     ) -> torch.Tensor:
         """Mix causally, restarting at ``inputs.doc_ids_BS``'s documents; with ``state`` the
         tokens continue the state's and it takes them in."""
-        if self.head_exchange is not None:
-            raise ValueError("Mamba-2 does not run under sequence parallelism (parallel.sp_size)")
         b, s, _ = x_BSD.shape
-        h, p, g, n = self.heads, self.head_dim, self.groups, self.state_dim
+        h, p = self.heads, self.head_dim
         z, xbc, dt = self.in_proj(x_BSD).split([h * p, self.conv1d.weight.shape[0], h], dim=-1)
+        weight_CW, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
+        per_head = (self.dt_bias, self.A_log, self.D)
+        groups = self.groups
+        ex = self.head_exchange
+        if ex is not None:  # whole sequences, this rank's heads with the groups they read
+            if state is not None:
+                raise ValueError("a recurrent state runs on one device, without a head exchange")
+            xbc, dt = self._to_heads(ex, xbc, dt)
+            rows = self._rows(ex, xbc.device)
+            weight_CW, bias = weight_CW[rows], None if bias is None else bias[rows]
+            heads = slice(ex.rank * h // ex.size, (ex.rank + 1) * h // ex.size)
+            per_head = tuple(t[heads] for t in per_head)
+            groups = self._rank_groups(ex)
+        y = self._mix(xbc, dt, weight_CW, bias, per_head, groups, inputs, state)
+        if ex is not None:
+            y = ex.to_sequence(y)
+        return self.wo(self.norm(y.reshape(b, s, h * p), z))
+
+    def _mix(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        weight_CW: torch.Tensor,
+        bias: torch.Tensor | None,
+        per_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        groups: int,
+        inputs: MixerInputs,
+        state: RecurrentState | None,
+    ) -> torch.Tensor:
+        """The convolution, the step and the scan over whole rows of some heads (all, or this
+        rank's) and the ``groups`` groups they read: (B, S, h, P) out."""
+        b, s, h = dt.shape
+        p, n = self.head_dim, self.state_dim
+        dt_bias, a_log, d_skip = per_head
         docs = inputs.doc_ids_BS
         xbc, conv_state = short_conv(
             xbc,
-            self.conv1d.weight.squeeze(1),
-            self.conv1d.bias,
+            weight_CW,
+            bias,
             activation="silu",
             initial_state=None if state is None else state.conv,
             output_final_state=state is not None,
             doc_ids=docs,
         )
-        xs, B, C = xbc.split([h * p, g * n, g * n], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())
+        xs, B, C = xbc.split([h * p, groups * n, groups * n], dim=-1)
+        dt = F.softplus(dt.float() + dt_bias.float())
         low, high = self.dt_limit
         if low > 0 or high is not None:
             dt = dt.clamp(min=low, max=high)
-        A = -self.A_log.float().exp()
+        A = -a_log.float().exp()
         args = dict(
             initial_state=None if state is None else state.rule,
             output_final_state=state is not None,
@@ -134,13 +174,49 @@ class Mamba2(TokenMixer):
         if state is None or s > 1:
             args["chunk_size"] = self.chunk
         scan = ssd_recurrent if state is not None and s == 1 else ssd_scan
-        y, ssm_state = scan(
-            xs.view(b, s, h, p), dt, A, B.view(b, s, g, n), C.view(b, s, g, n), self.D, **args
-        )
+        B, C = B.view(b, s, groups, n), C.view(b, s, groups, n)
+        y, ssm_state = scan(xs.view(b, s, h, p), dt, A, B, C, d_skip, **args)
         if state is not None:
             state.conv.copy_(conv_state)
             state.rule.copy_(ssm_state)
-        return self.wo(self.norm(y.reshape(b, s, h * p), z))
+        return y
+
+    def _rank_groups(self, ex: HeadExchange) -> int:
+        """The groups of B and C a rank receives: ``lcm(G, n) / n``, each group repeated
+        ``lcm(G, n) / G`` times first (:func:`kv_repeats`) so that every rank's heads find
+        theirs."""
+        return self.groups * kv_repeats(self.groups, ex.size) // ex.size
+
+    def _to_heads(
+        self, ex: HeadExchange, xbc: torch.Tensor, dt: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the pre-convolution x, B, C and dt -> the whole sequences of its
+        ``H / n`` heads and the groups they read, in one exchange: the L = lcm(G, n) repeated
+        groups each travel with their ``H / L`` heads."""
+        b, s, _ = xbc.shape
+        h, p, g, n = self.heads, self.head_dim, self.groups, self.state_dim
+        units = g * kv_repeats(g, ex.size)
+        xs, B, C = xbc.split([h * p, g * n, g * n], dim=-1)
+
+        def repeated(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, g, n).repeat_interleave(units // g, dim=2)
+
+        parts = (xs.reshape(b, s, units, -1), repeated(B), repeated(C), dt.view(b, s, units, -1))
+        whole = ex.to_heads(torch.cat(parts, dim=-1))  # (B, S, L / n, X)
+        per = h // units
+        xs, B, C, dt = (t.flatten(2) for t in whole.split([per * p, n, n, per], dim=-1))
+        return torch.cat([xs, B, C], dim=-1), dt
+
+    def _rows(self, ex: HeadExchange, device: torch.device) -> torch.Tensor:
+        """The convolution's channels of this rank's heads (x) and of the groups they read (B,
+        then C, repeated as :meth:`_to_heads` sends them)."""
+        inner, g, n = self.heads * self.head_dim, self.groups, self.state_dim
+        x_rows = rank_channels(ex, ((0, inner),), device)
+        local = self._rank_groups(ex)
+        units = local * ex.size  # lcm(G, n)
+        group = (ex.rank * local + torch.arange(local, device=device)) // (units // g)
+        within = (group[:, None] * n + torch.arange(n, device=device)).flatten()
+        return torch.cat([x_rows, inner + within, inner + g * n + within])
 
     def new_state(
         self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device
@@ -210,17 +286,22 @@ class Mamba2(TokenMixer):
         after SiLU (kept through x) ``4(I + Ch + H) + 4 Ch``, under bf16 fp32 copies of z and
         x ``8I``; the step's softplus in and out ``8H``; the gated norm's scan output, gate,
         product, normalised values and rsqrt ``16I + 4G`` and its output ``aI``; the chunked
-        scan's per-token share of its (Q, Q) decays, masked scores and scores ``8HQ + 4GQ``, the operands of its products ``8GN + 8HN + 16I``, the decays from
+        scan's per-token share of its (Q, Q) decays, masked scores and scores ``8HQ + 4GQ``,
+        the operands of its products ``8GN + 8HN + 16I``, the decays from
         each chunk's start ``8H + 4`` and the chunks' states ``8HPN / Q``. Rows a multiple
-        of Q, without documents."""
+        of Q, without documents. Under sequence parallelism the same per token of a slice,
+        but that from the convolution to the scan a rank holds ``lcm(G, sp)`` groups (the
+        repeated ones) where it holds G without: Ch and the scan's G count those."""
         a, d, ch = act_bytes, cfg.d_model, cls.channels(cfg)
         h, p, g = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_n_groups
         n, q, inner = cfg.mamba_state_dim, cfg.mamba_chunk_size, h * p
-        kept = 4 * (inner + ch + h) + 4 * ch if a == 4 else 8 * inner
+        g_seen = math.lcm(g, sp)  # the groups of B and C the convolution and scan see
+        ch_seen = inner + 2 * g_seen * n
+        kept = 4 * (inner + ch + h) + 4 * ch_seen if a == 4 else 8 * inner
         norm = 16 * inner + 4 * g + a * inner
-        scan = 8 * h * q + 4 * g * q + 8 * g * n + 8 * h * n + 16 * inner
+        scan = 8 * h * q + 4 * g_seen * q + 8 * g_seen * n + 8 * h * n + 16 * inner
         scan += 8 * h + 4 + 8 * h * p * n // q
-        return a * d + 2 * a * ch + kept + 8 * h + norm + scan
+        return a * d + 2 * a * ch_seen + kept + 8 * h + norm + scan
 
     @classmethod
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
@@ -238,5 +319,12 @@ class Mamba2(TokenMixer):
     def exchange_bytes_per_token(
         cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
     ) -> float:
-        """0: Mamba-2 does not run under sequence parallelism (refused by the config)."""
-        return 0.0
+        """The pre-convolution x, B and C of the ``lcm(G, sp)`` repeated groups and dt out
+        (``I + 2 lcm(G, sp) N + H`` values), the scan's output back (``I``); ``(sp - 1) / sp``
+        of each leaves the GPU."""
+        if sp == 1:
+            return 0.0
+        inner = cfg.mamba_num_heads * cfg.mamba_head_dim
+        units = math.lcm(cfg.mamba_n_groups, sp)
+        dims = 2 * inner + 2 * units * cfg.mamba_state_dim + cfg.mamba_num_heads
+        return act_bytes * dims * (sp - 1) / sp

@@ -12,7 +12,9 @@ neither it nor the queries' rope part: Kimi Linear's latent attention). Queries 
 with ``model.q_lora_rank``, from the low-rank path ``wq_b(q_norm(wq_a(x)))``. A head's query and
 key are ``[nope_N | rope_R]``; the softmax scale is ``(N + R) ** -0.5`` times YaRN's
 ``softmax_mscale`` (``model/rope.py``). The latent norms use eps 1e-6 whatever
-``model.norm_eps`` is, as DeepSeek's reference code and transformers do.
+``model.norm_eps`` is, as DeepSeek's reference code and transformers do. With
+``model.mla_lora_scale`` (LongCat-Flash) every query is multiplied by
+``sqrt(D / Q)`` and the normalised latent by ``sqrt(D / C)`` (so its keys, values and cache).
 
 Training attends through ``F.scaled_dot_product_attention`` like grouped-query attention, with
 the same document mask (unequal q/k and v head dims are zero-padded to equal ones where torch
@@ -131,6 +133,10 @@ class MLAttention(TokenMixer):
         # Ling 3.0's per-head output gate (model.mla_head_gate)
         self.g_proj = Linear(d, h, bias=False) if cfg.mla_head_gate else None
         self.scale = qk_dim**-0.5 * softmax_mscale(cfg)
+        self.q_lora_scale = self.kv_lora_scale = None  # model.mla_lora_scale
+        if cfg.mla_lora_scale:
+            self.q_lora_scale = (d / cfg.q_lora_rank) ** 0.5
+            self.kv_lora_scale = (d / self.kv_rank) ** 0.5
         self.rope_interleave = cfg.rope_interleave
         self.rope = spec.rope  # False: a NoPE layer (Kimi Linear's)
         self.sdpa_kernel: str | None = None  # what the first call ran (as ``Attention``)
@@ -147,7 +153,10 @@ class MLAttention(TokenMixer):
         if self.q_lora_rank is None:
             return self.wq(x_BSD), None
         q_latent_BSQ = self.q_norm(self.wq_a(x_BSD))
-        return self.wq_b(q_latent_BSQ), q_latent_BSQ
+        q_BSX = self.wq_b(q_latent_BSQ)
+        if self.q_lora_scale is not None:
+            q_BSX = q_BSX * self.q_lora_scale
+        return q_BSX, q_latent_BSQ
 
     def trains_alone(self) -> list[nn.Module]:
         """In the dense warm-up, its indexer trains and nothing else of the model does."""
@@ -191,6 +200,8 @@ class MLAttention(TokenMixer):
         q_rope_BHSR = q_rope_BSHR.transpose(1, 2)
         latent_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_rank, self.rope_dim], dim=-1)
         latent_BSC = self.kv_norm(latent_BSC)
+        if self.kv_lora_scale is not None:
+            latent_BSC = latent_BSC * self.kv_lora_scale
         if self.rope:  # (a NoPE layer keeps the shared key and the queries' part unrotated)
             q_rope_BHSR = apply_rope(q_rope_BHSR, cos_SR, sin_SR, self.rope_interleave)
             k_rope_BSR = apply_rope(k_rope_BSR[:, None], cos_SR, sin_SR, self.rope_interleave)

@@ -12,6 +12,10 @@ Contract (``Dispatcher`` protocol):
   weights to compute with, None for the experts' own (a dispatcher that replicates experts
   hands them the weights of every slot of counts_L). With a capacity factor, the drops follow
   :mod:`moetrain.model.moe.capacity`, decided where the expert lives over every copy sent to it.
+- ``Routes.zero_TK`` (zero experts, ``moe.zero_experts``): True for the copies routed to a zero
+  expert. Those copies go to no expert: they are not sent, computed or counted against any
+  capacity (nor as dropped), and combine adds nothing for them (the MoE layer adds their
+  identity output itself).
 - ``combine(y_ND, dispatched) -> y_TD``: the sum of each token's kept (already weighted) rows,
   zero for tokens whose copies were all dropped; ``dispatched.back`` is what the dispatcher
   itself keeps for the way back.
@@ -44,12 +48,20 @@ Overlap = Callable[[], None] | None  # independent work to run while an exchange
 @dataclass
 class Routes:
     """Where each token's K copies go: experts ``ids_TK`` (int64), routing weights
-    ``weights_TK`` (also each copy's priority under a capacity), and ``capacity_factor``
-    (``moe.capacity_factor``: 0 = dropless)."""
+    ``weights_TK`` (also each copy's priority under a capacity), ``capacity_factor``
+    (``moe.capacity_factor``: 0 = dropless), and ``zero_TK`` (bool, or None): the copies routed
+    to zero experts, which go nowhere (their ids are ignored)."""
 
     ids_TK: Tensor
     weights_TK: Tensor
     capacity_factor: float = 0.0
+    zero_TK: Tensor | None = None
+
+    def ids_or(self, sentinel: int) -> Tensor:
+        """``ids_TK`` with the zero experts' copies set to ``sentinel``."""
+        if self.zero_TK is None:
+            return self.ids_TK
+        return self.ids_TK.masked_fill(self.zero_TK, sentinel)
 
 
 Back = TypeVar("Back")
@@ -325,16 +337,19 @@ class LocalDispatcher:
             overlap()
         r = routes
         keep_TK = None if r.capacity_factor <= 0 else self.capacity_keep(r)
-        x_ND, w_N, counts_E, ctx = permute(x_TD, r.ids_TK, keep_TK, r.weights_TK, self.num_experts)
-        if keep_TK is None:
-            dropped = torch.zeros((), dtype=torch.int64, device=x_TD.device)
-        else:
+        dropped = torch.zeros((), dtype=torch.int64, device=x_TD.device)
+        if keep_TK is not None:
             dropped = (~keep_TK).sum()
+        if r.zero_TK is not None:  # zero experts' copies: not sent, not dropped
+            routed_TK = ~r.zero_TK
+            keep_TK = routed_TK if keep_TK is None else keep_TK & routed_TK
+        x_ND, w_N, counts_E, ctx = permute(x_TD, r.ids_TK, keep_TK, r.weights_TK, self.num_experts)
         return Dispatched(x_ND, w_N, counts_E, dropped, ctx)
 
     def capacity_keep(self, routes: Routes) -> Tensor:
         """``keep_TK``: False for the copies over capacity (:mod:`moetrain.model.moe.capacity`),
-        decided in each of the ``capacity_groups`` parts of the tokens."""
+        decided in each of the ``capacity_groups`` parts of the tokens; zero experts' copies
+        are kept (they take no expert's slot)."""
         ids_TK = routes.ids_TK
         t, k = ids_TK.shape
         g, e = self.capacity_groups, self.num_experts
@@ -344,7 +359,10 @@ class LocalDispatcher:
         if g > 1:  # expert e of part p is bin p * E + e
             part_T = torch.div(torch.arange(t, device=ids_TK.device), t // g, rounding_mode="floor")
             ids_TK = ids_TK + part_T.unsqueeze(1) * e
-        return capacity_keep(ids_TK, routes.weights_TK.detach(), g * e, capacity)
+        if routes.zero_TK is not None:  # one spare bin for the zero experts' copies
+            ids_TK = ids_TK.masked_fill(routes.zero_TK, g * e)
+        keep_TK = capacity_keep(ids_TK, routes.weights_TK.detach(), g * e + 1, capacity)
+        return keep_TK if routes.zero_TK is None else keep_TK | routes.zero_TK
 
     def combine(
         self, y_ND: Tensor, dispatched: Dispatched[PermuteContext], overlap: Overlap = None

@@ -153,7 +153,8 @@ class GroupedExperts(nn.Module):
     ``num_local_experts`` = stop - start). ``recompute_act``:
     the SwiGLU product is recomputed in backward rather than saved (see ``_DownProjection``).
     ``biases``: the ``w13_bias`` / ``w2_bias`` parameters; ``activation`` ``swiglu``,
-    ``geglu``, ``clamped_swiglu`` with ``alpha`` and ``limit``, or ``relu2``; ``score_on_input``: the routing weights
+    ``geglu``, ``clamped_swiglu`` with ``alpha``, ``limit`` and ``up_offset``, or ``relu2``;
+    ``score_on_input``: the routing weights
     scale the rows' inputs, not the outputs (see the module docstring).
     """
 
@@ -170,6 +171,7 @@ class GroupedExperts(nn.Module):
         alpha: float | None = None,
         limit: float | None = None,
         score_on_input: bool = False,
+        up_offset: float = 1.0,
     ):
         super().__init__()
         start, stop = local_experts or (0, num_experts)
@@ -190,7 +192,9 @@ class GroupedExperts(nn.Module):
         self.w2_bias = nn.Parameter(torch.empty(stop - start, d_model)) if biases else None
         self.act_fn: Activation = silu_mul_packed
         if activation == "clamped_swiglu":
-            self.act_fn = functools.partial(clamped_swiglu_packed, alpha=alpha, limit=limit)
+            self.act_fn = functools.partial(
+                clamped_swiglu_packed, alpha=alpha, limit=limit, offset=up_offset
+            )
         elif activation == "geglu":
             self.act_fn = geglu_packed
         elif activation == "relu2":

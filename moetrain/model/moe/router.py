@@ -31,6 +31,25 @@ the earlier micro-steps of the optimizer step: :meth:`Router.begin_step` /
 :meth:`Router.end_micro_batch` delimit them). Capacity is not the router's: the dispatchers apply
 it where each expert lives (:mod:`moetrain.model.moe.capacity`).
 
+``moe.score_func: sqrtsoftplus`` scores each expert ``sqrt(softplus(logit))`` (DeepSeek-V4);
+like sigmoid's, its probabilities P_e are the scores over their sum.
+
+Hash routing (``moe.hash_layers``, DeepSeek-V4's first layers): the selection is the fixed
+row ``token_experts[token id]`` of a (V, K) table, a saved buffer that no optimizer touches;
+the scores of the chosen experts weight them as above. The table is drawn at initialisation
+from a generator seeded by the layer index alone (no global RNG), so every rank, and every
+expert-parallel layout, routes a token identically.
+
+Zero experts (``moe.zero_experts`` = Z > 0, LongCat-Flash): the gate scores E + Z choices and
+the top-k picks among all of them; ids ``E .. E + Z - 1`` are the zero experts (the MoE layer
+returns the input for them, :mod:`moetrain.model.moe.layer`). ``tokens_per_expert_E`` counts the
+E routed experts only and ``zero_copies`` the picks of zero experts. In the load-balancing loss
+the zero experts are one group whose selection fraction is their mean (the LongCat-Flash
+report's extra group, frequency averaged within it): each zero expert's f_e is replaced by the
+zero experts' mean before ``(E + Z) * sum_e f_e * P_e``; balanced routing still gives 1. The
+selection bias holds E + Z entries, and :meth:`Router.update_bias` moves the E routed experts'
+only (the report's rule leaves the zero experts' bias at zero).
+
 ``moe.router_type: sparsemixer`` replaces the selection and its weights by Phi-3.5-MoE's top-2
 rule (:mod:`moetrain.model.moe.sparsemixer`); the losses, counts and entropy are as above (the
 probabilities P_e the softmax of the logits).
@@ -57,8 +76,9 @@ class RouterOutput:
     weights_TK: fp32 combine weights (route_scale applied, bias never included).
     ids_TK: int64 selected experts (within the token's groups under group-limited routing).
     aux_loss, z_loss: unscaled fp32 scalars (the model multiplies by the coefficients).
-    tokens_per_expert_E: detached float counts of this rank's selections (before capacity).
-    entropy: detached mean over tokens of the entropy of the routing distribution.
+    tokens_per_expert_E: detached float counts of this rank's selections of the E routed
+    experts (before capacity). entropy: detached mean over tokens of the entropy of the routing
+    distribution. zero_copies: detached int64 count of the picks of zero experts (ids >= E).
     """
 
     weights_TK: torch.Tensor
@@ -67,6 +87,7 @@ class RouterOutput:
     z_loss: torch.Tensor
     tokens_per_expert_E: torch.Tensor
     entropy: torch.Tensor
+    zero_copies: torch.Tensor
 
 
 def count_experts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
@@ -103,6 +124,23 @@ class RouterGate(nn.Linear):
         return linear(x_TD.float(), self.weight.float(), bias)
 
 
+def hash_table(vocab_size: int, num_experts: int, top_k: int, layer: int) -> torch.Tensor:
+    """A (vocab_size, top_k) int64 table of distinct experts per token id, uniform over the
+    experts, drawn from a generator seeded by ``layer`` alone (the same on every rank)."""
+    gen = torch.Generator().manual_seed(0x5EED + layer)
+    return torch.rand(vocab_size, num_experts, generator=gen).topk(top_k, dim=-1).indices
+
+
+def routing_scores(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:
+    """The per-expert scores of ``moe.score_func`` (softmax over the experts; sigmoid or
+    sqrt(softplus) of each logit)."""
+    if score_func == "sigmoid":
+        return torch.sigmoid(logits_TE)
+    if score_func == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits_TE).sqrt()
+    return torch.softmax(logits_TE, dim=-1)
+
+
 class Router(nn.Module):
     """Linear gate ``router.gate.weight`` (E, D) (and ``router.gate.bias`` (E,) with
     ``moe.router_bias``: part of the logits) + top-k selection + balancing losses.
@@ -110,44 +148,68 @@ class Router(nn.Module):
     ``stats_reducer`` (set by parallel code, default None): sums the per-expert selection
     counts over every rank that routes tokens; the global scopes of the aux loss use it.
     ``step_counts_E`` (int64 buffer, not saved): the ``global_batch`` scope's counts of the
-    optimizer step's earlier micro-steps (every rank). Gemma 4's scalars: ``input_scale`` (D,)
+    optimizer step's earlier micro-steps (every rank). ``token_experts`` (vocab_size, K) int64,
+    a saved buffer (:func:`hash_table` of ``layer``; None unless ``layer`` is one of
+    ``moe.hash_layers``), selects each token's experts. Gemma 4's scalars: ``input_scale`` (D,)
     with ``moe.router_input_norm`` (the gate scores ``unit_rms(x) * input_scale * D^-0.5``,
     ``norm_eps`` the norm's eps) and ``expert_scale`` (E,) with ``moe.expert_scale`` (each
     chosen expert's combine weight times its scale, before ``moe.route_scale``).
     """
 
-    def __init__(self, cfg: MoEConfig, d_model: int, norm_eps: float = 1e-6) -> None:
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        d_model: int,
+        norm_eps: float = 1e-6,
+        vocab_size: int | None = None,
+        layer: int = 0,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.layer = layer
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
-        self.gate = RouterGate(d_model, cfg.num_experts, bias=cfg.router_bias)
+        choices = cfg.routed_choices  # E + Z (moe.zero_experts)
+        self.gate = RouterGate(d_model, choices, bias=cfg.router_bias)
         self.norm_eps = norm_eps
         self.input_scale = nn.Parameter(torch.ones(d_model)) if cfg.router_input_norm else None
         self.expert_scale = nn.Parameter(torch.ones(cfg.num_experts)) if cfg.expert_scale else None
-        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        self.register_buffer("expert_bias", torch.zeros(choices, dtype=torch.float32))
         self.register_buffer(
-            "step_counts_E", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False
+            "step_counts_E", torch.zeros(choices, dtype=torch.int64), persistent=False
         )
+        table = None
+        if cfg.is_hash_layer(layer):
+            if vocab_size is None:
+                raise ValueError(f"moe.hash_layers: layer {layer}'s router needs the vocab size")
+            table = torch.zeros(vocab_size, cfg.top_k, dtype=torch.int64)
+        self.register_buffer("token_experts", table)
+        if table is not None and table.device.type != "meta":
+            self.reset_parameters()
         self.stats_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._micro_counts_E: torch.Tensor | None = None  # this micro-step's, until committed
 
-    def forward(self, x_TD: torch.Tensor, num_seqs: int = 1) -> RouterOutput:
+    def forward(
+        self, x_TD: torch.Tensor, num_seqs: int = 1, token_ids_T: torch.Tensor | None = None
+    ) -> RouterOutput:
         """Route ``x_TD``, the tokens of ``num_seqs`` equal sequences (the ``sequence`` scope
-        balances each one)."""
-        cfg, e = self.cfg, self.num_experts
+        balances each one); ``token_ids_T``: their token ids (a hash-routed layer's
+        selection)."""
+        cfg, e = self.cfg, self.cfg.routed_choices
         if self.training and cfg.jitter > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
         if self.input_scale is not None:  # (in x's dtype, as transformers' Gemma 4 router)
             x_TD = unit_rms(x_TD, self.norm_eps) * self.input_scale * x_TD.shape[-1] ** -0.5
         logits_TE = self.gate(x_TD)
-        if cfg.score_func == "sigmoid":
-            scores_TE = torch.sigmoid(logits_TE)
+        scores_TE = probs_TE = routing_scores(logits_TE, cfg.score_func)
+        if cfg.score_func != "softmax":
             probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
-        else:
-            scores_TE = probs_TE = torch.softmax(logits_TE, dim=-1)
 
-        if cfg.router_type == "sparsemixer":
+        if self.token_experts is not None:
+            if token_ids_T is None:
+                raise ValueError(f"moe.hash_layers: layer {self.layer} routes by token ids")
+            weights_TK, ids_TK = self._hashed(scores_TE, token_ids_T)
+        elif cfg.router_type == "sparsemixer":
             weights_TK, ids_TK = sparsemixer_top2(logits_TE, cfg.router_jitter_eps)
         else:
             weights_TK, ids_TK = self._top_k(logits_TE, scores_TE)
@@ -164,9 +226,31 @@ class Router(nn.Module):
             ids_TK=ids_TK,
             aux_loss=self._aux_loss(probs_TE, ids_TK, counts_E, num_seqs),
             z_loss=z_loss,
-            tokens_per_expert_E=counts_E.float(),
+            tokens_per_expert_E=counts_E[: self.num_experts].float(),
             entropy=entropy,
+            zero_copies=counts_E[self.num_experts :].sum(),
         )
+
+    def _hashed(
+        self, scores_TE: torch.Tensor, token_ids_T: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights_TK, ids_TK)`` of hash routing: the table's experts for each token id,
+        weighted by their scores (renormalised with ``moe.renormalize``), before route_scale."""
+        ids_TK = self.token_experts[token_ids_T.reshape(-1)]
+        return self._renormalized(scores_TE.gather(1, ids_TK)), ids_TK
+
+    def _renormalized(self, weights_TK: torch.Tensor) -> torch.Tensor:
+        """The k weights over their sum (``moe.renormalize``; with ``renormalize_min`` /
+        ``renormalize_eps``), or as they are."""
+        cfg = self.cfg
+        if not cfg.renormalize:
+            return weights_TK
+        total_T1 = weights_TK.sum(-1, keepdim=True)
+        if cfg.renormalize_min > 0:  # (0: the plain sum, bit for bit)
+            total_T1 = total_T1.clamp_min(cfg.renormalize_min)
+        if cfg.renormalize_eps > 0:  # (LFM2-MoE's sum + 1e-6)
+            total_T1 = total_T1 + cfg.renormalize_eps
+        return weights_TK / total_T1
 
     def _top_k(
         self, logits_TE: torch.Tensor, scores_TE: torch.Tensor
@@ -185,20 +269,14 @@ class Router(nn.Module):
             weights_TK = torch.sigmoid(logits_TE.gather(1, ids_TK))
         else:
             weights_TK = scores_TE.gather(1, ids_TK)
-        if cfg.renormalize:
-            total_T1 = weights_TK.sum(-1, keepdim=True)
-            if cfg.renormalize_min > 0:  # (0: the plain sum, bit for bit)
-                total_T1 = total_T1.clamp_min(cfg.renormalize_min)
-            if cfg.renormalize_eps > 0:  # (LFM2-MoE's sum + 1e-6)
-                total_T1 = total_T1 + cfg.renormalize_eps
-            weights_TK = weights_TK / total_T1
-        return weights_TK, ids_TK
+        return self._renormalized(weights_TK), ids_TK
 
     def _aux_loss(
         self, probs_TE: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor, num_seqs: int
     ) -> torch.Tensor:
-        """``E * sum_e f_e * P_e`` over ``moe.aux_loss_scope`` (see the module docstring)."""
-        scope, e = self.cfg.aux_loss_scope, self.num_experts
+        """``E * sum_e f_e * P_e`` over ``moe.aux_loss_scope`` (see the module docstring; zero
+        experts: one group, their mean f_e)."""
+        scope, e = self.cfg.aux_loss_scope, self.cfg.routed_choices
         t = probs_TE.shape[0]
         if scope == "sequence":
             if t == 0:
@@ -207,7 +285,7 @@ class Router(nn.Module):
             counts_BE = torch.zeros(b, e, device=ids_TK.device).scatter_add_(
                 1, ids_TK.reshape(b, -1), torch.ones_like(ids_TK, dtype=torch.float32).view(b, -1)
             )
-            frac_BE = counts_BE / ids_TK.reshape(b, -1).shape[1]
+            frac_BE = self._group_zero_experts(counts_BE / ids_TK.reshape(b, -1).shape[1])
             mean_probs_BE = probs_TE.view(b, t // b, e).mean(1)
             return e * torch.sum(frac_BE * mean_probs_BE) / b
         if scope != "micro_batch" and self.stats_reducer is not None:
@@ -215,13 +293,25 @@ class Router(nn.Module):
         if scope == "global_batch" and self.training:
             self._micro_counts_E = counts_E.detach()
             counts_E = counts_E + self.step_counts_E
-        frac_E = counts_E.float() / counts_E.sum().clamp_min(1).float()
+        frac_E = self._group_zero_experts(counts_E.float() / counts_E.sum().clamp_min(1).float())
         return e * torch.sum(frac_E.detach() * probs_TE.sum(0) / max(t, 1))
+
+    def _group_zero_experts(self, frac_xE: torch.Tensor) -> torch.Tensor:
+        """``frac_xE`` (fractions over the last dim, E + Z) with each zero expert's fraction
+        replaced by the zero experts' mean (one group in the balancing loss)."""
+        if not self.cfg.zero_experts:
+            return frac_xE
+        routed, zero = frac_xE.split([self.num_experts, self.cfg.zero_experts], dim=-1)
+        return torch.cat([routed, zero.mean(-1, keepdim=True).expand_as(zero)], dim=-1)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Its own parameters' initial values: a zero selection bias, unit scalars."""
+        """Its own parameters' initial values: a zero selection bias, unit scalars, the
+        hash-routing table (:func:`hash_table`)."""
         self.expert_bias.zero_()
+        if self.token_experts is not None:
+            v, k = self.token_experts.shape
+            self.token_experts.copy_(hash_table(v, self.num_experts, k, self.layer))
         for scale in (self.input_scale, self.expert_scale):
             if scale is not None:
                 scale.fill_(1.0)
@@ -245,11 +335,14 @@ class Router(nn.Module):
     def update_bias(self, load_E: torch.Tensor) -> None:
         """Aux-loss-free balancing: ``bias += rate * sign(mean(load) - load)``.
 
-        Call once per optimizer step with the load summed over every rank; never in forward.
-        A frozen router (a training stage that trains other parts alone) keeps its bias.
+        Call once per optimizer step with the load of the E routed experts summed over every
+        rank; never in forward. A frozen router (a training stage that trains other parts
+        alone) keeps its bias, and so does a hash-routed one (its table selects, not the
+        bias); zero experts' entries stay as they are.
         """
         rate = self.cfg.bias_update_rate
-        if rate <= 0 or not self.gate.weight.requires_grad:
+        hashed = self.token_experts is not None  # (selects by its table, without the bias)
+        if rate <= 0 or hashed or not self.gate.weight.requires_grad:
             return
         load_E = load_E.to(self.expert_bias)
-        self.expert_bias.add_(rate * torch.sign(load_E.mean() - load_E))
+        self.expert_bias[: self.num_experts].add_(rate * torch.sign(load_E.mean() - load_E))
