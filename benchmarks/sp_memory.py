@@ -13,7 +13,7 @@ torchrun, then trains ``--steps`` steps on the same synthetic batches. Per rank:
   allowance (CUDA context, which a CPU run has not);
 - tokens/s: the global batch's tokens over the median step time after the first.
 
-glibc returns freed blocks at once (``MALLOC_MMAP_THRESHOLD_=65536``), so the resident set
+glibc returns freed blocks at once (``benchmarks/rank_memory.py``), so the resident set
 follows the live tensors. Memory does not depend on the machine's load; time does. On CPU both
 layouts share the same two cores, so tokens/s shows SP's overhead, not a GPU's gain (the
 attention of each rank runs on half the heads of twice the tokens).
@@ -24,16 +24,14 @@ attention of each rank runs on half the heads of twice the tokens).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.rank_memory import ROOT, reset_peak, run_ranks, status, write_result  # noqa: E402
 
 SHAPE = [
     "model.vocab_size=4096",
@@ -52,14 +50,6 @@ SHAPE = [
     "logging.wandb.mode=disabled",
 ]
 DOC = 512
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def _config(seq: int, sp: int):
@@ -92,9 +82,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     cfg = _config(args.seq, args.sp)
     topo = init_distributed(cfg)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _status("VmRSS")
+    base = reset_peak()
     trainer = Trainer(cfg, topo)
     times = []
     for step in range(args.steps):
@@ -104,34 +92,14 @@ def worker(args: argparse.Namespace) -> None:
     predicted = plan(cfg, gpus=topo.world_size, activation_checkpointing=False)
     out = {
         "rank": topo.rank,
-        "peak_rss": _status("VmHWM"),
-        "growth": _status("VmHWM") - base,
+        "peak_rss": status("VmHWM"),
+        "growth": status("VmHWM") - base,
         "base": base,
         "plan": predicted.total_bytes - FRAMEWORK_BYTES,
         "plan_activations": predicted.activations_bytes,
         "tokens_per_s": args.seq / statistics.median(times[1:] or times),
     }
-    print("RESULT " + json.dumps(out), flush=True)
-
-
-def launch(seq: int, sp: int, steps: int) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [
-        str(Path(sys.executable).parent / "torchrun"),
-        "--standalone",
-        f"--nproc_per_node={sp}",
-        __file__,
-        "worker",
-        f"--seq={seq}",
-        f"--sp={sp}",
-        f"--steps={steps}",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
-    lines = (proc.stdout + proc.stderr).splitlines()
-    found = [json.loads(x.split("RESULT ", 1)[1]) for x in lines if "RESULT " in x]
-    return sorted(found, key=lambda r: r["rank"])
+    write_result(args.out, topo.rank, out)
 
 
 def main() -> None:
@@ -142,11 +110,15 @@ def main() -> None:
         p.add_argument("--seq", type=int, default=16384)
         p.add_argument("--steps", type=int, default=3)
     w.add_argument("--sp", type=int, required=True)
+    w.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.cmd == "worker":
         worker(args)
         return
-    runs = {sp: launch(args.seq, sp, args.steps) for sp in (1, 2)}
+    runs = {
+        sp: run_ranks(__file__, sp, [f"--seq={args.seq}", f"--sp={sp}", f"--steps={args.steps}"])
+        for sp in (1, 2)
+    }
     mib = 2**20
     print(f"S={args.seq}, one row per step, {args.steps} steps")
     print(

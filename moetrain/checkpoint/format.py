@@ -280,8 +280,9 @@ def verify_manifest(ckpt: Path, names: list[str] | None = None, crc: bool = True
             )
 
 
-def safe_torch_load(path: str | Path) -> Any:
-    """``torch.load(weights_only=True)`` with errors that name the file.
+def safe_torch_load(path: str | Path, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` with errors that name the file; ``mmap``: its tensors
+    map the file (each read where it is first touched) instead of being read whole.
 
     Refuses pickles that would run code (anything beyond tensors and plain containers), and
     reports truncated or corrupt files instead of a deep torch traceback.
@@ -294,7 +295,7 @@ def safe_torch_load(path: str | Path) -> Any:
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint file is missing")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"{path}: refused to load: it holds objects other than tensors and plain "

@@ -41,6 +41,11 @@ def checkpoint_config(ckpt: Path) -> Config:
     return config_from_dict(TrainerState.read(ckpt).config)
 
 
+def saved_zero_stage(ckpt: Path) -> int:
+    """The ``parallel.zero_stage`` a checkpoint was written at."""
+    return int(TrainerState.read(ckpt).layout.get("zero_stage", 0))
+
+
 def zero3_partitions(ckpt: Path) -> SavedOptimizer | None:
     """The partitions of a checkpoint written at ``parallel.zero_stage=3``; None for another
     stage."""
@@ -62,12 +67,13 @@ def _expert_names(saved: SavedOptimizer, layer: int) -> list[str]:
     return names
 
 
-def dense_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Non-expert weights and buffers (embedding, attention, norms, routers, dense FFNs)."""
+def dense_state(ckpt: Path, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """Non-expert weights and buffers (embedding, attention, norms, routers, dense FFNs);
+    ``mmap``: of a ZeRO-0/1/2 save, mapped from the file, each tensor read where it is used."""
     saved = zero3_partitions(Path(ckpt))
     if saved is not None:
         return _zero3_dense(saved)
-    state = safe_torch_load(Path(ckpt) / DENSE_FILE)
+    state = safe_torch_load(Path(ckpt) / DENSE_FILE, mmap=mmap)
     if not isinstance(state, dict) or "module" not in state:
         raise CheckpointError(f"{Path(ckpt) / DENSE_FILE}: no 'module' state dict inside")
     return dict(state["module"])

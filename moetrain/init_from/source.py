@@ -31,7 +31,7 @@ from moetrain.checkpoint.format import (
     is_complete,
     verify_manifest,
 )
-from moetrain.checkpoint.read import checkpoint_config, expert_files
+from moetrain.checkpoint.read import checkpoint_config, expert_files, saved_zero_stage
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig, config_from_dict
 from moetrain.convert.families import of_hf_config, unwrap, wrapper_of
 from moetrain.convert.families.base import declared_mtp_layers
@@ -238,14 +238,17 @@ def resolve_resumed_config_data(data: dict[str, Any], ckpt: Path) -> Config:
 
 def check_config_fits(cfg: Config, source: InitSource) -> None:
     """Refuse a config whose model differs from the source's (ConfigError naming the key and
-    both values), an MoE that an upcycled dense model cannot become, or a moetrain checkpoint
-    at ``parallel.zero_stage=3`` (its weights are read into the partitions from a Hugging Face
-    directory only, :mod:`moetrain.init_from.unit_reads`)."""
-    if cfg.parallel.zero_stage == 3 and source.kind != "huggingface":
+    both values), an MoE that an upcycled dense model cannot become, or at
+    ``parallel.zero_stage=3`` a moetrain checkpoint written at ZeRO-3 (read into the partitions
+    are Hugging Face directories and checkpoints written at ZeRO-0/1/2,
+    :mod:`moetrain.init_from.unit_reads`)."""
+    stage3 = cfg.parallel.zero_stage == 3 and source.kind == "checkpoint"
+    if stage3 and saved_zero_stage(source.path) == 3:
         raise ConfigError(
-            f"checkpoint.init_from={source.requested}: a moetrain checkpoint is not read into "
-            f"ZeRO-3 partitions (parallel.zero_stage=3 starts from a Hugging Face directory); "
-            f"set parallel.zero_stage=2, or convert the checkpoint (moetrain convert)"
+            f"checkpoint.init_from={source.requested}: a checkpoint written at ZeRO-3 is not "
+            f"read into ZeRO-3 partitions (its weights lie in every rank's optimizer "
+            f"partitions, read whole); set parallel.zero_stage=2, or convert the checkpoint "
+            f"(moetrain convert) and start from that directory"
         )
     for key, value in source_settings(source, cfg).items():
         section, name = key.split(".")

@@ -3,6 +3,7 @@
 :mod:`.estimate` (the memory and speed model, :func:`plan`), :mod:`.activations` (the bytes a
 forward keeps for backward; each token mixer counts its own), :mod:`.gpus` (the GPUs it knows),
 :mod:`.optimizer` (the optimizer state's bytes per parameter and its step's FLOPs),
+:mod:`.zero_grads` (the gradient buffers of DeepSpeed's ZeRO-1/2 optimizer),
 :mod:`.report` (what it prints); the expert and sequence-parallel all-to-alls are
 :mod:`moetrain.plan_traffic`'s.
 """

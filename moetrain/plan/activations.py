@@ -46,10 +46,13 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
       permutation indices (int64) ``16K`` (token and inverse dropless, token and slot with
       capacity); per routed copy (K per token) the expert input ``aD``, the packed gate|up
       output ``2aF`` and the routing weight ``a`` the SwiGLU applies (+ the weighted SwiGLU
-      product ``aF`` unless ``moe.recompute_act``); the combine keeps only indices; shared
-      expert ``aD + 3aF_s`` (+ gate ``aD + a``); ``moe.dense_branch``'s dense FFN as a dense
-      layer's and its three norms (GeGLU's saved tensors not modelled apart).
-    - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``3aF_dense``.
+      product ``aF`` unless ``moe.recompute_act``; other activations:
+      :func:`_expert_act_bytes`), with ``moe.score_on_input`` the weighted input ``aD`` too;
+      the combine keeps only indices; shared expert ``aD + 3aF_s`` (+ gate ``aD + a``);
+      ``moe.dense_branch``'s dense FFN's intermediates and three more norms (one of them saves
+      the FFN's output).
+    - dense FFN: RMSNorm, its output ``aD``, SwiGLU intermediates ``3aF_dense`` (GeGLU's
+      ``4aF_dense``, :data:`MLP_SAVED`).
 
     Squared-ReLU MLPs (``model.ffn_activation: relu2``) keep ``2aF`` (the up projection's
     output and the squares) instead of SwiGLU's ``3aF``, squared-ReLU experts
@@ -65,15 +68,16 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
     a, d = act_bytes, m.d_model
     if layer.ffn == "none":
         return 0
-    mlp = 2 if m.ffn_activation == "relu2" else 3  # a dense FFN's / shared expert's (x aF)
+    mlp = MLP_SAVED[m.ffn_activation]  # a dense FFN's / shared expert's (x aF)
     if layer.ffn == "dense":
         return _branch_norms_bytes(m, a, layer.index) + a * d + mlp * a * m.dense_hidden
     k = e.top_k
     kept = k * min(e.capacity_factor, 1.0) if e.capacity_factor > 0 else k
     ffn = _branch_norms_bytes(m, a, layer.index) + 4 * d + 8 * e.num_experts + 12 * k + 8 + 16 * k
-    act = (1 if e.gated else 0) + (1 if e.recompute_act else 2)  # the experts' (x aF)
     routed = e.latent_dim or d  # each copy's width
-    ffn += kept * (a * routed + act * a * e.expert_hidden + a)
+    ffn += kept * (a * routed + _expert_act_bytes(cfg, a) * e.expert_hidden + a)
+    if e.score_on_input:  # each copy's input scaled by its weight, the experts' input
+        ffn += kept * a * routed
     if e.num_shared_experts or e.latent_dim:  # fp32: the input shared with the router
         ffn += a * d if a != 4 else 0
     if e.latent_dim:
@@ -83,9 +87,35 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
         ffn += mlp * a * fs
         if e.shared_expert_gate:
             ffn += a * d + a
-    if e.dense_branch:  # the dense FFN beside the experts (as a dense layer's), 3 more norms
-        ffn += 3 * _rmsnorm_bytes(d, a) + a * d + 3 * a * m.dense_hidden
+    if e.dense_branch:  # the dense FFN beside the experts, 3 more norms (its output is the
+        ffn += 3 * _rmsnorm_bytes(d, a) + mlp * a * m.dense_hidden  # input of one of them)
     return int(ffn)
+
+
+MLP_SAVED = {"swiglu": 3, "geglu": 4, "relu2": 2}
+"""What a dense FFN or shared expert of ``model.ffn_activation`` saves, in units of ``aF``:
+SwiGLU (one fused node) its gate and up outputs and their product; GeGLU (autograd's
+composition) also the GELU's output; squared ReLU the up output and the squares."""
+
+
+def _expert_act_bytes(cfg: Config, a: int) -> int:
+    """Bytes per hidden unit a routed copy's activation keeps (``moe.activation``; ``a`` =
+    activation bytes). SwiGLU / clamped SwiGLU (one node each): the packed gate|up output
+    ``2a`` and, unless ``moe.recompute_act``, the weighted product ``a``; squared ReLU the up
+    output and the weighted squares unless recomputed. GeGLU is autograd's composition: in the
+    routing weights' fp32 (``c`` = 4) where they scale it, the gate|up output widened (``2c``;
+    the packed output itself when already fp32), the GELU's output and the unweighted product
+    (``c`` each), then the weighted product cast back (``a``, unless recomputed; recomputing
+    keeps the packed output ``2a`` instead where the widening copied it); with
+    ``moe.score_on_input`` (no weights) the packed output, the GELU's output and the product."""
+    e = cfg.moe
+    if e.activation == "geglu":
+        if e.score_on_input:
+            return 3 * a + (0 if e.recompute_act else a)
+        c = 4
+        kept = (2 * a if c != a else 0) if e.recompute_act else a
+        return 4 * c + kept
+    return ((1 if e.gated else 0) + (1 if e.recompute_act else 2)) * a
 
 
 def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:

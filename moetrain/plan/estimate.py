@@ -12,6 +12,9 @@ size, ep = parallel.ep_size, X = W / ep the expert-data-parallel group:
   experts over X). Under bf16/fp16 DeepSpeed adds each micro-batch's low-precision gradient to
   the fp32 buffer as soon as it is ready (ZeRO-1) or reduces it into the fp32 partition
   (ZeRO-2), so the low-precision gradients are transient (the largest one is counted below).
+  Where they accumulate in the weights' own dtype (fp32 training) DeepSpeed's ZeRO-1/2 buffer
+  holds the parameters a partition cuts whole, and ZeRO-1 holds it beside the whole gradients
+  (:mod:`moetrain.plan.zero_grads`).
 - optimizer: its state (``optim.name``'s bytes per parameter, dense and expert,
   :mod:`moetrain.plan.optimizer`; AdamW 8 B/param, Muon 4 B on its matrices and 8 B on the rest),
   + 4 B for the fp32 master copy under bf16/fp16 (and under fp32 with
@@ -66,6 +69,7 @@ from moetrain.model_numbers import (
 from moetrain.plan.activations import activation_bytes
 from moetrain.plan.gpus import GiB, GPUSpec, MiB, gpu_spec
 from moetrain.plan.optimizer import StateBytes, optimizer_step_flops, state_bytes_per_param
+from moetrain.plan.zero_grads import keeps_partition_buffer, zero12_grad_bytes
 from moetrain.plan_traffic import HeadTraffic, Traffic, expert_traffic, head_traffic
 
 FRAMEWORK_BYTES = 1 * GiB  # CUDA context + cuBLAS workspace + NCCL + allocator slack
@@ -259,7 +263,10 @@ def plan(
         return int(per_param * dense + per_expert * expert)
 
     weights = split(wb, z >= 3)
-    grads = split(_dtype_bytes(t.grad_dtype), z >= 2)
+    gb = _dtype_bytes(t.grad_dtype)
+    grads = split(gb, z >= 2)
+    if keeps_partition_buffer(cfg):  # DeepSpeed's whole-parameter buffer (zero_grads)
+        grads = zero12_grad_bytes(cfg, world, split(gb, False), gb)
     masters = 4 if t.precision != "fp32" or (z >= 1 and p.offload_optimizer) else 0
     state = state_bytes_per_param(cfg)  # optim.name's state (AdamW: two fp32 moments)
     opt = split(state.dense + masters, z >= 1, state.expert + masters)

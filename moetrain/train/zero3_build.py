@@ -11,7 +11,7 @@ overwrites (a DeepSpeed that stopped broadcasting would start from NaN, not from
 Buffers are not broadcast: every rank reads the unit's persistent buffers (the routers' selection
 biases). Each rank holds at most one unit read from the source besides its partitions; the
 source's files are opened for the tensors of one unit at a time
-(:class:`moetrain.init_from.unit_reads.UnitReads`). A read that fails on one rank (a non-finite
+(:mod:`moetrain.init_from.unit_reads`). A read that fails on one rank (a non-finite
 tensor, an unreadable file) stops every rank with that error, named, before the broadcast.
 """
 
@@ -27,7 +27,7 @@ from torch import nn
 from moetrain.checkpoint.format import CheckpointError
 from moetrain.config import Config
 from moetrain.init_from.source import InitSource
-from moetrain.init_from.unit_reads import UnitReads
+from moetrain.init_from.unit_reads import CheckpointUnitReads, UnitReads, unit_reads
 from moetrain.init_from.weights import check_filled, copy_part
 from moetrain.model import param_names as pn
 from moetrain.model.transformer import Transformer
@@ -57,7 +57,7 @@ def build_zero3_model(
             model.init_module(sub, module)
 
     experts = local_experts or (0, cfg.moe.num_experts)
-    fill = random if init is None else _source_fill(UnitReads(init, cfg, experts), topology)
+    fill = random if init is None else _source_fill(unit_reads(init, cfg, experts), topology)
     build_partitioned(model, topology.device, ds_config, fill)
     model.reset_rope()
     return model
@@ -71,7 +71,7 @@ def _reader(param: nn.Parameter) -> int:
     return 0
 
 
-def _source_fill(reads: UnitReads, topology: Topology) -> Fill:
+def _source_fill(reads: UnitReads | CheckpointUnitReads, topology: Topology) -> Fill:
     """The ``fill`` of :func:`~moetrain.parallel.zero3.build_partitioned` from a source (the
     module docstring)."""
     me = topology.rank

@@ -4,9 +4,16 @@ After one optimizer step of the real Trainer, each rank's model weights, its ZeR
 partition and AdamW's moments are counted tensor by tensor and compared with
 ``plan(cfg, gpus=2)``: the formula must hold for what DeepSpeed actually allocates (fp32 and
 bf16, ZeRO-1 and ZeRO-2, EP 1 and 2; fp32 masters that share the weights' storage count as
-weights only; at ZeRO-3 the weights are this rank's partitions). Under bf16 the gradients are counted too, after the last
-backward of the step: DeepSpeed's fp32 accumulation buffers (ZeRO-1: whole, in its
-BF16_Optimizer; ZeRO-2: this rank's partition) and no bf16 gradient left alive."""
+weights only; at ZeRO-3 the weights are this rank's partitions). Under bf16 the gradients are
+counted too, after the last backward of the step: DeepSpeed's fp32 accumulation buffers (ZeRO-1:
+whole, in its BF16_Optimizer; ZeRO-2: this rank's partition) and no bf16 gradient left alive.
+Under fp32 at ZeRO-1/2, the most gradient memory a rank held at once in the step
+(tests/helpers/zero_state.py: DeepSpeed's buffers, and at ZeRO-1 autograd's gradients it holds
+until its reduce) against ``plan``'s (moetrain/plan/zero_grads.py: the partition buffer of whole
+parameters, twice with gradient accumulation at ZeRO-2, beside the gradients still held at
+ZeRO-1's first reduce), the largest rank's; with the gradients in flight, at most ``plan``'s
+fresh-gradient term more. The partition alone (``plan``'s former term) is outside the
+tolerance (the negative control)."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import pytest
 
 from tests.helpers.configs import tiny_config
 from tests.helpers.distributed import run_distributed
+from tests.helpers.zero_state import GradientPeak
 
 pytestmark = pytest.mark.slow
 
@@ -27,13 +35,17 @@ SHAPE = {
     "train.micro_batch_size": 2,
     "run_dir": "/tmp/moetrain-plan-zero-unused",
 }
-LAYOUTS = [  # (ep_size, zero_stage, precision)
-    (2, 2, "fp32"),
-    (1, 1, "fp32"),
-    (2, 1, "bf16"),
-    (2, 2, "bf16"),
-    (1, 3, "fp32"),  # ZeRO-3: every weight partitioned (none kept whole: persistence 0)
-    (2, 3, "bf16"),
+LAYOUTS = [  # (ep_size, zero_stage, precision, other settings)
+    (2, 2, "fp32", {}),
+    (2, 2, "fp32", {"train.grad_accum_steps": 2}),  # the earlier micro-batch's buffer beside
+    # ZeRO-1 reduces after the backward (overlap_comm off, as on CPU; plan takes a GPU's on) in
+    # buckets smaller than the model: the gradients beyond the first bucket are still held when
+    # the partition buffer is allocated
+    (1, 1, "fp32", {"parallel.bucket_elements": 4096, "parallel.overlap_comm": False}),
+    (2, 1, "bf16", {}),
+    (2, 2, "bf16", {}),
+    (1, 3, "fp32", {}),  # ZeRO-3: every weight partitioned (none kept whole: persistence 0)
+    (2, 3, "bf16", {}),
 ]
 
 
@@ -65,24 +77,33 @@ def _job(rank: int, world: int) -> list[dict]:
     from moetrain.train.trainer import Trainer
 
     out = []
-    for ep, zero, precision in LAYOUTS:
-        cfg = tiny_config(
-            SHAPE,
-            parallel__ep_size=ep,
-            parallel__zero_stage=zero,
-            train__precision=precision,
-            parallel__zero3_persistence_elements=0,
-        )
+    for ep, zero, precision, other in LAYOUTS:
+
+        def config(precision: str, ep: int = ep, zero: int = zero, other: dict = other):  # noqa: ANN202
+            return tiny_config(
+                SHAPE,
+                other,
+                parallel__ep_size=ep,
+                parallel__zero_stage=zero,
+                train__precision=precision,
+                parallel__zero3_persistence_elements=0,
+            )
+
+        cfg = config(precision)
         trainer = Trainer(cfg, init_distributed(cfg))
         g = torch.Generator().manual_seed(rank)
-        ids = torch.randint(0, 512, (2, 33), generator=g)
+        micro = cfg.train.grad_accum_steps
+        ids = torch.randint(0, 512, (micro, 2, 33), generator=g)
         grads: dict = {}
+        peak = GradientPeak(trainer)
 
-        def count(tr, grads: dict = grads, precision: str = precision) -> None:  # noqa: ANN001
+        def count(tr, grads: dict = grads, precision: str = precision, peak=peak) -> None:  # noqa: ANN001
+            peak.sample()
             if precision == "bf16":
                 grads.update(_grad_bytes(tr))
 
-        trainer.train_step([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], before_step=count)
+        batches = [{"input_ids": b[:, :-1], "labels": b[:, 1:]} for b in ids]
+        trainer.train_step(batches, before_step=count)
         zero_opt = trainer.engine.optimizer
         params = list(trainer.model.parameters())
         weights = _nbytes(params)
@@ -109,7 +130,13 @@ def _job(rank: int, world: int) -> list[dict]:
                 "optimizer": _nbytes(masters) + _nbytes(moments),
                 "plan_optimizer": pl.optimizer_bytes,
                 "grads": grads,
+                "grad_peak": peak.peak,
+                "grad_buffers": peak.buffers,
+                "plan_fresh_grad": pl.param_grad_transient_bytes,
                 "plan_grads": pl.grads_bytes,
+                # plan's former term: fp32 gradients as bf16 weights take them (ZeRO-2 the exact
+                # partition, ZeRO-1 whole)
+                "former_grads": plan(config("bf16"), gpus=world).grads_bytes,
             }
         )
         del trainer, zero_opt, moments, masters, params
@@ -117,7 +144,19 @@ def _job(rank: int, world: int) -> list[dict]:
 
 
 def test_plan_model_state_equals_deepspeed_zero_allocations() -> None:
-    for rank_results in run_distributed(_job, 2, timeout=600.0):
+    ranks = run_distributed(_job, 2, timeout=600.0)
+    for layout, *by_rank in zip(LAYOUTS, *ranks, strict=True):
+        if layout[1] in (1, 2) and layout[2] == "fp32":  # plan's is the largest rank's
+            # ZeRO-1 holds autograd's gradients whole until its reduce; at ZeRO-2 they are in
+            # flight to their bucket (at most the largest one: plan's separate term)
+            key = "grad_peak" if layout[1] == 1 else "grad_buffers"
+            held = max(r[key] for r in by_rank)
+            plan_grads = by_rank[0]["plan_grads"]
+            assert held == pytest.approx(plan_grads, rel=1e-3), by_rank
+            assert held != pytest.approx(by_rank[0]["former_grads"], rel=0.1), by_rank
+            fresh = by_rank[0]["plan_fresh_grad"]
+            assert max(r["grad_peak"] for r in by_rank) <= plan_grads + fresh, by_rank
+    for rank_results in ranks:
         for r in rank_results:
             if r["layout"][1] == 3:  # each partition ceil(numel / group): a few elements
                 assert r["weights"] == pytest.approx(r["plan_weights"], rel=1e-3), r

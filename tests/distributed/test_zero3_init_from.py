@@ -12,8 +12,15 @@ or reading the whole model.
   DeepSpeed does not broadcast, by both), a unit at a time, the largest unit well under half
   the model; at ZeRO-2 each rank reads every dense weight.
 
+- A moetrain checkpoint written at ZeRO-2 (DeepSeek-V3's tiny model after one step from its
+  Hugging Face directory): the first step's cross-entropy at ZeRO-3 equals ZeRO-2's from the
+  same checkpoint; at ZeRO-3 rank 1 read no dense weight (the selection biases apart), a unit at
+  a time.
+
 Negative control for 1e-5: the same model with the two ranks' experts swapped (a rank reading
-the other's experts) moves transformers' cross-entropy by far more (checked here).
+the other's experts) moves transformers' cross-entropy by far more (checked here); so does the
+checkpoint's step (its cross-entropy against the Hugging Face source's: a reader that took the
+source's weights, or the checkpoint's before its step, is caught).
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.zero3_init_jobs import init_from_job, rank_batch
+from moetrain.model import param_names as pn
+from tests.distributed.zero3_init_jobs import checkpoint_init_job, rank_batch
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_models import save_hf_model
 
@@ -71,8 +79,26 @@ def runs(tmp_path_factory) -> dict:
         "llama": [f"checkpoint.init_from={hf['llama']}", "moe.num_experts=8", "moe.top_k=2"],
     }
     jobs = {k: [*v, *RUN, f"run_dir={work / k}"] for k, v in overrides.items()}
-    out = run_distributed(init_from_job, 2, jobs, timeout=900)
+    # a step that moves the weights well past the tolerance (the negative control)
+    step = ["optim.lr=0.01", "optim.warmup_steps=0"]
+    first = [*overrides["deepseek_v3"], *RUN, *step, f"run_dir={work / 'saved'}"]
+    run = [*RUN, "parallel.zero3_persistence_elements=0", f"run_dir={work / 'checkpoint'}"]
+    out = run_distributed(checkpoint_init_job, 2, jobs, first, run, timeout=900)
     return {"hf": hf, "ranks": out}
+
+
+def test_zero3_init_from_a_checkpoint_matches_zero2(runs) -> None:
+    for rank, rank_out in enumerate(runs["ranks"]):
+        two, three = rank_out["checkpoint/zero2"]["ce"], rank_out["checkpoint/zero3"]["ce"]
+        assert _close(three, two), (rank, three, two)
+        hf = rank_out["deepseek_v3/zero2"]["ce"]  # the source before the checkpoint's step
+        assert abs(two - hf) > 10 * REL * hf, (rank, two, hf)
+    r0, r1 = (r["checkpoint/zero3"] for r in runs["ranks"])
+    dense1 = [n for n in r1["names"] if not EXPERT.search(n) and not pn.is_expert_bias(n)]
+    assert not dense1, dense1  # rank 1: its experts and the buffers only
+    assert any(not EXPERT.search(n) for n in r0["names"])
+    whole = sum(r0["units"]) + sum(r1["units"])
+    assert max(r0["units"]) < whole / 2, (r0["units"], whole)
 
 
 @pytest.mark.parametrize("source", ["deepseek_v3", "llama"])

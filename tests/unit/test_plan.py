@@ -24,6 +24,7 @@ from moetrain.plan import (
     loss_transient_bytes,
     plan,
 )
+from moetrain.plan.zero_grads import group_sizes, partition_buffer_elements
 from tests.helpers.configs import tiny_config
 from tests.helpers.memory import saved_storages
 
@@ -73,9 +74,13 @@ def test_zero_and_ep_partitioning_by_hand(zero: int, grad_dtype: str) -> None:
     assert pl.expert_dp == 2
     assert pl.params_per_gpu == dense + expert // 4
     assert pl.weights_bytes == 2 * (dense + expert // 4)
-    # gradients accumulate in fp32 by default (4 B), in bf16 when asked (2 B)
-    g = 4 if grad_dtype == "fp32" else 2
-    grads = g * (dense / 8 + expert / 4 / 2) if zero == 2 else g * (dense + expert / 4)
+    # gradients accumulate in fp32 by default (4 B): ZeRO-2 reduces into the exact partition,
+    # ZeRO-1 (BF16_Optimizer) keeps them whole; in bf16 when asked (2 B), in the weights' dtype:
+    # DeepSpeed's buffer of whole parameters (tests/unit/test_plan_zero_grads.py)
+    if grad_dtype == "fp32":
+        grads = 4 * (dense / 8 + expert / 4 / 2) if zero == 2 else 4 * (dense + expert / 4)
+    else:
+        grads = 2 * partition_buffer_elements(group_sizes(cfg), 8, 4)
     assert pl.grads_bytes == pytest.approx(grads, abs=2)
     assert f"({grad_dtype} accumulation)" in format_plan(pl)
     # fp32 master copy + two fp32 Adam moments, partitioned
@@ -235,6 +240,51 @@ def test_activation_formula_matches_saved_tensors(
     measured = _saved_bytes_per_token(cfg, dtype, tokens)
     # bf16: the router's fp32 copy of its (E, D) weight is saved too (param-sized, not per token)
     assert measured == pytest.approx(predicted, rel=0.01)
+
+
+GEGLU = {  # a dense GeGLU layer, GeGLU shared experts and routed experts, Gemma 4's dense branch
+    "model.n_layers": 3,
+    "moe.first_k_dense": 1,
+    "model.dense_hidden": 160,
+    "moe.num_shared_experts": 1,
+    "model.ffn_activation": "geglu",
+    "moe.activation": "geglu",
+    "moe.dense_branch": True,
+    "model.block_norms": "sandwich",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        GEGLU,
+        {**GEGLU, "moe.recompute_act": True},
+        {"moe.activation": "geglu", "moe.score_on_input": True},
+    ],
+    ids=["geglu", "geglu-recompute", "geglu-score-on-input"],
+)
+def test_geglu_activations_match_saved_tensors(dtype: torch.dtype, extra: dict) -> None:
+    """GeGLU is autograd's composition (its GELU's output and, in the routing weights' fp32,
+    a widened copy of the gate|up output kept too); counted as SwiGLU's fused node it is
+    outside the tolerance (the negative control)."""
+    cfg = _small(extra, {"model.loss_chunk_tokens": 128})
+    a = 4 if dtype == torch.float32 else 2
+    tokens = 512
+
+    def predicted(cfg: Config) -> float:
+        layers = sum(activation_bytes_per_token(cfg, i, a) for i in range(cfg.model.n_layers))
+        weight_grad = 4 * cfg.model.vocab_size * cfg.model.d_model / tokens  # chunked loss's
+        return layers + head_bytes_per_token(cfg, a) + weight_grad
+
+    measured = _saved_bytes_per_token(cfg, dtype, tokens)
+    assert measured == pytest.approx(predicted(cfg), rel=0.01)
+    as_swiglu = _small(
+        extra,
+        {"model.loss_chunk_tokens": 128},
+        {k: "swiglu" for k in ("model.ffn_activation", "moe.activation") if k in extra},
+    )
+    assert measured != pytest.approx(predicted(as_swiglu), rel=0.01)
 
 
 @pytest.mark.parametrize("chunk", [0, 128])
