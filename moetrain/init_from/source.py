@@ -37,7 +37,7 @@ from moetrain.convert.families import of_hf_config, unwrap, wrapper_of
 from moetrain.convert.families.base import declared_mtp_layers
 from moetrain.convert.formats import config_from_hf, not_supported
 from moetrain.convert.hf_files import HFWeights
-from moetrain.convert.weight_map import stored_mtp_depth
+from moetrain.convert.stored_mtp import stored_mtp_depth
 from moetrain.init_from.upcycle import check_upcycle
 
 MODEL_KEYS = function_keys(ModelConfig)
