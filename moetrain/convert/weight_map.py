@@ -226,10 +226,10 @@ class _Plan:
             if mine is not None:
                 full = own_prefix + mine
             else:
-                theirs = rename(by_kind, theirs) or rename(lay.renames, theirs) or theirs
+                named = rename(by_kind, theirs) or rename(lay.renames, theirs) or theirs
                 if lay.sublayers:  # (this block's sublayer of its decoder layer)
-                    theirs = rename(lay.sublayers[i % len(lay.sublayers)], theirs) or theirs
-                full = prefix + theirs
+                    named = rename(lay.sublayers[i % len(lay.sublayers)], named) or named
+                full = prefix + named
             kind = Column if (theirs or "") in lay.columns else Entry
             self.entries.append(kind((name,), (full,)))
         self._join(prefix)
