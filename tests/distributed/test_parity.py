@@ -33,7 +33,7 @@ streams, sqrt(softplus) scores, a hash-routed first layer, the clamped SwiGLU wi
 on dp=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``zero_experts`` (LongCat-Flash's identity
 experts among the routed ones: their copies never cross ranks) on ep=2 ZeRO-2 and dp=2 x ep=2
 ZeRO-1. The default suite runs each variant on its dp=2 x
-ep=2 layout (both axes at once), the variants' world-2 layouts with -m long. The base
+ep=2 layout (both axes at once), the variants' world-2 layouts (and ``gemma4``'s) with -m long. The base
 configuration has a gated shared
 expert. The reference is plain torch in
 one process with the per-expert loop (no DeepSpeed, no dispatcher swap); for capacity it decides
@@ -155,8 +155,10 @@ JOBS = {
 
 
 def _long(world: int, layout: tuple) -> bool:
-    """A variant's world-2 layouts run with -m long (each variant runs on world 4 by default)."""
-    return world == 2 and any(v in VARIANTS for v in layout[2:])
+    """A variant's world-2 layouts run with -m long (each variant runs on world 4 by default;
+    Gemma 4's, whose pieces send nothing new across ranks, only with -m long)."""
+    variants = [v for v in layout[2:] if v in VARIANTS]
+    return bool(variants) and (world == 2 or "gemma4" in variants)
 
 
 QUICK_JOBS = {w: [lay for lay in lays if not _long(w, lay)] for w, lays in JOBS.items()}
