@@ -68,7 +68,10 @@ def main() -> None:
     for _ in range(args.steps):
         t0 = time.perf_counter()
         batch = next(loader)
-        out = engine(input_ids=batch["input_ids"], labels=batch["input_ids"])  # HF shifts
+        # the loader's targets, as moetrain trains on them: the next token at each of the
+        # seq_len positions (labels=input_ids would let transformers drop the last one)
+        labels = batch["labels"]
+        out = engine(input_ids=batch["input_ids"], labels=labels, shift_labels=labels)
         engine.backward(out.loss)
         engine.step()
         times.append(time.perf_counter() - t0)

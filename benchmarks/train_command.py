@@ -68,7 +68,8 @@ WORK = ROOT / "runs" / "bench-command"
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
 PY = sys.executable
 # --family: the sides' first-step cross-entropies (fp32, one function, one batch) agree to
-# rounding; a wrong window, soft-cap or batch moves them by far more
+# rounding (Gemma 4: to all 8 printed digits); the peer scoring 255 of a row's 256 targets
+# (labels=input_ids) put them 2.0e-5 apart at gemma4_text
 SAME_CE_RTOL = 1e-5
 
 
@@ -249,6 +250,8 @@ def check_same_model(first_ce: dict[str, float]) -> None:
     """Both sides train one function: their first-step cross-entropies (same weights, same
     batch, before any update) agree within :data:`SAME_CE_RTOL`, or the benchmark stops."""
     for side, ce in first_ce.items():
+        if side == "peer":
+            continue
         rel = abs(ce - first_ce["peer"]) / abs(first_ce["peer"])
         print(
             f"first-step cross-entropy {side} {ce:.7f} vs peer {first_ce['peer']:.7f}: "
