@@ -192,14 +192,8 @@ def moetrain_cmd(
     shutil.rmtree(run_dir, ignore_errors=True)
     config, sizes = CONFIG, shape_overrides(SHAPES[args.shape])
     family = getattr(args, "family", None)
-    if family:  # the architecture from the source directory, the training keys as for bench
-        config = family_config(CONFIG, WORK / "family.yaml")
-        sizes = [
-            f"checkpoint.init_from={family_dir(family)}",
-            f"data.seq_len={SHAPES[args.shape]['seq']}",
-            f"moe.aux_loss_coef={aux_loss_coef(family)}",  # as the peer's class trains
-            "moe.z_loss_coef=0",
-        ]
+    if family:
+        config, sizes = family_overrides(family, SHAPES[args.shape]["seq"])
     ov = [
         *sizes,
         f"data.output_dir={data}",
@@ -220,6 +214,17 @@ def moetrain_cmd(
     ]
     target = ["-m", "moetrain", "train", str(config), *ov]
     return launcher(args.launcher, port, target)
+
+
+def family_overrides(family: str, seq_len: int) -> tuple[Path, list[str]]:
+    """``--family``'s moetrain config and overrides: the architecture from the source
+    directory, the training keys as for bench, the balancing loss as the peer's class trains."""
+    return family_config(CONFIG, WORK / "family.yaml"), [
+        f"checkpoint.init_from={family_dir(family)}",
+        f"data.seq_len={seq_len}",
+        f"moe.aux_loss_coef={aux_loss_coef(family)}",
+        "moe.z_loss_coef=0",
+    ]
 
 
 def family_dir(family: str) -> Path:
