@@ -34,6 +34,13 @@ os.environ.setdefault(
     ),
 )
 
+# TorchDynamo off in every process the tests start (and in this one): moetrain compiles nothing
+# (tests/unit/test_suite_settings.py holds it to that), but DeepSpeed's ZeRO code imports its
+# Muon module in every rank, whose torch.compile decorators import TorchInductor: 1.5-2 CPU-s of
+# imports per rank, none of it used. Disabled, torch.compile returns the function as it is; every
+# value a test checks is computed by the same eager code either way.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 
 def pytest_sessionstart(session):
     """Bytecode for the sources every process a test starts imports, written once.
