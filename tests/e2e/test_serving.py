@@ -82,6 +82,9 @@ PHIMOE_WIDE_ROPE = dict(
 )
 
 MIMO_SERVED = dict(WIDE, v_head_dim=32, routed_scaling_factor=None)
+# vLLM's PyTorch RoPE instead of its CPU kernel, which rotates a [tokens, heads, head_dim] query
+# or key wrongly (it takes each head's row for a token of one head: docs/HUGGING-FACE.md)
+TORCH_ROPE = {"custom_ops": ["-rotary_embedding"]}
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class Case:
     zero_selection_bias: bool = False  # e_score_correction_bias set to zeros
     random_prompt: int = 0  # > 0: a prompt of that many random token ids instead of PROMPT
     max_model_len: int = 64  # vLLM's context (the tiny models' max_position_embeddings)
+    compilation_config: dict[str, Any] | None = None  # vLLM's (``LLM(compilation_config=)``)
 
 
 CASES: dict[str, Case] = {
@@ -141,6 +145,9 @@ CASES: dict[str, Case] = {
     # LongCat-Flash's latent attention at the CPU MLA kernel's shape (it rotates head_dim =
     # qk_rope_head_dim channels)
     "longcat_flash": Case("longcat_flash", MLA),
+    # LFM2-MoE with vLLM's PyTorch RoPE: its attention hands the rotary op per-head queries and
+    # keys after their RMSNorm, which the CPU kernel rotates wrongly (lfm2_moe in MISCOMPUTED)
+    "lfm2_moe-torch-rope": Case("lfm2_moe", WIDE, compilation_config=TORCH_ROPE),
     # an upcycled Qwen3.5 (dense): Qwen3.5-MoE without a shared expert
     "qwen3_5_text-upcycled": Case("qwen3_5_text", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
 }
@@ -191,9 +198,11 @@ MISCOMPUTED: dict[str, str] = {
     "ernie4_5_moe": "vLLM's CPU router ignores the selection bias (moe_statics."
     "e_score_correction_bias) of a softmax router that is not grouped: it picks the top-k of "
     "the softmax alone (its GPU router adds the bias)",
-    "lfm2_moe": "vLLM computes LFM2-MoE otherwise: its log-probabilities are 0.1-1.3 nats "
-    "from transformers' from the first generated token, up to 10 with attention in every layer "
-    "(the cause is not isolated)",
+    "lfm2_moe": "vLLM's CPU rotary kernel, which plain RoPE takes, rotates LFM2-MoE's "
+    "[tokens, heads, head_dim] queries and keys (per-head, after their RMSNorm) wrongly: it "
+    "rotates the first `tokens` head rows, by positions 0, 1, 2 ... in row order, and leaves "
+    "the others unrotated; with vLLM's PyTorch RoPE (lfm2_moe-torch-rope) the tokens are "
+    "transformers'",
     "deepseek_v3-rope-halves": "vLLM's DeepSeek model reads no rope_interleave: it always "
     "rotates adjacent pairs, as the released models do",
     "mimo_v2_flash-window-binds": "vLLM's MiMo-V2-Flash attends sliding_window_size "
@@ -317,14 +326,18 @@ def vllm_greedy(
     max_model_len: int,
     dtype: str = "float32",
     top: int = 0,
+    compilation_config: dict[str, Any] | None = None,
 ) -> tuple[list[int] | None, list[dict[int, float]], str]:
     """vLLM's greedy tokens (offline) in ``dtype``, with ``top`` > 0 the log-probabilities of
     the chosen and the ``top`` most likely tokens at each step; or None and the root cause of
     its failure."""
     prompt = ",".join(map(str, ids))
     args = [str(python), str(GREEDY), str(path), str(NEW_TOKENS), prompt, str(max_model_len)]
+    args += [dtype, str(top)]
+    if compilation_config is not None:
+        args.append(json.dumps(compilation_config))
     r = subprocess.run(
-        [*args, dtype, str(top)],
+        args,
         # vLLM's engine and worker in this one process (by default it starts two more, as the
         # server test below does): half the start time, the same tokens
         env={**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
@@ -357,13 +370,16 @@ def same_tokens(got: list[int], want: list[int], margins: list[float]) -> None:
 def test_vllm_serves_the_export_with_transformers_greedy_tokens(
     case: str, serving_python: Path, tokenizer: Path, tmp_path: Path
 ) -> None:
-    hf = export(CASES[case], tokenizer, tmp_path)
+    c = CASES[case]
+    hf = export(c, tokenizer, tmp_path)
     written = json.loads((hf / "config.json").read_text())
     if case == "qwen2-upcycled":  # an upcycled Qwen2: Qwen2-MoE without a shared expert
         assert written["model_type"] == "qwen2_moe"
         assert written["shared_expert_intermediate_size"] == 0
-    ids = prompt_ids(hf, CASES[case].random_prompt)
-    got, _, error = vllm_greedy(serving_python, hf, ids, CASES[case].max_model_len)
+    ids = prompt_ids(hf, c.random_prompt)
+    got, _, error = vllm_greedy(
+        serving_python, hf, ids, c.max_model_len, compilation_config=c.compilation_config
+    )
     # a known failure shows as xfailed with its reason once it is checked to be that failure
     if case in REFUSED:
         assert got is None, f"vLLM now serves {case}: take it out of REFUSED and the docs"
