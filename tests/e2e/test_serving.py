@@ -7,8 +7,9 @@ bias: a tiny random model is made with transformers, imported (``moetrain import
 exported (``moetrain convert``), then served by vLLM offline (``vllm.LLM``, one process per
 case) and, for Mixtral, by its OpenAI-compatible server over HTTP. vLLM's greedy tokens must be
 transformers' greedy tokens on the same export (fp32). Qwen3-Next, whose Gated DeltaNet vLLM's
-CPU build runs in bf16 only, is compared in bf16 by log-probabilities (:func:`bf16_disagreements`),
-with a negative control.
+CPU build runs in bf16 only, is compared in bf16 by log-probabilities on vLLM's tokens
+(:func:`function_disagreements`), with a negative control; so is Gemma 4 with tied embeddings in
+fp32, whose tiny model repeats one token.
 
 A case that vLLM does not serve is listed in :data:`REFUSED` with vLLM's error, one that it
 serves with other tokens in :data:`MISCOMPUTED` with the reason: its test checks that vLLM still
@@ -85,6 +86,13 @@ MIMO_SERVED = dict(WIDE, v_head_dim=32, routed_scaling_factor=None)
 # vLLM's PyTorch RoPE instead of its CPU kernel, which rotates a [tokens, heads, head_dim] query
 # or key wrongly (it takes each head's row for a token of one head: docs/HUGGING-FACE.md)
 TORCH_ROPE = {"custom_ops": ["-rotary_embedding"]}
+# Gemma 4 with global heads of 64, twice the sliding ones' as released (vLLM's CPU attention has
+# no head size under 32: the tiny model's 16 is refused), the released final soft cap of 30
+GEMMA4_SERVED = dict(
+    WIDE,
+    per_layer_config={2: {"head_dim": 64, "num_key_value_heads": 1}},
+    final_logit_softcapping=30.0,
+)
 
 
 @dataclass(frozen=True)
@@ -148,6 +156,9 @@ CASES: dict[str, Case] = {
     # LFM2-MoE with vLLM's PyTorch RoPE: its attention hands the rotary op per-head queries and
     # keys after their RMSNorm, which the CPU kernel rotates wrongly (lfm2_moe in MISCOMPUTED)
     "lfm2_moe-torch-rope": Case("lfm2_moe", WIDE, compilation_config=TORCH_ROPE),
+    # untied embeddings: tied as released, the tiny model repeats the prompt's last token
+    # (compared by its function instead: FUNCTION_CASES)
+    "gemma4_text-untied": Case("gemma4_text", dict(GEMMA4_SERVED, tie_word_embeddings=False)),
     # an upcycled Qwen3.5 (dense): Qwen3.5-MoE without a shared expert
     "qwen3_5_text-upcycled": Case("qwen3_5_text", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
 }
@@ -179,8 +190,7 @@ REFUSED: dict[str, str] = {
     # Nemotron 3's squared-ReLU experts (as released): vLLM's CPU MoE takes gated experts only
     "nemotron_h": "is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now",
     # the tiny Gemma 4's global layers have heads of 16 (vLLM's CPU attention takes 32 or more;
-    # at 64 it serves the model, but then the tiny model's greedy tokens repeat one token or
-    # tie at the soft cap, so no comparison is made)
+    # at 64 it serves the model: gemma4_text-untied, gemma4_text-tied)
     "gemma4_text": "Unsupported CPU attention configuration: head_dim=16",
     # value heads narrower than the query/key heads (as released: 128 and 192) take vLLM's
     # Triton attention backend for them, which the CPU build does not run
@@ -394,26 +404,55 @@ def test_vllm_serves_the_export_with_transformers_greedy_tokens(
     same_tokens(got, want, margins)
 
 
-# Gated DeltaNet's CPU kernels take bf16 only (and linear head dims of 128, as released):
-# Qwen3-Next is compared in bf16. vLLM's bf16 decoding is checked against transformers' bf16
-# function (the same weights rounded as vLLM's) on vLLM's own tokens, teacher forced, so that a
-# near tie that the rounding flips does not shift every later step: at each generated position
-# the log-probabilities of vLLM's chosen and BF16_TOP most likely tokens, within
-# BF16_LOGPROB_TOL of transformers', and vLLM's token within it of transformers' top one.
-BF16_TOP = 5
-BF16_LOGPROB_TOL = 0.3  # nats: measured 0.15 (and a wrong weight 7; docs/HUGGING-FACE.md)
-QWEN3_NEXT_BF16 = Case("qwen3_next", dict(WIDE, linear_key_head_dim=128, linear_value_head_dim=128))
-# the negative control: the first Gated DeltaNet layer's decay doubled in the export vLLM serves
-WRONG_WEIGHT = "model.layers.0.linear_attn.A_log"
+# Where greedy tokens cannot be compared, vLLM's decoding is checked against transformers'
+# function on vLLM's own tokens, teacher forced: at each generated position the
+# log-probabilities of vLLM's chosen and TOP most likely tokens within the case's tolerance of
+# transformers', and vLLM's token within it of transformers' top one. Gated DeltaNet's CPU
+# kernels take bf16 only (and linear head dims of 128, as released): Qwen3-Next is compared in
+# bf16, against transformers' bf16 function (the same weights rounded as vLLM's), so that a near
+# tie that the rounding flips does not shift every later step. Gemma 4 with tied embeddings (as
+# released) repeats the prompt's last token (its scaled embedding dominates the residual
+# stream; untied, the greedy case gemma4_text-untied): compared in fp32.
+TOP = 5
 
 
-def bf16_disagreements(
-    path: Path, ids: list[int], got: list[int], logprobs: list[dict[int, float]]
+@dataclass(frozen=True)
+class FunctionCase:
+    case: Case
+    dtype: str  # vLLM's and transformers'
+    tol: float  # nats
+    wrong_weight: str  # the negative control: this tensor changed in the export vLLM serves
+    wrong: Any  # the change (a function of the tensor)
+
+
+FUNCTION_CASES: dict[str, FunctionCase] = {
+    # measured 0.15 nats (the first Gated DeltaNet layer's decay doubled: 7; docs/HUGGING-FACE.md)
+    "qwen3_next-bf16": FunctionCase(
+        Case("qwen3_next", dict(WIDE, linear_key_head_dim=128, linear_value_head_dim=128)),
+        "bfloat16",
+        0.3,
+        "model.layers.0.linear_attn.A_log",
+        lambda t: t + math.log(2.0),
+    ),
+    # measured 6e-6 nats (the global layer's router scale doubled: docs/HUGGING-FACE.md)
+    "gemma4_text-tied": FunctionCase(
+        Case("gemma4_text", GEMMA4_SERVED),
+        "float32",
+        1e-3,
+        "model.layers.2.router.scale",
+        lambda t: 2.0 * t,
+    ),
+}
+
+
+def function_disagreements(
+    path: Path, fc: FunctionCase, ids: list[int], got: list[int], logprobs: list[dict[int, float]]
 ) -> tuple[list[str], float]:
-    """Where vLLM's bf16 decoding ``got`` / ``logprobs`` leaves transformers' bf16 function
-    beyond BF16_LOGPROB_TOL: a log-probability off by more, or a chosen token that
+    """Where vLLM's decoding ``got`` / ``logprobs`` leaves transformers' function (in
+    ``fc.dtype``) beyond ``fc.tol``: a log-probability off by more, or a chosen token that
     transformers' top token leads by more; and the largest log-probability gap."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    dtype = getattr(torch, fc.dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids + got])).logits[0]
     ref = torch.log_softmax(logits[len(ids) - 1 : -1].double(), dim=-1)
@@ -422,10 +461,10 @@ def bf16_disagreements(
         for t, lp in step.items():
             gap = abs(lp - float(ref[i, t]))
             worst = max(worst, gap)
-            if gap > BF16_LOGPROB_TOL:
-                problems.append(f"step {i}: token {t} vLLM {lp:.4f}, transformers {ref[i, t]:.4f}")
+            if gap > fc.tol:
+                problems.append(f"step {i}: token {t} vLLM {lp:.6f}, transformers {ref[i, t]:.6f}")
         lead = float(ref[i].max() - ref[i, token])
-        if lead > BF16_LOGPROB_TOL:
+        if lead > fc.tol:
             problems.append(
                 f"step {i}: vLLM chose {token}, transformers' top leads it by {lead:.3g}"
             )
@@ -433,26 +472,28 @@ def bf16_disagreements(
 
 
 @pytest.mark.parametrize("wrong_weight", [False, True], ids=["export", "wrong-weight"])
-def test_vllm_serves_qwen3_next_in_bf16_with_transformers_function(
-    wrong_weight: bool, serving_python: Path, tokenizer: Path, tmp_path: Path
+@pytest.mark.parametrize("case", sorted(FUNCTION_CASES))
+def test_vllm_serves_the_export_with_transformers_function(
+    case: str, wrong_weight: bool, serving_python: Path, tokenizer: Path, tmp_path: Path
 ) -> None:
-    """Qwen3-Next's export in bf16 (vLLM's CPU Gated DeltaNet takes no other dtype) against
-    transformers in bf16; the check catches an export with one wrong weight."""
-    hf = export(QWEN3_NEXT_BF16, tokenizer, tmp_path)
+    """vLLM's log-probabilities on its own tokens against transformers' on the same export;
+    the check catches an export with one wrong weight."""
+    fc = FUNCTION_CASES[case]
+    hf = export(fc.case, tokenizer, tmp_path)
     served = hf
     if wrong_weight:
         served = tmp_path / "wrong"
         shutil.copytree(hf, served)
         tensors = load_file(served / "model.safetensors")
-        tensors[WRONG_WEIGHT] = tensors[WRONG_WEIGHT] + math.log(2.0)
+        tensors[fc.wrong_weight] = fc.wrong(tensors[fc.wrong_weight])
         save_file(tensors, str(served / "model.safetensors"), metadata={"format": "pt"})
     ids = prompt_ids(hf)
-    got, logprobs, error = vllm_greedy(serving_python, served, ids, 64, "bfloat16", BF16_TOP)
-    assert got is not None, f"vLLM failed on the Qwen3-Next export in bf16: {error}"
-    problems, worst = bf16_disagreements(hf, ids, got, logprobs)
-    print(f"largest log-probability gap {worst:.4f} nats")
+    got, logprobs, error = vllm_greedy(serving_python, served, ids, 64, fc.dtype, TOP)
+    assert got is not None, f"vLLM failed on the {case} export: {error}"
+    problems, worst = function_disagreements(hf, fc, ids, got, logprobs)
+    print(f"largest log-probability gap {worst:.3g} nats")
     if wrong_weight:
-        assert problems, f"a doubled {WRONG_WEIGHT} stays within the tolerance: {worst:.4f}"
+        assert problems, f"a changed {fc.wrong_weight} stays within the tolerance: {worst:.3g}"
     else:
         assert not problems, "\n".join(problems)
 
