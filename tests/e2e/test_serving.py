@@ -112,6 +112,11 @@ CASES: dict[str, Case] = {
     "deepseek_v3": Case("deepseek_v3", MLA),
     # plain RoPE, as Moonlight-16B-A3B is released
     "deepseek_v3-plain-rope": Case("deepseek_v3", dict(MLA, rope_parameters=WIDE_ROPE)),
+    # the same with vLLM's PyTorch RoPE (the CPU kernel rotates latent attention's per-head
+    # rotary query wrongly: deepseek_v3-plain-rope in MISCOMPUTED)
+    "deepseek_v3-plain-rope-torch-rope": Case(
+        "deepseek_v3", dict(MLA, rope_parameters=WIDE_ROPE), compilation_config=TORCH_ROPE
+    ),
     # rotary halves instead of adjacent pairs (moetrain's model.rope_interleave: false)
     "deepseek_v3-rope-halves": Case("deepseek_v3", dict(MLA, rope_interleave=False)),
     "ernie4_5_moe-no-selection-bias": Case("ernie4_5_moe", WIDE, zero_selection_bias=True),
@@ -222,7 +227,8 @@ MISCOMPUTED: dict[str, str] = {
     "null: 1)",
     "deepseek_v3-plain-rope": "vLLM's CPU rotary kernel, which plain RoPE takes (YaRN takes a "
     "PyTorch path), rotates a [tokens, heads, dim] query wrongly: latent attention's "
-    "per-head rotary query",
+    "per-head rotary query (with vLLM's PyTorch RoPE, deepseek_v3-plain-rope-torch-rope, the "
+    "tokens are transformers')",
 }
 
 
