@@ -36,6 +36,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -428,7 +429,7 @@ class FunctionCase:
     dtype: str  # vLLM's and transformers'
     tol: float  # nats
     wrong_weight: str  # the negative control: this tensor changed in the export vLLM serves
-    wrong: Any  # the change (a function of the tensor)
+    wrong: Callable[[torch.Tensor], torch.Tensor]  # the change
 
 
 FUNCTION_CASES: dict[str, FunctionCase] = {
