@@ -58,6 +58,7 @@ pytestmark = pytest.mark.serving
 SERVING_VENV = ROOT / ".venv-serving"
 SERVING_PY = SERVING_VENV / "bin" / "python"
 GREEDY = ROOT / "tests" / "helpers" / "vllm_greedy.py"
+ROTARY_PROBE = ROOT / "tests" / "helpers" / "vllm_rotary_probe.py"
 PROMPT = "def f(x):\n    return x"
 NEW_TOKENS = 16
 VLLM_TIMEOUT = 420  # seconds for one vLLM process: start (imports, engine, worker) and generate
@@ -409,6 +410,33 @@ def test_vllm_serves_the_export_with_transformers_greedy_tokens(
         assert got != want, f"vLLM now computes {case}: take it out of MISCOMPUTED and the docs"
         pytest.xfail(f"vLLM's tokens {got} are not transformers' {want}: {MISCOMPUTED[case]}")
     same_tokens(got, want, margins)
+
+
+def test_vllm_cpu_rotary_kernel_takes_each_head_for_a_token(
+    serving_python: Path, tmp_path: Path
+) -> None:
+    """The cause of lfm2_moe's and deepseek_v3-plain-rope's other tokens (MISCOMPUTED), on the
+    op itself: vLLM's CPU rotary kernel rotates ``[tokens, heads * head_dim]`` right, and a
+    ``[tokens, heads, head_dim]`` query or key as rows of one head each, the first ``tokens``
+    rows by positions 0, 1, 2 ... (tests/helpers/vllm_rotary_probe.py)."""
+    r = subprocess.run(
+        [str(serving_python), str(ROTARY_PROBE)],
+        env=vllm_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=VLLM_TIMEOUT,
+    )
+    line = next((x for x in r.stdout.splitlines() if x.startswith("ROTARY ")), "")
+    assert line, root_cause(r.stdout + r.stderr)
+    gaps = json.loads(line.partition(" ")[2])
+    assert gaps["flat"] < 1e-5, gaps
+    assert gaps["per_head"] > 0.1, (
+        f"vLLM's CPU rotary kernel now rotates per-head queries right ({gaps}): serve "
+        "lfm2_moe and deepseek_v3-plain-rope without TORCH_ROPE, take them out of MISCOMPUTED "
+        "and the docs"
+    )
+    assert gaps["rows_as_tokens"] < 1e-5, gaps
 
 
 # Where greedy tokens cannot be compared, vLLM's decoding is checked against transformers'
