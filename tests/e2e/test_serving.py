@@ -14,7 +14,9 @@ fp32, whose tiny model repeats one token.
 A case that vLLM does not serve is listed in :data:`REFUSED` with vLLM's error, one that it
 serves with other tokens in :data:`MISCOMPUTED` with the reason: its test checks that vLLM still
 fails that way and reports it as xfailed with the reason, and fails once vLLM serves it right
-(then take the case out of the list and out of docs/HUGGING-FACE.md's table).
+(then take the case out of the list and out of docs/HUGGING-FACE.md's table). The CPU rotary kernel's
+mistake behind two of them (LFM2-MoE, DeepSeek with plain RoPE) is checked on the op itself,
+and both are served with transformers' tokens when vLLM takes its PyTorch RoPE instead.
 
 The tiny models are wider than the other tests' (hidden 128, head_dim 32: vLLM's CPU attention
 has no head size under 32) and drawn with a larger initializer range so that greedy decoding
