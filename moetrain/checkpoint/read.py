@@ -1,5 +1,5 @@
 """Reading weights: a committed moetrain checkpoint (whatever its world / EP size and ZeRO
-stage) into a single-device model.
+stage) a few tensors at a time (:class:`CheckpointTensors`), or into a single-device model.
 
 At ZeRO stages 0-2 the weights are DeepSpeed's dense file and one file per expert. At ZeRO-3
 they are the fp32 master weights in each rank's partitions (:class:`moetrain.checkpoint.reshard.
