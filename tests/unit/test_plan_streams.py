@@ -16,7 +16,7 @@ from moetrain.model.moe.router import Router
 from moetrain.plan import activation_bytes
 from tests.unit.test_plan import _saved_bytes_per_token, _small
 
-TOKENS = 256
+TOKENS = 128
 
 
 def _plain(cfg: Config) -> Config:
