@@ -67,14 +67,20 @@ class CompressedAttentionShape:
     norm_eps: float = 1e-6
 
 
-def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_pairs(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, back: bool = False
+) -> torch.Tensor:
     """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` (..., S, K) in adjacent pairs
-    by the rows ``cos`` / ``sin`` (S, R/2) (in fp32), the leading channels untouched."""
+    by the rows ``cos`` / ``sin`` (S, R/2) (in fp32), the leading channels untouched; ``back``:
+    by the opposite angles."""
     r = 2 * cos.shape[-1]
     pairs = x[..., -r:].float().unflatten(-1, (-1, 2))
     a, b = pairs[..., 0], pairs[..., 1]
     cos, sin = cos.float(), sin.float()
-    turned = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    if back:
+        turned = torch.stack((a * cos + b * sin, b * cos - a * sin), dim=-1).flatten(-2)
+    else:
+        turned = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
     return torch.cat((x[..., :-r], turned.to(x.dtype)), dim=-1)
 
 
@@ -228,7 +234,7 @@ class CompressedAttention(nn.Module):
         out = window_entry_attention(
             q, kv, entries, picks, self.sinks, sh.window, rate, sh.head_dim**-0.5
         )  # (B, H, S, K)
-        out = rotate_pairs(out, cos, -sin).transpose(1, 2)  # the values' rotation undone
+        out = rotate_pairs(out, cos, sin, back=True).transpose(1, 2)  # the values' rotation undone
         grouped = out.reshape(b, s, sh.o_groups, -1)
         w_a = self.wo_a.view(sh.o_groups, sh.o_lora_rank, -1)
         low = torch.einsum("bsgi,goi->bsgo", grouped, w_a.to(grouped.dtype))
