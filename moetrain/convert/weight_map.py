@@ -39,6 +39,7 @@ from moetrain.convert.weight_entries import (
     FusedFiles,
     GroupedRows,
     HeadHalves,
+    IntegerTable,
     Joined,
     NoSelectionBias,
     PerExpertFiles,
@@ -47,6 +48,7 @@ from moetrain.convert.weight_entries import (
     Shape,
     StackedFiles,
     TensorSource,
+    UnusedSelectionBias,
 )
 from moetrain.model import param_names as pn
 from moetrain.model.moe.experts import expert_param_names
@@ -55,6 +57,7 @@ from moetrain.model.transformer import Transformer
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # tensors a file may hold that the model has none of: read only to check that they are zero
 ZERO_ONLY = re.compile(r"self_attn\.[qkvo]_proj\.bias$")
+TOKEN_EXPERTS = "ffn.router.token_experts"  # hash routing's table, in a block
 # a moetrain tensor of block i: layers.<i>.*
 _OUR_BLOCK = re.compile(r"layers\.(\d+)\.")
 
@@ -122,6 +125,8 @@ class _Plan:
         }
         if not cfg.model.tie_embeddings:
             top[pn.LM_HEAD] = "lm_head.weight"
+        for ours, theirs in zip(("fn", "base", "scale"), layout.hyper_head, strict=True):
+            top[f"hc_head.{ours}"] = layout.base + theirs
         for name in names:
             if name in top:
                 self.entries.append(Entry((name,), (top[name],)))
@@ -157,6 +162,9 @@ class _Plan:
         for which, theirs in zip(("input_scale", "expert_scale"), lay.router_scalars, strict=True):
             rules[block_name(pn.router_scalar(0, which), None)] = under(moe, theirs)
         rules[block_name(pn.layer_scalar(0), None)] = lay.layer_scalar
+        for t in ("fn", "base", "scale"):  # hyper-connections (Layout.hyper_head)
+            rules[f"attn_hc.{t}"], rules[f"ffn_hc.{t}"] = f"attn_hc.{t}", f"ffn_hc.{t}"
+        rules[TOKEN_EXPERTS] = under(moe, f"{lay.router}.{lay.hash_table}")
         return rules
 
     def _mtp_rules(self, i: int) -> tuple[dict[str, str], str]:
@@ -187,7 +195,9 @@ class _Plan:
             gate_up, down = (prefix + n for n in lay.shared_fused)
             self.entries += [Joined(tuple(shared[:2]), (gate_up,)), Entry((shared[2],), (down,))]
         bias = pn.expert_bias(i)
-        if bias in names and lay.selection_bias is not None:
+        if bias in names and moe.is_hash_layer(i):
+            self.entries.append(UnusedSelectionBias((bias,), (), self.fmt, moe.routed_choices))
+        elif bias in names and lay.selection_bias is not None:
             theirs = prefix + under(lay.moe_block, lay.selection_bias)
             self.entries.append(SelectionBias((bias,), (theirs,), lay.selection_bias_row))
         elif bias in names:
@@ -231,6 +241,7 @@ class _Plan:
                     named = rename(lay.sublayers[i % len(lay.sublayers)], named) or named
                 full = prefix + named
             kind = Column if (theirs or "") in lay.columns else Entry
+            kind = IntegerTable if r == TOKEN_EXPERTS else kind
             self.entries.append(kind((name,), (full,)))
         self._join(prefix)
         self._fill(i, prefix, mixer or {})
@@ -337,7 +348,8 @@ class WeightMap:
         return self._of[ours].theirs[0]
 
     def hf_tensors(self, layer: int | None = None) -> list[tuple[str, Shape, bool]]:
-        """``(name, shape, kept in fp32)`` of every tensor of the files in one streamed part:
+        """``(name, shape, kept in fp32 or torch.int64 for an integer table)`` of every tensor
+        of the files in one streamed part:
         the dense weights with the fillers and copies (``layer`` None), or MoE layer ``layer``'s
         experts."""
         out = []
@@ -345,7 +357,8 @@ class WeightMap:
             if (entry.layer if isinstance(entry, Experts) else None) != layer:
                 continue
             shapes = entry.hf_shapes([self.shapes[k] for k in entry.ours])
-            out += [(n, s, entry.keep_fp32) for n, s in zip(entry.theirs, shapes, strict=True)]
+            keep = torch.int64 if entry.keep_int64 else entry.keep_fp32
+            out += [(n, s, keep) for n, s in zip(entry.theirs, shapes, strict=True)]
         if layer is None:
             out += [(name, shape, False) for name, (shape, _) in self.fillers.items()]
             out += [(name, self.shapes[ours], False) for name, ours in self.copies.items()]
