@@ -84,6 +84,7 @@ def in_memory(layout: Layout) -> Layout:
         joined=bool(layout.in_memory_joined),
         base=r.get(layout.base, layout.base),
         embed=r.get(layout.embed, layout.embed),
+        lm_head=r.get(layout.lm_head, layout.lm_head),
         final_norm=_rebased(layout.final_norm, layout.base, r.get(layout.base, layout.base)),
         moe_block=r.get(layout.moe_block, layout.moe_block),
         dense_block=r.get(layout.dense_block, layout.dense_block),
@@ -121,10 +122,10 @@ class _Plan:
             pn.EMBED: f"{layout.base}{layout.embed}.weight",
             pn.FINAL_NORM: f"{layout.final_norm}.weight",
             pn.FINAL_NORM_BIAS: f"{layout.final_norm}.bias",
-            pn.LM_HEAD_BIAS: "lm_head.bias",
+            pn.LM_HEAD_BIAS: f"{layout.lm_head}.bias",
         }
         if not cfg.model.tie_embeddings:
-            top[pn.LM_HEAD] = "lm_head.weight"
+            top[pn.LM_HEAD] = f"{layout.lm_head}.weight"
         for ours, theirs in zip(("fn", "base", "scale"), layout.hyper_head, strict=True):
             top[f"hc_head.{ours}"] = layout.base + theirs
         for name in names:

@@ -8,7 +8,9 @@ adjacent pairs, ``rope_theta`` on the sliding layers and ``compress_rope_theta``
 ``e_score_correction_bias`` (moetrain's aux-loss-free ``expert_bias``), renormalised, times
 ``routed_scaling_factor``; hash routing (``mlp_layer_types`` ``hash_moe``: ``moe.hash_layers``,
 the ``tid2eid`` table); the clamped SwiGLU (``swiglu_limit``) in the experts and the shared
-experts. Weights in transformers' names (its in-memory layout). The files' multi-token-
+experts. The files' names are DeepSeek's as transformers' ``save_pretrained`` writes them
+(``model.layers.<i>.attn.wq_a``, ``ffn.experts.<e>.w1``, ``hc_attn_fn``, ``head``); transformers'
+in-memory names are read too. The files' multi-token-
 prediction layers (``num_nextn_predict_layers``), which transformers' class leaves out, cannot
 be held beside hyper-connections (``model.mtp_depth`` is refused with ``model.hc_streams``)."""
 
@@ -22,10 +24,11 @@ from moetrain.convert.families import hf_config
 from moetrain.convert.families.base import Family
 from moetrain.convert.families.deepseek_v3 import SHARED_SIZED_BY_COUNT
 from moetrain.convert.families.holds import ANY, free, only, refused_when
-from moetrain.convert.families.layout import V5_FUSED, Layout
+from moetrain.convert.families.layout import SWIGLU, Layout, PerExpert
 
 NAME = "DeepseekV4ForCausalLM"
 HASH, ROUTED = "hash_moe", "moe"
+HC_TENSORS = ("fn", "base", "scale")
 HOLDS = {
     "model.attention": only(
         "compressed", why="{name} has compressed attention; must be compressed"
@@ -47,10 +50,48 @@ HOLDS = {
     "moe.num_shared_experts": only(1, why="{name} has one shared expert; must be 1"),
     "moe.shared_expert_hidden": SHARED_SIZED_BY_COUNT,
 }
+# the files' names (DeepSeek's, as transformers' save_pretrained writes them) where they are
+# not transformers' in-memory ones: the attention's (of the compressed mixer) ...
+_ATTENTION = {
+    f"self_attn.{theirs}": f"attn.{ours}"
+    for theirs, ours in (
+        ("q_a_proj", "wq_a"),
+        ("q_a_norm", "q_norm"),
+        ("q_b_proj", "wq_b"),
+        ("kv_proj", "wkv"),
+        ("kv_norm", "norm"),
+        ("o_a_proj", "wo_a"),
+        ("o_b_proj", "wo_b"),
+        ("sinks", "attn_sink"),
+        ("compressor.indexer.kv_proj", "indexer.compressor.wkv"),
+        ("compressor.indexer.gate_proj", "indexer.compressor.wgate"),
+        ("compressor.indexer.position_bias", "indexer.compressor.ape"),
+        ("compressor.indexer.kv_norm", "indexer.compressor.norm"),
+        ("compressor.indexer.q_b_proj", "indexer.wq_b"),
+        ("compressor.indexer.scorer.weights_proj", "indexer.weights_proj"),
+        ("compressor.kv_proj", "compressor.wkv"),
+        ("compressor.gate_proj", "compressor.wgate"),
+        ("compressor.position_bias", "compressor.ape"),
+        ("compressor.kv_norm", "compressor.norm"),
+    )
+}
+# ... and the block's others (the in-memory layout keeps its own: in_memory_renames)
+_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    **{f"{hc}.{t}": f"hc_{hc[:-3]}_{t}" for hc in ("attn_hc", "ffn_hc") for t in HC_TENSORS},
+    **{f"ffn.shared_experts.{p}": f"ffn.shared_experts.{w}" for w, p in SWIGLU.items()},
+}
 LAYOUT = Layout(
+    lm_head="head",
+    moe_block="ffn",
     shared_expert="shared_experts",
-    selection_bias="gate.e_score_correction_bias",
-    experts=V5_FUSED,
+    selection_bias="gate.bias",
+    experts=PerExpert({w: w for w in SWIGLU}),
+    mixer_renames={"compressed": _ATTENTION},
+    renames=_BLOCK,
+    in_memory_renames={name: name for name in _BLOCK},
+    in_memory={"head": "lm_head", "ffn": "mlp", "gate.bias": "gate.e_score_correction_bias"},
 )
 
 

@@ -103,6 +103,7 @@ class Layout:
     # the decoder's prefix and its embedding under it (Nemotron-H's backbone., embeddings)
     base: str = "model."
     embed: str = "embed_tokens"
+    lm_head: str = "lm_head"  # the LM head's module (DeepSeek-V4's files: head)
     moe_block: str = "mlp"  # the MoE block of a decoder layer ("": the layer itself)
     router: str = "gate"  # the router's module, under the block
     experts: PerExpert | Fused | Stacked = field(default_factory=PerExpert)
