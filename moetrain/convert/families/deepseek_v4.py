@@ -41,7 +41,6 @@ HOLDS = {
         lambda m, _: m.hc_streams < 2, "{name} has hyper-connections; must be >= 2"
     ),
     "model.ffn_activation": only("clamped_swiglu"),
-    "model.tie_embeddings": only(False),
     "moe.score_func": only("sqrtsoftplus"),
     "moe.hash_layers": ANY,
     "moe.activation": only("clamped_swiglu"),
