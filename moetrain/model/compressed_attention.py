@@ -39,7 +39,7 @@ from torch import nn
 
 from moetrain.model import compressed_kernel
 from moetrain.model.attention import unit_rms
-from moetrain.model.compressed_kernel import window_entry_attention
+from moetrain.model.compressed_kernel import window_entry_attention, window_entry_logit_max
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import RMSNorm
 from moetrain.model.rope import yarn_inv_freq
@@ -231,6 +231,10 @@ class CompressedAttention(nn.Module):
             if self.indexer is not None:
                 picks = self.indexer(x_BSD, q_low, cos, sin)
         rate = self.compressor.rate if self.compressor is not None else 1
+        if getattr(self, "track_logits", False):  # (moetrain.model.logit_max's protocol)
+            seen = window_entry_logit_max(q, kv, entries, picks, sh.window, rate, sh.head_dim**-0.5)
+            old = getattr(self, "logit_max_H", None)
+            self.logit_max_H = seen if old is None else torch.maximum(old, seen)
         out = window_entry_attention(
             q, kv, entries, picks, self.sinks, sh.window, rate, sh.head_dim**-0.5
         )  # (B, H, S, K)

@@ -120,6 +120,27 @@ class _WindowEntryAttention(torch.autograd.Function):
         )
 
 
+@torch.no_grad()
+def window_entry_logit_max(
+    q_BHSK: torch.Tensor,
+    kv_BSK: torch.Tensor,
+    entries_BWK: torch.Tensor,
+    picks: tuple[torch.Tensor, torch.Tensor] | None,
+    window: int,
+    rate: int,
+    scale: float,
+) -> torch.Tensor:
+    """(H,) fp32: each head's largest logit over the keys and entries its queries see (the
+    sinks left out), a block of queries at a time."""
+    out = torch.full((q_BHSK.shape[1],), float("-inf"), device=q_BHSK.device)
+    for start in range(0, q_BHSK.shape[2], BLOCK):
+        stop = min(q_BHSK.shape[2], start + BLOCK)
+        keys, seen, _ = block_keys(kv_BSK, entries_BWK, picks, start, stop, window, rate)
+        logits = _logits(q_BHSK[:, :, start:stop], keys, seen, scale)
+        out = torch.maximum(out, logits.amax(dim=(0, 2, 3)))
+    return out
+
+
 def window_entry_attention(
     q_BHSK: torch.Tensor,
     kv_BSK: torch.Tensor,

@@ -72,10 +72,12 @@ class CompressedMixer(CompressedAttention, TokenMixer):
     """DeepSeek-V4's attention behind the token mixer protocol (module docstring)."""
 
     kind = "compressed"
+    query_key_logits = True  # (each head's largest logit, for the step record)
 
     def __init__(self, cfg: ModelConfig, spec: MixerSpec) -> None:
         super().__init__(attention_shape(cfg, spec))
         self.init_std = cfg.init_std
+        self.n_heads = cfg.n_heads
         yarn = None
         if spec.compress and cfg.rope_scaling == "yarn":
             yarn = (cfg.rope_factor, cfg.rope_original_max_seq_len, *cfg.yarn_betas)
@@ -85,6 +87,14 @@ class CompressedMixer(CompressedAttention, TokenMixer):
 
     def init_own_parameters(self) -> None:
         super().init_own_parameters(self.init_std)
+
+    def qk_clip_scales(self, gamma_H: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Refused: each query head and the key are RMS-normalised after their projections,
+        which would undo any scaling of their rows."""
+        raise TypeError(
+            "model.attention=compressed normalises every query head and the key after their "
+            "projections: QK-clip (optim.muon.qk_clip) cannot scale its logits"
+        )
 
     def rope_rows(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin (n, rope_dim / 2) of positions ``0 .. n - 1``: the layer's table, kept
