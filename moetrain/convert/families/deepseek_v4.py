@@ -33,7 +33,6 @@ HOLDS = {
     "model.attention": only(
         "compressed", why="{name} has compressed attention; must be compressed"
     ),
-    "model.layer_types": ANY,
     "model.sliding_window": ANY,
     "model.partial_rotary_factor": ANY,
     "model.rope_scaling": ANY,
