@@ -57,7 +57,7 @@ from moetrain.model.transformer import Transformer
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # tensors a file may hold that the model has none of: read only to check that they are zero
 ZERO_ONLY = re.compile(r"self_attn\.[qkvo]_proj\.bias$")
-TOKEN_EXPERTS = "ffn.router.token_experts"  # hash routing's table, in a block
+TOKEN_EXPERTS = block_name(pn.token_experts(0), None)  # hash routing's table, in a block
 # a moetrain tensor of block i: layers.<i>.*
 _OUR_BLOCK = re.compile(r"layers\.(\d+)\.")
 
@@ -126,8 +126,8 @@ class _Plan:
         }
         if not cfg.model.tie_embeddings:
             top[pn.LM_HEAD] = f"{layout.lm_head}.weight"
-        for ours, theirs in zip(("fn", "base", "scale"), layout.hyper_head, strict=True):
-            top[f"hc_head.{ours}"] = layout.base + theirs
+        for ours, theirs in zip(pn.HC_TENSORS, layout.hyper_head, strict=True):
+            top[pn.hyper_head(ours)] = layout.base + theirs
         for name in names:
             if name in top:
                 self.entries.append(Entry((name,), (top[name],)))
@@ -163,8 +163,12 @@ class _Plan:
         for which, theirs in zip(("input_scale", "expert_scale"), lay.router_scalars, strict=True):
             rules[block_name(pn.router_scalar(0, which), None)] = under(moe, theirs)
         rules[block_name(pn.layer_scalar(0), None)] = lay.layer_scalar
-        for t in ("fn", "base", "scale"):  # hyper-connections (Layout.hyper_head)
-            rules[f"attn_hc.{t}"], rules[f"ffn_hc.{t}"] = f"attn_hc.{t}", f"ffn_hc.{t}"
+        for hc in (
+            block_name(pn.hyper_connection(0, b, t), None)
+            for b in pn.HC_BRANCHES
+            for t in pn.HC_TENSORS
+        ):
+            rules[hc] = hc  # (transformers' names; Layout.hyper_head)
         rules[TOKEN_EXPERTS] = under(moe, f"{lay.router}.{lay.hash_table}")
         return rules
 
