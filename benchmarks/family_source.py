@@ -94,7 +94,7 @@ BENCH_SIZES = {
         rope_parameters={
             "rope_type": "yarn",
             "factor": 16.0,
-            "original_max_position_embeddings": 64,
+            "original_max_position_embeddings": 16,
         },
         compress_rope_theta=160000.0,
         q_lora_rank=64,
