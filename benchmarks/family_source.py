@@ -148,8 +148,22 @@ def save_family_source(family: str, out: Path) -> Path:
     config = type(tiny).from_dict(fields)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    _spread_hash_tables(model, torch.Generator().manual_seed(0))
     model.save_pretrained(out)
     return out
+
+
+def _spread_hash_tables(model, gen) -> None:
+    """Hash-routed layers' token -> experts tables (DeepSeek-V4's ``tid2eid``, which the class
+    initialises to zeros, every token to expert 0) filled as released: each token a fixed
+    random set of ``top_k`` distinct experts."""
+    import torch
+
+    for name, table in model.named_buffers():
+        if name.endswith("tid2eid"):
+            vocab, top_k = table.shape
+            experts = model.config.n_routed_experts
+            table.copy_(torch.rand(vocab, experts, generator=gen).argsort(dim=1)[:, :top_k])
 
 
 def family_config(template: Path, out: Path) -> Path:
