@@ -16,6 +16,7 @@ from moetrain.model import param_names as pn
 from tests.helpers.configs import tiny_config
 from tests.helpers.convert_cases import CASES
 from tests.helpers.random_constants import randomise_constants
+from tests.helpers.routed import spread_routers
 
 
 def tiny_cfg(fmt: str, extra: dict | None = None) -> Config:
@@ -53,6 +54,7 @@ def model_for(cfg: Config) -> Transformer:
     m = Transformer(cfg.model, cfg.moe).eval()
     no_bias = cfg.moe.bias_update_rate == 0
     randomise_constants(m, keep=lambda name: no_bias and pn.is_expert_bias(name))
+    spread_routers(m, cfg.model.d_model)  # every expert routed (routed.py)
     return m
 
 
