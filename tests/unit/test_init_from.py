@@ -49,7 +49,7 @@ def test_moe_source_gives_transformers_logits_and_local_experts(hf_dirs, family)
     assert source.kind == "huggingface" and not source.upcycle
     layers = hf_config(family).num_hidden_layers  # (3; Nemotron-H's are one sublayer each)
     assert (cfg.model.vocab_size, cfg.model.d_model, cfg.model.n_layers) == (320, 32, layers)
-    ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 320, (4, 13), generator=torch.Generator().manual_seed(0))
     model = build_model(cfg, source).eval()
     with torch.no_grad(), routed_counts(model) as counts:
         got = model(ids).logits
