@@ -184,7 +184,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # router's scalars, tied embeddings, soft-capping. Not its logits scaled by 1 nor its layer
     # scalar: per-token and per-layer pieces that send nothing across ranks, whose trajectory
     # here amplifies rounding (one process with every sum over the rows reordered already
-    # differs from itself by 3e-5 in the clipped norms with either, 1e-1 with both, by step 10)
+    # differs from itself by 3e-5 in the clipped norms with either, 1e-1 with both, by step 10;
+    # as it is, its twin's largest logit drifts from step 3: docs/NUMERICS.md)
     "gemma4": {
         "model.layer_types": ["sliding_attention", "full_attention"],
         "model.sliding_window": 6,
