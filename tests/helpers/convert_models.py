@@ -73,10 +73,12 @@ def load_hf(cfg: Config, model: Transformer, fmt: str, path):
 
 
 def sharpened(model: Transformer, factor: float = 8.0) -> Transformer:
-    """``model`` with its query and key projections ``factor`` times larger: attention scores
-    that matter (at init they are near zero, and the softmax scale would hardly show)."""
+    """``model`` with its query and key projections as if drawn at ``factor`` times the default
+    init std (0.02): attention scores that matter (at init they are near zero, and the softmax
+    scale would hardly show); a model initialised wider is scaled less."""
+    scale = factor * 0.02 / model.cfg.init_std
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith((".wq.weight", ".wk.weight")):
-                p.mul_(factor)
+                p.mul_(scale)
     return model
