@@ -11,7 +11,9 @@ bias alone picks the experts, and the same few win for every token. :func:`sprea
 draws the router weights wider (:data:`ROUTER_STD`), so that the token decides. In the
 families with an attention output bias (gpt-oss, Phi-3.5-MoE) that bias, randomised to 0.2, also
 outweighs the 0.02 embeddings in the residual stream, so every token reaches the first router
-alike: their tiny models are initialised at :data:`OUTPUT_BIAS_FAMILY_STD`.
+alike: their tiny models are initialised at :data:`OUTPUT_BIAS_FAMILY_STD`. A hash-routed
+layer's token-id -> experts table (DeepSeek-V4's ``tid2eid``) that transformers leaves at zeros
+sends every token to expert 0: :func:`spread_routers` draws it too.
 """
 
 from __future__ import annotations
@@ -33,13 +35,20 @@ ROUTER_NAME = re.compile(r"\.(gate|router)\.(\w+\.)?weight$")  # transformers' a
 @torch.no_grad()
 def spread_routers(model: nn.Module, width: int, seed: int = 0) -> list[str]:
     """Redraw every router weight of ``model`` (a 2-D ``...gate[.x].weight`` or
-    ``...router[.x].weight`` of ``width`` columns: one row per expert) from N(0, ROUTER_STD).
-    Returns the names redrawn."""
+    ``...router[.x].weight`` of ``width`` columns: one row per expert) from N(0, ROUTER_STD),
+    and every constant hash-routing table (distinct random experts per token). Returns the
+    names redrawn."""
     gen = torch.Generator().manual_seed(seed)
     drawn = []
     for name, p in model.named_parameters():
         if ROUTER_NAME.search(name) and p.dim() == 2 and p.shape[1] == width:
             p.copy_(torch.randn(p.shape, generator=gen) * ROUTER_STD)
+            drawn.append(name)
+    experts = model.get_parameter(drawn[0]).shape[0] if drawn else 0  # (a router's rows)
+    for name, table in model.state_dict(keep_vars=True).items():
+        if name.endswith("tid2eid") and bool((table == table.flatten()[0]).all()):
+            rows = [torch.randperm(experts, generator=gen)[: table.shape[1]] for _ in table]
+            table.copy_(torch.stack(rows))  # each token its own distinct experts
             drawn.append(name)
     return drawn
 
