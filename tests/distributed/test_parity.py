@@ -20,24 +20,23 @@ LM-head bias, sparsemixer routing) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 Z
 top-k on the logits with sigmoid weights on the experts' inputs) on dp=2 ZeRO-0, ep=2 ZeRO-2 and
 dp=2 x ep=2 ZeRO-1; ``hybrid`` (Qwen3-Next's: a Gated DeltaNet layer and a gated-attention
 layer, zero-centred norms) on dp=2 ZeRO-0, ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``kda`` (Kimi Linear's: a Kimi Delta Attention layer and an attention
-layer) on ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``mamba`` (Granite 4.0-H's: a Mamba-2 layer over
-several chunks per row, an attention layer) on ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``gated_conv``
+layer) on dp=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``mamba`` (Granite 4.0-H's: a Mamba-2 layer over
+several chunks per row, an attention layer) on dp=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``gated_conv``
 (LFM2-MoE's: a short gated convolution layer with its bias, an attention layer, sigmoid routing
-renormalised with its epsilon) on ep=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``dsa`` (DeepSeek
+renormalised with its epsilon) on dp=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``dsa`` (DeepSeek
 sparse attention's sparse stage on latent attention, the second layer sharing the first's
-selection, the indexer's KL in the loss) on ep=2 ZeRO-2, dp=2 ZeRO-0 with activation
+selection, the indexer's KL in the loss) on dp=2 ZeRO-2, ep=2 ZeRO-0 with activation
 checkpointing and dp=2 x ep=2 ZeRO-1, and ``dsa_warmup`` (its dense warm-up: only the indexers
-train, every other parameter frozen, the routers' bias too) on ep=2 ZeRO-0 and dp=2 x ep=2
+train, every other parameter frozen, the routers' bias too) on dp=2 ZeRO-0 and dp=2 x ep=2
 ZeRO-0 (the stage it runs at with MoE layers); ``dsv4`` (DeepSeek-V4's: two hyper-connection
 streams, sqrt(softplus) scores, a hash-routed first layer, the clamped SwiGLU without its offset)
 on dp=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``zero_experts`` (LongCat-Flash's identity
-experts among the routed ones: their copies never cross ranks) on ep=2 ZeRO-2 and dp=2 x ep=2
+experts among the routed ones: their copies never cross ranks) on dp=2 ZeRO-2 and dp=2 x ep=2
 ZeRO-1. The default suite runs each variant on its dp=2 x ep=2 layout (both axes at once), the
 variants' world-2 layouts (and ``gemma4``'s) with -m long; the token mixers the other way round
 (:data:`MIXERS`). The base configuration has a gated shared expert. The reference is plain torch in
 one process with the per-expert loop (no DeepSpeed, no dispatcher swap); for capacity it decides
-capacity in world / ep_size parts of each global micro-batch, one per EP group, as the layout
-does.
+capacity in world / ep_size parts of each global micro-batch, one per EP group, as the layout does.
 
 This proves: no EP-scaled expert gradients, the step's largest attention logit (a metric for
 every optimizer) as one process sees it, a correct global clipping norm under EP at every
@@ -158,8 +157,7 @@ MIXERS = {"hybrid": (2, 2, "hybrid"), **{v: (1, 2, v) for v in ("kda", "mamba", 
 
 
 def _long(world: int, layout: tuple) -> bool:
-    """A variant's world-2 layouts run with -m long (each variant runs on world 4 by default;
-    Gemma 4's, whose pieces send nothing new across ranks, only with -m long; :data:`MIXERS`)."""
+    """Whether a layout runs with -m long only (the module docstring says which; :data:`MIXERS`)."""
     variants = [v for v in layout[2:] if v in VARIANTS]
     if variants and variants[0] in MIXERS:
         return (world, layout) != (2, MIXERS[variants[0]])
@@ -401,17 +399,14 @@ def test_a_systematic_error_in_the_noisiest_gradient_is_caught(results) -> None:
 
 @pytest.mark.long
 def test_gemma4_largest_logit_bounds_still_catch_a_real_difference(results) -> None:
-    """Negative control where Gemma 4's trajectory widens the largest logit's bounds (its twin
-    drifts from step 3: docs/NUMERICS.md): the first step is held to ``REL``, the run passes
-    unchanged, and its largest logits 2 x ``REL`` off at every step (a per-rank difference in
-    how a layer's logits are computed or gathered) fail at the first step."""
+    """Negative control where Gemma 4's twin widens the largest logit's bounds (docs/NUMERICS.md):
+    the run passes, its logits 2 x ``REL`` off at every step fail at the first step."""
     world, layout = 2, (1, 2, "gemma4")
     reference, twin = _reference(results, world, layout), _twin(results, world, layout)
     assert step_bounds(twin["max_logits"], reference["max_logits"])[0] == REL
     check_max_logit(results, world, layout)
     shifted = [{**res, _key(layout): dict(res[_key(layout)])} for res in results[world]]
-    for res in shifted:
-        run = res[_key(layout)]
+    for run in (res[_key(layout)] for res in shifted):
         run["max_logits"] = [x * (1 + 2 * REL) for x in run["max_logits"]]
     with pytest.raises(AssertionError, match="largest attention logit at step 0"):
         check_max_logit({**results, world: shifted}, world, layout)
