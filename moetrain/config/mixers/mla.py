@@ -161,13 +161,8 @@ class MLA(MixerKind):
 
     @classmethod
     def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:
-        require(
-            model.index_topk is None,
-            "parallel.sp_size",
-            "sparse attention (model.index_topk) is not supported with sequence parallelism: "
-            "each query's top-k keys are chosen over its whole sequence, which no rank holds; "
-            "use parallel.sp_size=1",
-        )
+        """The query heads (dense attention, the warm-up's). Sparse attention splits no
+        heads: each rank's queries select from the whole rows' keys, gathered."""
         return (("model.n_heads", model.n_heads),)
 
 
