@@ -252,6 +252,17 @@ def warmup_index_loss(
     return kl_BS, recall_share(queries, recall_queries, topk, hits)
 
 
+def sparse_exchange_bytes(cfg: ModelConfig, spec: MixerSpec, a: int, sp: int) -> int:
+    """Bytes a sparse-attention layer sends off the GPU per token of its rank's slice in one
+    forward under sequence parallelism: its keys (``C + R``, and an own indexer's ``Di``) to
+    each of the ``sp - 1`` other ranks; in the dense warm-up only an own indexer's layer, for
+    its KL (the dense attention's exchange is latent attention's)."""
+    if cfg.index_stage == "dense_warmup" and not spec.indexer:
+        return 0
+    index = cfg.index_head_dim if spec.indexer else 0
+    return (sp - 1) * a * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + index)
+
+
 def sparse_mixing_flops(cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
     """Training FLOPs per token of a sparse-attention layer beyond its matrices (causal masks
     not discounted, recomputation in backward not counted, as for dense attention).
@@ -273,7 +284,7 @@ def sparse_mixing_flops(cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> floa
     return 6 * h * (2 * c + r) * k + 2 * index * seq_len + 6 * index * k
 
 
-def sparse_saved_bytes(cfg: ModelConfig, spec: MixerSpec, a: int) -> int:
+def sparse_saved_bytes(cfg: ModelConfig, spec: MixerSpec, a: int, sp: int = 1) -> int:
     """Bytes a sparse-attention layer saves for backward per token (``a`` per activation
     value; checked against saved-tensor hooks). ``sparse`` stage: the projections' inputs
     ``aD`` and ``2aQ + 4`` (the query latent and its norm's output), the ``wkv_a`` output
@@ -285,11 +296,14 @@ def sparse_saved_bytes(cfg: ModelConfig, spec: MixerSpec, a: int) -> int:
     over the selection ``9k`` (the target and log-probabilities, the mask), and a layer that
     shares another's selection nothing of it (the same tensors). ``dense_warmup``: latent
     attention's (``dense``) plus an own indexer's KL inputs, ``8Di + 8 + 4(Hi Di + Hi)`` and
-    the absorbed queries and keys; an upper bound, as the frozen main model saves nothing."""
+    the absorbed queries and keys; an upper bound, as the frozen main model saves nothing.
+    Under sequence parallelism (``sp`` ranks) the keys, and an own indexer's fp32 keys, are the
+    whole rows' (:func:`whole_keys`, :func:`run_indexer`): ``(sp - 1)`` times theirs more."""
     h, c, r = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     hi, di, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     index = 8 * di + 8 + 4 * (hi * di + hi) if spec.indexer else 0
     absorbed = a * h * (c + r) + a * (c + r)
+    absorbed += (sp - 1) * (a * (c + r) + (4 * di if spec.indexer else 0))
     if cfg.index_stage == "dense_warmup":
         return index + absorbed if spec.indexer else 0
     projections = a * cfg.d_model + 2 * a * cfg.q_lora_rank + 4 + a * (c + r) + 4

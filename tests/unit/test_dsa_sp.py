@@ -144,8 +144,9 @@ def test_sequence_parallel_sparse_attention_equals_the_whole_rows(stage: str, sp
     whole = REPORTED["whole"]
     assert [own.layer for own in whole] == [0]  # one indexer, layer 0's
     for metric in ("loss", "kl", "recall"):
-        want = torch.stack([own.loss.detach() if metric == "loss" else own.metrics[metric]
-                            for own in whole])
+        want = torch.stack(
+            [own.loss.detach() if metric == "loss" else own.metrics[metric] for own in whole]
+        )
         assert _rel(_ranks_mean(sp, metric), want) < REL, metric
     recall = float(whole[0].metrics["recall"])
     assert 0 < recall < 1  # sparse: the indexer misses some of the keys dense attention wants
@@ -184,3 +185,33 @@ def test_a_wrong_slice_order_is_caught() -> None:
     swapped = torch.cat([x[:, S // 2 :], x[:, : S // 2]], 1)
     out, _, _ = run_sliced(stack, 2, swapped, probe, call)
     assert _rel(torch.cat([out[:, S // 2 :], out[:, : S // 2]], 1), want) > 1e-3
+
+
+@pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
+def test_plan_exchange_bytes_are_what_the_layers_send(stage: str) -> None:
+    """``exchange_bytes_per_token`` of both layers (own indexer, shared) against what rank 0 of
+    a pair hands its exchange in one training forward, ``(n - 1) / n`` of each send leaving the
+    GPU: the keys gathered (sparse), or the dense exchange and the indexer's KL keys (warm-up)."""
+    from tests.unit.test_plan import _ShapeExchange
+
+    class Counting(_ShapeExchange):
+        sent = 0
+
+        def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+            Counting.sent += x.numel() * x.element_size() * (self.size - 1) / self.size
+            return super().to_heads(x)
+
+        def to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+            Counting.sent += x.numel() * x.element_size() * (self.size - 1) / self.size
+            return super().to_sequence(x)
+
+    cfg = tiny_config(DSA, {"model.index_stage": stage, "parallel.sp_size": 2}).model
+    stack, tables = _stack(stage)
+    stack.float().set_head_exchange(Counting(2))
+    x = torch.randn(B, S // 2, D)
+    inputs = MixerInputs(*(t[: S // 2].float() for t in tables))
+    for i, layer in enumerate(stack.layers):
+        Counting.sent = 0
+        layer(x, inputs)
+        want = layer.exchange_bytes_per_token(cfg, mixer_spec(cfg, i), 4, 2) * B * S // 2
+        assert Counting.sent == pytest.approx(want) and want > 0

@@ -53,6 +53,7 @@ from moetrain.model.sparse_latent import (
     row_queries,
     run_indexer,
     selection,
+    sparse_exchange_bytes,
     sparse_index_loss,
     sparse_mixing_flops,
     sparse_saved_bytes,
@@ -356,7 +357,7 @@ class MLAttention(TokenMixer):
         k and v take the places of the ones above, and the values are saved exchanged
         (``aHVd``) with the output in sequence order (``aHVd``) instead of the ``wkv_b``
         output: ``aH(Vd - N)`` more. Sparse attention: :func:`sparse_saved_bytes`."""
-        dsa = sparse_saved_bytes(cfg, spec, act_bytes) if spec.index_from is not None else 0
+        dsa = sparse_saved_bytes(cfg, spec, act_bytes, sp) if spec.index_from is not None else 0
         if dsa and cfg.index_stage == "sparse":
             return dsa
         a, h, c, v = act_bytes, cfg.n_heads, cfg.kv_lora_rank, cfg.v_head_dim
@@ -379,11 +380,15 @@ class MLAttention(TokenMixer):
         cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
     ) -> float:
         """q, k and v out (every head has its own), the output back; ``(sp - 1) / sp`` of each
-        leaves the GPU."""
+        leaves the GPU. Sparse attention: :func:`sparse_exchange_bytes` instead (its dense
+        warm-up: besides)."""
         if sp == 1:
             return 0.0
+        dsa = sparse_exchange_bytes(cfg, spec, act_bytes, sp) if spec.index_from is not None else 0
+        if dsa and cfg.index_stage == "sparse":
+            return float(dsa)
         dims = cfg.n_heads * (2 * cfg.attention_head_dim + 2 * cfg.v_head_dim)
-        return act_bytes * dims * (sp - 1) / sp
+        return act_bytes * dims * (sp - 1) / sp + dsa
 
     def _attend(
         self,
