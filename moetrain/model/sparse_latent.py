@@ -22,6 +22,12 @@ reads :meth:`MLAttention.trains_alone`). Each own-indexer layer reports its KL, 
 ``index`` with the metrics ``kl`` and ``recall`` (the share of the ``k`` keys dense attention
 weighs most, its heads' mean, that the indexer selects, on the last
 ``model.index_recall_queries`` positions of every row).
+
+Sequence parallelism (a head exchange attached): each rank keeps its queries, every head of
+them, and gathers the whole rows' keys (:func:`whole_keys`: latent attention's shared
+``[latent | k_rope]``; :func:`run_indexer`: the indexer's) from every rank; it selects, attends
+and computes the KL for its queries over them (:func:`row_queries`: its slice of the whole rows'
+documents), and reports the recall as its share (:func:`recall_share`).
 """
 
 from __future__ import annotations
