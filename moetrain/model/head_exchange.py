@@ -13,8 +13,9 @@ mixes whole sequences for its h heads, and back. Which heads a mixer splits is i
 kind's ``sp_heads``: attention's query heads; a recurrent mixer's heads with every channel
 that belongs to them, a short convolution's included); :func:`exchange_to_heads` and
 :func:`exchange_to_sequence` are attention's use of it, :func:`gather_sequence` sparse
-attention's (each rank's queries over every rank's keys, which all heads share). The model only calls it; a model
-without one (``head_exchange`` None, the default) runs exactly as before.
+attention's (each rank's queries over every rank's keys, which all heads share). The model
+only calls it; a model without one (``head_exchange`` None, the default) runs exactly as
+before.
 
 Rank ``rank`` holds positions ``[rank * s, (rank + 1) * s)`` (RoPE uses these global
 positions) and heads ``[rank * h, (rank + 1) * h)``. Key/value heads: where their count ``G``

@@ -9,8 +9,9 @@ batch, whose packed documents cross the ranks' slices (test_sp_parity.py's check
   rank's queries over the whole rows' keys, gathered; a layer sharing the first's selection;
   the indexer's KL in the loss) at sp=2 x ep=2 ZeRO-1, in one job;
 - with -m long: DeepSeek sparse attention's dense warm-up (the indexers alone train; sp=2 x
-  ep=2 ZeRO-0) and its sparse stage with activation checkpointing (sp=2 ZeRO-2), Mamba-2 with one group repeated to both ranks (sp=2 x ep=2 ZeRO-2), KDA with
-  activation checkpointing (the exchanges again in backward, sp=2 ZeRO-0), the gated
+  ep=2 ZeRO-0) and its sparse stage with activation checkpointing (sp=2 ZeRO-2), Mamba-2
+  with one group repeated to both ranks (sp=2 x ep=2 ZeRO-2), KDA with activation
+  checkpointing (the exchanges again in backward, sp=2 ZeRO-0), the gated
   convolution at sp=2 ZeRO-2 and Gemma 4's pieces (``parity_jobs.VARIANTS["gemma4"]``: a
   global layer with its own head dim, one key/value head repeated to each rank, keys as
   values and its own RoPE at the slices' global positions, a sliding layer whose window

@@ -161,8 +161,9 @@ class MLA(MixerKind):
 
     @classmethod
     def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:
-        """The query heads (dense attention, the warm-up's). Sparse attention splits no
-        heads: each rank's queries select from the whole rows' keys, gathered."""
+        """The query heads, which dense latent attention (and sparse attention's dense
+        warm-up) splits over the ranks. Sparse attention's sparse stage splits the queries
+        instead, every head of them over the whole rows' keys (``model/sparse_latent.py``)."""
         return (("model.n_heads", model.n_heads),)
 
 
