@@ -160,7 +160,7 @@ def _gathered_without_returning_gradients(ex, x_BsX: torch.Tensor) -> torch.Tens
     return torch.cat([full[:, : ex.rank * s], x_BsX, full[:, (ex.rank + 1) * s :]], 1)
 
 
-@pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
+@pytest.mark.parametrize("stage", ["sparse", pytest.param("dense_warmup", marks=pytest.mark.long)])
 def test_the_keys_gradients_must_return_to_their_rank(monkeypatch, stage: str) -> None:
     """Control: with the keys' gradients from other ranks dropped, the key projections'
     gradients (the indexer's; in the sparse stage also the latent's) are far off."""
@@ -187,7 +187,7 @@ def test_a_wrong_slice_order_is_caught() -> None:
     assert _rel(torch.cat([out[:, S // 2 :], out[:, : S // 2]], 1), want) > 1e-3
 
 
-@pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
+@pytest.mark.parametrize("stage", ["sparse", pytest.param("dense_warmup", marks=pytest.mark.long)])
 def test_plan_exchange_bytes_are_what_the_layers_send(stage: str) -> None:
     """``exchange_bytes_per_token`` of both layers (own indexer, shared) against what rank 0 of
     a pair hands its exchange in one training forward, ``(n - 1) / n`` of each send leaving the
