@@ -14,10 +14,11 @@ runs without gradient), measured where its (S, S) tensors fit (``--hf-max-seq``)
 
 DeepSeek-V3.2's layer with its widths shrunk to run on 2 CPU cores: d_model 256, 4 heads,
 q_lora_rank 128, kv_lora_rank 64, qk_nope 32, qk_rope 16, v_head 32, 4 indexer heads of 32;
-batch 1, fp32, one thread. Each measurement runs in a fresh subprocess: one warm-up step, the
-median CPU time of ``--repeats`` steps, then, with glibc serving allocations >= 64 KiB by mmap
-from there on (so that RSS follows live tensors; it would slow the steps 1.5-3x), the peak RSS
-of one step over the RSS just before it (peak reset through /proc/self/clear_refs). A round
+batch 1, fp32, one thread. Each measurement runs in a fresh subprocess: with glibc serving
+allocations >= 64 KiB by mmap (so that RSS follows live tensors), one warm-up step, then the
+peak RSS of one step over the RSS just before it (peak reset through /proc/self/clear_refs),
+then, with mmap for blocks of 32 MiB and more only and freed memory kept (every mmap costs a
+path 1.5-3x in time), the median CPU time of ``--repeats`` steps. A round
 runs every path of one S back to back, in alternating order from round to round; a figure is
 the median over rounds. The load average is printed at the start and the end.
 """
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 
 D, H, Q, C, N, R, V, HI, DI = 256, 4, 128, 64, 32, 16, 32, 4, 32
-_M_MMAP_THRESHOLD = -3
+_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1
 
 
 def _rss_kib(field: str) -> int:
@@ -117,6 +118,8 @@ def _transformers_step(s: int, topk: int):  # noqa: ANN202
 
 
 def _child(path: str, s: int, topk: int, repeats: int) -> dict:
+    libc = ctypes.CDLL(None)
+    libc.mallopt(_M_MMAP_THRESHOLD, 65536)
     import torch
 
     torch.set_num_threads(1)
@@ -124,19 +127,20 @@ def _child(path: str, s: int, topk: int, repeats: int) -> dict:
         step = _transformers_step(s, topk)
     else:
         step = _moetrain_step(s, topk if path == "dsa" else None)
-    step()  # warm-up, glibc's allocator as it comes
+    step()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _rss_kib("VmRSS")
+    step()
+    mib = (_rss_kib("VmHWM") - base) / 1024
+    # time: glibc's usual large-block threshold again (mmap per block costs 1.5-3x), freed
+    # memory kept for reuse
+    libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+    libc.mallopt(_M_TRIM_THRESHOLD, 1 << 40)
     times = []
     for _ in range(repeats):
         c0 = time.process_time()
         step()
         times.append(time.process_time() - c0)
-    # memory: allocations >= 64 KiB by mmap from here on, so that RSS follows live tensors (it
-    # costs every path 1.5-3x in time: the times above are without it)
-    ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 65536)
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _rss_kib("VmRSS")
-    step()
-    mib = (_rss_kib("VmHWM") - base) / 1024
     return {"mib": mib, "s": statistics.median(times)}
 
 
