@@ -108,14 +108,11 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(B, S, D, generator=gen, dtype=torch.float64)
 
 
-def _ranks_mean(ranks: int, metric: str) -> torch.Tensor:
-    """Each reported layer's ``metric`` (``loss``: its weighted KL), the mean over the ranks."""
-    per_rank = [REPORTED[r] for r in range(ranks)]
-    pick = [
-        torch.stack([own.loss.detach() if metric == "loss" else own.metrics[metric] for own in r])
-        for r in per_rank
-    ]
-    return torch.stack(pick).mean(0)
+def _reported(key: object, metric: str) -> torch.Tensor:
+    """Each layer's ``metric`` (``loss``: its weighted KL) that call ``key`` reported."""
+    return torch.stack(
+        [own.loss.detach() if metric == "loss" else own.metrics[metric] for own in REPORTED[key]]
+    )
 
 
 CASES = [
@@ -143,11 +140,9 @@ def test_sequence_parallel_sparse_attention_equals_the_whole_rows(stage: str, sp
         assert _rel(grads[name], want) < REL, name
     whole = REPORTED["whole"]
     assert [own.layer for own in whole] == [0]  # one indexer, layer 0's
-    for metric in ("loss", "kl", "recall"):
-        want = torch.stack(
-            [own.loss.detach() if metric == "loss" else own.metrics[metric] for own in whole]
-        )
-        assert _rel(_ranks_mean(sp, metric), want) < REL, metric
+    for metric in ("loss", "kl", "recall"):  # the mean over the ranks, as the step's metrics
+        ranks_mean = torch.stack([_reported(r, metric) for r in range(sp)]).mean(0)
+        assert _rel(ranks_mean, _reported("whole", metric)) < REL, metric
     recall = float(whole[0].metrics["recall"])
     assert 0 < recall < 1  # sparse: the indexer misses some of the keys dense attention wants
 
