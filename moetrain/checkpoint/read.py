@@ -1,5 +1,5 @@
 """Reading weights: a committed moetrain checkpoint (whatever its world / EP size and ZeRO
-stage) into a single-device model.
+stage) a few tensors at a time (:class:`CheckpointTensors`), or into a single-device model.
 
 At ZeRO stages 0-2 the weights are DeepSpeed's dense file and one file per expert. At ZeRO-3
 they are the fp32 master weights in each rank's partitions (:class:`moetrain.checkpoint.reshard.
@@ -13,7 +13,7 @@ first, and every expert of every MoE layer must be present exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -53,13 +53,6 @@ def zero3_partitions(ckpt: Path) -> SavedOptimizer | None:
     return SavedOptimizer(ckpt, state) if state.layout.get("zero_stage") == 3 else None
 
 
-def _zero3_dense(saved: SavedOptimizer) -> dict[str, torch.Tensor]:
-    dense = {n: saved.full(n, MASTER) for n in saved.param_names() if not is_expert_param(n)}
-    for alias, name in saved.aliases.items():  # a tied head: one parameter, two names
-        dense[alias] = dense[name]
-    return dense | saved.buffers
-
-
 def _expert_names(saved: SavedOptimizer, layer: int) -> list[str]:
     names = [n for n in saved.param_names() if (param_names.parse_experts(n) or (-1,))[0] == layer]
     if not names:
@@ -67,13 +60,10 @@ def _expert_names(saved: SavedOptimizer, layer: int) -> list[str]:
     return names
 
 
-def dense_state(ckpt: Path, mmap: bool = False) -> dict[str, torch.Tensor]:
-    """Non-expert weights and buffers (embedding, attention, norms, routers, dense FFNs);
-    ``mmap``: of a ZeRO-0/1/2 save, mapped from the file, each tensor read where it is used."""
-    saved = zero3_partitions(Path(ckpt))
-    if saved is not None:
-        return _zero3_dense(saved)
-    state = safe_torch_load(Path(ckpt) / DENSE_FILE, mmap=mmap)
+def _dense_file(ckpt: Path) -> dict[str, torch.Tensor]:
+    """A ZeRO-0/1/2 save's non-expert weights and buffers (embedding, attention, norms, routers,
+    dense FFNs), mapped from its dense file: each tensor is read where it is used."""
+    state = safe_torch_load(Path(ckpt) / DENSE_FILE, mmap=True)
     if not isinstance(state, dict) or "module" not in state:
         raise CheckpointError(f"{Path(ckpt) / DENSE_FILE}: no 'module' state dict inside")
     return dict(state["module"])
@@ -145,21 +135,77 @@ def stacked_experts(
     return {prefix + name: torch.stack(ts) for name, ts in parts.items()}
 
 
-def iter_layer_states(ckpt: Path, cfg: Config) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-    """Yield ``("dense", non-expert state)`` then ``("layers.<i>", that layer's experts)``.
+class CheckpointTensors:
+    """A committed checkpoint's model tensors (any ZeRO stage), read a few at a time for the run
+    ``cfg`` (the checkpoint's own model): :meth:`dense` the non-expert tensors asked for,
+    :meth:`experts` one MoE layer's experts ``[start, stop)``.
+
+    At ZeRO-0/1/2 the dense file is mapped (each tensor read where it is used) and the experts
+    come from their own files. At ZeRO-3 each tensor is assembled from the ranks' partitions of
+    it (:class:`SavedOptimizer`, its files mapped): a dense tensor from every rank's partition,
+    an expert stack from the files of the saved expert-parallel ranks that hold those experts
+    only; the buffers are whole in every rank's model file."""
+
+    def __init__(self, ckpt: Path, cfg: Config) -> None:
+        self.ckpt, self.cfg = Path(ckpt), cfg
+        self.saved = zero3_partitions(self.ckpt)
+        self.moe_layers = cfg.moe.moe_layers(cfg.model.n_blocks)
+        self._mapped: dict[str, torch.Tensor] | None = None
+        if self.saved is None:
+            self.files = expert_files(self.ckpt, cfg)
+
+    def dense_names(self) -> list[str]:
+        """Every non-expert tensor of the checkpoint (parameters, tied names and buffers)."""
+        if self.saved is None:
+            return list(self._dense_file())
+        saved = self.saved
+        params = [n for n in saved.param_names() if not is_expert_param(n)]
+        return params + list(saved.aliases) + list(saved.buffers)
+
+    def dense(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The non-expert tensors ``names`` that the checkpoint holds (the others left out)."""
+        if self.saved is None:
+            dense = self._dense_file()
+            return {k: dense[k] for k in names if k in dense}
+        saved, out = self.saved, {}
+        params = set(saved.param_names())
+        for name in names:
+            if name in saved.buffers:
+                out[name] = saved.buffers[name]
+            elif (param := saved.aliases.get(name, name)) in params and not is_expert_param(param):
+                out[name] = saved.full(param, MASTER)  # a tied head: one parameter, two names
+        return out
+
+    def experts(self, layer: int, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """MoE layer ``layer``'s stacked expert tensors, experts ``[start, stop)``; nothing for
+        a layer without experts."""
+        if layer not in self.moe_layers:
+            return {}
+        if self.saved is None:
+            names = expert_param_names(self.cfg.moe.expert_biases)
+            return stacked_experts(self.files[layer][start:stop], layer, start, names)
+        saved = self.saved
+        return {n: saved.expert_rows(n, MASTER, start, stop) for n in _expert_names(saved, layer)}
+
+    def _dense_file(self) -> dict[str, torch.Tensor]:
+        if self._mapped is None:
+            self._mapped = _dense_file(self.ckpt)
+        return self._mapped
+
+
+def iter_layer_states(
+    ckpt: Path, cfg: Config, experts: tuple[int, int] | None = None
+) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """Yield ``("dense", non-expert state)`` then ``("layers.<i>", that layer's experts)``
+    (``experts``: the global experts ``[start, stop)`` to read, default all of them).
 
     Memory stays near the dense weights plus one layer's experts (the converter streams this).
     """
-    saved = zero3_partitions(Path(ckpt))
-    if saved is not None:
-        yield "dense", _zero3_dense(saved)
-        for layer in cfg.moe.moe_layers(cfg.model.n_blocks):
-            yield f"layers.{layer}", {n: saved.full(n, MASTER) for n in _expert_names(saved, layer)}
-        return
-    yield "dense", dense_state(ckpt)
-    for layer, files in expert_files(ckpt, cfg).items():
-        names = expert_param_names(cfg.moe.expert_biases)
-        yield f"layers.{layer}", stacked_experts(files, layer, names=names)
+    tensors = CheckpointTensors(ckpt, cfg)
+    yield "dense", tensors.dense(tensors.dense_names())
+    start, stop = experts or (0, cfg.moe.num_experts)
+    for layer in tensors.moe_layers:
+        yield f"layers.{layer}", tensors.experts(layer, start, stop)
 
 
 def load_model(ckpt: Path, cfg: Config | None = None) -> tuple[torch.nn.Module, Config]:

@@ -261,15 +261,24 @@ class SavedOptimizer:
         ``name``; an expert weight as the global stack of every expert, (E, ...)."""
         if not is_expert_param(name):
             return self._one(name, None, key)
-        return torch.cat([self._one(name, e, key) for e in range(self.ep)])
+        return self.expert_rows(name, key, 0, self.full_shape(name)[0])
+
+    def expert_rows(self, name: str, key: str, start: int, stop: int) -> torch.Tensor:
+        """Experts ``[start, stop)`` of the stacked expert weight ``name``'s ``key``, read from
+        the saved EP ranks that hold them only."""
+        per = self._shapes[name][0]  # experts per saved EP rank
+        first, last = start // per, (stop - 1) // per
+        stack = torch.cat([self._one(name, e, key) for e in range(first, last + 1)])
+        return stack[start - first * per : stop - first * per]
 
 
 # ------------------------------------------------------------------------- writing them back
 
 
 def _value(saved: SavedOptimizer, name: str, key: str, experts: tuple[int, int]) -> torch.Tensor:
-    full = saved.full(name, key)
-    return full[experts[0] : experts[1]] if is_expert_param(name) else full
+    if is_expert_param(name):
+        return saved.expert_rows(name, key, *experts)
+    return saved.full(name, key)
 
 
 @torch.no_grad()

@@ -113,9 +113,10 @@ def restore_zero3_optimizer(engine: Any, saved: SavedOptimizer, experts: tuple[i
     for name, param in engine.module.named_parameters():
         keys = keys_of[opt.grad_position[opt.get_param_id(param)][0]]
         for key in ([MASTER] if saved.has_master() else []) + list(keys):
-            value = saved.full(name, key)
             if is_expert_param(name):
-                value = value[experts[0] : experts[1]]
+                value = saved.expert_rows(name, key, *experts)
+            else:
+                value = saved.full(name, key)
             local = partition_of(param, value, name).float()
             opt.set_local_hp_param(local, param, optim_state_key=None if key == MASTER else key)
     for attr, value in saved.counters.items():

@@ -31,7 +31,7 @@ from moetrain.checkpoint.format import (
     is_complete,
     verify_manifest,
 )
-from moetrain.checkpoint.read import checkpoint_config, expert_files, saved_zero_stage
+from moetrain.checkpoint.read import check_experts, checkpoint_config
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig, config_from_dict
 from moetrain.convert.families import of_hf_config, unwrap, wrapper_of
 from moetrain.convert.families.base import declared_mtp_layers
@@ -127,7 +127,7 @@ def _hf_source(spec: str, path: Path) -> InitSource:
 def _checkpoint_source(spec: str, path: Path) -> InitSource:
     verify_manifest(path, crc=False)  # complete, nothing missing or truncated
     cfg = checkpoint_config(path)
-    expert_files(path, cfg)  # every expert of every MoE layer present
+    check_experts(path, cfg)  # every expert of every MoE layer present (any ZeRO stage)
     step = TrainerState.read(path).step
     return InitSource(spec, path, "checkpoint", cfg, step=step)
 
@@ -238,18 +238,7 @@ def resolve_resumed_config_data(data: dict[str, Any], ckpt: Path) -> Config:
 
 def check_config_fits(cfg: Config, source: InitSource) -> None:
     """Refuse a config whose model differs from the source's (ConfigError naming the key and
-    both values), an MoE that an upcycled dense model cannot become, or at
-    ``parallel.zero_stage=3`` a moetrain checkpoint written at ZeRO-3 (read into the partitions
-    are Hugging Face directories and checkpoints written at ZeRO-0/1/2,
-    :mod:`moetrain.init_from.unit_reads`)."""
-    stage3 = cfg.parallel.zero_stage == 3 and source.kind == "checkpoint"
-    if stage3 and saved_zero_stage(source.path) == 3:
-        raise ConfigError(
-            f"checkpoint.init_from={source.requested}: a checkpoint written at ZeRO-3 is not "
-            f"read into ZeRO-3 partitions (its weights lie in every rank's optimizer "
-            f"partitions, read whole); set parallel.zero_stage=2, or convert the checkpoint "
-            f"(moetrain convert) and start from that directory"
-        )
+    both values), or an MoE that an upcycled dense model cannot become."""
     for key, value in source_settings(source, cfg).items():
         section, name = key.split(".")
         ours = getattr(getattr(cfg, section), name)

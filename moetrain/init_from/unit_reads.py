@@ -9,11 +9,12 @@ when asked, one MoE layer's experts ``[start, stop)``, nothing else:
   :func:`moetrain.init_from.weights.source_parts` upcycles it. Every tensor's name and shape is
   checked against the model before anything is read
   (:func:`~moetrain.init_from.weights.check_source_tensors`);
-- a moetrain checkpoint written at ZeRO-0/1/2 (:class:`CheckpointUnitReads`): its dense file
-  mapped (each tensor read from it where it is copied), the experts from their per-expert
-  files, one layer's at a time. One written at ZeRO-3 is not read this way: its weights live in
-  every rank's optimizer partitions, which :class:`moetrain.checkpoint.reshard.SavedOptimizer`
-  loads whole (:func:`moetrain.init_from.source.check_config_fits` refuses it at stage 3).
+- a moetrain checkpoint (:class:`CheckpointUnitReads`, through
+  :class:`moetrain.checkpoint.read.CheckpointTensors`): written at ZeRO-0/1/2, its dense file
+  mapped (each tensor read from it where it is copied) and the experts from their per-expert
+  files; written at ZeRO-3, each tensor assembled from the ranks' partitions of it (the files
+  mapped), the experts from the files of the saved expert-parallel ranks that hold them only.
+  A unit's experts are read one layer at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Collection
 
 import torch
 
-from moetrain.checkpoint.read import dense_state, expert_files, stacked_experts
+from moetrain.checkpoint.read import CheckpointTensors
 from moetrain.config import Config
 from moetrain.init_from.source import InitSource
 from moetrain.init_from.upcycle import upcycled_dense_part, upcycled_experts
@@ -34,7 +35,6 @@ from moetrain.init_from.weights import (
     upcycled_ffns,
 )
 from moetrain.model import param_names as pn
-from moetrain.model.moe.experts import expert_param_names
 
 
 class UnitReads:
@@ -81,31 +81,23 @@ class UnitReads:
 
 
 class CheckpointUnitReads:
-    """A moetrain checkpoint's weights (written at ZeRO-0/1/2) for the run ``cfg``, a unit at
-    a time (the module docstring); ``experts``: the global experts of each MoE layer this rank
-    holds."""
+    """A moetrain checkpoint's weights (written at any ZeRO stage) for the run ``cfg``, a unit
+    at a time (the module docstring); ``experts``: the global experts of each MoE layer this
+    rank holds."""
 
     def __init__(self, source: InitSource, cfg: Config, experts: tuple[int, int]) -> None:
         check_source_tensors(source, cfg.model.mtp_depth)
         self.source, self.cfg, self.experts = source, cfg, experts
-        self.files = expert_files(source.path, source.config)
-        self.names = expert_param_names(source.config.moe.expert_biases)
-        self._dense: dict[str, torch.Tensor] | None = None
+        self.tensors = CheckpointTensors(source.path, source.config)
 
     def read(
         self, names: Collection[str], layer: int | None, experts: bool
     ) -> dict[str, torch.Tensor]:
         """The dense tensors ``names`` of one unit (block ``layer``, or None outside the
         blocks) and, with ``experts``, that block's experts ``[start, stop)``; nothing else."""
-        out: dict[str, torch.Tensor] = {}
-        if names:
-            if self._dense is None:  # mapped, not read: a unit's tensors are read when copied
-                self._dense = dense_state(self.source.path, mmap=True)
-            out = {k: self._dense[k] for k in names if k in self._dense}
-        if experts and layer in self.files:
-            start, stop = self.experts
-            files = self.files[layer][start:stop]
-            out |= stacked_experts(files, layer, start, self.names)
+        out = self.tensors.dense(names) if names else {}
+        if experts and layer is not None:
+            out |= self.tensors.experts(layer, *self.experts)
         return out
 
 

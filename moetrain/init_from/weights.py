@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from moetrain.checkpoint.format import CheckpointError
-from moetrain.checkpoint.read import dense_state, expert_files, stacked_experts
+from moetrain.checkpoint.read import iter_layer_states
 from moetrain.config import Config, MoEConfig
 from moetrain.convert.families import family, unwrap
 from moetrain.convert.families.base import declared_mtp_layers
@@ -32,7 +32,6 @@ from moetrain.convert.weight_map import ZERO_ONLY, WeightMap, decoder_layer
 from moetrain.init_from.source import HF_CONFIG, InitSource
 from moetrain.init_from.upcycle import inexact_reasons, upcycled_dense_part, upcycled_experts
 from moetrain.model import param_names as pn
-from moetrain.model.moe.experts import expert_param_names
 from moetrain.model.transformer import Transformer
 
 Part = tuple[str, dict[str, torch.Tensor]]
@@ -181,14 +180,6 @@ def _upcycled_parts(source: InitSource, cfg: Config, experts: tuple[int, int]) -
         )
 
 
-def _checkpoint_parts(source: InitSource, experts: tuple[int, int]) -> Iterator[Part]:
-    yield "dense", dense_state(source.path)
-    start, stop = experts
-    for layer, files in expert_files(source.path, source.config).items():
-        names = expert_param_names(source.config.moe.expert_biases)
-        yield f"layers.{layer}", stacked_experts(files[start:stop], layer, start, names)
-
-
 def source_parts(
     source: InitSource,
     cfg: Config,
@@ -206,7 +197,7 @@ def source_parts(
         return _upcycled_parts(source, cfg, experts)
     if source.kind == "huggingface":
         return _moe_hf_parts(source, experts, into, want)
-    parts = _checkpoint_parts(source, experts)
+    parts = iter_layer_states(source.path, source.config, experts)
     return parts if want == have else _first_blocks(parts, cfg.model.n_blocks)
 
 

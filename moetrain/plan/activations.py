@@ -6,8 +6,10 @@ A block keeps its input norms (RMSNorm: the input in dtype and an fp32 rsqrt per
 sandwich norms its branches' output norms too; a post-norm block its output norms instead), what its
 token mixer saves (each mixer kind's own count:
 :meth:`moetrain.model.mixers.TokenMixer.saved_bytes_per_token`) and what its FFN saves
-(:func:`ffn_bytes_per_token`); the head and the loss keep theirs (:func:`head_bytes_per_token`,
-:func:`loss_transient_bytes`).
+(:func:`ffn_bytes_per_token`); with hyper-connections (``model.hc_streams`` > 1) each branch's
+(:func:`hyper_connection_bytes_per_token`) and the streams' final collapse; the head and the loss
+keep theirs (:func:`head_bytes_per_token`, :func:`loss_transient_bytes`). Parameter-sized copies
+(under bf16 the router's and the hyper-connections' fp32 weights) are not counted.
 """
 
 from __future__ import annotations
@@ -28,6 +30,26 @@ def _branch_norms_bytes(m: ModelConfig, a: int, layer: int) -> int:
     return _rmsnorm_bytes(m.d_model, a) * (2 if m.norm_placement(layer) == "sandwich" else 1)
 
 
+def hyper_connection_bytes_per_token(m: ModelConfig, a: int, head: bool = False) -> int:
+    """Bytes one branch's hyper-connection (``head``: the final collapse) saves per token, N =
+    ``model.hc_streams`` streams of width D (a = activation bytes; the coefficients in fp32):
+    the streams it reads ``aND`` (+ their fp32 copy ``4ND`` where a != 4), their unit-RMS
+    normed copy ``4ND`` and its rsqrt ``4``; a branch's also the coefficients ``4(2+N)N``,
+    ``pre``'s sigmoid and ``pre`` ``8N``, ``post``'s sigmoid ``4N`` and ``post`` in dtype
+    ``aN``, the mixing matrix's softmax and its floored copy ``8N^2``, Sinkhorn's
+    ``k = 2 * hc_sinkhorn_iters - 1`` divisions (each its denominator ``4N``, each quotient
+    but the last ``4N^2``; the last in dtype ``aN^2``) and the branch's output ``aD``; the
+    head's its coefficients, sigmoid and ``pre`` ``12N``."""
+    n, d = m.hc_streams, m.d_model
+    streams = a * n * d + (4 * n * d if a != 4 else 0) + 4 * n * d + 4
+    if head:
+        return streams + 12 * n
+    k = 2 * m.hc_sinkhorn_iters - 1
+    coefficients = 4 * (2 + n) * n + 12 * n + a * n
+    mixing = 4 * n * n * (k + 1) + a * n * n + 4 * n * k
+    return streams + coefficients + mixing + a * d
+
+
 def attention_bytes_per_token(m: ModelConfig, a: int, sp: int = 1, layer: int = 0) -> int:
     """Bytes block ``layer``'s token mixer and its norms save for backward per token of this
     GPU's slice (a = activation bytes; ``sp``: ``parallel.sp_size``); 0 without a mixer."""
@@ -42,7 +64,9 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
     """Bytes block ``layer``'s FFN (and its input norm) saves per token (a = ``act_bytes``):
 
     - MoE FFN: RMSNorm ``aD + 4``; router input in fp32 ``4D``, logits and probabilities
-      ``8E``, top-k ids, gathered and renormalised weights, z-loss logsumexp ``12K + 8``;
+      ``8E`` (``8(E + Z)`` with Z = ``moe.zero_experts``; their copies' masks ``2K``, summed
+      weights ``4`` and, where a != 4, the input's fp32 copy ``4D`` they scale), top-k ids,
+      gathered and renormalised weights, z-loss logsumexp ``12K + 8``;
       permutation indices (int64) ``16K`` (token and inverse dropless, token and slot with
       capacity); per routed copy (K per token) the expert input ``aD``, the packed gate|up
       output ``2aF`` and the routing weight ``a`` the SwiGLU applies (+ the weighted SwiGLU
@@ -62,7 +86,9 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
     expert's).
 
     With ``capacity_factor`` < 1 only that fraction of the K copies reaches the experts.
-    Expert-parallel ranks see T*K copies on average; routing imbalance raises it.
+    Expert-parallel ranks see T*K copies on average; routing imbalance raises it. Copies routed
+    to zero experts skip the experts: counted as if every copy reached one (the router decides
+    the share, so this is the bound).
     """
     m, e = cfg.model, cfg.moe
     a, d = act_bytes, m.d_model
@@ -73,7 +99,11 @@ def ffn_bytes_per_token(cfg: Config, layer: LayerSpec, act_bytes: int) -> int:
         return _branch_norms_bytes(m, a, layer.index) + a * d + mlp * a * m.dense_hidden
     k = e.top_k
     kept = k * min(e.capacity_factor, 1.0) if e.capacity_factor > 0 else k
-    ffn = _branch_norms_bytes(m, a, layer.index) + 4 * d + 8 * e.num_experts + 12 * k + 8 + 16 * k
+    ffn = (
+        _branch_norms_bytes(m, a, layer.index) + 4 * d + 8 * e.routed_choices + 12 * k + 8 + 16 * k
+    )
+    if e.zero_experts:  # the zero experts' masks, summed weights, the input they scale
+        ffn += 2 * k + 4 + (4 * d if a != 4 else 0)
     routed = e.latent_dim or d  # each copy's width
     ffn += kept * (a * routed + _expert_act_bytes(cfg, a) * e.expert_hidden + a)
     if e.score_on_input:  # each copy's input scaled by its weight, the experts' input
@@ -121,19 +151,28 @@ def _expert_act_bytes(cfg: Config, a: int) -> int:
 def activation_bytes_per_token(cfg: Config, layer: int, act_bytes: int) -> int:
     """Bytes saved for backward per token by block ``layer`` (a = ``act_bytes``, 4 or 2): its
     mixer with its norm (:func:`attention_bytes_per_token`) and its FFN
-    (:func:`ffn_bytes_per_token`), as the layer plan builds them."""
+    (:func:`ffn_bytes_per_token`), as the layer plan builds them, each branch with its
+    hyper-connection (``model.hc_streams`` > 1)."""
     spec = cfg.layer_plan()[layer]
     mixer = attention_bytes_per_token(cfg.model, act_bytes, cfg.parallel.sp_size, layer)
-    return mixer + ffn_bytes_per_token(cfg, spec, act_bytes)
+    saved = mixer + ffn_bytes_per_token(cfg, spec, act_bytes)
+    if cfg.model.hc_streams > 1:
+        branches = (mixer_spec(cfg.model, layer) is not None) + (spec.ffn != "none")
+        saved += branches * hyper_connection_bytes_per_token(cfg.model, act_bytes)
+    return saved
 
 
 def head_bytes_per_token(cfg: Config, act_bytes: int) -> int:
     """Final norm, input ids and labels (int64), then the loss: plain (``model.loss_chunk_tokens``
     = 0) the LM-head input, logits (held by the caller, dtype) and fp32 log-softmax; chunked the
-    gradient wrt the LM-head input (dtype), computed in forward."""
+    gradient wrt the LM-head input (dtype), computed in forward. With hyper-connections the
+    streams' final collapse before the final norm."""
     d, v, a = cfg.model.d_model, cfg.model.vocab_size, act_bytes
     loss = a * d if cfg.model.loss_chunk_tokens > 0 else a * d + a * v + 4 * v
-    return _rmsnorm_bytes(d, a) + 16 + loss
+    collapse = 0
+    if cfg.model.hc_streams > 1:
+        collapse = hyper_connection_bytes_per_token(cfg.model, a, head=True)
+    return _rmsnorm_bytes(d, a) + 16 + loss + collapse
 
 
 def loss_transient_bytes(cfg: Config, tokens: int, act_bytes: int) -> int:
@@ -162,7 +201,8 @@ def activation_bytes(cfg: Config, tokens: int, checkpointing: bool, act_bytes: i
 
     Without checkpointing: every layer's saved tensors + the head + the loss's transient
     (multi-token-prediction modules: their blocks are layers, their inputs and heads the head's). With
-    checkpointing of every block: each block keeps only its input ``aD``; the peak is those plus
+    checkpointing of every block: each block keeps only its input ``aD`` (its N streams ``aND``
+    with hyper-connections); the peak is those plus
     the larger of (head + loss transient) and one block's recomputed set. Shadow experts
     (``parallel.shadow_experts`` under expert parallelism) add, per MoE layer whose saved set is
     alive, the most replicas' weights its experts keep for backward (``3aDF`` each).
@@ -185,5 +225,5 @@ def activation_bytes(cfg: Config, tokens: int, checkpointing: bool, act_bytes: i
     moe_layers = len(e.moe_layers(n))
     if not checkpointing:
         return tokens * sum(layers) + head + moe_layers * replicas
-    kept = n * act_bytes * m.d_model
+    kept = n * act_bytes * m.d_model * m.hc_streams
     return tokens * kept + max(head, tokens * max(layers, default=0) + replicas)

@@ -17,6 +17,12 @@ or reading the whole model.
   same checkpoint; at ZeRO-3 rank 1 read no dense weight (the selection biases apart), a unit at
   a time.
 
+- A checkpoint written at ZeRO-3 (the ZeRO-2 checkpoint above resumed at ZeRO-3 and saved
+  again: the same fp32 weights): the first step's cross-entropy at ZeRO-2 and ZeRO-3 equals
+  the ZeRO-2 checkpoint's; at ZeRO-3 each tensor is assembled from the partition files, rank 1
+  assembling no dense tensor and its experts from the files of saved EP rank 1 only, a unit at a
+  time. Negative control: the same read with each rank handed the other's experts.
+
 Negative control for 1e-5: the same model with the two ranks' experts swapped (a rank reading
 the other's experts) moves transformers' cross-entropy by far more (checked here); so does the
 checkpoint's step (its cross-entropy against the Hugging Face source's: a reader that took the
@@ -83,7 +89,8 @@ def runs(tmp_path_factory) -> dict:
     step = ["optim.lr=0.01", "optim.warmup_steps=0"]
     first = [*overrides["deepseek_v3"], *RUN, *step, f"run_dir={work / 'saved'}"]
     run = [*RUN, "parallel.zero3_persistence_elements=0", f"run_dir={work / 'checkpoint'}"]
-    out = run_distributed(checkpoint_init_job, 2, jobs, first, run, timeout=900)
+    resave = [*RUN, "parallel.zero3_persistence_elements=0", f"run_dir={work / 'saved3'}"]
+    out = run_distributed(checkpoint_init_job, 2, jobs, first, run, resave, timeout=900)
     return {"hf": hf, "ranks": out}
 
 
@@ -99,6 +106,25 @@ def test_zero3_init_from_a_checkpoint_matches_zero2(runs) -> None:
     assert any(not EXPERT.search(n) for n in r0["names"])
     whole = sum(r0["units"]) + sum(r1["units"])
     assert max(r0["units"]) < whole / 2, (r0["units"], whole)
+
+
+def test_init_from_a_zero3_checkpoint_matches_its_zero2_original(runs) -> None:
+    for rank, rank_out in enumerate(runs["ranks"]):
+        ref = rank_out["checkpoint/zero3"]["ce"]  # the same weights, from the ZeRO-2 checkpoint
+        assert _close(rank_out["checkpoint/zero2"]["ce"], ref), rank
+        for stage in (2, 3):
+            got = rank_out[f"checkpoint3/zero{stage}"]["ce"]
+            assert _close(got, ref), (rank, stage, got, ref)
+        swapped = rank_out["swapped/zero3"]["ce"]  # negative control: the other rank's experts
+        assert abs(swapped - ref) > 10 * REL * abs(ref), (rank, swapped, ref)
+    r0, r1 = (r["checkpoint3/zero3"] for r in runs["ranks"])
+    # rank 1 assembled no dense tensor, and its experts from saved EP rank 1's files only
+    assert r1["partitions"] and {ep for _, ep in r1["partitions"]} == {1}, r1["partitions"]
+    assert {ep for _, ep in r0["partitions"]} == {None, 0}, r0["partitions"]
+    dense1 = [n for n in r1["names"] if not EXPERT.search(n) and not pn.is_expert_bias(n)]
+    assert not dense1, dense1  # (the selection biases apart: buffers, read by every rank)
+    whole = sum(r0["units"]) + sum(r1["units"])
+    assert max(r0["units"]) < whole / 2, (r0["units"], whole)  # a unit at a time
 
 
 @pytest.mark.parametrize("source", ["deepseek_v3", "llama"])

@@ -40,6 +40,17 @@ def _deepspeed_gradients(opt: Any) -> Iterator[torch.Tensor]:
         yield opt.grad_partitions_flat_buffer
 
 
+def _bucket_buffers(opt: Any) -> Iterator[torch.Tensor]:
+    """The reduce buckets' buffers: a list of tensors at ZeRO-1/2, one flat tensor (or None) at
+    ZeRO-3. A tensor is taken whole: iterating it would unbind it into one view per element
+    (a 2M-element bucket makes about a gigabyte of views at once)."""
+    for bucket in getattr(opt, "ipg_buckets", {}).values():
+        if isinstance(bucket.buffer, torch.Tensor):
+            yield bucket.buffer
+        else:
+            yield from bucket.buffer or ()
+
+
 class GradientPeak:
     """The most gradient memory a rank holds at once, in bytes, sampled after every copy of a
     gradient into ZeRO-1/2's partition buffer (where DeepSpeed allocates it, beside the
@@ -65,11 +76,7 @@ class GradientPeak:
 
     def sample(self) -> None:
         """Count the gradient memory held now (``peak`` and ``buffers`` keep the largest)."""
-        buckets = {
-            t.untyped_storage().data_ptr()
-            for bucket in getattr(self.opt, "ipg_buckets", {}).values()
-            for t in bucket.buffer
-        }
+        buckets = {t.untyped_storage().data_ptr() for t in _bucket_buffers(self.opt)}
         buffers = _storages(_deepspeed_gradients(self.opt))
         autograd = _storages(_autograd_gradients(self.model))
         held = {p: n for p, n in (buffers | autograd).items() if p not in buckets}

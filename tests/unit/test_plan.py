@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -182,12 +183,20 @@ class _ShapeExchange:
         return x_BShX[:, : x_BShX.shape[1] // self.size].repeat(1, 1, self.size, 1)
 
 
-def _saved_bytes_per_token(cfg: Config, dtype: torch.dtype, tokens: int) -> float:
+def _saved_bytes_per_token(
+    cfg: Config,
+    dtype: torch.dtype,
+    tokens: int,
+    prepare: Callable[[Transformer], None] | None = None,
+) -> float:
     """Bytes of distinct non-parameter storages autograd saves in one forward, plus the
     logits the caller holds, per token of this rank's slice (``parallel.sp_size`` > 1: rank 0
-    of a sequence-parallel group, through :class:`_ShapeExchange`)."""
+    of a sequence-parallel group, through :class:`_ShapeExchange`); ``prepare``: called on
+    the model before the forward."""
     torch.manual_seed(0)
     model = Transformer(cfg.model, cfg.moe).to(dtype)
+    if prepare is not None:
+        prepare(model)
     sp = cfg.parallel.sp_size
     if sp > 1:
         model.set_head_exchange(_ShapeExchange(sp))

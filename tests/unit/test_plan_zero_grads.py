@@ -91,3 +91,33 @@ def test_plan_takes_the_buffer_only_where_deepspeed_keeps_it() -> None:
     assert plan(zero1, gpus=2).grads_bytes == one + whole - moved
     overlapped = tiny_config(parallel__zero_stage=1, parallel__overlap_comm=True)
     assert plan(overlapped, gpus=2).grads_bytes == one
+
+
+@pytest.mark.parametrize("zero3", [False, True])
+def test_gradient_peak_leaves_the_reduce_buckets_out_without_unbinding_them(
+    monkeypatch: pytest.MonkeyPatch, zero3: bool
+) -> None:
+    """The measuring helper of the engine checks (tests/helpers/zero_state.py): ZeRO-1/2's
+    reduce buckets are lists of tensors, ZeRO-3's one flat tensor, counted whole and left out;
+    iterating a tensor would unbind it into one view per element (about 1 GiB of views for a
+    2M-element bucket: the peak RSS it once added to benchmarks/zero3_memory.py at ZeRO-3)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.helpers.zero_state import GradientPeak
+
+    flat, grads = torch.zeros(1000), torch.zeros(100)
+    bucket = SimpleNamespace(buffer=flat if zero3 else [flat])
+    opt = SimpleNamespace(ipg_buckets={torch.float32: bucket}, grads_in_partition=grads)
+    model = torch.nn.Linear(1, 1)
+    model.weight.grad, model.bias.grad = flat[:1].view(1, 1), torch.zeros(1)  # one in a bucket
+    trainer = SimpleNamespace(engine=SimpleNamespace(optimizer=opt), model=model)
+
+    def no_iteration(self: torch.Tensor):  # noqa: ANN202
+        raise AssertionError("a gradient buffer iterated element by element")
+
+    monkeypatch.setattr(torch.Tensor, "__iter__", no_iteration)
+    peak = GradientPeak(trainer)
+    peak.sample()
+    assert (peak.peak, peak.buffers) == (404, 400)  # the partition buffer and the bias's

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ import torch
 from moetrain.config import ConfigError, load_config
 from moetrain.config.layout import check_layout
 from moetrain.config.sections import CPU_BUCKET_ELEMENTS, GPU_BUCKET_ELEMENTS
-from moetrain.init_from.source import InitSource, check_config_fits
 from moetrain.parallel.deepspeed import deepspeed_config, dump_deepspeed_config
 from moetrain.parallel.topology import Topology
 from tests.helpers.configs import tiny_config
@@ -86,23 +84,6 @@ def test_zero3_refuses_by_key(setting: dict, match: str) -> None:
     check_layout(_cfg(**{"parallel.zero_stage": 3}), 2)  # ZeRO-3 itself is allowed
     with pytest.raises(ConfigError, match=match):
         check_layout(_cfg(**{"parallel.zero_stage": 3, **setting}), 2)
-
-
-def test_zero3_init_from_a_zero3_checkpoint_is_refused_by_key(monkeypatch) -> None:  # noqa: ANN001
-    """A Hugging Face directory or a checkpoint written at ZeRO-0/1/2 starts a ZeRO-3 run
-    (tests/distributed/test_zero3_init_from.py); one written at ZeRO-3 is refused, before
-    anything is read."""
-    import moetrain.init_from.source as source_module
-
-    cfg = _cfg(**{"parallel.zero_stage": 3, "checkpoint.init_from": "/x"})
-    check_layout(cfg, 2)
-    source = InitSource(requested="/x", path=Path("/x"), kind="checkpoint", config=_cfg())
-    monkeypatch.setattr(source_module, "saved_zero_stage", lambda path: 3)
-    with pytest.raises(ConfigError, match=r"checkpoint\.init_from=/x: a checkpoint written at"):
-        check_config_fits(cfg, source)
-    check_config_fits(_cfg(**{"checkpoint.init_from": "/x"}), source)  # (stage 2: read)
-    monkeypatch.setattr(source_module, "saved_zero_stage", lambda path: 2)
-    check_config_fits(cfg, source)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
