@@ -32,10 +32,9 @@ ZeRO-0 (the stage it runs at with MoE layers); ``dsv4`` (DeepSeek-V4's: two hype
 streams, sqrt(softplus) scores, a hash-routed first layer, the clamped SwiGLU without its offset)
 on dp=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``zero_experts`` (LongCat-Flash's identity
 experts among the routed ones: their copies never cross ranks) on ep=2 ZeRO-2 and dp=2 x ep=2
-ZeRO-1. The default suite runs each variant on its dp=2 x
-ep=2 layout (both axes at once), the variants' world-2 layouts (and ``gemma4``'s) with -m long. The base
-configuration has a gated shared
-expert. The reference is plain torch in
+ZeRO-1. The default suite runs each variant on its dp=2 x ep=2 layout (both axes at once), the
+variants' world-2 layouts (and ``gemma4``'s) with -m long; the token mixers the other way round
+(:data:`MIXERS`). The base configuration has a gated shared expert. The reference is plain torch in
 one process with the per-expert loop (no DeepSpeed, no dispatcher swap); for capacity it decides
 capacity in world / ep_size parts of each global micro-batch, one per EP group, as the layout
 does.
@@ -154,10 +153,16 @@ JOBS = {
 }
 
 
+# token mixers work on each rank's rows alone, sending nothing new across ranks: 2 show what 4 do
+MIXERS = {"hybrid": (2, 2, "hybrid"), **{v: (1, 2, v) for v in ("kda", "mamba", "gated_conv")}}
+
+
 def _long(world: int, layout: tuple) -> bool:
     """A variant's world-2 layouts run with -m long (each variant runs on world 4 by default;
-    Gemma 4's, whose pieces send nothing new across ranks, only with -m long)."""
+    Gemma 4's, whose pieces send nothing new across ranks, only with -m long; :data:`MIXERS`)."""
     variants = [v for v in layout[2:] if v in VARIANTS]
+    if variants and variants[0] in MIXERS:
+        return (world, layout) != (2, MIXERS[variants[0]])
     return bool(variants) and (world == 2 or "gemma4" in variants)
 
 

@@ -7,13 +7,16 @@ bias: a tiny random model is made with transformers, imported (``moetrain import
 exported (``moetrain convert``), then served by vLLM offline (``vllm.LLM``, one process per
 case) and, for Mixtral, by its OpenAI-compatible server over HTTP. vLLM's greedy tokens must be
 transformers' greedy tokens on the same export (fp32). Qwen3-Next, whose Gated DeltaNet vLLM's
-CPU build runs in bf16 only, is compared in bf16 by log-probabilities (:func:`bf16_disagreements`),
-with a negative control.
+CPU build runs in bf16 only, is compared in bf16 by log-probabilities on vLLM's tokens
+(:func:`function_disagreements`), with a negative control; so is Gemma 4 with tied embeddings in
+fp32, whose tiny model repeats one token.
 
 A case that vLLM does not serve is listed in :data:`REFUSED` with vLLM's error, one that it
 serves with other tokens in :data:`MISCOMPUTED` with the reason: its test checks that vLLM still
 fails that way and reports it as xfailed with the reason, and fails once vLLM serves it right
-(then take the case out of the list and out of docs/HUGGING-FACE.md's table).
+(then take the case out of the list and out of docs/HUGGING-FACE.md's table). The CPU rotary kernel's
+mistake behind two of them (LFM2-MoE, DeepSeek with plain RoPE) is checked on the op itself,
+and both are served with transformers' tokens when vLLM takes its PyTorch RoPE instead.
 
 The tiny models are wider than the other tests' (hidden 128, head_dim 32: vLLM's CPU attention
 has no head size under 32) and drawn with a larger initializer range so that greedy decoding
@@ -35,6 +38,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +60,7 @@ pytestmark = pytest.mark.serving
 SERVING_VENV = ROOT / ".venv-serving"
 SERVING_PY = SERVING_VENV / "bin" / "python"
 GREEDY = ROOT / "tests" / "helpers" / "vllm_greedy.py"
+ROTARY_PROBE = ROOT / "tests" / "helpers" / "vllm_rotary_probe.py"
 PROMPT = "def f(x):\n    return x"
 NEW_TOKENS = 16
 VLLM_TIMEOUT = 420  # seconds for one vLLM process: start (imports, engine, worker) and generate
@@ -82,6 +87,16 @@ PHIMOE_WIDE_ROPE = dict(
 )
 
 MIMO_SERVED = dict(WIDE, v_head_dim=32, routed_scaling_factor=None)
+# vLLM's PyTorch RoPE instead of its CPU kernel, which rotates a [tokens, heads, head_dim] query
+# or key wrongly (it takes each head's row for a token of one head: docs/HUGGING-FACE.md)
+TORCH_ROPE = {"custom_ops": ["-rotary_embedding"]}
+# Gemma 4 with global heads of 64, twice the sliding ones' as released (vLLM's CPU attention has
+# no head size under 32: the tiny model's 16 is refused), the released final soft cap of 30
+GEMMA4_SERVED = dict(
+    WIDE,
+    per_layer_config={2: {"head_dim": 64, "num_key_value_heads": 1}},
+    final_logit_softcapping=30.0,
+)
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,7 @@ class Case:
     zero_selection_bias: bool = False  # e_score_correction_bias set to zeros
     random_prompt: int = 0  # > 0: a prompt of that many random token ids instead of PROMPT
     max_model_len: int = 64  # vLLM's context (the tiny models' max_position_embeddings)
+    compilation_config: dict[str, Any] | None = None  # vLLM's (``LLM(compilation_config=)``)
 
 
 CASES: dict[str, Case] = {
@@ -100,6 +116,11 @@ CASES: dict[str, Case] = {
     "deepseek_v3": Case("deepseek_v3", MLA),
     # plain RoPE, as Moonlight-16B-A3B is released
     "deepseek_v3-plain-rope": Case("deepseek_v3", dict(MLA, rope_parameters=WIDE_ROPE)),
+    # the same with vLLM's PyTorch RoPE (the CPU kernel rotates latent attention's per-head
+    # rotary query wrongly: deepseek_v3-plain-rope in MISCOMPUTED)
+    "deepseek_v3-plain-rope-torch-rope": Case(
+        "deepseek_v3", dict(MLA, rope_parameters=WIDE_ROPE), compilation_config=TORCH_ROPE
+    ),
     # rotary halves instead of adjacent pairs (moetrain's model.rope_interleave: false)
     "deepseek_v3-rope-halves": Case("deepseek_v3", dict(MLA, rope_interleave=False)),
     "ernie4_5_moe-no-selection-bias": Case("ernie4_5_moe", WIDE, zero_selection_bias=True),
@@ -141,6 +162,12 @@ CASES: dict[str, Case] = {
     # LongCat-Flash's latent attention at the CPU MLA kernel's shape (it rotates head_dim =
     # qk_rope_head_dim channels)
     "longcat_flash": Case("longcat_flash", MLA),
+    # LFM2-MoE with vLLM's PyTorch RoPE: its attention hands the rotary op per-head queries and
+    # keys after their RMSNorm, which the CPU kernel rotates wrongly (lfm2_moe in MISCOMPUTED)
+    "lfm2_moe-torch-rope": Case("lfm2_moe", WIDE, compilation_config=TORCH_ROPE),
+    # untied embeddings: tied as released, the tiny model repeats the prompt's last token
+    # (compared by its function instead: FUNCTION_CASES)
+    "gemma4_text-untied": Case("gemma4_text", dict(GEMMA4_SERVED, tie_word_embeddings=False)),
     # an upcycled Qwen3.5 (dense): Qwen3.5-MoE without a shared expert
     "qwen3_5_text-upcycled": Case("qwen3_5_text", WIDE, ("moe.num_experts=4", "moe.top_k=2")),
 }
@@ -172,8 +199,7 @@ REFUSED: dict[str, str] = {
     # Nemotron 3's squared-ReLU experts (as released): vLLM's CPU MoE takes gated experts only
     "nemotron_h": "is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now",
     # the tiny Gemma 4's global layers have heads of 16 (vLLM's CPU attention takes 32 or more;
-    # at 64 it serves the model, but then the tiny model's greedy tokens repeat one token or
-    # tie at the soft cap, so no comparison is made)
+    # at 64 it serves the model: gemma4_text-untied, gemma4_text-tied)
     "gemma4_text": "Unsupported CPU attention configuration: head_dim=16",
     # value heads narrower than the query/key heads (as released: 128 and 192) take vLLM's
     # Triton attention backend for them, which the CPU build does not run
@@ -191,9 +217,11 @@ MISCOMPUTED: dict[str, str] = {
     "ernie4_5_moe": "vLLM's CPU router ignores the selection bias (moe_statics."
     "e_score_correction_bias) of a softmax router that is not grouped: it picks the top-k of "
     "the softmax alone (its GPU router adds the bias)",
-    "lfm2_moe": "vLLM computes LFM2-MoE otherwise: its log-probabilities are 0.1-1.3 nats "
-    "from transformers' from the first generated token, up to 10 with attention in every layer "
-    "(the cause is not isolated)",
+    "lfm2_moe": "vLLM's CPU rotary kernel, which plain RoPE takes, rotates LFM2-MoE's "
+    "[tokens, heads, head_dim] queries and keys (per-head, after their RMSNorm) wrongly: it "
+    "rotates the first `tokens` head rows, by positions 0, 1, 2 ... in row order, and leaves "
+    "the others unrotated; with vLLM's PyTorch RoPE (lfm2_moe-torch-rope) the tokens are "
+    "transformers'",
     "deepseek_v3-rope-halves": "vLLM's DeepSeek model reads no rope_interleave: it always "
     "rotates adjacent pairs, as the released models do",
     "mimo_v2_flash-window-binds": "vLLM's MiMo-V2-Flash attends sliding_window_size "
@@ -203,7 +231,8 @@ MISCOMPUTED: dict[str, str] = {
     "null: 1)",
     "deepseek_v3-plain-rope": "vLLM's CPU rotary kernel, which plain RoPE takes (YaRN takes a "
     "PyTorch path), rotates a [tokens, heads, dim] query wrongly: latent attention's "
-    "per-head rotary query",
+    "per-head rotary query (with vLLM's PyTorch RoPE, deepseek_v3-plain-rope-torch-rope, the "
+    "tokens are transformers')",
 }
 
 
@@ -317,14 +346,18 @@ def vllm_greedy(
     max_model_len: int,
     dtype: str = "float32",
     top: int = 0,
+    compilation_config: dict[str, Any] | None = None,
 ) -> tuple[list[int] | None, list[dict[int, float]], str]:
     """vLLM's greedy tokens (offline) in ``dtype``, with ``top`` > 0 the log-probabilities of
     the chosen and the ``top`` most likely tokens at each step; or None and the root cause of
     its failure."""
     prompt = ",".join(map(str, ids))
     args = [str(python), str(GREEDY), str(path), str(NEW_TOKENS), prompt, str(max_model_len)]
+    args += [dtype, str(top)]
+    if compilation_config is not None:
+        args.append(json.dumps(compilation_config))
     r = subprocess.run(
-        [*args, dtype, str(top)],
+        args,
         # vLLM's engine and worker in this one process (by default it starts two more, as the
         # server test below does): half the start time, the same tokens
         env={**vllm_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
@@ -357,13 +390,16 @@ def same_tokens(got: list[int], want: list[int], margins: list[float]) -> None:
 def test_vllm_serves_the_export_with_transformers_greedy_tokens(
     case: str, serving_python: Path, tokenizer: Path, tmp_path: Path
 ) -> None:
-    hf = export(CASES[case], tokenizer, tmp_path)
+    c = CASES[case]
+    hf = export(c, tokenizer, tmp_path)
     written = json.loads((hf / "config.json").read_text())
     if case == "qwen2-upcycled":  # an upcycled Qwen2: Qwen2-MoE without a shared expert
         assert written["model_type"] == "qwen2_moe"
         assert written["shared_expert_intermediate_size"] == 0
-    ids = prompt_ids(hf, CASES[case].random_prompt)
-    got, _, error = vllm_greedy(serving_python, hf, ids, CASES[case].max_model_len)
+    ids = prompt_ids(hf, c.random_prompt)
+    got, _, error = vllm_greedy(
+        serving_python, hf, ids, c.max_model_len, compilation_config=c.compilation_config
+    )
     # a known failure shows as xfailed with its reason once it is checked to be that failure
     if case in REFUSED:
         assert got is None, f"vLLM now serves {case}: take it out of REFUSED and the docs"
@@ -378,26 +414,82 @@ def test_vllm_serves_the_export_with_transformers_greedy_tokens(
     same_tokens(got, want, margins)
 
 
-# Gated DeltaNet's CPU kernels take bf16 only (and linear head dims of 128, as released):
-# Qwen3-Next is compared in bf16. vLLM's bf16 decoding is checked against transformers' bf16
-# function (the same weights rounded as vLLM's) on vLLM's own tokens, teacher forced, so that a
-# near tie that the rounding flips does not shift every later step: at each generated position
-# the log-probabilities of vLLM's chosen and BF16_TOP most likely tokens, within
-# BF16_LOGPROB_TOL of transformers', and vLLM's token within it of transformers' top one.
-BF16_TOP = 5
-BF16_LOGPROB_TOL = 0.3  # nats: measured 0.15 (and a wrong weight 7; docs/HUGGING-FACE.md)
-QWEN3_NEXT_BF16 = Case("qwen3_next", dict(WIDE, linear_key_head_dim=128, linear_value_head_dim=128))
-# the negative control: the first Gated DeltaNet layer's decay doubled in the export vLLM serves
-WRONG_WEIGHT = "model.layers.0.linear_attn.A_log"
+def test_vllm_cpu_rotary_kernel_takes_each_head_for_a_token(
+    serving_python: Path, tmp_path: Path
+) -> None:
+    """The cause of lfm2_moe's and deepseek_v3-plain-rope's other tokens (MISCOMPUTED), on the
+    op itself: vLLM's CPU rotary kernel rotates ``[tokens, heads * head_dim]`` right, and a
+    ``[tokens, heads, head_dim]`` query or key as rows of one head each, the first ``tokens``
+    rows by positions 0, 1, 2 ... (tests/helpers/vllm_rotary_probe.py)."""
+    r = subprocess.run(
+        [str(serving_python), str(ROTARY_PROBE)],
+        env=vllm_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=VLLM_TIMEOUT,
+    )
+    line = next((x for x in r.stdout.splitlines() if x.startswith("ROTARY ")), "")
+    assert line, root_cause(r.stdout + r.stderr)
+    gaps = json.loads(line.partition(" ")[2])
+    assert gaps["flat"] < 1e-5, gaps
+    assert gaps["per_head"] > 0.1, (
+        f"vLLM's CPU rotary kernel now rotates per-head queries right ({gaps}): serve "
+        "lfm2_moe and deepseek_v3-plain-rope without TORCH_ROPE, take them out of MISCOMPUTED "
+        "and the docs"
+    )
+    assert gaps["rows_as_tokens"] < 1e-5, gaps
 
 
-def bf16_disagreements(
-    path: Path, ids: list[int], got: list[int], logprobs: list[dict[int, float]]
+# Where greedy tokens cannot be compared, vLLM's decoding is checked against transformers'
+# function on vLLM's own tokens, teacher forced: at each generated position the
+# log-probabilities of vLLM's chosen and TOP most likely tokens within the case's tolerance of
+# transformers', and vLLM's token within it of transformers' top one. Gated DeltaNet's CPU
+# kernels take bf16 only (and linear head dims of 128, as released): Qwen3-Next is compared in
+# bf16, against transformers' bf16 function (the same weights rounded as vLLM's), so that a near
+# tie that the rounding flips does not shift every later step. Gemma 4 with tied embeddings (as
+# released) repeats the prompt's last token (its scaled embedding dominates the residual
+# stream; untied, the greedy case gemma4_text-untied): compared in fp32.
+TOP = 5
+
+
+@dataclass(frozen=True)
+class FunctionCase:
+    case: Case
+    dtype: str  # vLLM's and transformers'
+    tol: float  # nats
+    wrong_weight: str  # the negative control: this tensor changed in the export vLLM serves
+    wrong: Callable[[torch.Tensor], torch.Tensor]  # the change
+
+
+FUNCTION_CASES: dict[str, FunctionCase] = {
+    # measured 0.15 nats (the first Gated DeltaNet layer's decay doubled: 7; docs/HUGGING-FACE.md)
+    "qwen3_next-bf16": FunctionCase(
+        Case("qwen3_next", dict(WIDE, linear_key_head_dim=128, linear_value_head_dim=128)),
+        "bfloat16",
+        0.3,
+        "model.layers.0.linear_attn.A_log",
+        lambda t: t + math.log(2.0),
+    ),
+    # measured 6e-6 nats (the global layer's router scale doubled: docs/HUGGING-FACE.md)
+    "gemma4_text-tied": FunctionCase(
+        Case("gemma4_text", GEMMA4_SERVED),
+        "float32",
+        1e-3,
+        "model.layers.2.router.scale",
+        lambda t: 2.0 * t,
+    ),
+}
+
+
+def function_disagreements(
+    path: Path, fc: FunctionCase, ids: list[int], got: list[int], logprobs: list[dict[int, float]]
 ) -> tuple[list[str], float]:
-    """Where vLLM's bf16 decoding ``got`` / ``logprobs`` leaves transformers' bf16 function
-    beyond BF16_LOGPROB_TOL: a log-probability off by more, or a chosen token that
+    """Where vLLM's decoding ``got`` / ``logprobs`` leaves transformers' function (in
+    ``fc.dtype``) beyond ``fc.tol``: a log-probability off by more, or a chosen token that
     transformers' top token leads by more; and the largest log-probability gap."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    dtype = getattr(torch, fc.dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids + got])).logits[0]
     ref = torch.log_softmax(logits[len(ids) - 1 : -1].double(), dim=-1)
@@ -406,10 +498,10 @@ def bf16_disagreements(
         for t, lp in step.items():
             gap = abs(lp - float(ref[i, t]))
             worst = max(worst, gap)
-            if gap > BF16_LOGPROB_TOL:
-                problems.append(f"step {i}: token {t} vLLM {lp:.4f}, transformers {ref[i, t]:.4f}")
+            if gap > fc.tol:
+                problems.append(f"step {i}: token {t} vLLM {lp:.6f}, transformers {ref[i, t]:.6f}")
         lead = float(ref[i].max() - ref[i, token])
-        if lead > BF16_LOGPROB_TOL:
+        if lead > fc.tol:
             problems.append(
                 f"step {i}: vLLM chose {token}, transformers' top leads it by {lead:.3g}"
             )
@@ -417,26 +509,28 @@ def bf16_disagreements(
 
 
 @pytest.mark.parametrize("wrong_weight", [False, True], ids=["export", "wrong-weight"])
-def test_vllm_serves_qwen3_next_in_bf16_with_transformers_function(
-    wrong_weight: bool, serving_python: Path, tokenizer: Path, tmp_path: Path
+@pytest.mark.parametrize("case", sorted(FUNCTION_CASES))
+def test_vllm_serves_the_export_with_transformers_function(
+    case: str, wrong_weight: bool, serving_python: Path, tokenizer: Path, tmp_path: Path
 ) -> None:
-    """Qwen3-Next's export in bf16 (vLLM's CPU Gated DeltaNet takes no other dtype) against
-    transformers in bf16; the check catches an export with one wrong weight."""
-    hf = export(QWEN3_NEXT_BF16, tokenizer, tmp_path)
+    """vLLM's log-probabilities on its own tokens against transformers' on the same export;
+    the check catches an export with one wrong weight."""
+    fc = FUNCTION_CASES[case]
+    hf = export(fc.case, tokenizer, tmp_path)
     served = hf
     if wrong_weight:
         served = tmp_path / "wrong"
         shutil.copytree(hf, served)
         tensors = load_file(served / "model.safetensors")
-        tensors[WRONG_WEIGHT] = tensors[WRONG_WEIGHT] + math.log(2.0)
+        tensors[fc.wrong_weight] = fc.wrong(tensors[fc.wrong_weight])
         save_file(tensors, str(served / "model.safetensors"), metadata={"format": "pt"})
     ids = prompt_ids(hf)
-    got, logprobs, error = vllm_greedy(serving_python, served, ids, 64, "bfloat16", BF16_TOP)
-    assert got is not None, f"vLLM failed on the Qwen3-Next export in bf16: {error}"
-    problems, worst = bf16_disagreements(hf, ids, got, logprobs)
-    print(f"largest log-probability gap {worst:.4f} nats")
+    got, logprobs, error = vllm_greedy(serving_python, served, ids, 64, fc.dtype, TOP)
+    assert got is not None, f"vLLM failed on the {case} export: {error}"
+    problems, worst = function_disagreements(hf, fc, ids, got, logprobs)
+    print(f"largest log-probability gap {worst:.3g} nats")
     if wrong_weight:
-        assert problems, f"a doubled {WRONG_WEIGHT} stays within the tolerance: {worst:.4f}"
+        assert problems, f"a changed {fc.wrong_weight} stays within the tolerance: {worst:.3g}"
     else:
         assert not problems, "\n".join(problems)
 

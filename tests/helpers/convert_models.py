@@ -52,7 +52,11 @@ def model_for(cfg: Config) -> Transformer:
     torch.manual_seed(0)
     m = Transformer(cfg.model, cfg.moe).eval()
     no_bias = cfg.moe.bias_update_rate == 0
-    randomise_constants(m, keep=lambda name: no_bias and pn.is_expert_bias(name))
+    # (a hash-routed layer's selection bias is never read: the files have no place for it)
+    hashed = {pn.expert_bias(i) for i in cfg.moe.hash_layers or ()}
+    randomise_constants(
+        m, keep=lambda name: (no_bias and pn.is_expert_bias(name)) or name in hashed
+    )
     return m
 
 

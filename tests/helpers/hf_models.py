@@ -16,6 +16,7 @@ import torch
 
 from moetrain.convert.families import DENSE, FORMATS
 from tests.helpers.hf_flags import (
+    DEEPSEEK_V4_FLAGS,
     DEEPSEEK_YARN,
     DSA,
     GEMMA4_FLAGS,
@@ -303,6 +304,9 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
                 **{k: v for k, v in SMALL.items() if k != "num_hidden_layers"},
                 **LONGCAT_FLASH_FLAGS,
             }
+        ),
+        "deepseek_v4": lambda: transformers.DeepseekV4Config(  # DeepSeek-V4's (hf_flags)
+            **{**{k: v for k, v in moe.items() if k != "rope_parameters"}, **DEEPSEEK_V4_FLAGS}
         ),
         "llama4_text": lambda: transformers.Llama4TextConfig(  # Llama 4's flags (below)
             **{**moe, **LLAMA4_FLAGS},

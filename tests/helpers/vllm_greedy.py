@@ -1,7 +1,7 @@
 """vLLM's greedy tokens for a model directory, offline (``vllm.LLM``): run by the serving tests
 with the interpreter of ``.venv-serving`` (vLLM's CPU build), never imported by the test suite.
 
-    python tests/helpers/vllm_greedy.py MODEL_DIR N_TOKENS ID,ID,... MAX_MODEL_LEN [DTYPE [K]]
+    python tests/helpers/vllm_greedy.py MODEL_DIR N_TOKENS ID,ID,... MAX_MODEL_LEN [DTYPE [K [CC]]]
 
 prints one line ``GREEDY [id, ...]``: the ``N_TOKENS`` tokens vLLM generates greedily after
 the prompt ``ID,ID,...`` (EOS ignored), the model in ``DTYPE`` (default float32), vLLM's
@@ -9,6 +9,8 @@ context ``MAX_MODEL_LEN`` (it also decides some RoPE scalings: Phi-3.5-MoE's Lon
 long factors for a context past ``original_max_position_embeddings``). With ``K`` > 0 also a
 line ``LOGPROBS [{id: logprob, ...}, ...]``: at each generated position, the log-probabilities
 of the chosen token and of the ``K`` most likely ones (the model's logits, before sampling).
+``CC``: vLLM's compilation config as JSON (``{"custom_ops": ["-rotary_embedding"]}`` takes
+the PyTorch implementation of RoPE instead of the CPU kernel).
 vLLM's own errors go to stderr and the exit status is non-zero.
 """
 
@@ -26,12 +28,14 @@ def main() -> None:
     max_model_len = int(sys.argv[4])
     dtype = sys.argv[5] if len(sys.argv) > 5 else "float32"
     top = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+    compilation = json.loads(sys.argv[7]) if len(sys.argv) > 7 else None
     llm = LLM(
         model=model,
         dtype=dtype,
         max_model_len=max_model_len,
         enforce_eager=True,  # no torch.compile: the tiny models run in well under a second
         seed=0,
+        compilation_config=compilation,
     )
     params = SamplingParams(
         temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=top if top else None
