@@ -34,6 +34,29 @@ os.environ.setdefault(
     ),
 )
 
+# TorchDynamo off in every process the tests start (and in this one): moetrain compiles nothing
+# (tests/unit/test_suite_settings.py holds it to that), but DeepSpeed's ZeRO code imports its
+# Muon module in every rank, whose torch.compile decorators import TorchInductor: 1.5-2 CPU-s of
+# imports per rank, none of it used. Disabled, torch.compile returns the function as it is; every
+# value a test checks is computed by the same eager code either way.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+def pytest_sessionstart(session):
+    """Bytecode for the sources every process a test starts imports, written once.
+
+    Where bytecode is not written (PYTHONDONTWRITEBYTECODE, ``python -B``), every one of the
+    suite's hundreds of processes (each rank, launcher and CLI run) would compile moetrain's
+    sources again: about 0.3 CPU-s each. Compiled here, they read the cached bytecode instead
+    (Python reads it whatever that setting says; a changed source is compiled again)."""
+    if not sys.dont_write_bytecode:
+        return  # each process writes what it compiles
+    import compileall
+
+    root = Path(__file__).resolve().parents[1]
+    for package in ("moetrain", "tests"):
+        compileall.compile_dir(root / package, quiet=2)
+
 
 # Opt-in markers: a test carrying one runs only when ``-m`` names it.
 OPT_IN = {

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 LINEAR = "linear_attention"  # a recurrent layer, of model.linear_attention's kind
+# DeepSeek-V4's compressed layers (a window and compressed entries), of a kind that compresses
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 NO_MIXER = "none"  # a block without a mixer: its FFN alone (Nemotron-H's MLP and MoE layers)
 FFNKind = Literal["dense", "moe", "none"]
 
@@ -43,6 +45,7 @@ class LayerType:
     kind_key: str | None
     window: bool = False
     chunk: bool = False
+    compress: str | None = None  # "csa" / "hca": the compressed entries it adds
 
 
 LAYER_TYPES = {
@@ -51,6 +54,8 @@ LAYER_TYPES = {
     CHUNKED: LayerType("attention", chunk=True),
     LINEAR: LayerType("linear_attention"),
     NO_MIXER: LayerType(None),
+    CSA: LayerType("attention", window=True, compress="csa"),
+    HCA: LayerType("attention", window=True, compress="hca"),
 }
 
 
@@ -73,6 +78,8 @@ class MixerSpec:
     kv_heads: int | None = None
     k_eq_v: bool = False
     own_rope: bool = False
+    # DeepSeek-V4's compressed layers: "csa" (compressed sparse) or "hca" (heavily compressed)
+    compress: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,8 +98,9 @@ class LayerPlanKeys:
 
     # each decoder layer's type (n_layers entries): "full_attention", "sliding_attention"
     # (with sliding_window), "chunked_attention" (with attention_chunk_size), all three of
-    # model.attention's kind, "linear_attention" (model.linear_attention's kind) or "none"
-    # (no mixer: the block is its FFN alone). None: every
+    # model.attention's kind, "compressed_sparse_attention" / "heavily_compressed_attention"
+    # (DeepSeek-V4's, of a kind that compresses, with sliding_window), "linear_attention"
+    # (model.linear_attention's kind) or "none" (no mixer: the block is its FFN alone). None: every
     # layer sliding with sliding_window set, chunked with attention_chunk_size set, the
     # pattern of full_attention_interval with it set, else every layer full (window and chunks
     # both set: required). Multi-token-prediction blocks attend to the full context
@@ -157,6 +165,7 @@ def mixer_spec(model: ModelConfig, layer: int, types: list[str] | None = None) -
         window=model.sliding_window if entry.window else None,
         chunk=model.attention_chunk_size if entry.chunk else None,
         rope=rope,
+        compress=entry.compress,
         temperature=None if rope or floor is None or scale is None else (floor, scale),
         **(index if entry.kind_key == LAYER_TYPES[FULL].kind_key else {}),
         **(_global_layer(model) if (types or layer_types(model))[layer] == FULL else {}),
@@ -201,6 +210,14 @@ def validate_layer_plan(model: ModelConfig) -> None:
                 key,
                 f"{spec.kind} is a kind of {kind.selected_by}, not of {key}",
             )
+            if spec.compress is not None:
+                require(
+                    kind.compresses,
+                    "model.layer_types",
+                    f"layer {i} is {types[i]}: needs model.attention of a kind that compresses "
+                    f"({', '.join(k for k, c in MIXER_KINDS.items() if c.compresses)}); "
+                    f"got {spec.kind}",
+                )
             used.setdefault(spec.kind, []).append(spec)
     shared = {key for name in used for key in MIXER_KINDS[name].keys}
     for name, kind in MIXER_KINDS.items():
@@ -240,9 +257,10 @@ def _validate_types(model: ModelConfig) -> None:
         )
     resolved = layer_types(model)
     require(
-        SLIDING not in resolved or model.sliding_window is not None,
+        not any(t in LAYER_TYPES and LAYER_TYPES[t].window for t in resolved)
+        or model.sliding_window is not None,
         "model.sliding_window",
-        "must be set where model.layer_types has sliding_attention layers",
+        "must be set where model.layer_types has sliding_attention layers (or compressed ones)",
     )
     require(
         CHUNKED not in resolved or model.attention_chunk_size is not None,

@@ -24,6 +24,7 @@ from moetrain.config.layer_plan import (
     validate_layer_plan,
 )
 from moetrain.config.mixers import (
+    CompressedKeys,
     GatedConvKeys,
     GatedDeltaNetKeys,
     GQAKeys,
@@ -72,6 +73,7 @@ class ModelShape:
 @dataclass
 class ModelConfig(
     LayerPlanKeys,
+    CompressedKeys,
     GatedConvKeys,
     KDAKeys,
     GatedDeltaNetKeys,

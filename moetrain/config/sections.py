@@ -15,6 +15,7 @@ import yaml
 
 from moetrain.config.checks import require
 from moetrain.config.layer_plan import LayerSpec, layer_plan
+from moetrain.config.mixers import MIXER_KINDS
 from moetrain.config.mixture import SourceConfig, SourceFormat, validate_sources
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
@@ -345,6 +346,7 @@ class Config:
             "model.block_norms=sandwich on the MoE layers",
         )
         self._check_shortcut()
+        self._check_documents()
         require(
             self.data.seq_len <= self.model.max_seq_len,
             "data.seq_len",
@@ -364,6 +366,14 @@ class Config:
             "have one projection: not with optim.name=muon yet",
         )
         check_layout(self)
+
+    def _check_documents(self) -> None:
+        """Packed documents kept apart only where every mixer kind in use can."""
+        if not self.data.document_mask:
+            return
+        for name in {s.mixer.kind for s in self.layer_plan() if s.mixer is not None}:
+            why = MIXER_KINDS[name].documents_refused(self.model)
+            require(why is None, "data.document_mask", str(why))
 
     def _check_shortcut(self) -> None:
         """A shortcut MoE's output joins the next block, a dense one: the layers pair up."""

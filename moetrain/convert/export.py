@@ -38,7 +38,12 @@ from moetrain.fileio import building_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+}
 
 
 def _plan(weights: WeightMap, dtype: torch.dtype) -> list[list[tuple[str, tuple, torch.dtype]]]:
@@ -48,7 +53,8 @@ def _plan(weights: WeightMap, dtype: torch.dtype) -> list[list[tuple[str, tuple,
 
     def part(layer: int | None) -> list[tuple[str, tuple, torch.dtype]]:
         tensors = weights.hf_tensors(layer)
-        return sorted((n, s, torch.float32 if fp32 else dtype) for n, s, fp32 in tensors)
+        kept = {True: torch.float32, False: dtype}  # (an integer table names its own dtype)
+        return sorted((n, s, kept.get(keep, keep)) for n, s, keep in tensors)
 
     return [part(None)] + [part(layer) for layer in weights.moe_layers]
 

@@ -34,6 +34,26 @@ _GDN = {w: w for w in pn.GDN_WEIGHTS} | {"wo": "out_proj"}
 _KDA = {w: w for w in pn.KDA_WEIGHTS} | {"wo": "o_proj"}
 _MAMBA2 = {w: w for w in pn.MAMBA2_WEIGHTS} | {"wo": "out_proj"}
 _GATED_CONV = {w: w for w in pn.GATED_CONV_WEIGHTS} | {"wo": "out_proj"}
+# DeepSeek-V4's compressed attention: transformers' names (its released files' are the
+# family's renames); the more specific names first (the first rule that matches is taken)
+_COMPRESSED = {
+    "wq_a": "q_a_proj",
+    "q_norm": "q_a_norm",
+    "wq_b": "q_b_proj",
+    "wkv": "kv_proj",
+    "kv_norm": "kv_norm",
+    "wo_a": "o_a_proj.weight",
+    "wo": "o_b_proj",
+    "sinks": "sinks",
+    "compressor.wkv": "compressor.kv_proj",
+    "compressor.wgate": "compressor.gate_proj",
+    "compressor": "compressor",
+    "indexer.compressor.wkv": "compressor.indexer.kv_proj",
+    "indexer.compressor.wgate": "compressor.indexer.gate_proj",
+    "indexer.compressor": "compressor.indexer",
+    "indexer.wq_b": "compressor.indexer.q_b_proj",
+    "indexer.weights_proj": "compressor.indexer.scorer.weights_proj",
+}
 # A token mixer's weights: their names in a moetrain block -> in a Hugging Face decoder layer.
 # A block takes the first table that names every one of its mixer's weights; a new mixer kind
 # adds its table here.
@@ -61,6 +81,9 @@ MIXER_NAMES: tuple[dict[str, str], ...] = (
     },
     {  # the gated short convolution (LFM2's names)
         block_name(pn.attn(0, ours)): f"conv.{theirs}" for ours, theirs in _GATED_CONV.items()
+    },
+    {  # DeepSeek-V4's compressed attention
+        block_name(pn.attn(0, ours)): f"self_attn.{theirs}" for ours, theirs in _COMPRESSED.items()
     },
 )
 

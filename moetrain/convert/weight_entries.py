@@ -63,6 +63,7 @@ class Entry:
     ours: tuple[str, ...]
     theirs: tuple[str, ...]
     keep_fp32 = False  # written in fp32 whatever the export's dtype
+    keep_int64 = False  # an integer table, written as int64
 
     def to_hf(self, tensors: Tensors) -> Tensors:
         return tensors
@@ -72,6 +73,14 @@ class Entry:
 
     def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
         return shapes
+
+
+@dataclass(frozen=True)
+class IntegerTable(Entry):
+    """An integer buffer (hash routing's token -> experts table), written as int64 whatever
+    the export's dtype."""
+
+    keep_int64 = True
 
 
 @dataclass(frozen=True)
@@ -216,6 +225,15 @@ class NoSelectionBias(Entry):
         return [torch.zeros(self.num_experts)]
 
     def hf_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        return []
+
+
+@dataclass(frozen=True)
+class UnusedSelectionBias(NoSelectionBias):
+    """A hash-routed layer's selection bias (``moe.hash_layers``): its routing never reads it,
+    so it is not written (whatever it holds) and reads as zeros."""
+
+    def to_hf(self, tensors: Tensors) -> Tensors:
         return []
 
 

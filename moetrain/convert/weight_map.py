@@ -39,6 +39,7 @@ from moetrain.convert.weight_entries import (
     FusedFiles,
     GroupedRows,
     HeadHalves,
+    IntegerTable,
     Joined,
     NoSelectionBias,
     PerExpertFiles,
@@ -47,6 +48,7 @@ from moetrain.convert.weight_entries import (
     Shape,
     StackedFiles,
     TensorSource,
+    UnusedSelectionBias,
 )
 from moetrain.model import param_names as pn
 from moetrain.model.moe.experts import expert_param_names
@@ -55,6 +57,7 @@ from moetrain.model.transformer import Transformer
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # tensors a file may hold that the model has none of: read only to check that they are zero
 ZERO_ONLY = re.compile(r"self_attn\.[qkvo]_proj\.bias$")
+TOKEN_EXPERTS = block_name(pn.token_experts(0), None)  # hash routing's table, in a block
 # a moetrain tensor of block i: layers.<i>.*
 _OUR_BLOCK = re.compile(r"layers\.(\d+)\.")
 
@@ -81,6 +84,7 @@ def in_memory(layout: Layout) -> Layout:
         joined=bool(layout.in_memory_joined),
         base=r.get(layout.base, layout.base),
         embed=r.get(layout.embed, layout.embed),
+        lm_head=r.get(layout.lm_head, layout.lm_head),
         final_norm=_rebased(layout.final_norm, layout.base, r.get(layout.base, layout.base)),
         moe_block=r.get(layout.moe_block, layout.moe_block),
         dense_block=r.get(layout.dense_block, layout.dense_block),
@@ -118,10 +122,12 @@ class _Plan:
             pn.EMBED: f"{layout.base}{layout.embed}.weight",
             pn.FINAL_NORM: f"{layout.final_norm}.weight",
             pn.FINAL_NORM_BIAS: f"{layout.final_norm}.bias",
-            pn.LM_HEAD_BIAS: "lm_head.bias",
+            pn.LM_HEAD_BIAS: f"{layout.lm_head}.bias",
         }
         if not cfg.model.tie_embeddings:
-            top[pn.LM_HEAD] = "lm_head.weight"
+            top[pn.LM_HEAD] = f"{layout.lm_head}.weight"
+        for ours, theirs in zip(pn.HC_TENSORS, layout.hyper_head, strict=True):
+            top[pn.hyper_head(ours)] = layout.base + theirs
         for name in names:
             if name in top:
                 self.entries.append(Entry((name,), (top[name],)))
@@ -157,6 +163,13 @@ class _Plan:
         for which, theirs in zip(("input_scale", "expert_scale"), lay.router_scalars, strict=True):
             rules[block_name(pn.router_scalar(0, which), None)] = under(moe, theirs)
         rules[block_name(pn.layer_scalar(0), None)] = lay.layer_scalar
+        for hc in (
+            block_name(pn.hyper_connection(0, b, t), None)
+            for b in pn.HC_BRANCHES
+            for t in pn.HC_TENSORS
+        ):
+            rules[hc] = hc  # (transformers' names; Layout.hyper_head)
+        rules[TOKEN_EXPERTS] = under(moe, f"{lay.router}.{lay.hash_table}")
         return rules
 
     def _mtp_rules(self, i: int) -> tuple[dict[str, str], str]:
@@ -187,7 +200,9 @@ class _Plan:
             gate_up, down = (prefix + n for n in lay.shared_fused)
             self.entries += [Joined(tuple(shared[:2]), (gate_up,)), Entry((shared[2],), (down,))]
         bias = pn.expert_bias(i)
-        if bias in names and lay.selection_bias is not None:
+        if bias in names and moe.is_hash_layer(i):
+            self.entries.append(UnusedSelectionBias((bias,), (), self.fmt, moe.routed_choices))
+        elif bias in names and lay.selection_bias is not None:
             theirs = prefix + under(lay.moe_block, lay.selection_bias)
             self.entries.append(SelectionBias((bias,), (theirs,), lay.selection_bias_row))
         elif bias in names:
@@ -231,6 +246,7 @@ class _Plan:
                     named = rename(lay.sublayers[i % len(lay.sublayers)], named) or named
                 full = prefix + named
             kind = Column if (theirs or "") in lay.columns else Entry
+            kind = IntegerTable if r == TOKEN_EXPERTS else kind
             self.entries.append(kind((name,), (full,)))
         self._join(prefix)
         self._fill(i, prefix, mixer or {})
@@ -337,7 +353,8 @@ class WeightMap:
         return self._of[ours].theirs[0]
 
     def hf_tensors(self, layer: int | None = None) -> list[tuple[str, Shape, bool]]:
-        """``(name, shape, kept in fp32)`` of every tensor of the files in one streamed part:
+        """``(name, shape, kept in fp32 or torch.int64 for an integer table)`` of every tensor
+        of the files in one streamed part:
         the dense weights with the fillers and copies (``layer`` None), or MoE layer ``layer``'s
         experts."""
         out = []
@@ -345,7 +362,8 @@ class WeightMap:
             if (entry.layer if isinstance(entry, Experts) else None) != layer:
                 continue
             shapes = entry.hf_shapes([self.shapes[k] for k in entry.ours])
-            out += [(n, s, entry.keep_fp32) for n, s in zip(entry.theirs, shapes, strict=True)]
+            keep = torch.int64 if entry.keep_int64 else entry.keep_fp32
+            out += [(n, s, keep) for n, s in zip(entry.theirs, shapes, strict=True)]
         if layer is None:
             out += [(name, shape, False) for name, (shape, _) in self.fillers.items()]
             out += [(name, self.shapes[ours], False) for name, ours in self.copies.items()]

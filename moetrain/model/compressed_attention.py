@@ -22,8 +22,9 @@ rotated back at the query's position. The heads' outputs, in ``o_groups`` groups
 ``wo_a`` (one block per group, to ``o_lora_rank``) and ``wo``. Sinks: a learned logit per
 head beside the keys, dropped after the softmax.
 
-Scores are computed densely, (B, H, S, S + S / rate): exact, for the sequence lengths the tests
-and conversions use. The indexer's selection carries no gradient (as transformers').
+The attention itself is :mod:`moetrain.model.compressed_kernel`'s, a block of queries at a time
+(no (S, S) tensor), as is the indexer's scoring. The indexer's selection carries no gradient
+(as transformers').
 
 Shape legend: B batch, S sequence, H heads, D d_model, K head dim, W compressed entries.
 """
@@ -36,7 +37,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from moetrain.model import compressed_kernel
 from moetrain.model.attention import unit_rms
+from moetrain.model.compressed_kernel import window_entry_attention, window_entry_logit_max
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import RMSNorm
 from moetrain.model.rope import yarn_inv_freq
@@ -64,14 +67,20 @@ class CompressedAttentionShape:
     norm_eps: float = 1e-6
 
 
-def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_pairs(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, back: bool = False
+) -> torch.Tensor:
     """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` (..., S, K) in adjacent pairs
-    by the rows ``cos`` / ``sin`` (S, R/2) (in fp32), the leading channels untouched."""
+    by the rows ``cos`` / ``sin`` (S, R/2) (in fp32), the leading channels untouched; ``back``:
+    by the opposite angles."""
     r = 2 * cos.shape[-1]
     pairs = x[..., -r:].float().unflatten(-1, (-1, 2))
     a, b = pairs[..., 0], pairs[..., 1]
     cos, sin = cos.float(), sin.float()
-    turned = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    if back:
+        turned = torch.stack((a * cos + b * sin, b * cos - a * sin), dim=-1).flatten(-2)
+    else:
+        turned = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
     return torch.cat((x[..., :-r], turned.to(x.dtype)), dim=-1)
 
 
@@ -142,25 +151,32 @@ class Indexer(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self,
-        x_BSD: torch.Tensor,
-        q_low: torch.Tensor,
-        closed_SW: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        """(B, S, W) boolean: the entries each query keeps (closed ones only)."""
+        self, x_BSD: torch.Tensor, q_low: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's picks ``(idx_BSk, valid_BSk)``: its ``index_topk`` best entries (fewer
+        where fewer exist), valid where closed by its position; scored a block of queries at
+        a time (no (S, W) score table)."""
         b, s, _ = x_BSD.shape
-        keys_BWK = self.compressor(x_BSD, cos, sin)
+        keys_BWK = self.compressor(x_BSD, cos, sin).float()
+        n, rate = keys_BWK.shape[1], self.compressor.rate
         q = self.wq_b(q_low).view(b, s, self.heads, self.dim).transpose(1, 2)
-        q = rotate_pairs(q, cos[:s], sin[:s]).transpose(1, 2)  # (B, S, Hi, Ki)
-        scores = torch.matmul(q.float(), keys_BWK.transpose(-1, -2).float().unsqueeze(1))
-        scores = torch.relu(scores) * self.dim**-0.5
+        q = rotate_pairs(q, cos[:s], sin[:s]).transpose(1, 2).float()  # (B, S, Hi, Ki)
         head_w = self.weights_proj(x_BSD).float() * self.heads**-0.5
-        score_BSW = (scores * head_w.unsqueeze(-1)).sum(2).masked_fill(~closed_SW, float("-inf"))
-        picks = score_BSW.topk(min(self.topk, score_BSW.shape[-1]), dim=-1).indices
-        keep = torch.zeros_like(score_BSW, dtype=torch.bool).scatter_(-1, picks, True)
-        return keep & closed_SW
+        k = min(self.topk, n)
+        idx = torch.zeros(b, s, k, dtype=torch.long, device=x_BSD.device)
+        valid = torch.zeros(b, s, k, dtype=torch.bool, device=x_BSD.device)
+        block = compressed_kernel.BLOCK
+        for start in range(0, s, block):
+            stop = min(s, start + block)
+            scores = torch.relu(torch.matmul(q[:, start:stop], keys_BWK.transpose(-1, -2)[:, None]))
+            score_BQW = (scores * self.dim**-0.5 * head_w[:, start:stop, :, None]).sum(2)
+            pos = torch.arange(start, stop, device=x_BSD.device)
+            closed = torch.arange(n, device=x_BSD.device) < ((pos + 1) // rate)[:, None]
+            score_BQW = score_BQW.masked_fill(~closed, float("-inf"))
+            picks = score_BQW.topk(k, dim=-1).indices
+            idx[:, start:stop] = picks
+            valid[:, start:stop] = closed.expand(b, -1, -1).gather(-1, picks)
+        return idx, valid
 
     def init_own_parameters(self) -> None:
         self.compressor.init_own_parameters()
@@ -209,25 +225,20 @@ class CompressedAttention(nn.Module):
         q = self.wq_b(q_low).view(b, s, sh.n_heads, sh.head_dim).transpose(1, 2)
         q = rotate_pairs(unit_rms(q, sh.norm_eps), cos, sin)  # (B, H, S, K)
         kv = rotate_pairs(self.kv_norm(self.wkv(x_BSD)), cos, sin)  # (B, S, K)
-        pos = torch.arange(s, device=x_BSD.device)
-        lag = pos[:, None] - pos[None, :]
-        allowed = (lag >= 0) & (lag < sh.window)  # (S, S)
-        allowed = allowed.expand(b, s, s)
+        entries, picks = kv[:, :0], None
         if self.compressor is not None:
             entries = self.compressor(x_BSD, cos, sin)  # (B, W, K)
-            closed = (
-                torch.arange(entries.shape[1], device=pos.device) < ((pos + 1) // sh.rate)[:, None]
-            )
-            seen = closed if self.indexer is None else self.indexer(x_BSD, q_low, closed, cos, sin)
-            kv = torch.cat((kv, entries), dim=1)
-            allowed = torch.cat((allowed, seen.expand(b, -1, -1)), dim=-1)
-        logits = torch.matmul(q, kv.unsqueeze(1).transpose(-1, -2)) * sh.head_dim**-0.5
-        logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-        sinks = self.sinks.to(logits.dtype).view(1, -1, 1, 1).expand(b, -1, s, 1)
-        joined = torch.cat((logits, sinks), dim=-1)
-        probs = torch.softmax(joined - joined.max(-1, keepdim=True).values, dim=-1)[..., :-1]
-        out = torch.matmul(probs.to(kv.dtype), kv.unsqueeze(1))  # (B, H, S, K)
-        out = rotate_pairs(out, cos, -sin).transpose(1, 2)  # the values' rotation undone
+            if self.indexer is not None:
+                picks = self.indexer(x_BSD, q_low, cos, sin)
+        rate = self.compressor.rate if self.compressor is not None else 1
+        if getattr(self, "track_logits", False):  # (moetrain.model.logit_max's protocol)
+            seen = window_entry_logit_max(q, kv, entries, picks, sh.window, rate, sh.head_dim**-0.5)
+            old = getattr(self, "logit_max_H", None)
+            self.logit_max_H = seen if old is None else torch.maximum(old, seen)
+        out = window_entry_attention(
+            q, kv, entries, picks, self.sinks, sh.window, rate, sh.head_dim**-0.5
+        )  # (B, H, S, K)
+        out = rotate_pairs(out, cos, sin, back=True).transpose(1, 2)  # the values' rotation undone
         grouped = out.reshape(b, s, sh.o_groups, -1)
         w_a = self.wo_a.view(sh.o_groups, sh.o_lora_rank, -1)
         low = torch.einsum("bsgi,goi->bsgo", grouped, w_a.to(grouped.dtype))

@@ -165,6 +165,25 @@ def layer_scalar(layer: int) -> str:
     return f"layers.{layer}.layer_scalar"
 
 
+HC_TENSORS = ("fn", "base", "scale")  # a hyper-connection's (model.hc_streams)
+HC_BRANCHES = ("attn_hc", "ffn_hc")
+
+
+def hyper_connection(layer: int, branch: str, tensor: str) -> str:
+    """``branch``: attn_hc | ffn_hc (the mixer's, the FFN's); ``tensor``: fn | base | scale."""
+    return f"layers.{layer}.{branch}.{tensor}"
+
+
+def hyper_head(tensor: str) -> str:
+    """The streams' final collapse: fn | base | scale."""
+    return f"hc_head.{tensor}"
+
+
+def token_experts(layer: int) -> str:
+    """Hash routing's token -> experts table (moe.hash_layers), a buffer (V, K) int64."""
+    return f"layers.{layer}.ffn.router.token_experts"
+
+
 def shared_expert(layer: int, weight: str) -> str:
     return f"layers.{layer}.ffn.shared_expert.{weight}.weight"
 

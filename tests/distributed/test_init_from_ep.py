@@ -1,6 +1,6 @@
 """Continued pretraining and upcycling on 2 ranks, EP=2, ZeRO-2 (real runs, gloo):
 
-- every MoE family (Llama 4's with -m long): the first step's
+- every MoE family (those of :data:`LONG` with -m long): the first step's
   cross-entropy equals transformers' on the same global batch (fp32, 1e-5 relative); after 3
   steps the converted model gives moetrain's logits in transformers (1e-4) and the same greedy
   tokens;
@@ -77,6 +77,7 @@ LONG = (
     "lfm2_moe",
     "longcat_flash",
     "bailing_hybrid",
+    "deepseek_v4",
 )
 FAMILY_CASES = [
     f if f not in LONG else pytest.param(f, marks=pytest.mark.long) for f in MOE_FAMILIES

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tests.helpers.case_shapes import LLAMA4_MODEL, MLA_SHAPE, QWEN_HYBRID_MODEL, QWEN_SHARED
 from tests.helpers.hf_flags import DSA, GLM_INDEXER_TYPES, PHIMOE_ROPE
+from tests.helpers.routed import OUTPUT_BIAS_FAMILY_STD
 
 # moetrain settings that each format represents exactly (and that auto picks).
 CASES = {
@@ -303,6 +304,7 @@ CASES = {
             rope_beta_fast=32.0,
             rope_beta_slow=1.0,
             rope_truncate=False,
+            init_std=OUTPUT_BIAS_FAMILY_STD,  # (every expert routed: routed.py)
         ),
         moe=dict(
             topk_before_score=True,
@@ -326,6 +328,7 @@ CASES = {
             rope_long_factor=PHIMOE_ROPE["long_factor"] * 2,
             rope_attention_factor=PHIMOE_ROPE["short_mscale"],
             rope_long_regime="short",
+            init_std=OUTPUT_BIAS_FAMILY_STD,  # (every expert routed: routed.py)
         ),
         moe=dict(router_type="sparsemixer", renormalize=False),
     ),
@@ -392,6 +395,45 @@ CASES = {
             route_scale=6.0,
             shortcut=True,
             layer_ffns=["moe", "dense"] * 2,
+            bias_update_rate=1e-3,
+        ),
+    ),
+    "deepseek_v4": dict(  # DeepSeek-V4's flags (hf_flags.DEEPSEEK_V4_FLAGS)
+        model=dict(
+            attention="compressed",
+            n_kv_heads=1,
+            partial_rotary_factor=0.5,
+            q_lora_rank=12,
+            o_groups=2,
+            o_lora_rank=6,
+            sliding_window=3,
+            layer_types=[
+                "sliding_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+            ],
+            compress_rate_csa=2,
+            compress_rate_hca=4,
+            compress_index_heads=2,
+            compress_index_head_dim=8,
+            compress_index_topk=2,
+            compress_rope_theta=7000.0,
+            rope_scaling="yarn",
+            rope_factor=4.0,
+            rope_original_max_seq_len=16,
+            hc_streams=2,
+            hc_sinkhorn_iters=7,
+            ffn_activation="clamped_swiglu",
+        ),
+        moe=dict(
+            score_func="sqrtsoftplus",
+            hash_layers=[0],
+            route_scale=1.5,
+            num_shared_experts=1,
+            activation="clamped_swiglu",
+            swiglu_alpha=1.0,
+            swiglu_limit=0.8,
+            swiglu_up_offset=0.0,
             bias_update_rate=1e-3,
         ),
     ),

@@ -377,3 +377,38 @@ LING_HYBRID = dict(
     kda_lower_bound=-5.0,
     num_mtp_layers=0,
 )
+
+# DeepSeek-V4's flags at the tiny shape: one layer of each attention type (sliding, compressed
+# sparse, heavily compressed; window 3, compress rates 2 and 4, the indexer keeping 2 entries,
+# so that 19 tokens see compression and the selection bind), one key/value head, a quarter of
+# each head rotated in pairs with YaRN on the compressed layers, 2 hyper-connection streams, the
+# first layer hash-routed, sqrt(softplus) x1.5, the clamped SwiGLU (released: 43 layers, window
+# 128, rates 4 and 128, top 512 entries, 4 streams, 3 hash layers, limit 10)
+DEEPSEEK_V4_FLAGS = dict(
+    num_key_value_heads=1,
+    head_dim=16,
+    partial_rotary_factor=0.5,
+    q_lora_rank=12,
+    o_groups=2,
+    o_lora_rank=6,
+    sliding_window=3,
+    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    ],
+    index_n_heads=2,
+    index_head_dim=8,
+    index_topk=2,
+    compress_rope_theta=7000.0,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    hc_mult=2,
+    hc_sinkhorn_iters=7,
+    mlp_layer_types=["hash_moe", "moe", "moe"],
+    n_routed_experts=4,
+    moe_intermediate_size=24,
+    routed_scaling_factor=1.5,
+    swiglu_limit=0.8,
+    num_nextn_predict_layers=0,
+)

@@ -149,4 +149,7 @@ def test_decoder_layer_matches_transformers(index: int) -> None:
             assert theirs_grad is None or not theirs_grad.any(), name
             continue
         grad = theirs_grad.transpose(1, 2) if name.startswith("ffn.experts.") else theirs_grad
-        torch.testing.assert_close(p.grad, grad, rtol=1e-4, atol=1e-6, msg=name)
+        # (atol relative to the gradient's scale: the attention's written backward sums in
+        # another order than autograd through transformers' eager softmax)
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(p.grad, grad, rtol=1e-4, atol=1e-6 * scale, msg=name)

@@ -32,6 +32,21 @@ GDN = {  # two Gated DeltaNet layers, one attention layer
     "model.linear_key_head_dim": 8,
     "model.linear_value_head_dim": 6,
 }
+COMPRESSED = {
+    "model.attention": "compressed",
+    "model.n_layers": 2,
+    "model.n_kv_heads": 1,
+    "model.head_dim": 16,
+    "model.partial_rotary_factor": 0.5,
+    "model.q_lora_rank": 12,
+    "model.o_groups": 2,
+    "model.o_lora_rank": 6,
+    "model.sliding_window": 5,
+    "model.compress_rate_hca": 8,
+    "model.compress_index_heads": 2,
+    "model.compress_index_head_dim": 8,
+    "model.compress_index_topk": 3,
+}
 CASES = {
     "gqa": {},
     "gqa-options": {
@@ -120,6 +135,14 @@ CASES = {
         "model.gated_conv_kernel": 5,
         "model.gated_conv_bias": True,
     },
+    **{  # DeepSeek-V4's attention, each layer type first (the case counts layer 0)
+        f"compressed-{name}": {**COMPRESSED, "model.layer_types": types}
+        for name, types in (
+            ("sliding", ["sliding_attention", "compressed_sparse_attention"]),
+            ("csa", ["compressed_sparse_attention", "heavily_compressed_attention"]),
+            ("hca", ["heavily_compressed_attention", "compressed_sparse_attention"]),
+        )
+    },
     "mla-sparse": {  # DeepSeek sparse attention: the indexer's parameters and cached keys
         **MLA,
         "model.q_lora_rank": 24,
@@ -141,6 +164,7 @@ def test_every_kind_is_registered_on_both_sides_and_implements_the_protocol() ->
             "kda",
             "mamba2",
             "gated_conv",
+            "compressed",
         }
     )
     required = [

@@ -26,6 +26,8 @@ class MixerKind:
     name: ClassVar[str]  # its value of the key that selects it, e.g. "gqa"
     selected_by: ClassVar[str] = "model.attention"  # that key, for messages
     keys: ClassVar[tuple[str, ...]] = ()  # its own keys: at their defaults unless it is used
+    # whether it builds the compressed layer types (layer_plan.COMPRESSED_TYPES)
+    compresses: ClassVar[bool] = False
 
     @classmethod
     def validate(cls, model: ModelConfig, specs: list[MixerSpec]) -> None:
@@ -50,6 +52,12 @@ class MixerKind:
         than attention (a short convolution's channels, a recurrent state) names the heads
         those travel with."""
         raise NotImplementedError
+
+    @classmethod
+    def documents_refused(cls, model: ModelConfig) -> str | None:
+        """Why it cannot keep packed documents apart (``data.document_mask``), None when it
+        can (a packed row then equals its documents alone)."""
+        return None
 
     @classmethod
     def refuse_own_keys(cls, model: ModelConfig, shared: Collection[str] = ()) -> None:

@@ -103,6 +103,7 @@ class Layout:
     # the decoder's prefix and its embedding under it (Nemotron-H's backbone., embeddings)
     base: str = "model."
     embed: str = "embed_tokens"
+    lm_head: str = "lm_head"  # the LM head's module (DeepSeek-V4's files: head)
     moe_block: str = "mlp"  # the MoE block of a decoder layer ("": the layer itself)
     router: str = "gate"  # the router's module, under the block
     experts: PerExpert | Fused | Stacked = field(default_factory=PerExpert)
@@ -168,6 +169,12 @@ class Layout:
     # transformers v5's in-memory experts where they are not :data:`V5_FUSED` (Nemotron-H's
     # experts.up_proj / down_proj, not gated)
     in_memory_experts: Fused | None = None
+    # hyper-connections (model.hc_streams): the model's collapse before the final norm (under
+    # ``base``), its tensors fn, base, scale; a block's mixers' and FFN's are ``attn_hc.<t>`` /
+    # ``ffn_hc.<t>`` unless ``renames`` says otherwise; hash routing's token -> experts table
+    # (moe.hash_layers), under the router
+    hyper_head: tuple[str, str, str] = ("hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale")
+    hash_table: str = "tid2eid"
     # the final norm's module (LFM2's ``model.embedding_norm``, Nemotron-H's
     # ``backbone.norm_f``)
     final_norm: str = "model.norm"

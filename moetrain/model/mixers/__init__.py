@@ -1,7 +1,7 @@
 """The token mixer modules, one per kind, behind one protocol (:mod:`.base`): grouped-query
 attention with its local variants (:mod:`.gqa`), multi-head latent attention (:mod:`.mla`), Gated
-DeltaNet (:mod:`.gated_deltanet`), Kimi Delta Attention (:mod:`.kda`), Mamba-2 (:mod:`.mamba2`) and the gated short convolution
-(:mod:`.gated_conv`).
+DeltaNet (:mod:`.gated_deltanet`), Kimi Delta Attention (:mod:`.kda`), Mamba-2 (:mod:`.mamba2`), the gated short convolution
+(:mod:`.gated_conv`) and DeepSeek-V4's compressed attention (:mod:`.compressed`).
 Registered here by their ``kind``, the names :data:`moetrain.config.mixers.MIXER_KINDS` knows
 (the same set, checked by a test)."""
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
 from moetrain.model.mixers.base import MixerInputs, MixerLoss, MixerState, TokenMixer
+from moetrain.model.mixers.compressed import CompressedMixer
 from moetrain.model.mixers.gated_conv import GatedConv
 from moetrain.model.mixers.gated_deltanet import GatedDeltaNet
 from moetrain.model.mixers.gqa import Attention
@@ -19,7 +20,15 @@ from moetrain.model.mixers.mla import MLAttention
 
 MIXERS: dict[str, type[TokenMixer]] = {
     cls.kind: cls
-    for cls in (Attention, MLAttention, GatedDeltaNet, KimiDeltaAttention, Mamba2, GatedConv)
+    for cls in (
+        Attention,
+        MLAttention,
+        GatedDeltaNet,
+        KimiDeltaAttention,
+        Mamba2,
+        GatedConv,
+        CompressedMixer,
+    )
 }
 
 __all__ = [
