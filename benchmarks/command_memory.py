@@ -1,6 +1,7 @@
 """Memory and time of ``moetrain train`` per rank, phase by phase, next to the bare step.
 
     .venv/bin/python benchmarks/command_memory.py [--steps 20] [--shape bench] [--rounds 3] [--ep 1]
+    .venv/bin/python benchmarks/command_memory.py --family gemma4_text --ep 2 --steps 6
 
 Runs the real command (``python -m moetrain train`` through ``torchrun``, 2 CPU ranks, one thread
 each, the shape and data of ``benchmarks/train_command.py``) with this file as the entry point:
@@ -203,7 +204,15 @@ def main() -> None:
         rank_main(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
         return
     sys.path.insert(0, str(HERE))
-    from train_command import MICRO, SHAPES, WORK, prepare, shape_overrides
+    from train_command import (
+        CONFIG,
+        MICRO,
+        SHAPES,
+        WORK,
+        family_overrides,
+        prepare,
+        shape_overrides,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
@@ -211,11 +220,19 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=4000)
     ap.add_argument("--rounds", type=int, default=3, help="command / bare pairs, alternating")
     ap.add_argument("--ep", type=int, default=1, help="parallel.ep_size")
+    ap.add_argument(
+        "--family",
+        help="train_command.py --family's source model instead of the shape (the command "
+        "only: the bare step builds the shape's model)",
+    )
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     data = prepare(shape, args.docs)
+    config, sizes = CONFIG, shape_overrides(shape)
+    if args.family:
+        config, sizes = family_overrides(args.family, shape["seq"])
     common = [
-        *shape_overrides(shape),
+        *sizes,
         f"data.output_dir={data}",
         f"parallel.ep_size={args.ep}",
         "parallel.zero_stage=2",
@@ -228,8 +245,12 @@ def main() -> None:
         "logging.wandb.mode=disabled",
     ]
     run_dir = WORK / "memory-run"
-    command = ["train", str(ROOT / "configs" / "tiny-cpu.yaml"), *common, f"run_dir={run_dir}",
-               "checkpoint.resume=none"]  # fmt: skip
+    command = ["train", str(config), *common, f"run_dir={run_dir}", "checkpoint.resume=none"]
+    if args.family:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        runs = launch(WORK / "memory-phases-family", args.steps, command)
+        print(table(f"moetrain train, {args.family} ({args.steps} steps, eval and a save)", runs))
+        return
     ratios = []
     for r in range(args.rounds):
         runs = {}

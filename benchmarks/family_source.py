@@ -3,11 +3,11 @@
 (``save_pretrained``, fp32), which both sides start from, moetrain through
 ``checkpoint.init_from`` (its architecture read from the directory by the family's adapter), the
 peer through ``from_pretrained`` of the family's transformers class. The first step's losses are
-thus of the same function on the same weights and batch.
+thus of the same function on the same weights and batch (``train_command.py`` checks them).
 
 Sizes: the tiny test model of the family (``tests/helpers/hf_models.py``) with the attributes
-of :data:`BENCH_SIZES` changed: vocab 8192, d 256, 4 layers, 4 heads / 2 KV heads, 8 experts
-top-2 of hidden 512, the family's own pieces at the same scale.
+of :data:`BENCH_SIZES` changed: vocab 8192, d 256, 4 heads / 2 KV heads of 64, 8 experts top-2
+of hidden 512, the family's own pieces at the same scale and its released layer pattern.
 """
 
 from __future__ import annotations
@@ -20,34 +20,70 @@ import yaml
 COMMON = dict(
     vocab_size=8192,
     hidden_size=256,
-    num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=64,
     max_position_embeddings=256,
-    num_experts_per_tok=2,
-    router_aux_loss_coef=0.01,  # as the bench side's moe.aux_loss_coef
-    output_router_logits=True,  # (transformers adds the balancing loss only then)
     use_cache=False,
+)
+# transformers' balancing loss at bench's moe.aux_loss_coef, for the classes that compute one
+BALANCING = dict(
+    router_aux_loss_coef=0.01,
+    output_router_logits=True,  # (transformers adds the balancing loss only then)
 )
 BENCH_SIZES = {
     # 3 Gated DeltaNet layers to 1 attention layer, as released; every layer MoE with the
     # sigmoid-gated shared expert
     "qwen3_next": dict(
         COMMON,
+        **BALANCING,
+        num_hidden_layers=4,
         full_attention_interval=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
         num_experts=8,
+        num_experts_per_tok=2,
         moe_intermediate_size=512,
         shared_expert_intermediate_size=512,
         intermediate_size=1024,
         mlp_only_layers=[],
-        layer_types=None,  # (derived from full_attention_interval)
+    ),
+    # Gemma 4 26B-A4B's flags (hf_flags.GEMMA4_FLAGS) at the released 5 sliding layers to 1
+    # global: global layers of twice the head dim with one key/value head read as keys and
+    # values, a GeGLU dense MLP beside the GeGLU experts in every layer, final-logit
+    # soft-capping at 30, tied embeddings, the RoPE as released; the window half the sequence.
+    # Gemma4ForCausalLM computes no balancing loss, so neither side has one
+    "gemma4_text": dict(
+        COMMON,
+        num_hidden_layers=6,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        sliding_window=128,
+        global_head_dim=128,
+        num_global_key_value_heads=1,
+        final_logit_softcapping=30.0,
+        rope_parameters={  # as released
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+            },
+        },
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=512,
+        intermediate_size=1024,
+        vocab_size_per_layer_input=8192,  # (as released: the vocabulary; unused without them)
     ),
 }
+
+
+def aux_loss_coef(family: str) -> float:
+    """The balancing loss's weight ``family``'s transformers class trains with (0: none)."""
+    return BENCH_SIZES[family].get("router_aux_loss_coef", 0.0)
 
 
 def save_family_source(family: str, out: Path) -> Path:
@@ -60,15 +96,12 @@ def save_family_source(family: str, out: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (the tests' tiny models)
     from tests.helpers.hf_models import hf_config
 
-    config = hf_config(family)
-    for key, value in BENCH_SIZES[family].items():
-        setattr(config, key, value)
-    if "layer_types" in BENCH_SIZES[family]:  # the hybrid pattern of the new layer count
-        interval = config.full_attention_interval
-        config.layer_types = [
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-            for i in range(config.num_hidden_layers)
-        ]
+    tiny = hf_config(family)
+    # built anew from its fields: a config derives some at construction (Gemma 4 its global
+    # layers' per-layer settings), which setting attributes afterwards would leave stale
+    fields = {**tiny.to_dict(), **BENCH_SIZES[family]}
+    fields.pop("per_layer_config", None)
+    config = type(tiny).from_dict(fields)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)

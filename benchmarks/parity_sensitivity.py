@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/parity_sensitivity.py deepseek_v3 phimoe --std 0.1
 
 The logits-parity test (tests/unit/test_init_from.py) loads a family's tiny transformers model
-(tests/helpers/hf_models.py) into moetrain and compares the logits of 2 x 13 tokens at
+(tests/helpers/hf_models.py) into moetrain and compares the logits of 4 x 13 tokens at
 atol = rtol = 1e-5. Here the same comparison with moetrain's model broken on purpose:
 ``activation`` every expert's activation swapped (SwiGLU or the clamped SwiGLU -> GeGLU, GeGLU
 -> SwiGLU, squared ReLU -> ReLU), ``expert L.E`` expert E of MoE layer L's output zeroed, one
@@ -51,7 +51,7 @@ def sensitivity(family: str, root: Path, std: float | None) -> str:
     overrides = {} if std is None else {"initializer_range": std}
     src = save_hf_model(family, root / family, overrides=overrides)
     cfg, source = resolve_config_data(read_config_data(None, [f"checkpoint.init_from={src}"]))
-    ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 320, (4, 13), generator=torch.Generator().manual_seed(0))
     model = build_model(cfg, source).eval()
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     ref = hf(input_ids=ids).logits

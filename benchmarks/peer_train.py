@@ -8,7 +8,8 @@ process per rank, as ``moetrain train`` is).
 
 The same shape, optimizer, clipping, micro-batch and data as the moetrain side; ZeRO-2 with
 DeepSpeed's default buckets, or moetrain's CPU bucket size with ``--cpu-buckets``. Prints one
-JSON line with the median step time of the steps after the first two.
+JSON line with the median step time of the steps after the first two and the first step's
+cross-entropy (the mean over ranks, less the balancing loss).
 """
 
 from __future__ import annotations
@@ -63,18 +64,42 @@ def main() -> None:
     )
     data = DataConfig(output_dir=args.data, seq_len=shape["seq"])
     loader = iter(build_loader(data, "train", MICRO, rank, world, 1234))
-    times = []
+    times, first_ce = [], None
     for _ in range(args.steps):
         t0 = time.perf_counter()
         batch = next(loader)
-        out = engine(input_ids=batch["input_ids"], labels=batch["input_ids"])  # HF shifts
+        # the loader's targets, as moetrain trains on them: the next token at each of the
+        # seq_len positions (labels=input_ids would let transformers drop the last one)
+        labels = batch["labels"]
+        out = engine(input_ids=batch["input_ids"], labels=labels, shift_labels=labels)
         engine.backward(out.loss)
         engine.step()
         times.append(time.perf_counter() - t0)
+        if first_ce is None:
+            first_ce = mean_over_ranks(cross_entropy(model, out))
     if rank == 0:
         tail = times[2:] or times
-        print(json.dumps({"step_s": statistics.median(tail), "loss": float(out.loss)}), flush=True)
+        row = {"step_s": statistics.median(tail), "loss": float(out.loss), "first_ce": first_ce}
+        print(json.dumps(row), flush=True)
     dist.barrier()
+
+
+def cross_entropy(model, out) -> float:
+    """The step's cross-entropy: transformers' loss less the balancing loss it adds."""
+    aux = getattr(out, "aux_loss", None)
+    coef = getattr(model.config, "router_aux_loss_coef", 0.0)
+    return float(out.loss) - (coef * float(aux) if aux is not None else 0.0)
+
+
+def mean_over_ranks(value: float) -> float:
+    """``value``'s mean over the ranks (each holds the same number of tokens), as moetrain
+    logs its losses."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
 
 
 if __name__ == "__main__":

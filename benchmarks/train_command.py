@@ -6,6 +6,7 @@ by the same launcher (``benchmarks/peer_train.py``), at the shape of ``train_thr
     .venv/bin/python benchmarks/train_command.py --launcher torchrun --rounds 5
     .venv/bin/python benchmarks/train_command.py --shape fine --peer-cpu-buckets
     .venv/bin/python benchmarks/train_command.py --family qwen3_next --rounds 3
+    .venv/bin/python benchmarks/train_command.py --family gemma4_text --rounds 3
 
 Data: the built-in corpus (``builtin:stdlib``, first ``--docs`` documents) prepared once per
 vocabulary size into ``runs/bench-command/data-<V>``; both sides read the same token shards.
@@ -22,6 +23,11 @@ the same command, sides and lengths in alternating order, after one warm-up run 
   ``tokens_per_s`` intervals (metrics.jsonl, one every 2 steps); the peer's median step time;
 - peak RSS per rank, the same way for both: ``VmHWM`` of every rank process of the launcher,
   sampled from ``/proc`` every 50 ms until it exits; the maximum over ranks.
+
+With ``--family`` both sides start from one saved source model (``family_source.py``) and
+train with the balancing loss the peer's class computes (none for Gemma 4); the warm-up runs'
+first-step cross-entropies, the same weights on the same batch before any update, must agree
+within ``SAME_CE_RTOL`` or the benchmark stops: the two sides train one model.
 
 Reported per round and as medians (with the range) of the paired ratios moetrain / peer.
 ``--torch-matmul`` adds a third side, moetrain with ``train.cpu_matmul=torch`` (torch's own fp32
@@ -50,12 +56,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from family_source import BENCH_SIZES, family_config, save_family_source  # noqa: E402
+from family_source import (  # noqa: E402
+    BENCH_SIZES,
+    aux_loss_coef,
+    family_config,
+    save_family_source,
+)
 from train_throughput import LR, MICRO, SHAPES, architecture_overrides  # noqa: E402
 
 WORK = ROOT / "runs" / "bench-command"
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
 PY = sys.executable
+# --family: the sides' first-step cross-entropies (fp32, one function, one batch) agree to
+# rounding (Gemma 4: to all 8 printed digits); the peer scoring 255 of a row's 256 targets
+# (labels=input_ids) put them 2.0e-5 apart at gemma4_text
+SAME_CE_RTOL = 1e-5
 
 
 def shape_overrides(shape: dict) -> list[str]:
@@ -177,14 +192,8 @@ def moetrain_cmd(
     shutil.rmtree(run_dir, ignore_errors=True)
     config, sizes = CONFIG, shape_overrides(SHAPES[args.shape])
     family = getattr(args, "family", None)
-    if family:  # the architecture from the source directory, the training keys as for bench
-        config = family_config(CONFIG, WORK / "family.yaml")
-        sizes = [
-            f"checkpoint.init_from={family_dir(family)}",
-            f"data.seq_len={SHAPES[args.shape]['seq']}",
-            "moe.aux_loss_coef=0.01",
-            "moe.z_loss_coef=0",
-        ]
+    if family:
+        config, sizes = family_overrides(family, SHAPES[args.shape]["seq"])
     ov = [
         *sizes,
         f"data.output_dir={data}",
@@ -207,6 +216,17 @@ def moetrain_cmd(
     return launcher(args.launcher, port, target)
 
 
+def family_overrides(family: str, seq_len: int) -> tuple[Path, list[str]]:
+    """``--family``'s moetrain config and overrides: the architecture from the source
+    directory, the training keys as for bench, the balancing loss as the peer's class trains."""
+    return family_config(CONFIG, WORK / "family.yaml"), [
+        f"checkpoint.init_from={family_dir(family)}",
+        f"data.seq_len={seq_len}",
+        f"moe.aux_loss_coef={aux_loss_coef(family)}",
+        "moe.z_loss_coef=0",
+    ]
+
+
 def family_dir(family: str) -> Path:
     """Where ``--family``'s source model lies (both sides start from it)."""
     return save_family_source(family, WORK / f"family-{family}")
@@ -220,6 +240,40 @@ def peer_cmd(args: argparse.Namespace, data: Path, steps: int, port: int) -> lis
     return launcher(args.launcher, port, target)
 
 
+def first_step_ce(side: str, result: dict, steps: int) -> float:
+    """The first step's cross-entropy as the run reports it (moetrain logs step 1 always)."""
+    if side.startswith("moetrain"):
+        for line in (run_dir_of(steps) / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            if row.get("step") == 1 and "ce_loss" in row:
+                return row["ce_loss"]
+        raise RuntimeError(f"{side}: no step-1 ce_loss in {run_dir_of(steps)}/metrics.jsonl")
+    return _peer_row(result)["first_ce"]
+
+
+def check_same_model(first_ce: dict[str, float]) -> None:
+    """Both sides train one function: their first-step cross-entropies (same weights, same
+    batch, before any update) agree within :data:`SAME_CE_RTOL`, or the benchmark stops."""
+    for side, ce in first_ce.items():
+        if side == "peer":
+            continue
+        rel = abs(ce - first_ce["peer"]) / abs(first_ce["peer"])
+        print(
+            f"first-step cross-entropy {side} {ce:.7f} vs peer {first_ce['peer']:.7f}: "
+            f"relative difference {rel:.1e}",
+            flush=True,
+        )
+        if rel > SAME_CE_RTOL:
+            raise SystemExit(
+                f"{side} and the peer do not train the same model "
+                f"(first-step cross-entropy {rel:.1e} apart, > {SAME_CE_RTOL})"
+            )
+
+
+def _peer_row(result: dict) -> dict:
+    return json.loads([line for line in result["out"].splitlines() if line.startswith("{")][-1])
+
+
 def inside_tokens_per_s(side: str, result: dict, steps: int, tokens_per_step: int) -> float:
     """The run's own figure over the steps after the first two, the same way for both: the
     median of moetrain's logged tokens/s intervals, the median of the peer's step times."""
@@ -231,8 +285,7 @@ def inside_tokens_per_s(side: str, result: dict, steps: int, tokens_per_step: in
         return statistics.median(
             r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 2
         )
-    last = [line for line in result["out"].splitlines() if line.startswith("{")][-1]
-    return tokens_per_step / json.loads(last)["step_s"]
+    return tokens_per_step / _peer_row(result)["step_s"]
 
 
 def main() -> None:
@@ -281,10 +334,15 @@ def main() -> None:
             moetrain_cmd, extra=(f"parallel.shadow_experts={args.shadow_experts}",)
         )
     port = random.randrange(20000, 30000, 100)  # (launchers of other jobs on the machine)
+    first_ce = {}
     for side, build in builders.items():  # warm-up: caches, the compiled DeepSpeed op
         port += 1
-        run(build(args, data, args.short, port), env)
+        first_ce[side] = first_step_ce(
+            side, run(build(args, data, args.short, port), env), args.short
+        )
         print(f"warm-up {side} done", flush=True)
+    if args.family:
+        check_same_model(first_ce)
     sides_vs_peer = [side for side in builders if side != "peer"]
     rounds: list[dict[str, dict[str, float]]] = []
     for rnd in range(args.rounds):

@@ -184,7 +184,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # router's scalars, tied embeddings, soft-capping. Not its logits scaled by 1 nor its layer
     # scalar: per-token and per-layer pieces that send nothing across ranks, whose trajectory
     # here amplifies rounding (one process with every sum over the rows reordered already
-    # differs from itself by 3e-5 in the clipped norms with either, 1e-1 with both, by step 10)
+    # differs from itself by 3e-5 in the clipped norms with either, 1e-1 with both, by step 10;
+    # as it is, its twin's largest logit drifts from step 3: docs/NUMERICS.md)
     "gemma4": {
         "model.layer_types": ["sliding_attention", "full_attention"],
         "model.sliding_window": 6,
@@ -317,27 +318,28 @@ def reference_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Opti
 
 
 class ReferenceQKClip:
-    """The largest attention logits in the reference, tracked on the forwards of the last step
-    (the layouts log them there) and, with QK-clip (``optim.muon.qk_clip``), of every step, whose
-    row multipliers go to the optimizer before its step."""
+    """The largest attention logits in the reference, tracked on the forwards of every step (the
+    layouts log them too), overall (``max_logits``) and per layer (``layer_max_logits``); with
+    QK-clip (``optim.muon.qk_clip``) their row multipliers go to the optimizer before its
+    step."""
 
     def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
         from moetrain.train.attention_logits import AttentionLogits
 
         self.threshold = cfg.optim.muon.qk_clip
         self.logits = AttentionLogits(model, world_size=1)
-        self.clipped, self.tracking, self.max_logit = 0, False, None
+        self.clipped = 0
+        self.max_logits: list[float] = []
+        self.layer_max_logits: list[list[float]] = []
 
-    def begin_step(self, last: bool) -> None:
-        self.tracking = self.threshold > 0 or last
-        self.logits.track(self.tracking)
+    def begin_step(self) -> None:
+        self.logits.track(True)
 
     def before_update(self, opt: torch.optim.Optimizer) -> None:
-        if not self.tracking:
-            return
         maxima = self.logits.reduce(torch.device("cpu"))
         self.logits.track(False)
-        self.max_logit = float(maxima.max())
+        self.max_logits.append(float(maxima.max()))
+        self.layer_max_logits.append(maxima.max(dim=1).values.tolist())
         if self.threshold > 0:
             opt.set_row_scales(self.logits.row_scales(maxima, self.threshold))
             self.clipped += int((maxima > self.threshold).sum())
@@ -378,7 +380,7 @@ def reference_run(
         loads = None
         for router in routers:
             router.begin_step()
-        clip.begin_step(last=step == STEPS - 1)
+        clip.begin_step()
         for batch in global_batches(step):
             if rows_reversed:  # (each capacity group's rows stay one group)
                 batch = {k: v.flip(0) for k, v in batch.items()}
@@ -410,7 +412,8 @@ def reference_run(
         "biases": _biases(model),
         "dropped": dropped,
         "clipped": clip.clipped,
-        "max_logit": clip.max_logit,
+        "max_logits": clip.max_logits,
+        "layer_max_logits": clip.layer_max_logits,
         # the zero-expert shares of every step and MoE layer, summed (as the layouts report)
         "zero_share": zero_copies / (ACCUM * GLOBAL_MICRO * SEQ * cfg.moe.top_k),
     }
@@ -439,11 +442,16 @@ def _parallel_run(cfg: Config, rank: int, world: int, steps: int = STEPS) -> dic
             ds_norm.append(float(clip_grad_norm_(tr.model.parameters(), max_norm=float("inf"))))
 
     losses, norms, dropped, replicas, clipped = [], [], 0.0, 0.0, 0
+    max_logits, layer_max_logits = [], []
     zero_share = 0.0  # (metrics.jsonl's moe/layer<i>/zero_expert_share, summed)
     for step in range(steps):
         micro = [rank_slice(b, rank, world) for b in global_batches(step)]
-        hook, last = capture if step == 0 else None, step == steps - 1
-        rec = trainer.train_step(micro, before_step=hook, track_logits=last)
+        hook = capture if step == 0 else None
+        rec = trainer.train_step(micro, before_step=hook, track_logits=True)
+        max_logits.append(rec["attn/max_logit"])
+        layer_max_logits.append(
+            [v for k, v in rec.items() if k.startswith("attn/layer") and k.endswith("/max_logit")]
+        )
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
         dropped += sum(v["dropped"] for v in rec["moe_layers"].values())
@@ -466,7 +474,8 @@ def _parallel_run(cfg: Config, rank: int, world: int, steps: int = STEPS) -> dic
         "replicas": replicas,
         "zero_share": zero_share,
         "clipped": clipped,
-        "max_logit": rec["attn/max_logit"],
+        "max_logits": max_logits,
+        "layer_max_logits": layer_max_logits,
         "cut": cut_matrix_values(trainer),
     }
     del trainer

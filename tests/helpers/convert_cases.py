@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tests.helpers.case_shapes import LLAMA4_MODEL, MLA_SHAPE, QWEN_HYBRID_MODEL, QWEN_SHARED
 from tests.helpers.hf_flags import DSA, GLM_INDEXER_TYPES, PHIMOE_ROPE
+from tests.helpers.routed import OUTPUT_BIAS_FAMILY_STD
 
 # moetrain settings that each format represents exactly (and that auto picks).
 CASES = {
@@ -303,6 +304,7 @@ CASES = {
             rope_beta_fast=32.0,
             rope_beta_slow=1.0,
             rope_truncate=False,
+            init_std=OUTPUT_BIAS_FAMILY_STD,  # (every expert routed: routed.py)
         ),
         moe=dict(
             topk_before_score=True,
@@ -326,6 +328,7 @@ CASES = {
             rope_long_factor=PHIMOE_ROPE["long_factor"] * 2,
             rope_attention_factor=PHIMOE_ROPE["short_mscale"],
             rope_long_regime="short",
+            init_std=OUTPUT_BIAS_FAMILY_STD,  # (every expert routed: routed.py)
         ),
         moe=dict(router_type="sparsemixer", renormalize=False),
     ),

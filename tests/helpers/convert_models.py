@@ -16,6 +16,7 @@ from moetrain.model import param_names as pn
 from tests.helpers.configs import tiny_config
 from tests.helpers.convert_cases import CASES
 from tests.helpers.random_constants import randomise_constants
+from tests.helpers.routed import spread_routers
 
 
 def tiny_cfg(fmt: str, extra: dict | None = None) -> Config:
@@ -57,6 +58,7 @@ def model_for(cfg: Config) -> Transformer:
     randomise_constants(
         m, keep=lambda name: (no_bias and pn.is_expert_bias(name)) or name in hashed
     )
+    spread_routers(m, cfg.model.d_model)  # every expert routed (routed.py)
     return m
 
 
@@ -75,10 +77,12 @@ def load_hf(cfg: Config, model: Transformer, fmt: str, path):
 
 
 def sharpened(model: Transformer, factor: float = 8.0) -> Transformer:
-    """``model`` with its query and key projections ``factor`` times larger: attention scores
-    that matter (at init they are near zero, and the softmax scale would hardly show)."""
+    """``model`` with its query and key projections as if drawn at ``factor`` times the default
+    init std (0.02): attention scores that matter (at init they are near zero, and the softmax
+    scale would hardly show); a model initialised wider is scaled less."""
+    scale = factor * 0.02 / model.cfg.init_std
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith((".wq.weight", ".wk.weight")):
-                p.mul_(factor)
+                p.mul_(scale)
     return model

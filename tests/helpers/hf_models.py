@@ -35,6 +35,7 @@ from tests.helpers.hf_flags import (
     QWEN_HYBRID,
 )
 from tests.helpers.random_constants import randomise_constants
+from tests.helpers.routed import OUTPUT_BIAS_FAMILY_STD, spread_routers
 
 SMALL: dict[str, Any] = dict(
     vocab_size=320,
@@ -51,6 +52,7 @@ SMALL: dict[str, Any] = dict(
     pad_token_id=0,
 )
 EOS_TOKEN = "<|endoftext|>"
+OUTPUT_BIAS_INIT = {"initializer_range": OUTPUT_BIAS_FAMILY_STD}  # (every expert routed)
 
 
 def _moe_configs(transformers: Any) -> dict[str, Any]:
@@ -279,10 +281,12 @@ def _moe_configs(transformers: Any) -> dict[str, Any]:
             **NEMOTRON_H,
         ),
         "gpt_oss": lambda: transformers.GptOssConfig(  # gpt-oss-20b's flags
-            **{**moe, **GPT_OSS_FLAGS}, intermediate_size=24, num_local_experts=4
+            **{**moe, **GPT_OSS_FLAGS, **OUTPUT_BIAS_INIT},
+            intermediate_size=24,
+            num_local_experts=4,
         ),
         "phimoe": lambda: transformers.PhimoeConfig(  # Phi-3.5-MoE-instruct's flags
-            **{**moe, **PHIMOE_FLAGS}, intermediate_size=24, num_local_experts=4
+            **{**moe, **PHIMOE_FLAGS, **OUTPUT_BIAS_INIT}, intermediate_size=24, num_local_experts=4
         ),
         "gemma4_text": lambda: transformers.Gemma4TextConfig(  # Gemma 4's flags (hf_flags)
             **{**{k: v for k, v in SMALL.items() if k != "rope_parameters"}, **GEMMA4_FLAGS},
@@ -388,6 +392,7 @@ def save_hf_model(
         setattr(config, key, value)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     randomise_constants(model, seed)  # no tensor left constant (random_constants.py)
+    spread_routers(model, config.hidden_size, seed)  # every expert routed (routed.py)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):  # Gated DeltaNet's decay, per step at a = 0 from

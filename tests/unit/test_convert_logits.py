@@ -16,6 +16,7 @@ from moetrain.convert.hf import from_hf_state_dict, to_hf_state_dict
 from moetrain.model import Transformer
 from tests.helpers.convert_cases import CASES, MULTIPLIERS
 from tests.helpers.convert_models import load_hf, model_for, sharpened, stored_model, tiny_cfg
+from tests.helpers.routed import assert_every_expert_routed, routed_counts
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,9 +32,10 @@ def test_format_logits_match_and_round_trip(tmp_path, fmt: str) -> None:
     model = model_for(cfg)
     hf = load_hf(cfg, model, fmt, tmp_path)
     assert type(hf).__name__ == family(fmt).architecture
-    ids = torch.randint(0, 96, (2, 19))
-    with torch.no_grad():
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), routed_counts(model) as counts:
         ref, got = hf(input_ids=ids).logits, model(ids).logits
+    assert_every_expert_routed(fmt, counts)  # (else a broken expert could not show)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert ref.abs().max() > 1e-2
     # HF config -> moetrain config, and both HF layouts (per-expert file, v5 fused) -> moetrain

@@ -19,6 +19,7 @@ from moetrain.parallel.topology import Topology
 from moetrain.train.start import check_start, open_start, will_resume
 from tests.helpers.configs import tiny_args
 from tests.helpers.hf_models import MOE_FAMILIES, hf_config, save_hf_model
+from tests.helpers.routed import assert_every_expert_routed, routed_counts
 
 transformers = pytest.importorskip("transformers")
 SOLO = Topology(
@@ -48,10 +49,11 @@ def test_moe_source_gives_transformers_logits_and_local_experts(hf_dirs, family)
     assert source.kind == "huggingface" and not source.upcycle
     layers = hf_config(family).num_hidden_layers  # (3; Nemotron-H's are one sublayer each)
     assert (cfg.model.vocab_size, cfg.model.d_model, cfg.model.n_layers) == (320, 32, layers)
-    ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 320, (4, 13), generator=torch.Generator().manual_seed(0))
     model = build_model(cfg, source).eval()
-    with torch.no_grad():
+    with torch.no_grad(), routed_counts(model) as counts:
         got = model(ids).logits
+    assert_every_expert_routed(family, counts)  # (else a broken expert could not show)
     ref = hf_logits(hf_dirs[family], ids)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert ref.abs().max() > 1e-2
