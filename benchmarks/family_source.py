@@ -78,6 +78,50 @@ BENCH_SIZES = {
         intermediate_size=1024,
         vocab_size_per_layer_input=8192,  # (as released: the vocabulary; unused without them)
     ),
+    # DeepSeek-V4-Flash's flags (hf_flags.DEEPSEEK_V4_FLAGS) as released where the bench size
+    # allows: one key/value head read as keys and values, an eighth of each head rotated (YaRN
+    # x16 on the compressed layers), a query LoRA and grouped output LoRA, window 128, compress
+    # rates 4 and 128, 4 hyper-connection streams (20 Sinkhorn iterations), sqrt(softplus)
+    # routing x1.5 with one shared expert, the SwiGLU clamped at 10; one layer of each attention
+    # type after a sliding one, the first hash-routed (released: 3 of 43); the indexer keeping
+    # 16 of the 64 compressed entries (released 512, which would keep all at this length).
+    # Aux-loss-free as released: neither side trains a balancing loss
+    "deepseek_v4": dict(
+        COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=1,
+        partial_rotary_factor=1 / 8,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 16,
+        },
+        compress_rope_theta=160000.0,
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=64,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        sliding_window=128,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=16,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        mlp_layer_types=["hash_moe"] + ["moe"] * 3,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=512,
+        routed_scaling_factor=1.5,
+        swiglu_limit=10.0,
+        num_nextn_predict_layers=0,
+    ),
 }
 
 
@@ -104,8 +148,22 @@ def save_family_source(family: str, out: Path) -> Path:
     config = type(tiny).from_dict(fields)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    _spread_hash_tables(model, torch.Generator().manual_seed(0))
     model.save_pretrained(out)
     return out
+
+
+def _spread_hash_tables(model, gen) -> None:
+    """Hash-routed layers' token -> experts tables (DeepSeek-V4's ``tid2eid``, which the class
+    initialises to zeros, every token to expert 0) filled as released: each token a fixed
+    random set of ``top_k`` distinct experts."""
+    import torch
+
+    for name, table in model.named_buffers():
+        if name.endswith("tid2eid"):
+            vocab, top_k = table.shape
+            experts = model.config.n_routed_experts
+            table.copy_(torch.rand(vocab, experts, generator=gen).argsort(dim=1)[:, :top_k])
 
 
 def family_config(template: Path, out: Path) -> Path:

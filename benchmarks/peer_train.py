@@ -51,9 +51,14 @@ def main() -> None:
     if args.hf_dir:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(
-            args.hf_dir, dtype=torch.float32, attn_implementation="sdpa"
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                args.hf_dir, dtype=torch.float32, attn_implementation="sdpa"
+            )
+        except ValueError:  # a class without an SDPA path (DeepSeek-V4): its eager attention
+            model = AutoModelForCausalLM.from_pretrained(
+                args.hf_dir, dtype=torch.float32, attn_implementation="eager"
+            )
     else:
         model = _hf_model(peer_family(shape), False, shape)
     opt = torch.optim.AdamW(

@@ -7,6 +7,7 @@ by the same launcher (``benchmarks/peer_train.py``), at the shape of ``train_thr
     .venv/bin/python benchmarks/train_command.py --shape fine --peer-cpu-buckets
     .venv/bin/python benchmarks/train_command.py --family qwen3_next --rounds 3
     .venv/bin/python benchmarks/train_command.py --family gemma4_text --rounds 3
+    .venv/bin/python benchmarks/train_command.py --family deepseek_v4 --rounds 3
 
 Data: the built-in corpus (``builtin:stdlib``, first ``--docs`` documents) prepared once per
 vocabulary size into ``runs/bench-command/data-<V>``; both sides read the same token shards.
@@ -25,7 +26,7 @@ the same command, sides and lengths in alternating order, after one warm-up run 
   sampled from ``/proc`` every 50 ms until it exits; the maximum over ranks.
 
 With ``--family`` both sides start from one saved source model (``family_source.py``) and
-train with the balancing loss the peer's class computes (none for Gemma 4); the warm-up runs'
+train with the balancing loss the peer's class computes (none for Gemma 4 and DeepSeek-V4); the warm-up runs'
 first-step cross-entropies, the same weights on the same batch before any update, must agree
 within ``SAME_CE_RTOL`` or the benchmark stops: the two sides train one model.
 
