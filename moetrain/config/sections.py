@@ -210,6 +210,11 @@ class TrainConfig:
     # fp32 matrix multiplies on CPU (model/cpu_matmul.py): onednn = oneDNN's kernels, which use
     # AVX-512 where the CPU has it (torch's MKL runs AVX2 kernels on AMD CPUs); torch = torch's own
     cpu_matmul: Literal["onednn", "torch"] = "onednn"
+    # the recurrent mixers' kernels (model/recurrent_kernels.py): auto = the CUDA kernels of
+    # fla / causal-conv1d / mamba-ssm where installed and the call is on CUDA, torch otherwise;
+    # torch = moetrain's torch path always; cuda = the kernels always (an error where they
+    # cannot run)
+    recurrent_kernels: Literal["auto", "torch", "cuda"] = "auto"
 
     def validate(self) -> None:
         allowed = ("fp32",) if self.precision == "fp32" else ("fp32", self.precision)

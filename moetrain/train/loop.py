@@ -24,6 +24,7 @@ from moetrain.config import Config
 from moetrain.faults import fault_point
 from moetrain.model.attention import attention_report
 from moetrain.model.cpu_matmul import use_cpu_matmul
+from moetrain.model.recurrent_kernels import recurrent_report, use_recurrent_kernels
 from moetrain.monitor.run_monitor import RunMonitor
 from moetrain.parallel.deepspeed import check_precision_supported, dump_deepspeed_config
 from moetrain.parallel.topology import Topology, init_distributed, shutdown
@@ -57,11 +58,13 @@ def _write_run_files(cfg: Config, trainer: Trainer) -> None:
 
 def set_up_process(cfg: Config) -> str | None:
     """What ``moetrain train`` sets for its process before anything else: threads per rank, the
-    CPU matmul kernel and, on a CPU-only machine, glibc's allocator (before any process group
-    starts its threads). -> the allocator's note for the console, if any."""
+    CPU matmul kernel, the recurrent mixers' kernels and, on a CPU-only machine, glibc's
+    allocator (before any process group starts its threads). -> the allocator's note for the
+    console, if any."""
     if cfg.train.threads_per_rank:
         torch.set_num_threads(cfg.train.threads_per_rank)
     use_cpu_matmul(cfg.train.cpu_matmul)
+    use_recurrent_kernels(cfg.train.recurrent_kernels)
     if torch.cuda.is_available():
         return None
     return tune_host_allocator(cfg.train.host_allocator)
@@ -142,6 +145,8 @@ def run_training(cfg: Config, reset_optimizer: bool = False) -> dict[str, Any]:
             rec = trainer.train_step(micro, track_logits=log.due(progress.step + 1))
             if progress.step == start_step + 1:
                 monitor.say(f"attention: {attention_report(trainer.model)}")
+                if (recurrent := recurrent_report(trainer.model)) is not None:
+                    monitor.say(f"recurrent mixers: {recurrent}")
             first_loss = rec["loss"] if first_loss is None else first_loss
             last_loss = rec["loss"]
             sources = train_loader.source_progress()

@@ -57,9 +57,12 @@ from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.delta_rule import gated_delta_rule, gated_delta_rule_recurrent
+from moetrain.model.delta_rule_cuda import gated_delta_rule_fla, rule_unsupported
 from moetrain.model.head_exchange import HeadExchange, rank_channels
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
+from moetrain.model.recurrent_kernels import KernelChoice
 from moetrain.model.short_conv import short_conv
+from moetrain.model.short_conv_cuda import short_conv_cuda
 
 CHUNK = 64  # the chunked rule's chunk length
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4  # dt_bias's initial step sizes (Mamba's)
@@ -159,14 +162,20 @@ def conv_and_rule(
     beta: torch.Tensor,
     docs: torch.Tensor | None,
     state: RecurrentState | None,
+    kernels: KernelChoice | None = None,
 ) -> torch.Tensor:
     """The short convolution with SiLU over ``qkv``'s ``[q | k | v]`` channels, then the gated
     delta rule over L2-normalised q and k (chunked; one recurrence step for a single token with
     a state), both restarting at ``docs``' documents; ``heads``: q's, k's and v's (heads, dim);
     with ``state`` the tokens continue it and it takes them in. (B, S, H, V) out (Gated
-    DeltaNet's, and Kimi Delta Attention's with a per-channel ``g``)."""
+    DeltaNet's, and Kimi Delta Attention's with a per-channel ``g``). ``kernels``: the mixer's
+    choice of fla and causal-conv1d (:mod:`moetrain.model.delta_rule_cuda`) for the call."""
     b, s, _ = qkv.shape
-    mixed, conv_state = short_conv(
+    width = weight_CW.shape[1]
+    fla = kernels is not None and kernels.use_kernels(
+        qkv, rule_unsupported(qkv, width, heads[0][1], docs, state is not None)
+    )
+    mixed, conv_state = (short_conv_cuda if fla else short_conv)(
         qkv,
         weight_CW,
         activation="silu",
@@ -176,8 +185,12 @@ def conv_and_rule(
     )
     parts = mixed.split([h * d for h, d in heads], dim=-1)
     q, k, v = (t.view(b, s, h, d) for t, (h, d) in zip(parts, heads, strict=True))
-    rule = gated_delta_rule_recurrent if state is not None and s == 1 else gated_delta_rule
-    args = {} if rule is gated_delta_rule_recurrent else {"chunk_size": CHUNK}
+    if fla:
+        rule, args = gated_delta_rule_fla, {}
+    elif state is not None and s == 1:
+        rule, args = gated_delta_rule_recurrent, {}
+    else:
+        rule, args = gated_delta_rule, {"chunk_size": CHUNK}
     o, rule_state = rule(
         q,
         k,
@@ -220,6 +233,9 @@ class GatedDeltaNet(TokenMixer):
         self.norm = GatedRMSNorm(self.dv, eps)
         self.wo = Linear(self.hv * self.dv, d, bias=False)
         self._rank_rows: dict[tuple[int, int], torch.Tensor] = {}
+        self.kernel_choice = KernelChoice(
+            "fla chunk_gated_delta_rule + causal_conv1d", ("fla", "causal_conv1d")
+        )
 
     @staticmethod
     def channels(cfg: ModelConfig) -> int:
@@ -274,7 +290,8 @@ class GatedDeltaNet(TokenMixer):
         if self.beta_scale != 1.0:
             beta = beta * self.beta_scale
         heads = ((hk, self.dk), (hk, self.dk), (hv, self.dv))
-        return conv_and_rule(qkv, weight_CW, heads, g, beta, inputs.doc_ids_BS, state)
+        docs = inputs.doc_ids_BS
+        return conv_and_rule(qkv, weight_CW, heads, g, beta, docs, state, self.kernel_choice)
 
     def _to_heads(
         self, ex: HeadExchange, qkv: torch.Tensor, b_raw: torch.Tensor, a_raw: torch.Tensor

@@ -65,6 +65,7 @@ from moetrain.model.mixers.gated_deltanet import (
     conv_and_rule,
     init_dt_bias,
 )
+from moetrain.model.recurrent_kernels import KernelChoice
 
 A_RANGE = (1.0, 16.0)  # exp(A_log) at initialisation, as Kimi Linear draws it
 PROJECTIONS = ("q", "k", "v")  # each with its projection and its convolution
@@ -133,6 +134,7 @@ class KimiDeltaAttention(TokenMixer):
             setattr(self, name, Linear(n_in, n_out, bias=False))
         self.o_norm = SigmoidGatedRMSNorm(self.dk, cfg.norm_eps)
         self.wo = Linear(hk, d, bias=False)
+        self.kernel_choice = KernelChoice("fla chunk_kda + causal_conv1d", ("fla", "causal_conv1d"))
 
     def forward(
         self, x_BSD: torch.Tensor, inputs: MixerInputs, state: RecurrentState | None = None
@@ -183,7 +185,8 @@ class KimiDeltaAttention(TokenMixer):
         g = self.bound * torch.sigmoid(rate * f) if bounded else -rate * F.softplus(f)
         beta = b_raw.to(wide).sigmoid()
         heads = ((h, self.dk),) * 3
-        return conv_and_rule(qkv, weight_CW, heads, g, beta, inputs.doc_ids_BS, state)
+        docs = inputs.doc_ids_BS
+        return conv_and_rule(qkv, weight_CW, heads, g, beta, docs, state, self.kernel_choice)
 
     def _to_heads(
         self, ex: HeadExchange, qkv: torch.Tensor, f_raw: torch.Tensor, b_raw: torch.Tensor
