@@ -23,6 +23,10 @@ fails, with the error):
 4. ``attention``: one attention layer with a document mask and grouped K/V (16 query heads, 4
    K/V heads, S 2048): the SDPA kernel torch picked (must not be the math kernel on CUDA),
    peak memory of fwd+bwd against the math kernel forced, outputs against the grouped call.
+   ``hybrid`` (``benchmarks/gpu_hybrid.py``): one Gated DeltaNet, Kimi Delta Attention and
+   Mamba-2 layer each (S 4096, four documents, bf16), forward + backward with the CUDA kernels
+   of ``moetrain[kernels]`` (fla, causal-conv1d, mamba-ssm) against moetrain's torch path: what
+   ran, time, peak memory, and their agreement (output and every gradient).
 5. ``host_syncs``: one MoE layer (training shape, bf16, EP=1) fwd+bwd under
    ``torch.cuda.set_sync_debug_mode("warn")``: synchronizing CUDA calls, dropless (0 expected)
    and with a capacity factor (1: the kept-row count), next to the CPU op counter's numbers.
@@ -75,6 +79,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from gpu_hybrid import hybrid, hybrid_summary  # noqa: E402  (benchmarks/, the script's folder)
 
 from moetrain.config import Config, apply_overrides, config_from_dict  # noqa: E402
 from moetrain.model import GroupedExperts, Transformer  # noqa: E402
@@ -735,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         ("grouped_gemm", lambda: grouped_gemm(device, low, dry)),
         ("matmul", lambda: matmul_ceiling(device, low, dry)),
         ("attention", lambda: attention(device, low, dry)),
+        ("hybrid", lambda: hybrid(device, low, dry, timed, peak_memory)),
         ("host_syncs", lambda: host_syncs(device, low, dry)),
         ("train", lambda: train(device, dry, steps, info.get("peak_bf16_tflops"))),
         (
@@ -817,6 +824,7 @@ def summary(r: dict[str, Any]) -> str:
             f"attention {a['shape']} document mask: {a['kernel']}, peak {_gib(a['peak_bytes'])} "
             f"(math kernel {_gib(a.get('math_peak_bytes'))})"
         )
+    lines += hybrid_summary(r.get("hybrid", {}))
     h = r["host_syncs"]
     if "dropless" in h:
         for key in ("dropless", "capacity_1.25"):
@@ -875,6 +883,7 @@ def summary(r: dict[str, Any]) -> str:
         "grouped_gemm",
         "matmul",
         "attention",
+        "hybrid",
         "host_syncs",
         "train",
         "precision",

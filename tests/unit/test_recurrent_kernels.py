@@ -76,8 +76,10 @@ class _OnCuda:
     device = torch.device("cuda", 0)
 
 
-def _mixer(kind: str, seed: int = 0) -> torch.nn.Module:
-    cfg = tiny_config(KINDS[kind]).model
+def _mixer(kind: str, seed: int = 0, overrides: dict | None = None) -> torch.nn.Module:
+    """One layer of ``kind`` (KINDS' shapes, then ``overrides``), weights away from their
+    initialisation."""
+    cfg = tiny_config(KINDS[kind], overrides or {}).model
     torch.manual_seed(seed)
     mixer = build_mixer(cfg, mixer_spec(cfg, 0))
     with torch.no_grad():

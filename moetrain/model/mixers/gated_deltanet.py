@@ -23,7 +23,10 @@ value head. A causal depthwise convolution of width W with SiLU runs over the q,
 
 (:mod:`moetrain.model.delta_rule`: the chunked form for training and prefill, the token
 recurrence for a decode step). Packed documents restart the convolution's window and the
-rule's state at every document start, so a packed row equals its documents one by one.
+rule's state at every document start, so a packed row equals its documents one by one. On
+CUDA the convolution and the rule can run fla's and causal-conv1d's kernels instead
+(:mod:`moetrain.model.delta_rule_cuda`, chosen by ``train.recurrent_kernels``; the mixer's
+``kernel_choice`` records what its first call ran).
 
 Numerics: the decay, the gate beta and the rule's state are fp32 under bf16 (transformers takes
 ``sigmoid(b)`` in the input dtype: bf16 parity differs by beta's rounding); the convolution

@@ -28,6 +28,8 @@ With ``model.kda_full_rank_gates`` (Ling 3.0's) the two gates' projections are o
 (:mod:`moetrain.model.delta_rule`, the per-channel decay path: the chunked form for training
 and prefill, the token recurrence for a decode step). Packed documents restart the
 convolution's window and the rule's state at every document start, as Gated DeltaNet's do.
+On CUDA: fla's ``chunk_kda`` and causal-conv1d (:mod:`moetrain.model.delta_rule_cuda`), as
+Gated DeltaNet chooses them.
 
 Numerics: the decay, beta, the rule's state and the gated norm (its weight and gate included)
 are fp32, the norm's result rounded once (transformers' ``KimiLinearRMSNormGated``); the

@@ -16,7 +16,10 @@ convolution of width W with a bias and SiLU runs over x, B, C
 
 (:mod:`moetrain.model.ssd_scan`: the chunked form for training and prefill, the token
 recurrence for a decode step). Packed documents restart the convolution's window and the
-scan's state at every document start, so a packed row equals its documents one by one.
+scan's state at every document start, so a packed row equals its documents one by one. On
+CUDA the convolution and the scan can run causal-conv1d's and mamba-ssm's kernels instead
+(:mod:`moetrain.model.ssd_cuda`, chosen by ``train.recurrent_kernels``; ``kernel_choice``
+records what the first call ran).
 
 Numerics: dt, the scan and the gated norm compute in fp32 under bf16, the result rounded
 once; the convolution in the activations' dtype.
