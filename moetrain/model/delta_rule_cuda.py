@@ -19,8 +19,8 @@ Our conventions against fla's (fla-core 0.6's documented API, read from its sour
   convolution cannot take both), so no per-sequence initial states are needed.
 
 What fla does not take runs the torch path (:func:`rule_unsupported` says why): key head dims
-over 256, dtypes other than fp32/bf16/fp16, documents together with a state, and the one-token
-decode step, which stays on the torch recurrence (a few small products per token).
+over 256, dtypes other than fp32/bf16/fp16, documents together with a state. The one-token
+decode step always runs the torch recurrence (a few small products per token).
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ def rule_unsupported(
     qkv: torch.Tensor, width: int, key_dim: int, docs: torch.Tensor | None, with_state: bool
 ) -> str | None:
     """Why the kernel path cannot run a convolution-and-rule call on ``qkv`` (B, S, Ch) with a
-    convolution of ``width`` and key heads of ``key_dim`` (None: it can)."""
-    if with_state and qkv.shape[1] == 1:
-        return "a one-token decode step runs the torch recurrence"
+    convolution of ``width`` and key heads of ``key_dim`` (None: it can). (A one-token decode
+    step never asks: it runs the torch recurrence.)"""
     if qkv.dtype not in DTYPES:
         return f"fla takes fp32/bf16/fp16 activations, not {qkv.dtype}"
     if key_dim > MAX_KEY_DIM:

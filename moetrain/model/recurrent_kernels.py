@@ -20,6 +20,7 @@ attention kernels. The packages are imported only when a call's tensors are on C
 from __future__ import annotations
 
 import importlib
+import re
 import warnings
 from types import ModuleType
 from typing import Literal
@@ -62,12 +63,13 @@ def recurrent_kernels_choice() -> str:
 
 
 def _version(text: str) -> tuple[int, ...]:
+    """The leading numbers of a version string: ``"2.2.4.post1"`` -> (2, 2, 4)."""
     parts = []
     for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
+        digits = re.match(r"\d+", piece)
+        if digits is None:
             break
-        parts.append(int(digits))
+        parts.append(int(digits.group()))
     return tuple(parts)
 
 

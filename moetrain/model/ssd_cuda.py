@@ -17,8 +17,8 @@ Our conventions against mamba-ssm's (2.2's documented API, read from its source)
   numbered 0 (the row's first document), as our scan does.
 
 The output comes in x's dtype (ours: fp32); the gated norm computes in fp32 either way. The
-one-token decode step stays on the torch recurrence, and what the convolution kernel does not
-take (:func:`~moetrain.model.short_conv_cuda.conv_unsupported`) runs the torch path.
+one-token decode step always runs the torch recurrence, and a call the convolution kernel does
+not take (:func:`~moetrain.model.short_conv_cuda.conv_unsupported`) the torch path.
 """
 
 from __future__ import annotations
@@ -26,17 +26,6 @@ from __future__ import annotations
 import torch
 
 from moetrain.model.recurrent_kernels import load_package, sequence_index
-from moetrain.model.short_conv_cuda import conv_unsupported
-
-
-def scan_unsupported(
-    xbc: torch.Tensor, width: int, docs: torch.Tensor | None, with_state: bool
-) -> str | None:
-    """Why the kernel path cannot run a convolution-and-scan call on ``xbc`` (B, S, Ch) with a
-    convolution of ``width`` (None: it can)."""
-    if with_state and xbc.shape[1] == 1:
-        return "a one-token decode step runs the torch recurrence"
-    return conv_unsupported(xbc, width, docs, with_state)
 
 
 def ssd_scan_cuda(

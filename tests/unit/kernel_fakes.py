@@ -48,7 +48,11 @@ def causal_conv1d_fn(
         initial_states = x.new_zeros(b, dim, w - 1)
     assert initial_states.shape == (b, dim, w - 1)
     full = torch.cat([initial_states, x], dim=-1)
-    out = torch.zeros_like(x) if bias is None else bias[None, :, None].expand(b, dim, length)
+    last = full[..., length:].clone()  # the last W - 1 inputs, the initial ones included
+    full, weight = full.float(), weight.float()  # the kernel sums in fp32
+    out = full.new_zeros(b, dim, length)
+    if bias is not None:
+        out = out + bias.float()[None, :, None]
     t = torch.arange(length)
     for j in range(w):  # tap j reads position t - (W - 1) + j
         tap = weight[None, :, j, None] * full[..., j : j + length]
@@ -58,10 +62,8 @@ def causal_conv1d_fn(
             tap = tap * (same & (src >= 0))[:, None, :]
         out = out + tap
     out = F.silu(out) if activation else out
-    y = torch.empty_like(x).copy_(out)  # the kernel writes in x's layout
-    if not return_final_states:
-        return y
-    return y, full[..., length:].clone()  # the last W - 1 inputs, the initial ones included
+    y = torch.empty_like(x).copy_(out)  # the kernel writes in x's dtype and layout
+    return (y, last) if return_final_states else y
 
 
 def _per_sequence(q, k, v, g, beta, scale, initial_state, output_final_state, l2, cu_seqlens):

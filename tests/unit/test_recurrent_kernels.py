@@ -26,7 +26,7 @@ from moetrain.model.recurrent_kernels import (
     sequence_index,
     use_recurrent_kernels,
 )
-from moetrain.model.ssd_cuda import scan_unsupported
+from moetrain.model.short_conv_cuda import conv_unsupported
 from tests.helpers.configs import tiny_config
 from tests.unit import kernel_fakes
 
@@ -141,8 +141,8 @@ def test_missing_or_old_package_falls_back_or_refuses(monkeypatch) -> None:
         mamba.use_kernels(_OnCuda())
     fla = KernelChoice("fla", ("fla", "causal_conv1d"))
     assert fla.use_kernels(_OnCuda()) and fla.first == "fla"
-    with pytest.raises(ValueError, match="a one-token decode step"):
-        fla.use_kernels(_OnCuda(), "a one-token decode step runs the torch recurrence")
+    with pytest.raises(ValueError, match="fla cannot run this call: causal-conv1d takes"):
+        fla.use_kernels(_OnCuda(), conv_unsupported(torch.zeros(1, 4, 12), 4, None, False))
 
 
 def test_unsupported_calls_say_why() -> None:
@@ -150,13 +150,12 @@ def test_unsupported_calls_say_why() -> None:
     x = torch.zeros(2, 10, 56)
     docs = torch.zeros(2, 10, dtype=torch.long)
     assert rule_unsupported(x, 4, 128, docs, False) is None
-    assert scan_unsupported(x, 4, None, True) is None
+    assert conv_unsupported(x, 4, None, True) is None
     assert "width of 2 to 4, not 5" in rule_unsupported(x, 5, 8, None, False)
-    assert "multiple of 8 channels, not 12" in scan_unsupported(x[..., :12], 4, None, False)
+    assert "multiple of 8 channels, not 12" in conv_unsupported(x[..., :12], 4, None, False)
     assert "documents or a state" in rule_unsupported(x, 4, 8, docs, True)
     assert "key head dims up to 256, not 512" in rule_unsupported(x, 4, 512, None, False)
     assert "not torch.float64" in rule_unsupported(x.double(), 4, 8, None, False)
-    assert "decode step" in scan_unsupported(x[:, :1], 4, None, True)
     assert "fewer tokens (2)" in rule_unsupported(x[:, :2], 4, 8, None, True)
 
 
@@ -190,13 +189,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_kernel_path_equals_torch_path(kind: str, monkeypatch) -> None:
     """Through the stand-ins, each mixer's kernel path equals its torch path: two packed rows of
-    documents (values and every gradient), and a prefill then a continuation from the
-    generation state (values and both states)."""
+    documents (values and every gradient), and a prefill, a continuation and a decode step from
+    the generation state (values and both states)."""
     mixer = _mixer(kind)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 40, 32, generator=gen, requires_grad=True)
     docs = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7, [3] * 40])
-    parts = ((x[:, :9].detach(), 0), (x[:, 9:25].detach(), 9))  # a prefill, a continuation
+    # a prefill, a continuation, a decode step (the torch recurrence on either path)
+    parts = ((x[:, :9].detach(), 0), (x[:, 9:25].detach(), 9), (x[:, 25:26].detach(), 25))
     ref = mixer(x, _inputs(40, docs))
     ref_grads = _grads(mixer, x, ref)
     ref_steps = _steps(mixer, parts)

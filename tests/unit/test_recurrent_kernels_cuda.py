@@ -174,20 +174,25 @@ def test_mamba_equals_ssd_scan(dtype: torch.dtype, mode: str) -> None:
 
 @pytest.mark.parametrize("kind", ["gated_deltanet", "kda", "mamba2"])
 def test_mixers_choose_the_kernels_on_cuda(kind: str) -> None:
-    """Each mixer on CUDA runs the kernels and records it; with ``torch`` chosen, the torch
-    path; both agree (bf16 weights and activations, packed documents)."""
+    """Each mixer on CUDA runs the kernels and records it; in bf16 (weights and activations,
+    packed documents) the kernel path is about as far from the fp32 torch path as the bf16
+    torch path is (at most twice, or the bf16 tolerance)."""
     from tests.unit.test_recurrent_kernels import _inputs, _mixer
 
     for name in PACKAGES:
         assert load_package(name)[1] is None, load_package(name)[1]
-    mixer = _mixer(kind, overrides=WIDE[kind]).to(DEV, torch.bfloat16)
-    x = torch.randn(2, 300, 32, device=DEV, dtype=torch.bfloat16)
+    mixer = _mixer(kind, overrides=WIDE[kind]).to(DEV)
+    x = torch.randn(2, 300, 32, device=DEV)
     docs = _docs(2, 300)
-    out = mixer(x, _inputs(300, docs))
-    assert mixer.kernel_choice.first == mixer.kernel_choice.kernels
     use_recurrent_kernels("torch")
     try:
         ref = mixer(x, _inputs(300, docs))
+        mixer.to(torch.bfloat16)
+        torch_bf16 = mixer(x.bfloat16(), _inputs(300, docs))
     finally:
         use_recurrent_kernels("auto")
-    assert _rel(out, ref) <= TOL[torch.bfloat16]
+    mixer.kernel_choice.first = None
+    kernel_bf16 = mixer(x.bfloat16(), _inputs(300, docs))
+    assert mixer.kernel_choice.first == mixer.kernel_choice.kernels
+    bound = max(2 * _rel(torch_bf16, ref), TOL[torch.bfloat16])
+    assert _rel(kernel_bf16, ref) <= bound

@@ -174,9 +174,13 @@ def conv_and_rule(
     DeltaNet's, and Kimi Delta Attention's with a per-channel ``g``). ``kernels``: the mixer's
     choice of fla and causal-conv1d (:mod:`moetrain.model.delta_rule_cuda`) for the call."""
     b, s, _ = qkv.shape
-    width = weight_CW.shape[1]
-    fla = kernels is not None and kernels.use_kernels(
-        qkv, rule_unsupported(qkv, width, heads[0][1], docs, state is not None)
+    decode = state is not None and s == 1  # always the torch recurrence
+    fla = (
+        not decode
+        and kernels is not None
+        and kernels.use_kernels(
+            qkv, rule_unsupported(qkv, weight_CW.shape[1], heads[0][1], docs, state is not None)
+        )
     )
     mixed, conv_state = (short_conv_cuda if fla else short_conv)(
         qkv,
@@ -190,7 +194,7 @@ def conv_and_rule(
     q, k, v = (t.view(b, s, h, d) for t, (h, d) in zip(parts, heads, strict=True))
     if fla:
         rule, args = gated_delta_rule_fla, {}
-    elif state is not None and s == 1:
+    elif decode:
         rule, args = gated_delta_rule_recurrent, {}
     else:
         rule, args = gated_delta_rule, {"chunk_size": CHUNK}

@@ -55,8 +55,8 @@ from moetrain.model.mixers.base import MixerInputs, TokenMixer
 from moetrain.model.mixers.gated_deltanet import DT_FLOOR, DT_MAX, DT_MIN, RecurrentState
 from moetrain.model.recurrent_kernels import KernelChoice
 from moetrain.model.short_conv import short_conv
-from moetrain.model.short_conv_cuda import short_conv_cuda
-from moetrain.model.ssd_cuda import scan_unsupported, ssd_scan_cuda
+from moetrain.model.short_conv_cuda import conv_unsupported, short_conv_cuda
+from moetrain.model.ssd_cuda import ssd_scan_cuda
 from moetrain.model.ssd_scan import ssd_recurrent, ssd_scan
 
 A_RANGE = (1.0, 16.0)  # -A at initialisation (Mamba-2's)
@@ -160,8 +160,9 @@ class Mamba2(TokenMixer):
         p, n = self.head_dim, self.state_dim
         dt_bias, a_log, d_skip = per_head
         docs = inputs.doc_ids_BS
-        cuda = self.kernel_choice.use_kernels(
-            xbc, scan_unsupported(xbc, self.width, docs, state is not None)
+        decode = state is not None and s == 1  # always the torch recurrence
+        cuda = not decode and self.kernel_choice.use_kernels(
+            xbc, conv_unsupported(xbc, self.width, docs, state is not None)
         )
         xbc, conv_state = (short_conv_cuda if cuda else short_conv)(
             xbc,
@@ -185,8 +186,7 @@ class Mamba2(TokenMixer):
         )
         if state is None or s > 1:
             args["chunk_size"] = self.chunk
-        scan = ssd_recurrent if state is not None and s == 1 else ssd_scan
-        scan = ssd_scan_cuda if cuda else scan
+        scan = ssd_scan_cuda if cuda else ssd_recurrent if decode else ssd_scan
         B, C = B.view(b, s, groups, n), C.view(b, s, groups, n)
         y, ssm_state = scan(xs.view(b, s, h, p), dt, A, B, C, d_skip, **args)
         if state is not None:
