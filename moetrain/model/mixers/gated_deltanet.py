@@ -165,7 +165,7 @@ def conv_and_rule(
     beta: torch.Tensor,
     docs: torch.Tensor | None,
     state: RecurrentState | None,
-    kernels: KernelChoice | None = None,
+    kernels: KernelChoice,
 ) -> torch.Tensor:
     """The short convolution with SiLU over ``qkv``'s ``[q | k | v]`` channels, then the gated
     delta rule over L2-normalised q and k (chunked; one recurrence step for a single token with
@@ -175,13 +175,8 @@ def conv_and_rule(
     choice of fla and causal-conv1d (:mod:`moetrain.model.delta_rule_cuda`) for the call."""
     b, s, _ = qkv.shape
     decode = state is not None and s == 1  # always the torch recurrence
-    fla = (
-        not decode
-        and kernels is not None
-        and kernels.use_kernels(
-            qkv, rule_unsupported(qkv, weight_CW.shape[1], heads[0][1], docs, state is not None)
-        )
-    )
+    why = rule_unsupported(qkv, weight_CW.shape[1], heads[0][1], docs, state is not None)
+    fla = not decode and kernels.use_kernels(qkv, why)
     mixed, conv_state = (short_conv_cuda if fla else short_conv)(
         qkv,
         weight_CW,

@@ -184,7 +184,7 @@ class Mamba2(TokenMixer):
             output_final_state=state is not None,
             doc_ids=docs,
         )
-        if state is None or s > 1:
+        if not decode:
             args["chunk_size"] = self.chunk
         scan = ssd_scan_cuda if cuda else ssd_recurrent if decode else ssd_scan
         B, C = B.view(b, s, groups, n), C.view(b, s, groups, n)
