@@ -73,7 +73,7 @@ SHAPES = {  # (GPU shape, dry-run shape)
 
 def _layer(kind: str, dry: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     overrides = {**COMMON, "model.linear_attention": kind, **SHAPES[kind][dry]}
-    overrides["model.max_seq_len"] = DRY_S if dry else S
+    overrides["model.max_seq_len"] = overrides["data.seq_len"] = DRY_S if dry else S
     cfg = config_from_dict(apply_overrides({}, [f"{k}={v}" for k, v in overrides.items()]))
     torch.manual_seed(0)
     layer = build_mixer(cfg.model, mixer_spec(cfg.model, 0))
