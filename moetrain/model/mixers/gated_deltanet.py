@@ -188,11 +188,10 @@ def conv_and_rule(
     parts = mixed.split([h * d for h, d in heads], dim=-1)
     q, k, v = (t.view(b, s, h, d) for t, (h, d) in zip(parts, heads, strict=True))
     if fla:
-        rule, args = gated_delta_rule_fla, {}
-    elif decode:
-        rule, args = gated_delta_rule_recurrent, {}
+        rule = gated_delta_rule_fla
     else:
-        rule, args = gated_delta_rule, {"chunk_size": CHUNK}
+        rule = gated_delta_rule_recurrent if decode else gated_delta_rule
+    args = {"chunk_size": CHUNK} if rule is gated_delta_rule else {}
     o, rule_state = rule(
         q,
         k,
