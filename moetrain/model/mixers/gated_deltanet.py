@@ -191,7 +191,9 @@ def conv_and_rule(
         rule = gated_delta_rule_fla
     else:
         rule = gated_delta_rule_recurrent if decode else gated_delta_rule
-    args = {"chunk_size": CHUNK} if rule is gated_delta_rule else {}
+    args = (
+        {} if rule in (gated_delta_rule_fla, gated_delta_rule_recurrent) else {"chunk_size": CHUNK}
+    )
     o, rule_state = rule(
         q,
         k,
