@@ -1,0 +1,358 @@
+"""Block-quantized releases: DeepSeek's fp8 weights with one scale per block (V3's fp32 scales,
+V3.1 / V3.2's powers of two), and DeepSeek-V4's (float8_e8m0fnu scales named ``.scale``, FP4
+experts, its released tensor names) read as the model that dequantizing them by a written-out
+reference gives: the same weights exactly, transformers' logits on the dequantized model, each
+expert-parallel rank reading only its experts (and their scales); a format moetrain does not
+read, or a missing or mis-shaped scale, refused by key or by tensor and file before anything is
+written."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetrain.checkpoint.format import CheckpointError
+from moetrain.config import ConfigError, read_config_data
+from moetrain.convert.hf_files import HFWeights
+from moetrain.convert.importer import import_hf_checkpoint
+from moetrain.convert.quantized import Quantization, quantization_of
+from moetrain.init_from.source import resolve_config_data
+from moetrain.init_from.weights import build_model
+from tests.helpers.hf_models import save_hf_model
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+E2M1_CODES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # codes 0-7; 8-15 the same, negative
+FP4_GROUP = 32
+KEEP = re.compile(r"(embed|lm_head|^head\.|norm|\.gate\.weight|weights_proj|compressor\.w)")
+EXPERT = re.compile(r"\.experts\.(\d+)\.")
+SCALE = re.compile(r"(_scale_inv|\.scale)$")
+
+
+def _scale(amax: float, top: float, ue8m0: bool) -> float:
+    s = max(amax, 1e-8) / top
+    return 2.0 ** math.ceil(math.log2(s)) if ue8m0 else s
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int], ue8m0: bool):
+    """(float8_e4m3fn weight, fp32 scale per block) of a matrix, block by block."""
+    (rows, cols), (br, bc) = w.shape, block
+    scale = torch.empty(math.ceil(rows / br), math.ceil(cols / bc))
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            part = w[i * br : (i + 1) * br, j * bc : (j + 1) * bc].float()
+            scale[i, j] = _scale(float(part.abs().max()), E4M3_MAX, ue8m0)
+            q[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = (part / scale[i, j]).to(q.dtype)
+    return q, scale
+
+
+def reference_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The written-out dequantization: every block's fp8 values times its scale."""
+    (br, bc), out = block, torch.empty(q.shape)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * br, (i + 1) * br), slice(j * bc, (j + 1) * bc)
+            out[rows, cols] = q[rows, cols].float() * scale[i, j].float()
+    return out
+
+
+def quantize_fp4(w: torch.Tensor):
+    """(e2m1 pairs packed in int8, the low nibble first; a power-of-two scale per 32 columns)."""
+    rows, cols = w.shape
+    scale = torch.empty(rows, cols // FP4_GROUP)
+    codes = torch.empty(rows, cols, dtype=torch.uint8)
+    table = torch.tensor(E2M1_CODES)
+    for r in range(rows):
+        for g in range(cols // FP4_GROUP):
+            part = w[r, g * FP4_GROUP : (g + 1) * FP4_GROUP].float()
+            scale[r, g] = _scale(float(part.abs().max()), E2M1_MAX, True)
+            nearest = ((part.abs() / scale[r, g])[:, None] - table).abs().argmin(dim=1)
+            codes[r, g * FP4_GROUP : (g + 1) * FP4_GROUP] = nearest + 8 * (part < 0)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.view(torch.int8), scale
+
+
+def reference_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, half = packed.shape
+    out = torch.empty(rows, 2 * half)
+    for r in range(rows):
+        for c in range(2 * half):
+            byte = int(packed[r, c // 2]) & 0xFF
+            code = byte & 0xF if c % 2 == 0 else byte >> 4
+            value = E2M1_CODES[code & 7] * (-1.0 if code & 8 else 1.0)
+            out[r, c] = value * float(scale[r, c // FP4_GROUP])
+    return out
+
+
+def v4_released_name(name: str) -> str:
+    """transformers' save_pretrained name of a DeepSeek-V4 tensor -> DeepSeek's released one."""
+    name = name.removeprefix("model.").replace(".attn.norm.", ".attn.kv_norm.")
+    if name.startswith("hc_head."):
+        return name.replace("hc_head.hc_", "hc_head_")
+    return {"embed_tokens.weight": "embed.weight"}.get(name, name)
+
+
+RELEASES = {  # family -> how DeepSeek releases it
+    "deepseek_v3": dict(block=(16, 16), scale_fmt="float"),
+    "deepseek_v32": dict(block=(16, 8), scale_fmt="ue8m0"),  # (powers of two, stored fp32)
+    "deepseek_v4": dict(block=(16, 16), scale_fmt="ue8m0", fp4=True, released_names=True),
+}
+
+
+def write_release(src: Path, out: Path, family: str) -> dict[str, torch.Tensor]:
+    """``src`` (a transformers save) written as ``family``'s quantized release at ``out``: the
+    weights in one file, their scales in another; -> the dequantized matrices by ``src`` name
+    (the written-out reference)."""
+    how = RELEASES[family]
+    v4 = how.get("released_names", False)
+    rename = v4_released_name if v4 else (lambda n: n)
+    weights, scales, reference = {}, {}, {}
+    for name, t in safetensors_torch.load_file(src / "model.safetensors").items():
+        stored = rename(name)
+        if t.dim() != 2 or not name.endswith(".weight") or KEEP.search(name):
+            weights[stored] = t
+            continue
+        if how.get("fp4") and EXPERT.search(name):
+            q, s = quantize_fp4(t)
+            reference[name] = reference_fp4(q, s)
+        else:
+            q, s = quantize_fp8(t, how["block"], how["scale_fmt"] == "ue8m0")
+            reference[name] = reference_fp8(q, s, how["block"])
+        weights[stored] = q
+        if v4:  # (e8m0 scales, as DeepSeek-V4 ships them)
+            scales[stored.removesuffix("weight") + "scale"] = s.to(torch.float8_e8m0fnu)
+        else:
+            scales[stored + "_scale_inv"] = s
+    if v4:  # the released multi-token-prediction layer, which transformers does not read
+        q, s = quantize_fp8(torch.randn(32, 64) * 0.02, how["block"], True)
+        weights |= {"mtp.0.e_proj.weight": q, "mtp.0.enorm.weight": torch.ones(32)}
+        scales["mtp.0.e_proj.scale"] = s.to(torch.float8_e8m0fnu)
+    out.mkdir()
+    safetensors_torch.save_file(weights, out / "model-00001-of-00002.safetensors")
+    safetensors_torch.save_file(scales, out / "model-00002-of-00002.safetensors")
+    index = {n: "model-00001-of-00002.safetensors" for n in weights}
+    index |= {n: "model-00002-of-00002.safetensors" for n in scales}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(how["block"]),
+        **({"scale_fmt": "ue8m0"} if how["scale_fmt"] == "ue8m0" else {}),
+    }
+    if v4:
+        config |= {"expert_dtype": "fp4", "num_nextn_predict_layers": 1}  # (top level)
+    (out / "config.json").write_text(json.dumps(config))
+    return reference
+
+
+@pytest.fixture(scope="module", params=sorted(RELEASES))
+def release(request, tmp_path_factory) -> tuple[str, Path, Path]:
+    """(family, its quantized release, the same model dequantized by the reference, saved as
+    transformers saves it)."""
+    family, root = request.param, tmp_path_factory.mktemp(request.param)
+    overrides = {"moe_intermediate_size": 32} if RELEASES[family].get("fp4") else None
+    src = save_hf_model(family, root / "src", overrides=overrides)  # (FP4: 32-column groups)
+    reference = write_release(src, root / "release", family)
+    plain = root / "dequantized"
+    shutil.copytree(src, plain)
+    tensors = safetensors_torch.load_file(src / "model.safetensors")
+    safetensors_torch.save_file(tensors | reference, plain / "model.safetensors")
+    return family, root / "release", plain
+
+
+def resolved(path: Path):
+    return resolve_config_data(read_config_data(None, [f"checkpoint.init_from={path}"]))
+
+
+def test_a_release_reads_as_its_dequantized_model(release, tmp_path, monkeypatch) -> None:
+    family, quantized, plain = release
+    cfg, source = resolved(quantized)
+    assert source.quantization is not None
+    assert not [n for n in source.weights().names() if SCALE.search(n)]  # (never unknown tensors)
+    model = build_model(cfg, source).eval()
+    want = build_model(*resolved(plain)).state_dict()
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for name, t in got.items():
+        assert torch.equal(t, want[name]), name
+    ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(0))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref, ours = hf(input_ids=ids).logits, model(ids).logits
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    assert ref.abs().max() > 1e-2
+    # each expert-parallel rank reads its experts and their scales, and no other rank's
+    n = cfg.moe.num_experts
+    reads: list[str] = []
+    read = HFWeights._read
+    monkeypatch.setattr(
+        HFWeights, "_read", lambda self, rows: reads.extend(rows) or read(self, rows)
+    )
+    for start, stop in ((0, n // 2), (n // 2, n)):
+        reads.clear()
+        part = build_model(cfg, source, local_experts=(start, stop)).state_dict()
+        for name, t in part.items():
+            assert torch.equal(t, want[name][start:stop] if ".experts." in name else want[name])
+        experts = {int(EXPERT.search(r).group(1)) for r in reads if EXPERT.search(r)}
+        assert experts == set(range(start, stop)), (start, stop)
+        assert any(EXPERT.search(r) and SCALE.search(r) for r in reads)
+    monkeypatch.undo()
+    ckpt = import_hf_checkpoint(quantized, tmp_path / "ckpt")
+    again = build_model(*resolved(ckpt)).state_dict()
+    assert all(torch.equal(t, want[name]) for name, t in again.items())
+
+
+def test_deepseek_v4_release_names_are_its_files_and_transformers_reads_them(release) -> None:
+    """DeepSeek-V4's released names (no ``model.`` prefix, ``embed``, ``attn.kv_norm``,
+    ``hc_head_fn``) are the names its layout writes; transformers loads them as its own."""
+    family, quantized, plain = release
+    if family != "deepseek_v4":
+        pytest.skip("DeepSeek-V4's names")
+    from moetrain.convert.weight_map import WeightMap
+
+    cfg, source = resolved(quantized)
+    weights = WeightMap(cfg, family)
+    parts = (None, *weights.moe_layers)
+    written = {name for part in parts for name, _, _ in weights.hf_tensors(part)}
+    stored = set(source.weights().names())
+    assert written == {n for n in stored if not n.startswith("mtp.")}
+    assert {"embed.weight", "head.weight", "hc_head_fn", "layers.1.attn.kv_norm.weight"} <= written
+    renamed = plain.parent / "released-names"
+    shutil.copytree(plain, renamed)
+    tensors = safetensors_torch.load_file(plain / "model.safetensors")
+    safetensors_torch.save_file(
+        {v4_released_name(k): v for k, v in tensors.items()}, renamed / "model.safetensors"
+    )
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(renamed).state_dict()
+    saved = transformers.AutoModelForCausalLM.from_pretrained(plain).state_dict()
+    assert all(torch.equal(theirs[k], saved[k]) for k in saved)
+
+
+def test_any_rows_of_quantized_matrices_read_as_the_reference(tmp_path) -> None:
+    """Partial blocks at the edges, stacked matrices, FP4 pairs with e8m0 scales: any rows
+    read alone (a matrix's in whole blocks) equal the written-out dequantization."""
+    g = torch.Generator().manual_seed(0)
+    a, experts = torch.randn(40, 70, generator=g), torch.randn(3, 20, 36, generator=g)
+    qa, sa = quantize_fp8(a, (16, 32), False)
+    stacked = [quantize_fp8(m, (16, 32), False) for m in experts]
+    qd, sd = quantize_fp4(torch.randn(4, 64, generator=g))
+    safetensors_torch.save_file(
+        {
+            "a.weight": qa,
+            "a.weight_scale_inv": sa,
+            "experts.gate_up_proj": torch.stack([q for q, _ in stacked]),
+            "experts.gate_up_proj_scale_inv": torch.stack([s for _, s in stacked]),
+            "d.weight": qd,
+            "d.scale": sd.to(torch.float8_e8m0fnu),
+        },
+        tmp_path / "model.safetensors",
+    )
+    files = HFWeights(tmp_path, quantization=Quantization((16, 32), "ue8m0", "fp4"))
+    assert sorted(files.names()) == ["a.weight", "d.weight", "experts.gate_up_proj"]
+    assert files.shapes["d.weight"] == (4, 64)
+    full = reference_fp8(qa, sa, (16, 32))
+    assert full.shape == (40, 70) and not torch.equal(full, qa.float())
+    assert torch.equal(files.load(["a.weight"])["a.weight"], full)
+    for start, stop in ((0, 40), (5, 27), (16, 32), (33, 40)):
+        assert torch.equal(files.load_rows("a.weight", start, stop), full[start:stop])
+    want = torch.stack([reference_fp8(q, s, (16, 32)) for q, s in stacked])
+    assert torch.equal(files.load_rows("experts.gate_up_proj", 1, 3), want[1:3])
+    fp4 = reference_fp4(qd, sd)
+    assert torch.equal(files.load(["d.weight"])["d.weight"], fp4)
+    assert torch.equal(files.load_rows("d.weight", 1, 3), fp4[1:3])
+
+
+BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ({"quant_method": "compressed-tensors"}, "quantization_config.quant_method"),
+        ({**BLOCK, "fmt": "e5m2"}, "quantization_config.fmt"),
+        ({**BLOCK, "weight_block_size": None}, "quantization_config.weight_block_size"),
+        ({**BLOCK, "weight_block_size": [128]}, "quantization_config.weight_block_size"),
+        ({**BLOCK, "activation_scheme": "static"}, "quantization_config.activation_scheme"),
+        ({**BLOCK, "scale_fmt": "int8"}, "quantization_config.scale_fmt"),
+        ({**BLOCK, "expert_dtype": "int4"}, "quantization_config.expert_dtype"),
+        ({**BLOCK, "group_size": 32}, "quantization_config.group_size"),
+    ],
+)
+def test_formats_it_does_not_read_are_refused_by_key(config, key) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        quantization_of({"quantization_config": config})
+
+
+def test_released_configs_are_read() -> None:
+    v3 = {"quantization_config": {**BLOCK, "activation_scheme": "dynamic"}}
+    assert quantization_of(v3) == Quantization((128, 128))
+    v4 = {"expert_dtype": "fp4", "quantization_config": {**BLOCK, "scale_fmt": "ue8m0"}}
+    assert quantization_of(v4) == Quantization((128, 128), "ue8m0", "fp4")
+    minimax = {"quantization_config": {**BLOCK, "fmt": "float8_e4m3fn"}}
+    assert quantization_of({}, minimax) == Quantization((128, 128))  # (inside a wrapper)
+    assert quantization_of({}) is None
+
+
+def _broken(release: Path, out: Path, config=None, tensors=None) -> Path:
+    """A copy of ``release`` with its config.json and tensors changed (name -> tensor, None
+    drops it)."""
+    shutil.copytree(release, out)
+    if config is not None:
+        (out / "config.json").write_text(
+            json.dumps(config(json.loads((out / "config.json").read_text())))
+        )
+    if tensors:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        files: dict[str, dict[str, torch.Tensor]] = {}
+        for name, file in index["weight_map"].items():
+            files.setdefault(file, {})[name] = None
+        for file in files:
+            files[file] = safetensors_torch.load_file(out / file)
+        for name, t in tensors.items():
+            file = index["weight_map"].setdefault(name, "model-00002-of-00002.safetensors")
+            if t is None:
+                del files[file][name], index["weight_map"][name]
+            else:
+                files[file][name] = t
+        for file, held in files.items():
+            safetensors_torch.save_file(held, out / file)
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out
+
+
+def test_bad_releases_are_refused_naming_tensor_and_file(release, tmp_path) -> None:
+    family, quantized, _ = release
+    if family != "deepseek_v3":
+        pytest.skip("one family's files")
+    scale = "model.layers.1.self_attn.q_b_proj.weight_scale_inv"  # (64, 12) in blocks of 16
+    weight = scale.removesuffix("_scale_inv")
+    expert = "model.layers.1.mlp.experts.0.gate_proj.weight"  # (FP4-packed, undeclared)
+    no_config = lambda c: {k: v for k, v in c.items() if k != "quantization_config"}  # noqa: E731
+    cases = [
+        (dict(tensors={scale: None}), rf"tensor {re.escape(weight)} is float8_e4m3fn without"),
+        (dict(tensors={scale: torch.ones(4, 2)}), rf"scales {re.escape(scale)} .* needs \[4, 1\]"),
+        (dict(config=no_config), "declares no quantization_config"),
+        (dict(tensors={"model.norm.weight_scale_inv": torch.ones(1)}), "no float8 weight"),
+        (dict(tensors={expert: torch.zeros(24, 16, dtype=torch.int8)}), "expert_dtype is 'fp8'"),
+    ]
+    for i, (change, match) in enumerate(cases):
+        bad = _broken(quantized, tmp_path / f"bad{i}", **change)
+        with pytest.raises(CheckpointError, match=match) as e:
+            import_hf_checkpoint(bad, tmp_path / f"ckpt{i}")
+        assert "model-0000" in str(e.value)  # (the file that holds it)
+        assert not (tmp_path / f"ckpt{i}").exists()
+    awq = lambda c: c | {"quantization_config": {"quant_method": "awq"}}  # noqa: E731
+    with pytest.raises(ConfigError, match=r"quantization_config\.quant_method"):
+        resolved(_broken(quantized, tmp_path / "awq", config=awq))
