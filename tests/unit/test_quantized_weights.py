@@ -89,6 +89,8 @@ def test_a_release_reads_as_its_dequantized_model(release, tmp_path, monkeypatch
         assert experts == set(range(start, stop)), (start, stop)
         assert any(EXPERT.search(r) and SCALE.search(r) for r in reads)
     monkeypatch.undo()
+    if family == "deepseek_v32":
+        return  # (its files are read as DeepSeek-V3's: imported below for V3 and V4)
     ckpt = import_hf_checkpoint(quantized, tmp_path / "ckpt")
     again = build_model(*resolved(ckpt)).state_dict()
     assert all(torch.equal(t, want[name]) for name, t in again.items())
