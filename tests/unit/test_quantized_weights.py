@@ -22,6 +22,7 @@ from moetrain.convert.hf_files import HFWeights
 from moetrain.convert.importer import import_hf_checkpoint
 from moetrain.convert.quantized import Quantization, quantization_of
 from moetrain.init_from.source import resolve_config_data
+from moetrain.init_from.unit_reads import UnitReads
 from moetrain.init_from.weights import build_model
 from tests.helpers.hf_models import save_hf_model
 from tests.helpers.quantized_release import (
@@ -89,6 +90,12 @@ def test_a_release_reads_as_its_dequantized_model(release, tmp_path, monkeypatch
         assert experts == set(range(start, stop)), (start, stop)
         assert any(EXPERT.search(r) and SCALE.search(r) for r in reads)
     monkeypatch.undo()
+    # the ZeRO-3 build's reads, a block at a time, the second rank's experts
+    unit = UnitReads(source, cfg, (n // 2, n))
+    for i in range(cfg.model.n_layers):
+        names = {k for k in want if k.startswith(f"layers.{i}.") and ".experts." not in k}
+        for name, t in unit.read(names, i, True).items():
+            assert torch.equal(t, want[name][n // 2 :] if ".experts." in name else want[name])
     if family == "deepseek_v32":
         return  # (its files are read as DeepSeek-V3's: imported below for V3 and V4)
     ckpt = import_hf_checkpoint(quantized, tmp_path / "ckpt")
@@ -146,6 +153,9 @@ def test_any_rows_of_quantized_matrices_read_as_the_reference(tmp_path) -> None:
     assert files.shapes["d.weight"] == (4, 64)
     full = reference_fp8(qa, sa, (16, 32))
     assert full.shape == (40, 70) and not torch.equal(full, qa.float())
+    assert not torch.equal(
+        reference_fp8(qa, sa.flip(0), (16, 32)), full
+    )  # (a misplaced scale shows)
     assert torch.equal(files.load(["a.weight"])["a.weight"], full)
     for start, stop in ((0, 40), (5, 27), (16, 32), (33, 40)):
         assert torch.equal(files.load_rows("a.weight", start, stop), full[start:stop])
