@@ -69,6 +69,12 @@ class Quantization:
     scale_fmt: str = "float"
     expert_dtype: str = FP8
 
+    def describe(self) -> str:
+        """In words, e.g. ``fp8 in blocks of 128x128 (ue8m0 scales), FP4 experts``."""
+        scales = " (ue8m0 scales)" if self.scale_fmt == "ue8m0" else ""
+        experts = ", FP4 experts" if self.expert_dtype == FP4 else ""
+        return f"fp8 in blocks of {self.block[0]}x{self.block[1]}{scales}{experts}"
+
 
 def _choice(raw: Mapping[str, Any], key: str, default: str, allowed: tuple[str, ...]) -> str:
     value = raw.get(key, default)

@@ -71,6 +71,8 @@ class InitSource:
         if self.kind == "checkpoint":
             return f"moetrain checkpoint, step {self.step}"
         kind = "dense, upcycled" if self.upcycle else "MoE"
+        if self.quantization is not None:
+            kind += f"; {self.quantization.describe()}, read dequantized"
         if self.not_taken:
             kind += f"; {self.not_taken}"
         return f"Hugging Face {self.architecture} ({kind})"

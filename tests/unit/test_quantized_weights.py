@@ -99,6 +99,9 @@ def test_a_release_reads_as_its_dequantized_model(release, tmp_path, monkeypatch
     if family == "deepseek_v32":
         return  # (its files are read as DeepSeek-V3's: imported below for V3 and V4)
     ckpt = import_hf_checkpoint(quantized, tmp_path / "ckpt")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["init"]["dequantized"] == source.quantization.describe()
+    assert "fp8 in blocks of 16x" in source.describe()
     again = build_model(*resolved(ckpt)).state_dict()
     assert all(torch.equal(t, want[name]) for name, t in again.items())
 
