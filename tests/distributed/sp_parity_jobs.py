@@ -114,11 +114,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # LongCat-Flash's zero experts (their copies stay on the rank), alone and with a capacity
     # factor that drops routed copies (the zero experts' copies take no slot)
     "zero_experts": PARITY_VARIANTS["zero_experts"],
-    "zero_capacity": {
-        **PARITY_VARIANTS["zero_experts"],
-        "moe.capacity_factor": 0.75,  # (of T * K / E copies, the zero experts' among them)
-        "moe.aux_loss_scope": "global_batch",
-    },
+    "zero_capacity": PARITY_VARIANTS["zero_capacity"],
 }
 # the world-1 job's references (plain torch): the base model's and these variants'
 REFERENCES = (None, "mla", "gptoss", "capacity", "hybrid", "muon")

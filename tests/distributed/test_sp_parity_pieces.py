@@ -62,7 +62,9 @@ def long_results() -> dict:
 
 
 def _params(jobs: dict[int, list[tuple]]) -> list:
-    return [pytest.param(w, la, id=f"w{w}-{layout_key(la)}") for w, las in jobs.items() for la in las]
+    return [
+        pytest.param(w, la, id=f"w{w}-{layout_key(la)}") for w, las in jobs.items() for la in las
+    ]
 
 
 @pytest.mark.parametrize("world,layout", _params(DEFAULT))
