@@ -34,8 +34,9 @@ on dp=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``zero_experts`` (LongCat-Flash's identit
 experts among the routed ones: their copies never cross ranks) on dp=2 ZeRO-2 and dp=2 x ep=2
 ZeRO-1, and ``zero_capacity`` (zero experts with a capacity factor that drops routed copies,
 decided per EP group; the zero experts' copies take no slot) on dp=2 x ep=2 ZeRO-1 with -m long
-(sp=2 x ep=2 in the default suite: test_sp_parity_pieces.py). The default suite runs each variant on its dp=2 x ep=2 layout (both axes at once), the
-variants' world-2 layouts (and ``gemma4``'s and ``zero_capacity``'s) with -m long; the token mixers the other way round
+(sp=2 x ep=2 in the default suite: test_sp_parity_pieces.py). The default suite runs each
+variant on its dp=2 x ep=2 layout (both axes at once), the variants' world-2 layouts (and
+``gemma4``'s and ``zero_capacity``'s) with -m long; the token mixers the other way round
 (:data:`MIXERS`). The base configuration has a gated shared expert. The reference is plain torch in
 one process with the per-expert loop (no DeepSpeed, no dispatcher swap); for capacity it decides
 capacity in world / ep_size parts of each global micro-batch, one per EP group, as the layout does.
