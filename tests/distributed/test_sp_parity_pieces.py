@@ -1,8 +1,9 @@
 """The pieces that change what a rank holds per token, under sequence parallelism through a
 real DeepSpeed engine on gloo (``sp_parity_jobs.VARIANTS``): losses, clipped norms, first-step
-gradients (dense and expert weights, the hyper-connections'), the selection bias on every rank,
-the dropped copies and the zero-expert share equal one plain torch process on the whole batch,
-whose packed documents cross the ranks' slices (test_sp_parity.py's checks and batch).
+gradients (dense and expert weights, the hyper-connections'), the dropped copies and the
+zero-expert share equal one plain torch process on the whole batch, whose packed documents cross
+the ranks' slices (test_sp_parity.py's checks and batch); the selection bias is the same on
+every rank.
 
 - default, at sp=2 x ep=2 in one job: DeepSeek-V4's pieces (``dsv4``: two hyper-connection
   streams per token, whose collapse is what the head exchange and the expert all-to-alls carry;
