@@ -237,7 +237,6 @@ DSA = {
         ({"model.index_topk": None}, "model.index_n_heads"),  # the others need it
         ({"model.index_stage": "warm"}, "model.index_stage"),
         ({"model.index_loss_weight": -1.0}, "model.index_loss_weight"),
-        ({"parallel.sp_size": 2, "data.seq_len": 64}, "parallel.sp_size"),
         ({"model.attention": "gqa", "model.n_kv_heads": 2}, "model.q_lora_rank"),
     ],
 )
@@ -246,11 +245,18 @@ def test_unbuildable_sparse_attention_configs_are_refused_by_key(overrides, key)
         tiny_config(DSA, overrides)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "sp"), [(torch.float32, 1), (torch.bfloat16, 1), (torch.float32, 2)]
+)
 @pytest.mark.parametrize("layer", [0, 1], ids=["own-indexer", "shared"])
-def test_plan_activation_formula_matches_saved_tensors(dtype: torch.dtype, layer: int) -> None:
+def test_plan_activation_formula_matches_saved_tensors(
+    dtype: torch.dtype, sp: int, layer: int
+) -> None:
     """What a sparse layer and its input norm save in training, against ``moetrain plan``'s
-    count; a shared layer's selection is its source's (recorded before, not counted)."""
+    count; a shared layer's selection is its source's (recorded before, not counted). At sp=2
+    rank 0 of a sequence-parallel pair (its half of the rows, the whole rows' keys gathered)."""
+    from tests.unit.test_plan import _ShapeExchange
+
     cfg = tiny_config(
         DSA,
         {"model.q_lora_rank": 24, "model.index_topk": 16, "model.max_seq_len": 256},
@@ -259,9 +265,11 @@ def test_plan_activation_formula_matches_saved_tensors(dtype: torch.dtype, layer
     m = cfg.model
     torch.manual_seed(0)
     model = Transformer(m, cfg.moe).to(dtype).train()
+    if sp > 1:
+        model.set_head_exchange(_ShapeExchange(sp))
     block = model.layers[layer]
-    cos, sin = (t.to(dtype) for t in model_rope_tables(m, 128))
-    x = torch.randn(4, 128, m.d_model, dtype=dtype, requires_grad=True)
+    cos, sin = (t.to(dtype) for t in model_rope_tables(m, 128 // sp))
+    x = torch.randn(4, 128 // sp, m.d_model, dtype=dtype, requires_grad=True)
     inputs = MixerInputs(cos, sin)
     if layer:
         model.layers[0].attn(x, inputs)
@@ -270,7 +278,7 @@ def test_plan_activation_formula_matches_saved_tensors(dtype: torch.dtype, layer
         block.attn(block.attn_norm(x), inputs)
     a = 4 if dtype == torch.float32 else 2
     measured = sum(seen.values()) / x.shape[0] / x.shape[1]
-    assert measured == pytest.approx(attention_bytes_per_token(m, a, layer=layer), rel=0.01)
+    assert measured == pytest.approx(attention_bytes_per_token(m, a, sp, layer=layer), rel=0.01)
 
 
 def test_the_warmup_runs_at_zero_stage_0_where_the_model_has_experts() -> None:
