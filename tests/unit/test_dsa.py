@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.config import ConfigError
+from moetrain.config import ConfigError, read_config_data
 from moetrain.convert.formats import config_from_hf, hf_config
 from moetrain.generate import generate_ids
+from moetrain.init_from.source import resolve_config_data
+from moetrain.init_from.weights import build_model
 from moetrain.model import Transformer, sparse_index
 from moetrain.model.mixers import MixerInputs
 from moetrain.model.mixers.mla import LatentCache
@@ -24,6 +26,7 @@ from moetrain.parallel.apply import checkpoint_blocks
 from moetrain.plan import attention_bytes_per_token
 from tests.helpers.configs import tiny_config
 from tests.helpers.convert_models import load_hf, model_for, tiny_cfg
+from tests.helpers.hf_models import save_hf_model
 from tests.helpers.memory import LargestTensor, saved_storages
 
 transformers = pytest.importorskip("transformers")
@@ -71,6 +74,47 @@ def test_logits_equal_transformers_and_differ_from_dense_attention(tmp_path, fmt
     dense.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert _rel(dense(ids).logits, ref) > 1e-3
+
+
+def _counting_ties(monkeypatch) -> list[int]:  # noqa: ANN001
+    """Every selection from now on appends how many of its queries tie at their k-th score."""
+    ties, pick = [], sparse_index._top_k_first_of_ties
+
+    def counting(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kth = scores.topk(k, dim=-1).values[..., -1:]
+        ties.append(int((((scores >= kth).sum(-1) > k) & (kth[..., 0] > float("-inf"))).sum()))
+        return pick(scores, k)
+
+    monkeypatch.setattr(sparse_index, "_top_k_first_of_ties", counting)
+    return ties
+
+
+@pytest.mark.parametrize("fmt", FAMILIES)
+def test_the_tiny_transformers_models_import_exactly_without_ties(tmp_path, monkeypatch, fmt):
+    """The families' tiny transformers models as the import tests save them, read by moetrain:
+    transformers' logits on rows holding the padding id (the tests' tokenizers' EOS), and no
+    query tied at its k-th index score. Where scores tie, which keys transformers keeps is
+    torch.topk's internal order (ours keeps the earliest, whatever the layout), so a parity
+    model must not tie. Control: transformers' zero padding row, kept, scores every key 0 for
+    that token's queries: ties, and other logits."""
+    src = save_hf_model(fmt, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    pad = hf.config.pad_token_id
+    ids = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(0))
+    ids[:, 9::7] = pad  # (positions 9, 16, 23, 30: past the top-k)
+    ties = _counting_ties(monkeypatch)
+    for zero_pad_row in (False, True):
+        if zero_pad_row:
+            with torch.no_grad():
+                hf.get_input_embeddings().weight[pad] = 0.0
+            hf.save_pretrained(src := tmp_path / "zero_pad_row")
+        ties.clear()
+        cfg, source = resolve_config_data(read_config_data(None, [f"checkpoint.init_from={src}"]))
+        with torch.no_grad():
+            ref, got = hf(input_ids=ids).logits, build_model(cfg, source).eval()(ids).logits
+        if not zero_pad_row:
+            assert sum(ties) == 0 and _rel(got, ref) <= 1e-5, (ties, _rel(got, ref))
+    assert sum(ties) >= ids.shape[0] and _rel(got, ref) > 1e-3, (ties, _rel(got, ref))
 
 
 @pytest.mark.parametrize("fmt", FAMILIES)
