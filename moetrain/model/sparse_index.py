@@ -92,16 +92,19 @@ def _index_scores(qi_BqHD: torch.Tensor, w_BqH: torch.Tensor, ki_BWD: torch.Tens
 
 def _top_k_first_of_ties(scores_BqW: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``scores.topk(k)``, but where several keys tie with the k-th best score the earliest of
-    them are kept: which keys a query keeps does not depend on how many keys its row holds
-    (torch's choice among ties does), so a block of a row selects as the whole row does."""
+    them are kept, and the kept keys come in position order: which keys a query keeps, and the
+    order its attention and KL add them up in, depend on its scores alone, not on how many keys
+    its row holds (torch's choice among ties does) nor on the rows beside it, so a block of a
+    row selects as the whole row does, and a row as it does in any batch split."""
     top, where = scores_BqW.topk(k, dim=-1)
     kth = top[..., -1:]
     tie = ((scores_BqW >= kth).sum(-1) > k) & (kth[..., 0] > float("-inf"))
-    if not bool(tie.any()):  # (ties among the keys a query may not see are not selected)
-        return top, where
-    above, tied = scores_BqW > kth, scores_BqW == kth
-    keep = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
-    where = keep.nonzero()[:, -1].view(*scores_BqW.shape[:-1], k)  # (k per query, in order)
+    if bool(tie.any()):  # (ties among the keys a query may not see are not selected)
+        above, tied = scores_BqW > kth, scores_BqW == kth
+        keep = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+        where = keep.nonzero()[:, -1].view(*scores_BqW.shape[:-1], k)  # (k per query, in order)
+    else:
+        where = where.sort(-1).values
     return scores_BqW.gather(-1, where), where
 
 

@@ -103,6 +103,21 @@ def test_ties_at_the_kth_score_keep_the_earliest_keys_whatever_the_block(docs: b
     assert ties > 10 and differs > 0
 
 
+def test_a_rows_selection_in_order_does_not_depend_on_the_rows_beside_it() -> None:
+    """A tie-free row selects the same keys in the same order (positions ascending) beside a
+    row whose queries tie at the k-th score as alone (the order is the order in which its
+    attention and KL add the selected keys up: a batch split otherwise rounds them
+    differently, as a data-parallel layout's is)."""
+    qi, w, ki = _indexer()
+    ki[0, ::2] = 0.0
+    qi[0, ::3] = -qi[0, ::3].abs()  # row 0: many queries tie at their k-th score (0)
+    cpu = torch.device("cpu")
+    idx, valid = select_keys(qi, w, ki, causal_keys(B, S, 0, cpu), 5)
+    alone, alone_valid = select_keys(qi[1:], w[1:], ki[1:], causal_keys(1, S, 0, cpu), 5)
+    assert torch.equal(idx[1:], alone) and torch.equal(valid[1:], alone_valid)
+    assert bool((idx[:, 5:].diff(dim=-1) > 0).all())  # (queries that see 5 keys or more)
+
+
 def _attention_inputs(dtype: torch.dtype):  # noqa: ANN202
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, S, H, C + R, generator=g, dtype=dtype, requires_grad=True)
