@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/parity_sensitivity.py                  # every MoE family
     .venv/bin/python benchmarks/parity_sensitivity.py deepseek_v3 phimoe --std 0.1
+    .venv/bin/python benchmarks/parity_sensitivity.py granitemoe --convert
 
 The logits-parity test (tests/unit/test_init_from.py) loads a family's tiny transformers model
 (tests/helpers/hf_models.py) into moetrain and compares the logits of 4 x 13 tokens at
@@ -11,7 +12,10 @@ atol = rtol = 1e-5. Here the same comparison with moetrain's model broken on pur
 at a time. Printed in units of the tolerance (the largest ``|got - ref| / (atol + rtol |ref|)``:
 above 1 the test fails, so the break is caught): the intact model, the activation swap, the
 least-caught expert, and the experts no token of the test reaches (``blind``: a break there
-cannot show). ``--std`` overrides the tiny model's ``initializer_range``.
+cannot show). ``--std`` overrides the tiny model's ``initializer_range``. ``--convert``: the
+export parity test's case instead (tests/unit/test_convert_logits.py: moetrain's tiny model of
+the format's case, tests/helpers/convert_models.py, against its export loaded in transformers,
+2 x 19 tokens; ``--std`` overrides ``model.init_std``): the least-caught expert.
 """
 
 from __future__ import annotations
@@ -79,6 +83,28 @@ def sensitivity(family: str, root: Path, std: float | None) -> str:
     )
 
 
+@torch.no_grad()
+def convert_sensitivity(fmt: str, std: float | None) -> str:
+    """The least a zeroed expert moves the export case's logits (its own intact model's: the
+    export's are those within the tolerance, which the test checks)."""
+    from tests.helpers.convert_models import model_for, tiny_cfg
+
+    cfg = tiny_cfg(fmt, {} if std is None else {"model.init_std": std})
+    model = model_for(cfg)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(0))
+    intact = model(ids).logits
+    moved = []
+    for moe in model.moe_layers():
+        w2 = moe.experts.w2
+        for i in range(w2.shape[0]):
+            kept = w2[i].clone()
+            w2[i].zero_()
+            moved.append((in_tolerances(model(ids).logits, intact), f"{moe.layer}.{i}"))
+            w2[i].copy_(kept)
+    least, where = min(moved)
+    return f"{fmt:18s} init_std {cfg.model.init_std}: least-caught expert {least:.1f} ({where})"
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (the tests' tiny models)
     from tests.helpers.hf_models import MOE_FAMILIES
@@ -86,8 +112,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", default=list(MOE_FAMILIES))
     parser.add_argument("--std", type=float, default=None)
+    parser.add_argument("--convert", action="store_true", help="the export parity case")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.convert:
+        for fmt in args.families:
+            print(convert_sensitivity(fmt, args.std), flush=True)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
             print(sensitivity(family, Path(tmp), args.std), flush=True)

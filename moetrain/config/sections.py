@@ -208,8 +208,9 @@ class TrainConfig:
     # slower); system = glibc's defaults
     host_allocator: Literal["keep", "one_arena", "system"] = "keep"
     # fp32 matrix multiplies on CPU (model/cpu_matmul.py): onednn = oneDNN's kernels, which use
-    # AVX-512 where the CPU has it (torch's MKL runs AVX2 kernels on AMD CPUs); torch = torch's own
-    cpu_matmul: Literal["onednn", "torch"] = "onednn"
+    # AVX-512 where the CPU has it (torch's MKL runs AVX2 kernels on AMD CPUs); torch = torch's
+    # own; auto = onednn on an AVX-512 CPU, torch elsewhere (oneDNN is slower on AVX2)
+    cpu_matmul: Literal["auto", "onednn", "torch"] = "auto"
 
     def validate(self) -> None:
         allowed = ("fp32",) if self.precision == "fp32" else ("fp32", self.precision)

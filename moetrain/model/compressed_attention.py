@@ -120,6 +120,8 @@ class Compressor(nn.Module):
         b, s, _ = x_BSD.shape
         m, d = self.rate, self.dim
         w = s // m
+        if w == 0:  # no window closed yet
+            return x_BSD.new_zeros(b, 0, d)
         kv = self.wkv(x_BSD[:, : w * m]).unflatten(1, (w, m))
         gate = self.wgate(x_BSD[:, : w * m]).unflatten(1, (w, m)) + self.position_bias
         if self.overlap:  # slots: window w-1's first series, then window w's second

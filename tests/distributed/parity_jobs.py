@@ -231,6 +231,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # gradient (small, from large identity terms that cancel) rounds at dp=2 x ep=2 too
     # coarsely (standard error 2.5e-7) for the gradient-bias check to resolve 1e-6
     "zero_experts": {"moe.zero_experts": 2, "moe.top_k": 2},
+    # with a capacity factor that drops routed copies (0.75 of T * K / E copies, the zero
+    # experts' counted in T * K: theirs take no slot), decided per EP group as ``capacity``'s.
+    # (Not with the step-wide balance statistics: with zero experts this trajectory then
+    # amplifies rounding, its twin's largest logit 7e-6 off by step 2)
+    "zero_capacity": {"moe.zero_experts": 2, "moe.top_k": 2, "moe.capacity_factor": 0.75},
     # Muon (tests/distributed/test_muon_parity.py), with a dense first layer so that ZeRO's
     # partition boundaries cut matrices (the two layers alike put them between the layers);
     # with QK-clip at a threshold the heads' largest logits cross within the 10 steps (from
@@ -238,6 +243,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "muon": {"optim.name": "muon", "moe.first_k_dense": 1},
     "muonclip": {"optim.name": "muon", "moe.first_k_dense": 1, "optim.muon.qk_clip": 0.06},
 }
+# the variants that decide capacity per EP group: one reference per group count (``_g<n>``)
+GROUPED = ("capacity", "zero_capacity")
 # the variants whose one reference the world-1 job computes (capacity has one per group count)
 REFERENCES = (
     *("routing", "mtp", "gptoss", "phimoe", "llama4", "hybrid", "kda", "mamba", "gated_conv"),
@@ -503,8 +510,8 @@ def reference_key(world: int, layout: tuple) -> str:
     variant = next((v for v in layout[2:] if v in VARIANTS), None)
     if variant is None:
         return "reference"
-    if variant == "capacity":
-        return f"reference_capacity_g{world // layout[0]}"
+    if variant in GROUPED:
+        return f"reference_{variant}_g{world // layout[0]}"
     return f"reference_{variant}"
 
 
@@ -531,6 +538,9 @@ def layouts_job(
         runs |= {f"reference_{variant}": (variant, 1) for variant in REFERENCES}
         runs |= {f"reference_capacity_g{g}": ("capacity", g) for g in (1, 2)}
         twin_keys = runs if twins is True else (twins or ())
+        # (zero experts at capacity: only where a layout asks for it, with -m long)
+        if twins is True or "reference_zero_capacity_g2" in twin_keys:
+            runs["reference_zero_capacity_g2"] = ("zero_capacity", 2)
         for key, (variant, groups) in runs.items():
             out[key] = reference_run(variant, groups)
             if key in twin_keys:

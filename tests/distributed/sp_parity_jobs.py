@@ -55,6 +55,9 @@ GRAD_NAMES = (
     "layers.0.attn.indexer.wk.weight",
     "layers.0.attn.indexer.k_norm.bias",
     "layers.0.attn.indexer.weights_proj.weight",
+    "layers.0.attn_hc.fn",  # DeepSeek-V4's hyper-connections (``dsv4``)
+    "layers.1.attn_hc.fn",
+    "layers.1.ffn_hc.base",
 )
 VARIANTS: dict[str, dict[str, Any]] = {
     # blocks recomputed in backward: the head all-to-alls run again there
@@ -116,17 +119,25 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "model.attention_sinks_layers": "sliding",
         "model.sliding_rope_theta": 500.0,
     },
+    # DeepSeek-V4's pieces (parity_jobs.VARIANTS["dsv4"]): two hyper-connection streams per
+    # token (each rank's positions' streams; the head exchange carries the branch input their
+    # collapse makes), the first layer hash-routed by each rank's own positions' token ids
+    "dsv4": PARITY_VARIANTS["dsv4"],
+    # LongCat-Flash's zero experts (their copies stay on the rank), alone and with a capacity
+    # factor that drops routed copies (the zero experts' copies take no slot)
+    "zero_experts": PARITY_VARIANTS["zero_experts"],
+    "zero_capacity": PARITY_VARIANTS["zero_capacity"],
 }
 # the world-1 job's references (plain torch): the base model's and these variants'
 REFERENCES = (None, "mla", "gptoss", "capacity", "hybrid", "muon")
 
 
-def sp_config(world: int, sp: int, ep: int, stage: int, variant: str | None = None) -> Config:
-    extra = {
-        "parallel.sp_size": sp,
-        "train.micro_batch_size": GLOBAL_MICRO // (world // sp),
-        **VARIANTS.get(variant or "", {}),
-    }
+def sp_config(world: int, sp: int, ep: int, stage: int, *variants: str | None) -> Config:
+    """The parity model at ``sp`` x ``ep`` on ``world`` ranks, with the settings of every key
+    of :data:`VARIANTS` in ``variants`` (None: none)."""
+    extra = {"parallel.sp_size": sp, "train.micro_batch_size": GLOBAL_MICRO // (world // sp)}
+    for variant in variants:
+        extra.update(VARIANTS.get(variant or "", {}))
     return parity_config(world, ep, stage, **extra)
 
 
@@ -184,7 +195,7 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
     routers = [m.router for m in model.moe_layers()]
     params = dict(model.named_parameters())
     names = [n for n in GRAD_NAMES if n in params and params[n].requires_grad]
-    losses, norms, grads, dropped = [], [], {}, 0
+    losses, norms, grads, dropped, zero_copies = [], [], {}, 0, 0
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         total, loads = 0.0, None
@@ -197,6 +208,7 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
                 router.end_micro_batch()
             total += float(out.loss.detach()) / ACCUM
             dropped += sum(int(m.dropped) for m in out.moe)
+            zero_copies += sum(int(m.zero_copies) for m in out.moe)
             step_loads = torch.stack([m.tokens_per_expert_E for m in out.moe])
             loads = step_loads if loads is None else loads + step_loads
         if step == 0:
@@ -214,6 +226,8 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
         "grads": grads,
         "biases": _biases(model),
         "dropped": dropped,
+        # the zero-expert shares of every step and MoE layer, summed (as the layouts report)
+        "zero_share": zero_copies / (ACCUM * GLOBAL_MICRO * SEQ * cfg.moe.top_k),
     }
 
 
@@ -233,12 +247,14 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
             grads[name] = safe_get_full_grad(params[name]).detach().clone().float()
 
     sp = cfg.parallel.sp_size
-    losses, norms = [], []
+    losses, norms, dropped, zero_share = [], [], 0.0, 0.0
     for step in range(STEPS):
         micro = [data_slice(b, rank, world, sp) for b in global_batches(step)]
         rec = trainer.train_step(micro, before_step=capture if step == 0 else None)
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
+        dropped += sum(v["dropped"] for v in rec["moe_layers"].values())
+        zero_share += sum(v["zero_expert_share"] for v in rec["moe_layers"].values())
     lo, hi = topo.local_experts(cfg.moe.num_experts)
     result = {
         "losses": losses,
@@ -250,13 +266,16 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
         "sp_rank": topo.sp_rank,
         "data_rank": topo.data_rank,
         "exchange": trainer.model.head_exchange is not None,
+        "dropped": dropped,
+        "zero_share": zero_share,
     }
     del trainer
     return result
 
 
 def layout_key(layout: tuple) -> str:
-    """``(sp, ep, stage[, variant])`` -> ``sp2_ep1_zero0[_mla]``."""
+    """``(sp, ep, stage[, variant ...])`` -> ``sp2_ep1_zero0[_mla]``; the first variant names
+    the reference, the others (``ckpt``) change the layout alone."""
     sp, ep, stage, *variant = layout
     return "_".join([f"sp{sp}", f"ep{ep}", f"zero{stage}", *variant])
 
@@ -276,6 +295,6 @@ def layouts_job(
             out[f"reference_{variant}" if variant else "reference"] = reference_run(variant)
     for layout in layouts:
         sp, ep, stage, *variant = layout
-        cfg = sp_config(world, sp, ep, stage, variant[0] if variant else None)
+        cfg = sp_config(world, sp, ep, stage, *variant)
         out[layout_key(layout)] = _parallel_run(cfg, rank, world)
     return out

@@ -32,8 +32,11 @@ ZeRO-0 (the stage it runs at with MoE layers); ``dsv4`` (DeepSeek-V4's: two hype
 streams, sqrt(softplus) scores, a hash-routed first layer, the clamped SwiGLU without its offset)
 on dp=2 ZeRO-2 and dp=2 x ep=2 ZeRO-1; ``zero_experts`` (LongCat-Flash's identity
 experts among the routed ones: their copies never cross ranks) on dp=2 ZeRO-2 and dp=2 x ep=2
-ZeRO-1. The default suite runs each variant on its dp=2 x ep=2 layout (both axes at once), the
-variants' world-2 layouts (and ``gemma4``'s) with -m long; the token mixers the other way round
+ZeRO-1, and ``zero_capacity`` (zero experts with a capacity factor that drops routed copies,
+decided per EP group; the zero experts' copies take no slot) on dp=2 x ep=2 ZeRO-1 with -m long
+(sp=2 x ep=2 in the default suite: test_sp_parity_pieces.py). The default suite runs each
+variant on its dp=2 x ep=2 layout (both axes at once), the variants' world-2 layouts (and
+``gemma4``'s and ``zero_capacity``'s) with -m long; the token mixers the other way round
 (:data:`MIXERS`). The base configuration has a gated shared expert. The reference is plain torch in
 one process with the per-expert loop (no DeepSpeed, no dispatcher swap); for capacity it decides
 capacity in world / ep_size parts of each global micro-batch, one per EP group, as the layout does.
@@ -146,6 +149,7 @@ JOBS = {
         (2, 0, "dsa_warmup"),
         (2, 1, "dsv4"),
         (2, 1, "zero_experts"),
+        (2, 1, "zero_capacity"),
         # Gemma 4's global layers and its other pieces (parity_jobs.VARIANTS["gemma4"])
         (2, 1, "gemma4"),
     ],
@@ -161,7 +165,7 @@ def _long(world: int, layout: tuple) -> bool:
     variants = [v for v in layout[2:] if v in VARIANTS]
     if variants and variants[0] in MIXERS:
         return (world, layout) != (2, MIXERS[variants[0]])
-    return bool(variants) and (world == 2 or "gemma4" in variants)
+    return bool(variants) and (world == 2 or variants[0] in ("gemma4", "zero_capacity"))
 
 
 QUICK_JOBS = {w: [lay for lay in lays if not _long(w, lay)] for w, lays in JOBS.items()}
@@ -241,7 +245,7 @@ def test_zero_expert_layouts_route_to_zero_experts(results) -> None:
     """The zero_experts layouts' parity is not vacuous: copies went to zero experts, as many
     as in one process (the share every step reports, summed)."""
     for world, layouts in JOBS.items():
-        for layout in (lay for lay in layouts if "zero_experts" in lay):
+        for layout in (lay for lay in layouts if {"zero_experts", "zero_capacity"} & set(lay)):
             if _key(layout) not in results[world][0]:
                 continue  # (a -m long layout)
             reference = _reference(results, world, layout)["zero_share"]

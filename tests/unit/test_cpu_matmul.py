@@ -25,9 +25,11 @@ pytestmark = pytest.mark.skipif(
 TOL = dict(rtol=1e-5, atol=1e-4)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def kernel():
-    """Runs the test body under a chosen kernel; restores the default after."""
+    """Runs the test body on oneDNN (the module's default, whatever an earlier test in the
+    process set) or a kernel it chooses; restores the default after."""
+    use_cpu_matmul("onednn")
     yield use_cpu_matmul
     use_cpu_matmul("onednn")
 
@@ -224,3 +226,13 @@ def test_process_set_up_applies_the_configured_kernel(kernel):
             load_config(None, [f"train.cpu_matmul={choice}", "train.host_allocator=system"])
         )
         assert cpu_matmul_choice() == choice
+    set_up_process(load_config(None, ["train.host_allocator=system"]))  # the default, auto
+    assert cpu_matmul_choice() == cpu_matmul.preferred_kernel()
+
+
+def test_auto_picks_onednn_only_on_an_avx512_cpu(kernel, monkeypatch) -> None:
+    """``auto``: oneDNN where torch reports AVX-512 (its gain), torch's kernels elsewhere."""
+    for capability, expected in (("AVX512", "onednn"), ("AVX2", "torch"), ("DEFAULT", "torch")):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        kernel("auto")
+        assert cpu_matmul.cpu_matmul_choice() == expected

@@ -89,10 +89,14 @@ def names(index: int) -> dict[str, str]:
     return out
 
 
-def forward(ours: torch.nn.ModuleDict, x, ids, cos, sin):  # noqa: ANN001, ANN201
-    """The block's order as moetrain's Block runs it with hyper-connections."""
+def forward(ours: torch.nn.ModuleDict, x, ids, cos, sin, attn_grad=None):  # noqa: ANN001, ANN201
+    """The block's order as moetrain's Block runs it with hyper-connections; ``attn_grad``
+    (the negative controls): a hook that changes the gradient of the attention's output."""
     h, state = ours["attn_hc"](x)
-    x = ours["attn_hc"].mix(x, ours["attn"](ours["attn_norm"](h), cos, sin), state)
+    y = ours["attn"](ours["attn_norm"](h), cos, sin)
+    if attn_grad is not None:
+        y.register_hook(attn_grad)
+    x = ours["attn_hc"].mix(x, y, state)
     h, state = ours["ffn_hc"](x)
     y, _ = ours["ffn"](ours["ffn_norm"](h), token_ids_BS=ids)
     return ours["ffn_hc"].mix(x, y, state)
@@ -102,6 +106,32 @@ def forward(ours: torch.nn.ModuleDict, x, ids, cos, sin):  # noqa: ANN001, ANN20
     "index", [0, pytest.param(1, marks=pytest.mark.long)], ids=["sliding-hash", "csa-topk"]
 )
 def test_decoder_layer_matches_transformers(index: int) -> None:
+    assert gradients_off(index) == []
+
+
+# The negative controls: gradient-only bugs in one piece (the attention's written backward),
+# whose parameter gradients the comparison at ``atol 1e-6 x`` the gradient's largest value must
+# catch: every gradient through the attention off by 5e-4 (a rescaling a backward forgot, at
+# 5x the rtol), and (-m long) one query's gradient lost (one position's row of the output's
+# gradient zeroed: a block of the written backward skipped). The input's gradient (compared
+# first, at a fixed atol) is left out: the parameters' own tolerance is what is shown.
+BUGS = {
+    "rescaled": lambda g: g * (1 + 5e-4),
+    "one-query": lambda g: g.index_fill(1, torch.tensor([S // 2]), 0.0),
+}
+
+
+@pytest.mark.parametrize("bug", ["rescaled", pytest.param("one-query", marks=pytest.mark.long)])
+def test_the_gradient_tolerance_catches_a_backward_bug(bug: str) -> None:
+    off = gradients_off(0, attn_grad=BUGS[bug], check_input=False)
+    # the attention's projections and the hyper-connection that reads its output
+    assert {"attn.wq_a.weight", "attn.wo.weight", "attn_hc.fn"} <= set(off), off
+
+
+def gradients_off(index: int, attn_grad=None, check_input: bool = True) -> list[str]:  # noqa: ANN001
+    """Layer ``index``'s values and the input's gradient against transformers' (asserted; the
+    input's with ``check_input``), and the names of the parameters whose gradients are not
+    within the tolerance (``attn_grad``: :func:`forward`'s)."""
     from transformers.masking_utils import create_sliding_window_causal_mask
 
     theirs, cfg = hf_layer(index)
@@ -137,12 +167,14 @@ def test_decoder_layer_matches_transformers(index: int) -> None:
         attention_mask=mask,
     )  # fmt: skip
     cos, sin = pair_rope_rows(S, R, THETA[KINDS[index]])
-    got = forward(ours, x, ids, cos, sin)
+    got = forward(ours, x, ids, cos, sin, attn_grad)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     g = torch.randn_like(got)
     (got * g).sum().backward()
     (want * g).sum().backward()
-    torch.testing.assert_close(x.grad, x_hf.grad, rtol=1e-4, atol=1e-6)
+    if check_input:
+        torch.testing.assert_close(x.grad, x_hf.grad, rtol=1e-4, atol=1e-6)
+    off = []
     for name, p in ours.named_parameters():
         theirs_grad = hf[table[name]].grad
         if p.grad is None or name.startswith("attn.indexer."):
@@ -152,4 +184,6 @@ def test_decoder_layer_matches_transformers(index: int) -> None:
         # (atol relative to the gradient's scale: the attention's written backward sums in
         # another order than autograd through transformers' eager softmax)
         scale = grad.abs().max().item()
-        torch.testing.assert_close(p.grad, grad, rtol=1e-4, atol=1e-6 * scale, msg=name)
+        if not torch.allclose(p.grad, grad, rtol=1e-4, atol=1e-6 * scale):
+            off.append(name)
+    return off

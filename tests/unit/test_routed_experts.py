@@ -1,7 +1,8 @@
 """The parity tests' every-expert-routed check (tests/helpers/routed.py) fails by name where an
 expert is never reached, and what it guards holds: in every format's conversion parity case, a
 zeroed expert moves the logits past the test's tolerance in the families whose tiny models, at
-the usual router init, left experts unrouted (where a broken one passed)."""
+the usual router init, left experts unrouted (where a broken one passed), and by a few
+tolerances in granite's, whose muP scalars shrank its effect below one at the usual init."""
 
 from __future__ import annotations
 
@@ -51,14 +52,26 @@ BLIND_BEFORE = (
 )
 
 
+# the families whose muP scalars (residual branches x 0.22, logits / 6) shrank a zeroed
+# expert's effect below the tolerance at the usual init (0.8 tolerances for granitemoe): their
+# cases draw their weights wider (tests/helpers/convert_cases.py); granitemoe's in the default
+# suite
+WEAK_BEFORE = ("granitemoe", "granitemoeshared", "granitemoehybrid")
+DEFAULT = ("glm4_moe", "granitemoe")
+
+
 @pytest.mark.parametrize(
     "fmt",
-    [pytest.param(f, marks=[] if f == "glm4_moe" else [pytest.mark.long]) for f in BLIND_BEFORE],
+    [
+        pytest.param(f, marks=[] if f in DEFAULT else [pytest.mark.long])
+        for f in (*BLIND_BEFORE, *WEAK_BEFORE)
+    ],
 )
 def test_a_zeroed_expert_is_caught_by_the_parity_case(fmt: str) -> None:
     model = model_for(tiny_cfg(fmt))
     moved, where = least_moved(model, parity_ids())
-    assert moved > 1, f"{fmt}: zeroing {where} moves the logits {moved:.2f} tolerances only"
+    least = 3 if fmt in WEAK_BEFORE else 1  # (these, a few tolerances at least)
+    assert moved > least, f"{fmt}: zeroing {where} moves the logits {moved:.2f} tolerances only"
 
 
 def test_an_expert_no_token_reaches_is_named() -> None:

@@ -163,11 +163,3 @@ class Compressed(MixerKind):
             "(its compressor windows and the indexer's selection span each whole sequence); "
             "use parallel.sp_size=1"
         )
-
-    @classmethod
-    def documents_refused(cls, model: ModelConfig) -> str | None:
-        return (
-            "model.attention=compressed attends by row position (its window and compressor "
-            "windows count from the row's start, not a document's): a packed row would not "
-            "equal its documents alone; set data.document_mask=false"
-        )

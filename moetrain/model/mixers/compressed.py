@@ -5,8 +5,11 @@ CompressedAttention` with the layer's RoPE rows, its inference state and its cou
 Each layer computes its own RoPE rows (adjacent pairs): the sliding layers' of base
 ``model.rope_theta``, the compressed layers' of ``model.compress_rope_theta`` with YaRN's
 frequencies under ``model.rope_scaling: yarn`` (cos / sin unscaled), so the model's own tables
-are not read. Positions count from the row's start; packed documents and sequence parallelism
-are refused by the config.
+are not read. Packed documents (``data.document_mask``) are cut out of their rows and run as a
+batch of their own, grouped by padded length as :mod:`moetrain.model.doc_attention` groups them
+(padding after a document's end, which none of its tokens sees): every document's positions,
+window and compressor windows count from its own start, so a packed row equals its documents
+alone. Sequence parallelism is refused by the config.
 
 Its inference state keeps the layer's inputs (``d_model`` values per token) and a forward with it
 recomputes the layer over the whole prefix, returning the new positions: exact (the same
@@ -29,6 +32,7 @@ from moetrain.model.compressed_attention import (
     CompressedAttentionShape,
     pair_rope_rows,
 )
+from moetrain.model.doc_attention import Documents
 from moetrain.model.mixers.base import MixerInputs, TokenMixer
 
 
@@ -109,17 +113,38 @@ class CompressedMixer(CompressedAttention, TokenMixer):
     def forward(
         self, x_BSD: torch.Tensor, inputs: MixerInputs, state: InputCache | None = None
     ) -> torch.Tensor:
-        if self.head_exchange is not None or inputs.mask is not None:
+        docs = inputs.mask
+        if self.head_exchange is not None or not (docs is None or isinstance(docs, Documents)):
             raise ValueError(
-                "model.attention=compressed: no sequence parallelism and no packed-document "
-                "or explicit masks (refused by parallel.sp_size and data.document_mask)"
+                "model.attention=compressed: no sequence parallelism and no explicit masks "
+                "(refused by parallel.sp_size)"
             )
+        if docs is not None:
+            if state is not None:
+                raise ValueError("model.attention=compressed: no packed documents with a state")
+            return self._by_documents(x_BSD, docs)
         if state is None:
             return super().forward(x_BSD, *self.rope_rows(x_BSD.shape[1], x_BSD.device))
         end = inputs.pos + x_BSD.shape[1]
         state.x_BTD[:, inputs.pos : end] = x_BSD.to(state.x_BTD.dtype)
         prefix = state.x_BTD[:, :end].to(x_BSD.dtype)
         return super().forward(prefix, *self.rope_rows(end, x_BSD.device))[:, inputs.pos :]
+
+    def _by_documents(self, x_BSD: torch.Tensor, docs: Documents) -> torch.Tensor:
+        """The layer over each document of ``docs`` on its own (module docstring): the
+        documents of a length bucket (N, L) as one batch, positions ``0 .. L - 1``."""
+        b, s, d = x_BSD.shape
+        flat = torch.cat([x_BSD.reshape(b * s, d), x_BSD.new_zeros(1, d)])
+        outs, where = [], []
+        for index_NL, real_NL in docs.buckets:
+            n, length = index_NL.shape
+            x_NLD = flat.index_select(0, index_NL.reshape(-1)).view(n, length, d)
+            y_NLD = super().forward(x_NLD, *self.rope_rows(length, x_BSD.device))
+            real = real_NL.reshape(-1)
+            outs.append(y_NLD.reshape(n * length, -1)[real])
+            where.append(index_NL.reshape(-1)[real])
+        out = outs[0].new_zeros(b * s, outs[0].shape[-1])
+        return out.index_copy(0, torch.cat(where), torch.cat(outs)).view(b, s, -1)
 
     def new_state(
         self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device

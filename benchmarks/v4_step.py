@@ -1,0 +1,94 @@
+"""DeepSeek-V4's training step (forward and backward, no optimizer) in one process: moetrain's
+model against transformers' ``DeepseekV4ForCausalLM`` (eager attention), both from the source
+model of ``train_command.py --family deepseek_v4`` (``family_source.py``: the bench size), on
+one batch of ``train_command.py``'s micro-batch (4 x 256 tokens), one thread.
+
+    .venv/bin/python benchmarks/v4_step.py --rounds 6
+
+Sides, alternating round by round: moetrain with each fp32 CPU matmul kernel
+(``train.cpu_matmul``: ``onednn``, ``torch``; ``auto`` picks one of them by the CPU) and the
+peer. Each step is timed in the process's CPU time (less moved by other jobs on a shared
+machine than wall time) and in wall time; printed: the medians and each moetrain side's ratio
+to the peer per round (peer time / moetrain time: above 1 is moetrain faster). The two models'
+first cross-entropies are printed too (the same function on the same weights and batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from family_source import save_family_source  # noqa: E402
+from train_throughput import MICRO, SHAPES  # noqa: E402
+
+SOURCE = HERE.parent / "runs" / "bench-command" / "family-deepseek_v4"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args()
+    import torch
+    import transformers
+
+    from moetrain.convert.importer import load_hf_state_dict
+    from moetrain.model import Transformer, cpu_matmul
+
+    torch.set_num_threads(1)
+    source = save_family_source("deepseek_v4", SOURCE)
+    state, cfg = load_hf_state_dict(source)
+    ours = Transformer(cfg.model, cfg.moe)
+    ours.load_state_dict(state, strict=False)
+    peer = transformers.AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager")
+    seq, vocab = SHAPES["bench"]["seq"], cfg.model.vocab_size
+    ids = torch.randint(0, vocab, (MICRO, seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def moetrain_step(kernel: str) -> float:
+        cpu_matmul.use_cpu_matmul(kernel)
+        out = ours(ids[:, :-1], labels_BS=ids[:, 1:])
+        out.loss.backward()
+        return out.ce_loss.item()
+
+    def peer_step() -> float:
+        logits = peer(input_ids=ids[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        return loss.item()
+
+    sides = {"moetrain onednn": lambda: moetrain_step("onednn")}
+    sides |= {"moetrain torch": lambda: moetrain_step("torch"), "peer": peer_step}
+    ce = {name: step() for name, step in sides.items()}  # (warm-up)
+    print("first cross-entropy:", {k: round(v, 7) for k, v in ce.items()})
+    print(f"auto picks {cpu_matmul.preferred_kernel()} here")
+    cpu: dict[str, list[float]] = {k: [] for k in sides}
+    wall: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(args.rounds):
+        for name, step in sides.items():
+            c, w = time.process_time(), time.perf_counter()
+            step()
+            cpu[name].append(time.process_time() - c)
+            wall[name].append(time.perf_counter() - w)
+    for name in sides:
+        print(
+            f"{name:16s} CPU {statistics.median(cpu[name]) * 1e3:6.0f} ms, "
+            f"wall {statistics.median(wall[name]) * 1e3:6.0f} ms per step"
+        )
+    for name in sides:
+        if name == "peer":
+            continue
+        for label, times in (("CPU", cpu), ("wall", wall)):
+            ratios = [p / m for p, m in zip(times["peer"], times[name], strict=True)]
+            print(
+                f"peer / {name}, {label}: {statistics.median(ratios):.2f}x "
+                f"({min(ratios):.2f}-{max(ratios):.2f}x)"
+            )
+
+
+if __name__ == "__main__":
+    main()
