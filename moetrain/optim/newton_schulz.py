@@ -7,20 +7,23 @@ coefficients, Keller Jordan's (3.4445, -4.7750, 2.0315)) and keeps its singular 
 result approximates ``U V^T`` of ``X = U S V^T``. Leading dimensions are a batch: a stack of
 expert matrices is orthogonalised one matrix at a time, never as one matrix.
 
-Computed in fp32 whatever the input's dtype, as three batched products per step into four
-buffers made once per call (the iterate, the next one, ``A`` and ``b A + c A A``), the scalings
-folded into the products (``baddbmm``): about the time of the products alone, where one
-product per matrix with a new tensor for every intermediate took 1.5x as long
-(``benchmarks/muon_cost.py --kernels``). The products are torch's batched ones (MKL on CPU,
-cuBLAS on a GPU), not the model's oneDNN choice (:mod:`moetrain.model.cpu_matmul`): oneDNN has
-no batched product with an output buffer, and one call per matrix was slower here. Every matrix
-is copied into the same memory layout first, however it was cut or batched: the products then
-round alike, and a matrix's result does not depend on its batch or on the layout it came from.
+Computed in fp32 whatever the input's dtype, one matrix at a time (its temporaries are one
+matrix's, whatever the batch), the scalings done in place on the products' results; on CPU the
+products go through the model's fp32 kernel choice (:mod:`moetrain.model.cpu_matmul`, oneDNN
+by default). Every matrix is copied into the same memory layout first (contiguous, wide),
+however it was cut or batched: the products then round alike, and a matrix's result does not
+depend on its batch or on the layout it came from. bf16 products are not an option on CPU:
+without AVX-512 BF16 they run at a few percent of fp32's rate (``benchmarks/muon_cost.py
+--kernels``), and the update's inputs stay fp32 by policy.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+
+from moetrain.model.cpu_matmul import mm
 
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NORM_EPS = 1e-7  # added to the Frobenius norm (a zero matrix stays zero)
@@ -48,24 +51,16 @@ def orthogonalize_into(
     *batch, rows, cols = g.shape
     tall = rows > cols
     m, n = (cols, rows) if tall else (rows, cols)
-    x = torch.empty((*batch, m, n), dtype=torch.float32, device=g.device)
-    if x.numel() == 0:
-        return
-    x.copy_(g.mT if tall else g)  # (the one layout: every matrix contiguous, wide)
-    x = x.view(-1, m, n)
-    x.div_(torch.linalg.matrix_norm(x, keepdim=True).add_(NORM_EPS))
-    nxt = torch.empty_like(x)
-    gram = x.new_empty(x.shape[0], m, m)
-    poly = torch.empty_like(gram)
-    for _ in range(steps):
-        torch.bmm(x, x.mT, out=gram)
-        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
-        torch.baddbmm(x, poly, x, beta=a, out=nxt)
-        x, nxt = nxt, x
-    if scale != 1.0:
-        x.mul_(scale)
-    x = x.view(*batch, m, n)
-    (out.mT if tall else out).copy_(x)
+    sources, targets = (g.mT, out.mT) if tall else (g, out)
+    x = torch.empty(m, n, dtype=torch.float32, device=g.device)
+    for index in itertools.product(*map(range, batch)):
+        x.copy_(sources[index])  # (the one layout: contiguous, wide)
+        x.div_(torch.linalg.matrix_norm(x).add_(NORM_EPS))
+        for _ in range(steps):
+            gram = mm(x, x.mT)
+            poly = mm(gram, gram.mT).mul_(c).add_(gram, alpha=b)  # (gram is symmetric)
+            x = mm(poly, x).add_(x, alpha=a)
+        targets[index].copy_(x.mul_(scale) if scale != 1.0 else x)
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
