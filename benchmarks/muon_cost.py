@@ -47,6 +47,7 @@ sys.path.insert(0, str(HERE))
 from train_command import WORK, inside_tokens_per_s, moetrain_cmd, prepare, run  # noqa: E402
 from train_throughput import SHAPES  # noqa: E402
 
+BATCH_ELEMENTS = 1 << 20  # the earlier code's batches (fp32 elements orthogonalised at once)
 SIDES = {"adamw": ("optim.name=adamw",), "muon": ("optim.name=muon",)}
 
 
@@ -391,7 +392,6 @@ def kernels(args: argparse.Namespace) -> list[str]:
     from moetrain.config import load_config
     from moetrain.optim.kinds import matrix_blocks, meta_model
     from moetrain.optim.muon import update_of
-    from moetrain.optim.muon_update import BATCH_ELEMENTS
     from moetrain.train.host_allocator import settle_host_allocator, tune_host_allocator
 
     torch.set_num_threads(1)
@@ -405,7 +405,7 @@ def kernels(args: argparse.Namespace) -> list[str]:
         blocks = matrix_blocks(name, tuple(p.shape))
         rows, width = blocks[0].rows, blocks[0].cols // blocks[0].splits
         matrices = len(blocks) * blocks[0].splits
-        per_batch = max(1, BATCH_ELEMENTS // (rows * width))
+        per_batch = max(1, BATCH_ELEMENTS // (rows * width))  # (as the earlier code)
         for at in range(0, matrices, per_batch):
             n = min(per_batch, matrices - at)
             batches.append(torch.randn(n, rows, width, generator=gen))

@@ -36,10 +36,6 @@ from moetrain.optim.newton_schulz import DEFAULT_COEFFICIENTS, orthogonalize_int
 from moetrain.optim.partitions import Exchange, Piece, blocks_in, whole_piece
 
 MUON_KEYS = ("momentum_buffer",)
-# fp32 elements orthogonalised at once: Newton-Schulz holds a few fp32 copies of its batch, so
-# a whole stack of experts in one batch would raise the step's peak memory by several times
-# the stack's size; matrices are independent, so batching changes no value
-BATCH_ELEMENTS = 1 << 20
 
 
 class Muon(torch.optim.Optimizer):
@@ -131,11 +127,9 @@ class Muon(torch.optim.Optimizer):
         cut: list[tuple[Piece, Block]] = []
         for piece in pieces:
             whole, partial = blocks_in(piece)
-            # consecutive blocks of one parameter, all of one shape: batches of them
-            per_batch = max(1, BATCH_ELEMENTS // whole[0].numel) if whole else 1
-            for at in range(0, len(whole), per_batch):
-                first, last = whole[at], whole[min(at + per_batch, len(whole)) - 1]
-                run = u[piece.flat_of(first.start) : piece.flat_of(last.stop)]
+            if whole:  # (consecutive blocks of one parameter, all of one shape)
+                run = u[piece.flat_of(whole[0].start) : piece.flat_of(whole[-1].stop)]
+                first = whole[0]
                 self._orthogonalize_blocks(
                     run.view(-1, first.rows, first.cols), first.splits, group
                 )
