@@ -101,9 +101,11 @@ def _cmd_import(args: argparse.Namespace) -> int:
         args.hf_dir, args.checkpoint, args.step, args.overrides, tokenizer=args.tokenizer
     )
     print(f"moetrain: wrote {out}")
-    not_taken = (TrainerState.read(out).init or {}).get("not_taken")
-    if not_taken:
-        print(f"moetrain: imported {not_taken}")
+    init = TrainerState.read(out).init or {}
+    if init.get("not_taken"):
+        print(f"moetrain: imported {init['not_taken']}")
+    if init.get("dequantized"):
+        print(f"moetrain: read its weights ({init['dequantized']}) dequantized to fp32")
     if tokenizer_path(out) is None:
         print(
             f"moetrain: warning: {args.hf_dir} has no tokenizer (tokenizer.json or "

@@ -9,6 +9,7 @@ from typing import Any
 
 from moetrain.config import Config, ConfigError, ModelConfig, MoEConfig
 from moetrain.convert.families import DENSE, FAMILIES, FORMATS, family, of_hf_config, unwrap
+from moetrain.convert.quantized import quantization_of
 
 
 def problems(fmt: str, model: ModelConfig, moe: MoEConfig) -> list[tuple[str, str]]:
@@ -94,17 +95,12 @@ def config_from_hf(hf_dict: dict[str, Any]) -> Config:
     registered family (a dense family's: every layer dense; a family's wrapper's: the family's
     model inside it).
 
-    Raises ConfigError naming the Hugging Face field that moetrain cannot represent.
+    Raises ConfigError naming the Hugging Face field that moetrain cannot represent (a
+    ``quantization_config`` other than block-scaled fp8, :mod:`moetrain.convert.quantized`).
     """
     fam = of_hf_config(hf_dict)
     if fam is None:
         raise ConfigError(f"architectures: {not_supported(hf_dict)}")
     inner = unwrap(hf_dict)
-    for d in (hf_dict, inner):
-        if d.get("quantization_config"):  # e.g. DeepSeek-V3's released block-wise fp8
-            method = d["quantization_config"].get("quant_method", "?")
-            raise ConfigError(
-                f"quantization_config: quantized weights ({method}) are not read; dequantize "
-                "the model to bf16 or fp32 first"
-            )
+    quantization_of(hf_dict, inner)  # (a format moetrain does not read: refused by key)
     return fam.from_hf(transformers_config(inner, fam.name))

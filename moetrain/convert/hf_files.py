@@ -1,5 +1,6 @@
 """The weight files of a Hugging Face model directory: their names, and the tensors in them
-read by name (headers checked first, tensors read only when asked for)."""
+read by name (headers checked first, tensors read only when asked for; block-quantized weights
+dequantized to fp32 through their scales, :mod:`moetrain.convert.quantized`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 from moetrain.checkpoint.format import CheckpointError
+from moetrain.convert.quantized import Quantization, Quantized, dequantize, pair_scales, row_window
 
 HF_INDEX_FILE = "model.safetensors.index.json"
 HF_SINGLE_FILE = "model.safetensors"
@@ -49,10 +51,18 @@ class HFWeights:
     refused, named); ``shapes`` holds every tensor's shape without reading any tensor.
     ``renames``: a stored name prefix -> the one it stands for (a family's model inside a larger
     one, :class:`~moetrain.convert.families.layout.Wrapper`): only the tensors under those
-    prefixes, renamed; ``others`` lists the rest.
+    prefixes, renamed; ``others`` lists the rest. ``quantization``: the directory's
+    ``quantization_config`` (:func:`~moetrain.convert.quantized.quantization_of`): its quantized
+    weights are read dequantized, in fp32, and their scales are not among the names (a float8
+    weight, or scales, that it cannot read are refused at opening, named).
     """
 
-    def __init__(self, hf_dir: str | Path, renames: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        hf_dir: str | Path,
+        renames: Mapping[str, str] | None = None,
+        quantization: Quantization | None = None,
+    ) -> None:
         hf_dir = Path(hf_dir)
         index = hf_dir / HF_INDEX_FILE
         if index.is_file():
@@ -64,8 +74,8 @@ class HFWeights:
             weight_map = dict.fromkeys(safetensors_header(hf_dir / HF_SINGLE_FILE), HF_SINGLE_FILE)
         else:
             raise CheckpointError(f"{hf_dir}: no {HF_SINGLE_FILE} or {HF_INDEX_FILE}")
-        self.dir, self.weight_map = hf_dir, weight_map
-        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dir, self._file_of = hf_dir, dict(weight_map)  # (stored name -> file)
+        headers: dict[str, tuple[str, str, tuple[int, ...]]] = {}
         for file in sorted(set(weight_map.values())):
             header = safetensors_header(hf_dir / file)
             listed = [n for n, f in weight_map.items() if f == file]
@@ -74,7 +84,15 @@ class HFWeights:
                 raise CheckpointError(
                     f"{hf_dir / file}: does not hold {absent[:3]} (listed in {HF_INDEX_FILE})"
                 )
-            self.shapes.update({n: tuple(header[n]["shape"]) for n in listed})
+            headers.update(
+                {n: (file, header[n]["dtype"], tuple(header[n]["shape"])) for n in listed}
+            )
+        self.quantized: dict[str, Quantized] = pair_scales(headers, quantization, hf_dir)
+        scales = {q.scale for q in self.quantized.values()}
+        weight_map = {n: f for n, f in weight_map.items() if n not in scales}
+        self.shapes = {
+            n: self.quantized[n].shape if n in self.quantized else headers[n][2] for n in weight_map
+        }
         renames = renames or {"": ""}
 
         def seen(name: str) -> str | None:
@@ -91,26 +109,44 @@ class HFWeights:
         return list(self.weight_map)
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The named tensors, each file opened once; a tensor holding NaN or inf is a
-        CheckpointError naming it."""
+        """The named tensors (quantized ones dequantized), each file opened once; a tensor
+        holding NaN or inf is a CheckpointError naming it."""
+        stored = [self.stored[n] for n in names]
+        scales = [self.quantized[s].scale for s in stored if s in self.quantized]
+        raw = self._read(dict.fromkeys(stored + scales, slice(None)))
+        return {n: self._finite(n, self._value(s, raw)) for n, s in zip(names, stored, strict=True)}
+
+    def load_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of a tensor's first dimension, reading only those (a
+        quantized matrix's: the blocks of rows that hold them, and their scales; checked as
+        :meth:`load` checks)."""
+        s = self.stored[name]
+        q = self.quantized.get(s)
+        if q is None:
+            return self._finite(name, self._read({s: slice(start, stop)})[s])
+        weight, scale, within = row_window(q, start, stop)
+        raw = self._read({s: weight, q.scale: scale})
+        return self._finite(name, dequantize(raw[s], raw[q.scale], q)[within].contiguous())
+
+    def _read(self, rows: dict[str, slice]) -> dict[str, torch.Tensor]:
+        """Stored tensors (name -> the rows of its first dimension to read), each file opened
+        once."""
         from safetensors import safe_open
 
         by_file: dict[str, list[str]] = {}
-        for n in names:
-            by_file.setdefault(self.weight_map[n], []).append(n)
+        for n in rows:
+            by_file.setdefault(self._file_of[n], []).append(n)
         out = {}
         for file, keys in by_file.items():
             with safe_open(self.dir / file, "pt") as f:
-                out.update({k: self._finite(k, f.get_tensor(self.stored[k])) for k in keys})
+                for k in keys:
+                    whole = rows[k] == slice(None)
+                    out[k] = f.get_tensor(k) if whole else f.get_slice(k)[rows[k]].contiguous()
         return out
 
-    def load_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of a tensor's first dimension, reading only those (checked
-        as :meth:`load` checks)."""
-        from safetensors import safe_open
-
-        with safe_open(self.dir / self.weight_map[name], "pt") as f:
-            return self._finite(name, f.get_slice(self.stored[name])[start:stop].contiguous())
+    def _value(self, stored: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
+        q = self.quantized.get(stored)
+        return raw[stored] if q is None else dequantize(raw[stored], raw[q.scale], q)
 
     def _finite(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):

@@ -90,6 +90,7 @@ def in_memory(layout: Layout) -> Layout:
         dense_block=r.get(layout.dense_block, layout.dense_block),
         router=r.get(layout.router, layout.router),
         selection_bias=r.get(bias, bias) if bias else None,
+        hyper_head=tuple(r.get(h, h) for h in layout.hyper_head),
         experts=(
             layout.experts
             if isinstance(layout.experts, Stacked)
@@ -338,6 +339,8 @@ class WeightMap:
         if layout.saved_renames:  # (transformers' saves' names)
             renames = {**layout.renames, **layout.saved_renames}
             others.append(dataclasses.replace(layout, renames=renames, mixer_renames={}))
+        if layout.saved is not None:  # (a whole layout of transformers' saves)
+            others.append(layout.saved)
         if present is not None and others:
             alts = [_Plan(cfg, fmt, o, self.shapes).entries for o in others]
             self.entries = [_held(present, *e) for e in zip(self.entries, *alts, strict=True)]

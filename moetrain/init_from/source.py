@@ -37,6 +37,7 @@ from moetrain.convert.families import of_hf_config, unwrap, wrapper_of
 from moetrain.convert.families.base import declared_mtp_layers
 from moetrain.convert.formats import config_from_hf, not_supported
 from moetrain.convert.hf_files import HFWeights
+from moetrain.convert.quantized import Quantization, quantization_of
 from moetrain.convert.stored_mtp import stored_mtp_depth
 from moetrain.init_from.upcycle import check_upcycle
 
@@ -63,20 +64,23 @@ class InitSource:
     # there -> the family's own, and what of the directory is not taken
     renames: dict[str, str] = field(default_factory=dict)
     not_taken: str | None = None
+    quantization: Quantization | None = None  # its quantization_config (read dequantized)
 
     def describe(self) -> str:
         """What the source is, e.g. ``Hugging Face MixtralForCausalLM (MoE)``."""
         if self.kind == "checkpoint":
             return f"moetrain checkpoint, step {self.step}"
         kind = "dense, upcycled" if self.upcycle else "MoE"
+        if self.quantization is not None:
+            kind += f"; {self.quantization.describe()}, read dequantized"
         if self.not_taken:
             kind += f"; {self.not_taken}"
         return f"Hugging Face {self.architecture} ({kind})"
 
     def weights(self) -> HFWeights:
         """A Hugging Face source's weight files (the family's tensors, named as its own
-        directory names them)."""
-        return HFWeights(self.path, self.renames)
+        directory names them; quantized ones dequantized)."""
+        return HFWeights(self.path, self.renames, self.quantization)
 
 
 def _hf_source(spec: str, path: Path) -> InitSource:
@@ -90,7 +94,8 @@ def _hf_source(spec: str, path: Path) -> InitSource:
     cfg = config_from_hf(hf)
     wrapper = wrapper_of(hf)
     renames = dict(wrapper.tensors) if wrapper is not None else {}
-    weights = HFWeights(path, renames)  # every weight file present, none truncated
+    quantization = quantization_of(hf, unwrap(hf))
+    weights = HFWeights(path, renames, quantization)  # every file present, every scale too
     not_taken = None
     if wrapper is not None:  # the family's model; the rest must be what the wrapper adds
         foreign = [n for n in weights.others if not n.startswith(wrapper.left_out)]
@@ -121,6 +126,7 @@ def _hf_source(spec: str, path: Path) -> InitSource:
         fam.dense,
         renames=renames,
         not_taken=not_taken,
+        quantization=quantization,
     )
 
 

@@ -223,6 +223,8 @@ def init_record(source: InitSource, cfg: Config) -> dict[str, Any]:
         record["mtp_modules_not_read"] = unread
     if source.not_taken:
         record["not_taken"] = source.not_taken
+    if source.quantization is not None:
+        record["dequantized"] = source.quantization.describe()
     if source.upcycle:
         reasons = inexact_reasons(cfg)
         record["upcycled"] = {

@@ -34,6 +34,7 @@ LAYERS = (
     "checkpoint",
     "parallel",
     "convert.families",
+    "convert.quantized",
     "convert.formats",
     "convert.hf_files",
     "convert.weight_entries",
@@ -60,6 +61,7 @@ FORBIDDEN = {  # a package (or module) -> what it may not import
     "convert": {"train", "parallel", "monitor"},
     # the format layer, which init_from builds on: families read only the config
     "convert.families": {"model", "checkpoint", "data", "init_from", "fileio"},
+    "convert.quantized": {"init_from"},
     "convert.formats": {"init_from"},
     "convert.hf": {"init_from"},
     "convert.hf_files": {"init_from"},

@@ -8,14 +8,19 @@ adjacent pairs, ``rope_theta`` on the sliding layers and ``compress_rope_theta``
 ``e_score_correction_bias`` (moetrain's aux-loss-free ``expert_bias``), renormalised, times
 ``routed_scaling_factor``; hash routing (``mlp_layer_types`` ``hash_moe``: ``moe.hash_layers``,
 the ``tid2eid`` table); the clamped SwiGLU (``swiglu_limit``) in the experts and the shared
-experts. The files' names are DeepSeek's as transformers' ``save_pretrained`` writes them
-(``model.layers.<i>.attn.wq_a``, ``ffn.experts.<e>.w1``, ``hc_attn_fn``, ``head``); transformers'
-in-memory names are read too. The files' multi-token-
+experts. The files' names are DeepSeek's as released (``embed``, ``layers.<i>.attn.wq_a``,
+``attn.kv_norm``, ``ffn.experts.<e>.w1``, ``hc_attn_fn``, ``hc_head_fn``, ``norm``, ``head``: no
+``model.`` prefix), which transformers' conversion mapping reads; the names transformers'
+``save_pretrained`` writes (``model.`` before the decoder's, ``model.embed_tokens``,
+``model.hc_head.hc_fn``, ``attn.norm``) and its in-memory ones are read too. The released
+weights are block-quantized (fp8, FP4 experts: :mod:`moetrain.convert.quantized`). The files'
+multi-token-
 prediction layers (``num_nextn_predict_layers``), which transformers' class leaves out, cannot
 be held beside hyper-connections (``model.mtp_depth`` is refused with ``model.hc_streams``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from moetrain.config import Config, ConfigError
@@ -48,8 +53,8 @@ HOLDS = {
     "moe.num_shared_experts": only(1, why="{name} has one shared expert; must be 1"),
     "moe.shared_expert_hidden": SHARED_SIZED_BY_COUNT,
 }
-# the files' names (DeepSeek's, as transformers' save_pretrained writes them) where they are
-# not transformers' in-memory ones: the attention's (of the compressed mixer) ...
+# the files' names (DeepSeek's) where they are not transformers' in-memory ones: the
+# attention's (of the compressed mixer) ...
 _ATTENTION = {
     f"self_attn.{theirs}": f"attn.{ours}"
     for theirs, ours in (
@@ -57,7 +62,7 @@ _ATTENTION = {
         ("q_a_norm", "q_norm"),
         ("q_b_proj", "wq_b"),
         ("kv_proj", "wkv"),
-        ("kv_norm", "norm"),
+        ("kv_norm", "kv_norm"),
         ("o_a_proj", "wo_a"),
         ("o_b_proj", "wo_b"),
         ("sinks", "attn_sink"),
@@ -80,16 +85,35 @@ _BLOCK = {
     **{f"{hc}.{t}": f"hc_{hc[:-3]}_{t}" for hc in ("attn_hc", "ffn_hc") for t in HC_TENSORS},
     **{f"ffn.shared_experts.{p}": f"ffn.shared_experts.{w}" for w, p in SWIGLU.items()},
 }
-LAYOUT = Layout(
+# transformers' save_pretrained: its conversion mapping run backwards (``.norm.`` ->
+# ``.kv_norm.`` undone on the attention's own norm too; the anchored top-level renames not)
+SAVED = Layout(
     lm_head="head",
     moe_block="ffn",
     shared_expert="shared_experts",
     selection_bias="gate.bias",
     experts=PerExpert({w: w for w in SWIGLU}),
-    mixer_renames={"compressed": _ATTENTION},
+    mixer_renames={"compressed": {**_ATTENTION, "self_attn.kv_norm": "attn.norm"}},
     renames=_BLOCK,
+)
+_HYPER_HEAD = {f"hc_head_{t}": f"hc_head.hc_{t}" for t in HC_TENSORS}
+LAYOUT = dataclasses.replace(
+    SAVED,
+    base="",
+    embed="embed",
+    final_norm="norm",
+    hyper_head=tuple(_HYPER_HEAD),
+    mixer_renames={"compressed": _ATTENTION},
     in_memory_renames={name: name for name in _BLOCK},
-    in_memory={"head": "lm_head", "ffn": "mlp", "gate.bias": "gate.e_score_correction_bias"},
+    in_memory={
+        "": "model.",
+        "embed": "embed_tokens",
+        "head": "lm_head",
+        "ffn": "mlp",
+        "gate.bias": "gate.e_score_correction_bias",
+        **_HYPER_HEAD,
+    },
+    saved=SAVED,
 )
 
 

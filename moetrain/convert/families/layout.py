@@ -195,6 +195,10 @@ class Layout:
     # declares, which transformers' class ignores: an import leaves them unread
     # (LongCat-Flash's)
     mtp_unread: bool = False
+    # the whole layout transformers' ``save_pretrained`` writes where it differs from the
+    # released files' beyond a block's names (DeepSeek-V4's: ``model.`` before the decoder's
+    # names, ``model.embed_tokens``, ``model.hc_head.hc_fn``), read where a source holds it
+    saved: Layout | None = None
 
 
 @dataclass(frozen=True)
