@@ -13,8 +13,8 @@ products go through the model's fp32 kernel choice (:mod:`moetrain.model.cpu_mat
 by default). Every matrix is copied into the same memory layout first (contiguous, wide),
 however it was cut or batched: the products then round alike, and a matrix's result does not
 depend on its batch or on the layout it came from. bf16 products are not an option on CPU:
-without AVX-512 BF16 they run at a few percent of fp32's rate (``benchmarks/muon_cost.py
---kernels``), and the update's inputs stay fp32 by policy.
+without AVX-512 BF16 they run at about a seventh of fp32's rate
+(``benchmarks/newton_schulz_kernels.py``), and the update's inputs stay fp32 by policy.
 """
 
 from __future__ import annotations
