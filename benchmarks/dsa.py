@@ -2,7 +2,7 @@
 transformers' DeepseekV32Attention: one attention layer's training step (forward + backward)
 time and peak memory as S grows, side by side, alternating.
 
-    .venv/bin/python benchmarks/dsa.py                                  # S = 8k, 16k, 32k
+    .venv/bin/python benchmarks/dsa.py          # S = 8k, 16k, 32k; top-k 256, 512, 2048
     .venv/bin/python benchmarks/dsa.py --seq-lens 8192 --topk 256 2048 --rounds 1
 
 Paths: ``dsa`` is moetrain's latent attention with sparse attention in its sparse training stage
@@ -17,8 +17,10 @@ q_lora_rank 128, kv_lora_rank 64, qk_nope 32, qk_rope 16, v_head 32, 4 indexer h
 batch 1, fp32, one thread. Each measurement runs in a fresh subprocess: with glibc serving
 allocations >= 64 KiB by mmap (so that RSS follows live tensors), one warm-up step, then the
 peak RSS of one step over the RSS just before it (peak reset through /proc/self/clear_refs),
-then the median CPU time of ``--repeats`` steps. A round runs every path, in alternating order
-from round to round; a figure is the median over rounds.
+then, with mmap for blocks of 32 MiB and more only and freed memory kept (every mmap costs a
+path 1.5-3x in time), the median CPU time of ``--repeats`` steps. A round
+runs every path of one S back to back, in alternating order from round to round; a figure is
+the median over rounds. The load average is printed at the start and the end.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 
 D, H, Q, C, N, R, V, HI, DI = 256, 4, 128, 64, 32, 16, 32, 4, 32
-_M_MMAP_THRESHOLD = -3
+_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1
 
 
 def _rss_kib(field: str) -> int:
@@ -116,7 +118,8 @@ def _transformers_step(s: int, topk: int):  # noqa: ANN202
 
 
 def _child(path: str, s: int, topk: int, repeats: int) -> dict:
-    ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 65536)
+    libc = ctypes.CDLL(None)
+    libc.mallopt(_M_MMAP_THRESHOLD, 65536)
     import torch
 
     torch.set_num_threads(1)
@@ -127,12 +130,14 @@ def _child(path: str, s: int, topk: int, repeats: int) -> dict:
     step()
     Path("/proc/self/clear_refs").write_text("5")
     base = _rss_kib("VmRSS")
-    t0 = time.process_time()
     step()
-    first = time.process_time() - t0
     mib = (_rss_kib("VmHWM") - base) / 1024
-    times = [first]
-    for _ in range(repeats - 1):
+    # time: glibc's usual large-block threshold again (mmap per block costs 1.5-3x), freed
+    # memory kept for reuse
+    libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+    libc.mallopt(_M_TRIM_THRESHOLD, 1 << 40)
+    times = []
+    for _ in range(repeats):
         c0 = time.process_time()
         step()
         times.append(time.process_time() - c0)
@@ -154,7 +159,7 @@ def _run(path: str, s: int, topk: int, repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384, 32768])
-    ap.add_argument("--topk", type=int, nargs="+", default=[256, 1024, 2048])
+    ap.add_argument("--topk", type=int, nargs="+", default=[256, 512, 2048])
     ap.add_argument("--hf-topk", type=int, default=2048, help="transformers' index_topk")
     ap.add_argument("--hf-max-seq", type=int, default=8192, help="longest S for transformers")
     ap.add_argument("--rounds", type=int, default=2)
@@ -165,6 +170,7 @@ def main() -> None:
         res = _child(args.child, args.seq_lens[0], args.topk[0], args.repeats)
         print("RESULT " + json.dumps(res))
         return
+    print(f"load average at the start: {os.getloadavg()}", file=sys.stderr)
     cases = [("mla", 0), *(("dsa", k) for k in args.topk)]
     results: dict[tuple[str, int, int], list[dict]] = {}
     for s in args.seq_lens:
@@ -174,6 +180,7 @@ def main() -> None:
                 res = _run(path, s, k, args.repeats)
                 results.setdefault((path, k, s), []).append(res)
                 print(f"  S={s} round {r} {path} k={k}: {res}", file=sys.stderr)
+    print(f"load average at the end: {os.getloadavg()}", file=sys.stderr)
     print(
         f"\none layer fwd+bwd, batch 1, d {D}, {H} heads, q_lora {Q}, kv_lora {C}, qk {N}+{R}, "
         f"v {V}, indexer {HI} heads of {DI}, fp32, 1 thread; median of {args.rounds} "

@@ -123,7 +123,7 @@ def rank_main(out: Path, argv: list[str]) -> None:
 
     totals = {"newton_schulz": 0.0, "exchange": 0.0, "step": 0.0, "optimizer": 0.0}
     steps: list[dict[str, float]] = []
-    muon_update.orthogonalize = _timed(muon_update.orthogonalize, totals, "newton_schulz")
+    muon_update.orthogonalize_into = _timed(muon_update.orthogonalize_into, totals, "newton_schulz")
     Exchange.gather = _timed(Exchange.gather, totals, "exchange")
 
     class Timed(loop.Trainer):  # type: ignore[misc, valid-type]
@@ -195,7 +195,7 @@ def interleaved_main(out: Path, steps: int, overrides: list[str]) -> None:
     from moetrain.train.trainer import Trainer
 
     totals = {"newton_schulz": 0.0, "exchange": 0.0}
-    muon_update.orthogonalize = _timed(muon_update.orthogonalize, totals, "newton_schulz")
+    muon_update.orthogonalize_into = _timed(muon_update.orthogonalize_into, totals, "newton_schulz")
     Exchange.gather = _timed(Exchange.gather, totals, "exchange")
     cfgs = {
         side: load_config(ROOT / "configs" / "tiny-cpu.yaml", overrides + list(extra))

@@ -339,8 +339,7 @@ class WeightMap:
         if layout.saved_renames:  # (transformers' saves' names)
             renames = {**layout.renames, **layout.saved_renames}
             others.append(dataclasses.replace(layout, renames=renames, mixer_renames={}))
-        if layout.saved is not None:  # (a whole layout of transformers' saves)
-            others.append(layout.saved)
+        others += [layout.saved] if layout.saved is not None else []  # (transformers' saves)
         if present is not None and others:
             alts = [_Plan(cfg, fmt, o, self.shapes).entries for o in others]
             self.entries = [_held(present, *e) for e in zip(self.entries, *alts, strict=True)]

@@ -12,8 +12,10 @@ outside by ``Transformer.set_head_exchange``, which hands it to every mixer's
 mixes whole sequences for its h heads, and back. Which heads a mixer splits is its own (its
 kind's ``sp_heads``: attention's query heads; a recurrent mixer's heads with every channel
 that belongs to them, a short convolution's included); :func:`exchange_to_heads` and
-:func:`exchange_to_sequence` are attention's use of it. The model only calls it; a model
-without one (``head_exchange`` None, the default) runs exactly as before.
+:func:`exchange_to_sequence` are attention's use of it, :func:`gather_sequence` sparse
+attention's (each rank's queries over every rank's keys, which all heads share). The model
+only calls it; a model without one (``head_exchange`` None, the default) runs exactly as
+before.
 
 Rank ``rank`` holds positions ``[rank * s, (rank + 1) * s)`` (RoPE uses these global
 positions) and heads ``[rank * h, (rank + 1) * h)``. Key/value heads: where their count ``G``
@@ -84,3 +86,12 @@ def exchange_to_sequence(ex: HeadExchange, out_BhSX: torch.Tensor) -> torch.Tens
     """Attention's output (B, h, S, X) for this rank's heads -> (B, s, H, X) for its
     positions."""
     return ex.to_sequence(out_BhSX.transpose(1, 2))
+
+
+def gather_sequence(ex: HeadExchange, x_BsX: torch.Tensor) -> torch.Tensor:
+    """A tensor of one row per position that every head shares (latent attention's key latent,
+    an indexer's key), this rank's positions (B, s, X) -> every rank's (B, S, X): the exchange
+    of ``size`` copies as if each were one head. Its backward adds each position's gradients
+    from every rank into the rank that holds the position."""
+    b, s, x = x_BsX.shape
+    return ex.to_heads(x_BsX[:, :, None].expand(b, s, ex.size, x))[:, :, 0]

@@ -35,6 +35,15 @@ class Keys:
     def __init__(self, pos: torch.Tensor, start_BS: torch.Tensor) -> None:
         self.pos, self.start_BS = pos, start_BS
 
+    def rows(self, i0: int, i1: int) -> Keys:
+        """Queries ``[i0, i1)`` of these."""
+        return Keys(self.pos[i0:i1], self.start_BS[:, i0:i1])
+
+    def wanted(self, topk: int) -> torch.Tensor:
+        """How many keys dense attention's top-k holds over these queries: ``min(topk, keys a
+        query may see)`` summed (int64 scalar)."""
+        return (self.pos[None] - self.start_BS + 1).clamp_(max=topk).sum()
+
     def blocks(self, width: int) -> list[tuple[int, int, int, int]]:
         """``(i0, i1, lo, hi)``: query blocks ``[i0, i1)`` whose keys lie in ``[lo, hi)``,
         ``(i1 - i0) * width * (hi - lo) <= BLOCK_VALUES`` where one block allows it (``width``:
@@ -81,6 +90,24 @@ def _index_scores(qi_BqHD: torch.Tensor, w_BqH: torch.Tensor, ki_BWD: torch.Tens
     return torch.matmul(w_BqH.unsqueeze(2), s_BqHW.relu_()).squeeze(2)
 
 
+def _top_k_first_of_ties(scores_BqW: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores.topk(k)``, but where several keys tie with the k-th best score the earliest of
+    them are kept, and the kept keys come in position order: which keys a query keeps, and the
+    order its attention and KL add them up in, depend on its scores alone, not on how many keys
+    its row holds (torch's choice among ties does) nor on the rows beside it, so a block of a
+    row selects as the whole row does, and a row as it does in any batch split."""
+    top, where = scores_BqW.topk(k, dim=-1)
+    kth = top[..., -1:]
+    tie = ((scores_BqW >= kth).sum(-1) > k) & (kth[..., 0] > float("-inf"))
+    if bool(tie.any()):  # (ties among the keys a query may not see are not selected)
+        above, tied = scores_BqW > kth, scores_BqW == kth
+        keep = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+        where = keep.nonzero()[:, -1].view(*scores_BqW.shape[:-1], k)  # (k per query, in order)
+    else:
+        where = where.sort(-1).values
+    return scores_BqW.gather(-1, where), where
+
+
 @torch.no_grad()
 def select_keys(
     qi_BSHD: torch.Tensor,
@@ -99,7 +126,7 @@ def select_keys(
         scores = _index_scores(qi_BSHD[:, i0:i1], w_BSH[:, i0:i1], ki_BTD[:, lo:hi])
         scores.masked_fill_(~keys.allowed(i0, i1, lo, hi), float("-inf"))
         kk = min(topk, hi - lo)
-        top, where = scores.topk(kk, dim=-1)
+        top, where = _top_k_first_of_ties(scores, kk)
         idx[:, i0:i1, :kk] = where + lo
         valid[:, i0:i1, :kk] = top > float("-inf")
     idx.masked_fill_(~valid, 0)
@@ -235,7 +262,7 @@ class _DenseKL(torch.autograd.Function):
             p = main_probs(q_main[:, i0:i1], kv_main[:, lo:hi], ctx.scale, allowed)
             scores = _index_scores(qi[:, i0:i1], w[:, i0:i1], ki[:, lo:hi])
             q = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1)
-            dscores = (q - p).mul_(g[:, i0:i1, None])
+            dscores = (q - p.to(q.dtype)).mul_(g[:, i0:i1, None])  # (p: fp64 in fp64)
             block_k = ki[:, lo:hi].unsqueeze(1)
             dq, dw, dk = _relu_grads(dscores, qi[:, i0:i1], w[:, i0:i1], block_k)
             grad_qi[:, i0:i1], grad_w[:, i0:i1] = dq, dw
@@ -259,7 +286,7 @@ def dense_index_kl(
 
 
 @torch.no_grad()
-def top_k_recall(
+def top_k_hits(
     idx_BSk: torch.Tensor,
     valid_BSk: torch.Tensor,
     q_main_BSHK: torch.Tensor,
@@ -267,11 +294,11 @@ def top_k_recall(
     scale: float,
     keys: Keys,
 ) -> torch.Tensor:
-    """The mean over queries of ``|selected & dense top-k| / |dense top-k|``: the share of the
-    ``k`` keys the main attention weighs most (its heads' mean over every key the query may
-    see) that the indexer selected (1 where a query sees at most ``k`` keys)."""
+    """How many of the ``k`` keys the main attention weighs most (its heads' mean over every
+    key the query may see; all of them where a query sees at most ``k``) the indexer selected,
+    summed over the queries (fp32 scalar; out of :meth:`Keys.wanted`)."""
     b, s, topk = idx_BSk.shape
-    hits = total = idx_BSk.new_zeros((), dtype=torch.float32)
+    hits = idx_BSk.new_zeros((), dtype=torch.float32)
     for i0, i1, lo, hi in keys.blocks(b * q_main_BSHK.shape[2]):
         allowed = keys.allowed(i0, i1, lo, hi)
         p = main_probs(q_main_BSHK[:, i0:i1], kv_main_BTK[:, lo:hi], scale, allowed)
@@ -282,5 +309,19 @@ def top_k_recall(
         sel = (idx_BSk[:, i0:i1] - lo).clamp_(0, hi - lo - 1)
         chosen.scatter_reduce_(-1, sel, valid_BSk[:, i0:i1].to(torch.uint8), "amax")
         hits = hits + (chosen.gather(-1, dense).bool() & wanted).sum()
-        total = total + wanted.sum()
-    return hits / total.clamp_min(1.0)
+    return hits
+
+
+def top_k_recall(
+    idx_BSk: torch.Tensor,
+    valid_BSk: torch.Tensor,
+    q_main_BSHK: torch.Tensor,
+    kv_main_BTK: torch.Tensor,
+    scale: float,
+    keys: Keys,
+) -> torch.Tensor:
+    """The mean over queries of ``|selected & dense top-k| / |dense top-k|``: the share of the
+    ``k`` keys the main attention weighs most that the indexer selected
+    (:func:`top_k_hits` over :meth:`Keys.wanted`; 1 where a query sees at most ``k`` keys)."""
+    hits = top_k_hits(idx_BSk, valid_BSk, q_main_BSHK, kv_main_BTK, scale, keys)
+    return hits / keys.wanted(idx_BSk.shape[-1]).clamp_min(1)

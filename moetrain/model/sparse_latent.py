@@ -22,16 +22,24 @@ reads :meth:`MLAttention.trains_alone`). Each own-indexer layer reports its KL, 
 ``index`` with the metrics ``kl`` and ``recall`` (the share of the ``k`` keys dense attention
 weighs most, its heads' mean, that the indexer selects, on the last
 ``model.index_recall_queries`` positions of every row).
+
+Sequence parallelism (a head exchange attached): each rank keeps its queries, every head of
+them, and gathers the whole rows' keys (:func:`whole_keys`: latent attention's shared
+``[latent | k_rope]``; :func:`run_indexer`: the indexer's) from every rank; it selects, attends
+and computes the KL for its queries over them (:func:`row_queries`: its slice of the whole rows'
+documents), and reports the recall as its share (:func:`recall_share`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from moetrain.model.doc_attention import Documents
+from moetrain.model.head_exchange import HeadExchange, gather_sequence
 from moetrain.model.indexer import LightningIndexer
 from moetrain.model.mixers.base import MixerInputs, MixerLoss
 from moetrain.model.sparse_index import (
@@ -42,7 +50,7 @@ from moetrain.model.sparse_index import (
     index_scores_at,
     select_keys,
     selected_kl,
-    top_k_recall,
+    top_k_hits,
 )
 
 if TYPE_CHECKING:
@@ -86,16 +94,46 @@ class Absorbed:
         return Absorbed(self.q_BSHK.detach(), self.kv_BTK.detach(), self.w_uv_HVC.detach())
 
 
-def query_keys(inputs: MixerInputs, b: int, s: int, device: torch.device) -> Keys:
-    """Which keys this call's queries may see: the packed documents of whole rows, or causal
-    from ``inputs.pos`` (a cache's queries)."""
+@dataclass
+class Queries:
+    """Which keys this call's queries may see: those of the whole rows (``whole``), of which
+    this call holds ``[first, first + s)`` (under sequence parallelism this rank's slice of
+    ``ranks``; else all of them)."""
+
+    whole: Keys
+    first: int
+    s: int
+    ranks: int
+
+    @property
+    def own(self) -> Keys:
+        return self.whole.rows(self.first, self.first + self.s)
+
+
+def row_queries(
+    inputs: MixerInputs, b: int, s: int, device: torch.device, ex: HeadExchange | None
+) -> Queries:
+    """This call's queries: of the packed documents of whole rows, or causal from
+    ``inputs.pos`` (a cache's queries); with ``ex`` (sequence parallelism) this rank's slice
+    of the whole rows."""
+    rank, ranks = (ex.rank, ex.size) if ex is not None else (0, 1)
     if isinstance(inputs.mask, Documents):
-        if inputs.doc_ids_BS is None or inputs.doc_ids_BS.shape[1] != s:
+        if inputs.doc_ids_BS is None or inputs.doc_ids_BS.shape[1] != s * ranks:
             raise ValueError("sparse attention over packed documents needs the rows' doc ids")
-        return document_keys(inputs.doc_ids_BS.to(device))
-    if inputs.mask is not None:
+        whole = document_keys(inputs.doc_ids_BS.to(device))
+    elif inputs.mask is not None:
         raise ValueError("sparse attention takes packed documents or causal rows, not a mask")
-    return causal_keys(b, s, inputs.pos, device)
+    else:
+        whole = causal_keys(b, s * ranks, inputs.pos, device)
+    return Queries(whole, rank * s, s, ranks)
+
+
+def whole_keys(absorbed: Absorbed, ex: HeadExchange | None) -> Absorbed:
+    """``absorbed`` with every rank's keys (:func:`gather_sequence`) under sequence
+    parallelism: each rank attends from its queries to the whole rows."""
+    if ex is None:
+        return absorbed
+    return Absorbed(absorbed.q_BSHK, gather_sequence(ex, absorbed.kv_BTK), absorbed.w_uv_HVC)
 
 
 @dataclass
@@ -113,13 +151,16 @@ def run_indexer(
     q_latent_BSQ: torch.Tensor,
     inputs: MixerInputs,
     state: object | None,
+    ex: HeadExchange | None = None,
 ) -> IndexerOutput:
     """The indexer on the detached inputs; with a cache (``state.append_index``) its keys join
-    the cached ones."""
+    the cached ones; under sequence parallelism (``ex``) every rank's keys are gathered."""
     x_BSD, q_latent_BSQ = x_BSD.detach(), q_latent_BSQ.detach()
     ki_BSD = indexer.keys(x_BSD, inputs.cos, inputs.sin)
     if state is not None:
         ki_BSD = state.append_index(inputs.pos, ki_BSD)
+    if ex is not None:
+        ki_BSD = gather_sequence(ex, ki_BSD)
     qi_BSHD, w_BSH = indexer.queries(x_BSD, q_latent_BSQ, inputs.cos, inputs.sin)
     return IndexerOutput(qi_BSHD, w_BSH, ki_BSD.float())
 
@@ -138,8 +179,22 @@ def selection(
     return chosen
 
 
-def _last(keys: Keys, n: int) -> Keys:
-    return Keys(keys.pos[-n:], keys.start_BS[:, -n:])
+def recall_share(
+    queries: Queries, n: int, topk: int, hits: Callable[[int, Keys], torch.Tensor]
+) -> torch.Tensor | None:
+    """The top-k recall on the last ``n`` positions of the whole rows, as this call's share:
+    ``hits(i, keys)`` of its queries from its ``i``-th on (``keys`` theirs) over the whole
+    rows' :meth:`Keys.wanted`, times ``queries.ranks`` (so that the ranks' mean, which the
+    step's metrics take, is the recall; on one rank, the recall). None where ``n`` is 0."""
+    rows = queries.whole.pos.shape[0]
+    n = min(n, rows)
+    if not n:
+        return None
+    wanted = queries.whole.rows(rows - n, rows).wanted(topk).clamp_min(1)
+    lo, end = max(rows - n, queries.first), queries.first + queries.s
+    if lo >= end:  # none of this rank's queries is among them
+        return wanted.new_zeros((), dtype=torch.float32)
+    return hits(lo - queries.first, queries.whole.rows(lo, end)) * queries.ranks / wanted
 
 
 def report_loss(
@@ -164,43 +219,54 @@ def sparse_index_loss(
     p_BSk: torch.Tensor,
     absorbed: Absorbed,
     scale: float,
-    keys: Keys,
+    queries: Queries,
     recall_queries: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sparse stage: each query's KL over its selected keys (B, S), from the main attention's
-    probabilities there (``p_BSk``) to the indexer's; and its recall."""
+    probabilities there (``p_BSk``) to the indexer's; and its recall (:func:`recall_share`)."""
     scores_BSk = index_scores_at(out.qi_BSHD, out.w_BSH, out.ki_BTD, idx_BSk)
     kl_BS = selected_kl(p_BSk, scores_BSk, valid_BSk)
-    n = min(recall_queries, idx_BSk.shape[1])
-    recall = None
-    if n:
-        a = absorbed.detached()
-        recall = top_k_recall(
-            idx_BSk[:, -n:], valid_BSk[:, -n:], a.q_BSHK[:, -n:], a.kv_BTK, scale, _last(keys, n)
-        )
-    return kl_BS, recall
+    a = absorbed.detached()
+
+    def hits(i: int, keys: Keys) -> torch.Tensor:
+        idx, valid = idx_BSk[:, i:], valid_BSk[:, i:]
+        return top_k_hits(idx, valid, a.q_BSHK[:, i:], a.kv_BTK, scale, keys)
+
+    return kl_BS, recall_share(queries, recall_queries, idx_BSk.shape[-1], hits)
 
 
 def warmup_index_loss(
     out: IndexerOutput,
     absorbed: Absorbed,
     scale: float,
-    keys: Keys,
+    queries: Queries,
     topk: int,
     recall_queries: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dense warm-up: each query's KL over every key it may see (B, S), from the main
-    attention's distribution to the indexer's; and the recall of its top-k."""
+    attention's distribution to the indexer's; and the recall of its top-k
+    (:func:`recall_share`)."""
     a = absorbed.detached()
+    keys = queries.own
     kl_BS = dense_index_kl(out.qi_BSHD, out.w_BSH, out.ki_BTD, a.q_BSHK, a.kv_BTK, scale, keys)
-    n = min(recall_queries, kl_BS.shape[1])
-    recall = None
-    if n:
-        last = _last(keys, n)
-        qi, w = out.qi_BSHD[:, -n:].detach(), out.w_BSH[:, -n:].detach()
-        idx, valid = select_keys(qi, w, out.ki_BTD.detach(), last, topk)
-        recall = top_k_recall(idx, valid, a.q_BSHK[:, -n:], a.kv_BTK, scale, last)
-    return kl_BS, recall
+
+    def hits(i: int, keys: Keys) -> torch.Tensor:
+        qi, w = out.qi_BSHD[:, i:].detach(), out.w_BSH[:, i:].detach()
+        idx, valid = select_keys(qi, w, out.ki_BTD.detach(), keys, topk)
+        return top_k_hits(idx, valid, a.q_BSHK[:, i:], a.kv_BTK, scale, keys)
+
+    return kl_BS, recall_share(queries, recall_queries, topk, hits)
+
+
+def sparse_exchange_bytes(cfg: ModelConfig, spec: MixerSpec, a: int, sp: int) -> int:
+    """Bytes a sparse-attention layer sends off the GPU per token of its rank's slice in one
+    forward under sequence parallelism: its keys (``C + R``, and an own indexer's ``Di``) to
+    each of the ``sp - 1`` other ranks; in the dense warm-up only an own indexer's layer, for
+    its KL (the dense attention's exchange is latent attention's)."""
+    if cfg.index_stage == "dense_warmup" and not spec.indexer:
+        return 0
+    index = cfg.index_head_dim if spec.indexer else 0
+    return (sp - 1) * a * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + index)
 
 
 def sparse_mixing_flops(cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> float:
@@ -224,7 +290,7 @@ def sparse_mixing_flops(cfg: ModelConfig, spec: MixerSpec, seq_len: int) -> floa
     return 6 * h * (2 * c + r) * k + 2 * index * seq_len + 6 * index * k
 
 
-def sparse_saved_bytes(cfg: ModelConfig, spec: MixerSpec, a: int) -> int:
+def sparse_saved_bytes(cfg: ModelConfig, spec: MixerSpec, a: int, sp: int = 1) -> int:
     """Bytes a sparse-attention layer saves for backward per token (``a`` per activation
     value; checked against saved-tensor hooks). ``sparse`` stage: the projections' inputs
     ``aD`` and ``2aQ + 4`` (the query latent and its norm's output), the ``wkv_a`` output
@@ -236,11 +302,14 @@ def sparse_saved_bytes(cfg: ModelConfig, spec: MixerSpec, a: int) -> int:
     over the selection ``9k`` (the target and log-probabilities, the mask), and a layer that
     shares another's selection nothing of it (the same tensors). ``dense_warmup``: latent
     attention's (``dense``) plus an own indexer's KL inputs, ``8Di + 8 + 4(Hi Di + Hi)`` and
-    the absorbed queries and keys; an upper bound, as the frozen main model saves nothing."""
+    the absorbed queries and keys; an upper bound, as the frozen main model saves nothing.
+    Under sequence parallelism (``sp`` ranks) the keys, and an own indexer's fp32 keys, are the
+    whole rows' (:func:`whole_keys`, :func:`run_indexer`): ``(sp - 1)`` times theirs more."""
     h, c, r = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     hi, di, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     index = 8 * di + 8 + 4 * (hi * di + hi) if spec.indexer else 0
     absorbed = a * h * (c + r) + a * (c + r)
+    absorbed += (sp - 1) * (a * (c + r) + (4 * di if spec.indexer else 0))
     if cfg.index_stage == "dense_warmup":
         return index + absorbed if spec.indexer else 0
     projections = a * cfg.d_model + 2 * a * cfg.q_lora_rank + 4 + a * (c + r) + 4

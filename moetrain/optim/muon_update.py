@@ -32,14 +32,10 @@ import torch
 
 from moetrain.config import OptimConfig
 from moetrain.optim.kinds import Block
-from moetrain.optim.newton_schulz import DEFAULT_COEFFICIENTS, orthogonalize
+from moetrain.optim.newton_schulz import DEFAULT_COEFFICIENTS, orthogonalize_into
 from moetrain.optim.partitions import Exchange, Piece, blocks_in, whole_piece
 
 MUON_KEYS = ("momentum_buffer",)
-# fp32 elements orthogonalised at once: Newton-Schulz holds a few fp32 copies of its batch, so
-# a whole stack of experts in one batch would raise the step's peak memory by several times
-# the stack's size; matrices are independent, so batching changes no value
-BATCH_ELEMENTS = 1 << 20
 
 
 class Muon(torch.optim.Optimizer):
@@ -131,33 +127,33 @@ class Muon(torch.optim.Optimizer):
         cut: list[tuple[Piece, Block]] = []
         for piece in pieces:
             whole, partial = blocks_in(piece)
-            # consecutive blocks of one parameter, all of one shape: batches of them
-            per_batch = max(1, BATCH_ELEMENTS // whole[0].numel) if whole else 1
-            for at in range(0, len(whole), per_batch):
-                first, last = whole[at], whole[min(at + per_batch, len(whole)) - 1]
-                run = u[piece.flat_of(first.start) : piece.flat_of(last.stop)]
-                run = run.view(-1, first.rows, first.cols)
-                run.copy_(self._orthogonal(run, first.splits, group))
+            if whole:  # (consecutive blocks of one parameter, all of one shape)
+                run = u[piece.flat_of(whole[0].start) : piece.flat_of(whole[-1].stop)]
+                first = whole[0]
+                self._orthogonalize_blocks(
+                    run.view(-1, first.rows, first.cols), first.splits, group
+                )
             cut += [(piece, block) for block in partial]
         if exchange is None or exchange.size == 0:
             return
         buffer = exchange.gather(cut, u)
         for piece, block in cut:
             at = exchange.offsets[(piece.name, block.start)]
-            full = buffer[at : at + block.numel].view(1, block.rows, block.cols)
-            done = self._orthogonal(full, block.splits, group).reshape(-1)
+            done = buffer[at : at + block.numel]
+            self._orthogonalize_blocks(done.view(1, block.rows, block.cols), block.splits, group)
             lo, hi = max(piece.param_start, block.start), min(piece.param_stop, block.stop)
             u[piece.flat_of(lo) : piece.flat_of(hi)] = done[lo - block.start : hi - block.start]
 
-    def _orthogonal(self, x_NRC: torch.Tensor, splits: int, group: dict[str, Any]) -> torch.Tensor:
-        """(N, rows, cols): each of the N blocks' ``splits`` column chunks orthogonalised and
-        scaled on its own."""
+    def _orthogonalize_blocks(
+        self, x_NRC: torch.Tensor, splits: int, group: dict[str, Any]
+    ) -> None:
+        """(N, rows, cols), in place: each of the N blocks' ``splits`` column chunks
+        orthogonalised and scaled on its own."""
         n, rows, cols = x_NRC.shape
         width = cols // splits
         mats = x_NRC.view(n, rows, splits, width).transpose(1, 2)  # (N, splits, rows, width)
         scale = group["update_scale"] * math.sqrt(max(rows, width))
-        out = orthogonalize(mats, DEFAULT_COEFFICIENTS, group["ns_steps"]) * scale
-        return out.transpose(1, 2).reshape(n, rows, cols)
+        orthogonalize_into(mats, mats, DEFAULT_COEFFICIENTS, group["ns_steps"], scale)
 
     def _scale_rows(self, flat: torch.Tensor) -> None:
         pieces, _ = self._pieces(flat)

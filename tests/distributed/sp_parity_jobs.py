@@ -50,6 +50,11 @@ GRAD_NAMES = (
     "layers.1.attn.wk.weight",  # Gemma 4's global layer (keys as values), its dense MLP
     "layers.1.attn.k_norm.weight",
     "layers.0.dense.w2.weight",
+    "layers.0.attn.wq_a.weight",  # DeepSeek sparse attention: the query latent, the indexer
+    "layers.0.attn.indexer.wq_b.weight",
+    "layers.0.attn.indexer.wk.weight",
+    "layers.0.attn.indexer.k_norm.bias",
+    "layers.0.attn.indexer.weights_proj.weight",
     "layers.0.attn_hc.fn",  # DeepSeek-V4's hyper-connections (``dsv4``)
     "layers.1.attn_hc.fn",
     "layers.1.ffn_hc.base",
@@ -92,6 +97,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # as values, its own RoPE at the slices' global positions) beside a sliding layer whose
     # window crosses the slices, and its other pieces (parity_jobs.VARIANTS["gemma4"])
     "gemma4": PARITY_VARIANTS["gemma4"],
+    # DeepSeek sparse attention (parity_jobs.VARIANTS["dsa"]: 4 of up to 16 keys per query,
+    # the second layer sharing the first's selection): each rank's queries select from and
+    # attend to the whole rows' keys, gathered; its dense warm-up (the indexers alone train,
+    # the dense attention's heads exchanged); the sparse stage with its blocks recomputed
+    "dsa": PARITY_VARIANTS["dsa"],
+    "dsa_warmup": PARITY_VARIANTS["dsa_warmup"],
+    "dsa_ckpt": {**PARITY_VARIANTS["dsa"], "parallel.activation_checkpointing": True},
     # MiMo-V2-Flash's attention: a sliding layer (window 6 across the slices) with sinks, twice
     # the key/value heads (split over the ranks) and its own theta, a full layer whose single
     # key/value head is repeated to each rank; value heads narrower than query/key heads, scaled
@@ -182,7 +194,7 @@ def reference_run(variant: str | None = None) -> dict[str, Any]:
     sched = LRSchedule(opt, o, cfg.train.max_steps, 0)
     routers = [m.router for m in model.moe_layers()]
     params = dict(model.named_parameters())
-    names = [n for n in GRAD_NAMES if n in params]
+    names = [n for n in GRAD_NAMES if n in params and params[n].requires_grad]
     losses, norms, grads, dropped, zero_copies = [], [], {}, 0, 0
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -231,7 +243,7 @@ def _parallel_run(cfg: Config, rank: int, world: int) -> dict[str, Any]:
 
     def capture(tr: Trainer) -> None:
         params = dict(tr.model.named_parameters())
-        for name in (n for n in GRAD_NAMES if n in params):
+        for name in (n for n in GRAD_NAMES if n in params and params[n].requires_grad):
             grads[name] = safe_get_full_grad(params[name]).detach().clone().float()
 
     sp = cfg.parallel.sp_size

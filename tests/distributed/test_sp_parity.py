@@ -141,7 +141,8 @@ def test_gradients_after_first_step_match(results, world: int, layout: tuple) ->
 def check_first_step_gradients(results: dict[int, list[dict]], world: int, layout: tuple) -> None:
     reference = _reference(results, layout)
     assert any(".attn." in name for name in reference["grads"])
-    assert any(".experts." in name for name in reference["grads"])
+    # (sparse attention's dense warm-up trains the indexers alone)
+    assert any(".experts." in name for name in reference["grads"]) or "dsa_warmup" in layout
     for rank, res in enumerate(results[world]):
         run = res[layout_key(layout)]
         lo, hi = run["experts"]

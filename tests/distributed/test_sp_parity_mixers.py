@@ -4,10 +4,14 @@ first-step gradients (dense and expert weights) equal one plain torch process on
 batch, whose packed documents cross the ranks' slices (test_sp_parity.py's checks and batch).
 
 - default: Kimi Delta Attention (its heads exchanged with their per-channel decays' inputs),
-  Mamba-2 (its 2 groups split over the ranks with their heads; chunks of 4 across the slices)
-  and the gated convolution (its channels, with the bias) at sp=2 x ep=2 ZeRO-1, in one job;
-- with -m long: Mamba-2 with one group repeated to both ranks (sp=2 x ep=2 ZeRO-2), KDA with
-  activation checkpointing (the exchanges again in backward, sp=2 ZeRO-0), the gated
+  Mamba-2 (its 2 groups split over the ranks with their heads; chunks of 4 across the slices),
+  the gated convolution (its channels, with the bias) and DeepSeek sparse attention (each
+  rank's queries over the whole rows' keys, gathered; a layer sharing the first's selection;
+  the indexer's KL in the loss) at sp=2 x ep=2 ZeRO-1, in one job;
+- with -m long: DeepSeek sparse attention's dense warm-up (the indexers alone train; sp=2 x
+  ep=2 ZeRO-0) and its sparse stage with activation checkpointing (sp=2 ZeRO-2), Mamba-2
+  with one group repeated to both ranks (sp=2 x ep=2 ZeRO-2), KDA with activation
+  checkpointing (the exchanges again in backward, sp=2 ZeRO-0), the gated
   convolution at sp=2 ZeRO-2 and Gemma 4's pieces (``parity_jobs.VARIANTS["gemma4"]``: a
   global layer with its own head dim, one key/value head repeated to each rank, keys as
   values and its own RoPE at the slices' global positions, a sliding layer whose window
@@ -30,8 +34,10 @@ from tests.helpers.distributed import run_distributed_concurrently
 
 pytestmark = pytest.mark.slow
 
-DEFAULT = [(2, 2, 1, "kda"), (2, 2, 1, "mamba"), (2, 2, 1, "gated_conv")]
+DEFAULT = [(2, 2, 1, "kda"), (2, 2, 1, "mamba"), (2, 2, 1, "gated_conv"), (2, 2, 1, "dsa")]
 LONG = [
+    (2, 2, 0, "dsa_warmup"),
+    (2, 1, 2, "dsa_ckpt"),
     (2, 2, 2, "mamba_one_group"),
     (2, 1, 0, "kda_ckpt"),
     (2, 1, 2, "gated_conv"),

@@ -394,6 +394,12 @@ def save_hf_model(
     randomise_constants(model, seed)  # no tensor left constant (random_constants.py)
     spread_routers(model, config.hidden_size, seed)  # every expert routed (routed.py)
     with torch.no_grad():
+        pad, emb = getattr(config, "pad_token_id", None), model.get_input_embeddings().weight
+        if isinstance(pad, int) and 0 <= pad < emb.shape[0] and not emb[pad].any():
+            # transformers zeroes the padding row; the data's EOS can have its id, and a zero
+            # hidden state makes sparse attention's indexer score every key 0 (any keys fit)
+            gen = torch.Generator().manual_seed(seed)
+            emb[pad] = torch.randn(emb.shape[1], generator=gen).mul_(emb.std())
         for name, p in model.named_parameters():
             if name.endswith("A_log"):  # Gated DeltaNet's decay, per step at a = 0 from
                 decays = torch.linspace(-3.0, 1.5, p.numel())  # ~0.006 (weak) to ~7.6 (strong)

@@ -64,9 +64,10 @@ def run_sliced(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``module`` under sequence parallelism over ``size`` thread ranks: rank r a copy of it
     with a :class:`ThreadedExchange`, ``call(copy, slice)`` on positions ``[r s, (r + 1) s)``
-    of ``x_BSD``, then backward of ``(out * probe).sum()`` over its slice. Returns the slices'
-    outputs put together, the input's gradient and every parameter's gradient summed over the
-    ranks (what the data-parallel reduction of the SP ranks adds up)."""
+    of ``x_BSD``, then backward of ``(out * probe).sum()`` over its slice (plus, where ``call``
+    returns ``(out, loss)``, the rank's own scalar ``loss``). Returns the slices' outputs put
+    together, the input's gradient and every parameter's gradient summed over the ranks (what
+    the data-parallel reduction of the SP ranks adds up)."""
     hub = _Hub(size)
     s = x_BSD.shape[1] // size
     copies = [copy.deepcopy(module) for _ in range(size)]
@@ -76,7 +77,8 @@ def run_sliced(
         mixer.set_head_exchange(ThreadedExchange(hub, rank))
         part = x_BSD.detach()[:, rank * s : (rank + 1) * s].clone().requires_grad_()
         out = call(mixer, part)
-        (out * probe_BSD[:, rank * s : (rank + 1) * s]).sum().backward()
+        out, loss = out if isinstance(out, tuple) else (out, 0.0)
+        ((out * probe_BSD[:, rank * s : (rank + 1) * s]).sum() + loss).backward()
         return out.detach(), part.grad
 
     with ThreadPoolExecutor(size) as pool:

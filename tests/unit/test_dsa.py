@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.config import ConfigError
+from moetrain.config import ConfigError, read_config_data
 from moetrain.convert.formats import config_from_hf, hf_config
 from moetrain.generate import generate_ids
+from moetrain.init_from.source import resolve_config_data
+from moetrain.init_from.weights import build_model
 from moetrain.model import Transformer, sparse_index
 from moetrain.model.mixers import MixerInputs
 from moetrain.model.mixers.mla import LatentCache
@@ -24,6 +26,7 @@ from moetrain.parallel.apply import checkpoint_blocks
 from moetrain.plan import attention_bytes_per_token
 from tests.helpers.configs import tiny_config
 from tests.helpers.convert_models import load_hf, model_for, tiny_cfg
+from tests.helpers.hf_models import save_hf_model
 from tests.helpers.memory import LargestTensor, saved_storages
 
 transformers = pytest.importorskip("transformers")
@@ -71,6 +74,55 @@ def test_logits_equal_transformers_and_differ_from_dense_attention(tmp_path, fmt
     dense.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert _rel(dense(ids).logits, ref) > 1e-3
+
+
+def _counting_ties(monkeypatch) -> list[int]:  # noqa: ANN001
+    """Every selection from now on appends how many of its queries tie at their k-th score."""
+    ties, pick = [], sparse_index._top_k_first_of_ties
+
+    def counting(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kth = scores.topk(k, dim=-1).values[..., -1:]
+        ties.append(int((((scores >= kth).sum(-1) > k) & (kth[..., 0] > float("-inf"))).sum()))
+        return pick(scores, k)
+
+    monkeypatch.setattr(sparse_index, "_top_k_first_of_ties", counting)
+    return ties
+
+
+@pytest.mark.parametrize(
+    "fmt", [pytest.param("deepseek_v32", marks=pytest.mark.long), "glm_moe_dsa"]
+)
+def test_the_tiny_transformers_models_import_exactly_without_ties(
+    tmp_path, monkeypatch, fmt
+) -> None:
+    """The families' tiny transformers models as the import tests save them, read by moetrain:
+    transformers' logits on rows holding the padding id (the tests' tokenizers' EOS), and no
+    query tied at its k-th index score. Where scores tie, which keys transformers keeps is
+    torch.topk's internal order (ours keeps the earliest, whatever the layout), so a parity
+    model must not tie. Control: transformers' zero padding row, kept, scores every key 0 for
+    that token's queries: ties, and other logits."""
+    src = save_hf_model(fmt, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    pad = hf.config.pad_token_id
+    ids = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(0))
+    ids[:, 9::7] = pad  # (positions 9, 16, 23, 30: past the top-k)
+    ties = _counting_ties(monkeypatch)
+    rel = _imported_rel(src, hf, ids)
+    assert sum(ties) == 0 and rel <= 1e-5, (ties, rel)
+    with torch.no_grad():
+        hf.get_input_embeddings().weight[pad] = 0.0
+    hf.save_pretrained(tmp_path / "zero_pad_row")
+    ties.clear()
+    rel = _imported_rel(tmp_path / "zero_pad_row", hf, ids)
+    assert sum(ties) >= ids.shape[0] and rel > 1e-3, (ties, rel)
+
+
+def _imported_rel(src: Path, hf, ids: torch.Tensor) -> float:  # noqa: ANN001
+    """The relative difference of moetrain's logits, ``src`` read as ``checkpoint.init_from``,
+    from transformers' (``hf``)."""
+    cfg, source = resolve_config_data(read_config_data(None, [f"checkpoint.init_from={src}"]))
+    with torch.no_grad():
+        return _rel(build_model(cfg, source).eval()(ids).logits, hf(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize("fmt", FAMILIES)
@@ -237,7 +289,6 @@ DSA = {
         ({"model.index_topk": None}, "model.index_n_heads"),  # the others need it
         ({"model.index_stage": "warm"}, "model.index_stage"),
         ({"model.index_loss_weight": -1.0}, "model.index_loss_weight"),
-        ({"parallel.sp_size": 2, "data.seq_len": 64}, "parallel.sp_size"),
         ({"model.attention": "gqa", "model.n_kv_heads": 2}, "model.q_lora_rank"),
     ],
 )
@@ -246,11 +297,18 @@ def test_unbuildable_sparse_attention_configs_are_refused_by_key(overrides, key)
         tiny_config(DSA, overrides)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "sp"), [(torch.float32, 1), (torch.bfloat16, 1), (torch.float32, 2)]
+)
 @pytest.mark.parametrize("layer", [0, 1], ids=["own-indexer", "shared"])
-def test_plan_activation_formula_matches_saved_tensors(dtype: torch.dtype, layer: int) -> None:
+def test_plan_activation_formula_matches_saved_tensors(
+    dtype: torch.dtype, sp: int, layer: int
+) -> None:
     """What a sparse layer and its input norm save in training, against ``moetrain plan``'s
-    count; a shared layer's selection is its source's (recorded before, not counted)."""
+    count; a shared layer's selection is its source's (recorded before, not counted). At sp=2
+    rank 0 of a sequence-parallel pair (its half of the rows, the whole rows' keys gathered)."""
+    from tests.unit.test_plan import _ShapeExchange
+
     cfg = tiny_config(
         DSA,
         {"model.q_lora_rank": 24, "model.index_topk": 16, "model.max_seq_len": 256},
@@ -259,9 +317,11 @@ def test_plan_activation_formula_matches_saved_tensors(dtype: torch.dtype, layer
     m = cfg.model
     torch.manual_seed(0)
     model = Transformer(m, cfg.moe).to(dtype).train()
+    if sp > 1:
+        model.set_head_exchange(_ShapeExchange(sp))
     block = model.layers[layer]
-    cos, sin = (t.to(dtype) for t in model_rope_tables(m, 128))
-    x = torch.randn(4, 128, m.d_model, dtype=dtype, requires_grad=True)
+    cos, sin = (t.to(dtype) for t in model_rope_tables(m, 128 // sp))
+    x = torch.randn(4, 128 // sp, m.d_model, dtype=dtype, requires_grad=True)
     inputs = MixerInputs(cos, sin)
     if layer:
         model.layers[0].attn(x, inputs)
@@ -270,7 +330,7 @@ def test_plan_activation_formula_matches_saved_tensors(dtype: torch.dtype, layer
         block.attn(block.attn_norm(x), inputs)
     a = 4 if dtype == torch.float32 else 2
     measured = sum(seen.values()) / x.shape[0] / x.shape[1]
-    assert measured == pytest.approx(attention_bytes_per_token(m, a, layer=layer), rel=0.01)
+    assert measured == pytest.approx(attention_bytes_per_token(m, a, sp, layer=layer), rel=0.01)
 
 
 def test_the_warmup_runs_at_zero_stage_0_where_the_model_has_experts() -> None:

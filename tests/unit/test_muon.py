@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from moetrain.model.transformer import Transformer
-from moetrain.optim.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz_flops, orthogonalize
+from moetrain.optim.newton_schulz import (
+    DEFAULT_COEFFICIENTS,
+    newton_schulz_flops,
+    orthogonalize,
+    orthogonalize_into,
+)
 from moetrain.optim.registry import build_optimizer, optimizer_spec
 from tests.helpers.configs import tiny_config
 
@@ -166,21 +171,26 @@ def test_the_stacked_expert_tensor_is_never_one_matrix() -> None:
     assert float((change - right).abs().max() / right.abs().max()) < 1e-4
 
 
-def test_experts_orthogonalised_in_bounded_batches_give_the_same_update(monkeypatch) -> None:
-    """A stack of experts goes through Newton-Schulz a few matrices at a time (its fp32
-    temporaries bounded): the same weights, bit for bit, as the whole stack at once."""
-    import moetrain.optim.muon_update as muon_update
-
-    cfg = _cfg()
-    model, grads = _model_and_grads(cfg, 2)
-    one_batch = _muon_steps(model, grads, cfg)
-    model, grads = _model_and_grads(cfg, 2)
-    w13 = dict(model.named_parameters())["layers.1.ffn.experts.w13"]
-    monkeypatch.setattr(muon_update, "BATCH_ELEMENTS", 3 * w13[0].numel() // 2)
-    batched = _muon_steps(model, grads, cfg)  # one expert per batch, a stack of 4 or more
-    assert w13.shape[0] >= 4
-    for name, weight in one_batch.items():
-        assert torch.equal(batched[name], weight), name
+def test_a_matrix_update_depends_on_neither_its_batch_nor_its_strides() -> None:
+    """Newton-Schulz of a matrix is the same, bit for bit, alone or in a stack, and written in
+    place through a strided view (a cut or partitioned layout's) or into a new tensor: a layout
+    that batches or lays out the matrices otherwise does not change the update."""
+    gen = torch.Generator().manual_seed(2)
+    w13 = torch.randn(3, 6, 2 * 10, generator=gen)  # 3 experts, gate | up of 6 x 10 each
+    halves = w13.view(3, 6, 2, 10).transpose(1, 2)  # (expert, half, 6, 10), strided
+    alone = [
+        orthogonalize(halves[e, h].clone(), DEFAULT_COEFFICIENTS, 5)
+        for e in range(3)
+        for h in range(2)
+    ]
+    in_place = w13.clone()
+    view = in_place.view(3, 6, 2, 10).transpose(1, 2)
+    orthogonalize_into(view, view, DEFAULT_COEFFICIENTS, 5, scale=2.0)
+    for i, want in enumerate(alone):
+        assert torch.equal(view[i // 2, i % 2], want * 2.0)
+        assert torch.equal(orthogonalize(halves, DEFAULT_COEFFICIENTS, 5)[i // 2, i % 2], want)
+    tall = orthogonalize(halves.mT, DEFAULT_COEFFICIENTS, 5)  # (10 x 6: transposed in and out)
+    assert torch.equal(tall[1, 0], alone[2].T)
 
 
 def test_which_parameters_take_muon() -> None:

@@ -73,6 +73,51 @@ def test_selection_is_the_top_k_of_the_dense_masked_scores(docs: bool, topk: int
             assert int(valid[b, t].sum()) == min(topk, n)
 
 
+@pytest.mark.parametrize("docs", [False, True])
+def test_ties_at_the_kth_score_keep_the_earliest_keys_whatever_the_block(docs: bool) -> None:
+    """Every other key's index vector is zero (its score exactly 0), the others' products all
+    negative for some queries: many queries tie at the k-th score. Each keeps the k best keys,
+    ties broken by the earliest position (a stable descending sort of the dense scores), and
+    the later queries alone (a sequence-parallel rank's, over the whole rows' keys) select the
+    same keys as the whole rows do; torch's own topk keeps other keys of the ties (caught)."""
+    qi, w, ki = _indexer()
+    ki[:, ::2] = 0.0
+    qi[:, ::3] = -qi[:, ::3].abs()  # every product <= 0: every visible key ties at 0
+    ki[:, 1::2] = ki[:, 1::2].abs()
+    keys, topk, allowed = _keys(docs), 5, _allowed(docs)
+    dense = _dense_scores(qi, w, ki).masked_fill(~allowed, float("-inf"))
+    idx, valid = select_keys(qi, w, ki, keys, topk)
+    late, late_valid = select_keys(qi[:, 23:], w[:, 23:], ki, keys.rows(23, S), topk)
+    assert torch.equal(late, idx[:, 23:]) and torch.equal(late_valid, valid[:, 23:])
+    order = torch.sort(dense, dim=-1, descending=True, stable=True).indices
+    ties = differs = 0
+    for b in range(B):
+        for t in range(S):
+            n = min(topk, int(allowed[b, t].sum()))
+            assert set(idx[b, t][valid[b, t]].tolist()) == set(order[b, t, :n].tolist())
+            if n == topk and int((dense[b, t] >= dense[b, t, order[b, t, n - 1]]).sum()) > n:
+                ties += 1
+                differs += set(dense[b, t].topk(n).indices.tolist()) != set(
+                    order[b, t, :n].tolist()
+                )
+    assert ties > 10 and differs > 0
+
+
+def test_a_rows_selection_in_order_does_not_depend_on_the_rows_beside_it() -> None:
+    """A tie-free row selects the same keys in the same order (positions ascending) beside a
+    row whose queries tie at the k-th score as alone (the order is the order in which its
+    attention and KL add the selected keys up: a batch split otherwise rounds them
+    differently, as a data-parallel layout's is)."""
+    qi, w, ki = _indexer()
+    ki[0, ::2] = 0.0
+    qi[0, ::3] = -qi[0, ::3].abs()  # row 0: many queries tie at their k-th score (0)
+    cpu = torch.device("cpu")
+    idx, valid = select_keys(qi, w, ki, causal_keys(B, S, 0, cpu), 5)
+    alone, alone_valid = select_keys(qi[1:], w[1:], ki[1:], causal_keys(1, S, 0, cpu), 5)
+    assert torch.equal(idx[1:], alone) and torch.equal(valid[1:], alone_valid)
+    assert bool((idx[:, 5:].diff(dim=-1) > 0).all())  # (queries that see 5 keys or more)
+
+
 def _attention_inputs(dtype: torch.dtype):  # noqa: ANN202
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, S, H, C + R, generator=g, dtype=dtype, requires_grad=True)

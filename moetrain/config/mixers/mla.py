@@ -161,13 +161,9 @@ class MLA(MixerKind):
 
     @classmethod
     def sp_heads(cls, model: ModelConfig) -> tuple[tuple[str, int], ...]:
-        require(
-            model.index_topk is None,
-            "parallel.sp_size",
-            "sparse attention (model.index_topk) is not supported with sequence parallelism: "
-            "each query's top-k keys are chosen over its whole sequence, which no rank holds; "
-            "use parallel.sp_size=1",
-        )
+        """The query heads, which dense latent attention (and sparse attention's dense
+        warm-up) splits over the ranks. Sparse attention's sparse stage splits the queries
+        instead, every head of them over the whole rows' keys (``model/sparse_latent.py``)."""
         return (("model.n_heads", model.n_heads),)
 
 

@@ -49,14 +49,16 @@ from moetrain.model.rope import apply_rope, softmax_mscale
 from moetrain.model.sparse_attention import sparse_latent_attention
 from moetrain.model.sparse_latent import (
     Absorbed,
-    query_keys,
     report_loss,
+    row_queries,
     run_indexer,
     selection,
+    sparse_exchange_bytes,
     sparse_index_loss,
     sparse_mixing_flops,
     sparse_saved_bytes,
     warmup_index_loss,
+    whole_keys,
 )
 
 LATENT_NORM_EPS = 1e-6
@@ -206,7 +208,9 @@ class MLAttention(TokenMixer):
             q_rope_BHSR = apply_rope(q_rope_BHSR, cos_SR, sin_SR, self.rope_interleave)
             k_rope_BSR = apply_rope(k_rope_BSR[:, None], cos_SR, sin_SR, self.rope_interleave)
             k_rope_BSR = k_rope_BSR[:, 0]
-        causal = mask_B1SS is None
+        causal, ex = mask_B1SS is None, self.head_exchange
+        if state is not None and ex is not None:
+            raise ValueError("a latent cache runs on one device, without a head exchange")
         if state is not None:
             latent_BSC, k_rope_BSR = state.append(inputs.pos, latent_BSC, k_rope_BSR)
             mask_B1SS, causal = cache_causal_mask(inputs.pos, s, latent_BSC.device), False
@@ -227,10 +231,7 @@ class MLAttention(TokenMixer):
         q_BHSK = torch.cat((q_nope_BSHN, q_rope_BHSR.transpose(1, 2)), dim=-1).transpose(1, 2)
         k_BHTK = torch.cat((k_nope_BTHN, k_rope_BTHR), dim=-1).transpose(1, 2)
         v_BHTV = v_BTHV.transpose(1, 2)
-        ex = self.head_exchange
         if ex is not None:  # sequence parallel: whole sequences, this rank's heads
-            if state is not None:
-                raise ValueError("a latent cache runs on one device, without a head exchange")
             q_BHSK, k_BHTK, v_BHTV = exchange_to_heads(ex, q_BHSK, k_BHTK, v_BHTV)
             out_BhSV = self._attend(q_BHSK, k_BHTK, v_BHTV, mask_B1SS, causal)
             return self._output(x_BSD, exchange_to_sequence(ex, out_BhSV))
@@ -255,21 +256,21 @@ class MLAttention(TokenMixer):
         state: LatentCache | None,
     ) -> torch.Tensor:
         """Attention over the selected keys (B, S, H, Vd); a layer with its own indexer selects
-        them (and in training reports its KL)."""
-        if self.head_exchange is not None:
-            raise ValueError("sparse attention runs without a head exchange")
+        them (and in training reports its KL). Under sequence parallelism this rank's queries
+        (all heads) select from and attend to the whole rows' keys, gathered from every rank."""
         b, s, _ = x_BSD.shape
-        keys = query_keys(inputs, b, s, x_BSD.device)
+        ex = self.head_exchange
+        queries, absorbed = row_queries(inputs, b, s, x_BSD.device, ex), whole_keys(absorbed, ex)
         own = None
         if self.indexer is not None:
-            own = run_indexer(self.indexer, x_BSD, q_latent_BSQ, inputs, state)
-        idx_BSk, valid_BSk = selection(own, keys, self.index_topk, inputs, self.index_from)
+            own = run_indexer(self.indexer, x_BSD, q_latent_BSQ, inputs, state, ex)
+        idx_BSk, valid_BSk = selection(own, queries.own, self.index_topk, inputs, self.index_from)
         train = own is not None and self._trains_indexer()
         out_BSHC, p_BSk = sparse_latent_attention(
             absorbed.q_BSHK, absorbed.kv_BTK, idx_BSk, valid_BSk, self.scale, self.kv_rank, train
         )
         if train:
-            args = (own, idx_BSk, valid_BSk, p_BSk, absorbed, self.scale, keys)
+            args = (own, idx_BSk, valid_BSk, p_BSk, absorbed, self.scale, queries)
             kl_BS, recall = sparse_index_loss(*args, self.recall_queries)
             report_loss(inputs, self.index_from, kl_BS, self.index_weight, recall)
         return absorbed.values(out_BSHC)
@@ -282,11 +283,14 @@ class MLAttention(TokenMixer):
         inputs: MixerInputs,
         state: LatentCache | None,
     ) -> None:
-        """Dense warm-up: the indexer's KL over every key, reported."""
+        """Dense warm-up: the indexer's KL over every key, reported (under sequence parallelism
+        this rank's queries over the whole rows' keys, as in :meth:`_sparse`)."""
         b, s, _ = x_BSD.shape
-        keys = query_keys(inputs, b, s, x_BSD.device)
-        own = run_indexer(self.indexer, x_BSD, q_latent_BSQ, inputs, state)
-        args = (own, absorbed, self.scale, keys, self.index_topk, self.recall_queries)
+        ex = self.head_exchange
+        queries = row_queries(inputs, b, s, x_BSD.device, ex)
+        absorbed = whole_keys(absorbed.detached(), ex)
+        own = run_indexer(self.indexer, x_BSD, q_latent_BSQ, inputs, state, ex)
+        args = (own, absorbed, self.scale, queries, self.index_topk, self.recall_queries)
         kl_BS, recall = warmup_index_loss(*args)
         report_loss(inputs, self.index_from, kl_BS, self.index_weight, recall)
 
@@ -353,7 +357,7 @@ class MLAttention(TokenMixer):
         k and v take the places of the ones above, and the values are saved exchanged
         (``aHVd``) with the output in sequence order (``aHVd``) instead of the ``wkv_b``
         output: ``aH(Vd - N)`` more. Sparse attention: :func:`sparse_saved_bytes`."""
-        dsa = sparse_saved_bytes(cfg, spec, act_bytes) if spec.index_from is not None else 0
+        dsa = sparse_saved_bytes(cfg, spec, act_bytes, sp) if spec.index_from is not None else 0
         if dsa and cfg.index_stage == "sparse":
             return dsa
         a, h, c, v = act_bytes, cfg.n_heads, cfg.kv_lora_rank, cfg.v_head_dim
@@ -376,11 +380,15 @@ class MLAttention(TokenMixer):
         cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
     ) -> float:
         """q, k and v out (every head has its own), the output back; ``(sp - 1) / sp`` of each
-        leaves the GPU."""
+        leaves the GPU. Sparse attention: :func:`sparse_exchange_bytes` instead (its dense
+        warm-up: besides)."""
         if sp == 1:
             return 0.0
+        dsa = sparse_exchange_bytes(cfg, spec, act_bytes, sp) if spec.index_from is not None else 0
+        if dsa and cfg.index_stage == "sparse":
+            return float(dsa)
         dims = cfg.n_heads * (2 * cfg.attention_head_dim + 2 * cfg.v_head_dim)
-        return act_bytes * dims * (sp - 1) / sp
+        return act_bytes * dims * (sp - 1) / sp + dsa
 
     def _attend(
         self,
