@@ -79,8 +79,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # (also when loaded by path, as the tests do)
 
-from gpu_hybrid import hybrid, hybrid_summary  # noqa: E402  (benchmarks/, the script's folder)
+from gpu_hybrid import hybrid, hybrid_summary  # noqa: E402
 
 from moetrain.config import Config, apply_overrides, config_from_dict  # noqa: E402
 from moetrain.model import GroupedExperts, Transformer  # noqa: E402
