@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moetrain.config import ConfigError
-from moetrain.config.layer_plan import FULL, LINEAR, mixer_spec
+from moetrain.config.layer_plan import mixer_spec
 from moetrain.model import Transformer, recurrent_kernels
 from moetrain.model.delta_rule_cuda import cu_seqlens_of, rule_unsupported
 from moetrain.model.document_starts import document_starts
@@ -28,36 +28,10 @@ from moetrain.model.recurrent_kernels import (
 )
 from moetrain.model.short_conv_cuda import conv_unsupported
 from tests.helpers.configs import tiny_config
-from tests.unit import kernel_fakes
+from tests.unit import kernel_fakes, test_gated_deltanet, test_kda, test_mamba2
 
-GDN = {
-    "model.n_layers": 3,
-    "model.full_attention_interval": 3,
-    "model.linear_num_key_heads": 2,
-    "model.linear_num_value_heads": 4,
-    "model.linear_key_head_dim": 8,
-    "model.linear_value_head_dim": 6,
-    "model.max_seq_len": 256,
-}
-KDA = {
-    "model.n_layers": 3,
-    "model.full_attention_interval": 3,
-    "model.linear_attention": "kda",
-    "model.linear_num_heads": 4,
-    "model.linear_head_dim": 8,
-    "model.max_seq_len": 256,
-}
-MAMBA2 = {
-    "model.n_layers": 3,
-    "model.layer_types": [LINEAR, LINEAR, FULL],
-    "model.linear_attention": "mamba2",
-    "model.mamba_num_heads": 4,
-    "model.mamba_head_dim": 8,
-    "model.mamba_n_groups": 2,
-    "model.mamba_state_dim": 6,
-    "model.mamba_chunk_size": 16,
-    "model.max_seq_len": 256,
-}
+# the mixers' own tests' hybrid models (2 linear layers, then full attention)
+GDN, KDA, MAMBA2 = test_gated_deltanet.HYBRID, test_kda.HYBRID, test_mamba2.HYBRID
 KINDS = {"gated_deltanet": GDN, "kda": KDA, "mamba2": MAMBA2}
 
 
