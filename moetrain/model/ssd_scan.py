@@ -33,7 +33,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from moetrain.model.document_starts import document_starts
@@ -91,28 +90,30 @@ def _chunk(x, dt, A, B, C, seg, i: int, j: int) -> _Chunk:
     Bc = B[:, i:j].to(wide).transpose(1, 2).unsqueeze(2)
     Cc = C[:, i:j].to(wide).transpose(1, 2).unsqueeze(2)
     cum = (dtc * A.to(wide).view(g, r, 1)).to(torch.float64).cumsum(-1)
-    drop = torch.ones(q, q, dtype=torch.bool, device=x.device).triu(1)  # not s <= l
+    mask = torch.full((q, q), -math.inf, device=x.device, dtype=wide).triu_(1)  # -inf: not s <= l
     f, w, carry = (_exp(t.to(wide, copy=True)) for t in (cum, cum[..., -1:] - cum, cum[..., -1]))
     if seg is not None:
         sc = seg[:, i:j]
         prev = seg[:, max(i - 1, 0), None]  # the document entering the chunk
-        drop = drop | (sc[:, :, None] != sc[:, None, :])[:, None, None]
+        mask = mask.masked_fill((sc[:, :, None] != sc[:, None, :])[:, None, None], -math.inf)
         f = f * (sc == prev)[:, None, None]
         w = w * (sc == sc[:, -1:])[:, None, None]
         carry = carry * (sc[:, -1:] == prev)[:, None]
     L = torch.sub(
         cum[..., :, None], cum[..., None, :], out=cum.new_empty(*cum.shape, q, dtype=wide)
     )
-    L = _exp(L.masked_fill_(drop, -math.inf))
+    L = _exp(L.add_(mask))
     return _Chunk(xc, dtc, xc * dtc[..., None], Bc, Cc, L, Cc @ Bc.mT, f, w, carry)
 
 
 def _exp(log_decay: torch.Tensor) -> torch.Tensor:
-    """``exp`` in place of log decays <= 0, those below e^20 times the dtype's smallest normal
-    number set to exactly 0 (subnormal numbers slow every product they enter a hundredfold on
-    CPUs; :func:`moetrain.model.decayed_products.decay_exp`'s rule, in one pass fewer)."""
+    """``exp`` in place of log decays <= 0 (or -inf), those below e^20 times the dtype's smallest
+    normal number set to exactly 0 (:func:`moetrain.model.decayed_products.decay_exp`'s rule:
+    subnormal numbers slow every product they enter a hundredfold on CPUs), without taking
+    ``exp`` of -inf or of what underflows (slow paths on CPUs too)."""
     cut = math.log(torch.finfo(log_decay.dtype).tiny) + 20.0
-    return F.threshold_(log_decay, cut, -math.inf).exp_()
+    keep = log_decay > cut
+    return log_decay.clamp_(min=cut).exp_().mul_(keep)
 
 
 class ChunkedSSD(torch.autograd.Function):
