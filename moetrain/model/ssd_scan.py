@@ -72,8 +72,9 @@ class _Chunk:
     xdt: torch.Tensor  # dt x
     B: torch.Tensor
     C: torch.Tensor
-    L: torch.Tensor  # (B, G, r, q, q) exp(cum_l - cum_s), zero unless s <= l in one document
-    CB: torch.Tensor  # (B, G, 1, q, q) C B^T
+    L: torch.Tensor  # (B, G, r, q, q) exp(cum_l - cum_s) where s <= l (1 above the diagonal)
+    drop: torch.Tensor  # (q, q) or (B, 1, 1, q, q) bool: not s <= l in one document
+    CB: torch.Tensor  # (B, G, 1, q, q) C B^T, zero where ``drop``
     f: torch.Tensor  # (B, G, r, q) exp(cum): the entering state's decay, up to the first start
     w: torch.Tensor  # exp(cum_Q - cum): a token's decay to the chunk's end, its last document
     carry: torch.Tensor  # (B, G, r) exp(cum_Q), zero where the chunk holds a start
@@ -90,30 +91,31 @@ def _chunk(x, dt, A, B, C, seg, i: int, j: int) -> _Chunk:
     Bc = B[:, i:j].to(wide).transpose(1, 2).unsqueeze(2)
     Cc = C[:, i:j].to(wide).transpose(1, 2).unsqueeze(2)
     cum = (dtc * A.to(wide).view(g, r, 1)).to(torch.float64).cumsum(-1)
-    mask = torch.full((q, q), -math.inf, device=x.device, dtype=wide).triu_(1)  # -inf: not s <= l
+    drop = torch.ones(q, q, dtype=torch.bool, device=x.device).triu_(1)
     f, w, carry = (_exp(t.to(wide, copy=True)) for t in (cum, cum[..., -1:] - cum, cum[..., -1]))
     if seg is not None:
         sc = seg[:, i:j]
         prev = seg[:, max(i - 1, 0), None]  # the document entering the chunk
-        mask = mask.masked_fill((sc[:, :, None] != sc[:, None, :])[:, None, None], -math.inf)
+        drop = drop | (sc[:, :, None] != sc[:, None, :])[:, None, None]
         f = f * (sc == prev)[:, None, None]
         w = w * (sc == sc[:, -1:])[:, None, None]
         carry = carry * (sc[:, -1:] == prev)[:, None]
     L = torch.sub(
         cum[..., :, None], cum[..., None, :], out=cum.new_empty(*cum.shape, q, dtype=wide)
     )
-    L = _exp(L.add_(mask))
-    return _Chunk(xc, dtc, xc * dtc[..., None], Bc, Cc, L, Cc @ Bc.mT, f, w, carry)
+    cb = (Cc @ Bc.mT).masked_fill_(drop, 0.0)
+    return _Chunk(xc, dtc, xc * dtc[..., None], Bc, Cc, _exp(L), drop, cb, f, w, carry)
 
 
 def _exp(log_decay: torch.Tensor) -> torch.Tensor:
-    """``exp`` in place of log decays <= 0 (or -inf), those below e^20 times the dtype's smallest
-    normal number set to exactly 0 (:func:`moetrain.model.decayed_products.decay_exp`'s rule:
-    subnormal numbers slow every product they enter a hundredfold on CPUs), without taking
-    ``exp`` of -inf or of what underflows (slow paths on CPUs too)."""
+    """``exp`` in place of log decays, clamped to [e^20 times the dtype's smallest normal
+    number, 1]: a decay below that floor (5e-30 in fp32) reads as the floor, far below any
+    rounding of the sums it enters (:func:`moetrain.model.decayed_products.decay_exp` flushes it
+    to 0 instead: subnormal numbers slow every product they enter a hundredfold on CPUs), and
+    a positive exponent (above the diagonal, where the scores are zero) as 1, without taking
+    ``exp`` of what underflows or overflows (slow paths on CPUs)."""
     cut = math.log(torch.finfo(log_decay.dtype).tiny) + 20.0
-    keep = log_decay > cut
-    return log_decay.clamp_(min=cut).exp_().mul_(keep)
+    return log_decay.clamp_(cut, 0.0).exp_()
 
 
 class ChunkedSSD(torch.autograd.Function):
@@ -133,7 +135,7 @@ class ChunkedSSD(torch.autograd.Function):
         for c, i in enumerate(range(0, s, q)):
             k = _chunk(x, dt, A, B, C, seg, i, min(i + q, s))
             entering[c] = state
-            yc = (k.CB * k.L) @ k.xdt + (k.C @ state.mT) * k.f[..., None]
+            yc = k.L.mul_(k.CB) @ k.xdt + (k.C @ state.mT) * k.f[..., None]
             if D is not None:
                 yc += k.x * D.to(wide).view(g, r, 1, 1)
             y[:, i : i + q].unflatten(2, (g, r)).copy_(yc.permute(0, 3, 1, 2, 4))
@@ -165,7 +167,7 @@ class ChunkedSSD(torch.autograd.Function):
             dm_l = (dyc @ k.xdt.mT).mul_(k.L)  # the scores' gradient times their decay
             e = dm_l * k.CB  # the decays' gradient times the decays
             dcum = e.sum(-1) - e.sum(-2)
-            dcb = dm_l.sum(2, keepdim=True)
+            dcb = dm_l.sum(2, keepdim=True).masked_fill_(k.drop, 0.0)
             dch = dyc @ h_in  # (B, G, r, q, N)
             dCc = dcb @ k.B + (dch * k.f[..., None]).sum(2, keepdim=True)
             dcum += (dch * k.C).sum(-1) * k.f
