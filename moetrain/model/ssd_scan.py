@@ -10,21 +10,24 @@ Per head, with a = dt * A (A < 0, dt > 0 the step size of the token) and the sta
     h_t = exp(a_t) h_{t-1} + dt_t x_t B_t^T          y_t = h_t C_t + D x_t
 
 The chunked form runs over the chunks in order. In a chunk, with ``cum`` the cumulative sum of
-a from its start, ``L[l, s] = exp(cum_l - cum_s)`` (s <= l, one document) and ``xdt = dt x``:
+a from its start, ``L[l, s] = exp(cum_l - cum_s)``, the scores ``C B^T`` zero unless s <= l in
+one document, and ``xdt = dt x``:
 
     y   = (C B^T * L) xdt + exp(cum) (C h^T) + D x       h the state entering the chunk
     h'  = exp(cum_Q) h + (xdt * exp(cum_Q - cum))^T B    the state leaving it
 
 exact (the same sums in another order). The decays are differences of cumulative sums taken in
 fp64 (in fp32 they would lose ~1e-7 of the chunk's total decay), every product in fp32 or
-wider. The forward keeps only its inputs and the states entering the chunks; the backward
-recomputes a chunk's (Q, Q) decays and scores from them and runs the chunks in reverse, so no
-(Q, Q) tensor outlives its chunk.
+wider; a decay below e^20 times the dtype's smallest normal number reads as that floor (far
+below any rounding of the sums it enters; no subnormal number slows the products). The forward
+keeps only its inputs and the states entering the chunks; the backward recomputes a chunk's
+(Q, Q) decays and scores from them and runs the chunks in reverse, so no (Q, Q) tensor
+outlives its chunk.
 
 Packed documents: a document start drops the state before it (the position's own input is
-kept), so a packed row computes what its documents compute one by one: ``L`` is zero across a
-start, the entering state reaches only the positions before the chunk's first start, only the
-chunk's last document reaches h', and a chunk with a start passes no earlier state on.
+kept), so a packed row computes what its documents compute one by one: the scores are zero
+across a start, the entering state reaches only the positions before the chunk's first start,
+only the chunk's last document reaches h', and a chunk with a start passes no earlier state on.
 """
 
 from __future__ import annotations
