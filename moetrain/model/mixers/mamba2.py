@@ -46,7 +46,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from moetrain.config import ModelConfig
 from moetrain.config.layer_plan import MixerSpec
@@ -67,38 +66,12 @@ def gated_group_norm(
     y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int, eps: float
 ) -> torch.Tensor:
     """Mamba-2's gated norm ``weight * rmsnorm(y * silu(z))``, the statistics over each of
-    ``groups`` equal groups of the last dim, in fp32; y, z (..., I), weight (I,). It keeps y, a
-    copy of z and the statistics, and recomputes the rest in backward."""
-    return _GatedNorm.apply(y, z, weight, groups, eps)
-
-
-class _GatedNorm(torch.autograd.Function):
-    """:func:`gated_group_norm` with a written backward."""
-
-    @staticmethod
-    def forward(ctx, y, z, weight, groups: int, eps: float):
-        wide = torch.promote_types(y.dtype, torch.float32)
-        ctx.y_dtype, ctx.groups = y.dtype, groups
-        y, z = y.to(wide), z.contiguous()  # z alone, not the projection it is a slice of
-        grouped = (y * F.silu(z.to(wide))).unflatten(-1, (groups, -1))
-        rstd = torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(y, z, weight, rstd)
-        return (weight.to(wide) * (grouped * rstd).flatten(-2)).to(z.dtype)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout):
-        y, z, weight, rstd = ctx.saved_tensors
-        wide, zw = y.dtype, z.to(y.dtype)
-        sig = torch.sigmoid(zw)
-        gate = zw * sig  # silu(z)
-        normed = (y * gate).unflatten(-1, (ctx.groups, -1)) * rstd
-        dout = dout.to(wide)
-        dweight = (dout * normed.flatten(-2)).flatten(0, -2).sum(0)
-        dn = (dout * weight.to(wide)).unflatten(-1, (ctx.groups, -1))
-        dg = ((dn - normed * (dn * normed).mean(-1, keepdim=True)) * rstd).flatten(-2)
-        dz = dg * y * sig * (1 + zw * (1 - sig))  # silu'(z) = sig (1 + z (1 - sig))
-        return (dg * gate).to(ctx.y_dtype), dz.to(z.dtype), dweight.to(weight.dtype), None, None
+    ``groups`` equal groups of the last dim, in fp32; y, z (..., I), weight (I,)."""
+    wide = torch.promote_types(y.dtype, torch.float32)
+    gated = y.to(wide) * F.silu(z.to(wide))
+    grouped = gated.unflatten(-1, (groups, -1))
+    normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(wide) * normed.flatten(-2)).to(z.dtype)
 
 
 class GatedGroupNorm(nn.Module):
@@ -322,20 +295,22 @@ class Mamba2(TokenMixer):
         cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
     ) -> int:
         """Its input ``aD``; the convolution's padded input and its output before SiLU
-        ``2a Ch``; its output after SiLU, whose x, B and C the scan keeps, ``a Ch``; the step's
-        softplus in and out ``8H``; the gated norm's scan output, copy of z and statistics
-        ``4I + aI + 4G`` and its output ``aI``; the chunked scan's states entering its chunks
-        ``4HPN / Q`` (both recompute the rest).
+        ``2a Ch``; its output after SiLU, whose x, B and C the scan keeps, ``a Ch``; z kept for
+        the gated norm: under fp32 the projection's whole output ``4(I + Ch + H)``, under bf16
+        an fp32 copy ``4I``; the step's softplus in and out ``8H``; the gated norm's scan
+        output, gate, product, normalised values and rsqrt ``16I + 4G`` and its output ``aI``;
+        the chunked scan's states entering its chunks ``4HPN / Q`` (it recomputes the rest).
         Rows a multiple of Q, without documents. Under sequence parallelism the same per token
         of a slice, but that from the convolution to the scan a rank holds ``lcm(G, sp)``
         groups (the repeated ones) where it holds G without: Ch counts those."""
-        a, d = act_bytes, cfg.d_model
+        a, d, ch = act_bytes, cfg.d_model, cls.channels(cfg)
         h, p, g = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_n_groups
         n, q, inner = cfg.mamba_state_dim, cfg.mamba_chunk_size, h * p
         ch_seen = inner + 2 * math.lcm(g, sp) * n  # the channels the convolution and scan see
-        norm = 4 * inner + 2 * a * inner + 4 * g
+        z = 4 * (inner + ch + h) if a == 4 else 4 * inner
+        norm = 16 * inner + 4 * g + a * inner
         scan = 4 * h * p * n // q
-        return a * d + 3 * a * ch_seen + 8 * h + norm + scan
+        return a * d + 3 * a * ch_seen + z + 8 * h + norm + scan
 
     @classmethod
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
