@@ -10,7 +10,9 @@ with x before the row taken from ``initial_state`` (the row's previous L inputs,
 cache) or zero. Packed documents: a document's first positions see zeros, never the previous
 document, so a packed row computes what its documents compute one by one. This is done
 exactly by one convolution over a buffer in which every document is preceded by L zeros (or
-the initial state, for the row's first), without a loop over documents. The returned state is
+the initial state, for the row's first), without a loop over documents; the convolution runs
+channels last with a written backward (:class:`Depthwise`: torch's depthwise ``conv1d``
+backward is slow on CPU). The returned state is
 the row's last L inputs, zero before its last document's start: what decoding that document
 further needs.
 """
