@@ -7,17 +7,18 @@ coefficients, Keller Jordan's (3.4445, -4.7750, 2.0315)) and keeps its singular 
 result approximates ``U V^T`` of ``X = U S V^T``. Every matrix is orthogonalised on its own,
 never a stack of them as one matrix.
 
-Computed in fp32 whatever the input's dtype. The matrices of a batch (an expert parameter's) go
-through together: up to :data:`STACK_ELEMENTS` values at a time are copied into one contiguous
-stack and each step is three batched products into buffers made once per call, the scalings
-folded into the products (``torch.bmm`` / ``baddbmm``: one product per matrix of the stack,
-each by the same kernel whatever the stack). Every matrix is copied into the same layout first (contiguous,
-wide), however it was cut or batched: a matrix's result depends neither on its stack nor on the
-layout it came from. Where the model's fp32 CPU kernel is oneDNN
-(:mod:`moetrain.model.cpu_matmul`: AVX-512 CPUs) the products are oneDNN's, one matrix at a
-time, in the same buffers. bf16 products are not an option on CPU: without AVX-512 BF16 they run
-at about a seventh of fp32's rate (``benchmarks/newton_schulz_kernels.py``), and the update's
-inputs stay fp32 by policy.
+Computed in fp32 whatever the input's dtype. The matrices of a batch (an expert parameter's)
+go through together: up to :data:`STACK_ELEMENTS` values at a time are copied into one
+contiguous stack, and each step is three batched products into buffers made once per call, the
+scalings folded into the products (``torch.bmm`` / ``baddbmm``: one product per matrix of the
+stack, each by the same kernel whatever the stack; 0.90x the CPU time of one matrix at a time
+with a new tensor per product, ``benchmarks/newton_schulz_kernels.py``). Every matrix is
+copied into the same layout first (contiguous, wide), however it was cut or batched: a
+matrix's result depends neither on its stack nor on the layout it came from. Where the model's
+fp32 CPU kernel is oneDNN (:mod:`moetrain.model.cpu_matmul`: AVX-512 CPUs) the products are
+oneDNN's, one matrix at a time, into the same buffers. bf16 products are not an option on CPU:
+without AVX-512 BF16 they run at about a seventh of fp32's rate, and the update's inputs stay
+fp32 by policy.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def orthogonalize_into(
         for i, matrix in enumerate(chunk):
             x[i].copy_(sources[matrix])  # (the one layout: contiguous, wide)
         k = len(chunk)
-        done = _iterate(x[:k], [b[:k] for b in buffers], coefficients, steps)
+        done = _iterate(x[:k], [buf[:k] for buf in buffers], coefficients, steps)
         if scale != 1.0:
             done.mul_(scale)
         for i, matrix in enumerate(chunk):
