@@ -4,6 +4,7 @@ rounds, and where Muon's step time goes (Newton-Schulz, its exchange all-reduce)
     .venv/bin/python benchmarks/muon_cost.py --rounds 3                 # EP 1 and EP 2, bench
     .venv/bin/python benchmarks/muon_cost.py --rounds 3 --ep 2 --micro 16
     .venv/bin/python benchmarks/muon_cost.py --no-command --interleaved 12 --micro 4 16
+    .venv/bin/python benchmarks/muon_cost.py --no-command --interleaved 6 --accum 8
 
 Cost: the measurement of ``benchmarks/train_command.py`` (2 CPU ranks, one thread each, ZeRO-2,
 fp32, the built-in corpus, AdamW's constant learning rate and clipping 1.0; each round a short
@@ -52,9 +53,9 @@ SIDES = {"adamw": ("optim.name=adamw",), "muon": ("optim.name=muon",)}
 
 def cost_rounds(args: argparse.Namespace, data: Path, env: dict[str, str]) -> list[dict]:
     """Alternating rounds of both sides at ``args.ep``; each round's figures per side."""
-    tokens_per_step = 2 * args.micro * SHAPES[args.shape]["seq"]
+    tokens_per_step = 2 * args.micro * args.accum * SHAPES[args.shape]["seq"]
     port = 29700 + 100 * args.ep
-    extra = (f"train.micro_batch_size={args.micro}",)
+    extra = batch_overrides(args)
     for side, settings in SIDES.items():  # warm-up: caches, the compiled DeepSpeed op
         port += 1
         run(moetrain_cmd(args, data, args.short, port, settings + extra), env)
@@ -79,6 +80,11 @@ def cost_rounds(args: argparse.Namespace, data: Path, env: dict[str, str]) -> li
             print(f"EP {args.ep} round {rnd} {side}: {json.dumps(res[side])}", flush=True)
         rounds.append(res)
     return rounds
+
+
+def batch_overrides(args: argparse.Namespace) -> tuple[str, ...]:
+    """The micro-batch and the accumulation of every run of ``args``."""
+    return (f"train.micro_batch_size={args.micro}", f"train.grad_accum_steps={args.accum}")
 
 
 def summary(rounds: list[dict]) -> list[str]:
@@ -153,7 +159,9 @@ def shares(args: argparse.Namespace, data: Path, env: dict[str, str]) -> list[st
     out.mkdir(parents=True, exist_ok=True)
     for f in out.glob("*.json"):
         f.unlink()
-    cmd = moetrain_cmd(args, data, args.profile_steps, 29699, ("optim.name=muon",))
+    cmd = moetrain_cmd(
+        args, data, args.profile_steps, 29699, ("optim.name=muon", *batch_overrides(args))
+    )
     target = cmd[cmd.index("train") :]  # (the moetrain arguments, without the launcher)
     torchrun = str(Path(sys.executable).parent / "torchrun")
     launch = [torchrun, "--standalone", "--nproc_per_node", "2", __file__, "--rank-main"]
@@ -180,8 +188,9 @@ def shares(args: argparse.Namespace, data: Path, env: dict[str, str]) -> list[st
 
 def interleaved_main(out: Path, steps: int, overrides: list[str]) -> None:
     """Inside each rank: an AdamW and a Muon Trainer side by side, stepping in turn (the order
-    swapped every step) over the command's own batches, each step timed between barriers, with
-    Newton-Schulz and the exchange timed inside Muon's."""
+    swapped every step) over the command's own batches (``train.grad_accum_steps`` micro-batches
+    a step), each step timed between barriers, with Newton-Schulz and the exchange timed inside
+    Muon's."""
     import itertools
 
     import torch.distributed as dist
@@ -213,7 +222,9 @@ def interleaved_main(out: Path, steps: int, overrides: list[str]) -> None:
         c.seed,
         vocab_size=c.model.vocab_size,
     )
-    batches = list(itertools.islice(iter(loader), steps))
+    accum = c.train.grad_accum_steps
+    micro = list(itertools.islice(iter(loader), steps * accum))
+    batches = [micro[i : i + accum] for i in range(0, len(micro), accum)]
     trainers = {side: Trainer(cfg, topo) for side, cfg in cfgs.items()}
     rows = []
     for i, batch in enumerate(batches):
@@ -222,7 +233,7 @@ def interleaved_main(out: Path, steps: int, overrides: list[str]) -> None:
             before = dict(totals)
             dist.barrier()
             t0 = time.perf_counter()
-            trainers[side].train_step([batch])
+            trainers[side].train_step(batch)
             dist.barrier()
             row[side] = time.perf_counter() - t0
             if side == "muon":
@@ -240,9 +251,7 @@ def interleaved(args: argparse.Namespace, data: Path, env: dict[str, str]) -> li
     out.mkdir(parents=True, exist_ok=True)
     for f in out.glob("*.json"):
         f.unlink()
-    cmd = moetrain_cmd(
-        args, data, args.interleaved, 29698, (f"train.micro_batch_size={args.micro}",)
-    )
+    cmd = moetrain_cmd(args, data, args.interleaved, 29698, batch_overrides(args))
     overrides = cmd[cmd.index("train") + 2 :]  # (the overrides after the config)
     torchrun = str(Path(sys.executable).parent / "torchrun")
     launch = [torchrun, "--standalone", "--nproc_per_node", "2", __file__, "--interleaved"]
@@ -284,7 +293,7 @@ def memory_phases(args: argparse.Namespace, data: Path) -> list[str]:
         f"data.output_dir={data}",
         f"parallel.ep_size={args.ep}",
         "parallel.zero_stage=2",
-        f"train.micro_batch_size={args.micro}",
+        *batch_overrides(args),
         f"train.max_steps={args.long}",
         "train.eval_every=0",
         "train.log_every=5",
@@ -321,6 +330,9 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     ap.add_argument("--ep", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--micro", type=int, nargs="+", default=[4], help="train.micro_batch_size")
+    ap.add_argument(
+        "--accum", type=int, default=1, help="train.grad_accum_steps (tokens per optimizer step)"
+    )
     ap.add_argument("--docs", type=int, default=4000, help="documents of the built-in corpus")
     ap.add_argument(
         "--interleaved", type=int, default=0, help="also the in-process A/B over this many steps"
@@ -340,7 +352,7 @@ def main() -> None:
     for ep in args.ep:
         for micro in args.micro:
             one = argparse.Namespace(**{**vars(args), "ep": ep, "micro": micro})
-            report += [f"\nshape {args.shape}, micro-batch {micro}, EP {ep}"]
+            report += [f"\nshape {args.shape}, micro-batch {micro} x {args.accum}, EP {ep}"]
             if not args.no_command:
                 report += [f"  the command, {args.rounds} rounds:"]
                 report += summary(cost_rounds(one, data, env)) + shares(one, data, env)

@@ -1,8 +1,12 @@
-"""Newton-Schulz of every Muon matrix of a benchmark shape's model, three ways, by CPU time in
-one process (one thread): the shipped :func:`moetrain.optim.newton_schulz.orthogonalize`, the
-earlier code's and batched products into buffers; and the rate of one fp32 and one bf16 product.
+"""Newton-Schulz of every Muon matrix of a benchmark shape's model, four ways, by CPU time in
+one process (one thread): the shipped :func:`moetrain.optim.newton_schulz.orthogonalize`, two
+earlier codes' and batched products into buffers over a whole batch; and the rate of one fp32
+and one bf16 product. The products run on the kernel ``train.cpu_matmul`` picks
+(``--cpu-matmul``, as ``moetrain train``: ``auto``, torch's own on an AVX2-only CPU), except the
+whole-batch variant's, always torch's.
 
     .venv/bin/python benchmarks/newton_schulz_kernels.py --rounds 2 [--shape bench]
+    .venv/bin/python benchmarks/newton_schulz_kernels.py --rounds 2 --cpu-matmul onednn
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ BATCH_ELEMENTS = 1 << 20  # the earlier code's batches (fp32 elements orthogonal
 
 
 def _newton_schulz_variants() -> dict:
-    """Newton-Schulz of a batch (N, rows, cols), three ways: the shipped one (one matrix at a
-    time, in place), the earlier code's (each product one oneDNN call per matrix, stacked over
-    the batch, a new tensor for every intermediate), and batched products into buffers made
-    once (``torch.bmm`` / ``baddbmm``, the scalings folded in)."""
+    """Newton-Schulz of a batch (N, rows, cols), four ways: the shipped one (stacks of
+    ``STACK_ELEMENTS`` values, batched products into buffers), two earlier codes' (each product
+    one call of the model's kernel per matrix, a new tensor for every intermediate: stacked
+    over the batch; one matrix at a time), and batched products into buffers over the whole
+    batch (``torch.bmm`` / ``baddbmm``, the scalings folded in)."""
     import torch
 
     from moetrain.model.cpu_matmul import mm
@@ -60,13 +65,24 @@ def _newton_schulz_variants() -> dict:
             x, nxt = nxt, x
         return x
 
+    def one_at_a_time(g, steps):  # noqa: ANN001, ANN202
+        x = normalised(g)
+        for i in range(len(x)):
+            y = x[i]
+            for _ in range(steps):
+                gram = mm(y, y.mT)
+                y = mm(mm(gram, gram.mT).mul_(c).add_(gram, alpha=b), y).add_(y, alpha=a)
+            x[i] = y
+        return x
+
     def shipped(g, steps):  # noqa: ANN001, ANN202
         return orthogonalize(g.mT if g.shape[-2] > g.shape[-1] else g, DEFAULT_COEFFICIENTS, steps)
 
     return {
         "shipped": shipped,
         "earlier: stacked per batch": stacked,
-        "batched bmm into buffers": batched,
+        "earlier: one matrix at a time": one_at_a_time,
+        "batched bmm, whole batch": batched,
     }
 
 
@@ -99,11 +115,13 @@ def kernels(args: argparse.Namespace) -> list[str]:
     import torch
 
     from moetrain.config import load_config
+    from moetrain.model.cpu_matmul import cpu_matmul_choice, use_cpu_matmul
     from moetrain.optim.kinds import matrix_blocks, meta_model
     from moetrain.optim.muon import update_of
     from moetrain.train.host_allocator import settle_host_allocator, tune_host_allocator
 
     torch.set_num_threads(1)
+    use_cpu_matmul(args.cpu_matmul)
     tune_host_allocator("keep")  # (as moetrain train: freed blocks reused, not faulted in anew)
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", shape_overrides(SHAPES[args.shape]))
     gen = torch.Generator().manual_seed(0)
@@ -130,7 +148,10 @@ def kernels(args: argparse.Namespace) -> list[str]:
             for v in variants:
                 times[v].append(took[v])
         settle_host_allocator()
-    lines = [f"  Newton-Schulz of the {args.shape} model's Muon matrices, one thread:"]
+    lines = [
+        f"  Newton-Schulz of the {args.shape} model's Muon matrices, one thread, "
+        f"cpu_matmul {args.cpu_matmul} ({cpu_matmul_choice()}):"
+    ]
     largest = max(batches, key=lambda g: g[0].numel())
     lines.append(_product_rates(min(largest.shape[-2:]), max(largest.shape[-2:])))
     for v, fn in variants.items():
@@ -151,6 +172,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
+    ap.add_argument("--cpu-matmul", choices=("auto", "onednn", "torch"), default="auto")
     print("\n".join(kernels(ap.parse_args())))
 
 

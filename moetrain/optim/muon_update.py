@@ -3,7 +3,7 @@ on whatever ZeRO made of the groups.
 
 Per Muon parameter (fp32 throughout, momentum and Newton-Schulz input included, whatever
 ``train.precision``): ``B <- mu B + g``; ``U = g + mu B`` (Nesterov) or ``B``; each matrix of U
-orthogonalised on its own (:mod:`moetrain.optim.newton_schulz`; an expert's matrices one by one,
+orthogonalised on its own (:mod:`moetrain.optim.newton_schulz`; each expert's matrices on their own,
 its gate and up projections apart, :func:`moetrain.optim.kinds.matrix_blocks`) and scaled by
 ``update_scale * sqrt(max(rows, cols))`` (Moonlight's rule: the update's RMS is about
 ``update_scale``, as AdamW's, so AdamW's learning rate and weight decay carry over); then
