@@ -7,7 +7,8 @@
 - A kill at every point of a save (:mod:`moetrain.faults`), one restart round each: the job
   resumes from the previous complete checkpoint each time and ends with the reference's losses.
 
-The single-kill versions of both run in the default suite (tests/e2e/test_resume.py).
+The single-kill versions are tests/e2e/test_resume.py's: the kill inside a save (a worker killed
+and restarted in place) in the default suite, the worker killed mid-run with ``-m long``.
 """
 
 from __future__ import annotations
