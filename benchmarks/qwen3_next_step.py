@@ -135,7 +135,7 @@ def main() -> None:
     sides = {"moetrain": (ours, ours_mods, moetrain_step), "peer": (peer, peer_mods, peer_step)}
     print("first cross-entropy:", {k: round(s[2](), 7) for k, s in sides.items()})
     calls = {name: capture(*side) for name, side in sides.items()}
-    for name, side_calls in calls.items():  # (warm-up)
+    for side_calls in calls.values():  # (warm-up)
         for cs in side_calls.values():
             for c in cs:
                 c.run()
