@@ -10,7 +10,9 @@ with x before the row taken from ``initial_state`` (the row's previous L inputs,
 cache) or zero. Packed documents: a document's first positions see zeros, never the previous
 document, so a packed row computes what its documents compute one by one. This is done
 exactly by one convolution over a buffer in which every document is preceded by L zeros (or
-the initial state, for the row's first), without a loop over documents. The returned state is
+the initial state, for the row's first), without a loop over documents; the convolution runs
+channels last with a written backward (:class:`Depthwise`: torch's depthwise ``conv1d``
+backward is slow on CPU). The returned state is
 the row's last L inputs, zero before its last document's start: what decoding that document
 further needs.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from moetrain.model.document_starts import document_starts
 
@@ -45,9 +48,9 @@ def short_conv(
     lead = w - 1
     state = x.new_zeros(b, lead, ch) if initial_state is None else initial_state.to(x.dtype)
     if starts is None:
-        buf = torch.cat([state, x], 1).transpose(1, 2)  # (B, Ch, L + S)
-        y = F.conv1d(buf, weight.unsqueeze(1), bias, groups=ch).transpose(1, 2)
-        last = buf[:, :, buf.shape[2] - lead :].transpose(1, 2)
+        buf = torch.cat([state, x], 1)  # (B, L + S, Ch)
+        y = Depthwise.apply(buf, weight, bias)
+        last = buf[:, buf.shape[1] - lead :]
     else:
         y, last = _packed(x, state, weight, bias, starts)
     act = ACTIVATIONS[activation]
@@ -57,21 +60,56 @@ def short_conv(
 
 def _packed(x, state, weight, bias, starts):
     """The convolution of rows holding documents: every row, then every document start, is
-    preceded by L slots (the row's state, or zeros) in one flat buffer (Ch, total)."""
+    preceded by L slots (the row's state, or zeros) in one flat buffer (total, Ch)."""
     b, s, ch = x.shape
     lead = weight.shape[1] - 1
     per_row = s + lead + lead * starts.sum(1)  # each row's stretch of the buffer
     row_at = torch.cumsum(per_row, 0) - per_row
     shift = lead * (1 + torch.cumsum(starts.long(), 1))  # slots before (b, t) within its row
     pos = (row_at[:, None] + shift + torch.arange(s, device=x.device)).reshape(-1)
-    buf = x.new_zeros(ch, int(per_row.sum()))
-    buf = buf.index_copy(1, pos, x.reshape(b * s, ch).T)
+    buf = x.new_zeros(int(per_row.sum()), ch)
+    buf = buf.index_copy(0, pos, x.reshape(b * s, ch))
     first = (row_at[:, None] + torch.arange(lead, device=x.device)).reshape(-1)
-    buf = buf.index_copy(1, first, state.reshape(b * lead, ch).T)
-    out = F.conv1d(buf.unsqueeze(0), weight.unsqueeze(1), bias, groups=ch)[0]
-    y = out[:, pos - lead].T.reshape(b, s, ch)  # out[:, j]: the window ending at buf[:, j + L]
+    buf = buf.index_copy(0, first, state.reshape(b * lead, ch))
+    out = Depthwise.apply(buf[None], weight, bias)[0]
+    y = out[pos - lead].reshape(b, s, ch)  # out[j]: the window ending at buf[j + L]
     tail = (row_at + per_row - lead)[:, None] + torch.arange(lead, device=x.device)
-    return y, buf[:, tail.reshape(-1)].T.reshape(b, lead, ch)
+    return y, buf[tail.reshape(-1)].reshape(b, lead, ch)
+
+
+class Depthwise(torch.autograd.Function):
+    """``y[:, t] = bias + sum_j weight[:, j] * buf[:, t + j]``: the convolution over a buffer
+    (B, L + S, Ch) holding the L inputs before each window, channels last (no transposes),
+    summed in fp32 or wider and rounded once; it keeps the buffer, as ``F.conv1d`` would."""
+
+    @staticmethod
+    def forward(ctx, buf, weight, bias):
+        wide = torch.promote_types(buf.dtype, torch.float32)
+        w = weight.to(wide)
+        s = buf.shape[1] - w.shape[1] + 1
+        y = buf.new_zeros((*buf.shape[:1], s, buf.shape[2]), dtype=wide)
+        if bias is not None:
+            y += bias.to(wide)
+        for j in range(w.shape[1]):
+            y.addcmul_(buf[:, j : j + s], w[:, j])
+        ctx.save_for_backward(buf, weight)
+        ctx.has_bias = bias is not None
+        return y.to(buf.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        buf, weight = ctx.saved_tensors
+        wide = torch.promote_types(buf.dtype, torch.float32)
+        dy, w = dy.to(wide), weight.to(wide)
+        s = dy.shape[1]
+        dbuf = buf.new_zeros(buf.shape, dtype=wide)
+        dw = w.new_empty(w.shape)
+        for j in range(w.shape[1]):
+            dbuf[:, j : j + s].addcmul_(dy, w[:, j])
+            dw[:, j] = (dy * buf[:, j : j + s]).sum((0, 1))
+        dbias = dy.sum((0, 1)).to(weight.dtype) if ctx.has_bias else None
+        return dbuf.to(buf.dtype), dw.to(weight.dtype), dbias
 
 
 def _check(x, weight, bias, activation, initial_state) -> tuple[int, int, int, int]:

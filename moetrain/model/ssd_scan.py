@@ -1,28 +1,42 @@
 """Mamba-2's selective state-space scan (Dao & Gu 2024): the chunked state-space-duality (SSD)
-form for training and prefill, and the token recurrence it equals, for reference and decoding.
+form for training and prefill, with a hand-written backward, and the token recurrence it
+equals, for reference and decoding.
 
 Shape legend: B batch, S sequence, H heads, P head dim, G groups (head h reads group
-h // (H / G)), N state dim, Q chunk length, c chunks.
+h // (H / G)), r = H / G heads per group, N state dim, Q chunk length.
 
 Per head, with a = dt * A (A < 0, dt > 0 the step size of the token) and the state h (P, N):
 
     h_t = exp(a_t) h_{t-1} + dt_t x_t B_t^T          y_t = h_t C_t + D x_t
 
-The chunked form computes, per chunk, the outputs within it as a masked "attention"
-``(C_l . B_s) exp(a_{s+1} + ... + a_l) dt_s x_s``, the state at its end from its tokens, and
-carries the states from chunk to chunk; it is exact (the same sums in another order). The
-decay between two positions of a chunk is a difference of its cumulative sums taken in fp64 (in
-fp32 it would lose ~1e-7 of the chunk's total decay), every product in fp32 or wider.
+The chunked form runs over the chunks in order. In a chunk, with ``cum`` the cumulative sum of
+a from its start, ``L[l, s] = exp(cum_l - cum_s)``, the scores ``C B^T`` zero unless s <= l in
+one document, and ``xdt = dt x``:
+
+    y   = (C B^T * L) xdt + exp(cum) (C h^T) + D x       h the state entering the chunk
+    h'  = exp(cum_Q) h + (xdt * exp(cum_Q - cum))^T B    the state leaving it
+
+exact (the same sums in another order). The decays are differences of cumulative sums taken in
+fp64 (in fp32 they would lose ~1e-7 of the chunk's total decay), every product in fp32 or
+wider; a decay below e^20 times the dtype's smallest normal number reads as that floor (far
+below any rounding of the sums it enters; no subnormal number slows the products). The forward
+keeps only its inputs and the states entering the chunks; the backward recomputes a chunk's
+(Q, Q) decays and scores from them and runs the chunks in reverse, so no (Q, Q) tensor
+outlives its chunk.
 
 Packed documents: a document start drops the state before it (the position's own input is
-kept), so a packed row computes what its documents compute one by one: decays that cross a
-start are zero within a chunk, and a chunk with a start passes no earlier state on.
+kept), so a packed row computes what its documents compute one by one: the scores are zero
+across a start, the entering state reaches only the positions before the chunk's first start,
+only the chunk's last document reaches h', and a chunk with a start passes no earlier state on.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from moetrain.model.document_starts import document_starts
 
@@ -44,69 +58,151 @@ def ssd_scan(
     state (B, H, P, N), for x (B, S, H, P), dt (B, S, H) (after its bias, softplus and limits),
     A (H,) (negative), B and C (B, S, G, N), D (H,) (the skip; None: none), ``initial_state``
     (B, H, P, N) and ``doc_ids`` (B, S) (the module docstring)."""
-    b, s, h, p = x.shape
-    g, n = B.shape[2], B.shape[3]
+    b, s = x.shape[:2]
     _check(x, dt, A, B, C, initial_state, chunk_size)
-    wide = torch.promote_types(x.dtype, torch.float32)
     starts = document_starts(doc_ids, None, b, s)
-    q = chunk_size
-    pad = (-s) % q
-    nc = (s + pad) // q
-    x_, dt_ = x.to(wide), dt.to(wide)
-    a = dt_ * A.to(wide)  # (B, S, H)
-    xdt = x_ * dt_[..., None]
-    Bw, Cw = B.to(wide), C.to(wide)
-    if pad:
-        xdt, a = F.pad(xdt, (0, 0, 0, 0, 0, pad)), F.pad(a, (0, 0, 0, pad))
-        Bw, Cw = F.pad(Bw, (0, 0, 0, 0, 0, pad)), F.pad(Cw, (0, 0, 0, 0, 0, pad))
-    seg = _segments(starts, b, s + pad, x.device)  # (B, S) document number in the row
-    # chunks: (B, c, Q, ...); heads of a group together: (B, c, Q, G, r, ...)
+    y, state = ChunkedSSD.apply(x, dt, A, B, C, D, initial_state, starts, chunk_size)
+    return y, state if output_final_state else None
+
+
+@dataclass
+class _Chunk:
+    """One chunk of the scan, computed from the inputs alike by the forward and the backward:
+    per head grouped (B, G, r, q, *), B and C (B, G, 1, q, N)."""
+
+    x: torch.Tensor  # (B, G, r, q, P)
+    dt: torch.Tensor  # (B, G, r, q)
+    xdt: torch.Tensor  # dt x
+    B: torch.Tensor
+    C: torch.Tensor
+    L: torch.Tensor  # (B, G, r, q, q) exp(cum_l - cum_s) where s <= l (1 above the diagonal)
+    drop: torch.Tensor  # (q, q) or (B, 1, 1, q, q) bool: not s <= l in one document
+    CB: torch.Tensor  # (B, G, 1, q, q) C B^T, zero where ``drop``
+    f: torch.Tensor  # (B, G, r, q) exp(cum): the entering state's decay, up to the first start
+    w: torch.Tensor  # exp(cum_Q - cum): a token's decay to the chunk's end, its last document
+    carry: torch.Tensor  # (B, G, r) exp(cum_Q), zero where the chunk holds a start
+
+
+def _chunk(x, dt, A, B, C, seg, i: int, j: int) -> _Chunk:
+    """Positions i..j-1 (``seg`` (B, S) each position's document number, or None)."""
+    b, _, h, p = x.shape
+    g, q = B.shape[2], j - i
     r = h // g
-    xdt = xdt.view(b, nc, q, g, r, p)
-    a = a.view(b, nc, q, g, r).permute(0, 1, 3, 4, 2)  # (B, c, G, r, Q)
-    Bw, Cw = Bw.view(b, nc, q, g, n), Cw.view(b, nc, q, g, n)
-    seg = seg.view(b, nc, q)
-    keep = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()  # causal
-    if starts is not None:  # and l, s in one document
-        keep = (seg[:, :, :, None] == seg[:, :, None, :]) & keep  # (B, c, Q, Q)
-        keep = keep[:, :, None, None]
-    # decay from s to l: the sum of a over s+1..l, a difference of cumulative sums taken in
-    # fp64 (exact to ~1e-16 of the chunk's total, where fp32 would lose ~1e-7 of it)
-    total = a.to(torch.float64).cumsum(-1)
-    segsum = (total[..., :, None] - total[..., None, :]).to(wide)
-    decay = segsum.masked_fill(~keep, float("-inf")).exp()  # (B, c, G, r, Q, Q)
-    # within each chunk: y_l = sum_s (C_l . B_s) decay(s -> l) dt_s x_s
-    Bg, Cg = Bw.transpose(2, 3)[:, :, :, None], Cw.transpose(2, 3)[:, :, :, None]  # (B,c,G,1,Q,N)
-    xdt = xdt.permute(0, 1, 3, 4, 2, 5)  # (B, c, G, r, Q, P)
-    y = ((Cg @ Bg.transpose(-1, -2)) * decay) @ xdt
-    # each chunk's own state at its end: its last document's tokens, decayed to the end
-    own = (xdt * decay[..., -1, :, None]).transpose(-1, -2) @ Bg  # (B, c, G, r, P, N)
-    # the states entering each chunk, chunk by chunk: a chunk with a start passes only its
-    # own on
-    whole = a.sum(-1).exp()  # (B, c, G, r) the decay across a chunk
-    last = torch.cat([seg[:, :1, 0], seg[:, :-1, -1]], dim=1)  # the document before each chunk
-    passes = (seg[:, :, -1] == last).to(wide)  # (B, c) no start in the chunk
-    state = (
-        x_.new_zeros(b, g, r, p, n)
-        if initial_state is None
-        else initial_state.to(wide).view(b, g, r, p, n)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    xc = x[:, i:j].to(wide).view(b, q, g, r, p).permute(0, 2, 3, 1, 4)
+    dtc = dt[:, i:j].to(wide).view(b, q, g, r).permute(0, 2, 3, 1)
+    Bc = B[:, i:j].to(wide).transpose(1, 2).unsqueeze(2)
+    Cc = C[:, i:j].to(wide).transpose(1, 2).unsqueeze(2)
+    cum = (dtc * A.to(wide).view(g, r, 1)).to(torch.float64).cumsum(-1)
+    drop = torch.ones(q, q, dtype=torch.bool, device=x.device).triu_(1)
+    f, w, carry = (_exp(t.to(wide, copy=True)) for t in (cum, cum[..., -1:] - cum, cum[..., -1]))
+    if seg is not None:
+        sc = seg[:, i:j]
+        prev = seg[:, max(i - 1, 0), None]  # the document entering the chunk
+        drop = drop | (sc[:, :, None] != sc[:, None, :])[:, None, None]
+        f = f * (sc == prev)[:, None, None]
+        w = w * (sc == sc[:, -1:])[:, None, None]
+        carry = carry * (sc[:, -1:] == prev)[:, None]
+    L = torch.sub(
+        cum[..., :, None], cum[..., None, :], out=cum.new_empty(*cum.shape, q, dtype=wide)
     )
-    entering = []
-    for c in range(nc):
-        entering.append(state)
-        carry = (whole[:, c] * passes[:, c, None, None])[..., None, None]
-        state = carry * state + own[:, c]
-    entering = torch.stack(entering, 1)  # (B, c, G, r, P, N)
-    # the entering state's part of each output, decayed from the chunk's start, up to the
-    # chunk's first start
-    before = (seg == last[:, :, None]).to(wide)[:, :, None, None, :]  # (B, c, 1, 1, Q)
-    from_start = a.cumsum(-1).exp() * before  # (B, c, G, r, Q)
-    y = y + (Cg @ entering.transpose(-1, -2)) * from_start[..., None]
-    y = y.permute(0, 1, 4, 2, 3, 5)  # (B, c, Q, G, r, P)
-    y = y.reshape(b, s + pad, h, p)[:, :s]
-    if D is not None:
-        y = y + x_ * D.to(wide)[:, None]
-    return y, state.reshape(b, h, p, n) if output_final_state else None
+    cb = (Cc @ Bc.mT).masked_fill_(drop, 0.0)
+    return _Chunk(xc, dtc, xc * dtc[..., None], Bc, Cc, _exp(L), drop, cb, f, w, carry)
+
+
+def _exp(log_decay: torch.Tensor) -> torch.Tensor:
+    """``exp`` in place of log decays, clamped to [e^20 times the dtype's smallest normal
+    number, 1]: a decay below that floor (5e-30 in fp32) reads as the floor, far below any
+    rounding of the sums it enters (:func:`moetrain.model.decayed_products.decay_exp` flushes it
+    to 0 instead: subnormal numbers slow every product they enter a hundredfold on CPUs), and
+    a positive exponent (above the diagonal, where the scores are zero) as 1, without taking
+    ``exp`` of what underflows or overflows (slow paths on CPUs)."""
+    cut = math.log(torch.finfo(log_decay.dtype).tiny) + 20.0
+    return log_decay.clamp_(cut, 0.0).exp_()
+
+
+class ChunkedSSD(torch.autograd.Function):
+    """(y, final state) of the scan over chunks of ``q`` (the module docstring); inputs as
+    :func:`ssd_scan` takes them, already checked, ``starts`` (B, S) bool or None."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, h0, starts, q: int):
+        b, s, h, p = x.shape
+        g, n = B.shape[2], B.shape[3]
+        r, wide = h // g, torch.promote_types(x.dtype, torch.float32)
+        seg = None if starts is None else starts.long().cumsum(1)  # document numbers
+        y = x.new_empty(b, s, h, p, dtype=wide)
+        state = x.new_zeros(b, g, r, p, n, dtype=wide) if h0 is None else h0.to(wide)
+        state = state.view(b, g, r, p, n)
+        entering = x.new_empty(-(-s // q), b, g, r, p, n, dtype=wide)
+        for c, i in enumerate(range(0, s, q)):
+            k = _chunk(x, dt, A, B, C, seg, i, min(i + q, s))
+            entering[c] = state
+            yc = k.L.mul_(k.CB) @ k.xdt + (k.C @ state.mT) * k.f[..., None]
+            if D is not None:
+                yc += k.x * D.to(wide).view(g, r, 1, 1)
+            y[:, i : i + q].unflatten(2, (g, r)).copy_(yc.permute(0, 3, 1, 2, 4))
+            state = (k.xdt * k.w[..., None]).mT @ k.B + k.carry[..., None, None] * state
+        ctx.save_for_backward(x, dt, A, B, C, D, h0, starts, entering)
+        ctx.q = q
+        return y, state.reshape(b, h, p, n)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dstate):
+        x, dt, A, B, C, D, h0, starts, entering = ctx.saved_tensors
+        b, s, h, p = x.shape
+        g, q, wide = B.shape[2], ctx.q, entering.dtype
+        r = h // g
+        seg = None if starts is None else starts.long().cumsum(1)  # document numbers
+        dx = x.new_empty(b, s, h, p, dtype=wide)
+        ddt = x.new_empty(b, s, h, dtype=wide)
+        dB, dC = x.new_empty(B.shape, dtype=wide), x.new_empty(C.shape, dtype=wide)
+        dA, dD = x.new_zeros(g, r, dtype=wide), x.new_zeros(g, r, dtype=wide)
+        d = dstate.to(wide).reshape(entering[0].shape)  # the gradient of the state leaving a chunk
+        Ag = A.to(wide).view(g, r, 1)
+        for c, i in reversed(list(enumerate(range(0, s, q)))):
+            j = min(i + q, s)
+            k, h_in = _chunk(x, dt, A, B, C, seg, i, j), entering[c]
+            dyc = dy[:, i:j].to(wide).unflatten(2, (g, r)).permute(0, 2, 3, 1, 4)
+            m = k.CB * k.L
+            dxdt = m.mT @ dyc
+            dm_l = (dyc @ k.xdt.mT).mul_(k.L)  # the scores' gradient times their decay
+            e = dm_l * k.CB  # the decays' gradient times the decays
+            dcum = e.sum(-1) - e.sum(-2)
+            dcb = dm_l.sum(2, keepdim=True).masked_fill_(k.drop, 0.0)
+            dch = dyc @ h_in  # (B, G, r, q, N)
+            dCc = dcb @ k.B + (dch * k.f[..., None]).sum(2, keepdim=True)
+            dcum += (dch * k.C).sum(-1) * k.f
+            dw = k.B @ d.mT  # (B, G, r, q, P) the gradient of xdt * w
+            dxdt += dw * k.w[..., None]
+            wg = (dw * k.xdt).sum(-1) * k.w
+            dBc = dcb.mT @ k.C + ((k.xdt * k.w[..., None]) @ d).sum(2, keepdim=True)
+            dcum -= wg
+            dcum[..., -1] += wg.sum(-1) + (d * h_in).sum((-1, -2)) * k.carry
+            d = (dyc * k.f[..., None]).mT @ k.C + k.carry[..., None, None] * d
+            da = dcum.to(torch.float64).flip(-1).cumsum(-1).flip(-1).to(wide)
+            dxc = dxdt * k.dt[..., None]
+            if D is not None:
+                dxc += dyc * D.to(wide).view(g, r, 1, 1)
+                dD += (dyc * k.x).sum((0, 3, 4))
+            dA += (da * k.dt).sum((0, 3))
+            dx[:, i:j].unflatten(2, (g, r)).copy_(dxc.permute(0, 3, 1, 2, 4))
+            ddtc = (dxdt * k.x).sum(-1) + da * Ag
+            ddt[:, i:j].unflatten(2, (g, r)).copy_(ddtc.permute(0, 3, 1, 2))
+            dB[:, i:j] = dBc.squeeze(2).transpose(1, 2)
+            dC[:, i:j] = dCc.squeeze(2).transpose(1, 2)
+        return (
+            dx.to(x.dtype),
+            ddt.to(dt.dtype),
+            dA.view(h).to(A.dtype),
+            dB.to(B.dtype),
+            dC.to(C.dtype),
+            None if D is None else dD.view(h).to(D.dtype),
+            None if h0 is None else d.reshape(h0.shape).to(h0.dtype),
+            None,
+            None,
+        )
 
 
 def ssd_recurrent(
@@ -144,18 +240,6 @@ def ssd_recurrent(
     if D is not None:
         y = y + x_ * D.to(wide)[:, None]
     return y, state if output_final_state else None
-
-
-def _segments(
-    starts: torch.Tensor | None, batch: int, length: int, device: torch.device
-) -> torch.Tensor:
-    """(B, length) each position's document number in its row (0 before any start; padding
-    continues the last document)."""
-    seg = torch.zeros(batch, length, dtype=torch.long, device=device)
-    if starts is not None:
-        seg[:, : starts.shape[1]] = starts.long().cumsum(1)
-        seg[:, starts.shape[1] :] = seg[:, starts.shape[1] - 1 : starts.shape[1]]
-    return seg
 
 
 def _check(x, dt, A, B, C, initial_state, chunk_size) -> None:

@@ -50,7 +50,7 @@ def test_granite_released_config_imports() -> None:
             },
             "partial_rotary_factor",
         ),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config.quant_method"),
     ],
 )
 def test_granite_configs_moetrain_cannot_compute_are_refused(changes, key) -> None:
@@ -101,7 +101,11 @@ def test_deepseek_v3_config_imports_mla_yarn_and_routing() -> None:
 @pytest.mark.parametrize(
     "family_name, changes, key",
     [
-        ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        (
+            "deepseek_v3",
+            {"quantization_config": {"quant_method": "gptq"}},
+            "quantization_config.quant_method",
+        ),
         ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
         ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
         ("deepseek_v3", {"yarn_attention_factor": 2.0}, "rope_parameters.attention_factor"),
@@ -158,7 +162,7 @@ def test_ernie_released_config_imports() -> None:
             "partial_rotary_factor",
         ),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config.quant_method"),
     ],
 )
 def test_ernie_configs_moetrain_cannot_compute_are_refused(changes, key) -> None:

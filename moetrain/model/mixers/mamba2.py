@@ -295,26 +295,22 @@ class Mamba2(TokenMixer):
         cls, cfg: ModelConfig, spec: MixerSpec, act_bytes: int, sp: int
     ) -> int:
         """Its input ``aD``; the convolution's padded input and its output before SiLU
-        ``2a Ch``; under fp32 the projection's output (kept through z) and the convolution's
-        after SiLU (kept through x) ``4(I + Ch + H) + 4 Ch``, under bf16 fp32 copies of z and
-        x ``8I``; the step's softplus in and out ``8H``; the gated norm's scan output, gate,
-        product, normalised values and rsqrt ``16I + 4G`` and its output ``aI``; the chunked
-        scan's per-token share of its (Q, Q) decays, masked scores and scores ``8HQ + 4GQ``,
-        the operands of its products ``8GN + 8HN + 16I``, the decays from
-        each chunk's start ``8H + 4`` and the chunks' states ``8HPN / Q``. Rows a multiple
-        of Q, without documents. Under sequence parallelism the same per token of a slice,
-        but that from the convolution to the scan a rank holds ``lcm(G, sp)`` groups (the
-        repeated ones) where it holds G without: Ch and the scan's G count those."""
+        ``2a Ch``; its output after SiLU, whose x, B and C the scan keeps, ``a Ch``; z kept for
+        the gated norm: under fp32 the projection's whole output ``4(I + Ch + H)``, under bf16
+        an fp32 copy ``4I``; the step's softplus in and out ``8H``; the gated norm's scan
+        output, gate, product, normalised values and rsqrt ``16I + 4G`` and its output ``aI``;
+        the chunked scan's states entering its chunks ``4HPN / Q`` (it recomputes the rest).
+        Rows a multiple of Q, without documents. Under sequence parallelism the same per token
+        of a slice, but that from the convolution to the scan a rank holds ``lcm(G, sp)``
+        groups (the repeated ones) where it holds G without: Ch counts those."""
         a, d, ch = act_bytes, cfg.d_model, cls.channels(cfg)
         h, p, g = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_n_groups
         n, q, inner = cfg.mamba_state_dim, cfg.mamba_chunk_size, h * p
-        g_seen = math.lcm(g, sp)  # the groups of B and C the convolution and scan see
-        ch_seen = inner + 2 * g_seen * n
-        kept = 4 * (inner + ch + h) + 4 * ch_seen if a == 4 else 8 * inner
+        ch_seen = inner + 2 * math.lcm(g, sp) * n  # the channels the convolution and scan see
+        z = 4 * (inner + ch + h) if a == 4 else 4 * inner
         norm = 16 * inner + 4 * g + a * inner
-        scan = 8 * h * q + 4 * g_seen * q + 8 * g_seen * n + 8 * h * n + 16 * inner
-        scan += 8 * h + 4 + 8 * h * p * n // q
-        return a * d + 2 * a * ch_seen + kept + 8 * h + norm + scan
+        scan = 4 * h * p * n // q
+        return a * d + 3 * a * ch_seen + z + 8 * h + norm + scan
 
     @classmethod
     def cache_bytes_per_token(cls, cfg: ModelConfig, spec: MixerSpec, dtype_bytes: int) -> int:
