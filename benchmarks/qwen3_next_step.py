@@ -15,8 +15,8 @@ backward of the module on the inputs the step gave it, against a fixed output gr
 layer), ``moe`` (the experts and the shared expert, four layers summed). Times are the
 process's CPU time (less moved by other jobs on a shared machine than wall time). Printed: the
 medians in ms and the peer / moetrain ratio per block (above 1: moetrain faster) with its range
-over the rounds. ``--profile BLOCK`` prints ``torch.profiler``'s op table (CPU time, self and
-total) of that block's forward and backward on each side.
+over the rounds. ``--profile BLOCK`` (or ``step``) prints ``torch.profiler``'s op table (CPU
+time, self and total) of that block's forward and backward on each side.
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ def cpu_ms(fn: Callable[[], object]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--profile", choices=BLOCKS, help="print this block's op table per side")
+    ap.add_argument(
+        "--profile", choices=("step", *BLOCKS), help="print this block's op table per side"
+    )
     args = ap.parse_args()
     import torch
     import transformers
@@ -140,7 +142,8 @@ def main() -> None:
             for c in cs:
                 c.run()
     if args.profile:
-        profile_block(calls, args.profile)
+        steps = {name: side[2] for name, side in sides.items()}
+        profile_block(calls, steps, args.profile)
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
         for name, (model, _, step) in sides.items():
@@ -163,15 +166,25 @@ def main() -> None:
         )
 
 
-def profile_block(calls: dict[str, dict[str, list]], block: str) -> None:
+def profile_block(
+    calls: dict[str, dict[str, list]], steps: dict[str, Callable[[], float]], block: str
+) -> None:
+    """The op table of ``block`` (or the whole ``step``) on each side, by self CPU time; for
+    the step also by total CPU time (where the top-level ops' time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     for name, side_calls in calls.items():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for c in side_calls[block]:
-                c.run()
-        print(f"\n{name}, {block} ({len(side_calls[block])} layers), forward and backward:")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            if block == "step":
+                steps[name]()
+            else:
+                for c in side_calls[block]:
+                    c.run()
+        print(f"\n{name}, {block}, forward and backward:")
+        table = prof.key_averages().table
+        print(table(sort_by="self_cpu_time_total", row_limit=30))
+        if block == "step":
+            print(table(sort_by="cpu_time_total", row_limit=40))
 
 
 if __name__ == "__main__":
