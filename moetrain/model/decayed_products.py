@@ -40,21 +40,40 @@ def decay_exp(x: torch.Tensor) -> torch.Tensor:
     dtype's smallest normal number (5e-30 in fp32) set to exactly 0: far below any rounding of
     the sums these factors enter, while subnormal numbers would slow every multiplication they
     take part in a hundredfold on CPUs (strong decays over a chunk reach them)."""
-    cut = math.log(torch.finfo(x.dtype).tiny) + 20.0
-    return x.masked_fill_(x < cut, float("-inf")).exp_()
+    return _masked_exp_(x, x >= _cut(x.dtype))
 
 
-def _per_head_decay(gam: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """(..., C, C): ``exp(gam[t] - gam[i])`` where ``keep``, 0 elsewhere (``gam`` (..., C, 1))."""
-    return decay_exp((gam - gam.mT).masked_fill_(~keep, float("-inf")))
+def _cut(dtype: torch.dtype) -> float:
+    """The log decay below which :func:`decay_exp` gives exactly 0."""
+    return math.log(torch.finfo(dtype).tiny) + 20.0
+
+
+def _masked_exp_(x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` where ``ok``, exactly 0 elsewhere, in place: the exponent clamped into
+    [cut, 0] first and the factor zeroed by a multiply (an exponential of far-below-range or
+    infinite inputs, or a masked fill, costs several times a plain exponential on CPUs)."""
+    return x.clamp_(_cut(x.dtype), 0.0).exp_().mul_(ok)
+
+
+def pair_decay(gam: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """(..., C, C): ``exp(gam[t] - gam[i])`` where ``keep`` (as :func:`decay_exp` rounds it), 0
+    elsewhere, for a per-head decay ``gam`` (..., C, 1): the factor of every product of the
+    chunk (:func:`decayed_products`' and :func:`decayed_products_grad`'s ``decay``)."""
+    d = gam - gam.mT
+    return _masked_exp_(d, (d >= _cut(d.dtype)) & keep)
 
 
 def decayed_products(
-    x: torch.Tensor, y: torch.Tensor, gam: torch.Tensor, keep: torch.Tensor
+    x: torch.Tensor,
+    y: torch.Tensor,
+    gam: torch.Tensor,
+    keep: torch.Tensor,
+    decay: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """M (..., C, C) as the module docstring defines it."""
+    """M (..., C, C) as the module docstring defines it; under a per-head decay ``decay`` may
+    be :func:`pair_decay`'s factor, computed once for several products of one chunk."""
     if gam.shape[-1] == 1:
-        return (x @ y.mT).mul_(_per_head_decay(gam, keep))
+        return (x @ y.mT).mul_(pair_decay(gam, keep) if decay is None else decay)
     c = x.shape[-2]
     b = _block_rows(c)
     out = x.new_zeros(*x.shape[:-1], c)
@@ -72,12 +91,17 @@ def decayed_products(
 
 
 def decayed_products_grad(
-    x: torch.Tensor, y: torch.Tensor, gam: torch.Tensor, keep: torch.Tensor, dm: torch.Tensor
+    x: torch.Tensor,
+    y: torch.Tensor,
+    gam: torch.Tensor,
+    keep: torch.Tensor,
+    dm: torch.Tensor,
+    decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dy) of :func:`decayed_products` for its gradient ``dm`` (..., C, C), which must be
-    zero where ``keep`` is false."""
+    zero where ``keep`` is false; ``decay`` as there."""
     if gam.shape[-1] == 1:
-        dmd = dm * _per_head_decay(gam, keep)
+        dmd = dm * (pair_decay(gam, keep) if decay is None else decay)
         return dmd @ y, dmd.mT @ x
     c = x.shape[-2]
     b = _block_rows(c)

@@ -36,6 +36,7 @@ from moetrain.model.decayed_products import (
     decay_grad,
     decayed_products,
     decayed_products_grad,
+    pair_decay,
 )
 
 
@@ -44,7 +45,8 @@ def to_chunks(x: torch.Tensor, c: int, dtype: torch.dtype, rep: int = 1) -> torc
     head h of the result being head h // rep of ``x`` (one copy)."""
     b, s, hx, *f = x.shape
     n, full = -(-s // c), s // c
-    out = x.new_zeros((n, b, hx, rep, c, *f), dtype=dtype)
+    alloc = x.new_empty if n == full else x.new_zeros  # only the padding needs zeros
+    out = alloc((n, b, hx, rep, c, *f), dtype=dtype)
     src = x.unsqueeze(3)
     feat = tuple(range(4, 4 + len(f)))
     if full:
@@ -79,6 +81,7 @@ class _Chunked:
     lam: torch.Tensor  # (N, B, H, G, 1): exp(gam_C) * rC, the chunk-start state's decay over it
     keep: torch.Tensor  # (C, C) or (N, B, 1, C, C): i <= t within one document
     strict: torch.Tensor  # i < t within one document
+    decay: torch.Tensor | None = None  # (N, B, H, C, C): pair_decay, per-head decays only
 
     def at(self, n: int) -> _Chunked:
         """Chunk ``n`` alone (every tensor (B, H, C, *))."""
@@ -87,6 +90,7 @@ class _Chunked:
             *(getattr(self, f)[n] for f in ("q", "k", "bk", "beta", "gam", "er", "fd", "lam")),
             self.keep[n] if per_chunk else self.keep,
             self.strict[n] if per_chunk else self.strict,
+            None if self.decay is None else self.decay[n],
         )
 
 
@@ -120,6 +124,12 @@ def _prepare(q, k, g, beta, starts, c: int, scale: float, dt: torch.dtype) -> _C
     return _Chunked(qc, kc, kc * bc, bc, gam, er, fd, lam, keep, strict)
 
 
+def _pair_decay(x: _Chunked) -> torch.Tensor | None:
+    """The factor every product of a chunk shares under a per-head decay (one computation for
+    all of them); None per key channel."""
+    return pair_decay(x.gam, x.keep) if x.gam.shape[-1] == 1 else None
+
+
 def _z(x: torch.Tensor) -> torch.Tensor:
     """(..., R, X) -> (Z, R, X), a view: the batch of matrices ``torch.bmm`` takes."""
     return x.view(-1, *x.shape[-2:])
@@ -135,8 +145,10 @@ class ChunkedGatedDelta(torch.autograd.Function):
         dt = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
         x = _prepare(q, k, g, beta, starts, c, scale, dt)
         u = to_chunks(v, c, dt).mul_(x.beta)
-        a = decayed_products(x.bk, x.k, x.gam, x.keep)
-        p = decayed_products(x.q, x.k, x.gam, x.keep)
+        d = _pair_decay(x)
+        a = decayed_products(x.bk, x.k, x.gam, x.keep, d)
+        p = decayed_products(x.q, x.k, x.gam, x.keep, d)
+        del d
         eye = torch.eye(c, dtype=dt, device=v.device)
         t = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
         del a
@@ -163,6 +175,7 @@ class ChunkedGatedDelta(torch.autograd.Function):
         q, k, v, g, beta, h0, starts, hs, u, t, p = ctx.saved_tensors
         c, scale, dt = ctx.c, ctx.scale, hs.dtype
         x = _prepare(q, k, g, beta, starts, c, scale, dt)
+        x.decay = _pair_decay(x)
         doc, vc = to_chunks(do, c, dt), to_chunks(v, c, dt)
         dq, dk, dv = torch.empty_like(x.q), torch.empty_like(x.k), torch.empty_like(u)
         dbeta, dg = torch.empty_like(x.beta), torch.empty_like(x.gam)
@@ -196,10 +209,10 @@ def _chunk_backward(x: _Chunked, do, v, h, u, t, p, d):
     if ch == 1:
         dlam = dlam.sum(-2, keepdim=True)
     d_start = d * x.lam + qd.mT @ do - kb.mT @ dx
-    dp = (do @ u.mT).masked_fill_(~x.keep, 0.0)
-    da = (dx @ u.mT).masked_fill_(~x.strict, 0.0).neg_()
-    dxp, dyp = decayed_products_grad(x.q, x.k, x.gam, x.keep, dp)
-    dxa, dya = decayed_products_grad(x.bk, x.k, x.gam, x.keep, da)
+    dp = (do @ u.mT).mul_(x.keep)  # (a multiply by the mask: a masked fill costs far more)
+    da = (dx @ u.mT).mul_(x.strict).neg_()
+    dxp, dyp = decayed_products_grad(x.q, x.k, x.gam, x.keep, dp, x.decay)
+    dxa, dya = decayed_products_grad(x.bk, x.k, x.gam, x.keep, da, x.decay)
     dgam = decay_grad(
         (qd, dqd),
         (kb, dkb),
