@@ -253,7 +253,8 @@ class _ClampedSwiGLUPacked(torch.autograd.Function):
             g = grad[rows].to(wide)
             a_c = a.clamp(max=limit)
             b_c1 = _clamped_up(b, limit, offset)
-            g_glu = g * _gated(a_c, alpha)
+            s = None if alpha == 1.0 else torch.sigmoid(alpha * a_c)  # (silu: torch's own)
+            g_glu = g * (F.silu(a_c) if s is None else a_c * s)
             if w is not None:
                 if need_w:
                     grad_w[rows] = (g_glu * b_c1).sum(-1)
@@ -264,21 +265,17 @@ class _ClampedSwiGLUPacked(torch.autograd.Function):
             # the clamps pass the gradient where they do not bind (ends included, as torch's)
             grad_a, grad_b = grad_h[rows].chunk(2, -1)
             grad_b.copy_(g_glu.masked_fill_(b.abs() > limit, 0))
-            grad_a.copy_(_gated_backward(g_up, a_c, alpha).masked_fill_(a > limit, 0))
+            if s is None:
+                d_a = torch.ops.aten.silu_backward(g_up, a_c)
+            else:  # d(a sigmoid(alpha a))/da
+                d_a = s.neg().add_(1).mul_(a_c).mul_(alpha).add_(1).mul_(s).mul_(g_up)
+            grad_a.copy_(d_a.masked_fill_(a > limit, 0))
         return grad_h, grad_w, None, None, None
 
 
 def _gated(a: torch.Tensor, alpha: float) -> torch.Tensor:
     """``a * sigmoid(alpha * a)`` (a new tensor): torch's ``silu`` when alpha is 1."""
     return F.silu(a) if alpha == 1.0 else torch.sigmoid(alpha * a).mul_(a)
-
-
-def _gated_backward(grad: torch.Tensor, a: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``grad * d(a sigmoid(alpha a))/da`` (a new tensor)."""
-    if alpha == 1.0:
-        return torch.ops.aten.silu_backward(grad, a)
-    s = torch.sigmoid(alpha * a)
-    return s.neg().add_(1).mul_(a).mul_(alpha).add_(1).mul_(s).mul_(grad)
 
 
 def _clamped_up(b: torch.Tensor, limit: float, offset: float) -> torch.Tensor:
