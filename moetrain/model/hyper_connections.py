@@ -39,14 +39,17 @@ def sinkhorn(comb_NN: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Sinkhorn-Knopp on the last two axes: columns normalised, then ``iters - 1`` times rows
     and columns, each divided by its sum + ``eps``. Computed with the matrices' entries
     outermost and the tokens innermost (N, N, tokens), where every sum and division runs over
-    long contiguous rows (the same operations, 2-3x faster at N = 4 than over (..., N, N))."""
+    long contiguous rows (the same operations, 2-3x faster at N = 4 than over (..., N, N)).
+    Returned contiguous in (..., N, N): the mix's batched (N, N) products read it per token, and
+    torch's CPU batched matmul copies every token's matrix on its own when they are strided
+    (1.2-1.8x the mix's time, forward and backward)."""
     shape = comb_NN.shape
     x_NNT = comb_NN.flatten(0, -3).permute(1, 2, 0).contiguous()
     x_NNT = x_NNT / (x_NNT.sum(0, keepdim=True) + eps)
     for _ in range(iters - 1):
         x_NNT = x_NNT / (x_NNT.sum(1, keepdim=True) + eps)
         x_NNT = x_NNT / (x_NNT.sum(0, keepdim=True) + eps)
-    return x_NNT.permute(2, 0, 1).reshape(shape)
+    return x_NNT.permute(2, 0, 1).contiguous().view(shape)
 
 
 def _coefficients(streams_BSND: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:

@@ -224,7 +224,9 @@ def silu_mul_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Ten
 class _ClampedSwiGLUPacked(torch.autograd.Function):
     """:func:`clamped_swiglu_packed` with its gradient written out: saves h and w only (autograd's
     composition keeps five (..., F) temporaries) and writes the gradient wrt h into one packed
-    buffer. The math runs in the wider of h's and w's dtypes, a block of rows at a time."""
+    buffer. The math runs in the wider of h's and w's dtypes, a block of rows at a time; with
+    alpha 1 (SwiGLU's ``silu``) through torch's own ``silu`` and its backward, and with offset 0
+    no offset added: 16 passes over the block forward and backward instead of 26."""
 
     @staticmethod
     def forward(ctx, h, w, alpha, limit, offset):  # noqa: ANN001, ANN205
@@ -234,8 +236,7 @@ class _ClampedSwiGLUPacked(torch.autograd.Function):
         out = h.new_empty(*h.shape[:-1], h.shape[-1] // 2)
         for rows in _row_blocks(h):
             a, b = h[rows].to(wide).chunk(2, -1)
-            a = a.clamp(max=limit)
-            y = torch.sigmoid(alpha * a).mul_(a).mul_(b.clamp(-limit, limit).add_(offset))
+            y = _gated(a.clamp(max=limit), alpha).mul_(_clamped_up(b, limit, offset))
             out[rows] = y if w is None else y.mul_(w[rows].unsqueeze(-1))
         return out
 
@@ -251,19 +252,36 @@ class _ClampedSwiGLUPacked(torch.autograd.Function):
             a, b = h[rows].to(wide).chunk(2, -1)
             g = grad[rows].to(wide)
             a_c = a.clamp(max=limit)
-            s = torch.sigmoid(alpha * a_c)
-            glu = a_c * s
-            b_c1 = b.clamp(-limit, limit).add_(offset)
+            b_c1 = _clamped_up(b, limit, offset)
+            s = None if alpha == 1.0 else torch.sigmoid(alpha * a_c)  # (silu: torch's own)
+            g_glu = g * (F.silu(a_c) if s is None else a_c * s)
             if w is not None:
                 if need_w:
-                    grad_w[rows] = (g * glu * b_c1).sum(-1)
-                g = g * w[rows].unsqueeze(-1)
+                    grad_w[rows] = (g_glu * b_c1).sum(-1)
+                w_rows = w[rows].unsqueeze(-1)
+                g_glu.mul_(w_rows)
+                g = g * w_rows
+            g_up = g * b_c1
             # the clamps pass the gradient where they do not bind (ends included, as torch's)
             grad_a, grad_b = grad_h[rows].chunk(2, -1)
-            grad_b.copy_(torch.mul(g, glu).masked_fill_(b.abs() > limit, 0))
-            d_glu = s.neg().add_(1).mul_(a_c).mul_(alpha).add_(1).mul_(s)  # d(a sig(alpha a))/da
-            grad_a.copy_(d_glu.mul_(g).mul_(b_c1).masked_fill_(a > limit, 0))
+            grad_b.copy_(g_glu.masked_fill_(b.abs() > limit, 0))
+            if s is None:
+                d_a = torch.ops.aten.silu_backward(g_up, a_c)
+            else:  # d(a sigmoid(alpha a))/da
+                d_a = s.neg().add_(1).mul_(a_c).mul_(alpha).add_(1).mul_(s).mul_(g_up)
+            grad_a.copy_(d_a.masked_fill_(a > limit, 0))
         return grad_h, grad_w, None, None, None
+
+
+def _gated(a: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``a * sigmoid(alpha * a)`` (a new tensor): torch's ``silu`` when alpha is 1."""
+    return F.silu(a) if alpha == 1.0 else torch.sigmoid(alpha * a).mul_(a)
+
+
+def _clamped_up(b: torch.Tensor, limit: float, offset: float) -> torch.Tensor:
+    """``clamp(b, -limit, limit) + offset`` (a new tensor)."""
+    b_c = b.clamp(-limit, limit)
+    return b_c if offset == 0 else b_c.add_(offset)
 
 
 def clamped_swiglu_packed(
