@@ -31,10 +31,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from family_source import save_family_source  # noqa: E402
-from train_throughput import MICRO, SHAPES  # noqa: E402
+from step_sides import load_sides, moetrain_step, peer_step  # noqa: E402
 
-SOURCE = HERE.parent / "runs" / "bench-command" / "family-qwen3_next"
 BLOCKS = ("linear", "attention", "moe")
 
 
@@ -96,31 +94,12 @@ def main() -> None:
     )
     args = ap.parse_args()
     import torch
-    import transformers
 
-    from moetrain.convert.importer import load_hf_state_dict
-    from moetrain.model import Transformer, cpu_matmul
+    from moetrain.model import cpu_matmul
 
     torch.set_num_threads(1)
     cpu_matmul.use_cpu_matmul(cpu_matmul.preferred_kernel())  # train.cpu_matmul: auto
-    source = save_family_source("qwen3_next", SOURCE)
-    state, cfg = load_hf_state_dict(source)
-    ours = Transformer(cfg.model, cfg.moe)
-    ours.load_state_dict(state, strict=False)
-    peer = transformers.AutoModelForCausalLM.from_pretrained(source, attn_implementation="sdpa")
-    seq, vocab = SHAPES["bench"]["seq"], cfg.model.vocab_size
-    ids = torch.randint(0, vocab, (MICRO, seq + 1), generator=torch.Generator().manual_seed(0))
-
-    def moetrain_step() -> float:
-        out = ours(ids[:, :-1], labels_BS=ids[:, 1:])
-        out.loss.backward()
-        return out.ce_loss.item()
-
-    def peer_step() -> float:
-        logits = peer(input_ids=ids[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        return loss.item()
+    ours, peer, ids = load_sides("qwen3_next", attn_implementation="sdpa")
 
     linear = [spec.mixer.kind == "gated_deltanet" for spec in ours.plan]
     ours_mods = {
@@ -134,7 +113,10 @@ def main() -> None:
         "attention": [lay.self_attn for lay in layers if hasattr(lay, "self_attn")],
         "moe": [lay.mlp for lay in layers],
     }
-    sides = {"moetrain": (ours, ours_mods, moetrain_step), "peer": (peer, peer_mods, peer_step)}
+    sides = {
+        "moetrain": (ours, ours_mods, lambda: moetrain_step(ours, ids)),
+        "peer": (peer, peer_mods, lambda: peer_step(peer, ids)),
+    }
     print("first cross-entropy:", {k: round(s[2](), 7) for k, s in sides.items()})
     calls = {name: capture(*side) for name, side in sides.items()}
     for side_calls in calls.values():  # (warm-up)

@@ -24,10 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from family_source import save_family_source  # noqa: E402
-from train_throughput import MICRO, SHAPES  # noqa: E402
-
-SOURCE = HERE.parent / "runs" / "bench-command" / "family-deepseek_v4"
+from step_sides import load_sides, moetrain_step, peer_step  # noqa: E402
 
 
 def main() -> None:
@@ -35,34 +32,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
     import torch
-    import transformers
 
-    from moetrain.convert.importer import load_hf_state_dict
-    from moetrain.model import Transformer, cpu_matmul
+    from moetrain.model import cpu_matmul
 
     torch.set_num_threads(1)
-    source = save_family_source("deepseek_v4", SOURCE)
-    state, cfg = load_hf_state_dict(source)
-    ours = Transformer(cfg.model, cfg.moe)
-    ours.load_state_dict(state, strict=False)
-    peer = transformers.AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager")
-    seq, vocab = SHAPES["bench"]["seq"], cfg.model.vocab_size
-    ids = torch.randint(0, vocab, (MICRO, seq + 1), generator=torch.Generator().manual_seed(0))
+    ours, peer, ids = load_sides("deepseek_v4", attn_implementation="eager")
 
-    def moetrain_step(kernel: str) -> float:
+    def moetrain_with(kernel: str) -> float:
         cpu_matmul.use_cpu_matmul(kernel)
-        out = ours(ids[:, :-1], labels_BS=ids[:, 1:])
-        out.loss.backward()
-        return out.ce_loss.item()
+        return moetrain_step(ours, ids)
 
-    def peer_step() -> float:
-        logits = peer(input_ids=ids[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        return loss.item()
-
-    sides = {"moetrain onednn": lambda: moetrain_step("onednn")}
-    sides |= {"moetrain torch": lambda: moetrain_step("torch"), "peer": peer_step}
+    sides = {"moetrain onednn": lambda: moetrain_with("onednn")}
+    sides |= {
+        "moetrain torch": lambda: moetrain_with("torch"),
+        "peer": lambda: peer_step(peer, ids),
+    }
     ce = {name: step() for name, step in sides.items()}  # (warm-up)
     print("first cross-entropy:", {k: round(v, 7) for k, v in ce.items()})
     print(f"auto picks {cpu_matmul.preferred_kernel()} here")
