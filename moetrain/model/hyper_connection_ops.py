@@ -97,9 +97,57 @@ def sinkhorn(comb_NN: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return _Sinkhorn.apply(comb_NN.flatten(0, -3), iters, eps).view(shape)
 
 
+class _Collapse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x_TND: torch.Tensor, pre_TN: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_TND, pre_TN)
+        return torch.bmm(pre_TN.unsqueeze(1), x_TND).squeeze(1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, g_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_TND, pre_TN = ctx.saved_tensors
+        dx = dpre = None
+        if ctx.needs_input_grad[0]:
+            dx = pre_TN.unsqueeze(2) * g_TD.unsqueeze(1)
+        if ctx.needs_input_grad[1]:
+            dpre = torch.bmm(g_TD.unsqueeze(1), x_TND.transpose(1, 2)).squeeze(1)
+        return dx, dpre
+
+
 def collapse(streams_TND: torch.Tensor, pre_TN: torch.Tensor) -> torch.Tensor:
     """``sum_n pre_n * stream_n`` (T, D) (both in one dtype)."""
-    return torch.bmm(pre_TN.unsqueeze(1), streams_TND).squeeze(1)
+    return _Collapse.apply(streams_TND, pre_TN)
+
+
+class _Mix(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x_TND: torch.Tensor,
+        y_TD: torch.Tensor,
+        post_TN: torch.Tensor,
+        comb_TNN: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x_TND, y_TD, post_TN, comb_TNN)
+        new_TND = torch.bmm(comb_TNN.transpose(1, 2).contiguous(), x_TND)
+        return new_TND.addcmul_(post_TN.unsqueeze(2), y_TD.unsqueeze(1))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, g_TND: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_TND, y_TD, post_TN, comb_TNN = ctx.saved_tensors
+        g_TDN = g_TND.transpose(1, 2)
+        grads: list[torch.Tensor | None] = [None] * 4
+        if ctx.needs_input_grad[0]:
+            grads[0] = torch.bmm(comb_TNN, g_TND)
+        if ctx.needs_input_grad[1]:
+            grads[1] = torch.bmm(post_TN.unsqueeze(1), g_TND).squeeze(1)
+        if ctx.needs_input_grad[2]:
+            grads[2] = torch.bmm(y_TD.unsqueeze(1), g_TDN).squeeze(1)
+        if ctx.needs_input_grad[3]:
+            grads[3] = torch.bmm(x_TND, g_TDN)
+        return tuple(grads)
 
 
 def mix(
@@ -108,5 +156,4 @@ def mix(
     """``new_k = sum_j comb[j, k] * stream_j + post_k * y`` (T, N, D) in the streams' dtype:
     the carried streams, then the branch's output added into the same buffer."""
     dtype = streams_TND.dtype
-    new_TND = torch.bmm(comb_TNN.to(dtype).transpose(1, 2), streams_TND)
-    return new_TND.baddbmm_(post_TN.to(dtype).unsqueeze(2), y_TD.unsqueeze(1))
+    return _Mix.apply(streams_TND, y_TD.contiguous(), post_TN.to(dtype), comb_TNN.to(dtype))
