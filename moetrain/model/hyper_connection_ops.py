@@ -4,8 +4,9 @@ written for few passes over the (tokens, N, D) streams and few saved tensors:
 - :func:`normed_projection`: ``unit_rms(x) @ fn^T`` as ``(x @ fn^T) * rsqrt(mean(x^2) + eps)``
   (the RMS factor applied to the (tokens, W) product, never to a normalised (tokens, N * D)
   copy; a hand-written backward: one (tokens, N * D) product and one in-place pass);
-- :func:`sinkhorn`: Sinkhorn-Knopp with a hand-written backward over the quotients it wrote
-  into one buffer (autograd's graph has 4 nodes and 3 temporaries per division);
+- :func:`mixing_matrix`: the softmax and Sinkhorn-Knopp with a hand-written backward over the
+  quotients it wrote into one buffer (autograd's graph has 4 nodes and 3 temporaries per
+  division);
 - :func:`collapse` and :func:`mix`: the streams' weighted sum and mix as batched products per
   token (autograd saves their operands, no (tokens, N, D) temporaries).
 
@@ -54,12 +55,14 @@ def normed_projection(x_TK: torch.Tensor, fn_WK: torch.Tensor, eps: float) -> to
     return _NormedProjection.apply(x_TK.contiguous(), fn_WK, eps)
 
 
-class _Sinkhorn(torch.autograd.Function):
+class _MixingMatrix(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x_TNN: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        # the matrices' entries outermost, tokens innermost (N, N, T): every sum and division
-        # runs over long contiguous rows (2-3x faster at N = 4 than over (T, N, N))
-        x_NNT = x_TNN.permute(1, 2, 0).contiguous()
+    def forward(ctx: FunctionCtx, logits_TNN: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        # the matrices' entries outermost, tokens innermost (N, N, T): the softmax and every
+        # sum and division run over long contiguous rows (the softmax 10x, Sinkhorn's steps
+        # 2-3x faster at N = 4 than over (T, N, N))
+        soft_NNT = torch.softmax(logits_TNN.permute(1, 2, 0).contiguous(), 1)
+        x_NNT = soft_NNT + eps
         n, _, t = x_NNT.shape
         steps = 2 * iters - 1  # columns first, then rows and columns in turn
         quotients = x_NNT.new_empty(steps - 1, n, n, t)  # the last one is the output
@@ -70,31 +73,33 @@ class _Sinkhorn(torch.autograd.Function):
             denominator.add_(eps)
             x_NNT = torch.div(x_NNT, denominator, out=quotients[k] if k < steps - 1 else None)
         out_TNN = x_NNT.permute(2, 0, 1).contiguous()
-        ctx.save_for_backward(quotients, sums, out_TNN)
+        ctx.save_for_backward(soft_NNT, quotients, sums, out_TNN)
         return out_TNN
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, g_TNN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        # y = x / (sum_axis x + eps) = x / d: dx = (g - sum_axis(g * y)) / d
-        quotients, sums, out_TNN = ctx.saved_tensors
+        # a step y = x / (sum_axis x + eps) = x / d: dx = (g - sum_axis(g * y)) / d;
+        # the softmax s over axis 1: dz = s * (g - sum_1(g * s))
+        soft_NNT, quotients, sums, out_TNN = ctx.saved_tensors
         g_NNT = g_TNN.permute(1, 2, 0).contiguous()
         for k in reversed(range(sums.shape[0])):
             axis = 0 if k % 2 == 0 else 1
             y_NNT = quotients[k] if k < quotients.shape[0] else out_TNN.permute(1, 2, 0)
             g_NNT.sub_((g_NNT * y_NNT).sum(axis, keepdim=True)).div_(sums[k].unsqueeze(axis))
+        g_NNT.sub_((g_NNT * soft_NNT).sum(1, keepdim=True)).mul_(soft_NNT)
         return g_NNT.permute(2, 0, 1).contiguous(), None, None
 
 
-def sinkhorn(comb_NN: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Sinkhorn-Knopp on the last two axes: columns normalised, then ``iters - 1`` times rows
-    and columns, each divided by its sum + ``eps``. Returned contiguous in (..., N, N): the
-    mix's batched (N, N) products read it per token, and torch's CPU batched matmul copies
-    every token's matrix on its own when they are strided (1.2-1.8x the mix's time, forward
-    and backward). Saves each quotient (the last: the output) and denominator, as autograd
-    would, in two buffers."""
-    shape = comb_NN.shape
-    return _Sinkhorn.apply(comb_NN.flatten(0, -3), iters, eps).view(shape)
+def mixing_matrix(logits_TNN: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Each token's (N, N) mixing matrix from its logits: ``softmax(logits) + eps`` over the
+    last axis, made doubly stochastic by Sinkhorn-Knopp: columns normalised, then
+    ``iters - 1`` times rows and columns, each divided by its sum + ``eps``. Returned
+    contiguous (T, N, N): the mix's batched (N, N) products read it per token, and torch's CPU
+    batched matmul copies every token's matrix on its own when they are strided (1.2-1.8x the
+    mix's time, forward and backward). Saves the softmax, each quotient (the last: the output)
+    and each denominator, as autograd would, in three buffers."""
+    return _MixingMatrix.apply(logits_TNN, iters, eps)
 
 
 class _Collapse(torch.autograd.Function):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moetrain.model.hyper_connection_ops import collapse, mix, normed_projection, sinkhorn
+from moetrain.model.hyper_connection_ops import collapse, mix, mixing_matrix, normed_projection
 
 
 def expand_streams(x_BSD: torch.Tensor, n: int) -> torch.Tensor:
@@ -74,7 +74,7 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre * s_pre + base_pre) + self.eps
         post = 2 * torch.sigmoid(post * s_post + base_post)
         comb = comb.unflatten(-1, (n, n)) * s_comb + base_comb.view(n, n)
-        comb = sinkhorn(torch.softmax(comb, dim=-1) + self.eps, self.sinkhorn_iters, self.eps)
+        comb = mixing_matrix(comb, self.sinkhorn_iters, self.eps)
         h_BSD = collapse(x_TND, pre).to(streams_BSND.dtype).view(b, s, -1)
         return h_BSD, (post.view(b, s, n), comb.view(b, s, n, n))
 

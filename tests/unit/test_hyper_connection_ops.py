@@ -12,15 +12,16 @@ from moetrain.model.hyper_connection_ops import (
     _NormedProjection,
     collapse,
     mix,
+    mixing_matrix,
     normed_projection,
-    sinkhorn,
 )
 
 T, N, D, ITERS, EPS = 6, 4, 8, 20, 1e-6
 
 
-def plain_sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Sinkhorn-Knopp written out with autograd's own operations."""
+def plain_mixing_matrix(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The softmax and Sinkhorn-Knopp written out with autograd's own operations."""
+    x = torch.softmax(logits, -1) + eps
     x = x / (x.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         x = x / (x.sum(-1, keepdim=True) + eps)
@@ -34,6 +35,7 @@ def _leaves(*shapes: tuple[int, ...], seed: int, dtype: torch.dtype) -> list[tor
 
 
 def _matrices(t: int, n: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Doubly stochastic-ish (T, N, N) matrices, made by a softmax over the last axis."""
     gen = torch.Generator().manual_seed(seed)
     return torch.softmax(torch.randn(t, n, n, generator=gen, dtype=dtype), -1).requires_grad_()
 
@@ -45,7 +47,9 @@ def test_backwards_match_finite_differences() -> None:
     )
     assert gradcheck(lambda a, b: normed_projection(a, b, EPS), (x, fn), fast_mode=True)
     assert gradcheck(
-        lambda c: sinkhorn(c, 3, EPS), (_matrices(t, n, 1, torch.float64),), fast_mode=True
+        lambda c: mixing_matrix(c, 3, EPS),
+        _leaves((t, n, n), seed=1, dtype=torch.float64),
+        fast_mode=True,
     )
     streams = x.detach().view(t, n, d).requires_grad_()
     assert gradcheck(collapse, (streams, pre), fast_mode=True)
@@ -69,33 +73,34 @@ def test_finite_differences_catch_a_wrong_backward() -> None:
 
 def test_fp32_values_and_gradients_match_the_plain_formulas_in_fp64() -> None:
     """Each operation in fp32 against the formulas it replaces (the normalised copy times
-    ``fn``; Sinkhorn divided out with autograd; the weighted sums with broadcasting) in
+    ``fn``; the softmax and Sinkhorn divided out with autograd; the weighted sums with broadcasting) in
     float64: values and gradients equal up to fp32 rounding."""
     x, fn, y, post, pre = _leaves(
         (T, N * D), (3, N * D), (T, D), (T, N), (T, N), seed=3, dtype=torch.float32
     )
     comb = _matrices(T, N, 4, torch.float32)
+    (logits,) = _leaves((T, N, N), seed=4, dtype=torch.float32)
     streams = x.view(T, N, D)
 
     def ours() -> list[torch.Tensor]:
         return [
             normed_projection(x, fn, EPS),
-            sinkhorn(comb, ITERS, EPS),
+            mixing_matrix(logits, ITERS, EPS),
             collapse(streams, pre),
             mix(streams, y, post, comb),
         ]
 
-    def plain(x, fn, y, post, pre, comb):  # noqa: ANN001, ANN202
+    def plain(x, fn, y, post, pre, comb, logits):  # noqa: ANN001, ANN202
         s = x.view(T, N, D)
         mixed = (comb.unsqueeze(-1) * s.unsqueeze(2)).sum(1) + post.unsqueeze(-1) * y.unsqueeze(1)
         return [
             unit_rms(x, EPS) @ fn.t(),
-            plain_sinkhorn(comb, ITERS, EPS),
+            plain_mixing_matrix(logits, ITERS, EPS),
             (pre.unsqueeze(-1) * s).sum(1),
             mixed,
         ]
 
-    leaves = [x, fn, y, post, pre, comb]
+    leaves = [x, fn, y, post, pre, comb, logits]
     wide = [t.detach().double().requires_grad_() for t in leaves]
     got, want = ours(), plain(*wide)
     for g, w in zip(got, want, strict=True):
