@@ -34,10 +34,13 @@ def expand_streams(x_BSD: torch.Tensor, n: int) -> torch.Tensor:
     return x_BSD.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
 
 
-def _tokens_fp32(streams_BSND: torch.Tensor) -> torch.Tensor:
-    """The streams as (T, N, D) fp32 (a copy under bf16), read by the coefficients and the
-    collapse alike."""
-    return streams_BSND.flatten(0, 1).float()
+def _coefficients(
+    streams_BSND: torch.Tensor, fn: torch.Tensor, norm_eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The streams as (T, N, D) fp32 (a copy under bf16; the collapse reads them too) and the
+    fp32 ``unit_rms(concat of the streams) @ fn^T`` per token (T, W)."""
+    x_TND = streams_BSND.flatten(0, 1).float()
+    return x_TND, normed_projection(x_TND.flatten(1), fn.float(), norm_eps)
 
 
 class HyperConnection(nn.Module):
@@ -66,8 +69,7 @@ class HyperConnection(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The branch's input (B, S, D) and ``(post_BSN, comb_BSNN)`` (fp32) for :meth:`mix`."""
         n, (b, s) = self.n, streams_BSND.shape[:2]
-        x_TND = _tokens_fp32(streams_BSND)
-        coef = normed_projection(x_TND.flatten(1), self.fn.float(), self.norm_eps)
+        x_TND, coef = _coefficients(streams_BSND, self.fn, self.norm_eps)
         pre, post, comb = coef.split([n, n, n * n], dim=-1)
         base_pre, base_post, base_comb = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
@@ -104,7 +106,6 @@ class HyperHead(nn.Module):
     reset_parameters = HyperConnection.reset_parameters
 
     def forward(self, streams_BSND: torch.Tensor) -> torch.Tensor:
-        x_TND = _tokens_fp32(streams_BSND)
-        coef = normed_projection(x_TND.flatten(1), self.fn.float(), self.norm_eps)
+        x_TND, coef = _coefficients(streams_BSND, self.fn, self.norm_eps)
         pre = torch.sigmoid(coef * self.scale.float() + self.base.float()) + self.eps
         return collapse(x_TND, pre).to(streams_BSND.dtype).view(streams_BSND.shape[:2] + (-1,))

@@ -84,7 +84,7 @@ def test_matches_written_out_reference_values_and_gradients() -> None:
     assert not torch.allclose(short.float(), full.float(), rtol=1e-5, atol=1e-6)
 
 
-def test_sinkhorn_hands_the_mix_one_contiguous_matrix_per_token() -> None:
+def test_mixing_matrix_hands_the_mix_one_contiguous_matrix_per_token() -> None:
     """The mix's batched (N, N) products read it per token: strided matrices make torch's CPU
     batched matmul copy each token's on its own (1.2-1.8x the mix's time)."""
     comb = mixing_matrix(torch.randn(B * S, N, N), ITERS, EPS)
@@ -108,6 +108,9 @@ def test_matches_transformers_modules() -> None:
     streams, y = torch.randn(B, S, N, D), torch.randn(B, S, D)
     collapsed, state = ours(streams)
     post, comb, hf_collapsed = theirs(streams)
+    # atol 1e-6, a few fp32 ulps of the O(1) entries: the RMS factor rounds once after the
+    # product with fn (theirs: per entry of the normalised copy) and the sums run in the
+    # batched products' order (at most 1.4e-6 apart over 20 seeds)
     torch.testing.assert_close(collapsed, hf_collapsed, rtol=1e-6, atol=1e-6)
     want = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
     torch.testing.assert_close(ours.mix(streams, y, state), want, rtol=1e-6, atol=1e-6)
