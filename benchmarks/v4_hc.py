@@ -1,12 +1,16 @@
 """DeepSeek-V4's hyper-connections alone, forward and backward, at the bench size (4 x 256
 tokens, 4 streams of d 256, 20 Sinkhorn iterations), one thread, CPU time:
 
-    .venv/bin/python benchmarks/v4_hc.py --rounds 15 --against main
+    .venv/bin/python benchmarks/v4_hc.py --rounds 20 --against main
+    .venv/bin/python benchmarks/v4_hc.py --rounds 20 --against main --host-allocator system
 
 Sides, alternating round by round, on the same weights and inputs: moetrain's modules
-(``moetrain/model/hyper_connections.py``), the same modules at each git revision ``--against``
-(with ``hyper_connection_ops.py`` where the revision has one) and transformers' ``DeepseekV4HyperConnection``
-/ ``DeepseekV4HyperHead`` with its decoder layer's mixing rule (the peer). Timed per side:
+(``moetrain/model/hyper_connections.py``), the same modules at each git revision
+``--against`` (with ``hyper_connection_ops.py`` where the revision has one) and transformers'
+``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead`` with its decoder layer's mixing rule
+(the peer). ``--host-allocator``: glibc's malloc as ``train.host_allocator`` sets it (``keep``,
+as ``moetrain train`` runs by default: freed blocks reused, not faulted in again) or left as it
+is (``system``). Timed per side:
 
 - ``branch``: one branch's hyper-connection: the coefficients, Sinkhorn, the collapse, a
   branch that reads the collapse (one multiply), the streams' mix, then backward of all of it
@@ -157,7 +161,11 @@ def main() -> None:
     ap.add_argument(
         "--against", action="append", default=[], help="also time the modules of this git revision"
     )
+    ap.add_argument("--host-allocator", choices=("keep", "system"), default="keep")
     args = ap.parse_args()
+    from moetrain.train.host_allocator import settle_host_allocator, tune_host_allocator
+
+    tune_host_allocator(args.host_allocator)
     torch.set_num_threads(1)
     calls = {name: paths(*mods) for name, mods in sides(args.against).items()}
     for name, side in calls.items():  # (warm-up) and the differences to moetrain
@@ -171,6 +179,7 @@ def main() -> None:
                 f"{name}, {path}: largest difference to moetrain over its largest entry, "
                 f"output {diffs[0]:.1e}, gradients {max(diffs[1:]):.1e}"
             )
+    settle_host_allocator()  # (after the first steps, as the trainer does)
     times = {(name, path): [] for name in calls for path in calls[name]}
     for _ in range(args.rounds):
         for name, side in calls.items():
