@@ -224,8 +224,8 @@ class CompressedAttention(nn.Module):
         b, s, _ = x_BSD.shape
         cos, sin = cos[:s], sin[:s]
         q_low = self.q_norm(self.wq_a(x_BSD))
-        q = self.wq_b(q_low).view(b, s, sh.n_heads, sh.head_dim).transpose(1, 2)
-        q = rotate_pairs(unit_rms(q, sh.norm_eps), cos, sin)  # (B, H, S, K)
+        q = self.wq_b(q_low).view(b, s, sh.n_heads, sh.head_dim)
+        q = rotate_pairs(unit_rms(q, sh.norm_eps), cos[:, None], sin[:, None])  # (B, S, H, K)
         kv = rotate_pairs(self.kv_norm(self.wkv(x_BSD)), cos, sin)  # (B, S, K)
         entries, picks = kv[:, :0], None
         if self.compressor is not None:
@@ -239,8 +239,10 @@ class CompressedAttention(nn.Module):
             self.logit_max_H = seen if old is None else torch.maximum(old, seen)
         out = window_entry_attention(
             q, kv, entries, picks, self.sinks, sh.window, rate, sh.head_dim**-0.5
-        )  # (B, H, S, K)
-        out = rotate_pairs(out, cos, sin, back=True).transpose(1, 2)  # the values' rotation undone
+        )  # (B, S, H, K)
+        out = rotate_pairs(
+            out, cos[:, None], sin[:, None], back=True
+        )  # the values' rotation undone
         grouped = out.reshape(b, s, sh.o_groups, -1)
         w_a = self.wo_a.view(sh.o_groups, sh.o_lora_rank, -1)
         low = torch.einsum("bsgi,goi->bsgo", grouped, w_a.to(grouped.dtype))
