@@ -159,25 +159,25 @@ class Indexer(nn.Module):
         where fewer exist), valid where closed by its position; scored a block of queries at
         a time (no (S, W) score table)."""
         b, s, _ = x_BSD.shape
-        keys_BWK = self.compressor(x_BSD, cos, sin).float()
-        n, rate = keys_BWK.shape[1], self.compressor.rate
-        q = self.wq_b(q_low).view(b, s, self.heads, self.dim).transpose(1, 2)
-        q = rotate_pairs(q, cos[:s], sin[:s]).transpose(1, 2).float()  # (B, S, Hi, Ki)
+        keys_BKW = self.compressor(x_BSD, cos, sin).float().transpose(1, 2)
+        n, rate, dev = keys_BKW.shape[2], self.compressor.rate, x_BSD.device
+        q = self.wq_b(q_low).view(b, s, self.heads, self.dim)
+        q = rotate_pairs(q, cos[:s, None], sin[:s, None]).float()  # (B, S, Hi, Ki)
         head_w = self.weights_proj(x_BSD).float() * self.heads**-0.5
         k = min(self.topk, n)
-        idx = torch.zeros(b, s, k, dtype=torch.long, device=x_BSD.device)
-        valid = torch.zeros(b, s, k, dtype=torch.bool, device=x_BSD.device)
+        idx = torch.zeros(b, s, k, dtype=torch.long, device=dev)
+        valid = torch.zeros(b, s, k, dtype=torch.bool, device=dev)
         block = compressed_kernel.BLOCK
         for start in range(0, s, block):
             stop = min(s, start + block)
-            scores = torch.relu(torch.matmul(q[:, start:stop], keys_BWK.transpose(-1, -2)[:, None]))
-            score_BQW = (scores * self.dim**-0.5 * head_w[:, start:stop, :, None]).sum(2)
-            pos = torch.arange(start, stop, device=x_BSD.device)
-            closed = torch.arange(n, device=x_BSD.device) < ((pos + 1) // rate)[:, None]
-            score_BQW = score_BQW.masked_fill(~closed, float("-inf"))
+            scores = torch.bmm(q[:, start:stop].flatten(1, 2), keys_BKW)  # (B, Q Hi, W)
+            scores = scores.view(b, stop - start, self.heads, n).relu_().mul_(self.dim**-0.5)
+            score_BQW = scores.mul_(head_w[:, start:stop, :, None]).sum(2)
+            closed_Q = torch.arange(start + 1, stop + 1, device=dev)[:, None] // rate
+            score_BQW.masked_fill_(torch.arange(n, device=dev) >= closed_Q, float("-inf"))
             picks = score_BQW.topk(k, dim=-1).indices
             idx[:, start:stop] = picks
-            valid[:, start:stop] = closed.expand(b, -1, -1).gather(-1, picks)
+            valid[:, start:stop] = picks < closed_Q
         return idx, valid
 
     def init_own_parameters(self) -> None:

@@ -10,8 +10,10 @@ the output and the csa selection.
 The heads share the key, so a block's queries of every head are the rows of one matrix
 (queries in (B, S, H, K) order: a block of them is a view): one GEMM per batch row scores them
 all, and the key gradients come out summed over the heads. The sink is the logits' last column,
-so one softmax gives the probabilities and the sink's share (its gradient, in backward); the
-window's and the entries' masks are added in place, as 0 or -inf.
+scored by the GEMM itself: each query carries a one-hot of its head in H extra channels, the
+keys zeros there, and a sink key the sinks (exact: the extra products are 0 or the sink times
+1); one softmax then gives the probabilities and the sink's share. The window's and the
+entries' masks are added in place, as 0 or -inf.
 
 The entries a query sees: with ``picks`` (compressed sparse attention), the entries of its
 ``(idx_BSk, valid_BSk)``; without (heavily compressed), every entry whose window has closed by
@@ -33,22 +35,33 @@ def _bias(seen: torch.Tensor) -> torch.Tensor:
     return torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, float("-inf"))
 
 
+def _with_heads(q_BSHK: torch.Tensor) -> torch.Tensor:
+    """fp32 (B, S, H, K + H): the queries, then a one-hot of their head (scores the sink)."""
+    b, s, h, _ = q_BSHK.shape
+    one_hot = torch.eye(h, device=q_BSHK.device).expand(b, s, h, h)
+    return torch.cat((q_BSHK.float(), one_hot), dim=-1)
+
+
 class _Blocks:
-    """What every block of queries of one call needs: the keys, the masks and the sinks."""
+    """What every block of queries of one call needs: the keys (each with H zero channels, then
+    the sink key: zeros, then the sinks), the masks."""
 
     def __init__(self, kv_BSK, entries_BWK, idx, valid, sinks_H, window: int, rate: int) -> None:  # noqa: ANN001
-        self.kv, self.entries, self.sinks = kv_BSK.float(), entries_BWK.float(), sinks_H.float()
-        self.window, self.rate = window, rate
+        b, h = kv_BSK.shape[0], sinks_H.shape[0]
+        self.k, self.window, self.rate = kv_BSK.shape[-1], window, rate
+        zeros = kv_BSK.new_zeros((), dtype=torch.float32)
+        self.kv = torch.cat((kv_BSK.float(), zeros.expand(b, kv_BSK.shape[1], h)), dim=-1)
+        sink = torch.cat((zeros.expand(self.k), sinks_H.float()))
+        entries = torch.cat((entries_BWK.float(), zeros.expand(b, entries_BWK.shape[1], h)), -1)
+        self.tail = torch.cat((entries, sink.expand(b, 1, -1)), dim=1)  # (B, W + 1, K + H)
         self.picks = None if idx is None else (idx, _bias(valid))
         self._window_bias: dict[tuple[int, int], torch.Tensor] = {}
 
     def keys(self, start: int, stop: int) -> tuple[torch.Tensor, int]:
-        """The keys (B, T, K) of queries ``start .. stop - 1``: window rows ``lo .. stop - 1``
-        then every entry; and ``lo``."""
+        """The keys (B, T + 1, K + H) of queries ``start .. stop - 1``: window rows
+        ``lo .. stop - 1``, every entry, the sink key; and ``lo``."""
         lo = max(0, start - self.window + 1)
-        if self.entries.shape[1] == 0:
-            return self.kv[:, lo:stop], lo
-        return torch.cat((self.kv[:, lo:stop], self.entries), dim=1), lo
+        return torch.cat((self.kv[:, lo:stop], self.tail), dim=1), lo
 
     def window_bias(self, start: int, stop: int, lo: int) -> torch.Tensor:
         """(Q, 1, stop - lo) 0 where a query sees the window row, -inf where not (shared by
@@ -64,7 +77,7 @@ class _Blocks:
 
     def entry_bias(self, start: int, stop: int) -> torch.Tensor:
         """(B or 1, Q, 1, W) 0 where a query sees the entry, -inf where not."""
-        n, dev = self.entries.shape[1], self.kv.device
+        n, dev = self.tail.shape[1] - 1, self.kv.device
         if self.picks is None:
             pos = torch.arange(start + 1, stop + 1, device=dev)
             return _bias(torch.arange(n, device=dev) < (pos // self.rate)[:, None])[None, :, None]
@@ -72,22 +85,17 @@ class _Blocks:
         bias = torch.full((*idx.shape[:2], n), float("-inf"), device=dev)
         return bias.scatter_(-1, idx, pick_bias).unsqueeze(2)
 
-    def probs(
-        self, q_BQHK: torch.Tensor, start: int, stop: int
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """fp32 probabilities (B, Q H, T + 1) of the block's queries (already scaled), the sink's
-        last; its keys and ``lo``."""
-        b, q, h, k = q_BQHK.shape
+    def logits(self, q_BQHX: torch.Tensor, start: int, stop: int):  # noqa: ANN201
+        """fp32 logits (B, Q H, T + 1) of the block's queries (scaled, with their heads), -inf
+        where not seen, the sink's last; its keys (B, T + 1, K + H) and ``lo``."""
+        b, q, h, x = q_BQHX.shape
         keys, lo = self.keys(start, stop)
-        t = keys.shape[1]
-        logits = q_BQHK.new_empty(b, q * h, t + 1, dtype=torch.float32)
-        torch.bmm(q_BQHK.reshape(b, q * h, k).float(), keys.transpose(1, 2), out=logits[..., :t])
-        by_head = logits.view(b, q, h, t + 1)
+        logits = torch.bmm(q_BQHX.reshape(b, q * h, x), keys.transpose(1, 2))
+        by_head = logits.view(b, q, h, -1)
         by_head[..., : stop - lo].add_(self.window_bias(start, stop, lo))
-        if t > stop - lo:
-            by_head[..., stop - lo : t].add_(self.entry_bias(start, stop))
-        by_head[..., t] = self.sinks
-        return torch.softmax(logits, dim=-1), keys, lo
+        if keys.shape[1] > stop - lo + 1:
+            by_head[..., stop - lo : -1].add_(self.entry_bias(start, stop))
+        return logits, keys, lo
 
 
 class _WindowEntryAttention(torch.autograd.Function):
@@ -95,13 +103,15 @@ class _WindowEntryAttention(torch.autograd.Function):
     def forward(ctx, q, kv, entries, idx, valid, sinks, window, rate, scale):  # noqa: ANN001, ANN205
         b, s, h, k = q.shape
         q_scaled = q * scale
+        q_ext = _with_heads(q_scaled)
         blocks = _Blocks(kv, entries, idx, valid, sinks, window, rate)
-        out = q.new_empty(b, s, h, k, dtype=torch.float32)
+        outs = []
         for start in range(0, s, BLOCK):
             stop = min(s, start + BLOCK)
-            p, keys, _ = blocks.probs(q_scaled[:, start:stop], start, stop)
-            torch.bmm(p[..., :-1], keys, out=out[:, start:stop].view(b, -1, k))
-        out = out.to(q.dtype)
+            logits, keys, _ = blocks.logits(q_ext[:, start:stop], start, stop)
+            p = torch.softmax(logits, dim=-1)
+            outs.append(torch.bmm(p[..., :-1], keys[:, :-1, :k]).view(b, -1, h, k))
+        out = torch.cat(outs, dim=1).to(q.dtype)
         ctx.save_for_backward(q_scaled, kv, entries, idx, valid, sinks, out)
         ctx.window, ctx.rate, ctx.scale = window, rate, scale
         return out
@@ -109,38 +119,30 @@ class _WindowEntryAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):  # noqa: ANN001, ANN205
         q_scaled, kv, entries, idx, valid, sinks, out = ctx.saved_tensors
-        blocks = _Blocks(kv, entries, idx, valid, sinks, ctx.window, ctx.rate)
         b, s, h, k = q_scaled.shape
         tw = kv.shape[1]
+        q_ext = _with_heads(q_scaled)
+        blocks = _Blocks(kv, entries, idx, valid, sinks, ctx.window, ctx.rate)
         d_out = d_out.float().contiguous()
-        delta = (d_out * out.float()).sum(-1, keepdim=True).view(b, s * h, 1)  # (B, S H, 1)
-        dq = q_scaled.new_empty(b, s, h, k, dtype=torch.float32)
-        d_keys_all = q_scaled.new_zeros(b, tw + entries.shape[1], k, dtype=torch.float32)
-        d_sinks = torch.zeros(h, dtype=torch.float32, device=q_scaled.device)
+        delta = (d_out * out.float()).sum(-1).view(b, s * h)  # (B, S H): rows of dO . O
+        sink_p = torch.empty_like(delta)  # the sink's probability per row
+        dqs, d_keys_all = [], q_scaled.new_zeros(b, tw + entries.shape[1], k, dtype=torch.float32)
         for start in range(0, s, BLOCK):
             stop = min(s, start + BLOCK)
-            q_blk = q_scaled[:, start:stop]
-            p, keys, lo = blocks.probs(q_blk, start, stop)
-            t = keys.shape[1]
+            logits, keys, lo = blocks.logits(q_ext[:, start:stop], start, stop)
+            p = torch.softmax(logits, dim=-1)
+            sink_p[:, start * h : stop * h] = p[..., -1]
+            p, keys = p[..., :-1], keys[:, :-1, :k]
             do = d_out[:, start:stop].view(b, -1, k)
-            d_logits = torch.empty_like(p)  # dP, then the logits' gradient (sink's last)
-            torch.bmm(do, keys.transpose(1, 2), out=d_logits[..., :t])
-            d_logits[..., t] = 0.0
-            d_logits.sub_(delta[:, start * h : stop * h]).mul_(p)
-            d_sinks += d_logits[..., t].view(b, -1, h).sum((0, 1))
-            dl = d_logits[..., :t]
-            torch.baddbmm(
-                dq[:, start:stop].view(b, -1, k),
-                dl,
-                keys,
-                beta=0,
-                alpha=ctx.scale,
-                out=dq[:, start:stop].view(b, -1, k),
-            )
-            d_keys = torch.bmm(dl.transpose(1, 2), q_blk.reshape(b, -1, k).float())
-            d_keys.baddbmm_(p[..., :t].transpose(1, 2), do)  # (B, T, K)
+            dl = torch.bmm(do, keys.transpose(1, 2))  # dP, then the logits' gradient
+            dl.sub_(delta[:, start * h : stop * h, None]).mul_(p)
+            dqs.append(torch.bmm(dl, keys))
+            d_keys = torch.bmm(dl.transpose(1, 2), q_ext[:, start:stop, :, :k].reshape(b, -1, k))
+            d_keys.baddbmm_(p.transpose(1, 2), do)  # (B, T, K)
             d_keys_all[:, lo:stop] += d_keys[:, : stop - lo]
             d_keys_all[:, tw:] += d_keys[:, stop - lo :]
+        dq = torch.cat(dqs, dim=1).view(b, s, h, k).mul_(ctx.scale)
+        d_sinks = -(sink_p * delta).view(b, s, h).sum((0, 1))
         d_entries = d_keys_all[:, tw:].to(entries.dtype) if entries.shape[1] else None
         return (
             dq.to(q_scaled.dtype),
@@ -169,18 +171,14 @@ def window_entry_logit_max(
     sinks left out), a block of queries at a time."""
     b, s, h, _ = q_BSHK.shape
     idx, valid = picks if picks is not None else (None, None)
-    sinks = torch.full((h,), float("-inf"), device=q_BSHK.device)
+    sinks = torch.zeros(h, device=q_BSHK.device)  # (its column left out)
     blocks = _Blocks(kv_BSK, entries_BWK, idx, valid, sinks, window, rate)
+    q_ext = _with_heads(q_BSHK.float() * scale)
     out = torch.full((h,), float("-inf"), device=q_BSHK.device)
     for start in range(0, s, BLOCK):
         stop = min(s, start + BLOCK)
-        q_blk = q_BSHK[:, start:stop].float() * scale
-        keys, lo = blocks.keys(start, stop)
-        logits = torch.bmm(q_blk.reshape(b, -1, q_blk.shape[-1]), keys.transpose(1, 2))
-        by_head = logits.view(b, stop - start, h, -1)
-        by_head[..., : stop - lo] += blocks.window_bias(start, stop, lo)
-        if keys.shape[1] > stop - lo:
-            by_head[..., stop - lo :] += blocks.entry_bias(start, stop)
+        logits, _, _ = blocks.logits(q_ext[:, start:stop], start, stop)
+        by_head = logits.view(b, stop - start, h, -1)[..., :-1]
         out = torch.maximum(out, by_head.amax(dim=(0, 1, 3)))
     return out
 
