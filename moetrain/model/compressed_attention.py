@@ -72,16 +72,38 @@ def rotate_pairs(
 ) -> torch.Tensor:
     """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` (..., S, K) in adjacent pairs
     by the rows ``cos`` / ``sin`` (S, R/2) (in fp32), the leading channels untouched; ``back``:
-    by the opposite angles."""
-    r = 2 * cos.shape[-1]
-    pairs = x[..., -r:].float().unflatten(-1, (-1, 2))
+    by the opposite angles. Its backward is the opposite rotation of the gradient (nothing of
+    ``x`` saved)."""
+    return _RotatePairs.apply(x, cos, sin, back)
+
+
+def _turned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, back: bool) -> torch.Tensor:
+    """The trailing ``2 * cos.shape[-1]`` channels of ``x`` rotated (fp32, cast back)."""
+    pairs = x[..., -2 * cos.shape[-1] :].float().unflatten(-1, (-1, 2))
     a, b = pairs[..., 0], pairs[..., 1]
     cos, sin = cos.float(), sin.float()
     if back:
-        turned = torch.stack((a * cos + b * sin, b * cos - a * sin), dim=-1).flatten(-2)
+        turned = torch.stack((a * cos + b * sin, b * cos - a * sin), dim=-1)
     else:
-        turned = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-r], turned.to(x.dtype)), dim=-1)
+        turned = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    return turned.flatten(-2).to(x.dtype)
+
+
+class _RotatePairs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, back):  # noqa: ANN001, ANN205
+        out = x.clone()
+        out[..., -2 * cos.shape[-1] :] = _turned(x, cos, sin, back)
+        ctx.save_for_backward(cos, sin)
+        ctx.back = back
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        cos, sin = ctx.saved_tensors
+        d_x = grad.clone()
+        d_x[..., -2 * cos.shape[-1] :] = _turned(grad, cos, sin, not ctx.back)
+        return d_x, None, None, None
 
 
 def pair_rope_rows(
