@@ -25,9 +25,11 @@ T keys of a block (window rows, then entries).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-BLOCK = 64  # queries per block
+BLOCK = 32  # queries per block (a block of Q computes Q + window - 1 window logits per query)
 
 
 def _bias(seen: torch.Tensor) -> torch.Tensor:
@@ -40,6 +42,16 @@ def _with_heads(q_BSHK: torch.Tensor) -> torch.Tensor:
     b, s, h, _ = q_BSHK.shape
     one_hot = torch.eye(h, device=q_BSHK.device).expand(b, s, h, h)
     return torch.cat((q_BSHK.float(), one_hot), dim=-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_bias(offset: int, q: int, window: int, device: torch.device) -> torch.Tensor:
+    """(Q, 1, offset + Q): 0 where query ``i`` sees window row ``j`` (rows from ``offset``
+    before the block's first query to its last), -inf where not; shared, never written."""
+    lag = torch.arange(offset, offset + q, device=device)[:, None] - torch.arange(
+        offset + q, device=device
+    )
+    return _bias((lag >= 0) & (lag < window)).unsqueeze(1)
 
 
 class _Blocks:
@@ -55,7 +67,10 @@ class _Blocks:
         entries = torch.cat((entries_BWK.float(), zeros.expand(b, entries_BWK.shape[1], h)), -1)
         self.tail = torch.cat((entries, sink.expand(b, 1, -1)), dim=1)  # (B, W + 1, K + H)
         self.picks = None if idx is None else (idx, _bias(valid))
-        self._window_bias: dict[tuple[int, int], torch.Tensor] = {}
+        if idx is None:  # (S, W) every closed entry
+            pos, dev = torch.arange(1, kv_BSK.shape[1] + 1), kv_BSK.device
+            n = entries_BWK.shape[1]
+            self.closed = _bias(torch.arange(n, device=dev) < (pos.to(dev) // rate)[:, None])
 
     def keys(self, start: int, stop: int) -> tuple[torch.Tensor, int]:
         """The keys (B, T + 1, K + H) of queries ``start .. stop - 1``: window rows
@@ -63,24 +78,11 @@ class _Blocks:
         lo = max(0, start - self.window + 1)
         return torch.cat((self.kv[:, lo:stop], self.tail), dim=1), lo
 
-    def window_bias(self, start: int, stop: int, lo: int) -> torch.Tensor:
-        """(Q, 1, stop - lo) 0 where a query sees the window row, -inf where not (shared by
-        every block of the same offsets)."""
-        key = (start - lo, stop - start)
-        if key not in self._window_bias:
-            dev = self.kv.device
-            lag = torch.arange(start, stop, device=dev)[:, None] - torch.arange(
-                lo, stop, device=dev
-            )
-            self._window_bias[key] = _bias((lag >= 0) & (lag < self.window)).unsqueeze(1)
-        return self._window_bias[key]
-
     def entry_bias(self, start: int, stop: int) -> torch.Tensor:
         """(B or 1, Q, 1, W) 0 where a query sees the entry, -inf where not."""
         n, dev = self.tail.shape[1] - 1, self.kv.device
         if self.picks is None:
-            pos = torch.arange(start + 1, stop + 1, device=dev)
-            return _bias(torch.arange(n, device=dev) < (pos // self.rate)[:, None])[None, :, None]
+            return self.closed[None, start:stop, None]
         idx, pick_bias = self.picks[0][:, start:stop], self.picks[1][:, start:stop]
         bias = torch.full((*idx.shape[:2], n), float("-inf"), device=dev)
         return bias.scatter_(-1, idx, pick_bias).unsqueeze(2)
@@ -92,7 +94,7 @@ class _Blocks:
         keys, lo = self.keys(start, stop)
         logits = torch.bmm(q_BQHX.reshape(b, q * h, x), keys.transpose(1, 2))
         by_head = logits.view(b, q, h, -1)
-        by_head[..., : stop - lo].add_(self.window_bias(start, stop, lo))
+        by_head[..., : stop - lo].add_(_window_bias(start - lo, q, self.window, logits.device))
         if keys.shape[1] > stop - lo + 1:
             by_head[..., stop - lo : -1].add_(self.entry_bias(start, stop))
         return logits, keys, lo
