@@ -23,8 +23,8 @@ rotated back at the query's position. The heads' outputs, in ``o_groups`` groups
 head beside the keys, dropped after the softmax.
 
 The attention itself is :mod:`moetrain.model.compressed_kernel`'s, a block of queries at a time
-(no (S, S) tensor), as is the indexer's scoring. The indexer's selection carries no gradient
-(as transformers').
+(no (S, S) tensor); the indexer scores as many queries at a time as keep its score table
+under ``INDEX_SCORES`` values. The indexer's selection carries no gradient (as transformers').
 
 Shape legend: B batch, S sequence, H heads, D d_model, K head dim, W compressed entries.
 """
@@ -45,6 +45,7 @@ from moetrain.model.layers import RMSNorm
 from moetrain.model.rope import yarn_inv_freq
 
 Kind = Literal["sliding", "csa", "hca"]
+INDEX_SCORES = 1 << 20  # the indexer scores as many queries at once as keep its table this small
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class Indexer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query's picks ``(idx_BSk, valid_BSk)``: its ``index_topk`` best entries (fewer
         where fewer exist), valid where closed by its position; scored a block of queries at
-        a time (no (S, W) score table)."""
+        a time (module docstring)."""
         b, s, _ = x_BSD.shape
         keys_BKW = self.compressor(x_BSD, cos, sin).float().transpose(1, 2)
         n, rate, dev = keys_BKW.shape[2], self.compressor.rate, x_BSD.device
@@ -189,7 +190,7 @@ class Indexer(nn.Module):
         k = min(self.topk, n)
         idx = torch.zeros(b, s, k, dtype=torch.long, device=dev)
         valid = torch.zeros(b, s, k, dtype=torch.bool, device=dev)
-        block = compressed_kernel.BLOCK
+        block = max(compressed_kernel.BLOCK, INDEX_SCORES // max(1, b * self.heads * n))
         for start in range(0, s, block):
             stop = min(s, start + block)
             scores = torch.bmm(q[:, start:stop].flatten(1, 2), keys_BKW)  # (B, Q Hi, W)

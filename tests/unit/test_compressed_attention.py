@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.model import compressed_kernel
+from moetrain.model import compressed_attention, compressed_kernel
 from moetrain.model.compressed_attention import (
     CompressedAttention,
     CompressedAttentionShape,
@@ -97,6 +97,7 @@ def test_matches_transformers_values_and_gradients(
     from transformers.masking_utils import create_sliding_window_causal_mask
 
     monkeypatch.setattr(compressed_kernel, "BLOCK", block)
+    monkeypatch.setattr(compressed_attention, "INDEX_SCORES", 1)  # (the indexer's blocks too)
 
     ours, theirs, cfg = build(kind, topk)
     torch.manual_seed(7)
