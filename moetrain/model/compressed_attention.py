@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from moetrain.model import compressed_kernel
-from moetrain.model.attention import unit_rms
 from moetrain.model.compressed_kernel import window_entry_attention, window_entry_logit_max
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import RMSNorm
@@ -105,6 +104,29 @@ class _RotatePairs(torch.autograd.Function):
         d_x = grad.clone()
         d_x[..., -2 * cos.shape[-1] :] = _turned(grad, cos, sin, not ctx.back)
         return d_x, None, None, None
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """A weightless RMSNorm over the last dim, ``x * rsqrt(mean(x^2) + eps)`` in fp32 (as
+    :func:`moetrain.model.attention.unit_rms`), with a written backward ``r (g - y mean(g y))``
+    (saves the fp32 input and ``r``)."""
+    return _UnitRms.apply(x, eps)
+
+
+class _UnitRms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, eps):  # noqa: ANN001, ANN205
+        x32 = x.float()
+        r = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x32, r)
+        return (x32 * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        x32, r = ctx.saved_tensors
+        g, y = grad.float(), x32 * r
+        d_x = torch.addcmul(g, y, (g * y).mean(-1, keepdim=True), value=-1.0).mul_(r)
+        return d_x.to(grad.dtype), None
 
 
 def pair_rope_rows(
