@@ -285,9 +285,7 @@ class CompressedAttention(nn.Module):
         out = window_entry_attention(
             q, kv, entries, picks, self.sinks, sh.window, rate, sh.head_dim**-0.5
         )  # (B, S, H, K)
-        out = rotate_pairs(
-            out, cos[:, None], sin[:, None], back=True
-        )  # the values' rotation undone
+        out = rotate_pairs(out, cos[:, None], sin[:, None], back=True)  # (values' rotation undone)
         grouped = out.reshape(b, s, sh.o_groups, -1)
         w_a = self.wo_a.view(sh.o_groups, sh.o_lora_rank, -1)
         low = torch.einsum("bsgi,goi->bsgo", grouped, w_a.to(grouped.dtype))

@@ -11,8 +11,8 @@ The heads share the key, so a block's queries of every head are the rows of one 
 (queries in (B, S, H, K) order: a block of them is a view): one GEMM per batch row scores them
 all, and the key gradients come out summed over the heads. The sink is the logits' last column,
 scored by the GEMM itself: each query carries a one-hot of its head in H extra channels, the
-keys zeros there, and a sink key the sinks (exact: the extra products are 0 or the sink times
-1); one softmax then gives the probabilities and the sink's share. The window's and the
+keys zeros there, and a sink key the sinks (exact for finite values: the extra products are 0
+or the sink times 1); one softmax then gives the probabilities and the sink's share. The window's and the
 entries' masks are added in place, as 0 or -inf.
 
 The entries a query sees: with ``picks`` (compressed sparse attention), the entries of its
@@ -60,7 +60,7 @@ class _Blocks:
 
     def __init__(self, kv_BSK, entries_BWK, idx, valid, sinks_H, window: int, rate: int) -> None:  # noqa: ANN001
         b, h = kv_BSK.shape[0], sinks_H.shape[0]
-        self.k, self.window, self.rate = kv_BSK.shape[-1], window, rate
+        self.k, self.window = kv_BSK.shape[-1], window
         zeros = kv_BSK.new_zeros((), dtype=torch.float32)
         self.kv = torch.cat((kv_BSK.float(), zeros.expand(b, kv_BSK.shape[1], h)), dim=-1)
         sink = torch.cat((zeros.expand(self.k), sinks_H.float()))
@@ -68,9 +68,11 @@ class _Blocks:
         self.tail = torch.cat((entries, sink.expand(b, 1, -1)), dim=1)  # (B, W + 1, K + H)
         self.picks = None if idx is None else (idx, _bias(valid))
         if idx is None:  # (S, W) every closed entry
-            pos, dev = torch.arange(1, kv_BSK.shape[1] + 1), kv_BSK.device
-            n = entries_BWK.shape[1]
-            self.closed = _bias(torch.arange(n, device=dev) < (pos.to(dev) // rate)[:, None])
+            dev = kv_BSK.device
+            pos = torch.arange(1, kv_BSK.shape[1] + 1, device=dev)
+            self.closed = _bias(
+                torch.arange(entries_BWK.shape[1], device=dev) < (pos // rate)[:, None]
+            )
 
     def keys(self, start: int, stop: int) -> tuple[torch.Tensor, int]:
         """The keys (B, T + 1, K + H) of queries ``start .. stop - 1``: window rows
@@ -80,11 +82,12 @@ class _Blocks:
 
     def entry_bias(self, start: int, stop: int) -> torch.Tensor:
         """(B or 1, Q, 1, W) 0 where a query sees the entry, -inf where not."""
-        n, dev = self.tail.shape[1] - 1, self.kv.device
         if self.picks is None:
             return self.closed[None, start:stop, None]
         idx, pick_bias = self.picks[0][:, start:stop], self.picks[1][:, start:stop]
-        bias = torch.full((*idx.shape[:2], n), float("-inf"), device=dev)
+        bias = torch.full(
+            (*idx.shape[:2], self.tail.shape[1] - 1), float("-inf"), device=idx.device
+        )
         return bias.scatter_(-1, idx, pick_bias).unsqueeze(2)
 
     def logits(self, q_BQHX: torch.Tensor, start: int, stop: int):  # noqa: ANN201
