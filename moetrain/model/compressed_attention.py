@@ -23,8 +23,8 @@ rotated back at the query's position. The heads' outputs, in ``o_groups`` groups
 head beside the keys, dropped after the softmax.
 
 The attention itself is :mod:`moetrain.model.compressed_kernel`'s, a block of queries at a time
-(no (S, S) tensor), as is the indexer's scoring. The indexer's selection carries no gradient
-(as transformers').
+(no (S, S) tensor); the indexer scores as many queries at a time as keep its score table
+under ``INDEX_SCORES`` values. The indexer's selection carries no gradient (as transformers').
 
 Shape legend: B batch, S sequence, H heads, D d_model, K head dim, W compressed entries.
 """
@@ -38,13 +38,13 @@ import torch
 from torch import nn
 
 from moetrain.model import compressed_kernel
-from moetrain.model.attention import unit_rms
 from moetrain.model.compressed_kernel import window_entry_attention, window_entry_logit_max
 from moetrain.model.cpu_matmul import Linear
 from moetrain.model.layers import RMSNorm
 from moetrain.model.rope import yarn_inv_freq
 
 Kind = Literal["sliding", "csa", "hca"]
+INDEX_SCORES = 1 << 20  # the indexer scores as many queries at once as keep its table this small
 
 
 @dataclass(frozen=True)
@@ -72,16 +72,61 @@ def rotate_pairs(
 ) -> torch.Tensor:
     """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` (..., S, K) in adjacent pairs
     by the rows ``cos`` / ``sin`` (S, R/2) (in fp32), the leading channels untouched; ``back``:
-    by the opposite angles."""
-    r = 2 * cos.shape[-1]
-    pairs = x[..., -r:].float().unflatten(-1, (-1, 2))
+    by the opposite angles. Its backward is the opposite rotation of the gradient (nothing of
+    ``x`` saved)."""
+    return _RotatePairs.apply(x, cos, sin, back)
+
+
+def _turned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, back: bool) -> torch.Tensor:
+    """The trailing ``2 * cos.shape[-1]`` channels of ``x`` rotated (fp32, cast back)."""
+    pairs = x[..., -2 * cos.shape[-1] :].float().unflatten(-1, (-1, 2))
     a, b = pairs[..., 0], pairs[..., 1]
     cos, sin = cos.float(), sin.float()
     if back:
-        turned = torch.stack((a * cos + b * sin, b * cos - a * sin), dim=-1).flatten(-2)
+        turned = torch.stack((a * cos + b * sin, b * cos - a * sin), dim=-1)
     else:
-        turned = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-r], turned.to(x.dtype)), dim=-1)
+        turned = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    return turned.flatten(-2).to(x.dtype)
+
+
+class _RotatePairs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, back):  # noqa: ANN001, ANN205
+        out = x.clone()
+        out[..., -2 * cos.shape[-1] :] = _turned(x, cos, sin, back)
+        ctx.save_for_backward(cos, sin)
+        ctx.back = back
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        cos, sin = ctx.saved_tensors
+        d_x = grad.clone()
+        d_x[..., -2 * cos.shape[-1] :] = _turned(grad, cos, sin, not ctx.back)
+        return d_x, None, None, None
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """A weightless RMSNorm over the last dim, ``x * rsqrt(mean(x^2) + eps)`` in fp32 (as
+    :func:`moetrain.model.attention.unit_rms`), with a written backward ``r (g - y mean(g y))``
+    (saves the fp32 input and ``r``)."""
+    return _UnitRms.apply(x, eps)
+
+
+class _UnitRms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, eps):  # noqa: ANN001, ANN205
+        x32 = x.float()
+        r = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x32, r)
+        return (x32 * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        x32, r = ctx.saved_tensors
+        g, y = grad.float(), x32 * r
+        d_x = torch.addcmul(g, y, (g * y).mean(-1, keepdim=True), value=-1.0).mul_(r)
+        return d_x.to(grad.dtype), None
 
 
 def pair_rope_rows(
@@ -157,27 +202,27 @@ class Indexer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query's picks ``(idx_BSk, valid_BSk)``: its ``index_topk`` best entries (fewer
         where fewer exist), valid where closed by its position; scored a block of queries at
-        a time (no (S, W) score table)."""
+        a time (module docstring)."""
         b, s, _ = x_BSD.shape
-        keys_BWK = self.compressor(x_BSD, cos, sin).float()
-        n, rate = keys_BWK.shape[1], self.compressor.rate
-        q = self.wq_b(q_low).view(b, s, self.heads, self.dim).transpose(1, 2)
-        q = rotate_pairs(q, cos[:s], sin[:s]).transpose(1, 2).float()  # (B, S, Hi, Ki)
+        keys_BKW = self.compressor(x_BSD, cos, sin).float().transpose(1, 2)
+        n, rate, dev = keys_BKW.shape[2], self.compressor.rate, x_BSD.device
+        q = self.wq_b(q_low).view(b, s, self.heads, self.dim)
+        q = rotate_pairs(q, cos[:s, None], sin[:s, None]).float()  # (B, S, Hi, Ki)
         head_w = self.weights_proj(x_BSD).float() * self.heads**-0.5
         k = min(self.topk, n)
-        idx = torch.zeros(b, s, k, dtype=torch.long, device=x_BSD.device)
-        valid = torch.zeros(b, s, k, dtype=torch.bool, device=x_BSD.device)
-        block = compressed_kernel.BLOCK
+        idx = torch.zeros(b, s, k, dtype=torch.long, device=dev)
+        valid = torch.zeros(b, s, k, dtype=torch.bool, device=dev)
+        block = max(compressed_kernel.BLOCK, INDEX_SCORES // max(1, b * self.heads * n))
         for start in range(0, s, block):
             stop = min(s, start + block)
-            scores = torch.relu(torch.matmul(q[:, start:stop], keys_BWK.transpose(-1, -2)[:, None]))
-            score_BQW = (scores * self.dim**-0.5 * head_w[:, start:stop, :, None]).sum(2)
-            pos = torch.arange(start, stop, device=x_BSD.device)
-            closed = torch.arange(n, device=x_BSD.device) < ((pos + 1) // rate)[:, None]
-            score_BQW = score_BQW.masked_fill(~closed, float("-inf"))
+            scores = torch.bmm(q[:, start:stop].flatten(1, 2), keys_BKW)  # (B, Q Hi, W)
+            scores = scores.view(b, stop - start, self.heads, n).relu_().mul_(self.dim**-0.5)
+            score_BQW = scores.mul_(head_w[:, start:stop, :, None]).sum(2)
+            closed_Q = torch.arange(start + 1, stop + 1, device=dev)[:, None] // rate
+            score_BQW.masked_fill_(torch.arange(n, device=dev) >= closed_Q, float("-inf"))
             picks = score_BQW.topk(k, dim=-1).indices
             idx[:, start:stop] = picks
-            valid[:, start:stop] = closed.expand(b, -1, -1).gather(-1, picks)
+            valid[:, start:stop] = picks < closed_Q
         return idx, valid
 
     def init_own_parameters(self) -> None:
@@ -224,8 +269,8 @@ class CompressedAttention(nn.Module):
         b, s, _ = x_BSD.shape
         cos, sin = cos[:s], sin[:s]
         q_low = self.q_norm(self.wq_a(x_BSD))
-        q = self.wq_b(q_low).view(b, s, sh.n_heads, sh.head_dim).transpose(1, 2)
-        q = rotate_pairs(unit_rms(q, sh.norm_eps), cos, sin)  # (B, H, S, K)
+        q = self.wq_b(q_low).view(b, s, sh.n_heads, sh.head_dim)
+        q = rotate_pairs(unit_rms(q, sh.norm_eps), cos[:, None], sin[:, None])  # (B, S, H, K)
         kv = rotate_pairs(self.kv_norm(self.wkv(x_BSD)), cos, sin)  # (B, S, K)
         entries, picks = kv[:, :0], None
         if self.compressor is not None:
@@ -239,8 +284,8 @@ class CompressedAttention(nn.Module):
             self.logit_max_H = seen if old is None else torch.maximum(old, seen)
         out = window_entry_attention(
             q, kv, entries, picks, self.sinks, sh.window, rate, sh.head_dim**-0.5
-        )  # (B, H, S, K)
-        out = rotate_pairs(out, cos, sin, back=True).transpose(1, 2)  # the values' rotation undone
+        )  # (B, S, H, K)
+        out = rotate_pairs(out, cos[:, None], sin[:, None], back=True)  # (values' rotation undone)
         grouped = out.reshape(b, s, sh.o_groups, -1)
         w_a = self.wo_a.view(sh.o_groups, sh.o_lora_rank, -1)
         low = torch.einsum("bsgi,goi->bsgo", grouped, w_a.to(grouped.dtype))

@@ -3,113 +3,155 @@ compressed entries it may see, one key/value head read as both keys and values, 
 logit per head beside them (dropped after the softmax).
 
 Exact softmax attention computed a block of queries at a time, forward and backward (a written
-backward that recomputes each block's probabilities from the row's log-sum-exp), so no (S, S)
-tensor is ever built: a block holds (B, H, Q, Q + window + W) logits, and backward keeps only
-the queries, the keys, the entries, the output, each row's log-sum-exp and the csa selection.
+backward that recomputes each block's probabilities), so no (S, S) tensor is ever built: a block
+holds (B, Q H, T + 1) logits, and backward keeps only the scaled queries, the keys, the entries,
+the output and the csa selection.
+
+The heads share the key, so a block's queries of every head are the rows of one matrix
+(queries in (B, S, H, K) order: a block of them is a view): one GEMM per batch row scores them
+all, and the key gradients come out summed over the heads. The sink is the logits' last column,
+scored by the GEMM itself: each query carries a one-hot of its head in H extra channels, the
+keys zeros there, and a sink key the sinks (exact for finite values: the extra products are 0
+or the sink times 1); one softmax then gives the probabilities and the sink's share. The window's and the
+entries' masks are added in place, as 0 or -inf.
 
 The entries a query sees: with ``picks`` (compressed sparse attention), the entries of its
 ``(idx_BSk, valid_BSk)``; without (heavily compressed), every entry whose window has closed by
 its position (entry w is seen from position ``(w + 1) rate - 1`` on).
 
 Shape legend: B batch, H heads, S sequence, K head dim, W entries, k picks per query, Q block,
-T keys of a block.
+T keys of a block (window rows, then entries).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-BLOCK = 64  # queries per block
+BLOCK = 32  # queries per block (a block of Q computes Q + window - 1 window logits per query)
 
 
-def block_keys(
-    kv_BSK: torch.Tensor,
-    entries_BWK: torch.Tensor,
-    picks: tuple[torch.Tensor, torch.Tensor] | None,
-    start: int,
-    stop: int,
-    window: int,
-    rate: int,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The keys of queries ``start .. stop - 1`` (B, T, K): the window's rows ``lo .. stop - 1``,
-    then every entry; which of them each query sees (B, Q, T), and ``lo``."""
-    b, dev = kv_BSK.shape[0], kv_BSK.device
-    lo = max(0, start - window + 1)
-    q_pos = torch.arange(start, stop, device=dev)
-    lag = q_pos[:, None] - torch.arange(lo, stop, device=dev)[None, :]
-    seen = ((lag >= 0) & (lag < window)).expand(b, -1, -1)
-    n = entries_BWK.shape[1]
-    if picks is None:
-        closed = torch.arange(n, device=dev) < ((q_pos + 1) // rate)[:, None]
-        seen_entries = closed.expand(b, -1, -1)
-    else:
-        idx, valid = picks[0][:, start:stop], picks[1][:, start:stop]
-        seen_entries = idx.new_zeros(b, stop - start, n, dtype=torch.bool)
-        seen_entries.scatter_(-1, idx, valid)
-    keys = torch.cat((kv_BSK[:, lo:stop], entries_BWK), dim=1)
-    return keys, torch.cat((seen, seen_entries), dim=-1), lo
+def _bias(seen: torch.Tensor) -> torch.Tensor:
+    """fp32 0 where ``seen``, -inf where not (added to logits)."""
+    return torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, float("-inf"))
 
 
-def _logits(q_BHQK: torch.Tensor, keys_BTK: torch.Tensor, seen: torch.Tensor, scale: float):
-    """fp32 (B, H, Q, T) logits, -inf where not seen."""
-    logits = torch.matmul(q_BHQK, keys_BTK.unsqueeze(1).transpose(-1, -2)).float() * scale
-    return logits.masked_fill(~seen.unsqueeze(1), float("-inf"))
+def _with_heads(q_BSHK: torch.Tensor) -> torch.Tensor:
+    """fp32 (B, S, H, K + H): the queries, then a one-hot of their head (scores the sink)."""
+    b, s, h, _ = q_BSHK.shape
+    one_hot = torch.eye(h, device=q_BSHK.device).expand(b, s, h, h)
+    return torch.cat((q_BSHK.float(), one_hot), dim=-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_bias(offset: int, q: int, window: int, device: torch.device) -> torch.Tensor:
+    """(Q, 1, offset + Q): 0 where query ``i`` sees window row ``j`` (rows from ``offset``
+    before the block's first query to its last), -inf where not; shared, never written."""
+    lag = torch.arange(offset, offset + q, device=device)[:, None] - torch.arange(
+        offset + q, device=device
+    )
+    return _bias((lag >= 0) & (lag < window)).unsqueeze(1)
+
+
+class _Blocks:
+    """What every block of queries of one call needs: the keys (each with H zero channels, then
+    the sink key: zeros, then the sinks), the masks."""
+
+    def __init__(self, kv_BSK, entries_BWK, idx, valid, sinks_H, window: int, rate: int) -> None:  # noqa: ANN001
+        b, h = kv_BSK.shape[0], sinks_H.shape[0]
+        self.k, self.window = kv_BSK.shape[-1], window
+        zeros = kv_BSK.new_zeros((), dtype=torch.float32)
+        self.kv = torch.cat((kv_BSK.float(), zeros.expand(b, kv_BSK.shape[1], h)), dim=-1)
+        sink = torch.cat((zeros.expand(self.k), sinks_H.float()))
+        entries = torch.cat((entries_BWK.float(), zeros.expand(b, entries_BWK.shape[1], h)), -1)
+        self.tail = torch.cat((entries, sink.expand(b, 1, -1)), dim=1)  # (B, W + 1, K + H)
+        self.picks = None if idx is None else (idx, _bias(valid))
+        if idx is None:  # (S, W) every closed entry
+            dev = kv_BSK.device
+            pos = torch.arange(1, kv_BSK.shape[1] + 1, device=dev)
+            self.closed = _bias(
+                torch.arange(entries_BWK.shape[1], device=dev) < (pos // rate)[:, None]
+            )
+
+    def keys(self, start: int, stop: int) -> tuple[torch.Tensor, int]:
+        """The keys (B, T + 1, K + H) of queries ``start .. stop - 1``: window rows
+        ``lo .. stop - 1``, every entry, the sink key; and ``lo``."""
+        lo = max(0, start - self.window + 1)
+        return torch.cat((self.kv[:, lo:stop], self.tail), dim=1), lo
+
+    def entry_bias(self, start: int, stop: int) -> torch.Tensor:
+        """(B or 1, Q, 1, W) 0 where a query sees the entry, -inf where not."""
+        if self.picks is None:
+            return self.closed[None, start:stop, None]
+        idx, pick_bias = self.picks[0][:, start:stop], self.picks[1][:, start:stop]
+        bias = torch.full(
+            (*idx.shape[:2], self.tail.shape[1] - 1), float("-inf"), device=idx.device
+        )
+        return bias.scatter_(-1, idx, pick_bias).unsqueeze(2)
+
+    def logits(self, q_BQHX: torch.Tensor, start: int, stop: int):  # noqa: ANN201
+        """fp32 logits (B, Q H, T + 1) of the block's queries (scaled, with their heads), -inf
+        where not seen, the sink's last; its keys (B, T + 1, K + H) and ``lo``."""
+        b, q, h, x = q_BQHX.shape
+        keys, lo = self.keys(start, stop)
+        logits = torch.bmm(q_BQHX.reshape(b, q * h, x), keys.transpose(1, 2))
+        by_head = logits.view(b, q, h, -1)
+        by_head[..., : stop - lo].add_(_window_bias(start - lo, q, self.window, logits.device))
+        if keys.shape[1] > stop - lo + 1:
+            by_head[..., stop - lo : -1].add_(self.entry_bias(start, stop))
+        return logits, keys, lo
 
 
 class _WindowEntryAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, entries, idx, valid, sinks, window, rate, scale):  # noqa: ANN001, ANN205
-        b, h, s, _ = q.shape
-        picks = None if idx is None else (idx, valid)
-        out = torch.empty_like(q)
-        lse = q.new_empty(b, h, s, dtype=torch.float32)
-        sink = sinks.float().view(1, h, 1, 1)
+        b, s, h, k = q.shape
+        q_scaled = q * scale
+        q_ext = _with_heads(q_scaled)
+        blocks = _Blocks(kv, entries, idx, valid, sinks, window, rate)
+        outs = []
         for start in range(0, s, BLOCK):
             stop = min(s, start + BLOCK)
-            keys, seen, _ = block_keys(kv, entries, picks, start, stop, window, rate)
-            logits = _logits(q[:, :, start:stop], keys, seen, scale)
-            top = torch.maximum(logits.amax(-1, keepdim=True), sink)
-            e = torch.exp(logits - top)
-            total = e.sum(-1, keepdim=True) + torch.exp(sink - top)
-            out[:, :, start:stop] = torch.matmul((e / total).to(kv.dtype), keys.unsqueeze(1))
-            lse[:, :, start:stop] = (top + total.log()).squeeze(-1)
-        ctx.save_for_backward(q, kv, entries, idx, valid, sinks, out, lse)
+            logits, keys, _ = blocks.logits(q_ext[:, start:stop], start, stop)
+            p = torch.softmax(logits, dim=-1)
+            outs.append(torch.bmm(p[..., :-1], keys[:, :-1, :k]).view(b, -1, h, k))
+        out = torch.cat(outs, dim=1).to(q.dtype)
+        ctx.save_for_backward(q_scaled, kv, entries, idx, valid, sinks, out)
         ctx.window, ctx.rate, ctx.scale = window, rate, scale
         return out
 
     @staticmethod
     def backward(ctx, d_out):  # noqa: ANN001, ANN205
-        q, kv, entries, idx, valid, sinks, out, lse = ctx.saved_tensors
-        picks = None if idx is None else (idx, valid)
-        b, h, s, _ = q.shape
-        n = entries.shape[1]
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dkv = torch.zeros_like(kv, dtype=torch.float32)
-        d_entries = torch.zeros_like(entries, dtype=torch.float32)
-        d_sinks = torch.zeros(h, dtype=torch.float32, device=q.device)
-        d_out = d_out.float()
-        delta = (d_out * out.float()).sum(-1)  # (B, H, S)
-        sink = sinks.float().view(1, h, 1)
+        q_scaled, kv, entries, idx, valid, sinks, out = ctx.saved_tensors
+        b, s, h, k = q_scaled.shape
+        tw = kv.shape[1]
+        q_ext = _with_heads(q_scaled)
+        blocks = _Blocks(kv, entries, idx, valid, sinks, ctx.window, ctx.rate)
+        d_out = d_out.float().contiguous()
+        delta = (d_out * out.float()).sum(-1).view(b, s * h)  # (B, S H): rows of dO . O
+        sink_p = torch.empty_like(delta)  # the sink's probability per row
+        dqs, d_keys_all = [], q_scaled.new_zeros(b, tw + entries.shape[1], k, dtype=torch.float32)
         for start in range(0, s, BLOCK):
             stop = min(s, start + BLOCK)
-            keys, seen, lo = block_keys(kv, entries, picks, start, stop, ctx.window, ctx.rate)
-            q_blk = q[:, :, start:stop]
-            rows_lse = lse[:, :, start:stop]
-            p = torch.exp(_logits(q_blk, keys, seen, ctx.scale) - rows_lse.unsqueeze(-1))
-            do = d_out[:, :, start:stop]
-            rows_delta = delta[:, :, start:stop]
-            keys32 = keys.float().unsqueeze(1)
-            d_logits = p * (torch.matmul(do, keys32.transpose(-1, -2)) - rows_delta.unsqueeze(-1))
-            dq[:, :, start:stop] = torch.matmul(d_logits, keys32) * ctx.scale
-            d_keys = torch.matmul(d_logits.transpose(-1, -2), q_blk.float()) * ctx.scale
-            d_keys = (d_keys + torch.matmul(p.transpose(-1, -2), do)).sum(1)  # (B, T, K)
-            dkv[:, lo:stop] += d_keys[:, : stop - lo]
-            d_entries += d_keys[:, stop - lo :]
-            d_sinks -= (torch.exp(sink - rows_lse) * rows_delta).sum((0, 2))
-        d_entries = d_entries.to(entries.dtype) if n else None
+            logits, keys, lo = blocks.logits(q_ext[:, start:stop], start, stop)
+            p = torch.softmax(logits, dim=-1)
+            sink_p[:, start * h : stop * h] = p[..., -1]
+            p, keys = p[..., :-1], keys[:, :-1, :k]
+            do = d_out[:, start:stop].view(b, -1, k)
+            dl = torch.bmm(do, keys.transpose(1, 2))  # dP, then the logits' gradient
+            dl.sub_(delta[:, start * h : stop * h, None]).mul_(p)
+            dqs.append(torch.bmm(dl, keys))
+            d_keys = torch.bmm(dl.transpose(1, 2), q_ext[:, start:stop, :, :k].reshape(b, -1, k))
+            d_keys.baddbmm_(p.transpose(1, 2), do)  # (B, T, K)
+            d_keys_all[:, lo:stop] += d_keys[:, : stop - lo]
+            d_keys_all[:, tw:] += d_keys[:, stop - lo :]
+        dq = torch.cat(dqs, dim=1).view(b, s, h, k).mul_(ctx.scale)
+        d_sinks = -(sink_p * delta).view(b, s, h).sum((0, 1))
+        d_entries = d_keys_all[:, tw:].to(entries.dtype) if entries.shape[1] else None
         return (
-            dq.to(q.dtype),
-            dkv.to(kv.dtype),
+            dq.to(q_scaled.dtype),
+            d_keys_all[:, :tw].to(kv.dtype),
             d_entries,
             None,
             None,
@@ -122,7 +164,7 @@ class _WindowEntryAttention(torch.autograd.Function):
 
 @torch.no_grad()
 def window_entry_logit_max(
-    q_BHSK: torch.Tensor,
+    q_BSHK: torch.Tensor,
     kv_BSK: torch.Tensor,
     entries_BWK: torch.Tensor,
     picks: tuple[torch.Tensor, torch.Tensor] | None,
@@ -132,17 +174,22 @@ def window_entry_logit_max(
 ) -> torch.Tensor:
     """(H,) fp32: each head's largest logit over the keys and entries its queries see (the
     sinks left out), a block of queries at a time."""
-    out = torch.full((q_BHSK.shape[1],), float("-inf"), device=q_BHSK.device)
-    for start in range(0, q_BHSK.shape[2], BLOCK):
-        stop = min(q_BHSK.shape[2], start + BLOCK)
-        keys, seen, _ = block_keys(kv_BSK, entries_BWK, picks, start, stop, window, rate)
-        logits = _logits(q_BHSK[:, :, start:stop], keys, seen, scale)
-        out = torch.maximum(out, logits.amax(dim=(0, 2, 3)))
+    b, s, h, _ = q_BSHK.shape
+    idx, valid = picks if picks is not None else (None, None)
+    sinks = torch.zeros(h, device=q_BSHK.device)  # (its column left out)
+    blocks = _Blocks(kv_BSK, entries_BWK, idx, valid, sinks, window, rate)
+    q_ext = _with_heads(q_BSHK.float() * scale)
+    out = torch.full((h,), float("-inf"), device=q_BSHK.device)
+    for start in range(0, s, BLOCK):
+        stop = min(s, start + BLOCK)
+        logits, _, _ = blocks.logits(q_ext[:, start:stop], start, stop)
+        by_head = logits.view(b, stop - start, h, -1)[..., :-1]
+        out = torch.maximum(out, by_head.amax(dim=(0, 1, 3)))
     return out
 
 
 def window_entry_attention(
-    q_BHSK: torch.Tensor,
+    q_BSHK: torch.Tensor,
     kv_BSK: torch.Tensor,
     entries_BWK: torch.Tensor,
     picks: tuple[torch.Tensor, torch.Tensor] | None,
@@ -151,9 +198,9 @@ def window_entry_attention(
     rate: int,
     scale: float,
 ) -> torch.Tensor:
-    """(B, H, S, K) attention of queries at positions ``0 .. S - 1`` over their window's keys
+    """(B, S, H, K) attention of queries at positions ``0 .. S - 1`` over their window's keys
     ``kv_BSK`` and the entries they see (module docstring), with a sink logit per head."""
     idx, valid = picks if picks is not None else (None, None)
     return _WindowEntryAttention.apply(
-        q_BHSK, kv_BSK, entries_BWK, idx, valid, sinks_H, window, rate, scale
+        q_BSHK.contiguous(), kv_BSK, entries_BWK, idx, valid, sinks_H, window, rate, scale
     )

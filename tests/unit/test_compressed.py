@@ -172,7 +172,7 @@ def test_a_packed_row_equals_its_documents_alone() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_saved_bytes_match_saved_tensors(dtype: torch.dtype) -> None:
-    """The three layer types at 128 positions (two blocks of queries, 32 csa entries), as the
+    """The three layer types at 128 positions (several blocks of queries, 32 csa entries), as the
     difference from the same model with grouped-query attention (the rest of the model's
     saved bytes cancel)."""
     seq = {"model.max_seq_len": 256, "data.seq_len": 128}

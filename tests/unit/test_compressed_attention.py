@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.model import compressed_kernel
+from moetrain.model import compressed_attention, compressed_kernel
 from moetrain.model.compressed_attention import (
     CompressedAttention,
     CompressedAttentionShape,
     pair_rope_rows,
     rotate_pairs,
+    unit_rms,
 )
 
 v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
@@ -97,6 +98,7 @@ def test_matches_transformers_values_and_gradients(
     from transformers.masking_utils import create_sliding_window_causal_mask
 
     monkeypatch.setattr(compressed_kernel, "BLOCK", block)
+    monkeypatch.setattr(compressed_attention, "INDEX_SCORES", 1)  # (the indexer's blocks too)
 
     ours, theirs, cfg = build(kind, topk)
     torch.manual_seed(7)
@@ -189,3 +191,17 @@ def test_rope_rows_match_transformers(yarn: bool) -> None:
     if yarn:  # negative control: the unscaled frequencies are another table
         plain_cos, _ = pair_rope_rows(S, R, THETA["csa"])
         assert not torch.allclose(plain_cos, want_cos[0], rtol=1e-6, atol=1e-6)
+
+
+def test_unit_rms_backward_is_the_formulas_gradient() -> None:
+    """The written backward against autograd through the fp64 formula (a wrong sign or a
+    missing mean term would be far off)."""
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(2)) * 4
+    g = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(3))
+    x32, x64 = x.clone().requires_grad_(True), x.double().requires_grad_(True)
+    y = unit_rms(x32, 1e-6)
+    want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
+    y.backward(g)
+    want.backward(g.double())
+    torch.testing.assert_close(x32.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)

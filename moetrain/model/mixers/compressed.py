@@ -217,8 +217,8 @@ class CompressedMixer(CompressedAttention, TokenMixer):
     ) -> int:
         """Per token (a = ``act_bytes``): the input ``aD``; the query latent and its norm
         ``2aQ + 4``; the heads' fp32 copy for their weightless norm ``4HK + 4H``; the key's norm
-        ``aK + 4``; the attention's queries, key, output and log-sum-exp ``2aHK + aK + 4H``
-        (csa: its picks ``9k``); the grouped projection's input in group order ``aHK`` and
+        ``aK + 4``; the attention's scaled queries, key and output ``2aHK + aK`` (csa: its picks
+        ``9k``); the grouped projection's input in group order ``aHK`` and
         ``wo``'s ``aGO``. A compressed layer of window m and width c (K; csa 2K, two series)
         adds the compressor's keys and fp32 softmax ``(a + 4)c`` (under bf16 the weights'
         rounded copy ``ac``) and its entries, normalised and rotated, ``(2aK + 4) / m``. The
@@ -226,7 +226,7 @@ class CompressedMixer(CompressedAttention, TokenMixer):
         sh = attention_shape(cfg, spec)
         a, h, k, ql = act_bytes, sh.n_heads, sh.head_dim, sh.q_lora_rank
         total = a * sh.d_model + 2 * a * ql + 4 + 4 * h * k + 4 * h + a * k + 4
-        total += 3 * a * h * k + a * k + 4 * h + a * sh.o_groups * sh.o_lora_rank
+        total += 3 * a * h * k + a * k + a * sh.o_groups * sh.o_lora_rank
         if sh.kind != "sliding":
             width = 2 * k if sh.kind == "csa" else k
             total += (a + 4) * width + (a * width if a != 4 else 0)
