@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.model.layers import clamped_swiglu, clamped_swiglu_packed
+from moetrain.model.clamped_swiglu import clamped_swiglu, clamped_swiglu_packed
 
 
 def _composition(a, b, w, alpha: float, limit: float, offset: float) -> torch.Tensor:
