@@ -177,6 +177,9 @@ def launch(out: Path, steps: int, argv: list[str]) -> list[list[dict]]:
     cmd = [torchrun, "--standalone", "--nproc_per_node", "2", __file__]
     cmd += ["--rank-main", str(out), str(steps), *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    # DeepSpeed's CPU op in this benchmark's own cache (as train_command.py): a cache shared with
+    # other installs is rebuilt by whichever last built it, inside the measured runs
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(out.parent / "torch-extensions"))
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")

@@ -87,7 +87,7 @@ def decayed_products(
     for j in range(b):
         f = decay_exp(gb[..., j:, :] - gb[..., j : j + 1, :])
         diag[..., j:, j] = (xb[..., j:, :] * yb[..., j : j + 1, :] * f).sum(-1)
-    return out.masked_fill_(~keep, 0.0)
+    return out.mul_(keep)  # (a multiply: several times cheaper than a masked fill on CPUs)
 
 
 def decayed_products_grad(

@@ -24,10 +24,9 @@ Shape legend: B batch, S sequence, N streams, D d_model.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.attention import unit_rms
+from moetrain.model.hyper_connection_ops import collapse, mix, mixing_matrix, normed_projection
 
 
 def expand_streams(x_BSD: torch.Tensor, n: int) -> torch.Tensor:
@@ -35,32 +34,13 @@ def expand_streams(x_BSD: torch.Tensor, n: int) -> torch.Tensor:
     return x_BSD.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
 
 
-def sinkhorn(comb_NN: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Sinkhorn-Knopp on the last two axes: columns normalised, then ``iters - 1`` times rows
-    and columns, each divided by its sum + ``eps``. Computed with the matrices' entries
-    outermost and the tokens innermost (N, N, tokens), where every sum and division runs over
-    long contiguous rows (the same operations, 2-3x faster at N = 4 than over (..., N, N)).
-    Returned contiguous in (..., N, N): the mix's batched (N, N) products read it per token, and
-    torch's CPU batched matmul copies every token's matrix on its own when they are strided
-    (1.2-1.8x the mix's time, forward and backward)."""
-    shape = comb_NN.shape
-    x_NNT = comb_NN.flatten(0, -3).permute(1, 2, 0).contiguous()
-    x_NNT = x_NNT / (x_NNT.sum(0, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        x_NNT = x_NNT / (x_NNT.sum(1, keepdim=True) + eps)
-        x_NNT = x_NNT / (x_NNT.sum(0, keepdim=True) + eps)
-    return x_NNT.permute(2, 0, 1).contiguous().view(shape)
-
-
-def _coefficients(streams_BSND: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """fp32 ``unit_rms(concat of the streams) @ fn^T`` per token."""
-    flat = streams_BSND.flatten(2).float()
-    return F.linear(unit_rms(flat, norm_eps), fn.float())
-
-
-def _collapse(streams_BSND: torch.Tensor, pre_BSN: torch.Tensor) -> torch.Tensor:
-    """``sum_n pre_n * stream_n`` in the streams' dtype."""
-    return (pre_BSN.unsqueeze(-1) * streams_BSND).sum(2).to(streams_BSND.dtype)
+def _coefficients(
+    streams_BSND: torch.Tensor, fn: torch.Tensor, norm_eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The streams as (T, N, D) fp32 (a copy under bf16; the collapse reads them too) and the
+    fp32 ``unit_rms(concat of the streams) @ fn^T`` per token (T, W)."""
+    x_TND = streams_BSND.flatten(0, 1).float()
+    return x_TND, normed_projection(x_TND.flatten(1), fn.float(), norm_eps)
 
 
 class HyperConnection(nn.Module):
@@ -88,16 +68,17 @@ class HyperConnection(nn.Module):
         self, streams_BSND: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The branch's input (B, S, D) and ``(post_BSN, comb_BSNN)`` (fp32) for :meth:`mix`."""
-        n = self.n
-        coef = _coefficients(streams_BSND, self.fn, self.norm_eps)
+        n, (b, s) = self.n, streams_BSND.shape[:2]
+        x_TND, coef = _coefficients(streams_BSND, self.fn, self.norm_eps)
         pre, post, comb = coef.split([n, n, n * n], dim=-1)
         base_pre, base_post, base_comb = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
         pre = torch.sigmoid(pre * s_pre + base_pre) + self.eps
         post = 2 * torch.sigmoid(post * s_post + base_post)
         comb = comb.unflatten(-1, (n, n)) * s_comb + base_comb.view(n, n)
-        comb = sinkhorn(torch.softmax(comb, dim=-1) + self.eps, self.sinkhorn_iters, self.eps)
-        return _collapse(streams_BSND, pre), (post, comb)
+        comb = mixing_matrix(comb, self.sinkhorn_iters, self.eps)
+        h_BSD = collapse(x_TND, pre).to(streams_BSND.dtype).view(b, s, -1)
+        return h_BSD, (post.view(b, s, n), comb.view(b, s, n, n))
 
     @staticmethod
     def mix(
@@ -105,9 +86,11 @@ class HyperConnection(nn.Module):
     ) -> torch.Tensor:
         """``new_k = sum_j comb[j, k] * stream_j + post_k * y`` in the streams' dtype."""
         post_BSN, comb_BSNN = state
-        dtype = streams_BSND.dtype
-        carried = torch.matmul(comb_BSNN.to(dtype).transpose(-1, -2), streams_BSND)
-        return post_BSN.to(dtype).unsqueeze(-1) * y_BSD.unsqueeze(-2) + carried
+        new_TND = mix(
+            streams_BSND.flatten(0, 1), y_BSD.flatten(0, 1), post_BSN.flatten(0, 1),
+            comb_BSNN.flatten(0, 1),
+        )  # fmt: skip
+        return new_TND.view(streams_BSND.shape)
 
 
 class HyperHead(nn.Module):
@@ -123,6 +106,6 @@ class HyperHead(nn.Module):
     reset_parameters = HyperConnection.reset_parameters
 
     def forward(self, streams_BSND: torch.Tensor) -> torch.Tensor:
-        coef = _coefficients(streams_BSND, self.fn, self.norm_eps)
+        x_TND, coef = _coefficients(streams_BSND, self.fn, self.norm_eps)
         pre = torch.sigmoid(coef * self.scale.float() + self.base.float()) + self.eps
-        return _collapse(streams_BSND, pre)
+        return collapse(x_TND, pre).to(streams_BSND.dtype).view(streams_BSND.shape[:2] + (-1,))

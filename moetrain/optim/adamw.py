@@ -23,7 +23,7 @@ def adamw(
 ) -> Any:
     """AdamW: DeepSpeed's FusedAdam on CUDA when it builds, otherwise torch's fused AdamW (one
     kernel per tensor; on CPU about 8x faster than the per-op implementation on a ZeRO
-    partition, see benchmarks/RESULTS.md). Global rank 0 says which one runs; a rank where
+    partition, see benchmarks/HISTORY.md). Global rank 0 says which one runs; a rank where
     FusedAdam failed to build says why."""
     import torch
 

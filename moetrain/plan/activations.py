@@ -33,21 +33,23 @@ def _branch_norms_bytes(m: ModelConfig, a: int, layer: int) -> int:
 def hyper_connection_bytes_per_token(m: ModelConfig, a: int, head: bool = False) -> int:
     """Bytes one branch's hyper-connection (``head``: the final collapse) saves per token, N =
     ``model.hc_streams`` streams of width D (a = activation bytes; the coefficients in fp32):
-    the streams it reads ``aND`` (+ their fp32 copy ``4ND`` where a != 4), their unit-RMS
-    normed copy ``4ND`` and its rsqrt ``4``; a branch's also the coefficients ``4(2+N)N``,
-    ``pre``'s sigmoid and ``pre`` ``8N``, ``post``'s sigmoid ``4N`` and ``post`` in dtype
-    ``aN``, the mixing matrix's softmax and its floored copy ``8N^2``, Sinkhorn's
+    the streams in fp32 ``4ND`` (the streams themselves where a = 4, else their fp32 copy) and
+    their RMS factor ``4``; the head's also its coefficients, sigmoid and ``pre`` ``12N``; a
+    branch's also the streams in dtype ``aND`` where a != 4 (the mix reads them), the
+    coefficients ``4(2+N)N``, ``pre``'s sigmoid and ``pre`` ``8N``, ``post``'s sigmoid ``4N``
+    and ``post`` in dtype ``aN``, the mixing matrix's softmax ``4N^2``, Sinkhorn's
     ``k = 2 * hc_sinkhorn_iters - 1`` divisions (each its denominator ``4N``, each quotient
-    but the last ``4N^2``; the last in dtype ``aN^2``) and the branch's output ``aD``; the
-    head's its coefficients, sigmoid and ``pre`` ``12N``."""
+    ``4N^2``; the last, the mixing matrix, also in dtype ``aN^2`` where a != 4) and the
+    branch's output ``aD``."""
     n, d = m.hc_streams, m.d_model
-    streams = a * n * d + (4 * n * d if a != 4 else 0) + 4 * n * d + 4
+    streams = 4 * n * d + 4
     if head:
         return streams + 12 * n
+    in_dtype = a * n * d + a * n * n if a != 4 else 0
     k = 2 * m.hc_sinkhorn_iters - 1
     coefficients = 4 * (2 + n) * n + 12 * n + a * n
-    mixing = 4 * n * n * (k + 1) + a * n * n + 4 * n * k
-    return streams + coefficients + mixing + a * d
+    mixing = 4 * n * n * (k + 1) + 4 * n * k
+    return streams + in_dtype + coefficients + mixing + a * d
 
 
 def attention_bytes_per_token(m: ModelConfig, a: int, sp: int = 1, layer: int = 0) -> int:

@@ -12,7 +12,7 @@ Two habits of glibc's malloc cost a CPU training process memory or time:
   heap tops are trimmed back to the system to be faulted in again. ``keep`` (the default)
   serves every allocation from the heap and never trims it, so the next step reuses the blocks
   as they are; ``one_arena`` leaves this habit alone: a little less peak memory, slower steps.
-  Measured through ``moetrain train`` at the benchmark shape (benchmarks/RESULTS.md): against
+  Measured through ``moetrain train`` at the benchmark shape (benchmarks/results/training.md): against
   glibc's defaults, ``keep`` 20 MiB less peak memory per rank and 1.05-1.11x the tokens/s,
   ``one_arena`` 40 MiB less and no faster.
 - Long-lived blocks among the heap's. The buffers a run keeps (the flat weights, the optimizer's

@@ -31,7 +31,8 @@ def without_exchange_job(rank: int, world: int, layouts: list[tuple]) -> dict[st
 def bf16_job(rank: int, world: int, layouts: list[tuple[int, int]]) -> dict[str, Any]:
     """Muon in bf16 (``precision_jobs.bf16_run``) for every ``(ep, stage)`` of ``layouts``;
     the world-1 job also runs the fp32 reference (plain torch, one process)."""
-    from tests.distributed.parity_jobs import VARIANTS, reference_run
+    from tests.distributed.parity_jobs import reference_run
+    from tests.distributed.parity_variants import VARIANTS
     from tests.distributed.precision_jobs import bf16_key, bf16_run
 
     out = {bf16_key(lay): bf16_run(rank, world, *lay, **VARIANTS["muon"]) for lay in layouts}

@@ -11,13 +11,8 @@ from typing import Any
 
 import torch
 
-from tests.distributed.parity_jobs import (
-    GRAD_NAMES,
-    STEPS,
-    global_batches,
-    parity_config,
-    rank_slice,
-)
+from tests.distributed.parity_jobs import global_batches, parity_config, rank_slice
+from tests.distributed.parity_variants import GRAD_NAMES, STEPS
 
 BF16 = {"train.precision": "bf16"}
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from moetrain.config import Config
-from tests.distributed.parity_jobs import VARIANTS as PARITY_VARIANTS
 from tests.distributed.parity_jobs import parity_config, reference_optimizer
+from tests.distributed.parity_variants import VARIANTS as PARITY_VARIANTS
 
 GLOBAL_MICRO = 4
 ACCUM = 2

@@ -172,7 +172,7 @@ def test_barrier_timeout_names_what_it_waited_for(tmp_path):
 def test_resume_with_gated_deltanet_layers_is_bit_exact(tmp_path):
     """A hybrid model (a Gated DeltaNet layer, a gated full-attention layer, zero-centred
     norms): its decays, gates, convolution and norms resume with the rest."""
-    from tests.distributed.parity_jobs import VARIANTS
+    from tests.distributed.parity_variants import VARIANTS
 
     results = run_distributed(resume_job, 2, [(2, 2)], str(tmp_path), 4, 2, VARIANTS["hybrid"])
     for rank, res in enumerate(results):

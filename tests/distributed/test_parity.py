@@ -83,13 +83,12 @@ from tests.distributed.parity_checks import (
     step_bounds,
 )
 from tests.distributed.parity_jobs import (
-    STEPS,
-    VARIANTS,
     layout_key,
     layouts_job,
     parity_config,
     reference_key,
 )
+from tests.distributed.parity_variants import STEPS, VARIANTS
 from tests.helpers.distributed import run_distributed_concurrently
 
 pytestmark = pytest.mark.slow

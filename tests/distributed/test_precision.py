@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.parity_jobs import STEPS
+from tests.distributed.parity_variants import STEPS
 from tests.distributed.precision_jobs import (
     CURVE_STEPS,
     accumulation_job,

@@ -6,7 +6,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any
 
-from tests.distributed.parity_jobs import VARIANTS, _parallel_run, parity_config
+from tests.distributed.parity_jobs import _parallel_run, parity_config
+from tests.distributed.parity_variants import VARIANTS
 
 # what the stage-3 runs add to the parity configuration: the chunked loss in several chunks
 # (the LM head's weight read in its own forward) and tied embeddings (one parameter, two modules)

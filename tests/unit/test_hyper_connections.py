@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from moetrain.config import ConfigError
-from moetrain.model.hyper_connections import HyperConnection, HyperHead, sinkhorn
+from moetrain.model.hyper_connection_ops import mixing_matrix
+from moetrain.model.hyper_connections import HyperConnection, HyperHead
 from moetrain.model.transformer import Transformer
 from moetrain.model_numbers import model_numbers
 from tests.helpers.configs import tiny_config
@@ -83,12 +84,12 @@ def test_matches_written_out_reference_values_and_gradients() -> None:
     assert not torch.allclose(short.float(), full.float(), rtol=1e-5, atol=1e-6)
 
 
-def test_sinkhorn_hands_the_mix_one_contiguous_matrix_per_token() -> None:
+def test_mixing_matrix_hands_the_mix_one_contiguous_matrix_per_token() -> None:
     """The mix's batched (N, N) products read it per token: strided matrices make torch's CPU
     batched matmul copy each token's on its own (1.2-1.8x the mix's time)."""
-    comb = sinkhorn(torch.rand(B, S, N, N) + EPS, ITERS, EPS)
-    assert comb.shape == (B, S, N, N) and comb.is_contiguous()
-    torch.testing.assert_close(comb.sum(-2), torch.ones(B, S, N))  # columns, normalised last
+    comb = mixing_matrix(torch.randn(B * S, N, N), ITERS, EPS)
+    assert comb.shape == (B * S, N, N) and comb.is_contiguous()
+    torch.testing.assert_close(comb.sum(-2), torch.ones(B * S, N))  # columns, normalised last
 
 
 def test_matches_transformers_modules() -> None:
@@ -107,16 +108,19 @@ def test_matches_transformers_modules() -> None:
     streams, y = torch.randn(B, S, N, D), torch.randn(B, S, D)
     collapsed, state = ours(streams)
     post, comb, hf_collapsed = theirs(streams)
-    torch.testing.assert_close(collapsed, hf_collapsed, rtol=1e-6, atol=1e-7)
+    # atol 1e-6, a few fp32 ulps of the O(1) entries: the RMS factor rounds once after the
+    # product with fn (theirs: per entry of the normalised copy) and the sums run in the
+    # batched products' order (at most 1.4e-6 apart over 20 seeds)
+    torch.testing.assert_close(collapsed, hf_collapsed, rtol=1e-6, atol=1e-6)
     want = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
-    torch.testing.assert_close(ours.mix(streams, y, state), want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours.mix(streams, y, state), want, rtol=1e-6, atol=1e-6)
 
     torch.manual_seed(5)
     head, hf_head = HyperHead(D, N, EPS, NORM_EPS), v4.DeepseekV4HyperHead(cfg)
     head.reset_parameters(0.5)
     randomise_constants(head, seed=5)
     hf_head.load_state_dict({"hc_fn": head.fn, "hc_base": head.base, "hc_scale": head.scale})
-    torch.testing.assert_close(head(streams), hf_head(streams), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(head(streams), hf_head(streams), rtol=1e-6, atol=1e-6)
 
 
 def test_in_the_model() -> None:
