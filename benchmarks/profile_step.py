@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/profile_step.py --world 1 --ep 1 --steps 5
     .venv/bin/python benchmarks/profile_step.py --shape fine      # train_throughput's shapes
     .venv/bin/python benchmarks/profile_step.py --shape shared --set moe.shared_expert_overlap=false
+    .venv/bin/python benchmarks/profile_step.py --family deepseek_v4
 
 The shapes of ``benchmarks/train_throughput.py`` (default ``bench``: vocab 8192, d 256, 4 layers,
 8 experts top-2, expert hidden 512, seq 256, micro-batch 4 per rank, fp32, one thread per rank,
@@ -12,7 +13,8 @@ top-level op (forward ops, autograd backward nodes, the optimizer step) is put i
 by its name; its CPU time includes its children. The 25 most expensive top-level ops are listed
 too. The optimizer step (``engine.step``: ZeRO-2 gradient reduce-scatter, AdamW, parameter
 all-gather) is timed as one block. Printed: ms per step and share of the profiled step time per
-category; the rest is Python and framework overhead.
+category; the rest is Python and framework overhead. ``--family``: the model of
+``train_command.py --family`` instead (its saved source model, the same training keys).
 """
 
 from __future__ import annotations
@@ -53,15 +55,56 @@ def categorize(name: str) -> str:
     return next(cat for cat, pattern in CATEGORIES if re.search(pattern, name))
 
 
+def family_trainer(ep: int, config: str, keys: list[str], overrides: list[str]):  # noqa: ANN201
+    """moetrain's Trainer of a ``train_command.py --family`` model (``config`` and ``keys``:
+    its ``family_overrides``) with the command's training keys and ``overrides``, set up as
+    ``moetrain train`` sets up its process (the weights: its own init, not the source's)."""
+    from train_throughput import LR, MICRO
+
+    from moetrain.cli import load_config  # (the architecture from checkpoint.init_from)
+    from moetrain.parallel.topology import init_distributed
+    from moetrain.train.loop import set_up_process
+    from moetrain.train.trainer import Trainer
+
+    cfg = load_config(
+        config,
+        [
+            *keys,
+            f"parallel.ep_size={ep}",
+            "parallel.zero_stage=2",
+            f"train.micro_batch_size={MICRO}",
+            "train.precision=fp32",
+            f"optim.lr={LR}",
+            "optim.grad_clip=1.0",
+            "optim.warmup_steps=0",
+            "optim.schedule=constant",
+            "run_dir=runs/bench-unused",  # nothing is written there
+            *overrides,
+        ],
+    )
+    set_up_process(cfg)
+    return Trainer(cfg, init_distributed(cfg))
+
+
 def profile_job(
-    rank: int, world: int, ep: int, shape: str, warmup: int, steps: int, overrides: list[str]
+    rank: int,
+    world: int,
+    ep: int,
+    shape: str,
+    warmup: int,
+    steps: int,
+    overrides: list[str],
+    family: tuple[str, list[str]] | None = None,
 ) -> dict | None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     from train_throughput import SHAPES, _batches, moetrain_trainer
 
     torch.set_num_threads(1)
-    trainer = moetrain_trainer(ep, overrides, SHAPES[shape])
+    if family is None:
+        trainer = moetrain_trainer(ep, overrides, SHAPES[shape])
+    else:
+        trainer = family_trainer(ep, *family, overrides)
     engine_step = trainer.engine.step
 
     def timed_engine_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -100,8 +143,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--shape", default="bench", help="a shape of train_throughput.py")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override")
+    ap.add_argument("--family", help="a train_command.py --family model instead of --shape's")
     args = ap.parse_args()
     from tests.helpers.distributed import run_distributed
+
+    family = None
+    if args.family:
+        from train_command import family_overrides
+        from train_throughput import SHAPES
+
+        config, keys = family_overrides(args.family, SHAPES[args.shape]["seq"])  # (saves it)
+        family = (str(config), keys)
 
     res = run_distributed(
         profile_job,
@@ -111,6 +163,7 @@ def main() -> None:
         args.warmup,
         args.steps,
         args.set,
+        family,
         timeout=1800.0,
     )[0]
     n, total = res["steps"], res["total_us"]

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig
+from moetrain.model.clamped_swiglu import clamped_swiglu
 from moetrain.model.cpu_matmul import Linear
+from moetrain.model.row_blocks import row_blocks
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -167,7 +169,7 @@ class _SiluMulPacked(torch.autograd.Function):
         ctx.save_for_backward(h, w)
         if w is not None and w.dtype != h.dtype:
             out = h.new_empty(*h.shape[:-1], h.shape[-1] // 2)
-            for rows in _row_blocks(h):
+            for rows in row_blocks(h):
                 a, b = h[rows].to(w.dtype).chunk(2, -1)
                 out[rows] = F.silu(a).mul_(b).mul_(w[rows].unsqueeze(-1))
             return out
@@ -189,7 +191,7 @@ class _SiluMulPacked(torch.autograd.Function):
             grad_w = _weighted_silu_mul_backward(grad, a, b, w, *grad_h.chunk(2, -1), need_w)
             return grad_h, grad_w
         grad_w = torch.empty_like(w) if need_w else None
-        for rows in _row_blocks(h):
+        for rows in row_blocks(h):
             a, b = h[rows].to(w.dtype).chunk(2, -1)
             block = torch.empty_like(h[rows], dtype=w.dtype)
             g = grad[rows].to(w.dtype)
@@ -198,16 +200,6 @@ class _SiluMulPacked(torch.autograd.Function):
             if need_w:
                 grad_w[rows] = gw
         return grad_h, grad_w
-
-
-BLOCK_ELEMENTS = 1 << 21  # 8 MiB of fp32 per wide temporary of the weighted SwiGLU
-
-
-def _row_blocks(h: torch.Tensor) -> list[slice]:
-    """Slices of h's rows (dim 0) of about :data:`BLOCK_ELEMENTS` elements each."""
-    per_row = max(1, h[0].numel()) if h.shape[0] else 1
-    step = max(1, BLOCK_ELEMENTS // per_row)
-    return [slice(i, i + step) for i in range(0, h.shape[0], step)]
 
 
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -219,80 +211,6 @@ def silu_mul_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Ten
     """SwiGLU activation of ``h = [a | b]`` (last dim 2F) -> ``silu(a) * b`` (last dim F, h's
     dtype), each row scaled by ``w`` (h.shape[:-1]; h's dtype or wider) when given."""
     return _SiluMulPacked.apply(h, w)
-
-
-class _ClampedSwiGLUPacked(torch.autograd.Function):
-    """:func:`clamped_swiglu_packed` with its gradient written out: saves h and w only (autograd's
-    composition keeps five (..., F) temporaries) and writes the gradient wrt h into one packed
-    buffer. The math runs in the wider of h's and w's dtypes, a block of rows at a time; with
-    alpha 1 (SwiGLU's ``silu``) through torch's own ``silu`` and its backward, and with offset 0
-    no offset added: 16 passes over the block forward and backward instead of 26."""
-
-    @staticmethod
-    def forward(ctx, h, w, alpha, limit, offset):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(h, w)
-        ctx.alpha, ctx.limit, ctx.offset = alpha, limit, offset
-        wide = h.dtype if w is None else torch.promote_types(h.dtype, w.dtype)
-        out = h.new_empty(*h.shape[:-1], h.shape[-1] // 2)
-        for rows in _row_blocks(h):
-            a, b = h[rows].to(wide).chunk(2, -1)
-            y = _gated(a.clamp(max=limit), alpha).mul_(_clamped_up(b, limit, offset))
-            out[rows] = y if w is None else y.mul_(w[rows].unsqueeze(-1))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        h, w = ctx.saved_tensors
-        alpha, limit, offset = ctx.alpha, ctx.limit, ctx.offset
-        wide = h.dtype if w is None else torch.promote_types(h.dtype, w.dtype)
-        grad_h = torch.empty_like(h)
-        need_w = w is not None and ctx.needs_input_grad[1]
-        grad_w = torch.empty_like(w) if need_w else None
-        for rows in _row_blocks(h):
-            a, b = h[rows].to(wide).chunk(2, -1)
-            g = grad[rows].to(wide)
-            a_c = a.clamp(max=limit)
-            b_c1 = _clamped_up(b, limit, offset)
-            s = None if alpha == 1.0 else torch.sigmoid(alpha * a_c)  # (silu: torch's own)
-            g_glu = g * (F.silu(a_c) if s is None else a_c * s)
-            if w is not None:
-                if need_w:
-                    grad_w[rows] = (g_glu * b_c1).sum(-1)
-                w_rows = w[rows].unsqueeze(-1)
-                g_glu.mul_(w_rows)
-                g = g * w_rows
-            g_up = g * b_c1
-            # the clamps pass the gradient where they do not bind (ends included, as torch's)
-            grad_a, grad_b = grad_h[rows].chunk(2, -1)
-            grad_b.copy_(g_glu.masked_fill_(b.abs() > limit, 0))
-            if s is None:
-                d_a = torch.ops.aten.silu_backward(g_up, a_c)
-            else:  # d(a sigmoid(alpha a))/da
-                d_a = s.neg().add_(1).mul_(a_c).mul_(alpha).add_(1).mul_(s).mul_(g_up)
-            grad_a.copy_(d_a.masked_fill_(a > limit, 0))
-        return grad_h, grad_w, None, None, None
-
-
-def _gated(a: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``a * sigmoid(alpha * a)`` (a new tensor): torch's ``silu`` when alpha is 1."""
-    return F.silu(a) if alpha == 1.0 else torch.sigmoid(alpha * a).mul_(a)
-
-
-def _clamped_up(b: torch.Tensor, limit: float, offset: float) -> torch.Tensor:
-    """``clamp(b, -limit, limit) + offset`` (a new tensor)."""
-    b_c = b.clamp(-limit, limit)
-    return b_c if offset == 0 else b_c.add_(offset)
-
-
-def clamped_swiglu_packed(
-    h: torch.Tensor, w: torch.Tensor | None, alpha: float, limit: float, offset: float = 1.0
-) -> torch.Tensor:
-    """The clamped SwiGLU of ``h = [a | b]`` (last dim 2F): with ``a' = min(a, limit)`` and
-    ``b' = b`` clamped to ``[-limit, limit]``, ``(b' + offset) * a' * sigmoid(alpha * a')``
-    (last dim F, h's dtype; gpt-oss's with offset 1, DeepSeek-V4's ``silu(a') * b'`` with
-    alpha 1 and offset 0), each row scaled by ``w`` (h.shape[:-1]; h's dtype or wider) when
-    given; the clamps pass no gradient where they bind."""
-    return _ClampedSwiGLUPacked.apply(h, w, alpha, limit, offset)
 
 
 def geglu_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
@@ -307,8 +225,8 @@ def geglu_packed(h: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor
 
 class SwiGLU(nn.Module):
     """``w2(silu(w1 x) * w3 x)``: the dense FFN and the shared expert; with ``activation``
-    "geglu", ``w2(gelu_tanh(w1 x) * w3 x)``, with "clamped_swiglu" :func:`clamped_swiglu_packed`
-    of ``[w1 x | w3 x]`` with ``clamp = (alpha, limit, offset)`` (``model.ffn_activation``)."""
+    "geglu", ``w2(gelu_tanh(w1 x) * w3 x)``, with "clamped_swiglu"
+    :func:`~moetrain.model.clamped_swiglu.clamped_swiglu` of ``w1 x`` and ``w3 x`` with ``clamp = (alpha, limit, offset)`` (``model.ffn_activation``)."""
 
     def __init__(
         self,
@@ -333,7 +251,7 @@ class SwiGLU(nn.Module):
         if self.geglu:
             return F.gelu(self.w1(x), approximate="tanh") * self.w3(x)
         if self.clamp is not None:
-            return clamped_swiglu_packed(torch.cat([self.w1(x), self.w3(x)], -1), None, *self.clamp)
+            return clamped_swiglu(self.w1(x), self.w3(x), *self.clamp)
         return silu_mul(self.w1(x), self.w3(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -349,7 +267,7 @@ class _Relu2Weighted(torch.autograd.Function):
     def forward(ctx, h, w):  # noqa: ANN001, ANN205
         ctx.save_for_backward(h, w)
         out = torch.empty_like(h)
-        for rows in _row_blocks(h):
+        for rows in row_blocks(h):
             r = torch.relu(h[rows].to(w.dtype))
             out[rows] = r.square_().mul_(w[rows].unsqueeze(-1))
         return out
@@ -359,7 +277,7 @@ class _Relu2Weighted(torch.autograd.Function):
         h, w = ctx.saved_tensors
         grad_h = torch.empty_like(h)
         grad_w = torch.empty_like(w) if ctx.needs_input_grad[1] else None
-        for rows in _row_blocks(h):
+        for rows in row_blocks(h):
             r = torch.relu(h[rows].to(w.dtype))
             g = grad[rows].to(w.dtype)
             if grad_w is not None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moetrain.config import ConfigError
-from moetrain.model.layers import clamped_swiglu_packed
+from moetrain.model.clamped_swiglu import clamped_swiglu_packed
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.router import Router
 from tests.helpers.configs import tiny_config

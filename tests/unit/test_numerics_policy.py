@@ -167,7 +167,7 @@ def test_routed_outputs_combine_in_fp32_rounded_once() -> None:
 def test_the_weighted_product_is_the_same_in_blocks_of_rows(monkeypatch) -> None:
     """The fp32 weighted SwiGLU runs a block of rows at a time (bounded temporaries): ragged
     blocks give the same bits, forward and backward, as one block."""
-    from moetrain.model import layers
+    from moetrain.model import layers, row_blocks
 
     torch.manual_seed(0)
     h = torch.randn(500, 64).to(torch.bfloat16).requires_grad_(True)
@@ -175,7 +175,7 @@ def test_the_weighted_product_is_the_same_in_blocks_of_rows(monkeypatch) -> None
     g = torch.randn(500, 32).to(torch.bfloat16)
     runs = []
     for elements in (64 * 7, 1 << 30):  # 72 blocks, the last ragged; one block
-        monkeypatch.setattr(layers, "BLOCK_ELEMENTS", elements)
+        monkeypatch.setattr(row_blocks, "BLOCK_ELEMENTS", elements)
         h.grad = w.grad = None
         y = layers.silu_mul_packed(h, w)
         y.backward(g)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from moetrain.config import ConfigError
-from moetrain.model.layers import SwiGLU, clamped_swiglu_packed
+from moetrain.model.clamped_swiglu import clamped_swiglu_packed
+from moetrain.model.layers import SwiGLU
 from moetrain.model.transformer import Transformer
 from tests.helpers.configs import tiny_config
 

@@ -8,8 +8,8 @@ contiguous slice of x_ND, ``w`` the row's routing weight (1 when none is given).
 (gpt-oss): biases ``w13_bias`` (L, 2F) and ``w2_bias`` (L, D), so that expert l computes
 ``act(x @ w13[l] + w13_bias[l]) * w @ w2[l] + w * w2_bias[l]`` (the routing weight scales the
 whole expert output, its down bias too); ``act`` SwiGLU, the clamped SwiGLU
-(:func:`~moetrain.model.layers.clamped_swiglu_packed`) or the squared ReLU of an up projection
-alone (``relu2``: ``w13`` (L, D, F), not gated), as ``moe.activation`` says. With
+(:func:`~moetrain.model.clamped_swiglu.clamped_swiglu_packed`) or the squared ReLU of an up
+projection alone (``relu2``: ``w13`` (L, D, F), not gated), as ``moe.activation`` says. With
 ``score_on_input`` (``moe.score_on_input``, Llama 4) the routing weight scales the row's input
 instead, and expert l computes the unweighted ``act((w * x) @ w13[l] + w13_bias[l]) @ w2[l] +
 w2_bias[l]`` (``w`` cast to the rows' dtype first, as transformers' Llama 4 does). Packing w1 and
@@ -29,12 +29,8 @@ import torch
 from torch import nn
 
 from moetrain.model import cpu_matmul
-from moetrain.model.layers import (
-    clamped_swiglu_packed,
-    geglu_packed,
-    relu2_packed,
-    silu_mul_packed,
-)
+from moetrain.model.clamped_swiglu import clamped_swiglu_packed
+from moetrain.model.layers import geglu_packed, relu2_packed, silu_mul_packed
 from moetrain.model.moe.gemm_guard import grouped_mm_refusal_for
 
 EXPERT_WEIGHTS = ("w13", "w2")
