@@ -6,6 +6,7 @@ loss math in fp32), except that all-ignored labels (or N = 0) give 0 instead of 
 soft cap ``c`` the fp32 logits ``z`` become ``c * tanh(z / c)`` first (:func:`softcap`). The forward
 pass computes, chunk by chunk, the logits, the loss and at once the gradients wrt h and W, so
 only one (C, V) block is alive; backward just scales the stored gradients.
+:func:`cross_entropy` is the same loss of full logits, its backward one pass over them.
 
 :class:`LMHead` is the LM head module: the logits, or this loss without them, both computed in
 its own ``forward``, so that nothing reads the head's weights outside it (ZeRO-3 gathers a
@@ -49,7 +50,7 @@ def _softmax_minus_one_hot_(
     valid_C1 = (labels_C != IGNORE_INDEX).unsqueeze(1)
     target_C1 = labels_C.unsqueeze(1).masked_fill(~valid_C1, 0)
     grad_CV = exp_CV.mul_(row_C1 * scale)
-    return grad_CV.scatter_add_(1, target_C1, valid_C1 * -scale)  # one index per row
+    return grad_CV.scatter_add_(1, target_C1, valid_C1 * -scale)  # one index per row: deterministic
 
 
 def _chunk_loss(
@@ -194,8 +195,8 @@ def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tens
         )
     if torch.is_grad_enabled() and logits_NV.requires_grad:
         return LogitsCrossEntropy.apply(logits_NV, labels_N)
-    with torch.no_grad():
-        loss_sum = _softmax_loss(logits_NV.float(), labels_N, editable=False)[0]
+    logits32_NV = logits_NV.float()
+    loss_sum = _softmax_loss(logits32_NV, labels_N, editable=logits32_NV is not logits_NV)[0]
     return loss_sum / (labels_N != IGNORE_INDEX).sum().clamp_min(1)
 
 
