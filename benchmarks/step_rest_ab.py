@@ -8,10 +8,11 @@ step both ways.
 The old code is ``moetrain/model/{loss,layers,attention}.py`` of ``OLD_CHECKOUT`` loaded by path
 (each imports only modules both checkouts share), swapped in for this checkout's
 ``ChunkedLinearCrossEntropy``, the RMSNorm function and ``unit_rms``; the old full-logits loss
-is ``F.cross_entropy`` as the old ``Transformer`` called it. Rounds alternate old and new (which
-goes first alternating too) on one model: moetrain's of ``v4_step.py`` (the bench-size source
-model of ``train_command.py --family deepseek_v4``, a batch of 4 x 256 tokens), one thread,
-``train.cpu_matmul: auto``. Each case is timed by the process's CPU time, forward + backward:
+is ``F.cross_entropy`` as the old ``Transformer`` called it. Each round runs every case old and
+new back to back (which goes first alternating by round) on one model: moetrain's of
+``v4_step.py`` (the bench-size source model of ``train_command.py --family deepseek_v4``, a
+batch of 4 x 256 tokens), one thread, ``train.cpu_matmul: auto``. Each case is timed by the
+process's CPU time, forward + backward:
 
 - ``step plain`` / ``step chunked``: the whole step with the full logits' loss (``v4_step.py``'s)
   or the chunked loss (``return_logits=False``, the trainer's);
@@ -131,10 +132,9 @@ def main() -> None:
     print("first cross-entropy (plain, chunked):", first)
     ms: dict[tuple[str, str], list[float]] = {}
     for rnd in range(args.rounds):
-        order = list(sides) if rnd % 2 == 0 else list(sides)[::-1]
-        for side in order:
-            use(side)
-            for case, fn in cases.items():
+        for case, fn in cases.items():
+            for side in list(sides) if rnd % 2 == 0 else list(sides)[::-1]:
+                use(side)
                 c = time.process_time()
                 fn()
                 ms.setdefault((side, case), []).append((time.process_time() - c) * 1e3)
