@@ -21,8 +21,8 @@ class _RMSNormFunction(torch.autograd.Function):
     Backward in fp32 from ``x``, ``r`` (the rsqrt) and ``g * x`` (one (rows, dim) buffer, reused
     for the result): with ``w`` the effective weight (1 without one) and ``s`` the row sums of
     ``g * x * w``, ``grad_x = r * g * w - x * r^3 * s / dim``, ``grad_w`` the column sums of
-    ``g * x * r``; both sums as matrix-vector products. Six passes over the rows (autograd's
-    composition: eleven, five of them new tensors)."""
+    ``g * x * r``; both sums as matrix-vector products: six passes over the rows, one new
+    tensor."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset):  # noqa: ANN001, ANN205

@@ -180,10 +180,11 @@ def loss_transient_bytes(cfg: Config, tokens: int, act_bytes: int) -> int:
 
     Plain: one more set of logits in dtype: under bf16/fp16 backward's cast of their gradient
     (in fp32 the loss turns its saved softmax into that gradient in place), in fp32 the
-    caller's logits of the step before, alive until this step's forward returns. Chunked: the fp32 gradient wrt the LM-head weight, kept from
-    forward to backward, plus the larger of one chunk in forward (fp32 logits; under bf16/fp16
-    also their dtype original, then their gradient in dtype and the chunk's weight gradient) and
-    backward's scaled copies (input gradient; under bf16/fp16 the fp32 weight gradient too).
+    caller's logits of the step before, alive until this step's forward returns. Chunked: the
+    fp32 gradient wrt the LM-head weight, kept from forward to backward, plus the larger of one
+    chunk in forward (fp32 logits; under bf16/fp16 also their dtype original, then their
+    gradient in dtype and the chunk's weight gradient) and backward's scaled copies (input
+    gradient; under bf16/fp16 the fp32 weight gradient too).
     """
     d, v, a = cfg.model.d_model, cfg.model.vocab_size, act_bytes
     chunk = cfg.model.loss_chunk_tokens
