@@ -13,6 +13,8 @@ of those timed; from outside, ``(long - short) x tokens per step / (active(long)
 active(short))`` where a run's active time is the length of its own slices from start to exit
 (start-up, model build and the final save cancel out as in the sequential rounds); peak RSS as
 there (the sampler reads ``VmHWM`` while a side runs: a stopped process's peak does not move).
+Every round's turns and timed steps are appended to ``sliced-rounds.jsonl`` beside the moetrain
+runs, to check the figures by.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from launched import Launched
-from time_slices import Timed, active_seconds, kept_seconds, median_seconds
+from time_slices import active_seconds, kept_seconds, median_seconds
 
 POLL_S = 0.02  # how often a running side is checked for its exit
 
@@ -75,20 +77,13 @@ def take_turns(
     return done
 
 
-def side_figures(
-    runs: dict[int, dict],
-    timed: Callable[[dict, int], list[Timed]],
-    short: int,
-    long: int,
-    tokens_per_step: int,
-) -> dict:
-    """One side's figures of a round from its runs (:func:`take_turns`); ``timed(result,
-    steps)``: a run's timed steps after the first two."""
+def side_figures(runs: dict[int, dict], short: int, long: int, tokens_per_step: int) -> dict:
+    """One side's figures of a round from its runs (:func:`take_turns`, each with its
+    ``timed`` steps after the first two added)."""
     kept, timed_n = [], 0
-    for steps, run in runs.items():
-        stretches = timed(run["result"], steps)
-        timed_n += len(stretches)
-        kept += kept_seconds(stretches, run["slices"])
+    for run in runs.values():
+        timed_n += len(run["timed"])
+        kept += kept_seconds(run["timed"], run["slices"])
     active = {steps: active_seconds(run["slices"]) for steps, run in runs.items()}
     return {
         "outside": (long - short) * tokens_per_step / (active[long] - active[short]),
