@@ -3,9 +3,9 @@
 Each round starts every side's runs (a short and a long one, in turn) at the same time, each
 launcher in its own session; the harness lets one side run for ``--slice`` seconds while the
 others are stopped (SIGSTOP to the whole process tree, so a waiting side takes no CPU), then
-the next, from each run's start to its exit. A side whose runs are done keeps its turn idle, so
-the others still run half (a third, ...) of the time. Every side's steps are thus timed under the
-same machine conditions, minute by minute, however the machine's speed moves.
+the next, from each run's start to its exit. Every side's steps are thus timed under the same
+machine conditions, minute by minute, however the machine's speed moves; steps count only until
+the first side is done (the others then run on under other conditions, not compared).
 
 Figures per side and round, from the runs' own step times (:mod:`time_slices`): the median of
 the steps after the first two that ran inside one slice (no pause within them), the number kept
@@ -19,11 +19,16 @@ runs, to check the figures by.
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from launched import Launched
-from time_slices import active_seconds, kept_seconds, median_seconds
+from time_slices import active_seconds, kept_seconds, median_seconds, until
 
 POLL_S = 0.02  # how often a running side is checked for its exit
 
@@ -42,7 +47,8 @@ def take_turns(
     lengths: dict[str, list[int]], start: Callable[[str, int], Launched], slice_s: float
 ) -> dict[str, dict[int, dict]]:
     """Run each side's runs of ``lengths`` (side -> steps of each run, in order; ``start``
-    launches one), the sides taking turns of ``slice_s`` seconds in the order of ``lengths``.
+    launches one), the sides taking turns of ``slice_s`` seconds in the order of ``lengths``;
+    a side whose runs are done gives up its turns, and the last side left runs on alone.
     Returns side -> steps -> the run's result (:meth:`Launched.wait`) and its ``slices``. On
     any error every run still going is continued and killed before the error goes on."""
     sides, todo = list(lengths), {side: list(runs) for side, runs in lengths.items()}
@@ -52,18 +58,18 @@ def take_turns(
     try:
         while going or any(todo.values()):
             side, turn = sides[turn % len(sides)], turn + 1
+            if side not in going and not todo[side]:
+                continue
+            alone = not any(s in going or todo[s] for s in sides if s != side)
             begin = time.time()  # (before the side is let go: its own times lie after)
             if side in going:
                 steps, cmd, slices = going[side]
                 cmd.resume()
-            elif todo[side]:
+            else:
                 steps, slices = todo[side].pop(0), []
                 cmd = start(side, steps)
                 going[side] = (steps, cmd, slices)
-            else:  # this side is done: its turn passes idle
-                time.sleep(slice_s)
-                continue
-            if _exited_by(cmd, begin + slice_s):
+            if _exited_by(cmd, math.inf if alone else begin + slice_s):
                 slices.append((begin, time.time()))
                 del going[side]
                 done[side][steps] = {"result": cmd.wait(), "slices": slices}
@@ -77,18 +83,67 @@ def take_turns(
     return done
 
 
-def side_figures(runs: dict[int, dict], short: int, long: int, tokens_per_step: int) -> dict:
-    """One side's figures of a round from its runs (:func:`take_turns`, each with its
-    ``timed`` steps after the first two added)."""
+def round_figures(record: dict, short: int, long: int, tokens_per_step: int) -> dict[str, dict]:
+    """Every side's figures of a round from its record (side -> run length -> the run's
+    ``slices``, ``timed`` steps after the first two and ``peak_rss_mib``). Steps count only up
+    to the first side's last exit: after it the others run alone, under other conditions."""
+    common_end = min(
+        max(end for run in runs.values() for _, end in run["slices"]) for runs in record.values()
+    )
+    return {
+        side: side_figures(
+            {int(n): run for n, run in runs.items()}, common_end, short, long, tokens_per_step
+        )
+        for side, runs in record.items()
+    }
+
+
+def side_figures(
+    runs: dict[int, dict], common_end: float, short: int, long: int, tokens_per_step: int
+) -> dict:
+    """One side's figures of a round (:func:`round_figures`)."""
     kept, timed_n = [], 0
     for run in runs.values():
         timed_n += len(run["timed"])
-        kept += kept_seconds(run["timed"], run["slices"])
+        kept += kept_seconds(run["timed"], until(run["slices"], common_end))
     active = {steps: active_seconds(run["slices"]) for steps, run in runs.items()}
     return {
         "outside": (long - short) * tokens_per_step / (active[long] - active[short]),
         "inside": tokens_per_step / median_seconds(kept),
-        "peak_rss_mib": max(run["result"]["peak_rss_mib"] for run in runs.values()),
+        "peak_rss_mib": max(run["peak_rss_mib"] for run in runs.values()),
         "kept": f"{len(kept)} of {timed_n}",
         "kept_s": kept,
     }
+
+
+def main() -> None:
+    """The figures again from a ``sliced-rounds.jsonl`` (moetrain / peer, per round and all
+    rounds' kept steps together)."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("records", type=Path)
+    ap.add_argument("--short", type=int, default=4)
+    ap.add_argument("--long", type=int, default=20)
+    ap.add_argument("--tokens-per-step", type=int, default=2048, help="2 ranks x 4 x 256: bench")
+    args = ap.parse_args()
+    lines = args.records.read_text().splitlines()
+    rounds = [
+        round_figures(json.loads(x), args.short, args.long, args.tokens_per_step) for x in lines
+    ]
+    for rnd, res in enumerate(rounds):
+        m, p = res["moetrain"], res["peer"]
+        print(
+            f"round {rnd}: moetrain/peer {m['outside'] / p['outside']:.2f}x tokens/s (inside "
+            f"{m['inside'] / p['inside']:.2f}x; kept {m['kept']} / {p['kept']}), peak RSS "
+            f"{m['peak_rss_mib'] / p['peak_rss_mib']:.2f}x"
+        )
+    kept = {side: [t for res in rounds for t in res[side]["kept_s"]] for side in rounds[0]}
+    med = {side: statistics.median(times) for side, times in kept.items()}
+    print(
+        f"all rounds' kept steps: moetrain {med['moetrain']:.3f} s ({len(kept['moetrain'])} "
+        f"steps), peer {med['peer']:.3f} s ({len(kept['peer'])}): "
+        f"{med['peer'] / med['moetrain']:.2f}x tokens/s"
+    )
+
+
+if __name__ == "__main__":
+    main()

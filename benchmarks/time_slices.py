@@ -29,6 +29,11 @@ def kept_seconds(timed: Iterable[Timed], slices: Sequence[Interval]) -> list[flo
     return [(end - start) / n for start, end, n in timed if within_one((start, end), slices)]
 
 
+def until(slices: Iterable[Interval], end: float) -> list[Interval]:
+    """``slices`` cut at ``end``: what of them lies before it."""
+    return [(start, min(stop, end)) for start, stop in slices if start < end]
+
+
 def active_seconds(slices: Iterable[Interval]) -> float:
     """How long a run was let run: its slices' total length."""
     return sum(end - start for start, end in slices)

@@ -8,7 +8,7 @@ by the same launcher (``benchmarks/peer_train.py``), at the shape of ``train_thr
     .venv/bin/python benchmarks/train_command.py --family qwen3_next --rounds 3
     .venv/bin/python benchmarks/train_command.py --family gemma4_text --rounds 3
     .venv/bin/python benchmarks/train_command.py --family deepseek_v4 --rounds 3
-    .venv/bin/python benchmarks/train_command.py --family deepseek_v4 --rounds 3 --sliced --slice 10
+    .venv/bin/python benchmarks/train_command.py --family deepseek_v4 --rounds 3 --sliced --slice 20
 
 Data: the built-in corpus (``builtin:stdlib``, first ``--docs`` documents) prepared once per
 vocabulary size into ``runs/bench-command/data-<V>``; both sides read the same token shards.
@@ -70,7 +70,7 @@ from family_source import (  # noqa: E402
     save_family_source,
 )
 from launched import Launched  # noqa: E402
-from sliced_rounds import side_figures, take_turns  # noqa: E402
+from sliced_rounds import round_figures, take_turns  # noqa: E402
 from time_slices import Timed, moetrain_steps, peer_steps  # noqa: E402
 from train_throughput import LR, MICRO, SHAPES, architecture_overrides  # noqa: E402
 
@@ -280,7 +280,14 @@ def main() -> None:
         action="store_true",
         help="run the sides at once, one at a time in turns of --slice seconds (sliced_rounds.py)",
     )
-    ap.add_argument("--slice", type=float, default=10.0, help="seconds per turn with --sliced")
+    ap.add_argument(
+        "--slice",
+        type=float,
+        default=20.0,
+        help="seconds per turn with --sliced: several step times (a step fits in a turn only "
+        "from a turn's start up to its length before the end, so short turns keep few steps, "
+        "and more of the fast ones than of the slow)",
+    )
     ap.add_argument(
         "--log-every",
         type=int,
@@ -399,19 +406,20 @@ def sliced_round(
         return Launched(builders[side](args, args.data, steps, next(ports)), ROOT, env)
 
     runs = take_turns({side: lengths for side in builders}, start, args.slice)
-    for side, side_runs in runs.items():
-        for steps, r in side_runs.items():
-            r["timed"] = timed_steps(side, r["result"], steps)
     record = {
-        side: {n: {k: r[k] for k in ("slices", "timed")} for n, r in sr.items()}
-        for side, sr in runs.items()
+        side: {
+            n: {
+                "slices": r["slices"],
+                "timed": timed_steps(side, r["result"], n),
+                "peak_rss_mib": r["result"]["peak_rss_mib"],
+            }
+            for n, r in side_runs.items()
+        }
+        for side, side_runs in runs.items()
     }
     with (run_dir_of(args.long).parent / "sliced-rounds.jsonl").open("a") as f:
         f.write(json.dumps(record) + "\n")  # every turn and timed step, to check the figures by
-    res = {
-        side: side_figures(side_runs, args.short, args.long, args.tokens_per_step)
-        for side, side_runs in runs.items()
-    }
+    res = round_figures(record, args.short, args.long, args.tokens_per_step)
     return res, port + len(builders) * len(lengths)
 
 

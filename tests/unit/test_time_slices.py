@@ -46,6 +46,13 @@ def test_peer_steps_skip_the_first_two() -> None:
     assert ts.peer_steps(row) == [(3.0, 4.5, 1), (4.5, 5.0, 1)]
 
 
+def test_steps_after_a_cut_are_not_kept() -> None:
+    """The side still running once the other is done: its later steps are left out."""
+    cut = ts.until(SLICES, 22.0)
+    assert cut == [(10.0, 15.0), (20.0, 22.0)]
+    assert ts.kept_seconds([(11.0, 12.0, 1), (20.5, 21.5, 1), (21.0, 23.0, 1)], cut) == [1.0, 1.0]
+
+
 def test_active_time_and_median() -> None:
     assert ts.active_seconds(SLICES) == 15.0
     assert ts.median_seconds([3.0, 1.0, 2.0]) == 2.0
