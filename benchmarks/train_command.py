@@ -34,9 +34,12 @@ within ``SAME_CE_RTOL`` or the benchmark stops: the two sides train one model.
 With ``--sliced`` each round runs both sides' short and long runs at once instead, the machine
 given to one side at a time in turns of ``--slice`` seconds (the other stopped), so that both
 sides are timed under the same machine conditions however its speed moves (``sliced_rounds.py``):
-from inside, the median step time of the steps that ran within one turn (moetrain logs every step,
-``--log-every 1``; the peer records each step's start and end); from outside, each run's active
-time (its own turns only); the steps kept of those timed, and all rounds' kept steps together.
+from inside, the median step time of the steps that ran within one turn, until the first side is
+done (moetrain logs every step, ``--log-every 1``; the peer records each step's start and end),
+with the steps kept of those timed and all rounds' kept steps together; from outside, each run's
+active time (its own turns only; under load start-up alone varies by tens of seconds from run to
+run, more than 16 steps take: read the inside figure). The ratio still moves with the load
+itself (the peer slows more under contention): say which load a figure holds at.
 
 Reported per round and as medians (with the range) of the paired ratios moetrain / peer.
 ``--torch-matmul`` adds a third side, moetrain with ``train.cpu_matmul=torch`` (torch's own fp32
