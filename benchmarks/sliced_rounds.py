@@ -11,10 +11,13 @@ Figures per side and round, from the runs' own step times (:mod:`time_slices`): 
 the steps after the first two that ran inside one slice (no pause within them), the number kept
 of those timed; from outside, ``(long - short) x tokens per step / (active(long) -
 active(short))`` where a run's active time is the length of its own slices from start to exit
-(start-up, model build and the final save cancel out as in the sequential rounds); peak RSS as
-there (the sampler reads ``VmHWM`` while a side runs: a stopped process's peak does not move).
-Every round's turns and timed steps are appended to ``sliced-rounds.jsonl`` beside the moetrain
-runs, to check the figures by.
+(start-up, model build and the final save are meant to cancel out, as in the sequential
+rounds; under load start-up alone varies by more than 16 steps take); peak RSS as there (the
+sampler reads ``VmHWM`` while a side runs: a stopped process's peak does not move). Every
+round's turns and timed steps are appended to ``sliced-rounds.jsonl`` beside the moetrain runs;
+the figures again from it:
+
+    .venv/bin/python benchmarks/sliced_rounds.py runs/bench-command/train_command/sliced-rounds.jsonl
 """
 
 from __future__ import annotations
