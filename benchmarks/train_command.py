@@ -334,6 +334,8 @@ def main() -> None:
         check_same_model(first_ce)
     sides_vs_peer = [side for side in builders if side != "peer"]
     each_round = sliced_round if args.sliced else sequential_round
+    if args.sliced:
+        sliced_records().unlink(missing_ok=True)
     rounds: list[dict[str, dict]] = []
     for rnd in range(args.rounds):
         sides = list(builders) if rnd % 2 == 0 else list(reversed(builders))
@@ -398,6 +400,11 @@ def sequential_round(
     return res, port
 
 
+def sliced_records() -> Path:
+    """Where ``--sliced`` records every round's turns and timed steps (emptied at its start)."""
+    return run_dir_of(0).parent / "sliced-rounds.jsonl"
+
+
 def sliced_round(
     args: argparse.Namespace, builders: dict, lengths: list[int], port: int, env: dict
 ) -> tuple[dict[str, dict], int]:
@@ -420,7 +427,7 @@ def sliced_round(
         }
         for side, side_runs in runs.items()
     }
-    with (run_dir_of(args.long).parent / "sliced-rounds.jsonl").open("a") as f:
+    with sliced_records().open("a") as f:
         f.write(json.dumps(record) + "\n")  # every turn and timed step, to check the figures by
     res = round_figures(record, args.short, args.long, args.tokens_per_step)
     return res, port + len(builders) * len(lengths)
