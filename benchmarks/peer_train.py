@@ -8,8 +8,9 @@ process per rank, as ``moetrain train`` is).
 
 The same shape, optimizer, clipping, micro-batch and data as the moetrain side; ZeRO-2 with
 DeepSpeed's default buckets, or moetrain's CPU bucket size with ``--cpu-buckets``. Prints one
-JSON line with the median step time of the steps after the first two and the first step's
-cross-entropy (the mean over ranks, less the balancing loss).
+JSON line with the median step time of the steps after the first two, the first step's
+cross-entropy (the mean over ranks, less the balancing loss) and every step's start and end
+(``step_wall``: wall-clock seconds, ``time.time()``, as moetrain's metrics.jsonl records them).
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def main() -> None:
     )
     data = DataConfig(output_dir=args.data, seq_len=shape["seq"])
     loader = iter(build_loader(data, "train", MICRO, rank, world, 1234))
-    times, first_ce = [], None
+    times, walls, first_ce = [], [], None
     for _ in range(args.steps):
-        t0 = time.perf_counter()
+        wall0, t0 = time.time(), time.perf_counter()
         batch = next(loader)
         # the loader's targets, as moetrain trains on them: the next token at each of the
         # seq_len positions (labels=input_ids would let transformers drop the last one)
@@ -80,11 +81,17 @@ def main() -> None:
         engine.backward(out.loss)
         engine.step()
         times.append(time.perf_counter() - t0)
+        walls.append([wall0, time.time()])
         if first_ce is None:
             first_ce = mean_over_ranks(cross_entropy(model, out))
     if rank == 0:
         tail = times[2:] or times
-        row = {"step_s": statistics.median(tail), "loss": float(out.loss), "first_ce": first_ce}
+        row = {
+            "step_s": statistics.median(tail),
+            "loss": float(out.loss),
+            "first_ce": first_ce,
+            "step_wall": walls,
+        }
         print(json.dumps(row), flush=True)
     dist.barrier()
 

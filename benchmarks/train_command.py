@@ -8,6 +8,7 @@ by the same launcher (``benchmarks/peer_train.py``), at the shape of ``train_thr
     .venv/bin/python benchmarks/train_command.py --family qwen3_next --rounds 3
     .venv/bin/python benchmarks/train_command.py --family gemma4_text --rounds 3
     .venv/bin/python benchmarks/train_command.py --family deepseek_v4 --rounds 3
+    .venv/bin/python benchmarks/train_command.py --family deepseek_v4 --rounds 3 --sliced --slice 20
 
 Data: the built-in corpus (``builtin:stdlib``, first ``--docs`` documents) prepared once per
 vocabulary size into ``runs/bench-command/data-<V>``; both sides read the same token shards.
@@ -30,6 +31,16 @@ train with the balancing loss the peer's class computes (none for Gemma 4 and De
 first-step cross-entropies, the same weights on the same batch before any update, must agree
 within ``SAME_CE_RTOL`` or the benchmark stops: the two sides train one model.
 
+With ``--sliced`` each round runs both sides' short and long runs at once instead, the machine
+given to one side at a time in turns of ``--slice`` seconds (the other stopped), so that both
+sides are timed under the same machine conditions however its speed moves (``sliced_rounds.py``):
+from inside, the median step time of the steps that ran within one turn, until the first side is
+done (moetrain logs every step, ``--log-every 1``; the peer records each step's start and end),
+with the steps kept of those timed and all rounds' kept steps together; from outside, each run's
+active time (its own turns only; under load start-up alone varies by tens of seconds from run to
+run, more than 16 steps take: read the inside figure). The ratio still moves with the load
+itself (the peer slows more under contention): say which load a figure holds at.
+
 Reported per round and as medians (with the range) of the paired ratios moetrain / peer.
 ``--torch-matmul`` adds a third side, moetrain with ``train.cpu_matmul=torch`` (torch's own fp32
 GEMMs instead of oneDNN's), reported against the peer and, as what the kernel alone gives,
@@ -49,8 +60,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -63,6 +72,9 @@ from family_source import (  # noqa: E402
     family_config,
     save_family_source,
 )
+from launched import Launched  # noqa: E402
+from sliced_rounds import round_figures, take_turns  # noqa: E402
+from time_slices import Timed, moetrain_steps, peer_steps  # noqa: E402
 from train_throughput import LR, MICRO, SHAPES, architecture_overrides  # noqa: E402
 
 WORK = ROOT / "runs" / "bench-command"
@@ -105,67 +117,9 @@ def prepare(shape: dict, docs: int) -> Path:
     return data
 
 
-def _vm_hwm_kib(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _rank_pids(root: int) -> list[int]:
-    """Descendants of ``root`` whose environment holds RANK (the launcher's workers)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        for child in children.get(pid, []):
-            todo.append(child)
-            try:
-                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if any(e.startswith(b"RANK=") for e in env):
-                out.append(child)
-    return out
-
-
 def run(cmd: list[str], env: dict[str, str]) -> dict[str, float]:
     """Run one launcher command; wall seconds, peak VmHWM (MiB) over its rank processes, stdout."""
-    peaks: dict[int, int] = {}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            for pid in _rank_pids(proc.pid):
-                hwm = _vm_hwm_kib(pid)
-                if hwm is not None:
-                    peaks[pid] = max(peaks.get(pid, 0), hwm)
-            done.wait(0.05)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out, _ = proc.communicate()
-    wall = time.perf_counter() - t0
-    done.set()
-    sampler.join()
-    text = out.decode(errors="replace")
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{text[-4000:]}")
-    return {"wall_s": wall, "peak_rss_mib": max(peaks.values(), default=0) / 1024, "out": text}
+    return Launched(cmd, ROOT, env).wait()
 
 
 def launcher(kind: str, port: int, target: list[str]) -> list[str]:
@@ -204,7 +158,7 @@ def moetrain_cmd(
         "parallel.zero_stage=2",
         f"train.micro_batch_size={MICRO}",
         f"train.max_steps={steps}",
-        "train.log_every=2",
+        f"train.log_every={getattr(args, 'log_every', 2)}",
         "train.precision=fp32",
         f"optim.lr={LR}",
         "optim.grad_clip=1.0",
@@ -241,11 +195,16 @@ def peer_cmd(args: argparse.Namespace, data: Path, steps: int, port: int) -> lis
     return launcher(args.launcher, port, target)
 
 
+def metrics_rows(steps: int) -> list[dict]:
+    """The records of the ``steps``-step moetrain run's metrics.jsonl."""
+    lines = (run_dir_of(steps) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
 def first_step_ce(side: str, result: dict, steps: int) -> float:
     """The first step's cross-entropy as the run reports it (moetrain logs step 1 always)."""
     if side.startswith("moetrain"):
-        for line in (run_dir_of(steps) / "metrics.jsonl").read_text().splitlines():
-            row = json.loads(line)
+        for row in metrics_rows(steps):
             if row.get("step") == 1 and "ce_loss" in row:
                 return row["ce_loss"]
         raise RuntimeError(f"{side}: no step-1 ce_loss in {run_dir_of(steps)}/metrics.jsonl")
@@ -279,14 +238,17 @@ def inside_tokens_per_s(side: str, result: dict, steps: int, tokens_per_step: in
     """The run's own figure over the steps after the first two, the same way for both: the
     median of moetrain's logged tokens/s intervals, the median of the peer's step times."""
     if side.startswith("moetrain"):
-        rows = [
-            json.loads(line)
-            for line in (run_dir_of(steps) / "metrics.jsonl").read_text().splitlines()
-        ]
         return statistics.median(
-            r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 2
+            r["tokens_per_s"] for r in metrics_rows(steps) if "tokens_per_s" in r and r["step"] > 2
         )
     return tokens_per_step / _peer_row(result)["step_s"]
+
+
+def timed_steps(side: str, result: dict, steps: int) -> list[Timed]:
+    """The run's own timed steps after the first two (wall-clock start, end, steps)."""
+    if side.startswith("moetrain"):
+        return moetrain_steps(metrics_rows(steps))
+    return peer_steps(_peer_row(result))
 
 
 def main() -> None:
@@ -316,15 +278,41 @@ def main() -> None:
         default=0,
         help="also run moetrain with parallel.shadow_experts=N each round (0: not)",
     )
+    ap.add_argument(
+        "--sliced",
+        action="store_true",
+        help="run the sides at once, one at a time in turns of --slice seconds (sliced_rounds.py)",
+    )
+    ap.add_argument(
+        "--slice",
+        type=float,
+        default=20.0,
+        help="seconds per turn with --sliced: several step times (a step fits in a turn only "
+        "from a turn's start up to its length before the end, so short turns keep few steps, "
+        "and more of the fast ones than of the slow)",
+    )
+    ap.add_argument(
+        "--log-every",
+        type=int,
+        help="moetrain's train.log_every (default: 1 with --sliced, every step timed; else 2)",
+    )
     args = ap.parse_args()
+    if args.sliced and (args.torch_matmul or args.shadow_experts):
+        ap.error(
+            "--sliced compares moetrain and the peer only (no --torch-matmul, --shadow-experts)"
+        )
+    if args.slice <= 0 or (args.log_every is not None and args.log_every < 1):
+        ap.error("--slice must be > 0 and --log-every >= 1")
+    if args.log_every is None:
+        args.log_every = 1 if args.sliced else 2
 
     shape = SHAPES[args.shape]
-    data = prepare(shape, args.docs)
+    data = args.data = prepare(shape, args.docs)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     # DeepSpeed's CPU op built once, here: a cache shared with other installs is rebuilt by
     # whichever last built it, and a compiler inheriting RANK would count as a rank's memory
     env.setdefault("TORCH_EXTENSIONS_DIR", str(WORK / "torch-extensions"))
-    tokens_per_step = 2 * MICRO * shape["seq"]
+    args.tokens_per_step = 2 * MICRO * shape["seq"]
     builders = {"moetrain": moetrain_cmd, "peer": peer_cmd}
     if args.torch_matmul:
         builders["moetrain-torch-matmul"] = functools.partial(
@@ -345,30 +333,24 @@ def main() -> None:
     if args.family:
         check_same_model(first_ce)
     sides_vs_peer = [side for side in builders if side != "peer"]
-    rounds: list[dict[str, dict[str, float]]] = []
+    each_round = sliced_round if args.sliced else sequential_round
+    if args.sliced:
+        sliced_records().unlink(missing_ok=True)
+    rounds: list[dict[str, dict]] = []
     for rnd in range(args.rounds):
         sides = list(builders) if rnd % 2 == 0 else list(reversed(builders))
-        res: dict[str, dict] = {}
-        for side in sides:
-            walls, peak, inner = {}, 0.0, 0.0
-            lengths = (args.short, args.long) if rnd % 2 == 0 else (args.long, args.short)
-            for steps in lengths:
-                port += 1
-                r = run(builders[side](args, data, steps, port), env)
-                walls[steps], peak = r["wall_s"], max(peak, r["peak_rss_mib"])
-                if steps == args.long:
-                    inner = inside_tokens_per_s(side, r, steps, tokens_per_step)
-            outside = (
-                (args.long - args.short) * tokens_per_step / (walls[args.long] - walls[args.short])
-            )
-            res[side] = {"outside": outside, "inside": inner, "peak_rss_mib": peak}
-            print(f"round {rnd} {side}: {json.dumps(res[side])}", flush=True)
+        lengths = [args.short, args.long] if rnd % 2 == 0 else [args.long, args.short]
+        res, port = each_round(args, {side: builders[side] for side in sides}, lengths, port, env)
         rounds.append(res)
+        for side in sides:
+            shown = {k: v for k, v in res[side].items() if k != "kept_s"}
+            print(f"round {rnd} {side}: {json.dumps(shown)}", flush=True)
+        load = "/".join(f"{x:.1f}" for x in os.getloadavg())
         for side in sides_vs_peer:
             print(
                 f"round {rnd}: {side}/peer {ratio(res, side, 'peer', 'outside'):.2f}x tokens/s "
                 f"(inside {ratio(res, side, 'peer', 'inside'):.2f}x), peak RSS "
-                f"{ratio(res, side, 'peer', 'peak_rss_mib'):.2f}x",
+                f"{ratio(res, side, 'peer', 'peak_rss_mib'):.2f}x; load average {load}",
                 flush=True,
             )
 
@@ -389,6 +371,66 @@ def main() -> None:
             xs = [ratio(res, a, b, key) for res in rounds]
             summary = f"median {statistics.median(xs):.2f}x (range {min(xs):.2f}-{max(xs):.2f})"
             print(f"  {label + ':':37s} {summary}")
+    if args.sliced:  # every round's kept steps together
+        kept = {side: [t for res in rounds for t in res[side]["kept_s"]] for side in builders}
+        med = {side: statistics.median(times) for side, times in kept.items()}
+        print(
+            f"  all rounds' kept steps: moetrain {med['moetrain']:.3f} s ({len(kept['moetrain'])}"
+            f" steps), peer {med['peer']:.3f} s ({len(kept['peer'])}): "
+            f"{med['peer'] / med['moetrain']:.2f}x tokens/s"
+        )
+
+
+def sequential_round(
+    args: argparse.Namespace, builders: dict, lengths: list[int], port: int, env: dict
+) -> tuple[dict[str, dict], int]:
+    """One round of the sides' runs one after another: each side's ``lengths`` in turn."""
+    res: dict[str, dict] = {}
+    for side, build in builders.items():
+        walls, peak, inner = {}, 0.0, 0.0
+        for steps in lengths:
+            port += 1
+            r = run(build(args, args.data, steps, port), env)
+            walls[steps], peak = r["wall_s"], max(peak, r["peak_rss_mib"])
+            if steps == args.long:
+                inner = inside_tokens_per_s(side, r, steps, args.tokens_per_step)
+        tokens = (args.long - args.short) * args.tokens_per_step
+        outside = tokens / (walls[args.long] - walls[args.short])
+        res[side] = {"outside": outside, "inside": inner, "peak_rss_mib": peak}
+    return res, port
+
+
+def sliced_records() -> Path:
+    """Where ``--sliced`` records every round's turns and timed steps (emptied at its start)."""
+    return run_dir_of(0).parent / "sliced-rounds.jsonl"
+
+
+def sliced_round(
+    args: argparse.Namespace, builders: dict, lengths: list[int], port: int, env: dict
+) -> tuple[dict[str, dict], int]:
+    """One round of the sides' runs at once, taking turns of ``--slice`` seconds
+    (``sliced_rounds.py``)."""
+    ports = iter(range(port + 1, port + 1 + len(builders) * len(lengths)))
+
+    def start(side: str, steps: int) -> Launched:
+        return Launched(builders[side](args, args.data, steps, next(ports)), ROOT, env)
+
+    runs = take_turns({side: lengths for side in builders}, start, args.slice)
+    record = {
+        side: {
+            n: {
+                "slices": r["slices"],
+                "timed": timed_steps(side, r["result"], n),
+                "peak_rss_mib": r["result"]["peak_rss_mib"],
+            }
+            for n, r in side_runs.items()
+        }
+        for side, side_runs in runs.items()
+    }
+    with sliced_records().open("a") as f:
+        f.write(json.dumps(record) + "\n")  # every turn and timed step, to check the figures by
+    res = round_figures(record, args.short, args.long, args.tokens_per_step)
+    return res, port + len(builders) * len(lengths)
 
 
 def ratio(res: dict[str, dict[str, float]], a: str, b: str, key: str) -> float:
