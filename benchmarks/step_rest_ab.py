@@ -7,8 +7,8 @@ step both ways.
 
 The old code is ``moetrain/model/{loss,layers,attention}.py`` of ``OLD_CHECKOUT`` loaded by path
 (each imports only modules both checkouts share), swapped in for this checkout's
-``ChunkedLinearCrossEntropy``, the RMSNorm function and ``unit_rms``; the old full-logits loss
-is ``F.cross_entropy`` as the old ``Transformer`` called it. Each round runs every case old and
+``ChunkedLinearCrossEntropy``, the RMSNorm function and ``unit_rms`` (the full logits' loss is
+``F.cross_entropy`` on both sides). Each round runs every case old and
 new back to back (which goes first alternating by round) on one model: moetrain's of
 ``v4_step.py`` (the bench-size source model of ``train_command.py --family deepseek_v4``, a
 batch of 4 x 256 tokens), one thread, ``train.cpu_matmul: auto``. Each case is timed by the
@@ -50,23 +50,15 @@ def _module_at(path: Path, name: str):  # noqa: ANN202
 
 def old_and_new(old_checkout: Path) -> dict[str, list[tuple[object, str, object]]]:
     """Per side, the (module, attribute, value) settings that select its code."""
-    import torch.nn.functional as F
-
-    from moetrain.model import compressed_attention, hyper_connections, layers, loss, transformer
+    from moetrain.model import compressed_attention, hyper_connections, layers, loss
     from moetrain.model.mixers import gqa
 
     src = old_checkout / "moetrain" / "model"
     old = {n: _module_at(src / f"{n}.py", f"old_{n}") for n in ("loss", "layers", "attention")}
 
-    def old_cross_entropy(logits_NV, labels_N):  # noqa: ANN001, ANN202
-        labelled = (labels_N != -100).sum().clamp_min(1)
-        ce = F.cross_entropy(logits_NV.float(), labels_N, ignore_index=-100, reduction="sum")
-        return ce / labelled
-
     slots = [
         (loss, "ChunkedLinearCrossEntropy", old["loss"].ChunkedLinearCrossEntropy),
         (layers, "_RMSNormFunction", old["layers"]._RMSNormFunction),
-        (transformer, "cross_entropy", old_cross_entropy),
         *((m, "unit_rms", old["attention"].unit_rms) for m in (hyper_connections, gqa)),
         (compressed_attention, "unit_rms", old["attention"].unit_rms),
     ]

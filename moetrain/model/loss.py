@@ -6,7 +6,6 @@ loss math in fp32), except that all-ignored labels (or N = 0) give 0 instead of 
 soft cap ``c`` the fp32 logits ``z`` become ``c * tanh(z / c)`` first (:func:`softcap`). The forward
 pass computes, chunk by chunk, the logits, the loss and at once the gradients wrt h and W, so
 only one (C, V) block is alive; backward just scales the stored gradients.
-:func:`cross_entropy` is the same loss of full logits, its backward one pass over them.
 
 :class:`LMHead` is the LM head module: the logits, or this loss without them, both computed in
 its own ``forward``, so that nothing reads the head's weights outside it (ZeRO-3 gathers a
@@ -24,35 +23,6 @@ from moetrain.model.cpu_matmul import Linear, add_product_, mm
 IGNORE_INDEX = -100
 
 
-def _softmax_loss(
-    logits_CV: torch.Tensor, labels_C: torch.Tensor, editable: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Summed loss of the labelled rows of fp32 logits, ``exp(logits - row max)`` and the
-    per-row factor ``valid / sum(exp)`` that turns it into the softmax (0 on ignored rows).
-    ``editable``: the logits are a fresh tensor this overwrites (else one new tensor)."""
-    valid_C1 = (labels_C != IGNORE_INDEX).unsqueeze(1)
-    target_C1 = labels_C.unsqueeze(1).masked_fill(~valid_C1, 0)
-    max_C1 = logits_CV.amax(1, keepdim=True)
-    shifted_target_C1 = logits_CV.gather(1, target_C1) - max_C1
-    exp_CV = (logits_CV.sub_(max_C1) if editable else logits_CV - max_C1).exp_()
-    sum_C1 = exp_CV.sum(1, keepdim=True)
-    loss_C1 = sum_C1.log() - shifted_target_C1  # -log_softmax at the target, as F.cross_entropy
-    loss_sum = torch.where(valid_C1, loss_C1, 0.0).sum()
-    return loss_sum, exp_CV, valid_C1 / sum_C1
-
-
-def _softmax_minus_one_hot_(
-    exp_CV: torch.Tensor, row_C1: torch.Tensor, labels_C: torch.Tensor, scale: torch.Tensor | float
-) -> torch.Tensor:
-    """``exp_CV`` turned in place into ``scale * (softmax - one-hot)`` of the labelled rows (0
-    on ignored rows), where ``exp_CV * row_C1`` is the softmax: the cross-entropy's gradient
-    wrt the logits, in one pass."""
-    valid_C1 = (labels_C != IGNORE_INDEX).unsqueeze(1)
-    target_C1 = labels_C.unsqueeze(1).masked_fill(~valid_C1, 0)
-    grad_CV = exp_CV.mul_(row_C1 * scale)
-    return grad_CV.scatter_add_(1, target_C1, valid_C1 * -scale)  # one index per row: deterministic
-
-
 def _chunk_loss(
     h_CD: torch.Tensor,
     weight_VD: torch.Tensor,
@@ -64,6 +34,8 @@ def _chunk_loss(
     """Summed loss of the chunk's labelled rows (fp32) and, with ``with_grad``, its gradient
     wrt the fp32 logits (softmax - one-hot; zero rows where the label is ignored; with a soft
     cap, times the cap's derivative ``1 - tanh^2``)."""
+    valid_C1 = (labels_C != IGNORE_INDEX).unsqueeze(1)
+    target_C1 = labels_C.unsqueeze(1).masked_fill(~valid_C1, 0)
     logits_CV = mm(h_CD, weight_VD.t())
     if bias_V is not None:  # (in h's dtype, as F.linear adds it)
         logits_CV = logits_CV + bias_V
@@ -72,10 +44,16 @@ def _chunk_loss(
     if cap is not None:
         tanh_CV = logits_CV.div_(cap).tanh_()
         logits_CV = tanh_CV * cap
-    loss_sum, exp_CV, row_C1 = _softmax_loss(logits_CV, labels_C, editable=True)
+    max_C1 = logits_CV.amax(1, keepdim=True)
+    shifted_target_C1 = logits_CV.gather(1, target_C1) - max_C1
+    exp_CV = logits_CV.sub_(max_C1).exp_()
+    sum_C1 = exp_CV.sum(1, keepdim=True)
+    loss_C1 = sum_C1.log() - shifted_target_C1  # -log_softmax at the target, as F.cross_entropy
+    loss_sum = torch.where(valid_C1, loss_C1, 0.0).sum()
     if not with_grad:
         return loss_sum, None
-    grad_CV = _softmax_minus_one_hot_(exp_CV, row_C1, labels_C, 1.0)
+    grad_CV = exp_CV.mul_(valid_C1 / sum_C1)  # softmax on labelled rows, 0 on ignored ones
+    grad_CV.scatter_add_(1, target_C1, -valid_C1.float())  # one index per row: deterministic
     if tanh_CV is not None:
         grad_CV.mul_(1 - tanh_CV.square_())
     return loss_sum, grad_CV
@@ -144,60 +122,6 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = (grad_w_VD * scale).to(ctx.weight_dtype) if grad_w_VD is not None else None
         grad_b = (grad_b_V * scale).to(ctx.bias_dtype) if grad_b_V is not None else None
         return grad_h, grad_w, None, None, grad_b, None
-
-
-class LogitsCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of full logits ``(N, V)`` over labelled rows, the math in fp32.
-
-    Saves ``exp(logits - row max)`` in fp32 (the size of the log-softmax ``F.cross_entropy``
-    keeps) and turns it into the gradient in place in backward: one pass over the logits and
-    no new ``(N, V)`` tensor (``F.cross_entropy``'s backward zero-fills one and writes
-    another). So its backward runs once: a second (after ``retain_graph=True``) raises.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx, logits_NV: torch.Tensor, labels_N: torch.Tensor
-    ) -> torch.Tensor:
-        logits32_NV = logits_NV.float()  # a copy to edit in place unless already fp32
-        loss_sum, exp_NV, row_N1 = _softmax_loss(
-            logits32_NV, labels_N, editable=logits32_NV is not logits_NV
-        )
-        count = (labels_N != IGNORE_INDEX).sum().clamp_min(1)
-        ctx.save_for_backward(exp_NV, row_N1, labels_N, count)
-        ctx.logits_dtype, ctx.spent = logits_NV.dtype, False
-        return loss_sum / count
-
-    @staticmethod
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor, None]:
-        if ctx.spent:
-            raise RuntimeError(
-                "the cross-entropy of full logits turns its saved softmax into the gradient "
-                "in place: backward through it runs once (no retain_graph)"
-            )
-        ctx.spent = True
-        exp_NV, row_N1, labels_N, count = ctx.saved_tensors
-        grad_NV = _softmax_minus_one_hot_(exp_NV, row_N1, labels_N, grad_out.float() / count)
-        return grad_NV.to(ctx.logits_dtype), None
-
-
-def cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy (fp32 scalar) of ``logits_NV`` against ``labels_N`` (-100 ignored):
-    ``F.cross_entropy(logits_NV.float(), labels_N, ignore_index=-100)``, except 0 (not NaN)
-    when every label is ignored, with fewer passes over the logits (:class:`LogitsCrossEntropy`).
-    """
-    if logits_NV.dim() != 2 or labels_N.shape != logits_NV.shape[:1]:
-        raise ValueError(
-            f"expected logits (N, V) and labels (N,); got {tuple(logits_NV.shape)}, "
-            f"{tuple(labels_N.shape)}"
-        )
-    if torch.is_grad_enabled() and logits_NV.requires_grad:
-        return LogitsCrossEntropy.apply(logits_NV, labels_N)
-    logits32_NV = logits_NV.float()
-    loss_sum = _softmax_loss(logits32_NV, labels_N, editable=logits32_NV is not logits_NV)[0]
-    return loss_sum / (labels_N != IGNORE_INDEX).sum().clamp_min(1)
 
 
 def chunked_cross_entropy(

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
@@ -22,7 +23,7 @@ from moetrain.model.doc_attention import Documents
 from moetrain.model.head_exchange import HeadExchange
 from moetrain.model.hyper_connections import HyperConnection, HyperHead, expand_streams
 from moetrain.model.layers import LayerNorm, RMSNorm, make_norm
-from moetrain.model.loss import LMHead, cross_entropy, softcap
+from moetrain.model.loss import LMHead, softcap
 from moetrain.model.mixers import MixerInputs, MixerLoss, TokenMixer
 from moetrain.model.moe.experts import GroupedExperts
 from moetrain.model.moe.layer import MoELayer, MoEOutput
@@ -359,7 +360,16 @@ class Transformer(nn.Module):
                 self.cfg.logits_scaling,
                 self.cfg.final_logit_softcap,
             )
-        return cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten())
+        labelled = (labels_BS != -100).sum().clamp_min(1)
+        return (
+            F.cross_entropy(
+                logits_BSV.float().flatten(0, 1),
+                labels_BS.flatten(),
+                ignore_index=-100,
+                reduction="sum",
+            )
+            / labelled
+        )
 
     def _mtp_losses(
         self,

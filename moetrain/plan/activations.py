@@ -180,18 +180,16 @@ def head_bytes_per_token(cfg: Config, act_bytes: int) -> int:
 def loss_transient_bytes(cfg: Config, tokens: int, act_bytes: int) -> int:
     """The loss's peak beyond :func:`head_bytes_per_token`, alive while every activation is.
 
-    Plain: one more set of logits in dtype: under bf16/fp16 backward's cast of their gradient
-    (in fp32 the loss turns its saved softmax into that gradient in place), in fp32 the
-    caller's logits of the step before, alive until this step's forward returns. Chunked: the
-    fp32 gradient wrt the LM-head weight, kept from forward to backward, plus the larger of one
-    chunk in forward (fp32 logits; under bf16/fp16 also their dtype original, then their
-    gradient in dtype and the chunk's weight gradient) and backward's scaled copies (input
-    gradient; under bf16/fp16 the fp32 weight gradient too).
+    Plain: backward's fp32 gradients of the log-softmax output and the logits (+ the cast back
+    to dtype under bf16/fp16). Chunked: the fp32 gradient wrt the LM-head weight, kept from
+    forward to backward, plus the larger of one chunk in forward (fp32 logits; under bf16/fp16
+    also their dtype original, then their gradient in dtype and the chunk's weight gradient) and
+    backward's scaled copies (input gradient; under bf16/fp16 the fp32 weight gradient too).
     """
     d, v, a = cfg.model.d_model, cfg.model.vocab_size, act_bytes
     chunk = cfg.model.loss_chunk_tokens
     if chunk == 0:
-        return tokens * a * v
+        return tokens * (8 * v + (a * v if a != 4 else 0))
     rows = min(chunk, tokens)
     low = a != 4
     forward = max(rows * v * (4 + a), rows * v * a + a * v * d) if low else rows * v * 4
