@@ -11,7 +11,6 @@ import warnings
 import torch
 from torch import nn
 
-from moetrain.model.layers import rms_norm
 from moetrain.model.rope import apply_rope, rope_tables
 
 __all__ = [
@@ -26,9 +25,9 @@ __all__ = [
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """A weightless RMSNorm over the last dim: ``x * rsqrt(mean(x^2) + eps)`` computed in fp32
-    (or wider) and cast back to x's dtype (transformers' ``Llama4TextWeightlessRMSNorm``),
-    saving only x and the per-row rsqrt for its written backward (:func:`rms_norm`)."""
-    return rms_norm(x, None, eps)
+    (or wider) and cast back to x's dtype (transformers' ``Llama4TextWeightlessRMSNorm``)."""
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def temperature(start: int, s: int, floor: int, scale: float, device: torch.device) -> torch.Tensor:

@@ -17,14 +17,7 @@ class _RMSNormFunction(torch.autograd.Function):
     """``weight * (x * rsqrt(mean(x^2) + eps))`` (math in at least fp32, result in x's dtype),
     saving only ``x`` and the per-row rsqrt: autograd's composition also keeps an fp32 copy of x
     (under bf16/fp16) and the normalised x. With ``offset`` (a zero-centred norm, the weight an
-    offset from it) ``(x * rsqrt(...) * (offset + weight))`` all in fp32, rounded once; weight
-    None: the weightless norm (:func:`unit_rms`).
-
-    Backward in fp32 from ``x``, ``r`` (the rsqrt) and ``g * x`` (one (rows, dim) buffer, reused
-    for the result): with ``w`` the effective weight (1 without one) and ``s`` the row sums of
-    ``g * x * w``, ``grad_x = r * g * w - x * r^3 * s / dim``, ``grad_w`` the column sums of
-    ``g * x * r``; both sums as matrix-vector products: six passes over the rows, one new
-    tensor."""
+    offset from it) ``(x * rsqrt(...) * (offset + weight))`` all in fp32, rounded once."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset):  # noqa: ANN001, ANN205
@@ -32,43 +25,28 @@ class _RMSNormFunction(torch.autograd.Function):
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset = offset
-        y = x32 * rstd  # a new tensor: scaled in place below
-        if weight is None:
-            return y.to(x.dtype)
         if offset:
-            return y.mul_(weight.to(rstd.dtype) + offset).to(x.dtype)
-        y = y.to(x.dtype)
-        return y.mul_(weight) if weight.dtype == y.dtype else weight * y
+            return (x32 * rstd * (weight.to(rstd.dtype) + offset)).to(x.dtype)
+        return weight * (x32 * rstd).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         x, weight, rstd = ctx.saved_tensors
-        wide, dim = rstd.dtype, x.shape[-1]
-        x_ND, g_ND = x.reshape(-1, dim).to(wide), grad.reshape(-1, dim).to(wide)
-        r_N1 = rstd.reshape(-1, 1)
-        w_D = None if weight is None else weight.to(wide) + ctx.offset
-        buf_ND = g_ND * x_ND
+        xhat32 = x.to(rstd.dtype) * rstd
         grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = (buf_ND.t() @ r_N1).view(weight.shape).to(weight.dtype)
-        if not ctx.needs_input_grad[0]:
-            return None, grad_w, None, None
-        if w_D is None:
-            s_N1 = buf_ND.sum(-1, keepdim=True)
-            torch.mul(g_ND, r_N1, out=buf_ND)
+        if ctx.offset:
+            g32 = grad.to(rstd.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = (g32 * xhat32).flatten(0, -2).sum(0).to(weight.dtype)
+            grad_xhat32 = g32 * (weight.to(rstd.dtype) + ctx.offset)
         else:
-            s_N1 = buf_ND @ w_D.unsqueeze(1)
-            torch.mul(g_ND, w_D, out=buf_ND).mul_(r_N1)
-        buf_ND.addcmul_(x_ND, r_N1.pow(3).mul_(s_N1), value=-1.0 / dim)
-        return buf_ND.to(x.dtype).view(x.shape), grad_w, None, None
-
-
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0
-) -> torch.Tensor:
-    """RMSNorm of ``x`` over its last dim by ``weight`` (None: weightless), as
-    :class:`_RMSNormFunction` computes it."""
-    return _RMSNormFunction.apply(x, weight, eps, offset)
+            if ctx.needs_input_grad[1]:
+                grad_w = (grad * xhat32.to(x.dtype)).to(rstd.dtype).flatten(0, -2).sum(0)
+                grad_w = grad_w.to(weight.dtype)
+            grad_xhat32 = (grad * weight).to(rstd.dtype)
+        dot = (grad_xhat32 * xhat32).mean(-1, keepdim=True)
+        grad_x = grad_xhat32.sub_(xhat32.mul_(dot)).mul_(rstd).to(x.dtype)
+        return grad_x, grad_w, None, None
 
 
 class RMSNorm(nn.Module):
@@ -87,7 +65,7 @@ class RMSNorm(nn.Module):
         self.weight.fill_(1.0 - self.offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.offset)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.offset)
 
     def extra_repr(self) -> str:
         centred = ", zero-centred" if self.offset else ""

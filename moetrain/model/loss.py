@@ -83,9 +83,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h_ND = (
             torch.empty_like(h_ND, memory_format=torch.contiguous_format) if need_h else None
         )
-        # fp32 accumulator across chunks (the first chunk's product, no zero fill); matmul
-        # products stay in the input dtype
-        grad_w_VD = None
+        # fp32 accumulator across chunks; matmul products stay in the input dtype
+        grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if need_w else None
         grad_b_V = torch.zeros_like(bias_V, dtype=torch.float32) if need_b else None
         total = h_ND.new_zeros((), dtype=torch.float32)
         for start in range(0, n, chunk_rows):
@@ -99,13 +98,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_CV = grad_CV.to(h_ND.dtype)
             if grad_h_ND is not None:
                 grad_h_ND[rows] = mm(grad_CV, weight_VD)
-            if need_w and grad_w_VD is None:  # (torch's kernel, as add_product_'s)
-                grad_w_VD = (grad_CV.t() @ h_ND[rows]).float()
-            elif need_w:
+            if grad_w_VD is not None:
                 add_product_(grad_w_VD, grad_CV.t(), h_ND[rows])
             del grad_CV
-        if need_w and grad_w_VD is None:  # no rows
-            grad_w_VD = torch.zeros_like(weight_VD, dtype=torch.float32)
         count = (labels_N != IGNORE_INDEX).sum().clamp_min(1)
         ctx.save_for_backward(grad_h_ND, grad_w_VD, grad_b_V, count)
         ctx.weight_dtype = weight_VD.dtype
